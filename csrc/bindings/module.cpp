@@ -1,0 +1,313 @@
+// pybind11 bindings of the native core as mgpu._core. Only this file knows
+// Python; it converts NumPy arrays to HostBatch views, releases the GIL around
+// the math, and maps the core's typed errors to Python exceptions.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "../core/backend.h"
+#include "../core/communicator.h"
+#include "../core/errors.h"
+#include "../core/model.h"
+#include "../core/optimizer.h"
+#include "../core/train_step.h"
+#include "../cpu/cpu_backend.h"
+#ifdef MGPU_HAVE_MPI
+#include "../mpi/mpi_communicator.h"
+#endif
+#ifdef MGPU_HAVE_OPENBLAS
+extern "C" char* openblas_get_config(void);
+#endif
+
+namespace py = pybind11;
+using namespace mgpu;
+
+namespace {
+
+using FloatArray = py::array_t<float, py::array::c_style | py::array::forcecast>;
+
+// A batch converted for the core; owns the converted arrays while it lives.
+struct BatchArgs {
+  FloatArray x, targets;
+  std::vector<int32_t> labels;
+  HostBatch view;
+};
+
+BatchArgs make_batch(MLP& model, const py::array& x_in, const py::object& y_in, LossKind loss) {
+  BatchArgs a;
+  a.x = FloatArray::ensure(x_in);
+  if (!a.x) throw ConfigError("x must be a numeric array");
+  if (a.x.ndim() != 2 || a.x.shape(1) != model.in_features())
+    throw ConfigError(detail::concat("x must have shape (rows, ", model.in_features(), "), got ",
+                                     a.x.ndim() == 2 ? "(" + std::to_string(a.x.shape(0)) + ", " +
+                                                           std::to_string(a.x.shape(1)) + ")"
+                                                     : std::to_string(a.x.ndim()) + " dimensions"));
+  if (a.x.shape(0) > std::numeric_limits<int>::max()) throw ConfigError("too many rows in one batch");
+  const int rows = static_cast<int>(a.x.shape(0));
+  a.view.x = a.x.data();
+  a.view.rows = rows;
+  if (y_in.is_none()) return a;
+  py::array y = py::array::ensure(y_in);
+  if (!y) throw ConfigError("y must be an array");
+  if (y.ndim() < 1 || y.shape(0) != rows)
+    throw ConfigError(detail::concat("y must have ", rows, " rows like x"));
+  if (loss == LossKind::kMSE) {
+    a.targets = FloatArray::ensure(y);
+    const int D = model.out_features();
+    const bool ok = (a.targets.ndim() == 2 && a.targets.shape(1) == D) || (a.targets.ndim() == 1 && D == 1);
+    if (!ok) throw ConfigError(detail::concat("mse targets must have shape (rows, ", D, ")"));
+    a.view.targets = a.targets.data();
+  } else {
+    if (y.ndim() != 1) throw ConfigError("cross_entropy labels must be a 1-D integer array");
+    if (y.dtype().kind() != 'i' && y.dtype().kind() != 'u')
+      throw ConfigError(detail::concat("cross_entropy labels must be integers, got dtype ",
+                                       std::string(py::str(y.dtype()))));
+    auto y64 = py::array_t<int64_t, py::array::c_style | py::array::forcecast>::ensure(y);
+    a.labels.resize(rows);
+    const int64_t* src = y64.data();
+    const int C = model.out_features();
+    for (int i = 0; i < rows; ++i) {
+      if (src[i] < 0 || src[i] >= C)
+        throw ConfigError(detail::concat("label ", src[i], " at row ", i, " is out of range [0, ", C, ")"));
+      a.labels[i] = static_cast<int32_t>(src[i]);
+    }
+    a.view.labels = a.labels.data();
+  }
+  return a;
+}
+
+py::array_t<float> host_copy(size_t n, const std::function<void(float*)>& fill) {
+  py::array_t<float> out(static_cast<py::ssize_t>(n));
+  fill(out.mutable_data());
+  return out;
+}
+
+FloatArray writable_float_array(const py::array& a, const char* what) {
+  if (!py::isinstance<py::array_t<float>>(a) || !(a.flags() & py::array::c_style) || !a.writeable())
+    throw ConfigError(std::string(what) + " must be a writable C-contiguous float32 array");
+  return py::reinterpret_borrow<FloatArray>(a);
+}
+
+py::dict build_info() {
+  py::dict info;
+  info["version"] = MGPU_VERSION;
+  info["compiler"] = MGPU_COMPILER;
+  info["build_type"] = MGPU_BUILD_TYPE;
+  info["cpu_threads_available"] = available_cpu_threads();
+  py::dict blas;
+  blas["library"] = MGPU_BLAS_NAME;
+#ifdef MGPU_HAVE_OPENBLAS
+  blas["config"] = std::string(openblas_get_config());
+#endif
+  info["blas"] = blas;
+#ifdef _OPENMP
+  info["openmp"] = true;
+#else
+  info["openmp"] = false;
+#endif
+  py::dict mpi;
+#ifdef MGPU_HAVE_MPI
+  mpi["enabled"] = true;
+  mpi["compiled_with"] = MGPU_MPI_VERSION;
+  mpi["library"] = mpi_library_version();
+#else
+  mpi["enabled"] = false;
+#endif
+  info["mpi"] = mpi;
+  py::dict cuda;
+  cuda["toolkit_found"] = std::string(MGPU_CUDA_TOOLKIT_VERSION).size() > 0;
+  cuda["toolkit_version"] = MGPU_CUDA_TOOLKIT_VERSION;
+  cuda["cublas_found"] = bool(MGPU_CUBLAS_FOUND);
+  cuda["curand_found"] = bool(MGPU_CURAND_FOUND);
+  cuda["nccl_found"] = std::string(MGPU_NCCL_VERSION).size() > 0;
+  cuda["nccl_version"] = MGPU_NCCL_VERSION;
+#ifdef MGPU_HAVE_CUDA
+  cuda["backend"] = true;
+#else
+  cuda["backend"] = false;
+#endif
+  info["cuda"] = cuda;
+  py::list devices;
+  devices.append("cpu");
+#ifdef MGPU_HAVE_CUDA
+  devices.append("cuda");
+#endif
+  info["backends"] = devices;
+  return info;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_core, m) {
+  m.doc() = "mgpu native core: backends, communicators, the MLP and the data-parallel step";
+  m.attr("__version__") = MGPU_VERSION;
+
+  auto base = py::register_exception<Error>(m, "MgpuError", PyExc_RuntimeError);
+  py::register_exception<ConfigError>(m, "ConfigError", PyExc_ValueError);
+  py::register_exception<DeviceError>(m, "DeviceError", base.ptr());
+  py::register_exception<CommError>(m, "CommError", base.ptr());
+  py::register_exception<NumericsError>(m, "NumericsError", base.ptr());
+
+  m.def("build_info", &build_info, "What this build of the core contains (a dict).");
+
+  py::class_<Backend, std::shared_ptr<Backend>>(m, "Backend")
+      .def_property_readonly("name", &Backend::name)
+      .def_property("threads", &Backend::threads, &Backend::set_threads)
+      .def("synchronize", &Backend::synchronize);
+  m.def("make_backend", &make_backend, py::arg("device") = "cpu", py::arg("device_index") = 0,
+        py::arg("threads") = 0, "A backend for 'cpu' or 'cuda'; threads=0 uses every available core.");
+
+  py::class_<Communicator, std::shared_ptr<Communicator>>(m, "Communicator")
+      .def_property_readonly("name", &Communicator::name)
+      .def_property_readonly("rank", &Communicator::rank)
+      .def_property_readonly("size", &Communicator::size)
+      .def(
+          "allreduce_sum",
+          [](Communicator& c, py::array a) {
+            auto buf = writable_float_array(a, "allreduce buffer");
+            py::gil_scoped_release nogil;
+            c.allreduce_sum(buf.mutable_data(), static_cast<size_t>(buf.size()));
+          },
+          py::arg("buffer"), "In-place sum across ranks of a float32 array (element count = its size).")
+      .def(
+          "broadcast",
+          [](Communicator& c, py::array a, int root) {
+            auto buf = writable_float_array(a, "broadcast buffer");
+            py::gil_scoped_release nogil;
+            c.broadcast(buf.mutable_data(), static_cast<size_t>(buf.size()), root);
+          },
+          py::arg("buffer"), py::arg("root") = 0)
+      .def("barrier", [](Communicator& c) {
+        py::gil_scoped_release nogil;
+        c.barrier();
+      });
+  py::class_<LocalCommunicator, Communicator, std::shared_ptr<LocalCommunicator>>(m, "LocalCommunicator")
+      .def(py::init<>());
+#ifdef MGPU_HAVE_MPI
+  py::class_<MpiCommunicator, Communicator, std::shared_ptr<MpiCommunicator>>(m, "MpiCommunicator")
+      .def(py::init<uintptr_t>(), py::arg("handle"),
+           "Wraps (a duplicate of) the MPI communicator whose handle is mpi4py's MPI._handleof(comm).");
+#endif
+
+  py::class_<MLP, std::shared_ptr<MLP>>(m, "MLP")
+      .def(py::init<std::shared_ptr<Backend>, std::vector<int>, float, uint64_t>(), py::arg("backend"),
+           py::arg("sizes"), py::arg("dropout") = 0.0f, py::arg("seed") = 0)
+      .def_property_readonly("sizes", &MLP::sizes)
+      .def_property_readonly("num_params", &MLP::num_params)
+      .def_property_readonly("dropout", &MLP::dropout)
+      .def_property_readonly("seed", &MLP::seed)
+      .def_property_readonly("backend", &MLP::backend_ptr)
+      .def("layer_offsets",
+           [](const MLP& mm) {
+             std::vector<std::pair<size_t, size_t>> out;
+             for (int l = 0; l < mm.num_layers(); ++l) out.emplace_back(mm.weight_offset(l), mm.bias_offset(l));
+             return out;
+           },
+           "(weight offset, bias offset) of each layer in the flat buffers.")
+      .def("initialize", &MLP::initialize, py::arg("seed"))
+      .def("get_parameters",
+           [](MLP& mm) { return host_copy(mm.num_params(), [&](float* d) { mm.get_parameters(d); }); })
+      .def("set_parameters",
+           [](MLP& mm, py::array a) {
+             auto flat = FloatArray::ensure(a);
+             if (!flat || static_cast<size_t>(flat.size()) != mm.num_params())
+               throw ConfigError(detail::concat("expected ", mm.num_params(), " float32 parameters, got ",
+                                                flat ? flat.size() : 0));
+             mm.set_parameters(flat.data());
+           })
+      .def("get_gradients",
+           [](MLP& mm) { return host_copy(mm.num_params(), [&](float* d) { mm.get_gradients(d); }); })
+      .def(
+          "forward",
+          [](MLP& mm, py::array x) {
+            BatchArgs b = make_batch(mm, x, py::none(), LossKind::kMSE);
+            py::array_t<float> out({static_cast<py::ssize_t>(b.view.rows), static_cast<py::ssize_t>(mm.out_features())});
+            float* dst = out.mutable_data();
+            {
+              py::gil_scoped_release nogil;
+              mm.predict(b.view.x, b.view.rows, dst);
+            }
+            return out;
+          },
+          py::arg("x"), "Evaluation-mode forward pass (no dropout).")
+      .def(
+          "loss_and_grad",
+          [](MLP& mm, py::array x, py::object y, const std::string& loss, uint64_t step, int64_t first_sample) {
+            const LossKind kind = parse_loss(loss);
+            BatchArgs b = make_batch(mm, x, y, kind);
+            if (y.is_none()) throw ConfigError("loss_and_grad needs targets y");
+            py::gil_scoped_release nogil;
+            return mm.loss_and_grad(b.view, kind, step, first_sample);
+          },
+          py::arg("x"), py::arg("y"), py::arg("loss") = "mse", py::arg("step") = 0, py::arg("first_sample") = 0)
+      .def(
+          "evaluate",
+          [](MLP& mm, py::array x, py::object y, const std::string& loss) {
+            const LossKind kind = parse_loss(loss);
+            if (y.is_none()) throw ConfigError("evaluate needs targets y");
+            BatchArgs b = make_batch(mm, x, y, kind);
+            py::gil_scoped_release nogil;
+            return mm.evaluate(b.view, kind);
+          },
+          py::arg("x"), py::arg("y"), py::arg("loss") = "mse",
+          "(sum of losses, correct predictions) over the rows; MSE sums squared errors of every element.");
+
+  py::class_<Optimizer, std::shared_ptr<Optimizer>>(m, "Optimizer")
+      .def(py::init([](const std::shared_ptr<MLP>& model, const std::string& kind, float momentum,
+                       float weight_decay, float beta1, float beta2, float eps) {
+             OptimizerConfig c;
+             c.kind = parse_optimizer(kind);
+             c.momentum = momentum;
+             c.weight_decay = weight_decay;
+             c.beta1 = beta1;
+             c.beta2 = beta2;
+             c.eps = eps;
+             return std::make_shared<Optimizer>(model->backend_ptr(), model->num_params(), c);
+           }),
+           py::arg("model"), py::arg("kind") = "sgd", py::arg("momentum") = 0.0f,
+           py::arg("weight_decay") = 0.0f, py::arg("beta1") = 0.9f, py::arg("beta2") = 0.999f,
+           py::arg("eps") = 1e-8f)
+      .def_property("steps_taken", &Optimizer::steps_taken, &Optimizer::set_steps_taken)
+      .def("state_names", &Optimizer::state_names)
+      .def("get_state",
+           [](Optimizer& o, const std::string& name, size_t n) {
+             return host_copy(n, [&](float* d) { o.get_state(name, d); });
+           },
+           py::arg("name"), py::arg("num_params"))
+      .def("set_state", [](Optimizer& o, const std::string& name, FloatArray a) { o.set_state(name, a.data()); });
+
+  py::class_<DataParallelStep, std::shared_ptr<DataParallelStep>>(m, "DataParallelStep")
+      .def(py::init([](std::shared_ptr<MLP> model, std::shared_ptr<Optimizer> opt,
+                       std::shared_ptr<Communicator> comm, const std::string& loss, size_t bucket_elems,
+                       bool overlap) {
+             return std::make_shared<DataParallelStep>(std::move(model), std::move(opt), std::move(comm),
+                                                       parse_loss(loss), StepOptions{bucket_elems, overlap});
+           }),
+           py::arg("model"), py::arg("optimizer"), py::arg("communicator"), py::arg("loss") = "mse",
+           py::arg("bucket_elems") = size_t{1} << 20, py::arg("overlap") = true)
+      .def(
+          "step",
+          [](DataParallelStep& s, py::array x, py::object y, int64_t global_batch, int64_t first_sample,
+             uint64_t step_index, float lr) {
+            BatchArgs b = make_batch(s.model(), x, y, s.loss());
+            if (y.is_none()) throw ConfigError("step needs targets y");
+            py::gil_scoped_release nogil;
+            return s.step(b.view, global_batch, first_sample, step_index, lr);
+          },
+          py::arg("x"), py::arg("y"), py::arg("global_batch"), py::arg("first_sample"), py::arg("step"),
+          py::arg("lr"),
+          "One data-parallel step on this rank's shard; returns the global mean loss.")
+      .def("broadcast_parameters", [](DataParallelStep& s, int root) {
+        py::gil_scoped_release nogil;
+        s.broadcast_parameters(root);
+      }, py::arg("root") = 0)
+      .def("buckets", [](const DataParallelStep& s) {
+        std::vector<std::tuple<size_t, size_t, int>> out;
+        for (const Bucket& b : s.buckets()) out.emplace_back(b.offset, b.count, b.ready_layer);
+        return out;
+      }, "(offset, count, ready_layer) of each gradient bucket, in launch order.");
+}

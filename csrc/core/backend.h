@@ -1,0 +1,135 @@
+// Backend: the seam between the model/optimizer logic (written once, in
+// csrc/core) and the hardware. A backend owns memory and implements every
+// numeric kernel the MLP, its losses and its optimizers need. CPU: csrc/cpu,
+// CUDA: csrc/cuda. All pointers passed to a backend are its own memory
+// ("device" memory; host memory for the CPU backend). Matrices are row-major.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+
+namespace mgpu {
+
+// Identifies the dropout mask of one layer for one slice of the global batch:
+// unit j of global sample i is kept iff philox(seed, j/4, i, layer, step) >= p.
+// Keyed by the global sample index, the mask does not depend on how the batch
+// is split across ranks.
+struct DropoutKey {
+  uint64_t seed = 0;
+  uint64_t step = 0;
+  uint32_t layer = 0;
+  int64_t first_sample = 0;  // global index of row 0 of this rank's shard
+};
+
+struct SgdParams {
+  float lr = 0.01f;
+  float momentum = 0.0f;
+  float weight_decay = 0.0f;
+  bool first_step = true;  // PyTorch initialises the momentum buffer to the first gradient
+};
+
+struct AdamWParams {
+  float lr = 1e-3f;
+  float beta1 = 0.9f;
+  float beta2 = 0.999f;
+  float eps = 1e-8f;
+  float weight_decay = 0.01f;
+  int64_t step = 1;  // 1-based, for bias correction
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual std::string name() const = 0;
+  // True when backend memory is ordinary host memory (no staging copies needed).
+  virtual bool host_accessible() const = 0;
+  virtual void set_threads(int threads) = 0;
+  virtual int threads() const = 0;
+
+  // Memory.
+  virtual void* allocate_bytes(size_t bytes) = 0;
+  virtual void free_bytes(void* ptr) noexcept = 0;
+  virtual void copy_to_backend(void* dst, const void* host_src, size_t bytes) = 0;
+  virtual void copy_to_host(void* host_dst, const void* src, size_t bytes) = 0;
+  virtual void zero(float* x, size_t n) = 0;
+  virtual void synchronize() = 0;
+
+  // Linear layer. inp (B, IN), weight (OUT, IN), bias (OUT) -> out (B, OUT) = inp weight^T + bias
+  virtual void linear_forward(float* out, const float* inp, const float* weight, const float* bias,
+                              int B, int IN, int OUT) = 0;
+  // dout (B, OUT) -> dweight (OUT, IN) = dout^T inp, dbias (OUT) = column sums of dout,
+  // dinp (B, IN) = dout weight (skipped when dinp is null: the first layer needs none).
+  virtual void linear_backward(float* dinp, float* dweight, float* dbias, const float* dout,
+                               const float* inp, const float* weight, int B, int IN, int OUT) = 0;
+
+  // In place on h (B, C): h = relu(h), then inverted dropout with keep-probability 1-p.
+  virtual void relu_dropout_forward(float* h, int B, int C, float p, const DropoutKey& key) = 0;
+  // dh (n) *= d(relu_dropout)/dh given the forward output h (n): a unit passed
+  // the gradient iff its output is positive (dropped and negative units are 0).
+  virtual void relu_dropout_backward(float* dh, const float* h, size_t n, float p) = 0;
+
+  // Losses on a shard of B rows. Each writes grad_scale * (sum of per-element
+  // (MSE) or per-sample (CE) losses) to *loss_out, and, when dpred is not null,
+  // dpred = grad_scale * d(sum)/dpred. With grad_scale = 1/normaliser these are
+  // this shard's contributions to the global mean and its gradient.
+  // pred (B, D), target (B, D)
+  virtual void mse_forward_backward(float* loss_out, float* dpred, const float* pred,
+                                    const float* target, int B, int D, float grad_scale) = 0;
+  // logits (B, C), labels (B) in [0, C); *correct_out (nullable) counts argmax hits.
+  virtual void cross_entropy_forward_backward(float* loss_out, float* dlogits, float* correct_out,
+                                              const float* logits, const int32_t* labels, int B,
+                                              int C, float grad_scale) = 0;
+
+  // Optimizers, elementwise over n parameters.
+  virtual void sgd_update(float* param, const float* grad, float* momentum_buf, size_t n,
+                          const SgdParams& hp) = 0;
+  virtual void adamw_update(float* param, const float* grad, float* exp_avg, float* exp_avg_sq,
+                            size_t n, const AdamWParams& hp) = 0;
+
+  // Helpers for clipping and health checks.
+  virtual double sum_squares(const float* x, size_t n) = 0;
+  virtual void scale(float* x, size_t n, float alpha) = 0;
+};
+
+// Owning, move-only array in a backend's memory.
+template <typename T>
+class BackendArray {
+ public:
+  BackendArray() = default;
+  BackendArray(Backend* backend, size_t n) : backend_(backend), size_(n) {
+    if (n) data_ = static_cast<T*>(backend_->allocate_bytes(n * sizeof(T)));
+  }
+  ~BackendArray() { release(); }
+  BackendArray(const BackendArray&) = delete;
+  BackendArray& operator=(const BackendArray&) = delete;
+  BackendArray(BackendArray&& o) noexcept { *this = std::move(o); }
+  BackendArray& operator=(BackendArray&& o) noexcept {
+    if (this != &o) {
+      release();
+      backend_ = std::exchange(o.backend_, nullptr);
+      data_ = std::exchange(o.data_, nullptr);
+      size_ = std::exchange(o.size_, 0);
+    }
+    return *this;
+  }
+  T* data() { return data_; }
+  const T* data() const { return data_; }
+  size_t size() const { return size_; }
+
+ private:
+  void release() noexcept {
+    if (data_) backend_->free_bytes(data_);
+    data_ = nullptr;
+    size_ = 0;
+  }
+  Backend* backend_ = nullptr;
+  T* data_ = nullptr;
+  size_t size_ = 0;
+};
+
+// Factory: "cpu" (always), "cuda" (when built with CUDA). Throws DeviceError otherwise.
+std::shared_ptr<Backend> make_backend(const std::string& device, int device_index, int threads);
+
+}  // namespace mgpu

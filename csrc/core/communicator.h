@@ -1,0 +1,39 @@
+// Communicator: the seam for collectives between data-parallel ranks.
+// Counts are element counts (float32), never bytes. Implementations:
+// LocalCommunicator (one process, here), MpiCommunicator (csrc/mpi), and the
+// NCCL communicator (csrc/cuda). Async calls return after enqueueing; wait_all()
+// completes every outstanding one, progress() lets a host-driven transport
+// (MPI) advance while the caller computes.
+#pragma once
+#include <cstddef>
+#include <memory>
+#include <string>
+
+namespace mgpu {
+
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+  virtual std::string name() const = 0;
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  virtual void allreduce_sum(float* data, size_t count) = 0;  // in place
+  virtual void broadcast(float* data, size_t count, int root) = 0;
+  virtual void barrier() = 0;
+  virtual void allreduce_sum_async(float* data, size_t count) { allreduce_sum(data, count); }
+  virtual void progress() {}
+  virtual void wait_all() {}
+};
+
+// A world of one: every collective is the identity.
+class LocalCommunicator final : public Communicator {
+ public:
+  std::string name() const override { return "local"; }
+  int rank() const override { return 0; }
+  int size() const override { return 1; }
+  void allreduce_sum(float*, size_t) override {}
+  void broadcast(float*, size_t, int) override {}
+  void barrier() override {}
+};
+
+}  // namespace mgpu

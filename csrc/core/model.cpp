@@ -1,0 +1,220 @@
+// The MLP written once against the Backend interface (see model.h).
+#include "model.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "errors.h"
+#include "philox.h"
+
+namespace mgpu {
+
+LossKind parse_loss(const std::string& name) {
+  if (name == "mse") return LossKind::kMSE;
+  if (name == "cross_entropy") return LossKind::kCrossEntropy;
+  throw ConfigError("unknown loss '" + name + "' (expected 'mse' or 'cross_entropy')");
+}
+
+std::string loss_name(LossKind loss) { return loss == LossKind::kMSE ? "mse" : "cross_entropy"; }
+
+MLP::MLP(std::shared_ptr<Backend> backend, std::vector<int> sizes, float dropout, uint64_t seed)
+    : backend_(std::move(backend)), sizes_(std::move(sizes)), dropout_(dropout), seed_(seed) {
+  MGPU_CHECK(backend_, ConfigError, "MLP needs a backend");
+  MGPU_CHECK(sizes_.size() >= 2, ConfigError,
+             "layers must list at least input and output sizes, got ", sizes_.size(), " entries");
+  for (int s : sizes_) MGPU_CHECK(s >= 1, ConfigError, "every layer size must be >= 1, got ", s);
+  MGPU_CHECK(dropout_ >= 0.0f && dropout_ < 1.0f, ConfigError, "dropout must be in [0, 1), got ",
+             dropout_);
+  offsets_.push_back(0);
+  for (int l = 0; l < num_layers(); ++l) {
+    const size_t n = static_cast<size_t>(sizes_[l]) * sizes_[l + 1] + sizes_[l + 1];
+    offsets_.push_back(offsets_.back() + n);
+  }
+  num_params_ = offsets_.back();
+  params_ = BackendArray<float>(backend_.get(), num_params_);
+  grads_ = BackendArray<float>(backend_.get(), grad_buffer_size());
+  scratch_ = BackendArray<float>(backend_.get(), 2);
+  backend_->zero(grads_.data(), grads_.size());
+  initialize(seed_);
+}
+
+void MLP::initialize(uint64_t seed) {
+  // Drawn on the host from Philox so every rank and backend gets the same bits.
+  std::vector<float> host(num_params_);
+  for (int l = 0; l < num_layers(); ++l) {
+    const float bound = 1.0f / std::sqrt(static_cast<float>(sizes_[l]));
+    const size_t begin = offsets_[l], count = offsets_[l + 1] - offsets_[l];
+    for (size_t i = 0; i < count; i += 4) {
+      const Philox4 r = philox_draw(seed, RngStream::kInit, static_cast<uint32_t>(i >> 2),
+                                    static_cast<uint32_t>(i >> 34), static_cast<uint32_t>(l), 0u);
+      for (size_t k = 0; k < 4 && i + k < count; ++k)
+        host[begin + i + k] = (2.0f * uniform01(r.v[k]) - 1.0f) * bound;
+    }
+  }
+  set_parameters(host.data());
+}
+
+void MLP::get_parameters(float* host_dst) {
+  backend_->copy_to_host(host_dst, params_.data(), num_params_ * sizeof(float));
+}
+void MLP::set_parameters(const float* host_src) {
+  backend_->copy_to_backend(params_.data(), host_src, num_params_ * sizeof(float));
+}
+void MLP::get_gradients(float* host_dst) {
+  backend_->copy_to_host(host_dst, grads_.data(), num_params_ * sizeof(float));
+}
+
+void MLP::ensure_capacity(int rows) {
+  if (rows <= capacity_) return;
+  // Grow geometrically so a slowly growing batch does not reallocate every step.
+  const int cap = std::max(rows, capacity_ + capacity_ / 2);
+  activations_.clear();
+  int widest = 0;
+  for (int l = 0; l < num_layers(); ++l) {
+    activations_.emplace_back(backend_.get(), static_cast<size_t>(cap) * sizes_[l + 1]);
+    widest = std::max(widest, sizes_[l + 1]);
+    if (l > 0) widest = std::max(widest, sizes_[l]);
+  }
+  for (auto& d : dact_) d = BackendArray<float>(backend_.get(), static_cast<size_t>(cap) * widest);
+  if (!backend_->host_accessible()) {
+    staged_x_ = BackendArray<float>(backend_.get(), static_cast<size_t>(cap) * in_features());
+    staged_targets_ = BackendArray<float>(backend_.get(), static_cast<size_t>(cap) * out_features());
+    staged_labels_ = BackendArray<int32_t>(backend_.get(), static_cast<size_t>(cap));
+  }
+  capacity_ = cap;
+}
+
+void MLP::stage(const HostBatch& batch, LossKind loss) {
+  MGPU_CHECK(batch.rows >= 0, ConfigError, "batch rows must be >= 0");
+  ensure_capacity(std::max(batch.rows, 1));
+  if (loss == LossKind::kCrossEntropy && batch.labels) {
+    const int C = out_features();
+    for (int i = 0; i < batch.rows; ++i)
+      MGPU_CHECK(batch.labels[i] >= 0 && batch.labels[i] < C, ConfigError, "label ",
+                 batch.labels[i], " at row ", i, " is out of range [0, ", C, ")");
+  }
+  if (backend_->host_accessible()) {
+    input_ = batch.x;
+    targets_ = batch.targets;
+    labels_ = batch.labels;
+    return;
+  }
+  const size_t rows = static_cast<size_t>(batch.rows);
+  backend_->copy_to_backend(staged_x_.data(), batch.x, rows * in_features() * sizeof(float));
+  input_ = staged_x_.data();
+  targets_ = nullptr;
+  labels_ = nullptr;
+  if (batch.targets) {
+    backend_->copy_to_backend(staged_targets_.data(), batch.targets,
+                              rows * out_features() * sizeof(float));
+    targets_ = staged_targets_.data();
+  }
+  if (batch.labels) {
+    backend_->copy_to_backend(staged_labels_.data(), batch.labels, rows * sizeof(int32_t));
+    labels_ = staged_labels_.data();
+  }
+}
+
+const float* MLP::forward(int rows, const DropoutKey* dropout) {
+  const float* inp = input_;
+  for (int l = 0; l < num_layers(); ++l) {
+    float* out = activations_[l].data();
+    const float* w = params_.data() + weight_offset(l);
+    const float* b = params_.data() + bias_offset(l);
+    // inp (rows, sizes[l]), w (sizes[l+1], sizes[l]) -> out (rows, sizes[l+1])
+    backend_->linear_forward(out, inp, w, b, rows, sizes_[l], sizes_[l + 1]);
+    if (l + 1 < num_layers()) {
+      DropoutKey key = dropout ? *dropout : DropoutKey{};
+      key.layer = static_cast<uint32_t>(l);
+      backend_->relu_dropout_forward(out, rows, sizes_[l + 1], dropout ? layer_dropout(l) : 0.0f,
+                                     key);
+    }
+    inp = out;
+  }
+  return output();
+}
+
+void MLP::loss_forward_backward(LossKind loss, int rows, float grad_scale, float* correct_out) {
+  float* dpred = dact_[(num_layers() - 1) % 2].data();
+  if (loss == LossKind::kMSE) {
+    MGPU_CHECK(targets_, ConfigError, "mse loss needs float targets of shape (rows, ",
+               out_features(), ")");
+    backend_->mse_forward_backward(loss_slot(), dpred, output(), targets_, rows, out_features(),
+                                   grad_scale);
+  } else {
+    MGPU_CHECK(labels_, ConfigError, "cross_entropy loss needs integer class labels");
+    backend_->cross_entropy_forward_backward(loss_slot(), dpred, correct_out, output(), labels_,
+                                             rows, out_features(), grad_scale);
+  }
+}
+
+void MLP::backward(int rows, const std::function<void(int)>& layer_done) {
+  // dact_[l % 2] holds d(loss)/d(output of layer l); the parity matches the
+  // buffer loss_forward_backward wrote for the last layer.
+  for (int l = num_layers() - 1; l >= 0; --l) {
+    const float* dout = dact_[l % 2].data();
+    float* dinp = l > 0 ? dact_[(l - 1) % 2].data() : nullptr;
+    const float* inp = l > 0 ? activations_[l - 1].data() : input_;
+    backend_->linear_backward(dinp, grads_.data() + weight_offset(l), grads_.data() + bias_offset(l),
+                              dout, inp, params_.data() + weight_offset(l), rows, sizes_[l],
+                              sizes_[l + 1]);
+    if (l > 0)
+      backend_->relu_dropout_backward(dinp, activations_[l - 1].data(),
+                                      static_cast<size_t>(rows) * sizes_[l], layer_dropout(l - 1));
+    if (layer_done) layer_done(l);
+  }
+}
+
+float MLP::loss_and_grad(const HostBatch& batch, LossKind loss, uint64_t step, int64_t first_sample) {
+  MGPU_CHECK(batch.rows >= 1, ConfigError, "loss_and_grad needs at least one sample");
+  stage(batch, loss);
+  const DropoutKey key{seed_, step, 0, first_sample};
+  forward(batch.rows, &key);
+  const float normaliser =
+      loss == LossKind::kMSE ? static_cast<float>(batch.rows) * out_features() : batch.rows;
+  loss_forward_backward(loss, batch.rows, 1.0f / normaliser, nullptr);
+  backward(batch.rows, nullptr);
+  float value = 0.0f;
+  backend_->copy_to_host(&value, loss_slot(), sizeof(float));
+  return value;
+}
+
+void MLP::predict(const float* x, int rows, float* host_out) {
+  MGPU_CHECK(rows >= 0, ConfigError, "rows must be >= 0");
+  if (rows == 0) return;
+  stage(HostBatch{x, nullptr, nullptr, rows}, LossKind::kMSE);
+  forward(rows, nullptr);
+  backend_->copy_to_host(host_out, output(), static_cast<size_t>(rows) * out_features() * sizeof(float));
+}
+
+std::pair<double, int64_t> MLP::evaluate(const HostBatch& batch, LossKind loss) {
+  constexpr int kChunk = 1024;  // bounds activation memory for large validation sets
+  double loss_sum = 0.0;
+  int64_t correct = 0;
+  for (int start = 0; start < batch.rows; start += kChunk) {
+    const int rows = std::min(kChunk, batch.rows - start);
+    HostBatch chunk{batch.x + static_cast<size_t>(start) * in_features(),
+                    batch.targets ? batch.targets + static_cast<size_t>(start) * out_features() : nullptr,
+                    batch.labels ? batch.labels + start : nullptr, rows};
+    stage(chunk, loss);
+    forward(rows, nullptr);
+    float* correct_dev = loss == LossKind::kCrossEntropy ? scratch_.data() + 1 : nullptr;
+    if (loss == LossKind::kMSE) {
+      MGPU_CHECK(targets_, ConfigError, "mse loss needs float targets");
+      backend_->mse_forward_backward(scratch_.data(), nullptr, output(), targets_, rows,
+                                     out_features(), 1.0f);
+    } else {
+      MGPU_CHECK(labels_, ConfigError, "cross_entropy loss needs integer class labels");
+      backend_->cross_entropy_forward_backward(scratch_.data(), nullptr, correct_dev, output(),
+                                               labels_, rows, out_features(), 1.0f);
+    }
+    float host[2] = {0.0f, 0.0f};
+    backend_->copy_to_host(host, scratch_.data(), sizeof(host));
+    loss_sum += host[0];
+    if (correct_dev) correct += static_cast<int64_t>(host[1]);
+  }
+  return {loss_sum, correct};
+}
+
+}  // namespace mgpu

@@ -1,0 +1,108 @@
+// Model: a multi-layer perceptron (Linear, ReLU [, Dropout], ..., Linear) whose
+// parameters and gradients each live in one flat backend buffer, in PyTorch
+// nn.Linear order [W0 (out, in), b0 (out), W1, b1, ...]; layers are views.
+// The math runs through a Backend, so this file is the whole model for every
+// device. The gradient buffer has one extra slot after the parameters holding
+// the loss, so the loss travels in the same allreduce as the gradients.
+#pragma once
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "backend.h"
+
+namespace mgpu {
+
+enum class LossKind { kMSE, kCrossEntropy };
+LossKind parse_loss(const std::string& name);
+std::string loss_name(LossKind loss);
+
+// One batch (or one rank's shard of it) in host memory.
+struct HostBatch {
+  const float* x = nullptr;        // (rows, in_features)
+  const float* targets = nullptr;  // (rows, out_features), MSE
+  const int32_t* labels = nullptr; // (rows), cross-entropy
+  int rows = 0;
+};
+
+class MLP {
+ public:
+  // sizes = [in, hidden..., out]; dropout in [0, 1) after every hidden ReLU.
+  MLP(std::shared_ptr<Backend> backend, std::vector<int> sizes, float dropout, uint64_t seed);
+
+  Backend& backend() { return *backend_; }
+  const std::shared_ptr<Backend>& backend_ptr() const { return backend_; }
+  const std::vector<int>& sizes() const { return sizes_; }
+  int num_layers() const { return static_cast<int>(sizes_.size()) - 1; }
+  int in_features() const { return sizes_.front(); }
+  int out_features() const { return sizes_.back(); }
+  float dropout() const { return dropout_; }
+  uint64_t seed() const { return seed_; }
+  size_t num_params() const { return num_params_; }
+  size_t weight_offset(int layer) const { return offsets_[layer]; }
+  size_t bias_offset(int layer) const {
+    return offsets_[layer] + static_cast<size_t>(sizes_[layer]) * sizes_[layer + 1];
+  }
+  size_t layer_end(int layer) const { return offsets_[layer + 1]; }
+
+  float* params() { return params_.data(); }
+  float* grads() { return grads_.data(); }
+  float* loss_slot() { return grads_.data() + num_params_; }
+  static constexpr size_t kGradExtraSlots = 1;
+  size_t grad_buffer_size() const { return num_params_ + kGradExtraSlots; }
+
+  // Re-draw the parameters from `seed` (PyTorch nn.Linear's default
+  // distribution: U(-1/sqrt(in), 1/sqrt(in)) for weights and biases).
+  void initialize(uint64_t seed);
+  void get_parameters(float* host_dst);
+  void set_parameters(const float* host_src);
+  void get_gradients(float* host_dst);
+
+  // Copies (or, for host backends, points at) the batch; validates labels.
+  void stage(const HostBatch& batch, LossKind loss);
+  // Forward pass over the staged rows; dropout is active iff `dropout` is set.
+  // Returns the output (rows, out_features) in backend memory.
+  const float* forward(int rows, const DropoutKey* dropout);
+  // Writes the loss contribution to loss_slot() and its gradient to the head of
+  // the backward chain (see Backend loss semantics for grad_scale).
+  void loss_forward_backward(LossKind loss, int rows, float grad_scale, float* correct_out);
+  // Backward pass; calls layer_done(l) once layer l's gradients are written,
+  // from the last layer to the first.
+  void backward(int rows, const std::function<void(int)>& layer_done);
+
+  // Local (no communication) conveniences for the Python API.
+  // Mean loss of the batch; fills grads() with its gradient.
+  float loss_and_grad(const HostBatch& batch, LossKind loss, uint64_t step, int64_t first_sample);
+  // Evaluation-mode output (rows, out) into host_out.
+  void predict(const float* x, int rows, float* host_out);
+  // Sum of per-sample losses (MSE: per-element sum) and argmax hits (CE) over
+  // the batch, evaluated in chunks without dropout.
+  std::pair<double, int64_t> evaluate(const HostBatch& batch, LossKind loss);
+
+ private:
+  void ensure_capacity(int rows);
+  float* output() { return activations_.back().data(); }
+  float layer_dropout(int layer) const { return layer + 1 < num_layers() ? dropout_ : 0.0f; }
+
+  std::shared_ptr<Backend> backend_;
+  std::vector<int> sizes_;
+  float dropout_;
+  uint64_t seed_;
+  std::vector<size_t> offsets_;  // offsets_[l] = start of layer l; offsets_[L] = num_params
+  size_t num_params_ = 0;
+  BackendArray<float> params_, grads_;
+
+  int capacity_ = 0;
+  std::vector<BackendArray<float>> activations_;  // output of layer l, (capacity, sizes[l+1])
+  BackendArray<float> dact_[2];                   // ping-pong activation gradients
+  BackendArray<float> staged_x_, staged_targets_;
+  BackendArray<int32_t> staged_labels_;
+  BackendArray<float> scratch_;                   // loss/correct outputs outside training
+  const float* input_ = nullptr;
+  const float* targets_ = nullptr;
+  const int32_t* labels_ = nullptr;
+};
+
+}  // namespace mgpu

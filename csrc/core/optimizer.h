@@ -1,0 +1,49 @@
+// Optimizers over the flat parameter buffer: SGD (momentum, weight decay) and
+// AdamW, with PyTorch's update rules. State lives in backend memory; it can be
+// read and written for checkpoints.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "backend.h"
+
+namespace mgpu {
+
+enum class OptimizerKind { kSGD, kAdamW };
+OptimizerKind parse_optimizer(const std::string& name);
+
+struct OptimizerConfig {
+  OptimizerKind kind = OptimizerKind::kSGD;
+  float momentum = 0.0f;      // SGD
+  float weight_decay = 0.0f;  // SGD: L2 added to the gradient; AdamW: decoupled
+  float beta1 = 0.9f, beta2 = 0.999f, eps = 1e-8f;  // AdamW
+};
+
+class Optimizer {
+ public:
+  Optimizer(std::shared_ptr<Backend> backend, size_t num_params, const OptimizerConfig& config);
+  // params -= update(grads) at learning rate lr; identical on every rank.
+  void step(float* params, const float* grads, float lr);
+
+  const OptimizerConfig& config() const { return config_; }
+  int64_t steps_taken() const { return steps_; }
+  void set_steps_taken(int64_t steps) { steps_ = steps; }
+  // Checkpoint access: SGD has "momentum_buffer" (when momentum > 0); AdamW has
+  // "exp_avg" and "exp_avg_sq". Each holds num_params floats.
+  std::vector<std::string> state_names() const;
+  void get_state(const std::string& name, float* host_dst);
+  void set_state(const std::string& name, const float* host_src);
+
+ private:
+  BackendArray<float>& state(const std::string& name);
+
+  std::shared_ptr<Backend> backend_;
+  size_t n_;
+  OptimizerConfig config_;
+  int64_t steps_ = 0;
+  BackendArray<float> state0_, state1_;
+};
+
+}  // namespace mgpu

@@ -1,0 +1,229 @@
+// CPU backend implementation (see cpu_backend.h). Loops are written so that the
+// result never depends on the thread count except through floating-point
+// reductions (loss sums, sum_squares), which are deterministic for a fixed count.
+#include "cpu_backend.h"
+
+#include <cblas.h>
+#include <sched.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <new>
+#include <thread>
+
+#include "../core/errors.h"
+#include "../core/philox.h"
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#ifdef MGPU_HAVE_OPENBLAS
+extern "C" void openblas_set_num_threads(int num_threads);
+#endif
+
+namespace mgpu {
+
+namespace {
+constexpr size_t kAlign = 64;
+// Below this many elements a parallel region costs more than it saves.
+constexpr long kParallelMin = 1 << 15;
+}  // namespace
+
+int available_cpu_threads() {
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) return std::max(1, CPU_COUNT(&set));
+  return std::max(1u, std::thread::hardware_concurrency());
+}
+
+CpuBackend::CpuBackend(int threads) { set_threads(threads); }
+
+void CpuBackend::set_threads(int threads) {
+  MGPU_CHECK(threads >= 1, ConfigError, "threads must be >= 1, got ", threads);
+  threads_ = threads;
+#ifdef MGPU_HAVE_OPENBLAS
+  openblas_set_num_threads(threads);
+#endif
+}
+
+void* CpuBackend::allocate_bytes(size_t bytes) {
+  const size_t rounded = (bytes + kAlign - 1) / kAlign * kAlign;
+  void* p = std::aligned_alloc(kAlign, std::max(rounded, kAlign));
+  MGPU_CHECK(p, DeviceError, "out of host memory allocating ", bytes, " bytes");
+  return p;
+}
+void CpuBackend::free_bytes(void* ptr) noexcept { std::free(ptr); }
+void CpuBackend::copy_to_backend(void* dst, const void* src, size_t bytes) {
+  if (bytes) std::memcpy(dst, src, bytes);
+}
+void CpuBackend::copy_to_host(void* dst, const void* src, size_t bytes) {
+  if (bytes) std::memcpy(dst, src, bytes);
+}
+void CpuBackend::zero(float* x, size_t n) {
+  if (n) std::memset(x, 0, n * sizeof(float));
+}
+
+// inp (B, IN), weight (OUT, IN), bias (OUT) -> out (B, OUT)
+void CpuBackend::linear_forward(float* out, const float* inp, const float* weight, const float* bias,
+                                int B, int IN, int OUT) {
+  if (B == 0) return;
+  // Seed the output with the bias so the GEMM adds onto it (beta = 1): no extra pass.
+#pragma omp parallel for num_threads(threads_) if (long(B) * OUT > kParallelMin) schedule(static)
+  for (int b = 0; b < B; ++b) std::memcpy(out + size_t(b) * OUT, bias, size_t(OUT) * sizeof(float));
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, B, OUT, IN, 1.0f, inp, IN, weight, IN, 1.0f,
+              out, OUT);
+}
+
+// dout (B, OUT), inp (B, IN), weight (OUT, IN) -> dweight (OUT, IN), dbias (OUT), dinp (B, IN)
+void CpuBackend::linear_backward(float* dinp, float* dweight, float* dbias, const float* dout,
+                                 const float* inp, const float* weight, int B, int IN, int OUT) {
+  if (dinp)
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, B, IN, OUT, 1.0f, dout, OUT, weight, IN,
+                0.0f, dinp, IN);
+  cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, OUT, IN, B, 1.0f, dout, OUT, inp, IN, 0.0f,
+              dweight, IN);
+  // Column sums, split by columns so each thread owns its outputs (deterministic).
+  constexpr int kCols = 256;
+  const int blocks = (OUT + kCols - 1) / kCols;
+#pragma omp parallel for num_threads(threads_) if (long(B) * OUT > kParallelMin) schedule(static)
+  for (int blk = 0; blk < blocks; ++blk) {
+    const int j0 = blk * kCols, j1 = std::min(OUT, j0 + kCols);
+    float* db = dbias + j0;
+    for (int j = 0; j < j1 - j0; ++j) db[j] = 0.0f;
+    for (int b = 0; b < B; ++b) {
+      const float* row = dout + size_t(b) * OUT + j0;
+#pragma omp simd
+      for (int j = 0; j < j1 - j0; ++j) db[j] += row[j];
+    }
+  }
+}
+
+void CpuBackend::relu_dropout_forward(float* h, int B, int C, float p, const DropoutKey& key) {
+  if (p <= 0.0f) {
+    const long n = long(B) * C;
+#pragma omp parallel for simd num_threads(threads_) if (n > kParallelMin) schedule(static)
+    for (long i = 0; i < n; ++i) h[i] = h[i] > 0.0f ? h[i] : 0.0f;
+    return;
+  }
+  const float keep_scale = 1.0f / (1.0f - p);
+#pragma omp parallel for num_threads(threads_) if (long(B) * C > kParallelMin) schedule(static)
+  for (int b = 0; b < B; ++b) {
+    float* row = h + size_t(b) * C;
+    const uint32_t sample = static_cast<uint32_t>(key.first_sample + b);
+    for (int j = 0; j < C; j += 4) {
+      const Philox4 r = philox_draw(key.seed, RngStream::kDropout, static_cast<uint32_t>(j >> 2),
+                                    sample, key.layer, static_cast<uint32_t>(key.step));
+      for (int k = 0; k < 4 && j + k < C; ++k) {
+        const float v = row[j + k];
+        row[j + k] = (v > 0.0f && uniform01(r.v[k]) >= p) ? v * keep_scale : 0.0f;
+      }
+    }
+  }
+}
+
+void CpuBackend::relu_dropout_backward(float* dh, const float* h, size_t n, float p) {
+  const float keep_scale = p > 0.0f ? 1.0f / (1.0f - p) : 1.0f;
+  const long len = static_cast<long>(n);
+#pragma omp parallel for simd num_threads(threads_) if (len > kParallelMin) schedule(static)
+  for (long i = 0; i < len; ++i) dh[i] = h[i] > 0.0f ? dh[i] * keep_scale : 0.0f;
+}
+
+// pred (B, D), target (B, D) -> loss_out = grad_scale * sum (pred - target)^2, dpred
+void CpuBackend::mse_forward_backward(float* loss_out, float* dpred, const float* pred,
+                                      const float* target, int B, int D, float grad_scale) {
+  const long n = long(B) * D;
+  double sum = 0.0;
+  const float two_scale = 2.0f * grad_scale;
+#pragma omp parallel for simd num_threads(threads_) if (n > kParallelMin) reduction(+ : sum) schedule(static)
+  for (long i = 0; i < n; ++i) {
+    const float diff = pred[i] - target[i];
+    sum += double(diff) * diff;
+    if (dpred) dpred[i] = two_scale * diff;
+  }
+  *loss_out = static_cast<float>(sum * grad_scale);
+}
+
+// logits (B, C), labels (B) -> loss_out = grad_scale * sum -log softmax[label], dlogits, correct
+void CpuBackend::cross_entropy_forward_backward(float* loss_out, float* dlogits, float* correct_out,
+                                                const float* logits, const int32_t* labels, int B,
+                                                int C, float grad_scale) {
+  double sum = 0.0;
+  long hits = 0;
+#pragma omp parallel for num_threads(threads_) if (long(B) * C > kParallelMin) reduction(+ : sum, hits) schedule(static)
+  for (int b = 0; b < B; ++b) {
+    const float* x = logits + size_t(b) * C;
+    int argmax = 0;
+    for (int j = 1; j < C; ++j)
+      if (x[j] > x[argmax]) argmax = j;
+    const float mx = x[argmax];
+    double denom = 0.0;
+    for (int j = 0; j < C; ++j) denom += std::exp(double(x[j] - mx));
+    const int y = labels[b];
+    sum += std::log(denom) - double(x[y] - mx);
+    hits += argmax == y;
+    if (dlogits) {
+      float* g = dlogits + size_t(b) * C;
+      const float inv = static_cast<float>(1.0 / denom);
+      for (int j = 0; j < C; ++j) g[j] = grad_scale * (std::exp(x[j] - mx) * inv - (j == y ? 1.0f : 0.0f));
+    }
+  }
+  *loss_out = static_cast<float>(sum * grad_scale);
+  if (correct_out) *correct_out = static_cast<float>(hits);
+}
+
+void CpuBackend::sgd_update(float* param, const float* grad, float* buf, size_t n, const SgdParams& hp) {
+  const long len = static_cast<long>(n);
+  const float lr = hp.lr, wd = hp.weight_decay, mom = hp.momentum;
+  if (mom > 0.0f) {
+    const bool first = hp.first_step;
+#pragma omp parallel for simd num_threads(threads_) if (len > kParallelMin) schedule(static)
+    for (long i = 0; i < len; ++i) {
+      const float g = grad[i] + wd * param[i];
+      const float b = first ? g : mom * buf[i] + g;
+      buf[i] = b;
+      param[i] -= lr * b;
+    }
+  } else {
+#pragma omp parallel for simd num_threads(threads_) if (len > kParallelMin) schedule(static)
+    for (long i = 0; i < len; ++i) param[i] -= lr * (grad[i] + wd * param[i]);
+  }
+}
+
+void CpuBackend::adamw_update(float* param, const float* grad, float* m, float* v, size_t n,
+                              const AdamWParams& hp) {
+  const long len = static_cast<long>(n);
+  const double t = static_cast<double>(hp.step);
+  const float step_size = static_cast<float>(hp.lr / (1.0 - std::pow(double(hp.beta1), t)));
+  const float inv_sqrt_bc2 = static_cast<float>(1.0 / std::sqrt(1.0 - std::pow(double(hp.beta2), t)));
+  const float decay = 1.0f - hp.lr * hp.weight_decay;
+  const float one_minus_b1 = 1.0f - hp.beta1, one_minus_b2 = 1.0f - hp.beta2;
+  const float b2 = hp.beta2, eps = hp.eps;
+#pragma omp parallel for simd num_threads(threads_) if (len > kParallelMin) schedule(static)
+  for (long i = 0; i < len; ++i) {
+    const float g = grad[i];
+    const float mi = m[i] + one_minus_b1 * (g - m[i]);
+    const float vi = b2 * v[i] + one_minus_b2 * g * g;
+    m[i] = mi;
+    v[i] = vi;
+    const float denom = std::sqrt(vi) * inv_sqrt_bc2 + eps;
+    param[i] = param[i] * decay - step_size * (mi / denom);
+  }
+}
+
+double CpuBackend::sum_squares(const float* x, size_t n) {
+  const long len = static_cast<long>(n);
+  double sum = 0.0;
+#pragma omp parallel for simd num_threads(threads_) if (len > kParallelMin) reduction(+ : sum) schedule(static)
+  for (long i = 0; i < len; ++i) sum += double(x[i]) * x[i];
+  return sum;
+}
+
+void CpuBackend::scale(float* x, size_t n, float alpha) {
+  const long len = static_cast<long>(n);
+#pragma omp parallel for simd num_threads(threads_) if (len > kParallelMin) schedule(static)
+  for (long i = 0; i < len; ++i) x[i] *= alpha;
+}
+
+}  // namespace mgpu

@@ -1,0 +1,18 @@
+"""mgpu: data-parallel MLP training on one or many GPUs (NCCL) or CPUs (MPI).
+
+The native core (mgpu._core) does the math and the collectives; this package
+drives training, benchmarks and the CLI (``python -m mgpu --help``).
+"""
+from ._core import __version__, build_info
+from .errors import CommError, ConfigError, DataError, DeviceError, MgpuError, NumericsError
+from .process_group import ProcessGroup
+from .config import PRESETS, TrainConfig
+from .model import MLP
+from .data import Dataset, load_dataset, split_counts
+from .trainer import Trainer
+
+__all__ = [
+    "__version__", "build_info", "ProcessGroup", "TrainConfig", "PRESETS", "MLP", "Trainer",
+    "Dataset", "load_dataset", "split_counts", "MgpuError", "ConfigError", "DataError",
+    "DeviceError", "CommError", "NumericsError",
+]

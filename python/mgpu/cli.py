@@ -1,0 +1,249 @@
+"""Command line: python -m mgpu {train,info} (under mpirun -np N for several ranks).
+
+User errors print one line on stderr and exit with code 2 on every rank;
+unexpected errors end the whole MPI job instead of leaving ranks hanging.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+
+from . import __version__, build_info
+from .config import DEVICES, LOSSES, OPTIMIZERS, PRESETS, TrainConfig
+from .errors import ConfigError, DataError
+
+EXIT_USAGE = 2
+
+
+class UsageError(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (no usage dump) so every rank prints one clear line."""
+
+    def error(self, message):
+        raise UsageError(f"{self.prog}: error: {message}")
+
+
+def _int_list(text: str) -> list:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got '{text}'") from None
+    if not values:
+        raise argparse.ArgumentTypeError("expected at least one integer")
+    return values
+
+
+def _float_list(text: str) -> list:
+    try:
+        return [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got '{text}'") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="mgpu", description="Data-parallel MLP training on GPUs (NCCL) or CPUs (MPI).")
+    p.add_argument("--version", action="version", version=f"mgpu {__version__}")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    t = sub.add_parser("train", help="train an MLP (run under mpirun -np N for N ranks)",
+                       description="Train an MLP data-parallel across the ranks of this MPI job.")
+    m = t.add_mutually_exclusive_group()
+    m.add_argument("--model", choices=sorted(PRESETS), default=None, help="model preset (default: medium)")
+    m.add_argument("--layers", type=_int_list, help="layer sizes in,h1,...,out (e.g. 50,256,3)")
+    t.add_argument("--dataset", default="synthetic", help="synthetic | digits | PATH.npz (arrays x, y)")
+    t.add_argument("--batch-size", type=int, default=256, help="global batch size across all ranks")
+    n = t.add_mutually_exclusive_group()
+    n.add_argument("--epochs", type=int, default=None, help="epochs (default: 5)")
+    n.add_argument("--steps", type=int, default=None, help="total steps instead of epochs")
+    t.add_argument("--lr", type=float, default=None, help="learning rate (default: 0.01 sgd, 0.001 adamw)")
+    t.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd")
+    t.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
+    t.add_argument("--weight-decay", type=float, default=0.0)
+    t.add_argument("--loss", choices=LOSSES, default=None, help="default: mse for regression, cross_entropy for labels")
+    t.add_argument("--dropout", type=float, default=None, help="dropout after hidden layers (default: the preset's)")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--device", choices=DEVICES, default="auto")
+    t.add_argument("--threads", type=int, default=None, help="CPU threads per rank (default: cores / ranks per node)")
+    t.add_argument("--bucket-mb", type=float, default=4.0, help="gradient allreduce bucket size")
+    t.add_argument("--no-overlap", action="store_true", help="allreduce after backward instead of during it")
+    t.add_argument("--batch-shares", type=_float_list, default=None,
+                   help="per-rank shares of the global batch, e.g. 0.7,0.3 (default: equal)")
+    t.add_argument("--json", metavar="PATH", help="write results (config, history, samples/s) as JSON")
+    t.add_argument("--save", metavar="PATH", help="write final parameters as .npz (layers.{i}.weight/bias)")
+    t.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    sub.add_parser("info", help="what this build contains and what this process sees")
+    return p
+
+
+def _config_from_args(a) -> TrainConfig:
+    lr = a.lr if a.lr is not None else (0.001 if a.optimizer == "adamw" else 0.01)
+    return TrainConfig(model=a.model or ("medium" if a.layers is None else None), layers=a.layers,
+                       dataset=a.dataset, batch_size=a.batch_size,
+                       epochs=a.epochs if a.steps is None else None,
+                       steps=a.steps, lr=lr, optimizer=a.optimizer, momentum=a.momentum,
+                       weight_decay=a.weight_decay, loss=a.loss, dropout=a.dropout, seed=a.seed,
+                       device=a.device, threads=a.threads, bucket_mb=a.bucket_mb, overlap=not a.no_overlap)
+
+
+def _check_output_path(path: str, what: str) -> None:
+    directory = os.path.dirname(os.path.abspath(path)) or "."
+    if not os.path.isdir(directory):
+        raise ConfigError(f"{what} '{path}': directory '{directory}' does not exist")
+    if not os.access(directory, os.W_OK):
+        raise ConfigError(f"{what} '{path}': directory '{directory}' is not writable")
+    if os.path.isdir(path):
+        raise ConfigError(f"{what} '{path}' is a directory")
+
+
+def _write_json_atomic(path: str, obj) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def cmd_train(a, pg) -> int:
+    from .data import load_dataset
+    from .model import MLP
+    from .trainer import Trainer
+
+    cfg = _config_from_args(a)
+    if cfg.epochs is None and cfg.steps is None:
+        cfg.epochs = 5
+    cfg.validate(pg.size)
+    if a.batch_shares is not None and (len(a.batch_shares) != pg.size or any(s < 0 for s in a.batch_shares)
+                                       or sum(a.batch_shares) <= 0):
+        raise ConfigError(f"--batch-shares needs {pg.size} non-negative numbers (one per rank) with a positive sum")
+    device, device_index = pg.resolve_device(cfg.device)
+    threads = cfg.threads or pg.default_threads()
+
+    error = None
+    try:  # work that can fail on some ranks only: agree before any collective
+        fixed_in, fixed_out = cfg.fixed_io()
+        data = load_dataset(cfg.dataset, in_features=fixed_in, out_features=fixed_out, seed=42,
+                            val_fraction=cfg.val_fraction)
+        loss = cfg.loss or data.default_loss
+        if loss == "cross_entropy" and data.num_classes is None:
+            raise DataError(f"loss cross_entropy needs integer class labels, but dataset '{cfg.dataset}' has float targets")
+        if loss == "mse" and data.num_classes is not None:
+            raise DataError(f"loss mse needs float targets, but dataset '{cfg.dataset}' has class labels")
+        sizes = cfg.layer_sizes(data.in_features, data.out_features)
+        if len(data.x_train) < pg.size:
+            raise DataError(f"dataset has {len(data.x_train)} training samples, fewer than the {pg.size} ranks")
+        for path, what in ((a.json, "--json"), (a.save, "--save")):
+            if path:
+                _check_output_path(path, what)
+    except ConfigError as e:
+        error = e
+    pg.agree(error)
+
+    model = MLP(sizes, seed=cfg.seed, dropout=cfg.effective_dropout(), device=device,
+                device_index=device_index, threads=threads)
+    trainer = Trainer(model, loss=loss, optimizer=cfg.optimizer, lr=cfg.lr, momentum=cfg.momentum,
+                      weight_decay=cfg.weight_decay, process_group=pg, bucket_elems=cfg.bucket_elems(),
+                      overlap=cfg.overlap, batch_shares=a.batch_shares)
+    say = print if pg.is_root else (lambda *x, **k: None)
+    per_rank = ", ".join(str(c) for c in _counts(cfg.batch_size, pg.size, a.batch_shares))
+    say(f"mgpu {__version__}: {pg.size} rank(s) x {threads} thread(s) on {device}; "
+        f"model {'-'.join(map(str, sizes))} ({model.num_params:,} params, {loss}, {cfg.optimizer}); "
+        f"{cfg.dataset}: {len(data.x_train)} train / {len(data.x_val)} val; "
+        f"global batch {cfg.batch_size} ({per_rank} per rank)", flush=True)
+
+    def on_epoch(e):
+        if pg.is_root:
+            from tqdm.auto import tqdm
+            acc = f"  val_acc {e['val_accuracy']:.4f}" if "val_accuracy" in e else ""
+            tqdm.write(f"epoch {e['epoch']:3d}  train_loss {e['train_loss']:.5f}  val_loss {e['val_loss']:.5f}"
+                       f"{acc}  {e['samples_per_sec']:,.0f} samples/s")
+
+    t0 = time.perf_counter()
+    history = trainer.fit(data, batch_size=cfg.batch_size, epochs=cfg.epochs, steps=cfg.steps, seed=cfg.seed,
+                          progress=not a.no_progress, on_epoch=on_epoch)
+    wall = time.perf_counter() - t0
+    train_seconds = sum(e["seconds"] for e in history)
+    samples = trainer.global_step and sum(e["samples_per_sec"] * e["seconds"] for e in history)
+    result = {
+        "version": __version__, "world_size": pg.size, "device": device, "threads_per_rank": threads,
+        "config": {**cfg.to_dict(), "loss": loss, "layers": sizes, "dropout": cfg.effective_dropout(),
+                   "batch_shares": a.batch_shares},
+        "model": {"layers": sizes, "params": model.num_params},
+        "dataset": {"name": cfg.dataset, "train": len(data.x_train), "val": len(data.x_val),
+                    "task": data.task},
+        "history": history, "steps": trainer.global_step,
+        "samples_per_sec": samples / train_seconds if train_seconds > 0 else 0.0,
+        "wall_seconds": wall,
+    }
+    final = history[-1]
+    acc = f", val accuracy {final['val_accuracy']:.4f}" if "val_accuracy" in final else ""
+    say(f"done: {trainer.global_step} steps in {wall:.1f}s, {result['samples_per_sec']:,.0f} samples/s; "
+        f"final train loss {final['train_loss']:.5f}, val loss {final['val_loss']:.5f}{acc}")
+    if pg.is_root:
+        if a.json:
+            _write_json_atomic(a.json, result)
+            say(f"results written to {a.json}")
+        if a.save:
+            model.save(a.save)
+            say(f"parameters written to {a.save}")
+    pg.barrier()
+    return 0
+
+
+def _counts(total, world, shares):
+    from .data import split_counts
+    return split_counts(total, world, shares)
+
+
+def cmd_info(a, pg) -> int:
+    info = build_info()
+    info["process"] = {"rank": pg.rank, "size": pg.size, "local_rank": pg.local_rank,
+                       "local_size": pg.local_size}
+    if pg.is_root:
+        print(json.dumps(info, indent=2))
+    return 0
+
+
+COMMANDS = {"train": cmd_train, "info": cmd_info}
+
+
+def main(argv=None) -> int:
+    pg = None
+    try:
+        args = build_parser().parse_args(argv)
+        from .process_group import ProcessGroup
+        pg = ProcessGroup()
+        return COMMANDS[args.command](args, pg)
+    except UsageError as e:
+        print(str(e), file=sys.stderr, flush=True)
+        return EXIT_USAGE
+    except ConfigError as e:
+        prefix = f"mgpu: error: " if pg is None or pg.size == 1 else f"mgpu: error (rank {pg.rank}): "
+        print(prefix + str(e).replace("\n", " "), file=sys.stderr, flush=True)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("mgpu: interrupted", file=sys.stderr, flush=True)
+        if pg is not None:
+            pg.abort(130)
+        return 130
+    except Exception as e:  # noqa: BLE001 - last line of defence: never leave peers hanging
+        from .errors import MgpuError
+        if isinstance(e, MgpuError):
+            print(f"mgpu: error: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        else:
+            traceback.print_exc()
+        if pg is not None:
+            pg.abort(1)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

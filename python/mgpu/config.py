@@ -1,0 +1,160 @@
+"""Model presets and the validated training configuration.
+
+Every check happens at construction, identically on every rank, so bad
+values fail fast with one clear message and never inside a collective.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+from .errors import ConfigError
+
+
+@dataclass(frozen=True)
+class ModelPreset:
+    hidden: tuple
+    dropout: float
+    in_features: Optional[int] = None   # None: taken from the dataset
+    out_features: Optional[int] = None
+
+
+# Seeds 000/001: medium (~258K params with their inputs), large, and the
+# ~120M-parameter "xl" network of the stress design (4096 -> ... -> 512).
+PRESETS = {
+    "medium": ModelPreset(hidden=(256, 128, 64), dropout=0.2),
+    "large": ModelPreset(hidden=(1024, 1024, 512, 512, 256), dropout=0.3),
+    "xl": ModelPreset(hidden=(8192, 6144, 4096, 2048, 1024), dropout=0.0, in_features=4096,
+                      out_features=512),
+}
+
+OPTIMIZERS = ("sgd", "adamw")
+LOSSES = ("mse", "cross_entropy")
+DEVICES = ("cpu", "cuda", "auto")
+BUILTIN_DATASETS = ("synthetic", "digits")
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+@dataclass
+class TrainConfig:
+    """Everything a training run needs. `model` (a preset) or `layers` picks the network."""
+
+    model: Optional[str] = "medium"
+    layers: Optional[list] = None       # [in, hidden..., out]; overrides model
+    dataset: str = "synthetic"          # synthetic | digits | PATH.npz
+    batch_size: int = 256               # global, across all ranks
+    epochs: Optional[int] = 5
+    steps: Optional[int] = None         # total steps; overrides epochs
+    lr: float = 0.01
+    optimizer: str = "sgd"
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+    loss: Optional[str] = None          # default: mse (regression) / cross_entropy (classification)
+    dropout: Optional[float] = None     # default: the preset's, 0 with --layers
+    seed: int = 0
+    device: str = "auto"
+    threads: Optional[int] = None       # per rank; default: node cores / ranks on the node
+    bucket_mb: float = 4.0
+    overlap: bool = True
+    val_fraction: float = 0.2
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self, world_size: int = 1) -> "TrainConfig":
+        def fail(msg):
+            raise ConfigError(msg)
+
+        if self.layers is not None:
+            layers = list(self.layers)
+            if len(layers) < 2:
+                fail(f"layers must list at least an input and an output size, got {layers}")
+            if not all(_is_int(s) and s >= 1 for s in layers):
+                fail(f"every layer size must be a positive integer, got {layers}")
+            self.layers = layers
+        elif self.model is None:
+            fail("give a model preset or layers")
+        elif self.model not in PRESETS:
+            fail(f"unknown model preset '{self.model}' (expected one of {', '.join(PRESETS)})")
+        if not isinstance(self.dataset, str) or not self.dataset:
+            fail("dataset must be 'synthetic', 'digits' or a path to a .npz file")
+        if self.dataset not in BUILTIN_DATASETS and not self.dataset.endswith(".npz"):
+            fail(f"unknown dataset '{self.dataset}' (expected synthetic, digits or a .npz path)")
+        if not _is_int(self.batch_size) or self.batch_size < 1:
+            fail(f"batch size must be an integer >= 1, got {self.batch_size}")
+        if self.batch_size < world_size:
+            fail(f"global batch size {self.batch_size} is smaller than the number of ranks "
+                 f"({world_size}): every rank needs at least one sample")
+        if self.steps is not None:
+            if not _is_int(self.steps) or self.steps < 1:
+                fail(f"steps must be an integer >= 1, got {self.steps}")
+        elif self.epochs is None or not _is_int(self.epochs) or self.epochs < 1:
+            fail(f"epochs must be an integer >= 1, got {self.epochs}")
+        if not isinstance(self.lr, (int, float)) or not math.isfinite(self.lr) or self.lr <= 0:
+            fail(f"learning rate must be a finite number > 0, got {self.lr}")
+        if self.optimizer not in OPTIMIZERS:
+            fail(f"unknown optimizer '{self.optimizer}' (expected {' or '.join(OPTIMIZERS)})")
+        if not (0 <= self.momentum < 1):
+            fail(f"momentum must be in [0, 1), got {self.momentum}")
+        if not (self.weight_decay >= 0 and math.isfinite(self.weight_decay)):
+            fail(f"weight decay must be >= 0, got {self.weight_decay}")
+        if self.loss is not None and self.loss not in LOSSES:
+            fail(f"unknown loss '{self.loss}' (expected mse or cross_entropy)")
+        if self.dropout is not None and not (0 <= self.dropout < 1):
+            fail(f"dropout must be in [0, 1), got {self.dropout}")
+        if self.device not in DEVICES:
+            fail(f"unknown device '{self.device}' (expected cpu, cuda or auto)")
+        if self.threads is not None and (not _is_int(self.threads) or self.threads < 1):
+            fail(f"threads must be an integer >= 1, got {self.threads}")
+        if not (self.bucket_mb > 0 and math.isfinite(self.bucket_mb)):
+            fail(f"bucket size must be > 0 MB, got {self.bucket_mb}")
+        if not (0 < self.val_fraction < 1):
+            fail(f"validation fraction must be in (0, 1), got {self.val_fraction}")
+        if not _is_int(self.seed) or self.seed < 0:
+            fail(f"seed must be a non-negative integer, got {self.seed}")
+        return self
+
+    # --- derived values -----------------------------------------------------
+    @property
+    def preset(self) -> Optional[ModelPreset]:
+        return None if self.layers is not None else PRESETS[self.model]
+
+    def effective_dropout(self) -> float:
+        if self.dropout is not None:
+            return float(self.dropout)
+        return self.preset.dropout if self.preset else 0.0
+
+    def fixed_io(self) -> tuple:
+        """(in, out) sizes the network fixes, or None for sizes taken from the data."""
+        if self.layers is not None:
+            return self.layers[0], self.layers[-1]
+        return self.preset.in_features, self.preset.out_features
+
+    def layer_sizes(self, in_features: int, out_features: int) -> list:
+        """The network for a dataset of in_features inputs and out_features outputs."""
+        if self.layers is not None:
+            sizes = list(self.layers)
+            if sizes[0] != in_features:
+                raise ConfigError(f"layers start with {sizes[0]} inputs but the dataset has "
+                                  f"{in_features} features")
+            if sizes[-1] != out_features:
+                raise ConfigError(f"layers end with {sizes[-1]} outputs but the dataset needs "
+                                  f"{out_features}")
+            return sizes
+        p = self.preset
+        for fixed, actual, what in ((p.in_features, in_features, "inputs"),
+                                    (p.out_features, out_features, "outputs")):
+            if fixed is not None and fixed != actual:
+                raise ConfigError(f"preset '{self.model}' has {fixed} {what} but the dataset "
+                                  f"needs {actual}")
+        return [in_features, *p.hidden, out_features]
+
+    def bucket_elems(self) -> int:
+        return max(1, int(self.bucket_mb * (1 << 20) / 4))
+
+    def to_dict(self) -> dict:
+        return asdict(self)

@@ -1,0 +1,205 @@
+"""Datasets and sharding.
+
+Datasets: the seeds' synthetic regression set, scikit-learn's digits, and
+user data from .npz (arrays ``x`` and ``y``, optional ``x_val``/``y_val``).
+
+Sharding: the samples of global step t depend only on (seed, epoch, t), never
+on the number of ranks; each rank takes a contiguous share of that global
+batch. Together with exact gradient averaging this makes N ranks train the
+same model as one.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Iterator, Optional, Sequence
+
+import numpy as np
+
+from .errors import DataError
+
+
+@dataclass
+class Dataset:
+    name: str
+    x_train: np.ndarray   # (n, in) float32
+    y_train: np.ndarray   # (n, out) float32 (regression) or (n,) int64 (classification)
+    x_val: np.ndarray
+    y_val: np.ndarray
+    num_classes: Optional[int] = None  # set for classification
+
+    @property
+    def task(self) -> str:
+        return "classification" if self.num_classes is not None else "regression"
+
+    @property
+    def in_features(self) -> int:
+        return self.x_train.shape[1]
+
+    @property
+    def out_features(self) -> int:
+        return self.num_classes if self.num_classes is not None else self.y_train.shape[1]
+
+    @property
+    def default_loss(self) -> str:
+        return "cross_entropy" if self.num_classes is not None else "mse"
+
+
+def synthetic_regression(n: int = 10000, in_features: int = 50, out_features: int = 3,
+                         seed: int = 42) -> tuple:
+    """Seed 001's benchmark set (n x 50 standard-normal features, 3 targets, seed 42).
+
+    The seed draws targets as pure noise, which no model can learn; here they
+    come from a fixed random teacher network plus noise, so loss curves mean
+    something while the shapes and the cost per sample stay the seed's.
+    """
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n, in_features), dtype=np.float32)
+    hidden = 32
+    w1 = rng.standard_normal((in_features, hidden), dtype=np.float32) / np.sqrt(in_features)
+    w2 = rng.standard_normal((hidden, out_features), dtype=np.float32) / np.sqrt(hidden)
+    y = np.tanh(x @ w1) @ w2 + 0.1 * rng.standard_normal((n, out_features), dtype=np.float32)
+    return x, y.astype(np.float32)
+
+
+def _digits() -> tuple:
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError as e:
+        raise DataError("the digits dataset needs scikit-learn (pip install scikit-learn)") from e
+    d = load_digits()
+    return (d.data / 16.0).astype(np.float32), d.target.astype(np.int64)
+
+
+def _read_npz(path: str) -> dict:
+    if not os.path.isfile(path):
+        raise DataError(f"dataset file '{path}' does not exist")
+    try:
+        with np.load(path, allow_pickle=False) as f:
+            return {k: f[k] for k in f.files}
+    except (OSError, ValueError, EOFError) as e:
+        raise DataError(f"cannot read dataset '{path}': {e}") from None
+
+
+def _check_arrays(name: str, x, y) -> tuple:
+    """Validated (x float32 (n, in), y float32 (n, out) or int64 (n,), num_classes)."""
+    x = np.asarray(x)
+    y = np.asarray(y)
+    if x.dtype.kind not in "fiu" or x.ndim != 2:
+        raise DataError(f"{name}: x must be a 2-D numeric array (samples, features), got "
+                        f"{x.ndim}-D {x.dtype}")
+    if x.shape[0] == 0 or x.shape[1] == 0:
+        raise DataError(f"{name}: dataset is empty (x has shape {x.shape})")
+    if y.shape[:1] != x.shape[:1]:
+        raise DataError(f"{name}: x has {x.shape[0]} samples but y has "
+                        f"{y.shape[0] if y.ndim else 0}")
+    x = x.astype(np.float32, copy=False)
+    if not np.isfinite(x).all():
+        raise DataError(f"{name}: x contains NaN or Inf")
+    if y.dtype.kind in "iu" and y.ndim == 1:
+        if y.min() < 0:
+            raise DataError(f"{name}: class labels must be >= 0, found {int(y.min())}")
+        return x, y.astype(np.int64), int(y.max()) + 1
+    if y.dtype.kind == "b" or y.dtype.kind not in "fiu":
+        raise DataError(f"{name}: y must be integer class labels (1-D) or float targets, got {y.dtype}")
+    y = y.astype(np.float32).reshape(len(y), -1)
+    if y.shape[1] == 0:
+        raise DataError(f"{name}: y has no target columns")
+    if not np.isfinite(y).all():
+        raise DataError(f"{name}: y contains NaN or Inf")
+    return x, y, None
+
+
+def _split(x, y, val_fraction: float, seed: int) -> tuple:
+    n = len(x)
+    if n < 2:
+        raise DataError(f"dataset has {n} sample(s); need at least 2 for a train/validation split")
+    order = np.random.default_rng(seed).permutation(n)
+    n_val = min(n - 1, max(1, int(round(n * val_fraction))))
+    val, train = order[:n_val], order[n_val:]
+    return x[train], y[train], x[val], y[val]
+
+
+def load_dataset(spec: str, *, in_features: Optional[int] = None, out_features: Optional[int] = None,
+                 val_fraction: float = 0.2, seed: int = 42, samples: Optional[int] = None) -> Dataset:
+    """'synthetic' (sized to in/out_features when given), 'digits', or a .npz path."""
+    if spec == "synthetic":
+        x, y = synthetic_regression(samples or 10000, in_features or 50, out_features or 3)
+        x, y, classes = _check_arrays(spec, x, y)
+        return Dataset(spec, *_split(x, y, val_fraction, seed), num_classes=classes)
+    if spec == "digits":
+        x, y = _digits()
+        x, y, classes = _check_arrays(spec, x, y)
+        return Dataset(spec, *_split(x, y, val_fraction, seed), num_classes=classes)
+    if not spec.endswith(".npz"):
+        raise DataError(f"unknown dataset '{spec}' (expected synthetic, digits or a .npz path)")
+    arrays = _read_npz(spec)
+    for key in ("x", "y"):
+        if key not in arrays:
+            raise DataError(f"{spec}: missing array '{key}' (found: {', '.join(sorted(arrays)) or 'none'})")
+    x, y, classes = _check_arrays(spec, arrays["x"], arrays["y"])
+    if ("x_val" in arrays) != ("y_val" in arrays):
+        raise DataError(f"{spec}: give both x_val and y_val, or neither")
+    if "x_val" in arrays:
+        xv, yv, classes_v = _check_arrays(f"{spec} (validation)", arrays["x_val"], arrays["y_val"])
+        if xv.shape[1] != x.shape[1]:
+            raise DataError(f"{spec}: x_val has {xv.shape[1]} features but x has {x.shape[1]}")
+        if (classes is None) != (classes_v is None) or (classes is None and yv.shape[1] != y.shape[1]):
+            raise DataError(f"{spec}: y_val does not match y's kind or shape")
+        if classes is not None:
+            classes = max(classes, classes_v)
+        return Dataset(spec, x, y, xv, yv, num_classes=classes)
+    return Dataset(spec, *_split(x, y, val_fraction, seed), num_classes=classes)
+
+
+def check_dataset_fits(ds: Dataset, sizes: Sequence[int]) -> None:
+    if ds.in_features != sizes[0]:
+        raise DataError(f"dataset '{ds.name}' has {ds.in_features} features but the model expects {sizes[0]}")
+    if ds.num_classes is not None and ds.num_classes > sizes[-1]:
+        raise DataError(f"dataset '{ds.name}' has labels up to {ds.num_classes - 1} but the model has "
+                        f"{sizes[-1]} outputs")
+    if ds.num_classes is None and ds.y_train.shape[1] != sizes[-1]:
+        raise DataError(f"dataset '{ds.name}' has {ds.y_train.shape[1]} targets but the model has "
+                        f"{sizes[-1]} outputs")
+
+
+def split_counts(total: int, world: int, shares: Optional[Sequence[float]] = None) -> list:
+    """Rows per rank for a global batch of `total`: equal (the first total % world
+    ranks get one more), or proportional to `shares` (largest remainder)."""
+    if world < 1:
+        raise ValueError("world size must be >= 1")
+    if shares is None:
+        base, extra = divmod(total, world)
+        return [base + (r < extra) for r in range(world)]
+    if len(shares) != world or any(s < 0 for s in shares) or sum(shares) <= 0:
+        raise ValueError(f"need {world} non-negative batch shares with a positive sum, got {list(shares)}")
+    w = np.asarray(shares, dtype=np.float64) / float(sum(shares))
+    exact = w * total
+    counts = np.floor(exact).astype(int)
+    order = np.argsort(-(exact - counts), kind="stable")
+    counts[order[: total - counts.sum()]] += 1
+    return counts.tolist()
+
+
+class GlobalBatches:
+    """The global batches of each epoch: a seeded permutation cut into batches
+    of batch_size (the last one may be smaller)."""
+
+    def __init__(self, n_samples: int, batch_size: int, seed: int):
+        self.n, self.batch_size, self.seed = n_samples, batch_size, seed
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return -(-self.n // self.batch_size)
+
+    def epoch(self, epoch: int) -> Iterator[np.ndarray]:
+        order = np.random.default_rng([self.seed, epoch]).permutation(self.n)
+        for start in range(0, self.n, self.batch_size):
+            yield order[start:start + self.batch_size]
+
+
+def local_slice(global_rows: int, rank: int, world: int, shares=None) -> slice:
+    """This rank's contiguous share of a global batch of global_rows."""
+    counts = split_counts(global_rows, world, shares)
+    start = sum(counts[:rank])
+    return slice(start, start + counts[rank])

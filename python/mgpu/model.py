@@ -1,0 +1,138 @@
+"""mgpu.MLP: the native MLP with a NumPy-facing API in PyTorch nn.Linear layout.
+
+Parameters and gradients are lists [W0 (out, in), b0 (out,), W1, b1, ...]
+of float32 arrays (copies of the core's flat buffers).
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Optional, Sequence
+
+import numpy as np
+
+from . import _core
+from .errors import ConfigError, DataError
+
+
+class MLP:
+    """Linear layers with ReLU (and optional dropout) between them.
+
+    layers: [in, hidden..., out]. Initialisation follows nn.Linear's default
+    distribution, drawn from a counter-based RNG keyed by `seed`: identical on
+    every rank and every backend.
+    """
+
+    def __init__(self, layers: Sequence[int], *, seed: int = 0, dropout: float = 0.0,
+                 device: str = "cpu", device_index: int = 0, threads: Optional[int] = None):
+        layers = list(layers)
+        if len(layers) < 2 or not all(isinstance(s, (int, np.integer)) and s >= 1 for s in layers):
+            raise ConfigError(f"layers must be >= 2 positive integers [in, hidden..., out], got {layers}")
+        if threads is not None and threads < 1:
+            raise ConfigError(f"threads must be >= 1, got {threads}")
+        self.device = device
+        self._backend = _core.make_backend(device, device_index, threads or 0)
+        self._core = _core.MLP(self._backend, [int(s) for s in layers], float(dropout), int(seed))
+        self.layers = [int(s) for s in layers]
+        self._offsets = self._core.layer_offsets()
+
+    @property
+    def num_params(self) -> int:
+        return self._core.num_params
+
+    @property
+    def dropout(self) -> float:
+        return self._core.dropout
+
+    @property
+    def threads(self) -> int:
+        return self._backend.threads
+
+    @threads.setter
+    def threads(self, n: int) -> None:
+        self._backend.threads = n
+
+    def _shapes(self):
+        for i in range(len(self.layers) - 1):
+            yield (self.layers[i + 1], self.layers[i]), (self.layers[i + 1],)
+
+    def _split(self, flat: np.ndarray) -> list:
+        out = []
+        for (w_off, b_off), (w_shape, b_shape) in zip(self._offsets, self._shapes()):
+            out.append(flat[w_off:b_off].reshape(w_shape))
+            out.append(flat[b_off:b_off + b_shape[0]])
+        return out
+
+    def get_parameters(self) -> list:
+        return self._split(self._core.get_parameters())
+
+    def set_parameters(self, params: Sequence[np.ndarray]) -> None:
+        expected = [s for pair in self._shapes() for s in pair]
+        params = list(params)
+        if len(params) != len(expected):
+            raise ConfigError(f"expected {len(expected)} arrays (weight and bias per layer), got {len(params)}")
+        for i, (p, shape) in enumerate(zip(params, expected)):
+            if np.shape(p) != shape:
+                raise ConfigError(f"parameter {i} has shape {np.shape(p)}, expected {shape}")
+        self._core.set_parameters(np.concatenate([np.asarray(p, np.float32).ravel() for p in params]))
+
+    def get_gradients(self) -> list:
+        return self._split(self._core.get_gradients())
+
+    def forward(self, x: np.ndarray) -> np.ndarray:
+        """Evaluation-mode output (no dropout), shape (rows, out)."""
+        return self._core.forward(np.asarray(x))
+
+    __call__ = forward
+
+    def loss_and_grad(self, x: np.ndarray, y: np.ndarray, loss: str = "mse", *, step: int = 0) -> float:
+        """Mean loss of the batch; fills the gradients (get_gradients()) without stepping.
+
+        y: float targets (rows, out) for 'mse', integer class indices (rows,) for
+        'cross_entropy'. Dropout, when the model has it, is active and keyed by step.
+        """
+        return self._core.loss_and_grad(np.asarray(x), np.asarray(y), loss, step, 0)
+
+    # --- files ---------------------------------------------------------------
+    def state_dict(self) -> dict:
+        params = self.get_parameters()
+        return {f"layers.{i // 2}.{'weight' if i % 2 == 0 else 'bias'}": p for i, p in enumerate(params)}
+
+    def save(self, path: str) -> None:
+        """Write the parameters as .npz (layers.{i}.weight / layers.{i}.bias), atomically."""
+        save_npz_atomic(path, self.state_dict())
+
+    def load(self, path: str) -> None:
+        """Load parameters saved by save() (no pickle)."""
+        try:
+            with np.load(path, allow_pickle=False) as f:
+                arrays = {k: f[k] for k in f.files}
+        except (OSError, ValueError, EOFError) as e:
+            raise DataError(f"cannot read parameters from '{path}': {e}") from None
+        names = list(self.state_dict())
+        missing = [n for n in names if n not in arrays]
+        if missing:
+            raise DataError(f"'{path}' does not hold this model's parameters (missing {missing[0]})")
+        self.set_parameters([arrays[n] for n in names])
+
+    def __repr__(self) -> str:
+        return f"MLP(layers={self.layers}, params={self.num_params:,}, dropout={self.dropout}, device={self.device})"
+
+
+def save_npz_atomic(path: str, arrays: dict) -> None:
+    """np.savez to a temporary file in the same directory, fsync, then rename:
+    a crash leaves either the old file or the new one, never a torn one."""
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        raise ConfigError(f"cannot save to '{path}': directory '{directory}' does not exist")
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".npz", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.savez(f, **arrays)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise

@@ -1,0 +1,133 @@
+"""ProcessGroup: who this process is in a data-parallel job.
+
+World rank and size come from mpi4py (COMM_WORLD by default), the node-local
+rank from a shared-memory split (so it is right across nodes), and the device
+from the local rank. Without mpi4py or mpirun it is a world of one.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Optional
+
+from . import _core
+from .errors import ConfigError, DeviceError
+
+
+def _import_mpi():
+    if os.environ.get("MGPU_NO_MPI") == "1":
+        return None
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        return None
+    return MPI
+
+
+class ProcessGroup:
+    """Rank bookkeeping and the core communicator for one data-parallel job."""
+
+    def __init__(self, comm: Any = None):
+        MPI = _import_mpi() if comm is None else __import__("mpi4py.MPI", fromlist=["MPI"])
+        self._mpi = MPI
+        self.comm = comm if comm is not None else (MPI.COMM_WORLD if MPI is not None else None)
+        if self.comm is None:
+            self.rank, self.size, self.local_rank, self.local_size = 0, 1, 0, 1
+        else:
+            self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
+            node = self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+            self.local_rank, self.local_size = node.Get_rank(), node.Get_size()
+            node.Free()
+        self._core_comm: Optional[_core.Communicator] = None
+
+    @property
+    def is_root(self) -> bool:
+        return self.rank == 0
+
+    def communicator(self) -> "_core.Communicator":
+        """The core communicator (MPI over a duplicate of this group's comm; local for one rank)."""
+        if self._core_comm is None:
+            if self.size == 1:
+                self._core_comm = _core.LocalCommunicator()
+            elif not hasattr(_core, "MpiCommunicator"):
+                raise ConfigError("this build of mgpu has no MPI support; rebuild with MPI to run several ranks")
+            else:
+                self._core_comm = _core.MpiCommunicator(self._mpi._handleof(self.comm))
+        return self._core_comm
+
+    def default_threads(self) -> int:
+        """CPU threads per rank when the user gives none: the node's cores shared evenly."""
+        cores = _core.build_info()["cpu_threads_available"]
+        return max(1, cores // self.local_size)
+
+    def resolve_device(self, device: str) -> tuple[str, int]:
+        """'cpu' | 'cuda' | 'auto' -> (backend name, device index for this rank)."""
+        if device not in ("cpu", "cuda", "auto"):
+            raise ConfigError(f"unknown device '{device}' (expected cpu, cuda or auto)")
+        gpus = cuda_device_count()
+        if device == "auto":
+            device = "cuda" if gpus > 0 else "cpu"
+        if device == "cpu":
+            return "cpu", 0
+        if not _core.build_info()["cuda"]["backend"]:
+            raise DeviceError("device 'cuda' requested, but this build of mgpu has no CUDA backend "
+                              "(built without the CUDA toolkit); use --device cpu")
+        if gpus == 0:
+            raise DeviceError("device 'cuda' requested, but no GPU is visible "
+                              "(check nvidia-smi and CUDA_VISIBLE_DEVICES); use --device cpu")
+        return "cuda", self.local_rank % gpus
+
+    # --- small Python-object collectives (control plane) -------------------
+    def allreduce(self, value, op: str = "sum"):
+        if self.comm is None:
+            return value
+        ops = {"sum": self._mpi.SUM, "max": self._mpi.MAX, "min": self._mpi.MIN}
+        return self.comm.allreduce(value, op=ops[op])
+
+    def exscan(self, value) -> int:
+        """Sum of value over lower ranks (0 on rank 0)."""
+        if self.comm is None:
+            return 0
+        result = self.comm.exscan(value)
+        return 0 if result is None else result
+
+    def bcast(self, obj, root: int = 0):
+        return obj if self.comm is None else self.comm.bcast(obj, root=root)
+
+    def barrier(self) -> None:
+        if self.comm is not None:
+            self.comm.Barrier()
+
+    def agree(self, error: Optional[BaseException]) -> None:
+        """Collective: if any rank passes an error, every rank raises one.
+
+        Use after work that can fail on some ranks only (reading files), so the
+        others do not wait forever in the next collective.
+        """
+        if self.comm is None:
+            if error is not None:
+                raise error
+            return
+        local = None if error is None else (type(error).__name__, str(error))
+        reports = self.comm.allgather(local)
+        for rank, report in enumerate(reports):
+            if report is None:
+                continue
+            if error is not None:
+                raise error
+            cls = ConfigError if report[0] in ("ConfigError", "DataError") else RuntimeError
+            raise cls(f"rank {rank}: {report[1]}")
+
+    def abort(self, code: int = 1) -> None:
+        """End every rank of the job (after an unexpected error on this one)."""
+        if self.comm is not None and self.size > 1:
+            self.comm.Abort(code)
+
+    def __repr__(self) -> str:
+        return (f"ProcessGroup(rank={self.rank}, size={self.size}, local_rank={self.local_rank}, "
+                f"local_size={self.local_size})")
+
+
+def cuda_device_count() -> int:
+    """GPUs visible to this process (0 without a CUDA backend)."""
+    count = getattr(_core, "cuda_device_count", None)
+    return int(count()) if count is not None else 0
