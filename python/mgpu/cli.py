@@ -87,7 +87,7 @@ def _config_from_args(a) -> TrainConfig:
     lr = a.lr if a.lr is not None else (0.001 if a.optimizer == "adamw" else 0.01)
     return TrainConfig(model=a.model or ("medium" if a.layers is None else None), layers=a.layers,
                        dataset=a.dataset, batch_size=a.batch_size,
-                       epochs=a.epochs if a.steps is None else None,
+                       epochs=None if a.steps is not None else (a.epochs if a.epochs is not None else 5),
                        steps=a.steps, lr=lr, optimizer=a.optimizer, momentum=a.momentum,
                        weight_decay=a.weight_decay, loss=a.loss, dropout=a.dropout, seed=a.seed,
                        device=a.device, threads=a.threads, bucket_mb=a.bucket_mb, overlap=not a.no_overlap)
@@ -117,10 +117,7 @@ def cmd_train(a, pg) -> int:
     from .model import MLP
     from .trainer import Trainer
 
-    cfg = _config_from_args(a)
-    if cfg.epochs is None and cfg.steps is None:
-        cfg.epochs = 5
-    cfg.validate(pg.size)
+    cfg = _config_from_args(a).validate(pg.size)
     if a.batch_shares is not None and (len(a.batch_shares) != pg.size or any(s < 0 for s in a.batch_shares)
                                        or sum(a.batch_shares) <= 0):
         raise ConfigError(f"--batch-shares needs {pg.size} non-negative numbers (one per rank) with a positive sum")
@@ -226,7 +223,7 @@ def main(argv=None) -> int:
         print(str(e), file=sys.stderr, flush=True)
         return EXIT_USAGE
     except ConfigError as e:
-        prefix = f"mgpu: error: " if pg is None or pg.size == 1 else f"mgpu: error (rank {pg.rank}): "
+        prefix = "mgpu: error: " if pg is None or pg.size == 1 else f"mgpu: error (rank {pg.rank}): "
         print(prefix + str(e).replace("\n", " "), file=sys.stderr, flush=True)
         return EXIT_USAGE
     except KeyboardInterrupt:

@@ -10,7 +10,7 @@ import os
 from typing import Any, Optional
 
 from . import _core
-from .errors import ConfigError, DeviceError
+from .errors import ConfigError
 
 
 def _import_mpi():
@@ -69,10 +69,10 @@ class ProcessGroup:
         if device == "cpu":
             return "cpu", 0
         if not _core.build_info()["cuda"]["backend"]:
-            raise DeviceError("device 'cuda' requested, but this build of mgpu has no CUDA backend "
+            raise ConfigError("device 'cuda' requested, but this build of mgpu has no CUDA backend "
                               "(built without the CUDA toolkit); use --device cpu")
         if gpus == 0:
-            raise DeviceError("device 'cuda' requested, but no GPU is visible "
+            raise ConfigError("device 'cuda' requested, but no GPU is visible "
                               "(check nvidia-smi and CUDA_VISIBLE_DEVICES); use --device cpu")
         return "cuda", self.local_rank % gpus
 

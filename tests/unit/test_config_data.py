@@ -1,0 +1,132 @@
+"""Validated configuration, datasets and sharding."""
+import numpy as np
+import pytest
+
+import mgpu
+from mgpu.data import GlobalBatches, load_dataset, local_slice, split_counts
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(batch_size=0), "batch size"),
+    (dict(batch_size=-4), "batch size"),
+    (dict(batch_size=2.5), "batch size"),
+    (dict(layers=[]), "at least an input and an output"),
+    (dict(layers=[10]), "at least an input and an output"),
+    (dict(layers=[10, 0, 3]), "positive integer"),
+    (dict(model="huge"), "unknown model preset 'huge'"),
+    (dict(lr=0), "learning rate"),
+    (dict(lr=-1e-3), "learning rate"),
+    (dict(lr=float("nan")), "learning rate"),
+    (dict(optimizer="lbfgs"), "unknown optimizer 'lbfgs'"),
+    (dict(loss="hinge"), "unknown loss 'hinge'"),
+    (dict(device="tpu"), "unknown device 'tpu'"),
+    (dict(dataset="imagenet"), "unknown dataset 'imagenet'"),
+    (dict(epochs=0), "epochs"),
+    (dict(epochs=None, steps=0), "steps"),
+    (dict(momentum=1.0), "momentum"),
+    (dict(dropout=1.0), "dropout"),
+    (dict(threads=0), "threads"),
+    (dict(weight_decay=-1), "weight decay"),
+    (dict(bucket_mb=0), "bucket"),
+    (dict(seed=-1), "seed"),
+])
+def test_bad_config_is_rejected_at_construction(kwargs, match):
+    with pytest.raises(mgpu.ConfigError, match=match):
+        mgpu.TrainConfig(**kwargs)
+
+
+def test_batch_smaller_than_world_is_rejected():
+    cfg = mgpu.TrainConfig(batch_size=2)
+    cfg.validate(world_size=2)
+    with pytest.raises(mgpu.ConfigError, match="smaller than the number of ranks"):
+        cfg.validate(world_size=3)
+
+
+def test_presets_and_layer_sizes():
+    assert mgpu.TrainConfig(model="medium").layer_sizes(50, 3) == [50, 256, 128, 64, 3]
+    assert mgpu.TrainConfig(model="large").layer_sizes(50, 3) == [50, 1024, 1024, 512, 512, 256, 3]
+    xl = mgpu.TrainConfig(model="xl")
+    sizes = xl.layer_sizes(4096, 512)
+    params = sum(a * b + b for a, b in zip(sizes, sizes[1:]))
+    assert 110e6 < params < 130e6
+    with pytest.raises(mgpu.ConfigError, match="4096 inputs"):
+        xl.layer_sizes(64, 512)
+    with pytest.raises(mgpu.ConfigError, match="dataset has 64 features"):
+        mgpu.TrainConfig(layers=[50, 3]).layer_sizes(64, 3)
+
+
+@pytest.mark.parametrize("total, world", [(1, 1), (7, 3), (23, 2), (23, 3), (5, 5), (1024, 7)])
+def test_split_counts_equal(total, world):
+    c = split_counts(total, world)
+    assert sum(c) == total and max(c) - min(c) <= 1 and c == sorted(c, reverse=True)
+
+
+def test_split_counts_shares():
+    assert split_counts(10, 2, [0.7, 0.3]) == [7, 3]
+    c = split_counts(1001, 3, [5, 3, 2])
+    assert sum(c) == 1001 and abs(c[0] - 500.5) <= 1
+    with pytest.raises(ValueError):
+        split_counts(10, 2, [1.0])
+
+
+def test_global_batches_do_not_depend_on_world_size():
+    gb = GlobalBatches(103, 20, seed=4)
+    batches = list(gb.epoch(0))
+    assert gb.steps_per_epoch == 6 and [len(b) for b in batches] == [20] * 5 + [3]
+    assert sorted(np.concatenate(batches)) == list(range(103))
+    assert not np.array_equal(np.concatenate(list(gb.epoch(1))), np.concatenate(batches))
+    for world in (1, 2, 3):
+        pieces = [b[local_slice(len(b), r, world)] for b in batches for r in range(world)]
+        assert np.array_equal(np.concatenate(pieces), np.concatenate(batches))
+
+
+def test_synthetic_and_digits():
+    s = load_dataset("synthetic")
+    assert s.x_train.shape == (8000, 50) and s.y_train.shape == (8000, 3) and len(s.x_val) == 2000
+    assert s.task == "regression" and s.x_train.dtype == np.float32
+    assert np.array_equal(s.x_train, load_dataset("synthetic").x_train)
+    sized = load_dataset("synthetic", in_features=20, out_features=7, samples=100)
+    assert sized.in_features == 20 and sized.out_features == 7
+    d = load_dataset("digits")
+    assert d.task == "classification" and d.num_classes == 10 and d.in_features == 64
+    assert d.x_train.max() <= 1.0
+
+
+def test_npz_datasets(tmp_path):
+    rng = np.random.default_rng(0)
+    good = tmp_path / "good.npz"
+    np.savez(good, x=rng.standard_normal((30, 4)), y=rng.integers(0, 3, 30))
+    ds = load_dataset(str(good))
+    assert ds.num_classes == 3 and len(ds.x_train) + len(ds.x_val) == 30
+    reg = tmp_path / "reg.npz"
+    np.savez(reg, x=rng.standard_normal((30, 4)), y=rng.standard_normal(30),
+             x_val=rng.standard_normal((5, 4)), y_val=rng.standard_normal(5))
+    r = load_dataset(str(reg))
+    assert r.y_train.shape == (30, 1) and r.x_val.shape == (5, 4)
+
+
+@pytest.mark.parametrize("arrays, match", [
+    (dict(x=np.zeros((0, 3)), y=np.zeros(0)), "empty"),
+    (dict(x=np.array([[np.nan, 1.0]]), y=np.zeros(1)), "NaN or Inf"),
+    (dict(x=np.ones((4, 2)), y=np.array([np.inf, 1, 2, 3])), "NaN or Inf"),
+    (dict(x=np.ones((4, 2)), y=np.array([0, -1, 2, 3])), ">= 0"),
+    (dict(x=np.ones((4, 2)), y=np.zeros(3)), "4 samples but y has 3"),
+    (dict(x=np.ones(4), y=np.zeros(4)), "2-D"),
+    (dict(y=np.zeros(4)), "missing array 'x'"),
+    (dict(x=np.ones((4, 2)), y=np.array(["a", "b", "c", "d"])), "float targets"),
+    (dict(x=np.ones((1, 2)), y=np.zeros(1)), "at least 2"),
+])
+def test_bad_npz_is_a_data_error(tmp_path, arrays, match):
+    path = tmp_path / "bad.npz"
+    np.savez(path, **arrays)
+    with pytest.raises(mgpu.DataError, match=match):
+        load_dataset(str(path))
+
+
+def test_unreadable_or_missing_file(tmp_path):
+    with pytest.raises(mgpu.DataError, match="does not exist"):
+        load_dataset(str(tmp_path / "nope.npz"))
+    junk = tmp_path / "junk.npz"
+    junk.write_bytes(b"not a zip file")
+    with pytest.raises(mgpu.DataError, match="cannot read"):
+        load_dataset(str(junk))

@@ -1,0 +1,118 @@
+"""Single-process training: optimizers against the reference, the bucket plan,
+exact averaging of uneven shards, and convergence on digits."""
+import numpy as np
+import pytest
+
+import mgpu
+from mgpu import _core
+from mgpu.data import load_dataset
+from reference import AdamW, SGD, loss_and_grad, rel_err
+
+
+def local_group():
+    return mgpu.ProcessGroup(comm=__import__("mpi4py.MPI", fromlist=["MPI"]).COMM_SELF)
+
+
+@pytest.mark.parametrize("opt, kwargs, ref", [
+    ("sgd", dict(lr=0.05), lambda: SGD(0.05)),
+    ("sgd", dict(lr=0.05, momentum=0.9, weight_decay=0.01), lambda: SGD(0.05, 0.9, 0.01)),
+    ("adamw", dict(lr=0.01, weight_decay=0.05), lambda: AdamW(0.01, weight_decay=0.05)),
+    ("adamw", dict(lr=0.003, weight_decay=0.0, betas=(0.8, 0.95), eps=1e-6),
+     lambda: AdamW(0.003, (0.8, 0.95), 1e-6, 0.0)),
+])
+@pytest.mark.parametrize("loss", ["mse", "cross_entropy"])
+def test_optimizer_steps_match_reference(opt, kwargs, ref, loss):
+    layers = [6, 10, 4]
+    model = mgpu.MLP(layers, seed=5, threads=1)
+    trainer = mgpu.Trainer(model, loss=loss, optimizer=opt, process_group=local_group(), **kwargs)
+    rng = np.random.default_rng(1)
+    params = [p.astype(np.float64) for p in model.get_parameters()]
+    reference = ref()
+    for step in range(8):
+        x = rng.standard_normal((11, 6)).astype(np.float32)
+        y = rng.standard_normal((11, 4)).astype(np.float32) if loss == "mse" else rng.integers(0, 4, 11)
+        value = trainer.step(x, y)
+        ref_value, grads = loss_and_grad(params, x, y, loss)
+        assert value == pytest.approx(ref_value, rel=1e-5)
+        params = reference.step(params, grads)
+    for p, r in zip(model.get_parameters(), params):
+        assert rel_err(p, r) < 1e-5
+
+
+def test_uneven_shards_average_exactly():
+    """Two shards of 3 and 8 rows stepped by hand give the same gradient as 11 rows at once."""
+    layers = [4, 7, 2]
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((11, 4)).astype(np.float32)
+    y = rng.standard_normal((11, 2)).astype(np.float32)
+    whole = mgpu.MLP(layers, seed=2)
+    whole.loss_and_grad(x, y, "mse")
+    # sum-then-divide: shard gradients of the mean weighted by shard size
+    a, b = mgpu.MLP(layers, seed=2), mgpu.MLP(layers, seed=2)
+    a.loss_and_grad(x[:3], y[:3], "mse")
+    b.loss_and_grad(x[3:], y[3:], "mse")
+    for g, ga, gb in zip(whole.get_gradients(), a.get_gradients(), b.get_gradients()):
+        assert rel_err(g, (3 * ga + 8 * gb) / 11) < 1e-5
+    # and the core step uses exactly that: shard of 3 rows of a global batch of 11,
+    # with the other 8 rows missing, gives 3/11 of the shard's mean gradient
+    m = mgpu.MLP(layers, seed=2)
+    step = _core.DataParallelStep(m._core, _core.Optimizer(m._core, "sgd"), _core.LocalCommunicator(), "mse")
+    before = m.get_parameters()
+    step.step(x[:3], y[:3], 11, 0, 0, 1.0)
+    for p0, p1, ga in zip(before, m.get_parameters(), a.get_gradients()):
+        assert rel_err(p0 - p1, 3 * ga / 11) < 1e-5
+
+
+@pytest.mark.parametrize("bucket_elems", [1, 10, 64, 100, 1000, 1 << 20])
+@pytest.mark.parametrize("layers", [[3, 2], [8, 16, 4], [50, 256, 128, 64, 3]])
+def test_bucket_plan_covers_the_gradient_buffer_once_in_backward_order(layers, bucket_elems):
+    m = mgpu.MLP(layers)
+    step = _core.DataParallelStep(m._core, _core.Optimizer(m._core, "sgd"), _core.LocalCommunicator(), "mse",
+                                  bucket_elems)
+    buckets = step.buckets()
+    covered = sorted((off, off + n) for off, n, _ in buckets)
+    assert covered[0][0] == 0 and covered[-1][1] == m.num_params + 1  # + the loss slot
+    assert all(a[1] == b[0] for a, b in zip(covered, covered[1:]))
+    assert all(0 < n <= max(bucket_elems, 1) for _, n, _ in buckets)
+    offsets = [off for off, _, _ in buckets]
+    assert offsets == sorted(offsets, reverse=True), "launched from the end of the buffer"
+    ready = [r for _, _, r in buckets]
+    assert ready == sorted(ready, reverse=True)
+    starts = [w for w, _ in m._core.layer_offsets()]
+    for off, n, r in buckets:  # ready once layer r is done: it touches no layer below r
+        assert off >= starts[r]
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_overlap_setting_does_not_change_results(overlap):
+    layers = [5, 9, 3]
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((20, 5)).astype(np.float32)
+    y = rng.standard_normal((20, 3)).astype(np.float32)
+    results = []
+    for ov in (overlap, not overlap):
+        m = mgpu.MLP(layers, seed=1)
+        t = mgpu.Trainer(m, optimizer="adamw", lr=0.01, process_group=local_group(), overlap=ov, bucket_elems=7)
+        for _ in range(3):
+            t.step(x, y)
+        results.append(m.get_parameters())
+    assert all(np.array_equal(a, b) for a, b in zip(*results))
+
+
+def test_non_finite_loss_stops_without_updating():
+    m = mgpu.MLP([2, 2], seed=0)
+    t = mgpu.Trainer(m, lr=0.1, process_group=local_group())
+    before = m.get_parameters()
+    x = np.array([[np.inf, 1.0]], np.float32)
+    with pytest.raises(mgpu.NumericsError, match="non-finite loss"):
+        t.step(x, np.zeros((1, 2), np.float32))
+    assert all(np.array_equal(a, b) for a, b in zip(before, m.get_parameters()))
+
+
+def test_digits_reaches_95_percent():
+    data = load_dataset("digits")
+    model = mgpu.MLP([64, 128, 10], seed=0, threads=1)
+    trainer = mgpu.Trainer(model, loss="cross_entropy", optimizer="adamw", lr=0.002, process_group=local_group())
+    history = trainer.fit(data, batch_size=64, epochs=25, progress=False)
+    assert history[-1]["val_accuracy"] >= 0.95, history[-1]
+    assert history[-1]["train_loss"] < history[0]["train_loss"]
