@@ -12,16 +12,20 @@
 
 namespace mgpu {
 
-// Identifies the dropout mask of one layer for one slice of the global batch:
-// unit j of global sample i is kept iff philox(seed, j/4, i, layer, step) >= p.
+// Identifies the dropout mask of one layer for one slice of the global batch.
+// With G = dropout_groups(C), unit j of global sample i is kept iff
+// uniform01(word j / G of philox(seed, counter = {j % G, i, layer, step})) >= p.
 // Keyed by the global sample index, the mask does not depend on how the batch
-// is split across ranks.
+// is split across ranks; every backend implements this same definition.
 struct DropoutKey {
   uint64_t seed = 0;
   uint64_t step = 0;
   uint32_t layer = 0;
   int64_t first_sample = 0;  // global index of row 0 of this rank's shard
 };
+
+// Philox counters per row of C units: each counter yields 4 words.
+inline int dropout_groups(int C) { return (C + 3) / 4; }
 
 struct SgdParams {
   float lr = 0.01f;

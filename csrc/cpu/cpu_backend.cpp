@@ -12,6 +12,7 @@
 #include <cstring>
 #include <new>
 #include <thread>
+#include <vector>
 
 #include "../core/errors.h"
 #include "../core/philox.h"
@@ -30,6 +31,51 @@ namespace {
 constexpr size_t kAlign = 64;
 // Below this many elements a parallel region costs more than it saves.
 constexpr long kParallelMin = 1 << 15;
+
+// philox_draw (philox.h) for counters {g, sample, layer, step}, g = 0..groups-1,
+// eight counters at a time in lane arrays so the rounds vectorise (vpmuludq);
+// word k of counter g goes to w_k[g]. Same numbers as the scalar function.
+void philox_lanes(const DropoutKey& key, uint32_t sample, int groups, uint32_t* w0, uint32_t* w1,
+                  uint32_t* w2, uint32_t* w3) {
+  constexpr int kLanes = 8;
+  constexpr uint32_t kMul0 = 0xD2511F53u, kMul1 = 0xCD9E8D57u;
+  constexpr uint32_t kWeyl0 = 0x9E3779B9u, kWeyl1 = 0xBB67AE85u;
+  const uint32_t key0 = static_cast<uint32_t>(key.seed);
+  const uint32_t key1 = static_cast<uint32_t>(key.seed >> 32) ^
+                        (static_cast<uint32_t>(RngStream::kDropout) * 0x9E3779B9u);
+  for (int g0 = 0; g0 < groups; g0 += kLanes) {
+    uint32_t c0[kLanes], c1[kLanes], c2[kLanes], c3[kLanes];
+    for (int l = 0; l < kLanes; ++l) {
+      c0[l] = static_cast<uint32_t>(g0 + l);
+      c1[l] = sample;
+      c2[l] = key.layer;
+      c3[l] = static_cast<uint32_t>(key.step);
+    }
+    uint32_t k0 = key0, k1 = key1;
+    for (int round = 0; round < 10; ++round) {
+#pragma omp simd
+      for (int l = 0; l < kLanes; ++l) {
+        const uint64_t p0 = static_cast<uint64_t>(kMul0) * c0[l];
+        const uint64_t p1 = static_cast<uint64_t>(kMul1) * c2[l];
+        const uint32_t n0 = static_cast<uint32_t>(p1 >> 32) ^ c1[l] ^ k0;
+        const uint32_t n2 = static_cast<uint32_t>(p0 >> 32) ^ c3[l] ^ k1;
+        c1[l] = static_cast<uint32_t>(p1);
+        c3[l] = static_cast<uint32_t>(p0);
+        c0[l] = n0;
+        c2[l] = n2;
+      }
+      k0 += kWeyl0;
+      k1 += kWeyl1;
+    }
+    const int n = std::min(kLanes, groups - g0);
+    for (int l = 0; l < n; ++l) {
+      w0[g0 + l] = c0[l];
+      w1[g0 + l] = c1[l];
+      w2[g0 + l] = c2[l];
+      w3[g0 + l] = c3[l];
+    }
+  }
+}
 }  // namespace
 
 int available_cpu_threads() {
@@ -108,16 +154,25 @@ void CpuBackend::relu_dropout_forward(float* h, int B, int C, float p, const Dro
     return;
   }
   const float keep_scale = 1.0f / (1.0f - p);
-#pragma omp parallel for num_threads(threads_) if (long(B) * C > kParallelMin) schedule(static)
-  for (int b = 0; b < B; ++b) {
-    float* row = h + size_t(b) * C;
-    const uint32_t sample = static_cast<uint32_t>(key.first_sample + b);
-    for (int j = 0; j < C; j += 4) {
-      const Philox4 r = philox_draw(key.seed, RngStream::kDropout, static_cast<uint32_t>(j >> 2),
-                                    sample, key.layer, static_cast<uint32_t>(key.step));
-      for (int k = 0; k < 4 && j + k < C; ++k) {
-        const float v = row[j + k];
-        row[j + k] = (v > 0.0f && uniform01(r.v[k]) >= p) ? v * keep_scale : 0.0f;
+  const int groups = dropout_groups(C);
+#pragma omp parallel num_threads(threads_) if (long(B) * C > kParallelMin)
+  {
+    // bits[k * groups + g] = word k of Philox counter g: four contiguous streams,
+    // so the generator loop vectorises across counters.
+    std::vector<uint32_t> bits(4 * size_t(groups));
+#pragma omp for schedule(static)
+    for (int b = 0; b < B; ++b) {
+      const uint32_t sample = static_cast<uint32_t>(key.first_sample + b);
+      uint32_t* w0 = bits.data();
+      uint32_t* w1 = w0 + groups;
+      uint32_t* w2 = w1 + groups;
+      uint32_t* w3 = w2 + groups;
+      philox_lanes(key, sample, groups, w0, w1, w2, w3);
+      float* row = h + size_t(b) * C;
+#pragma omp simd
+      for (int j = 0; j < C; ++j) {
+        const float keep = uniform01(bits[j]) >= p ? keep_scale : 0.0f;
+        row[j] = std::max(row[j], 0.0f) * keep;
       }
     }
   }
