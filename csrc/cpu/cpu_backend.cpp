@@ -171,8 +171,9 @@ void CpuBackend::relu_dropout_forward(float* h, int B, int C, float p, const Dro
       float* row = h + size_t(b) * C;
 #pragma omp simd
       for (int j = 0; j < C; ++j) {
+        const float v = row[j];
         const float keep = uniform01(bits[j]) >= p ? keep_scale : 0.0f;
-        row[j] = std::max(row[j], 0.0f) * keep;
+        row[j] = (v > 0.0f ? v : 0.0f) * keep;
       }
     }
   }

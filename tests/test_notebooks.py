@@ -1,0 +1,25 @@
+"""Every notebook in notebooks/ runs top to bottom (nbclient), on small sizes."""
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+from conftest import ROOT
+
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
+def test_notebook_runs(path, tmp_path, monkeypatch):
+    monkeypatch.setenv("MGPU_NOTEBOOK_EPOCHS", "3")
+    monkeypatch.setenv("MGPU_NO_MPI", "1")  # a kernel is one process
+    nb = nbformat.read(path, as_version=4)
+    NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    outputs = "".join(o.get("text", "") for c in nb.cells for o in c.get("outputs", []))
+    assert outputs, "the notebook printed nothing"
+    if path.name == "01_quickstart.ipynb":
+        assert "val accuracy" in outputs
+        assert (tmp_path / "out" / "quickstart.png").stat().st_size > 1000
+
+
+def test_there_are_notebooks():
+    assert NOTEBOOKS, "notebooks/ is empty"
