@@ -113,14 +113,17 @@ def _write_json_atomic(path: str, obj) -> None:
 
 
 def cmd_train(a, pg) -> int:
-    from .data import load_dataset
+    from .data import load_dataset, split_counts
     from .model import MLP
     from .trainer import Trainer
 
     cfg = _config_from_args(a).validate(pg.size)
-    if a.batch_shares is not None and (len(a.batch_shares) != pg.size or any(s < 0 for s in a.batch_shares)
-                                       or sum(a.batch_shares) <= 0):
-        raise ConfigError(f"--batch-shares needs {pg.size} non-negative numbers (one per rank) with a positive sum")
+    if a.batch_shares is not None:
+        try:
+            split_counts(cfg.batch_size, pg.size, a.batch_shares)
+        except ConfigError:
+            raise ConfigError(f"--batch-shares needs {pg.size} non-negative numbers (one per rank) "
+                              f"with a positive sum, got {a.batch_shares}") from None
     device, device_index = pg.resolve_device(cfg.device)
     threads = cfg.threads or pg.default_threads()
 
@@ -150,7 +153,7 @@ def cmd_train(a, pg) -> int:
                       weight_decay=cfg.weight_decay, process_group=pg, bucket_elems=cfg.bucket_elems(),
                       overlap=cfg.overlap, batch_shares=a.batch_shares)
     say = print if pg.is_root else (lambda *x, **k: None)
-    per_rank = ", ".join(str(c) for c in _counts(cfg.batch_size, pg.size, a.batch_shares))
+    per_rank = ", ".join(str(c) for c in split_counts(cfg.batch_size, pg.size, a.batch_shares))
     say(f"mgpu {__version__}: {pg.size} rank(s) x {threads} thread(s) on {device}; "
         f"model {'-'.join(map(str, sizes))} ({model.num_params:,} params, {loss}, {cfg.optimizer}); "
         f"{cfg.dataset}: {len(data.x_train)} train / {len(data.x_val)} val; "
@@ -168,7 +171,7 @@ def cmd_train(a, pg) -> int:
                           progress=not a.no_progress, on_epoch=on_epoch)
     wall = time.perf_counter() - t0
     train_seconds = sum(e["seconds"] for e in history)
-    samples = trainer.global_step and sum(e["samples_per_sec"] * e["seconds"] for e in history)
+    samples = sum(e["samples"] for e in history)
     result = {
         "version": __version__, "world_size": pg.size, "device": device, "threads_per_rank": threads,
         "config": {**cfg.to_dict(), "loss": loss, "layers": sizes, "dropout": cfg.effective_dropout(),
@@ -193,11 +196,6 @@ def cmd_train(a, pg) -> int:
             say(f"parameters written to {a.save}")
     pg.barrier()
     return 0
-
-
-def _counts(total, world, shares):
-    from .data import split_counts
-    return split_counts(total, world, shares)
 
 
 def cmd_info(a, pg) -> int:

@@ -16,7 +16,7 @@ from typing import Iterator, Optional, Sequence
 
 import numpy as np
 
-from .errors import DataError
+from .errors import ConfigError, DataError
 
 
 @dataclass
@@ -167,12 +167,12 @@ def split_counts(total: int, world: int, shares: Optional[Sequence[float]] = Non
     """Rows per rank for a global batch of `total`: equal (the first total % world
     ranks get one more), or proportional to `shares` (largest remainder)."""
     if world < 1:
-        raise ValueError("world size must be >= 1")
+        raise ConfigError("world size must be >= 1")
     if shares is None:
         base, extra = divmod(total, world)
         return [base + (r < extra) for r in range(world)]
     if len(shares) != world or any(s < 0 for s in shares) or sum(shares) <= 0:
-        raise ValueError(f"need {world} non-negative batch shares with a positive sum, got {list(shares)}")
+        raise ConfigError(f"need {world} non-negative batch shares with a positive sum, got {list(shares)}")
     w = np.asarray(shares, dtype=np.float64) / float(sum(shares))
     exact = w * total
     counts = np.floor(exact).astype(int)

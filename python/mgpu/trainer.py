@@ -82,7 +82,8 @@ class Trainer:
         """Train for `epochs` epochs (or `steps` steps) with global batch `batch_size`.
 
         Returns the history: one dict per epoch with epoch, train_loss, val_loss
-        (and val_accuracy for classification), steps, seconds, samples_per_sec.
+        (and val_accuracy for classification), steps (cumulative), samples,
+        seconds (training only, without validation) and samples_per_sec.
         """
         if batch_size < self.pg.size:
             raise ConfigError(f"global batch size {batch_size} is smaller than the number of ranks ({self.pg.size})")
@@ -114,7 +115,8 @@ class Trainer:
                         break
                 seconds = time.perf_counter() - t0
                 entry = {"epoch": epoch + 1, "train_loss": loss_sum / max(samples, 1), "steps": done,
-                         "seconds": seconds, "samples_per_sec": samples / seconds if seconds > 0 else 0.0}
+                         "samples": samples, "seconds": seconds,
+                         "samples_per_sec": samples / seconds if seconds > 0 else 0.0}
                 val = self.evaluate(data.x_val, data.y_val)
                 entry["val_loss"] = val["loss"]
                 if "accuracy" in val:

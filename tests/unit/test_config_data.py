@@ -65,7 +65,7 @@ def test_split_counts_shares():
     assert split_counts(10, 2, [0.7, 0.3]) == [7, 3]
     c = split_counts(1001, 3, [5, 3, 2])
     assert sum(c) == 1001 and abs(c[0] - 500.5) <= 1
-    with pytest.raises(ValueError):
+    with pytest.raises(mgpu.ConfigError, match="2 non-negative batch shares"):
         split_counts(10, 2, [1.0])
 
 
