@@ -5,6 +5,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <limits>
 #include <vector>
@@ -174,6 +175,21 @@ PYBIND11_MODULE(_core, m) {
           },
           py::arg("buffer"), "In-place sum across ranks of a float32 array (element count = its size).")
       .def(
+          "allreduce_sum_bucketed",
+          [](Communicator& c, py::array a, size_t bucket_elems) {
+            auto buf = writable_float_array(a, "allreduce buffer");
+            if (bucket_elems < 1) throw ConfigError("bucket_elems must be >= 1");
+            py::gil_scoped_release nogil;
+            const size_t n = static_cast<size_t>(buf.size());
+            for (size_t off = 0; off < n; off += bucket_elems) {
+              c.allreduce_sum_async(buf.mutable_data() + off, std::min(bucket_elems, n - off));
+              c.progress();
+            }
+            c.wait_all();
+          },
+          py::arg("buffer"), py::arg("bucket_elems"),
+          "In-place sum as asynchronous per-bucket allreduces (the overlapping path), then wait.")
+      .def(
           "broadcast",
           [](Communicator& c, py::array a, int root) {
             auto buf = writable_float_array(a, "broadcast buffer");
@@ -305,6 +321,8 @@ PYBIND11_MODULE(_core, m) {
         py::gil_scoped_release nogil;
         s.broadcast_parameters(root);
       }, py::arg("root") = 0)
+      .def_property_readonly("overlaps", &DataParallelStep::overlaps,
+                             "Whether allreduces overlap backward (needs NCCL or a device backend).")
       .def("buckets", [](const DataParallelStep& s) {
         std::vector<std::tuple<size_t, size_t, int>> out;
         for (const Bucket& b : s.buckets()) out.emplace_back(b.offset, b.count, b.ready_layer);

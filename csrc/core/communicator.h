@@ -21,6 +21,9 @@ class Communicator {
   virtual void broadcast(float* data, size_t count, int root) = 0;
   virtual void barrier() = 0;
   virtual void allreduce_sum_async(float* data, size_t count) { allreduce_sum(data, count); }
+  // True when async collectives advance without the caller's help (NCCL kernels);
+  // false when they need progress() calls from the host thread (MPI).
+  virtual bool progresses_independently() const { return false; }
   virtual void progress() {}
   virtual void wait_all() {}
 };

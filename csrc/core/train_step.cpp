@@ -39,6 +39,12 @@ DataParallelStep::DataParallelStep(std::shared_ptr<MLP> model, std::shared_ptr<O
       options_(options) {
   MGPU_CHECK(model_ && optimizer_ && comm_, ConfigError, "step needs a model, optimizer and communicator");
   buckets_ = plan_buckets(*model_, options_.bucket_elems);
+  // Overlap pays only when something drives the collective while backward runs:
+  // the transport itself (NCCL), or a host thread left idle by a device backend.
+  // With the CPU backend and MPI the same cores would do both, and blocking
+  // per-bucket allreduces after backward are faster (docs/benchmarks.md).
+  overlap_ = options_.overlap &&
+             (comm_->progresses_independently() || !model_->backend().host_accessible());
 }
 
 float DataParallelStep::step(const HostBatch& shard, int64_t global_batch, int64_t first_sample,
@@ -52,12 +58,12 @@ float DataParallelStep::step(const HostBatch& shard, int64_t global_batch, int64
   auto launch_ready = [&](int layer) {
     while (next_bucket < buckets_.size() && buckets_[next_bucket].ready_layer >= layer) {
       const Bucket& b = buckets_[next_bucket++];
-      if (options_.overlap)
+      if (overlap_)
         comm_->allreduce_sum_async(m.grads() + b.offset, b.count);
       else
         comm_->allreduce_sum(m.grads() + b.offset, b.count);
     }
-    if (options_.overlap) comm_->progress();
+    if (overlap_) comm_->progress();
   };
 
   if (shard.rows > 0) {
@@ -72,7 +78,7 @@ float DataParallelStep::step(const HostBatch& shard, int64_t global_batch, int64
                                   : static_cast<double>(global_batch);
     m.loss_forward_backward(loss_, shard.rows, static_cast<float>(1.0 / normaliser), nullptr);
     // 4. Backward; each bucket's allreduce starts once its layers are done.
-    m.backward(shard.rows, options_.overlap ? std::function<void(int)>(launch_ready) : nullptr);
+    m.backward(shard.rows, overlap_ ? std::function<void(int)>(launch_ready) : nullptr);
   } else {
     // An empty shard contributes zero gradient and zero loss.
     be.zero(m.grads(), m.grad_buffer_size());

@@ -29,7 +29,9 @@ std::vector<Bucket> plan_buckets(const MLP& model, size_t bucket_elems);
 
 struct StepOptions {
   size_t bucket_elems = size_t{1} << 20;  // 4 MiB of float32: well under MPI's large-message cliffs
-  bool overlap = true;  // start each bucket's allreduce during backward
+  // Start each bucket's allreduce during backward where that can pay (see
+  // DataParallelStep::overlaps()); false: per-bucket allreduces after backward.
+  bool overlap = true;
 };
 
 class DataParallelStep {
@@ -46,6 +48,8 @@ class DataParallelStep {
   void broadcast_parameters(int root);
 
   const std::vector<Bucket>& buckets() const { return buckets_; }
+  // Whether this step overlaps the allreduce with backward.
+  bool overlaps() const { return overlap_; }
   MLP& model() { return *model_; }
   Optimizer& optimizer() { return *optimizer_; }
   Communicator& communicator() { return *comm_; }
@@ -57,6 +61,7 @@ class DataParallelStep {
   std::shared_ptr<Communicator> comm_;
   LossKind loss_;
   StepOptions options_;
+  bool overlap_ = false;
   std::vector<Bucket> buckets_;
 };
 

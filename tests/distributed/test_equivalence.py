@@ -82,6 +82,10 @@ def test_collectives_of_the_core_communicator():
         buf = np.full(n, pg.rank + 1, np.float32)
         comm.allreduce_sum(buf)
         assert np.all(buf == pg.size * (pg.size + 1) / 2)
+    for bucket in (1, 7, 1 << 20):
+        buf = np.arange(1000, dtype=np.float32) + pg.rank
+        comm.allreduce_sum_bucketed(buf, bucket)
+        assert np.array_equal(buf, pg.size * np.arange(1000, dtype=np.float32) + pg.size * (pg.size - 1) / 2)
     b = np.arange(10, dtype=np.float32) * (pg.rank == 0)
     comm.broadcast(b, 0)
     assert np.array_equal(b, np.arange(10, dtype=np.float32))
