@@ -166,6 +166,11 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("name", &Communicator::name)
       .def_property_readonly("rank", &Communicator::rank)
       .def_property_readonly("size", &Communicator::size)
+      .def_property("timeout", &Communicator::timeout, &Communicator::set_timeout,
+                    "Seconds a collective may take before it fails with CommError naming the "
+                    "missing ranks (0: wait forever).")
+      .def("begin_step", &Communicator::begin_step, py::arg("step"),
+           "Heartbeat: this rank reached training step `step`.")
       .def(
           "allreduce_sum",
           [](Communicator& c, py::array a) {
@@ -206,7 +211,9 @@ PYBIND11_MODULE(_core, m) {
 #ifdef MGPU_HAVE_MPI
   py::class_<MpiCommunicator, Communicator, std::shared_ptr<MpiCommunicator>>(m, "MpiCommunicator")
       .def(py::init<uintptr_t>(), py::arg("handle"),
-           "Wraps (a duplicate of) the MPI communicator whose handle is mpi4py's MPI._handleof(comm).");
+           "Wraps (a duplicate of) the MPI communicator whose handle is mpi4py's MPI._handleof(comm).")
+      .def("missing_peers", &MpiCommunicator::missing_peers,
+           "Watched ranks whose heartbeats have not reached this rank's current step.");
 #endif
 
   py::class_<MLP, std::shared_ptr<MLP>>(m, "MLP")
@@ -296,27 +303,58 @@ PYBIND11_MODULE(_core, m) {
            py::arg("name"), py::arg("num_params"))
       .def("set_state", [](Optimizer& o, const std::string& name, FloatArray a) { o.set_state(name, a.data()); });
 
+  py::class_<StepResult>(m, "StepResult")
+      .def_readonly("loss", &StepResult::loss)
+      .def_readonly("grad_norm", &StepResult::grad_norm)
+      .def_readonly("applied", &StepResult::applied)
+      .def_readonly("stop_requested", &StepResult::stop_requested)
+      .def_readonly("loss_scale", &StepResult::loss_scale);
+
   py::class_<DataParallelStep, std::shared_ptr<DataParallelStep>>(m, "DataParallelStep")
       .def(py::init([](std::shared_ptr<MLP> model, std::shared_ptr<Optimizer> opt,
                        std::shared_ptr<Communicator> comm, const std::string& loss, size_t bucket_elems,
-                       bool overlap) {
+                       bool overlap, float max_grad_norm, float loss_scale, bool dynamic_loss_scale,
+                       int loss_scale_window) {
+             StepOptions o;
+             o.bucket_elems = bucket_elems;
+             o.overlap = overlap;
+             o.max_grad_norm = max_grad_norm;
+             o.loss_scale = loss_scale;
+             o.dynamic_loss_scale = dynamic_loss_scale;
+             o.loss_scale_window = loss_scale_window;
              return std::make_shared<DataParallelStep>(std::move(model), std::move(opt), std::move(comm),
-                                                       parse_loss(loss), StepOptions{bucket_elems, overlap});
+                                                       parse_loss(loss), o);
            }),
            py::arg("model"), py::arg("optimizer"), py::arg("communicator"), py::arg("loss") = "mse",
-           py::arg("bucket_elems") = size_t{1} << 20, py::arg("overlap") = true)
+           py::arg("bucket_elems") = size_t{1} << 20, py::arg("overlap") = true,
+           py::arg("max_grad_norm") = 0.0f, py::arg("loss_scale") = 1.0f,
+           py::arg("dynamic_loss_scale") = false, py::arg("loss_scale_window") = 2000)
       .def(
           "step",
-          [](DataParallelStep& s, py::array x, py::object y, int64_t global_batch, int64_t first_sample,
-             uint64_t step_index, float lr) {
-            BatchArgs b = make_batch(s.model(), x, y, s.loss());
-            if (y.is_none()) throw ConfigError("step needs targets y");
+          [](DataParallelStep& s, py::list micro_batches, int64_t global_batch, uint64_t step_index,
+             float lr, bool request_stop) {
+            // Keep the converted arrays alive while the core reads them.
+            std::vector<BatchArgs> args;
+            std::vector<MicroShard> shards;
+            args.reserve(micro_batches.size());
+            for (py::handle item : micro_batches) {
+              auto t = item.cast<py::tuple>();
+              if (t.size() != 3) throw ConfigError("each micro-batch is a tuple (x, y, first_sample)");
+              py::object y = t[1];
+              if (y.is_none()) throw ConfigError("step needs targets y");
+              args.push_back(make_batch(s.model(), t[0].cast<py::array>(), y, s.loss()));
+              shards.push_back({args.back().view, t[2].cast<int64_t>()});
+            }
             py::gil_scoped_release nogil;
-            return s.step(b.view, global_batch, first_sample, step_index, lr);
+            return s.step(shards, global_batch, step_index, lr, request_stop);
           },
-          py::arg("x"), py::arg("y"), py::arg("global_batch"), py::arg("first_sample"), py::arg("step"),
-          py::arg("lr"),
-          "One data-parallel step on this rank's shard; returns the global mean loss.")
+          py::arg("micro_batches"), py::arg("global_batch"), py::arg("step"), py::arg("lr"),
+          py::arg("request_stop") = false,
+          "One optimizer step over this rank's micro-batches [(x, y, first_sample), ...] of a "
+          "global batch of global_batch rows; returns a StepResult.")
+      .def_property("loss_scale", &DataParallelStep::loss_scale, &DataParallelStep::set_loss_scale)
+      .def_property("good_steps_in_a_row", &DataParallelStep::good_steps_in_a_row,
+                    &DataParallelStep::set_good_steps_in_a_row)
       .def("broadcast_parameters", [](DataParallelStep& s, int root) {
         py::gil_scoped_release nogil;
         s.broadcast_parameters(root);

@@ -10,6 +10,8 @@
 #include <string>
 #include <utility>
 
+#include "errors.h"
+
 namespace mgpu {
 
 // Identifies the dropout mask of one layer for one slice of the global batch.
@@ -26,6 +28,13 @@ struct DropoutKey {
 
 // Philox counters per row of C units: each counter yields 4 words.
 inline int dropout_groups(int C) { return (C + 3) / 4; }
+
+// fp32; tf32 (fp32 storage, tensor-core GEMMs); bf16 and fp16 mixed precision
+// (half-precision GEMM inputs, fp32 accumulation and master weights; fp16 needs
+// loss scaling, see StepOptions).
+enum class Precision { kFP32, kTF32, kBF16, kFP16 };
+Precision parse_precision(const std::string& name);
+std::string precision_name(Precision precision);
 
 struct SgdParams {
   float lr = 0.01f;
@@ -65,8 +74,10 @@ class Backend {
                               int B, int IN, int OUT) = 0;
   // dout (B, OUT) -> dweight (OUT, IN) = dout^T inp, dbias (OUT) = column sums of dout,
   // dinp (B, IN) = dout weight (skipped when dinp is null: the first layer needs none).
+  // accumulate: dweight and dbias are added to (gradient accumulation) instead of overwritten.
   virtual void linear_backward(float* dinp, float* dweight, float* dbias, const float* dout,
-                               const float* inp, const float* weight, int B, int IN, int OUT) = 0;
+                               const float* inp, const float* weight, int B, int IN, int OUT,
+                               bool accumulate) = 0;
 
   // In place on h (B, C): h = relu(h), then inverted dropout with keep-probability 1-p.
   virtual void relu_dropout_forward(float* h, int B, int C, float p, const DropoutKey& key) = 0;
@@ -92,9 +103,20 @@ class Backend {
   virtual void adamw_update(float* param, const float* grad, float* exp_avg, float* exp_avg_sq,
                             size_t n, const AdamWParams& hp) = 0;
 
-  // Helpers for clipping and health checks.
+  // Helpers for accumulation, clipping, loss scaling and health checks.
+  // sum_squares is NaN/Inf when any element is.
   virtual double sum_squares(const float* x, size_t n) = 0;
   virtual void scale(float* x, size_t n, float alpha) = 0;
+  virtual void axpy(float* y, const float* x, size_t n, float alpha) = 0;  // y += alpha x
+
+  // Arithmetic of the linear layers. Parameters, gradients and optimizer state
+  // stay fp32 (master weights) whatever the precision; backends that cannot
+  // honour a precision throw ConfigError.
+  virtual void set_precision(Precision precision) {
+    MGPU_CHECK(precision == Precision::kFP32, ConfigError, "the ", name(),
+               " backend computes in fp32 only (asked for ", precision_name(precision), ")");
+  }
+  virtual Precision precision() const { return Precision::kFP32; }
 };
 
 // Owning, move-only array in a backend's memory.

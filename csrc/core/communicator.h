@@ -6,6 +6,7 @@
 // (MPI) advance while the caller computes.
 #pragma once
 #include <cstddef>
+#include <cstdint>
 #include <memory>
 #include <string>
 
@@ -26,6 +27,19 @@ class Communicator {
   virtual bool progresses_independently() const { return false; }
   virtual void progress() {}
   virtual void wait_all() {}
+
+  // Fault detection. begin_step announces that this rank reached training step
+  // `step` (a heartbeat the peers can see); a collective that has not completed
+  // timeout_seconds after it was waited on throws CommError naming the step and,
+  // where the transport can tell, the ranks that never arrived. 0 disables.
+  virtual void set_timeout(double seconds) { timeout_seconds_ = seconds; }
+  double timeout() const { return timeout_seconds_; }
+  virtual void begin_step(uint64_t step) { current_step_ = step; }
+  uint64_t current_step() const { return current_step_; }
+
+ protected:
+  double timeout_seconds_ = 0.0;
+  uint64_t current_step_ = 0;
 };
 
 // A world of one: every collective is the identity.

@@ -135,21 +135,24 @@ const float* MLP::forward(int rows, const DropoutKey* dropout) {
   return output();
 }
 
-void MLP::loss_forward_backward(LossKind loss, int rows, float grad_scale, float* correct_out) {
+void MLP::loss_forward_backward(LossKind loss, int rows, float grad_scale, float* correct_out,
+                                bool accumulate) {
   float* dpred = dact_[(num_layers() - 1) % 2].data();
+  float* loss_out = accumulate ? scratch_.data() : loss_slot();
   if (loss == LossKind::kMSE) {
     MGPU_CHECK(targets_, ConfigError, "mse loss needs float targets of shape (rows, ",
                out_features(), ")");
-    backend_->mse_forward_backward(loss_slot(), dpred, output(), targets_, rows, out_features(),
+    backend_->mse_forward_backward(loss_out, dpred, output(), targets_, rows, out_features(),
                                    grad_scale);
   } else {
     MGPU_CHECK(labels_, ConfigError, "cross_entropy loss needs integer class labels");
-    backend_->cross_entropy_forward_backward(loss_slot(), dpred, correct_out, output(), labels_,
+    backend_->cross_entropy_forward_backward(loss_out, dpred, correct_out, output(), labels_,
                                              rows, out_features(), grad_scale);
   }
+  if (accumulate) backend_->axpy(loss_slot(), loss_out, 1, 1.0f);
 }
 
-void MLP::backward(int rows, const std::function<void(int)>& layer_done) {
+void MLP::backward(int rows, const std::function<void(int)>& layer_done, bool accumulate) {
   // dact_[l % 2] holds d(loss)/d(output of layer l); the parity matches the
   // buffer loss_forward_backward wrote for the last layer.
   for (int l = num_layers() - 1; l >= 0; --l) {
@@ -158,7 +161,7 @@ void MLP::backward(int rows, const std::function<void(int)>& layer_done) {
     const float* inp = l > 0 ? activations_[l - 1].data() : input_;
     backend_->linear_backward(dinp, grads_.data() + weight_offset(l), grads_.data() + bias_offset(l),
                               dout, inp, params_.data() + weight_offset(l), rows, sizes_[l],
-                              sizes_[l + 1]);
+                              sizes_[l + 1], accumulate);
     if (l > 0)
       backend_->relu_dropout_backward(dinp, activations_[l - 1].data(),
                                       static_cast<size_t>(rows) * sizes_[l], layer_dropout(l - 1));

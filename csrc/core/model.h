@@ -49,8 +49,11 @@ class MLP {
 
   float* params() { return params_.data(); }
   float* grads() { return grads_.data(); }
+  // Extra slots after the gradients, summed by the same allreduce: the loss, and
+  // the number of ranks asking to stop (a signal arrived) so all agree when.
   float* loss_slot() { return grads_.data() + num_params_; }
-  static constexpr size_t kGradExtraSlots = 1;
+  float* stop_slot() { return grads_.data() + num_params_ + 1; }
+  static constexpr size_t kGradExtraSlots = 2;
   size_t grad_buffer_size() const { return num_params_ + kGradExtraSlots; }
 
   // Re-draw the parameters from `seed` (PyTorch nn.Linear's default
@@ -65,12 +68,15 @@ class MLP {
   // Forward pass over the staged rows; dropout is active iff `dropout` is set.
   // Returns the output (rows, out_features) in backend memory.
   const float* forward(int rows, const DropoutKey* dropout);
-  // Writes the loss contribution to loss_slot() and its gradient to the head of
-  // the backward chain (see Backend loss semantics for grad_scale).
-  void loss_forward_backward(LossKind loss, int rows, float grad_scale, float* correct_out);
+  // Writes the loss contribution to loss_slot() (adds to it when accumulating)
+  // and its gradient to the head of the backward chain (see Backend loss
+  // semantics for grad_scale).
+  void loss_forward_backward(LossKind loss, int rows, float grad_scale, float* correct_out,
+                             bool accumulate = false);
   // Backward pass; calls layer_done(l) once layer l's gradients are written,
-  // from the last layer to the first.
-  void backward(int rows, const std::function<void(int)>& layer_done);
+  // from the last layer to the first. accumulate: add to grads() instead of
+  // overwriting them (micro-steps of gradient accumulation).
+  void backward(int rows, const std::function<void(int)>& layer_done, bool accumulate = false);
 
   // Local (no communication) conveniences for the Python API.
   // Mean loss of the batch; fills grads() with its gradient.

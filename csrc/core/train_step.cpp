@@ -38,6 +38,11 @@ DataParallelStep::DataParallelStep(std::shared_ptr<MLP> model, std::shared_ptr<O
       loss_(loss),
       options_(options) {
   MGPU_CHECK(model_ && optimizer_ && comm_, ConfigError, "step needs a model, optimizer and communicator");
+  MGPU_CHECK(options_.max_grad_norm >= 0.0f && std::isfinite(options_.max_grad_norm), ConfigError,
+             "max_grad_norm must be a finite number >= 0 (0 disables clipping), got ",
+             options_.max_grad_norm);
+  MGPU_CHECK(options_.loss_scale_window >= 1, ConfigError, "loss_scale_window must be >= 1");
+  set_loss_scale(options_.loss_scale);
   buckets_ = plan_buckets(*model_, options_.bucket_elems);
   // Overlap pays only when something drives the collective while backward runs:
   // the transport itself (NCCL), or a host thread left idle by a device backend.
@@ -47,15 +52,32 @@ DataParallelStep::DataParallelStep(std::shared_ptr<MLP> model, std::shared_ptr<O
              (comm_->progresses_independently() || !model_->backend().host_accessible());
 }
 
-float DataParallelStep::step(const HostBatch& shard, int64_t global_batch, int64_t first_sample,
-                             uint64_t step_index, float lr) {
+void DataParallelStep::set_loss_scale(float scale) {
+  MGPU_CHECK(scale > 0.0f && std::isfinite(scale), ConfigError,
+             "loss scale must be a finite number > 0, got ", scale);
+  loss_scale_ = scale;
+}
+
+StepResult DataParallelStep::step(const std::vector<MicroShard>& shards, int64_t global_batch,
+                                  uint64_t step_index, float lr, bool request_stop) {
   MLP& m = *model_;
   Backend& be = m.backend();
+  MGPU_CHECK(!shards.empty(), ConfigError, "a step needs at least one micro-batch");
   MGPU_CHECK(global_batch >= 1, ConfigError, "global batch must be >= 1");
-  MGPU_CHECK(shard.rows >= 0 && shard.rows <= global_batch, ConfigError, "shard of ", shard.rows,
-             " rows does not fit a global batch of ", global_batch);
+  int64_t local_rows = 0;
+  for (const MicroShard& s : shards) {
+    MGPU_CHECK(s.batch.rows >= 0 && s.first_sample >= 0 &&
+                   s.first_sample + s.batch.rows <= global_batch,
+               ConfigError, "shard of ", s.batch.rows, " rows at sample ", s.first_sample,
+               " does not fit a global batch of ", global_batch);
+    local_rows += s.batch.rows;
+  }
+  MGPU_CHECK(local_rows <= global_batch, ConfigError, "this rank's ", local_rows,
+             " rows exceed the global batch of ", global_batch);
+
   size_t next_bucket = 0;
   auto launch_ready = [&](int layer) {
+    if (next_bucket == 0) comm_->begin_step(step_index);  // heartbeat, just before the first collective
     while (next_bucket < buckets_.size() && buckets_[next_bucket].ready_layer >= layer) {
       const Bucket& b = buckets_[next_bucket++];
       if (overlap_)
@@ -66,32 +88,66 @@ float DataParallelStep::step(const HostBatch& shard, int64_t global_batch, int64
     if (overlap_) comm_->progress();
   };
 
-  if (shard.rows > 0) {
-    // 1. This rank's shard into backend memory.
-    m.stage(shard, loss_);
-    // 2. Forward; dropout masks keyed by (seed, step, layer, global sample index).
-    const DropoutKey key{m.seed(), step_index, 0, first_sample};
-    m.forward(shard.rows, &key);
-    // 3. Loss and its gradient, pre-scaled by 1/global normaliser.
-    const double normaliser = loss_ == LossKind::kMSE
-                                  ? static_cast<double>(global_batch) * m.out_features()
-                                  : static_cast<double>(global_batch);
-    m.loss_forward_backward(loss_, shard.rows, static_cast<float>(1.0 / normaliser), nullptr);
-    // 4. Backward; each bucket's allreduce starts once its layers are done.
-    m.backward(shard.rows, overlap_ ? std::function<void(int)>(launch_ready) : nullptr);
-  } else {
-    // An empty shard contributes zero gradient and zero loss.
-    be.zero(m.grads(), m.grad_buffer_size());
+  // 1-4. Per micro-batch: stage the shard, forward (dropout keyed by seed, step,
+  // layer and global sample index), loss and its gradient pre-scaled by
+  // loss_scale / global normaliser, backward into the gradient buffer (added
+  // after the first). Only the last micro-batch's backward starts the allreduce.
+  const double normaliser = loss_ == LossKind::kMSE
+                                ? static_cast<double>(global_batch) * m.out_features()
+                                : static_cast<double>(global_batch);
+  const float grad_scale = static_cast<float>(loss_scale_ / normaliser);
+  bool written = false;  // has any micro-batch written the gradient buffer yet?
+  for (size_t k = 0; k < shards.size(); ++k) {
+    const MicroShard& s = shards[k];
+    const bool last = k + 1 == shards.size();
+    if (s.batch.rows == 0) continue;
+    m.stage(s.batch, loss_);
+    const DropoutKey key{m.seed(), step_index, 0, s.first_sample};
+    m.forward(s.batch.rows, &key);
+    m.loss_forward_backward(loss_, s.batch.rows, grad_scale, nullptr, written);
+    m.backward(s.batch.rows, last && overlap_ ? std::function<void(int)>(launch_ready) : nullptr,
+               written);
+    written = true;
   }
+  // An empty share contributes zero gradient and zero loss.
+  if (!written) be.zero(m.grads(), m.num_params() + 1);
+  const float stop_flag = request_stop ? 1.0f : 0.0f;
+  be.copy_to_backend(m.stop_slot(), &stop_flag, sizeof(float));
   launch_ready(-1);  // every bucket not yet launched
-  // 5. All gradients summed on every rank; the update is then identical everywhere.
+  // 5. All gradients summed on every rank; from here on every rank computes
+  // the same values and takes the same decisions.
   comm_->wait_all();
-  float loss = 0.0f;
-  be.copy_to_host(&loss, m.loss_slot(), sizeof(float));
-  MGPU_CHECK(std::isfinite(loss), NumericsError, "non-finite loss (", loss, ") at step ",
-             step_index, "; parameters were not updated");
+
+  StepResult result;
+  result.loss_scale = loss_scale_;
+  float slots[MLP::kGradExtraSlots] = {};
+  be.copy_to_host(slots, m.loss_slot(), sizeof(slots));
+  result.loss = static_cast<float>(slots[0] / loss_scale_);
+  result.stop_requested = slots[1] > 0.0f;
+  // 6. Health check: one reduction over the gradients yields the norm for
+  // clipping and detects NaN/Inf (which make it non-finite).
+  const double scaled_norm = std::sqrt(be.sum_squares(m.grads(), m.num_params()));
+  result.grad_norm = scaled_norm / loss_scale_;
+  const bool finite = std::isfinite(result.loss) && std::isfinite(result.grad_norm);
+  if (!finite) {
+    // Skip: parameters and optimizer state stay as they were.
+    if (options_.dynamic_loss_scale) loss_scale_ = std::max(loss_scale_ * 0.5f, 1e-30f);
+    good_steps_ = 0;
+    return result;
+  }
+  // 7. Unscale and clip in one pass: g *= (1/scale) * min(1, max_norm / (norm + 1e-6)).
+  double factor = 1.0 / loss_scale_;
+  if (options_.max_grad_norm > 0.0f && result.grad_norm > options_.max_grad_norm)
+    factor *= options_.max_grad_norm / (result.grad_norm + 1e-6);
+  if (factor != 1.0) be.scale(m.grads(), m.num_params(), static_cast<float>(factor));
+  // 8. The update, identical on every rank.
   optimizer_->step(m.params(), m.grads(), lr);
-  return loss;
+  result.applied = true;
+  if (options_.dynamic_loss_scale && ++good_steps_ >= options_.loss_scale_window) {
+    loss_scale_ = std::min(loss_scale_ * 2.0f, 3.0e38f);
+    good_steps_ = 0;
+  }
+  return result;
 }
 
 void DataParallelStep::broadcast_parameters(int root) {

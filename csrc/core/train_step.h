@@ -1,5 +1,6 @@
 // One data-parallel training step, top to bottom (train_step.cpp): stage this
-// rank's shard, forward, loss, backward with bucketed gradient allreduce, update.
+// rank's shard, forward, loss, backward with bucketed gradient allreduce (after
+// K-1 local micro-batches when accumulating), health check, clip, update.
 // Exact averaging: every rank scales its per-sample gradient sum by
 // 1/global_batch, so the allreduced sum is the mean over the global batch
 // however unevenly it is split.
@@ -32,6 +33,29 @@ struct StepOptions {
   // Start each bucket's allreduce during backward where that can pay (see
   // DataParallelStep::overlaps()); false: per-bucket allreduces after backward.
   bool overlap = true;
+  // Global-norm gradient clipping (PyTorch's clip_grad_norm_); 0 disables.
+  float max_grad_norm = 0.0f;
+  // Loss scaling (fp16): gradients are computed for loss_scale x the loss and
+  // unscaled before the update. Dynamic: a step with non-finite gradients is
+  // skipped and halves the scale; loss_scale_window good steps in a row double it.
+  float loss_scale = 1.0f;
+  bool dynamic_loss_scale = false;
+  int loss_scale_window = 2000;
+};
+
+// One rank's share of one micro-batch: rows of the step's global batch whose
+// first row is global sample first_sample (numbered across all micro-batches).
+struct MicroShard {
+  HostBatch batch;
+  int64_t first_sample = 0;
+};
+
+struct StepResult {
+  float loss = 0.0f;          // global mean loss of the step's samples
+  double grad_norm = 0.0;     // L2 norm of the averaged, unscaled gradient before clipping
+  bool applied = false;       // false: non-finite loss or gradients; parameters untouched
+  bool stop_requested = false;  // some rank asked to stop; every rank sees the same value
+  float loss_scale = 1.0f;    // the scale this step used
 };
 
 class DataParallelStep {
@@ -39,17 +63,24 @@ class DataParallelStep {
   DataParallelStep(std::shared_ptr<MLP> model, std::shared_ptr<Optimizer> optimizer,
                    std::shared_ptr<Communicator> comm, LossKind loss, StepOptions options);
 
-  // One step on this rank's shard (shard.rows may be 0) of a global batch of
-  // global_batch rows whose first shard row is global sample first_sample.
-  // Returns the global mean loss (the same on every rank).
-  float step(const HostBatch& shard, int64_t global_batch, int64_t first_sample, uint64_t step_index,
-             float lr);
+  // One optimizer step over K micro-batches (gradient accumulation when K > 1):
+  // this rank's shards (any may have 0 rows) of a global batch of global_batch
+  // rows in all. Gradients accumulate locally; the allreduce runs once, during
+  // the last micro-batch's backward. request_stop: this rank wants the run to
+  // end at this step (agreed through the same allreduce).
+  StepResult step(const std::vector<MicroShard>& shards, int64_t global_batch, uint64_t step_index,
+                  float lr, bool request_stop = false);
   // Make every rank's parameters equal to root's.
   void broadcast_parameters(int root);
 
   const std::vector<Bucket>& buckets() const { return buckets_; }
   // Whether this step overlaps the allreduce with backward.
   bool overlaps() const { return overlap_; }
+  const StepOptions& options() const { return options_; }
+  float loss_scale() const { return loss_scale_; }
+  void set_loss_scale(float scale);
+  int good_steps_in_a_row() const { return good_steps_; }
+  void set_good_steps_in_a_row(int steps) { good_steps_ = steps; }
   MLP& model() { return *model_; }
   Optimizer& optimizer() { return *optimizer_; }
   Communicator& communicator() { return *comm_; }
@@ -63,6 +94,8 @@ class DataParallelStep {
   StepOptions options_;
   bool overlap_ = false;
   std::vector<Bucket> buckets_;
+  float loss_scale_ = 1.0f;
+  int good_steps_ = 0;
 };
 
 }  // namespace mgpu

@@ -124,11 +124,13 @@ void CpuBackend::linear_forward(float* out, const float* inp, const float* weigh
 
 // dout (B, OUT), inp (B, IN), weight (OUT, IN) -> dweight (OUT, IN), dbias (OUT), dinp (B, IN)
 void CpuBackend::linear_backward(float* dinp, float* dweight, float* dbias, const float* dout,
-                                 const float* inp, const float* weight, int B, int IN, int OUT) {
+                                 const float* inp, const float* weight, int B, int IN, int OUT,
+                                 bool accumulate) {
+  const float beta = accumulate ? 1.0f : 0.0f;
   if (dinp)
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, B, IN, OUT, 1.0f, dout, OUT, weight, IN,
                 0.0f, dinp, IN);
-  cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, OUT, IN, B, 1.0f, dout, OUT, inp, IN, 0.0f,
+  cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, OUT, IN, B, 1.0f, dout, OUT, inp, IN, beta,
               dweight, IN);
   // Column sums, split by columns so each thread owns its outputs (deterministic).
   constexpr int kCols = 256;
@@ -137,7 +139,8 @@ void CpuBackend::linear_backward(float* dinp, float* dweight, float* dbias, cons
   for (int blk = 0; blk < blocks; ++blk) {
     const int j0 = blk * kCols, j1 = std::min(OUT, j0 + kCols);
     float* db = dbias + j0;
-    for (int j = 0; j < j1 - j0; ++j) db[j] = 0.0f;
+    if (!accumulate)
+      for (int j = 0; j < j1 - j0; ++j) db[j] = 0.0f;
     for (int b = 0; b < B; ++b) {
       const float* row = dout + size_t(b) * OUT + j0;
 #pragma omp simd
@@ -280,6 +283,12 @@ void CpuBackend::scale(float* x, size_t n, float alpha) {
   const long len = static_cast<long>(n);
 #pragma omp parallel for simd num_threads(threads_) if (len > kParallelMin) schedule(static)
   for (long i = 0; i < len; ++i) x[i] *= alpha;
+}
+
+void CpuBackend::axpy(float* y, const float* x, size_t n, float alpha) {
+  const long len = static_cast<long>(n);
+#pragma omp parallel for simd num_threads(threads_) if (len > kParallelMin) schedule(static)
+  for (long i = 0; i < len; ++i) y[i] += alpha * x[i];
 }
 
 }  // namespace mgpu

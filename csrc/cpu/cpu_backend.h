@@ -24,7 +24,8 @@ class CpuBackend final : public Backend {
   void linear_forward(float* out, const float* inp, const float* weight, const float* bias, int B,
                       int IN, int OUT) override;
   void linear_backward(float* dinp, float* dweight, float* dbias, const float* dout,
-                       const float* inp, const float* weight, int B, int IN, int OUT) override;
+                       const float* inp, const float* weight, int B, int IN, int OUT,
+                       bool accumulate) override;
   void relu_dropout_forward(float* h, int B, int C, float p, const DropoutKey& key) override;
   void relu_dropout_backward(float* dh, const float* h, size_t n, float p) override;
   void mse_forward_backward(float* loss_out, float* dpred, const float* pred, const float* target,
@@ -38,6 +39,7 @@ class CpuBackend final : public Backend {
                     const AdamWParams& hp) override;
   double sum_squares(const float* x, size_t n) override;
   void scale(float* x, size_t n, float alpha) override;
+  void axpy(float* y, const float* x, size_t n, float alpha) override;
 
  private:
   int threads_ = 1;

@@ -1,8 +1,12 @@
 // MPI communicator implementation (see mpi_communicator.h).
 #include "mpi_communicator.h"
 
+#include <sched.h>
+
 #include <algorithm>
+#include <chrono>
 #include <climits>
+#include <sstream>
 #include <string>
 
 #include "../core/errors.h"
@@ -19,6 +23,16 @@ void check(int rc, const char* what) {
 }
 // MPI counts are int: larger buffers go in chunks.
 constexpr size_t kMaxChunk = static_cast<size_t>(INT_MAX);
+// Up to this many ranks everyone watches everyone (size - 1 tiny messages per
+// rank and step); beyond it heartbeats go to rank 0 and back.
+constexpr int kAllToAllHeartbeats = 32;
+constexpr int kHeartbeatTag = 7;
+
+std::string join(const std::vector<int>& ranks) {
+  std::ostringstream out;
+  for (size_t i = 0; i < ranks.size(); ++i) out << (i ? ", " : "") << ranks[i];
+  return out.str();
+}
 }  // namespace
 
 MpiCommunicator::MpiCommunicator(uintptr_t handle) {
@@ -30,39 +44,182 @@ MpiCommunicator::MpiCommunicator(uintptr_t handle) {
   MPI_Comm parent = reinterpret_cast<MPI_Comm>(handle);
   MGPU_CHECK(parent != MPI_COMM_NULL, CommError, "MPI communicator handle is MPI_COMM_NULL");
   check(MPI_Comm_dup(parent, &comm_), "MPI_Comm_dup");
+  check(MPI_Comm_dup(parent, &heartbeat_comm_), "MPI_Comm_dup");
   // Errors come back as return codes (and then exceptions) instead of aborting.
   check(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler");
+  check(MPI_Comm_set_errhandler(heartbeat_comm_, MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler");
   check(MPI_Comm_rank(comm_, &rank_), "MPI_Comm_rank");
   check(MPI_Comm_size(comm_, &size_), "MPI_Comm_size");
+
+  for (int r = 0; r < size_; ++r)
+    if (r != rank_ && (size_ <= kAllToAllHeartbeats || rank_ == 0 || r == 0)) watched_.push_back(r);
+  heard_.assign(watched_.size(), 0);
+  incoming_.assign(watched_.size(), 0);
+  heartbeat_recvs_.assign(watched_.size(), MPI_REQUEST_NULL);
+  for (size_t i = 0; i < watched_.size(); ++i)
+    check(MPI_Irecv(&incoming_[i], 1, MPI_UINT64_T, watched_[i], kHeartbeatTag, heartbeat_comm_,
+                    &heartbeat_recvs_[i]),
+          "MPI_Irecv");
 }
 
 MpiCommunicator::~MpiCommunicator() {
   int finalized = 0;
   MPI_Finalized(&finalized);
-  if (!finalized && comm_ != MPI_COMM_NULL) {
-    if (!pending_.empty()) MPI_Waitall(static_cast<int>(pending_.size()), pending_.data(), MPI_STATUSES_IGNORE);
-    MPI_Comm_free(&comm_);
+  // After a timeout, collectives may never complete: leave them (the job is ending).
+  if (finalized || broken_) return;
+  if (!pending_.empty()) MPI_Waitall(static_cast<int>(pending_.size()), pending_.data(), MPI_STATUSES_IGNORE);
+  for (MPI_Request& r : heartbeat_recvs_)
+    if (r != MPI_REQUEST_NULL) {
+      MPI_Cancel(&r);
+      MPI_Request_free(&r);
+    }
+  for (MPI_Request& r : heartbeat_sends_)
+    if (r != MPI_REQUEST_NULL) MPI_Request_free(&r);  // completes in the background
+  MPI_Comm_free(&heartbeat_comm_);
+  MPI_Comm_free(&comm_);
+}
+
+void MpiCommunicator::ensure_usable() const {
+  MGPU_CHECK(!broken_, CommError, "the MPI communicator is unusable after an earlier timeout");
+}
+
+void MpiCommunicator::wait(std::vector<MPI_Request>& requests, const char* what) {
+  if (requests.empty()) return;
+  if (timeout_seconds_ <= 0.0) {
+    const int rc = MPI_Waitall(static_cast<int>(requests.size()), requests.data(), MPI_STATUSES_IGNORE);
+    requests.clear();
+    check(rc, what);
+    return;
   }
+  using clock = std::chrono::steady_clock;
+  const auto deadline = clock::now() + std::chrono::duration<double>(timeout_seconds_);
+  for (unsigned spins = 0;; ++spins) {
+    int done = 0;
+    const int rc = MPI_Testall(static_cast<int>(requests.size()), requests.data(), &done,
+                               MPI_STATUSES_IGNORE);
+    if (rc != MPI_SUCCESS) {
+      requests.clear();
+      check(rc, what);
+    }
+    if (done) {
+      requests.clear();
+      return;
+    }
+    if ((spins & 1023) == 1023) {
+      if (clock::now() > deadline) fail_timeout(what);
+      sched_yield();  // share the core with a peer rank on an oversubscribed node
+    }
+  }
+}
+
+void MpiCommunicator::fail_timeout(const char* what) {
+  broken_ = true;
+  std::vector<int> missing = missing_peers();
+  std::ostringstream msg;
+  msg << what << " at step " << current_step_ << " did not complete within " << timeout_seconds_
+      << " s on rank " << rank_ << ": ";
+  const bool sees_everyone = static_cast<int>(watched_.size()) == size_ - 1;
+  if (!missing.empty())
+    msg << "rank" << (missing.size() > 1 ? "s " : " ") << join(missing)
+        << (missing.size() > 1 ? " have" : " has") << " not reached this step (stopped, hung or dead)";
+  else if (sees_everyone)
+    msg << "every rank reached this step, but the collective is stuck";
+  else
+    msg << "rank 0 reached this step; it names the missing rank";
+  throw CommError(msg.str());
+}
+
+void MpiCommunicator::drain_heartbeats() {
+  for (size_t i = 0; i < watched_.size(); ++i) {
+    for (;;) {  // several heartbeats may be queued
+      int arrived = 0;
+      if (heartbeat_recvs_[i] == MPI_REQUEST_NULL) break;
+      if (MPI_Test(&heartbeat_recvs_[i], &arrived, MPI_STATUS_IGNORE) != MPI_SUCCESS || !arrived) break;
+      heard_[i] = std::max(heard_[i], incoming_[i]);
+      if (MPI_Irecv(&incoming_[i], 1, MPI_UINT64_T, watched_[i], kHeartbeatTag, heartbeat_comm_,
+                    &heartbeat_recvs_[i]) != MPI_SUCCESS)
+        heartbeat_recvs_[i] = MPI_REQUEST_NULL;
+    }
+  }
+}
+
+std::vector<int> MpiCommunicator::missing_peers() {
+  drain_heartbeats();
+  std::vector<int> missing;
+  for (size_t i = 0; i < watched_.size(); ++i)
+    if (heard_[i] < sequence_) missing.push_back(watched_[i]);
+  return missing;
+}
+
+void MpiCommunicator::begin_step(uint64_t step) {
+  Communicator::begin_step(step);
+  ++sequence_;
+  if (watched_.empty()) return;
+  drain_heartbeats();  // also keeps MPI's unexpected-message queue short
+  // Never block on a heartbeat: if the previous ones are still in flight (a
+  // peer is not receiving), skip this one.
+  int sent = 1;
+  if (!heartbeat_sends_.empty() &&
+      MPI_Testall(static_cast<int>(heartbeat_sends_.size()), heartbeat_sends_.data(), &sent,
+                  MPI_STATUSES_IGNORE) != MPI_SUCCESS)
+    sent = 0;
+  if (!sent) return;
+  heartbeat_sends_.assign(watched_.size(), MPI_REQUEST_NULL);
+  outgoing_ = sequence_;
+  for (size_t i = 0; i < watched_.size(); ++i)
+    check(MPI_Isend(&outgoing_, 1, MPI_UINT64_T, watched_[i], kHeartbeatTag, heartbeat_comm_,
+                    &heartbeat_sends_[i]),
+          "MPI_Isend");
 }
 
 void MpiCommunicator::allreduce_sum(float* data, size_t count) {
+  ensure_usable();
+  if (timeout_seconds_ <= 0.0) {
+    for (size_t done = 0; done < count; done += kMaxChunk) {
+      const int n = static_cast<int>(std::min(kMaxChunk, count - done));
+      check(MPI_Allreduce(MPI_IN_PLACE, data + done, n, MPI_FLOAT, MPI_SUM, comm_), "MPI_Allreduce");
+    }
+    return;
+  }
+  std::vector<MPI_Request> requests;
   for (size_t done = 0; done < count; done += kMaxChunk) {
     const int n = static_cast<int>(std::min(kMaxChunk, count - done));
-    check(MPI_Allreduce(MPI_IN_PLACE, data + done, n, MPI_FLOAT, MPI_SUM, comm_), "MPI_Allreduce");
+    requests.emplace_back();
+    check(MPI_Iallreduce(MPI_IN_PLACE, data + done, n, MPI_FLOAT, MPI_SUM, comm_, &requests.back()),
+          "MPI_Iallreduce");
   }
+  wait(requests, "allreduce");
 }
 
 void MpiCommunicator::broadcast(float* data, size_t count, int root) {
+  ensure_usable();
   MGPU_CHECK(root >= 0 && root < size_, CommError, "broadcast root ", root, " outside [0, ", size_, ")");
+  std::vector<MPI_Request> requests;
   for (size_t done = 0; done < count; done += kMaxChunk) {
     const int n = static_cast<int>(std::min(kMaxChunk, count - done));
-    check(MPI_Bcast(data + done, n, MPI_FLOAT, root, comm_), "MPI_Bcast");
+    if (timeout_seconds_ <= 0.0) {
+      check(MPI_Bcast(data + done, n, MPI_FLOAT, root, comm_), "MPI_Bcast");
+    } else {
+      requests.emplace_back();
+      check(MPI_Ibcast(data + done, n, MPI_FLOAT, root, comm_, &requests.back()), "MPI_Ibcast");
+    }
   }
+  wait(requests, "broadcast");
 }
 
-void MpiCommunicator::barrier() { check(MPI_Barrier(comm_), "MPI_Barrier"); }
+void MpiCommunicator::barrier() {
+  ensure_usable();
+  if (timeout_seconds_ <= 0.0) {
+    check(MPI_Barrier(comm_), "MPI_Barrier");
+    return;
+  }
+  std::vector<MPI_Request> requests(1);
+  check(MPI_Ibarrier(comm_, &requests[0]), "MPI_Ibarrier");
+  wait(requests, "barrier");
+}
 
 void MpiCommunicator::allreduce_sum_async(float* data, size_t count) {
+  ensure_usable();
   for (size_t done = 0; done < count; done += kMaxChunk) {
     const int n = static_cast<int>(std::min(kMaxChunk, count - done));
     MPI_Request req;
@@ -73,7 +230,7 @@ void MpiCommunicator::allreduce_sum_async(float* data, size_t count) {
 }
 
 void MpiCommunicator::progress() {
-  if (pending_.empty()) return;
+  if (pending_.empty() || broken_) return;
   int flag = 0;
   // Testing drives OpenMPI's progress engine for the outstanding collectives.
   check(MPI_Testall(static_cast<int>(pending_.size()), pending_.data(), &flag, MPI_STATUSES_IGNORE),
@@ -82,10 +239,8 @@ void MpiCommunicator::progress() {
 }
 
 void MpiCommunicator::wait_all() {
-  if (pending_.empty()) return;
-  const int rc = MPI_Waitall(static_cast<int>(pending_.size()), pending_.data(), MPI_STATUSES_IGNORE);
-  pending_.clear();
-  check(rc, "MPI_Waitall");
+  ensure_usable();
+  wait(pending_, "allreduce");
 }
 
 std::string mpi_library_version() {

@@ -1,12 +1,17 @@
 // MPI communicator over a communicator handed over from mpi4py (duplicated, so
 // our collectives never match a user's). Host memory only: the CPU backend's
 // buffers, or host-staged GPU gradients.
+//
+// Fault detection: with a timeout set, every collective is non-blocking and
+// waited on against a deadline, so a dead or stopped peer ends the wait with a
+// CommError instead of a hang. Heartbeats on a second duplicate tell who is
+// missing: at each step every rank sends its step sequence number to the ranks
+// it watches (everyone in small worlds; rank 0 and back in large ones).
 #pragma once
 #include <mpi.h>
 
 #include <cstdint>
 #include <string>
-
 #include <vector>
 
 #include "../core/communicator.h"
@@ -27,11 +32,32 @@ class MpiCommunicator final : public Communicator {
   void allreduce_sum_async(float* data, size_t count) override;
   void progress() override;
   void wait_all() override;
+  void begin_step(uint64_t step) override;
+
+  // Ranks whose heartbeats show they have not reached this rank's current
+  // step (only ranks this rank watches; see the file comment).
+  std::vector<int> missing_peers();
 
  private:
+  void ensure_usable() const;
+  // Completes `requests` (cleared on return) or throws CommError after the timeout.
+  void wait(std::vector<MPI_Request>& requests, const char* what);
+  [[noreturn]] void fail_timeout(const char* what);
+  void drain_heartbeats();
+
   MPI_Comm comm_ = MPI_COMM_NULL;
+  MPI_Comm heartbeat_comm_ = MPI_COMM_NULL;
   int rank_ = 0, size_ = 1;
+  bool broken_ = false;  // a wait timed out: requests may still be in flight
   std::vector<MPI_Request> pending_;
+
+  std::vector<int> watched_;                 // peers exchanging heartbeats with this rank
+  std::vector<uint64_t> heard_;              // last sequence number heard from watched_[i]
+  std::vector<uint64_t> incoming_;           // receive buffers, one per watched peer
+  std::vector<MPI_Request> heartbeat_recvs_;
+  std::vector<MPI_Request> heartbeat_sends_;
+  uint64_t sequence_ = 0;                    // begin_step calls so far (same on every rank)
+  uint64_t outgoing_ = 0;                    // send buffer: must outlive the sends
 };
 
 // Version string of the MPI library linked at run time.
