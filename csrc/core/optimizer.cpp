@@ -1,6 +1,8 @@
 // Optimizer step logic, written once; the per-element math is the backend's.
 #include "optimizer.h"
 
+#include <cmath>
+
 #include "errors.h"
 
 namespace mgpu {
@@ -34,7 +36,7 @@ Optimizer::Optimizer(std::shared_ptr<Backend> backend, size_t num_params, const 
 }
 
 void Optimizer::step(float* params, const float* grads, float lr) {
-  MGPU_CHECK(lr > 0.0f, ConfigError, "learning rate must be > 0, got ", lr);
+  MGPU_CHECK(lr >= 0.0f && std::isfinite(lr), ConfigError, "learning rate must be a finite number >= 0, got ", lr);
   ++steps_;
   if (config_.kind == OptimizerKind::kSGD) {
     SgdParams hp{lr, config_.momentum, config_.weight_decay, steps_ == 1};

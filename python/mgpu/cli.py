@@ -8,13 +8,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 import traceback
 
 from . import __version__, build_info
 from .config import DEVICES, LOSSES, OPTIMIZERS, PRESETS, TrainConfig
-from .errors import ConfigError, DataError
+from .errors import CommError, ConfigError, DataError, NumericsError
+from .schedule import SCHEDULES
 
 EXIT_USAGE = 2
 
@@ -75,6 +77,26 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--no-overlap", action="store_true", help="allreduce after backward instead of during it")
     t.add_argument("--batch-shares", type=_float_list, default=None,
                    help="per-rank shares of the global batch, e.g. 0.7,0.3 (default: equal)")
+    t.add_argument("--accumulate", type=int, default=1, metavar="K",
+                   help="gradient accumulation: K micro-batches of --batch-size per step, one allreduce")
+    t.add_argument("--max-grad-norm", type=float, default=0.0, metavar="X",
+                   help="clip gradients to global L2 norm X (default 0: off)")
+    t.add_argument("--lr-schedule", choices=SCHEDULES, default="constant")
+    t.add_argument("--warmup-steps", type=int, default=0, help="linear learning-rate warm-up steps")
+    t.add_argument("--lr-step-size", type=int, default=1000, help="step schedule: steps between decays")
+    t.add_argument("--lr-gamma", type=float, default=0.1, help="step schedule: decay factor")
+    t.add_argument("--min-lr", type=float, default=0.0, help="cosine schedule: final learning rate")
+    c = t.add_argument_group("checkpoints and faults")
+    c.add_argument("--checkpoint-dir", metavar="DIR", help="write checkpoints here (rank 0, atomically)")
+    c.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
+                   help="checkpoint every N steps (default 0: at the end and when stopped by a signal)")
+    c.add_argument("--keep-checkpoints", type=int, default=3, metavar="K", help="newest checkpoints kept")
+    c.add_argument("--resume", nargs="?", const="latest", metavar="PATH",
+                   help="continue from a checkpoint: PATH, or the newest in --checkpoint-dir")
+    c.add_argument("--watchdog-timeout", type=float, default=300.0, metavar="S",
+                   help="end the job when a peer has not joined a collective for S seconds (0: wait forever)")
+    c.add_argument("--max-bad-steps", type=int, default=3, metavar="N",
+                   help="stop after N consecutive steps with non-finite loss or gradients (each is skipped)")
     t.add_argument("--json", metavar="PATH", help="write results (config, history, samples/s) as JSON")
     t.add_argument("--save", metavar="PATH", help="write final parameters as .npz (layers.{i}.weight/bias)")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -90,7 +112,12 @@ def _config_from_args(a) -> TrainConfig:
                        epochs=None if a.steps is not None else (a.epochs if a.epochs is not None else 5),
                        steps=a.steps, lr=lr, optimizer=a.optimizer, momentum=a.momentum,
                        weight_decay=a.weight_decay, loss=a.loss, dropout=a.dropout, seed=a.seed,
-                       device=a.device, threads=a.threads, bucket_mb=a.bucket_mb, overlap=not a.no_overlap)
+                       device=a.device, threads=a.threads, bucket_mb=a.bucket_mb, overlap=not a.no_overlap,
+                       accumulate=a.accumulate, max_grad_norm=a.max_grad_norm, lr_schedule=a.lr_schedule,
+                       warmup_steps=a.warmup_steps, lr_step_size=a.lr_step_size, lr_gamma=a.lr_gamma,
+                       min_lr=a.min_lr, checkpoint_dir=a.checkpoint_dir, checkpoint_every=a.checkpoint_every,
+                       keep_checkpoints=a.keep_checkpoints, watchdog_timeout=a.watchdog_timeout,
+                       max_bad_steps=a.max_bad_steps)
 
 
 def _check_output_path(path: str, what: str) -> None:
@@ -112,10 +139,52 @@ def _write_json_atomic(path: str, obj) -> None:
     os.replace(tmp, path)
 
 
+def _resolve_resume(a, cfg) -> str:
+    """The checkpoint --resume names: a path, or the newest in --checkpoint-dir."""
+    from .checkpoint import CheckpointError, latest_checkpoint
+    if a.resume != "latest":
+        return a.resume
+    if not cfg.checkpoint_dir:
+        raise CheckpointError("--resume without a PATH needs --checkpoint-dir to look in")
+    path = latest_checkpoint(cfg.checkpoint_dir)
+    if path is None:
+        raise CheckpointError(f"--resume: no checkpoint in '{cfg.checkpoint_dir}'")
+    return path
+
+
+class _StopOnSignals:
+    """SIGTERM, SIGINT and SIGUSR1 ask the trainer to checkpoint and stop at the
+    next step boundary (all ranks agree on which); a second SIGINT interrupts at once."""
+
+    SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1")
+
+    def __init__(self, trainer, pg):
+        self.trainer, self.pg, self.previous = trainer, pg, {}
+
+    def _handle(self, signum, frame):
+        name = signal.Signals(signum).name
+        if self.trainer._stop_request is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.trainer.request_stop(name)
+        print(f"mgpu: {name} on rank {self.pg.rank}: stopping at the next step boundary", file=sys.stderr,
+              flush=True)
+
+    def __enter__(self):
+        for name in self.SIGNALS:
+            sig = getattr(signal, name)
+            self.previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+        return False
+
+
 def cmd_train(a, pg) -> int:
     from .data import load_dataset, split_counts
     from .model import MLP
-    from .trainer import Trainer
+    from .trainer import CheckpointPolicy, Trainer
 
     cfg = _config_from_args(a).validate(pg.size)
     if a.batch_shares is not None:
@@ -127,7 +196,7 @@ def cmd_train(a, pg) -> int:
     device, device_index = pg.resolve_device(cfg.device)
     threads = cfg.threads or pg.default_threads()
 
-    error = None
+    error, resume = None, None
     try:  # work that can fail on some ranks only: agree before any collective
         fixed_in, fixed_out = cfg.fixed_io()
         data = load_dataset(cfg.dataset, in_features=fixed_in, out_features=fixed_out, seed=42,
@@ -140,24 +209,39 @@ def cmd_train(a, pg) -> int:
         sizes = cfg.layer_sizes(data.in_features, data.out_features)
         if len(data.x_train) < pg.size:
             raise DataError(f"dataset has {len(data.x_train)} training samples, fewer than the {pg.size} ranks")
+        if cfg.batch_size * cfg.accumulate > len(data.x_train):
+            raise DataError(f"a step takes {cfg.batch_size * cfg.accumulate} samples (batch size x accumulate) "
+                            f"but dataset '{cfg.dataset}' has only {len(data.x_train)} training samples")
         for path, what in ((a.json, "--json"), (a.save, "--save")):
             if path:
                 _check_output_path(path, what)
+        if a.resume is not None and pg.is_root:
+            resume = _resolve_resume(a, cfg)
     except ConfigError as e:
         error = e
     pg.agree(error)
+    resume = pg.bcast(resume)
 
     model = MLP(sizes, seed=cfg.seed, dropout=cfg.effective_dropout(), device=device,
                 device_index=device_index, threads=threads)
+    steps_per_epoch = -(-len(data.x_train) // (cfg.batch_size * cfg.accumulate))
+    total_steps = cfg.steps if cfg.steps is not None else cfg.epochs * steps_per_epoch
     trainer = Trainer(model, loss=loss, optimizer=cfg.optimizer, lr=cfg.lr, momentum=cfg.momentum,
                       weight_decay=cfg.weight_decay, process_group=pg, bucket_elems=cfg.bucket_elems(),
-                      overlap=cfg.overlap, batch_shares=a.batch_shares)
+                      overlap=cfg.overlap, batch_shares=a.batch_shares, accumulate=cfg.accumulate,
+                      max_grad_norm=cfg.max_grad_norm, schedule=cfg.schedule(total_steps),
+                      max_bad_steps=cfg.max_bad_steps, timeout=cfg.watchdog_timeout)
+    policy = (CheckpointPolicy(cfg.checkpoint_dir, cfg.checkpoint_every, cfg.keep_checkpoints)
+              if cfg.checkpoint_dir else None)
     say = print if pg.is_root else (lambda *x, **k: None)
     per_rank = ", ".join(str(c) for c in split_counts(cfg.batch_size, pg.size, a.batch_shares))
+    accum = f" x {cfg.accumulate} accumulated" if cfg.accumulate > 1 else ""
     say(f"mgpu {__version__}: {pg.size} rank(s) x {threads} thread(s) on {device}; "
         f"model {'-'.join(map(str, sizes))} ({model.num_params:,} params, {loss}, {cfg.optimizer}); "
         f"{cfg.dataset}: {len(data.x_train)} train / {len(data.x_val)} val; "
-        f"global batch {cfg.batch_size} ({per_rank} per rank)", flush=True)
+        f"global batch {cfg.batch_size} ({per_rank} per rank){accum}", flush=True)
+    if resume:
+        say(f"resuming from {resume}", flush=True)
 
     def on_epoch(e):
         if pg.is_root:
@@ -167,26 +251,32 @@ def cmd_train(a, pg) -> int:
                        f"{acc}  {e['samples_per_sec']:,.0f} samples/s")
 
     t0 = time.perf_counter()
-    history = trainer.fit(data, batch_size=cfg.batch_size, epochs=cfg.epochs, steps=cfg.steps, seed=cfg.seed,
-                          progress=not a.no_progress, on_epoch=on_epoch)
+    with _StopOnSignals(trainer, pg):
+        history = trainer.fit(data, batch_size=cfg.batch_size, epochs=cfg.epochs, steps=cfg.steps, seed=cfg.seed,
+                              progress=not a.no_progress, on_epoch=on_epoch, checkpoint=policy, resume=resume)
     wall = time.perf_counter() - t0
     train_seconds = sum(e["seconds"] for e in history)
     samples = sum(e["samples"] for e in history)
     result = {
         "version": __version__, "world_size": pg.size, "device": device, "threads_per_rank": threads,
         "config": {**cfg.to_dict(), "loss": loss, "layers": sizes, "dropout": cfg.effective_dropout(),
-                   "batch_shares": a.batch_shares},
+                   "batch_shares": a.batch_shares, "effective_batch": cfg.batch_size * cfg.accumulate},
         "model": {"layers": sizes, "params": model.num_params},
         "dataset": {"name": cfg.dataset, "train": len(data.x_train), "val": len(data.x_val),
                     "task": data.task},
         "history": history, "steps": trainer.global_step,
         "samples_per_sec": samples / train_seconds if train_seconds > 0 else 0.0,
-        "wall_seconds": wall,
+        "wall_seconds": wall, "resumed_from": resume, "stopped": trainer.stop_reason,
+        "checkpoint": trainer.last_checkpoint,
     }
-    final = history[-1]
-    acc = f", val accuracy {final['val_accuracy']:.4f}" if "val_accuracy" in final else ""
-    say(f"done: {trainer.global_step} steps in {wall:.1f}s, {result['samples_per_sec']:,.0f} samples/s; "
-        f"final train loss {final['train_loss']:.5f}, val loss {final['val_loss']:.5f}{acc}")
+    if trainer.stop_reason:
+        where = f"; checkpoint {trainer.last_checkpoint} (continue with --resume)" if trainer.last_checkpoint else ""
+        say(f"stopped at step {trainer.global_step} ({trainer.stop_reason}){where}")
+    elif history:
+        final = history[-1]
+        acc = f", val accuracy {final['val_accuracy']:.4f}" if "val_accuracy" in final else ""
+        say(f"done: {trainer.global_step} steps in {wall:.1f}s, {result['samples_per_sec']:,.0f} samples/s; "
+            f"final train loss {final['train_loss']:.5f}, val loss {final['val_loss']:.5f}{acc}")
     if pg.is_root:
         if a.json:
             _write_json_atomic(a.json, result)
@@ -224,6 +314,14 @@ def main(argv=None) -> int:
         prefix = "mgpu: error: " if pg is None or pg.size == 1 else f"mgpu: error (rank {pg.rank}): "
         print(prefix + str(e).replace("\n", " "), file=sys.stderr, flush=True)
         return EXIT_USAGE
+    except NumericsError as e:  # decided identically on every rank: no one is left waiting
+        print(f"mgpu: error: {e}", file=sys.stderr, flush=True)
+        return 1
+    except CommError as e:  # a peer is gone or stuck: end the whole job
+        print(f"mgpu: error: {e}", file=sys.stderr, flush=True)
+        if pg is not None:
+            pg.abort(1)
+        return 1
     except KeyboardInterrupt:
         print("mgpu: interrupted", file=sys.stderr, flush=True)
         if pg is not None:

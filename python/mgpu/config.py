@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass
 from typing import Optional
 
 from .errors import ConfigError
+from .schedule import SCHEDULES, LRSchedule
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,18 @@ class TrainConfig:
     bucket_mb: float = 4.0
     overlap: bool = True
     val_fraction: float = 0.2
+    accumulate: int = 1                 # micro-batches per step (gradient accumulation)
+    max_grad_norm: float = 0.0          # global-norm clipping; 0: off
+    lr_schedule: str = "constant"       # constant | step | cosine
+    warmup_steps: int = 0
+    lr_step_size: int = 1000            # step schedule
+    lr_gamma: float = 0.1               # step schedule
+    min_lr: float = 0.0                 # cosine schedule
+    checkpoint_dir: Optional[str] = None
+    checkpoint_every: int = 0           # steps; 0: at the end and on stop requests only
+    keep_checkpoints: int = 3
+    watchdog_timeout: float = 300.0     # seconds a collective may wait for a peer; 0: forever
+    max_bad_steps: int = 3              # consecutive non-finite steps before stopping
 
     def __post_init__(self):
         self.validate()
@@ -116,6 +129,30 @@ class TrainConfig:
             fail(f"validation fraction must be in (0, 1), got {self.val_fraction}")
         if not _is_int(self.seed) or self.seed < 0:
             fail(f"seed must be a non-negative integer, got {self.seed}")
+        if not _is_int(self.accumulate) or self.accumulate < 1:
+            fail(f"accumulation steps must be an integer >= 1, got {self.accumulate}")
+        if not (self.max_grad_norm >= 0 and math.isfinite(self.max_grad_norm)):
+            fail(f"max gradient norm must be >= 0 (0: no clipping), got {self.max_grad_norm}")
+        if self.lr_schedule not in SCHEDULES:
+            fail(f"unknown lr schedule '{self.lr_schedule}' (expected {', '.join(SCHEDULES)})")
+        if not _is_int(self.warmup_steps) or self.warmup_steps < 0:
+            fail(f"warm-up steps must be an integer >= 0, got {self.warmup_steps}")
+        if not _is_int(self.lr_step_size) or self.lr_step_size < 1:
+            fail(f"lr step size must be an integer >= 1, got {self.lr_step_size}")
+        if not (0 < self.lr_gamma <= 1):
+            fail(f"lr gamma must be in (0, 1], got {self.lr_gamma}")
+        if not (0 <= self.min_lr < self.lr):
+            fail(f"min lr must be in [0, lr), got {self.min_lr}")
+        if self.checkpoint_dir is not None and not str(self.checkpoint_dir).strip():
+            fail("checkpoint directory must not be empty")
+        if not _is_int(self.checkpoint_every) or self.checkpoint_every < 0:
+            fail(f"checkpoint interval must be an integer >= 0 steps, got {self.checkpoint_every}")
+        if not _is_int(self.keep_checkpoints) or self.keep_checkpoints < 1:
+            fail(f"checkpoints to keep must be an integer >= 1, got {self.keep_checkpoints}")
+        if not (self.watchdog_timeout >= 0 and math.isfinite(self.watchdog_timeout)):
+            fail(f"watchdog timeout must be >= 0 seconds (0: wait forever), got {self.watchdog_timeout}")
+        if not _is_int(self.max_bad_steps) or self.max_bad_steps < 1:
+            fail(f"max bad steps must be an integer >= 1, got {self.max_bad_steps}")
         return self
 
     # --- derived values -----------------------------------------------------
@@ -152,6 +189,10 @@ class TrainConfig:
                 raise ConfigError(f"preset '{self.model}' has {fixed} {what} but the dataset "
                                   f"needs {actual}")
         return [in_features, *p.hidden, out_features]
+
+    def schedule(self, total_steps: int) -> LRSchedule:
+        return LRSchedule(self.lr, self.lr_schedule, self.warmup_steps, self.lr_step_size, self.lr_gamma,
+                          total_steps, self.min_lr)
 
     def bucket_elems(self) -> int:
         return max(1, int(self.bucket_mb * (1 << 20) / 4))

@@ -41,6 +41,10 @@ class MLP:
         return self._core.num_params
 
     @property
+    def seed(self) -> int:
+        return int(self._core.seed)
+
+    @property
     def dropout(self) -> float:
         return self._core.dropout
 

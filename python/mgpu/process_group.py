@@ -7,10 +7,13 @@ from the local rank. Without mpi4py or mpirun it is a world of one.
 from __future__ import annotations
 
 import os
+import time
 from typing import Any, Optional
 
+import numpy as np
+
 from . import _core
-from .errors import ConfigError
+from .errors import CommError, ConfigError
 
 
 def _import_mpi():
@@ -38,6 +41,7 @@ class ProcessGroup:
             self.local_rank, self.local_size = node.Get_rank(), node.Get_size()
             node.Free()
         self._core_comm: Optional[_core.Communicator] = None
+        self.timeout = 0.0  # seconds a control-plane collective may take (0: forever); see Trainer
 
     @property
     def is_root(self) -> bool:
@@ -76,28 +80,57 @@ class ProcessGroup:
                               "(check nvidia-smi and CUDA_VISIBLE_DEVICES); use --device cpu")
         return "cuda", self.local_rank % gpus
 
-    # --- small Python-object collectives (control plane) -------------------
-    def allreduce(self, value, op: str = "sum"):
+    # --- small collectives (control plane), bounded by the watchdog timeout ----
+    def _wait(self, request, what: str) -> None:
+        """Complete a non-blocking MPI request, or raise CommError after `timeout` seconds."""
+        if self.timeout <= 0:
+            request.Wait()
+            return
+        start = time.monotonic()
+        deadline = start + self.timeout
+        while not request.Test():
+            now = time.monotonic()
+            if now > deadline:
+                missing = []
+                if self._core_comm is not None and hasattr(self._core_comm, "missing_peers"):
+                    missing = self._core_comm.missing_peers()
+                who = (f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} "
+                       f"{'have' if len(missing) > 1 else 'has'} not reached this step (stopped, hung or dead)"
+                       if missing else "a peer did not arrive (stopped, hung or dead)")
+                raise CommError(f"{what} did not complete within {self.timeout:g} s on rank {self.rank}: {who}")
+            if now - start > 1e-3:
+                time.sleep(5e-4)  # waiting long: leave the core to the ranks still working
+
+    def allreduce(self, value, op: str = "sum", what: str = "allreduce"):
+        """Sum (max, min) of a number or numeric array across ranks."""
         if self.comm is None:
             return value
         ops = {"sum": self._mpi.SUM, "max": self._mpi.MAX, "min": self._mpi.MIN}
-        return self.comm.allreduce(value, op=ops[op])
+        is_int = isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+        send = np.array(value, dtype=np.int64 if is_int else np.float64, ndmin=1)
+        recv = np.empty_like(send)
+        self._wait(self.comm.Iallreduce(send, recv, op=ops[op]), what)
+        if np.ndim(value) == 0:
+            return int(recv[0]) if is_int else float(recv[0])
+        return recv.reshape(np.shape(value))
 
-    def exscan(self, value) -> int:
+    def exscan(self, value: int) -> int:
         """Sum of value over lower ranks (0 on rank 0)."""
         if self.comm is None:
             return 0
-        result = self.comm.exscan(value)
-        return 0 if result is None else result
+        send = np.array([value], dtype=np.int64)
+        recv = np.zeros_like(send)
+        self._wait(self.comm.Iexscan(send, recv, op=self._mpi.SUM), "exscan")
+        return 0 if self.rank == 0 else int(recv[0])
 
     def bcast(self, obj, root: int = 0):
         return obj if self.comm is None else self.comm.bcast(obj, root=root)
 
-    def barrier(self) -> None:
+    def barrier(self, what: str = "barrier") -> None:
         if self.comm is not None:
-            self.comm.Barrier()
+            self._wait(self.comm.Ibarrier(), what)
 
-    def agree(self, error: Optional[BaseException]) -> None:
+    def agree(self, error: Optional[BaseException], what: str = "agreement") -> None:
         """Collective: if any rank passes an error, every rank raises one.
 
         Use after work that can fail on some ranks only (reading files), so the
@@ -107,15 +140,17 @@ class ProcessGroup:
             if error is not None:
                 raise error
             return
+        if self.allreduce(0 if error is None else 1, op="max", what=what) == 0:
+            return
         local = None if error is None else (type(error).__name__, str(error))
-        reports = self.comm.allgather(local)
+        reports = self.comm.allgather(local)  # every rank is here: the flag arrived from all
+        if error is not None:
+            raise error
         for rank, report in enumerate(reports):
-            if report is None:
-                continue
-            if error is not None:
-                raise error
-            cls = ConfigError if report[0] in ("ConfigError", "DataError") else RuntimeError
-            raise cls(f"rank {rank}: {report[1]}")
+            if report is not None:
+                user = report[0] in ("ConfigError", "DataError", "CheckpointError")
+                cls = ConfigError if user else RuntimeError
+                raise cls(f"rank {rank}: {report[1]}")
 
     def abort(self, code: int = 1) -> None:
         """End every rank of the job (after an unexpected error on this one)."""

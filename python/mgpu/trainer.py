@@ -1,21 +1,44 @@
 """Trainer: the Python side of data-parallel training.
 
 One call per step into the core (DataParallelStep.step: forward, loss,
-backward with bucketed allreduce, update). This file owns the loop around it:
-which samples each rank takes, epochs, validation, progress and history.
+backward with bucketed allreduce, health check, clipping, update; with
+gradient accumulation, K micro-batches per call). This file owns the loop
+around it: which samples each rank takes, the learning-rate schedule, epochs,
+validation, skipped steps, checkpoints, stop requests, progress and history.
 """
 from __future__ import annotations
 
+import os
+import sys
 import time
+from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from . import _core
+from . import __version__, _core
+from .checkpoint import (CheckpointError, check_compatible, load_checkpoint, prepare_directory,
+                         save_checkpoint)
 from .data import Dataset, GlobalBatches, check_dataset_fits, local_slice, split_counts
-from .errors import ConfigError
+from .errors import ConfigError, NumericsError
 from .model import MLP
 from .process_group import ProcessGroup
+from .schedule import LRSchedule
+
+
+@dataclass
+class CheckpointPolicy:
+    """Where and how often fit() writes checkpoints (rank 0 writes; all ranks agree on success)."""
+
+    directory: str
+    every: int = 0      # steps between checkpoints; 0: only at the end and on a stop request
+    keep: int = 3       # newest checkpoints kept
+
+    def __post_init__(self):
+        if not isinstance(self.every, int) or self.every < 0:
+            raise ConfigError(f"checkpoint interval must be an integer >= 0 steps, got {self.every}")
+        if not isinstance(self.keep, int) or self.keep < 1:
+            raise ConfigError(f"checkpoints to keep must be an integer >= 1, got {self.keep}")
 
 
 class Trainer:
@@ -28,39 +51,98 @@ class Trainer:
     def __init__(self, model: MLP, *, loss: str = "mse", optimizer: str = "sgd", lr: float = 0.01,
                  momentum: float = 0.0, weight_decay: float = 0.0, betas=(0.9, 0.999), eps: float = 1e-8,
                  process_group: Optional[ProcessGroup] = None, bucket_elems: int = 1 << 20,
-                 overlap: bool = True, batch_shares: Optional[Sequence[float]] = None):
-        if lr <= 0:
-            raise ConfigError(f"learning rate must be > 0, got {lr}")
+                 overlap: bool = True, batch_shares: Optional[Sequence[float]] = None,
+                 accumulate: int = 1, max_grad_norm: float = 0.0, schedule: Optional[LRSchedule] = None,
+                 loss_scale: float = 1.0, dynamic_loss_scale: bool = False, max_bad_steps: int = 3,
+                 timeout: float = 300.0):
+        if not (isinstance(lr, (int, float)) and np.isfinite(lr) and lr > 0):
+            raise ConfigError(f"learning rate must be a finite number > 0, got {lr}")
+        if not isinstance(accumulate, int) or accumulate < 1:
+            raise ConfigError(f"accumulation steps must be an integer >= 1, got {accumulate}")
+        if not isinstance(max_bad_steps, int) or max_bad_steps < 1:
+            raise ConfigError(f"max bad steps must be an integer >= 1, got {max_bad_steps}")
+        if not (timeout >= 0 and np.isfinite(timeout)):
+            raise ConfigError(f"watchdog timeout must be >= 0 seconds (0: none), got {timeout}")
         self.model = model
         self.loss = loss
-        self.lr = float(lr)
+        self.optimizer_name = optimizer
         self.pg = process_group or ProcessGroup()
         if batch_shares is not None:
             split_counts(self.pg.size, self.pg.size, batch_shares)  # validates
         self.batch_shares = batch_shares
+        self.accumulate = accumulate
+        self.schedule = schedule or LRSchedule(float(lr))
+        self.max_bad_steps = max_bad_steps
+        self.pg.timeout = timeout
+        comm = self.pg.communicator()
+        comm.timeout = timeout
         self._optimizer = _core.Optimizer(model._core, optimizer, momentum, weight_decay, betas[0], betas[1], eps)
-        self._step = _core.DataParallelStep(model._core, self._optimizer, self.pg.communicator(), loss,
-                                            bucket_elems, overlap)
+        self._step = _core.DataParallelStep(model._core, self._optimizer, comm, loss, bucket_elems, overlap,
+                                            max_grad_norm, loss_scale, dynamic_loss_scale)
         self._step.broadcast_parameters(0)
-        self.global_step = 0
+        # Loop state: everything a checkpoint must hold to continue exactly.
+        self.global_step = 0          # steps taken (including skipped ones)
+        self.epoch = 0                # 0-based epoch in progress
+        self.batch_in_epoch = 0       # sampler position within it
+        self._epoch_loss_sum, self._epoch_samples, self._epoch_seconds = 0.0, 0, 0.0
+        self.bad_steps = 0            # consecutive steps with non-finite loss or gradients
         self.history: list = []
+        self.last_result = None
+        self.stop_reason: Optional[str] = None  # set once every rank agreed to stop early
+        self._stop_request: Optional[str] = None
+        self._last_checkpoint_step = -1
+        self.last_checkpoint: Optional[str] = None
+
+    @property
+    def lr(self) -> float:
+        return self.schedule.lr_at(self.global_step)
 
     # --- one step ------------------------------------------------------------
+    def request_stop(self, reason: str = "stop requested") -> None:
+        """Ask to end the run at the next step boundary (safe to call from a signal handler).
+        The request travels in the gradient allreduce, so all ranks stop at the same step."""
+        self._stop_request = reason
+
     def step(self, x_local: np.ndarray, y_local: np.ndarray, *, global_batch: Optional[int] = None,
              first_sample: Optional[int] = None) -> float:
         """One data-parallel step on this rank's shard; returns the global mean loss.
 
-        global_batch and first_sample (this shard's offset in the global batch)
-        are computed with a collective when not given.
+        With accumulate=K the shard is processed as K consecutive micro-batches
+        and gradients are allreduced once: the same update as one step on the
+        whole batch. global_batch and first_sample (this shard's offset in the
+        global batch) are computed with a collective when not given. A step with
+        a non-finite loss or gradient leaves the parameters untouched (see
+        last_result.applied); max_bad_steps of them in a row raise NumericsError.
         """
         rows = len(x_local)
         if global_batch is None:
-            global_batch = self.pg.allreduce(rows)
+            global_batch = int(self.pg.allreduce(rows))
         if first_sample is None:
-            first_sample = self.pg.exscan(rows)
-        loss = self._step.step(x_local, y_local, global_batch, first_sample, self.global_step, self.lr)
+            first_sample = int(self.pg.exscan(rows))
+        k = min(self.accumulate, max(rows, 1))
+        bounds = [rows * i // k for i in range(k + 1)]
+        micro = [(x_local[a:b], y_local[a:b], first_sample + a) for a, b in zip(bounds, bounds[1:])]
+        request = self._stop_request is not None
+        result = self._step.step(micro, global_batch, self.global_step, self.lr, request)
+        self.last_result = result
+        if result.stop_requested and self.stop_reason is None:
+            self.stop_reason = self._stop_request or "a stop requested on another rank"
         self.global_step += 1
-        return loss
+        if result.applied:
+            self.bad_steps = 0
+        else:
+            self.bad_steps += 1
+            if self.pg.is_root:
+                print(f"mgpu: warning: step {self.global_step - 1}: non-finite loss or gradients "
+                      f"(loss {result.loss}, gradient norm {result.grad_norm}); step skipped, parameters "
+                      f"unchanged ({self.bad_steps} of at most {self.max_bad_steps} in a row)",
+                      file=sys.stderr, flush=True)
+            if self.bad_steps >= self.max_bad_steps:
+                raise NumericsError(
+                    f"{self.bad_steps} consecutive steps with non-finite loss or gradients (the last at step "
+                    f"{self.global_step - 1}); stopping. Parameters are those of the last good step; "
+                    f"lower the learning rate or set a gradient-norm limit")
+        return result.loss
 
     # --- evaluation ------------------------------------------------------------
     def evaluate(self, x: np.ndarray, y: np.ndarray) -> dict:
@@ -68,64 +150,190 @@ class Trainer:
         rank holds in full; each rank evaluates a contiguous share."""
         part = local_slice(len(x), self.pg.rank, self.pg.size)
         loss_sum, correct = self.model._core.evaluate(x[part], y[part], self.loss)
-        loss_sum, correct = self.pg.allreduce(np.array([loss_sum, float(correct)]))
+        loss_sum, correct = self.pg.allreduce(np.array([loss_sum, float(correct)]), what="validation")
         denom = len(x) * (self.model.layers[-1] if self.loss == "mse" else 1)
         out = {"loss": float(loss_sum) / max(denom, 1)}
         if self.loss == "cross_entropy":
             out["accuracy"] = float(correct) / max(len(x), 1)
         return out
 
+    # --- checkpoints -----------------------------------------------------------
+    def _compat(self, data: Optional[Dataset], batch_size: Optional[int], seed: Optional[int]) -> dict:
+        compat = {"layers": list(self.model.layers), "loss": self.loss, "optimizer": self.optimizer_name,
+                  "optimizer_state": list(self._optimizer.state_names()), "dropout": self.model.dropout,
+                  "model_seed": self.model.seed}
+        if data is not None:
+            compat.update(dataset=data.name, train_samples=len(data.x_train))
+        if batch_size is not None:
+            compat["effective_batch"] = batch_size * self.accumulate
+        if seed is not None:
+            compat["data_seed"] = seed
+        return compat
+
+    def state(self, compat: dict) -> tuple:
+        """(arrays, meta) describing this run exactly (what a checkpoint holds)."""
+        n = self.model.num_params
+        arrays = {"params": self.model._core.get_parameters()}
+        for name in self._optimizer.state_names():
+            arrays[f"opt.{name}"] = self._optimizer.get_state(name, n)
+        meta = {
+            "mgpu_version": __version__, "world_size": self.pg.size, "compat": compat,
+            "state": {"global_step": self.global_step, "epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch,
+                      "epoch_loss_sum": self._epoch_loss_sum, "epoch_samples": self._epoch_samples,
+                      "epoch_seconds": self._epoch_seconds, "optimizer_steps": self._optimizer.steps_taken,
+                      "loss_scale": self._step.loss_scale, "good_steps": self._step.good_steps_in_a_row,
+                      "bad_steps": self.bad_steps, "accumulate": self.accumulate},
+            "schedule": self.schedule.to_dict(), "history": self.history,
+        }
+        return arrays, meta
+
+    def save_checkpoint(self, policy: CheckpointPolicy, compat: dict) -> str:
+        """Collective: rank 0 writes a checkpoint of the current state; every rank
+        raises CheckpointError if that failed. Never writes a non-finite state."""
+        error, path = None, None
+        if self.pg.is_root:
+            try:
+                arrays, meta = self.state(compat)
+                if self.bad_steps or not all(np.isfinite(a).all() for a in arrays.values()):
+                    raise CheckpointError(f"refusing to checkpoint step {self.global_step}: the state is not "
+                                          f"finite or the last step was skipped")
+                path = save_checkpoint(policy.directory, self.global_step, arrays, meta, policy.keep)
+            except CheckpointError as e:
+                error = e
+        self.pg.agree(error, what="checkpoint")
+        self._last_checkpoint_step = self.global_step
+        self.last_checkpoint = self.pg.bcast(path)
+        return self.last_checkpoint
+
+    def load_checkpoint(self, path: str, compat: dict) -> dict:
+        """Collective: restore the state saved in `path`. Rank 0 reads and verifies
+        it and broadcasts it (no shared file system needed); a bad file fails on
+        every rank with the same one-line error. Returns the checkpoint's meta."""
+        error, arrays, meta = None, None, None
+        n = self.model.num_params
+        names = ["params", *(f"opt.{s}" for s in self._optimizer.state_names())]
+        if self.pg.is_root:
+            try:
+                arrays, meta = load_checkpoint(path)
+                check_compatible(meta, compat, path)
+                for key in names:
+                    if key not in arrays or arrays[key].shape != (n,) or arrays[key].dtype != np.float32:
+                        raise CheckpointError(f"checkpoint '{path}' does not hold '{key}' for {n:,} parameters")
+            except CheckpointError as e:
+                error = e
+        self.pg.agree(error, what="checkpoint")
+        meta = self.pg.bcast(meta)
+        comm = self.pg.communicator()
+        for key in names:
+            buf = arrays[key] if self.pg.is_root else np.empty(n, dtype=np.float32)
+            comm.broadcast(buf, 0)
+            if key == "params":
+                self.model._core.set_parameters(buf)
+            else:
+                self._optimizer.set_state(key[len("opt."):], buf)
+        s = meta["state"]
+        self._optimizer.steps_taken = int(s["optimizer_steps"])
+        self._step.loss_scale = float(s["loss_scale"])
+        self._step.good_steps_in_a_row = int(s["good_steps"])
+        self.global_step, self.epoch, self.batch_in_epoch = int(s["global_step"]), int(s["epoch"]), int(s["batch_in_epoch"])
+        self._epoch_loss_sum, self._epoch_samples = float(s["epoch_loss_sum"]), int(s["epoch_samples"])
+        self._epoch_seconds = float(s["epoch_seconds"])
+        self.bad_steps = int(s["bad_steps"])
+        self.history = list(meta.get("history", []))
+        self._last_checkpoint_step = self.global_step
+        self.last_checkpoint = path
+        if self.pg.is_root and meta.get("world_size") != self.pg.size:
+            print(f"mgpu: note: checkpoint written by {meta.get('world_size')} rank(s), resumed on {self.pg.size}: "
+                  f"same samples and global batch, results match an uninterrupted run within float rounding",
+                  file=sys.stderr, flush=True)
+        return meta
+
     # --- the loop --------------------------------------------------------------
     def fit(self, data: Dataset, *, batch_size: int, epochs: Optional[int] = None, steps: Optional[int] = None,
-            seed: int = 0, progress: bool = True,
-            on_epoch: Optional[Callable[[dict], None]] = None) -> list:
-        """Train for `epochs` epochs (or `steps` steps) with global batch `batch_size`.
+            seed: int = 0, progress: bool = True, on_epoch: Optional[Callable[[dict], None]] = None,
+            checkpoint: Optional[CheckpointPolicy] = None, resume: Optional[str] = None) -> list:
+        """Train for `epochs` epochs (or `steps` steps) with global batch `batch_size`
+        (per micro-batch; each step takes batch_size x accumulate samples).
 
-        Returns the history: one dict per epoch with epoch, train_loss, val_loss
-        (and val_accuracy for classification), steps (cumulative), samples,
-        seconds (training only, without validation) and samples_per_sec.
+        resume: a checkpoint path to continue from (the same run continues
+        bit-identically at the same world size). Returns the history: one dict
+        per epoch with epoch, train_loss, val_loss (and val_accuracy for
+        classification), steps (cumulative), samples, seconds (training only)
+        and samples_per_sec. Ends early, with a checkpoint when a policy is
+        given, once every rank agreed on a stop request (see stop_reason).
         """
         if batch_size < self.pg.size:
             raise ConfigError(f"global batch size {batch_size} is smaller than the number of ranks ({self.pg.size})")
         if (epochs is None) == (steps is None):
             raise ConfigError("give exactly one of epochs or steps")
         check_dataset_fits(data, self.model.layers)
-        batches = GlobalBatches(len(data.x_train), batch_size, seed)
+        effective = batch_size * self.accumulate
+        if effective > len(data.x_train):
+            raise ConfigError(f"a step takes {effective} samples but the dataset has only {len(data.x_train)}")
+        compat = self._compat(data, batch_size, seed)
+        if checkpoint is not None:
+            error = None
+            try:
+                prepare_directory(checkpoint.directory)
+            except CheckpointError as e:
+                error = e
+            self.pg.agree(error, what="checkpoint")
+        if resume is not None:
+            self.load_checkpoint(resume, compat)
+        batches = GlobalBatches(len(data.x_train), effective, seed)
         total = steps if steps is not None else epochs * batches.steps_per_epoch
         bar = None
         if progress and self.pg.is_root:
             from tqdm.auto import tqdm
-            bar = tqdm(total=total, unit="step", dynamic_ncols=True, desc="train")
-        done, epoch = 0, 0
+            bar = tqdm(total=total, initial=min(self.global_step, total), unit="step", dynamic_ncols=True,
+                       desc="train")
         try:
-            while done < total:
-                loss_sum, samples, t0 = 0.0, 0, time.perf_counter()
-                for idx in batches.epoch(epoch):
+            while self.global_step < total and self.stop_reason is None:
+                t0 = time.perf_counter()
+                for i, idx in enumerate(batches.epoch(self.epoch)):
+                    if i < self.batch_in_epoch:
+                        continue  # resumed mid-epoch: these batches were done before
                     part = local_slice(len(idx), self.pg.rank, self.pg.size, self.batch_shares)
                     mine = idx[part]
                     loss = self.step(data.x_train[mine], data.y_train[mine], global_batch=len(idx),
                                      first_sample=part.start)
-                    loss_sum += loss * len(idx)
-                    samples += len(idx)
-                    done += 1
+                    self.batch_in_epoch += 1
+                    self._epoch_loss_sum += loss * len(idx)
+                    self._epoch_samples += len(idx)
                     if bar is not None:
                         bar.update(1)
-                        bar.set_postfix(epoch=epoch + 1, loss=f"{loss:.4f}", refresh=False)
-                    if done >= total:
+                        bar.set_postfix(epoch=self.epoch + 1, loss=f"{loss:.4f}", refresh=False)
+                    if self.global_step >= total or self.stop_reason is not None:
                         break
-                seconds = time.perf_counter() - t0
-                entry = {"epoch": epoch + 1, "train_loss": loss_sum / max(samples, 1), "steps": done,
-                         "samples": samples, "seconds": seconds,
-                         "samples_per_sec": samples / seconds if seconds > 0 else 0.0}
-                val = self.evaluate(data.x_val, data.y_val)
-                entry["val_loss"] = val["loss"]
-                if "accuracy" in val:
-                    entry["val_accuracy"] = val["accuracy"]
-                self.history.append(entry)
-                if on_epoch is not None:
-                    on_epoch(entry)
-                epoch += 1
+                    if (checkpoint is not None and checkpoint.every and self.global_step % checkpoint.every == 0
+                            and self.bad_steps == 0):
+                        self._epoch_seconds += time.perf_counter() - t0
+                        t0 = time.perf_counter()
+                        self.save_checkpoint(checkpoint, compat)
+                self._epoch_seconds += time.perf_counter() - t0
+                epoch_done = self.batch_in_epoch >= batches.steps_per_epoch
+                if epoch_done or (self.global_step >= total and self.stop_reason is None):
+                    self._close_epoch(data, on_epoch)
+                    if epoch_done:
+                        self.epoch, self.batch_in_epoch = self.epoch + 1, 0
         finally:
             if bar is not None:
                 bar.close()
+        if checkpoint is not None and self._last_checkpoint_step != self.global_step and self.bad_steps == 0:
+            self.save_checkpoint(checkpoint, compat)
         return self.history
+
+    def _close_epoch(self, data: Dataset, on_epoch) -> None:
+        seconds, samples = self._epoch_seconds, self._epoch_samples
+        entry = {"epoch": self.epoch + 1, "train_loss": self._epoch_loss_sum / max(samples, 1),
+                 "steps": self.global_step, "samples": samples, "seconds": seconds,
+                 "samples_per_sec": samples / seconds if seconds > 0 else 0.0,
+                 "lr": self.schedule.lr_at(max(self.global_step - 1, 0))}
+        val = self.evaluate(data.x_val, data.y_val)
+        entry["val_loss"] = val["loss"]
+        if "accuracy" in val:
+            entry["val_accuracy"] = val["accuracy"]
+        self.history.append(entry)
+        self._epoch_loss_sum, self._epoch_samples, self._epoch_seconds = 0.0, 0, 0.0
+        if on_epoch is not None:
+            on_epoch(entry)

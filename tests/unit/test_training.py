@@ -58,7 +58,7 @@ def test_uneven_shards_average_exactly():
     m = mgpu.MLP(layers, seed=2)
     step = _core.DataParallelStep(m._core, _core.Optimizer(m._core, "sgd"), _core.LocalCommunicator(), "mse")
     before = m.get_parameters()
-    step.step(x[:3], y[:3], 11, 0, 0, 1.0)
+    step.step([(x[:3], y[:3], 0)], 11, 0, 1.0)
     for p0, p1, ga in zip(before, m.get_parameters(), a.get_gradients()):
         assert rel_err(p0 - p1, 3 * ga / 11) < 1e-5
 
@@ -71,7 +71,7 @@ def test_bucket_plan_covers_the_gradient_buffer_once_in_backward_order(layers, b
                                   bucket_elems)
     buckets = step.buckets()
     covered = sorted((off, off + n) for off, n, _ in buckets)
-    assert covered[0][0] == 0 and covered[-1][1] == m.num_params + 1  # + the loss slot
+    assert covered[0][0] == 0 and covered[-1][1] == m.num_params + 2  # + the loss and stop slots
     assert all(a[1] == b[0] for a, b in zip(covered, covered[1:]))
     assert all(0 < n <= max(bucket_elems, 1) for _, n, _ in buckets)
     offsets = [off for off, _, _ in buckets]
@@ -106,14 +106,22 @@ def test_overlap_setting_does_not_change_results(overlap):
     assert all(np.array_equal(a, b) for a, b in zip(*results))
 
 
-def test_non_finite_loss_stops_without_updating():
+def test_non_finite_steps_are_skipped_then_stop_the_run():
     m = mgpu.MLP([2, 2], seed=0)
-    t = mgpu.Trainer(m, lr=0.1, process_group=local_group())
+    t = mgpu.Trainer(m, lr=0.1, process_group=local_group(), max_bad_steps=2)
     before = m.get_parameters()
     x = np.array([[np.inf, 1.0]], np.float32)
-    with pytest.raises(mgpu.NumericsError, match="non-finite loss"):
-        t.step(x, np.zeros((1, 2), np.float32))
+    y = np.zeros((1, 2), np.float32)
+    t.step(x, y)  # skipped with a warning
+    assert t.last_result.applied is False and t.bad_steps == 1
     assert all(np.array_equal(a, b) for a, b in zip(before, m.get_parameters()))
+    t.step(np.ones((1, 2), np.float32), y)  # a good step resets the count
+    assert t.last_result.applied and t.bad_steps == 0
+    after_good = m.get_parameters()
+    t.step(x, y)
+    with pytest.raises(mgpu.NumericsError, match="2 consecutive steps with non-finite"):
+        t.step(x, y)
+    assert all(np.array_equal(a, b) for a, b in zip(after_good, m.get_parameters()))
 
 
 def test_digits_reaches_95_percent():

@@ -1,0 +1,155 @@
+"""Checkpoints: everything a run needs to continue exactly, in a file that is never unpickled.
+
+Format (version 1): an .npz archive read with allow_pickle=False holding
+  params            float32 (num_params,)   the flat parameter buffer
+  opt.<name>        float32 (num_params,)   optimizer state (momentum_buffer, exp_avg, exp_avg_sq)
+  meta              uint8                   UTF-8 JSON: format, version, model, config, world
+                                            size, step/epoch/sampler position, loss scale,
+                                            history, and a SHA-256 of every array
+Writes are atomic (temporary file in the same directory, fsync, rename, fsync of
+the directory), so a crash or full disk leaves the previous checkpoint intact.
+"""
+from __future__ import annotations
+
+import errno
+import hashlib
+import io
+import json
+import os
+import re
+import tempfile
+import zipfile
+from typing import Optional
+
+import numpy as np
+
+from .errors import ConfigError
+
+FORMAT = "mgpu-checkpoint"
+VERSION = 1
+_NAME = re.compile(r"^ckpt-(\d{9})\.npz$")
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint cannot be written, read, or used for this run."""
+
+
+def checkpoint_name(step: int) -> str:
+    return f"ckpt-{step:09d}.npz"
+
+
+def _digest(array: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(array).tobytes()).hexdigest()
+
+
+def list_checkpoints(directory: str) -> list:
+    """Checkpoint paths in `directory`, oldest first."""
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return []
+    except OSError as e:
+        raise CheckpointError(f"cannot list checkpoint directory '{directory}': {e.strerror}") from None
+    found = sorted((int(m.group(1)), n) for n in names if (m := _NAME.match(n)))
+    return [os.path.join(directory, n) for _, n in found]
+
+
+def latest_checkpoint(directory: str) -> Optional[str]:
+    paths = list_checkpoints(directory)
+    return paths[-1] if paths else None
+
+
+def prepare_directory(directory: str) -> None:
+    """Create the checkpoint directory if needed and check it is writable (before training)."""
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as e:
+        raise CheckpointError(f"cannot create checkpoint directory '{directory}': {e.strerror}") from None
+    if not os.path.isdir(directory):
+        raise CheckpointError(f"checkpoint directory '{directory}' is not a directory")
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise CheckpointError(f"checkpoint directory '{directory}' is not writable")
+
+
+def save_checkpoint(directory: str, step: int, arrays: dict, meta: dict, keep: int) -> str:
+    """Write checkpoint `step` atomically, then delete all but the newest `keep`.
+
+    On any failure the temporary file is removed, earlier checkpoints are left
+    as they were, and CheckpointError says why.
+    """
+    meta = dict(meta, format=FORMAT, version=VERSION,
+                checksums={k: _digest(v) for k, v in arrays.items()})
+    payload = dict(arrays, meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8))
+    path = os.path.join(directory, checkpoint_name(step))
+    tmp = None
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-ckpt-", suffix=".npz", dir=directory)
+        with os.fdopen(fd, "wb") as f:
+            np.savez(f, **payload)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        tmp = None
+        dir_fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)  # the rename itself survives a power loss
+        finally:
+            os.close(dir_fd)
+    except OSError as e:
+        reason = "disk full" if e.errno in (errno.ENOSPC, errno.EDQUOT) else (e.strerror or str(e))
+        previous = latest_checkpoint(directory)
+        kept = f"; previous checkpoint {os.path.basename(previous)} kept" if previous else ""
+        raise CheckpointError(f"cannot write checkpoint for step {step} in '{directory}': {reason}{kept}") from None
+    finally:
+        if tmp is not None and os.path.exists(tmp):
+            os.unlink(tmp)
+    for old in list_checkpoints(directory)[:-keep]:
+        try:
+            os.unlink(old)
+        except OSError:
+            pass  # pruning is best effort; the new checkpoint is safe
+    return path
+
+
+def load_checkpoint(path: str) -> tuple:
+    """(arrays, meta) of a checkpoint, verified: format, version and checksums."""
+    if os.path.isdir(path):
+        raise CheckpointError(f"checkpoint '{path}' is a directory (give a file, or --checkpoint-dir)")
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as e:
+        raise CheckpointError(f"cannot read checkpoint '{path}': {e.strerror}") from None
+    try:
+        with np.load(io.BytesIO(raw), allow_pickle=False) as z:
+            arrays = {k: z[k] for k in z.files}
+    except (ValueError, OSError, EOFError, zipfile.BadZipFile, KeyError) as e:
+        raise CheckpointError(f"checkpoint '{path}' is corrupt or truncated ({type(e).__name__}: {e})") from None
+    if "meta" not in arrays:
+        raise CheckpointError(f"'{path}' is not an mgpu checkpoint (no metadata)")
+    try:
+        meta = json.loads(arrays.pop("meta").tobytes().decode())
+    except (ValueError, UnicodeDecodeError):
+        raise CheckpointError(f"checkpoint '{path}' has corrupt metadata") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise CheckpointError(f"'{path}' is not an mgpu checkpoint")
+    if meta.get("version") != VERSION:
+        raise CheckpointError(f"checkpoint '{path}' has format version {meta.get('version')}; "
+                              f"this mgpu reads version {VERSION}")
+    checksums = meta.get("checksums", {})
+    if set(checksums) != set(arrays):
+        raise CheckpointError(f"checkpoint '{path}' is incomplete (arrays do not match its metadata)")
+    for name, array in arrays.items():
+        if _digest(array) != checksums[name]:
+            raise CheckpointError(f"checkpoint '{path}' is corrupt (checksum mismatch in '{name}')")
+    return arrays, meta
+
+
+def check_compatible(meta: dict, expected: dict, path: str) -> None:
+    """Refuse a checkpoint whose run cannot be continued by this one: each key of
+    `expected` (architecture, loss, optimizer, batch, seed, ...) must match."""
+    saved = meta.get("compat", {})
+    for key, value in expected.items():
+        if saved.get(key) != value:
+            raise CheckpointError(f"checkpoint '{path}' does not fit this run: {key} is "
+                                  f"{saved.get(key)!r} there but {value!r} here")
