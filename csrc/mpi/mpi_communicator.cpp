@@ -28,6 +28,10 @@ constexpr size_t kMaxChunk = static_cast<size_t>(INT_MAX);
 constexpr int kAllToAllHeartbeats = 32;
 constexpr int kHeartbeatTag = 7;
 
+double now_seconds() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
 std::string join(const std::vector<int>& ranks) {
   std::ostringstream out;
   for (size_t i = 0; i < ranks.size(); ++i) out << (i ? ", " : "") << ranks[i];
@@ -54,6 +58,7 @@ MpiCommunicator::MpiCommunicator(uintptr_t handle) {
   for (int r = 0; r < size_; ++r)
     if (r != rank_ && (size_ <= kAllToAllHeartbeats || rank_ == 0 || r == 0)) watched_.push_back(r);
   heard_.assign(watched_.size(), 0);
+  heard_at_.assign(watched_.size(), now_seconds());
   incoming_.assign(watched_.size(), 0);
   heartbeat_recvs_.assign(watched_.size(), MPI_REQUEST_NULL);
   for (size_t i = 0; i < watched_.size(); ++i)
@@ -91,8 +96,11 @@ void MpiCommunicator::wait(std::vector<MPI_Request>& requests, const char* what)
     check(rc, what);
     return;
   }
-  using clock = std::chrono::steady_clock;
-  const auto deadline = clock::now() + std::chrono::duration<double>(timeout_seconds_);
+  // While waiting, repeat the heartbeat so peers can tell a waiting rank from a frozen one.
+  const double beat_interval = std::min(1.0, timeout_seconds_ / 4);
+  const double start = now_seconds();
+  const double deadline = start + timeout_seconds_;
+  double next_beat = start + beat_interval;
   for (unsigned spins = 0;; ++spins) {
     int done = 0;
     const int rc = MPI_Testall(static_cast<int>(requests.size()), requests.data(), &done,
@@ -106,27 +114,47 @@ void MpiCommunicator::wait(std::vector<MPI_Request>& requests, const char* what)
       return;
     }
     if ((spins & 1023) == 1023) {
-      if (clock::now() > deadline) fail_timeout(what);
+      const double now = now_seconds();
+      if (now > next_beat) {
+        send_heartbeat();
+        drain_heartbeats();
+        next_beat = now + beat_interval;
+      }
+      if (now > deadline) fail_timeout(what, 2.5 * beat_interval);
       sched_yield();  // share the core with a peer rank on an oversubscribed node
     }
   }
 }
 
-void MpiCommunicator::fail_timeout(const char* what) {
+void MpiCommunicator::fail_timeout(const char* what, double silence) {
   broken_ = true;
-  std::vector<int> missing = missing_peers();
+  const std::vector<int> missing = missing_peers();
+  const std::vector<int> silent = silent_peers(silence);
   std::ostringstream msg;
   msg << what << " at step " << current_step_ << " did not complete within " << timeout_seconds_
       << " s on rank " << rank_ << ": ";
   const bool sees_everyone = static_cast<int>(watched_.size()) == size_ - 1;
   if (!missing.empty())
     msg << "rank" << (missing.size() > 1 ? "s " : " ") << join(missing)
-        << (missing.size() > 1 ? " have" : " has") << " not reached this step (stopped, hung or dead)";
+        << (missing.size() > 1 ? " have" : " has") << " not reached this step";
+  if (!silent.empty())
+    msg << (missing.empty() ? "" : "; ") << "rank" << (silent.size() > 1 ? "s " : " ") << join(silent)
+        << (silent.size() > 1 ? " stopped" : " stopped") << " responding during it";
+  if (!missing.empty() || !silent.empty())
+    msg << " (stopped, hung or dead)";
   else if (sees_everyone)
-    msg << "every rank reached this step, but the collective is stuck";
+    msg << "every rank reached this step and is responding, but the collective is stuck";
   else
     msg << "rank 0 reached this step; it names the missing rank";
   throw CommError(msg.str());
+}
+
+std::vector<int> MpiCommunicator::silent_peers(double silence) {
+  const double now = now_seconds();
+  std::vector<int> silent;
+  for (size_t i = 0; i < watched_.size(); ++i)
+    if (heard_[i] >= sequence_ && now - heard_at_[i] > silence) silent.push_back(watched_[i]);
+  return silent;
 }
 
 void MpiCommunicator::drain_heartbeats() {
@@ -136,6 +164,7 @@ void MpiCommunicator::drain_heartbeats() {
       if (heartbeat_recvs_[i] == MPI_REQUEST_NULL) break;
       if (MPI_Test(&heartbeat_recvs_[i], &arrived, MPI_STATUS_IGNORE) != MPI_SUCCESS || !arrived) break;
       heard_[i] = std::max(heard_[i], incoming_[i]);
+      heard_at_[i] = now_seconds();
       if (MPI_Irecv(&incoming_[i], 1, MPI_UINT64_T, watched_[i], kHeartbeatTag, heartbeat_comm_,
                     &heartbeat_recvs_[i]) != MPI_SUCCESS)
         heartbeat_recvs_[i] = MPI_REQUEST_NULL;
@@ -156,6 +185,11 @@ void MpiCommunicator::begin_step(uint64_t step) {
   ++sequence_;
   if (watched_.empty()) return;
   drain_heartbeats();  // also keeps MPI's unexpected-message queue short
+  send_heartbeat();
+}
+
+void MpiCommunicator::send_heartbeat() {
+  if (watched_.empty()) return;
   // Never block on a heartbeat: if the previous ones are still in flight (a
   // peer is not receiving), skip this one.
   int sent = 1;

@@ -6,7 +6,10 @@
 // waited on against a deadline, so a dead or stopped peer ends the wait with a
 // CommError instead of a hang. Heartbeats on a second duplicate tell who is
 // missing: at each step every rank sends its step sequence number to the ranks
-// it watches (everyone in small worlds; rank 0 and back in large ones).
+// it watches (everyone in small worlds; rank 0 and back in large ones), and
+// repeats it while it waits in a collective. A peer that has not sent this
+// step's number has not reached the step; one that sent it but went silent
+// while the others wait is frozen or dead inside the collective.
 #pragma once
 #include <mpi.h>
 
@@ -42,8 +45,11 @@ class MpiCommunicator final : public Communicator {
   void ensure_usable() const;
   // Completes `requests` (cleared on return) or throws CommError after the timeout.
   void wait(std::vector<MPI_Request>& requests, const char* what);
-  [[noreturn]] void fail_timeout(const char* what);
+  [[noreturn]] void fail_timeout(const char* what, double silence);
   void drain_heartbeats();
+  void send_heartbeat();
+  // Peers that reached this step but have not been heard from for `silence` seconds.
+  std::vector<int> silent_peers(double silence);
 
   MPI_Comm comm_ = MPI_COMM_NULL;
   MPI_Comm heartbeat_comm_ = MPI_COMM_NULL;
@@ -53,6 +59,7 @@ class MpiCommunicator final : public Communicator {
 
   std::vector<int> watched_;                 // peers exchanging heartbeats with this rank
   std::vector<uint64_t> heard_;              // last sequence number heard from watched_[i]
+  std::vector<double> heard_at_;             // when (steady clock, seconds) it was last heard
   std::vector<uint64_t> incoming_;           // receive buffers, one per watched peer
   std::vector<MPI_Request> heartbeat_recvs_;
   std::vector<MPI_Request> heartbeat_sends_;

@@ -209,9 +209,6 @@ def cmd_train(a, pg) -> int:
         sizes = cfg.layer_sizes(data.in_features, data.out_features)
         if len(data.x_train) < pg.size:
             raise DataError(f"dataset has {len(data.x_train)} training samples, fewer than the {pg.size} ranks")
-        if cfg.batch_size * cfg.accumulate > len(data.x_train):
-            raise DataError(f"a step takes {cfg.batch_size * cfg.accumulate} samples (batch size x accumulate) "
-                            f"but dataset '{cfg.dataset}' has only {len(data.x_train)} training samples")
         for path, what in ((a.json, "--json"), (a.save, "--save")):
             if path:
                 _check_output_path(path, what)

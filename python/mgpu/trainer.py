@@ -268,8 +268,6 @@ class Trainer:
             raise ConfigError("give exactly one of epochs or steps")
         check_dataset_fits(data, self.model.layers)
         effective = batch_size * self.accumulate
-        if effective > len(data.x_train):
-            raise ConfigError(f"a step takes {effective} samples but the dataset has only {len(data.x_train)}")
         compat = self._compat(data, batch_size, seed)
         if checkpoint is not None:
             error = None

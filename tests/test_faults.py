@@ -1,0 +1,287 @@
+"""Faults under mpirun, injected for real: signals that stop a run (checkpoint,
+then an exact resume), a rank killed (SIGKILL) or frozen (SIGSTOP) mid-run, a
+diverging run, a full disk, and bad input files. Each must end every rank
+promptly with a clear message, and leave the last good checkpoint intact."""
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+
+import numpy as np
+import pytest
+
+from conftest import PYTHON, ROOT, mpi_env, mpirun
+from mgpu.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
+
+MGPU = [PYTHON, "-m", "mgpu"]
+# ~2-3 ms a step at 2 ranks here: long enough to be signalled mid-run
+RUN = ["train", "--layers", "50,512,512,3", "--batch-size", "128", "--optimizer", "adamw", "--dropout", "0.1",
+       "--lr-schedule", "cosine", "--warmup-steps", "10", "--no-progress", "--seed", "5"]
+
+
+class Job:
+    """An mpirun job in the background, with its ranks' pids and output files."""
+
+    def __init__(self, n, args, tmp_path, name="job"):
+        self.out, self.err = tmp_path / f"{name}.out", tmp_path / f"{name}.err"
+        cmd = ["mpirun", "-np", str(n), "--oversubscribe", "--bind-to", "none", *map(str, args)]
+        with open(self.out, "w") as o, open(self.err, "w") as e:
+            self.proc = subprocess.Popen(cmd, stdout=o, stderr=e, env=mpi_env(), cwd=ROOT,
+                                         start_new_session=True)
+
+    def ranks(self) -> dict:
+        """rank -> pid of the mpirun's rank processes."""
+        found = {}
+        children = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True).stdout
+        for pid in map(int, children.split()):
+            try:
+                env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+            except OSError:
+                continue
+            for var in env:
+                if var.startswith(b"OMPI_COMM_WORLD_RANK="):
+                    found[int(var.split(b"=")[1])] = pid
+        return found
+
+    def wait(self, timeout):
+        try:
+            return self.proc.wait(timeout=timeout)
+        finally:
+            self.kill()
+
+    def kill(self):
+        if self.proc.poll() is None:
+            for pid in self.ranks().values():
+                for sig in (signal.SIGCONT, signal.SIGKILL):
+                    try:
+                        os.kill(pid, sig)
+                    except ProcessLookupError:
+                        pass
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    @property
+    def stdout(self):
+        return self.out.read_text()
+
+    @property
+    def stderr(self):
+        return self.err.read_text()
+
+
+def wait_for(condition, timeout, what):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def first_checkpoint(directory, job):
+    wait_for(lambda: list_checkpoints(str(directory)) or job.proc.poll() is not None, 120, "a first checkpoint")
+    assert job.proc.poll() is None, job.stderr[-2000:]
+
+
+def params_of(path):
+    with np.load(path, allow_pickle=False) as f:
+        return {k: f[k] for k in f.files}
+
+
+@pytest.mark.parametrize("how", ["SIGTERM to rank 1 only", "SIGUSR1 to mpirun"])
+def test_signal_checkpoints_and_resume_is_bit_identical(tmp_path, how):
+    steps = 1500
+    ref = mpirun(2, [*MGPU, *RUN, "--steps", steps, "--save", tmp_path / "ref.npz"])
+    assert ref.returncode == 0, ref.stderr[-2000:]
+
+    ckpt = tmp_path / "ckpt"
+    args = [*MGPU, *RUN, "--steps", steps, "--checkpoint-dir", ckpt, "--checkpoint-every", 5]
+    job = Job(2, [*args, "--json", tmp_path / "stopped.json"], tmp_path)
+    first_checkpoint(ckpt, job)
+    if how.startswith("SIGTERM"):
+        os.kill(job.ranks()[1], signal.SIGTERM)
+    else:
+        job.proc.send_signal(signal.SIGUSR1)  # mpirun forwards SIGUSR1 to every rank
+    assert job.wait(60) == 0, job.stderr[-3000:]
+    stopped = json.loads((tmp_path / "stopped.json").read_text())
+    assert stopped["stopped"] in ("SIGTERM", "SIGUSR1", "a stop requested on another rank")
+    assert 5 <= stopped["steps"] < steps, "stopped mid-run"
+    assert stopped["checkpoint"].endswith(f"ckpt-{stopped['steps']:09d}.npz")
+    assert "stopped at step" in job.stdout and "Traceback" not in job.stderr
+    load_checkpoint(stopped["checkpoint"])  # intact
+
+    resumed = mpirun(2, [*args, "--resume", "--save", tmp_path / "resumed.npz", "--json", tmp_path / "r.json"])
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert json.loads((tmp_path / "r.json").read_text())["steps"] == steps
+    a, b = params_of(tmp_path / "ref.npz"), params_of(tmp_path / "resumed.npz")
+    assert all(np.array_equal(a[k], b[k]) for k in a), "resume is not bit-identical"
+
+
+def test_resume_at_another_world_size(tmp_path):
+    steps = 40
+    args = [*MGPU, *RUN, "--steps", steps, "--checkpoint-dir", tmp_path / "ckpt", "--checkpoint-every", 20]
+    ref = mpirun(2, [*args, "--save", tmp_path / "ref.npz"])
+    assert ref.returncode == 0, ref.stderr[-2000:]
+    mid = str(tmp_path / "ckpt" / "ckpt-000000020.npz")
+    r = mpirun(3, [*args, "--resume", mid, "--save", tmp_path / "three.npz", "--checkpoint-dir", tmp_path / "c3"])
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "written by 2 rank(s), resumed on 3" in r.stderr
+    a, b = params_of(tmp_path / "ref.npz"), params_of(tmp_path / "three.npz")
+    for k in a:  # same samples, same global batch: equal within float rounding
+        assert np.linalg.norm(a[k] - b[k]) <= 1e-4 * np.linalg.norm(a[k]), k
+
+
+def test_killed_rank_ends_the_job_and_keeps_the_checkpoint(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    job = Job(2, [*MGPU, *RUN, "--steps", 10 ** 6, "--checkpoint-dir", ckpt, "--checkpoint-every", 10], tmp_path)
+    first_checkpoint(ckpt, job)
+    os.kill(job.ranks()[1], signal.SIGKILL)
+    t0 = time.monotonic()
+    rc = job.wait(60)
+    elapsed = time.monotonic() - t0
+    assert rc != 0 and elapsed < 30, (rc, elapsed)
+    assert re.search(r"rank 1\b", job.stdout + job.stderr), job.stderr[-2000:]
+    for path in list_checkpoints(str(ckpt)):
+        load_checkpoint(path)  # every checkpoint left behind verifies
+    print(f"SIGKILL of rank 1: job ended in {elapsed:.2f} s")
+
+
+@pytest.mark.parametrize("frozen", [0, 1])
+def test_frozen_rank_is_named_by_the_watchdog(tmp_path, frozen):
+    timeout = 3
+    ckpt = tmp_path / "ckpt"
+    job = Job(2, [*MGPU, *RUN, "--steps", 10 ** 6, "--checkpoint-dir", ckpt, "--checkpoint-every", 10,
+                  "--watchdog-timeout", timeout], tmp_path)
+    first_checkpoint(ckpt, job)
+    os.kill(job.ranks()[frozen], signal.SIGSTOP)
+    t0 = time.monotonic()
+    rc = job.wait(120)
+    elapsed = time.monotonic() - t0
+    assert rc != 0 and elapsed < timeout + 30, (rc, elapsed, job.stderr[-2000:])
+    survivor = 1 - frozen
+    message = re.search(rf"on rank {survivor}: rank {frozen} (has not reached this step|stopped responding during it) \(stopped, hung or dead\)", job.stderr)
+    assert message, job.stderr[-3000:]
+    assert re.search(r"at step \d+ did not complete within 3 s", job.stderr)
+    assert "Traceback" not in job.stderr
+    for path in list_checkpoints(str(ckpt)):
+        load_checkpoint(path)
+    print(f"SIGSTOP of rank {frozen}: job ended in {elapsed:.2f} s (watchdog {timeout} s)")
+
+
+def test_diverging_run_stops_on_every_rank_without_a_bad_checkpoint(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    r = mpirun(2, [*MGPU, "train", "--layers", "50,64,3", "--steps", "50", "--lr", "1e30", "--momentum", "0",
+                   "--no-progress", "--checkpoint-dir", ckpt, "--checkpoint-every", "1", "--max-bad-steps", "2"],
+               timeout=120)
+    assert r.returncode == 1, r.stderr[-2000:]
+    assert r.stderr.count("2 consecutive steps with non-finite loss or gradients") == 2, r.stderr
+    assert "step skipped" in r.stderr and "Traceback" not in r.stderr
+    for path in list_checkpoints(str(ckpt)):
+        arrays, _ = load_checkpoint(path)
+        assert all(np.isfinite(a).all() for a in arrays.values())
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 160 KiB file system: room for a few small checkpoints, then full."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=160k", "tmpfs", str(mount)], capture_output=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {r.stderr.decode().strip()}")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)])
+
+
+def test_full_disk_at_checkpoint_time_keeps_the_previous_one(tmp_path, small_disk):
+    # 50-64-3 with AdamW: ~40 KB a checkpoint
+    r = mpirun(2, [*MGPU, "train", "--layers", "50,64,3", "--steps", "40", "--optimizer", "adamw", "--no-progress",
+                   "--checkpoint-dir", small_disk, "--checkpoint-every", "1", "--keep-checkpoints", "10"],
+               timeout=120)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert r.stderr.count("disk full; previous checkpoint") == 2, r.stderr  # one line on every rank
+    kept = list_checkpoints(str(small_disk))
+    assert kept and not [n for n in os.listdir(small_disk) if n.startswith(".tmp")]
+    for path in kept:
+        load_checkpoint(path)
+
+
+# --- bad input: one line on every rank, exit 2, nothing overwritten ----------------
+def _npz(path, **arrays):
+    np.savez(path, **arrays)
+    return path
+
+
+@pytest.fixture
+def inputs(tmp_path):
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((40, 4)).astype(np.float32)
+    nan = x.copy()
+    nan[3, 2] = np.nan
+    files = {
+        "nan": _npz(tmp_path / "nan.npz", x=nan, y=rng.standard_normal((40, 2))),
+        "features": _npz(tmp_path / "features.npz", x=rng.standard_normal((40, 7)), y=rng.standard_normal((40, 2))),
+        "labels_range": _npz(tmp_path / "labels.npz", x=x, y=np.arange(40) % 6),
+        "labels_float": _npz(tmp_path / "labels_float.npz", x=x, y=rng.standard_normal(40)),
+        "empty": _npz(tmp_path / "empty.npz", x=np.zeros((0, 4)), y=np.zeros((0, 2))),
+        "tiny": _npz(tmp_path / "tiny.npz", x=x[:1], y=np.zeros((1, 2)), x_val=x[:2], y_val=np.zeros((2, 2))),
+        "garbage": tmp_path / "garbage.npz",
+        "truncated_ckpt": tmp_path / "truncated.npz",
+        "other_ckpt": tmp_path / "other" / "ckpt-000000003.npz",
+        "out": tmp_path / "out.json",
+    }
+    files["garbage"].write_bytes(b"\x00not a zip file" * 10)
+    good = _npz(tmp_path / "good.npz", x=x, y=rng.standard_normal((40, 2)))
+    files["good"] = good
+    r = mpirun(1, [*MGPU, "train", "--layers", "4,8,2", "--dataset", good, "--steps", "3", "--batch-size", "8",
+                   "--no-progress", "--checkpoint-dir", tmp_path / "other"])
+    assert r.returncode == 0, r.stderr
+    raw = files["other_ckpt"].read_bytes()
+    files["truncated_ckpt"].write_bytes(raw[: len(raw) // 3])
+    files["out"].write_text("precious")
+    return files
+
+
+BAD_INPUT = [
+    (lambda f: ["--layers", "4,8,2", "--dataset", f["nan"]], "NaN or Inf"),
+    (lambda f: ["--layers", "4,8,2", "--dataset", f["features"]], "4 inputs but the dataset has 7"),
+    (lambda f: ["--layers", "4,8,3", "--dataset", f["labels_range"]], "3 outputs but the dataset needs 6"),
+    (lambda f: ["--layers", "4,8,3", "--dataset", f["labels_float"], "--loss", "cross_entropy"],
+     "cross_entropy needs integer class labels"),
+    (lambda f: ["--layers", "4,8,2", "--dataset", f["empty"]], "empty"),
+    (lambda f: ["--layers", "4,8,2", "--dataset", f["tiny"]], "fewer than the 2 ranks"),
+    (lambda f: ["--layers", "4,8,2", "--dataset", f["garbage"]], "cannot read dataset"),
+    (lambda f: ["--model", "giant"], "invalid choice"),
+    (lambda f: ["--layers", "4,8,2", "--dataset", f["good"], "--batch-size", "8", "--resume",
+                f["truncated_ckpt"]], "corrupt or truncated"),
+    (lambda f: ["--layers", "4,16,2", "--dataset", f["good"], "--batch-size", "8", "--resume", f["other_ckpt"]],
+     "does not fit this run: layers"),
+    (lambda f: ["--layers", "4,8,2", "--dataset", f["good"], "--batch-size", "16", "--resume", f["other_ckpt"]],
+     "does not fit this run: effective_batch"),
+    (lambda f: ["--layers", "4,8,2", "--dataset", f["good"], "--resume"], "needs --checkpoint-dir"),
+    (lambda f: ["--layers", "4,8,2", "--dataset", f["good"], "--resume", "--checkpoint-dir", f["good"].parent / "none"],
+     "no checkpoint in"),
+    (lambda f: ["--layers", "4,8,2", "--dataset", f["good"], "--checkpoint-dir", f["good"]], "checkpoint directory"),
+    (lambda f: ["--accumulate", "0"], "accumulation steps"),
+    (lambda f: ["--max-grad-norm", "-1"], "max gradient norm"),
+    (lambda f: ["--lr-schedule", "linear"], "invalid choice"),
+    (lambda f: ["--checkpoint-every", "-5"], "checkpoint interval"),
+    (lambda f: ["--watchdog-timeout", "-1"], "watchdog timeout"),
+]
+
+
+@pytest.mark.parametrize("make_args, message", BAD_INPUT, ids=[m for _, m in BAD_INPUT])
+def test_bad_input_one_line_on_every_rank_nothing_overwritten(inputs, make_args, message):
+    before = {p: p.read_bytes() for p in inputs.values() if isinstance(p, os.PathLike) and p.is_file()}
+    t0 = time.monotonic()
+    r = mpirun(2, [*MGPU, "train", "--no-progress", "--steps", "3", "--json", inputs["out"],
+                   "--save", inputs["out"].with_suffix(".npz"), *make_args(inputs)], timeout=120)
+    assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
+    errors = [part.splitlines()[0] for part in re.split(r"(?=mgpu(?: train)?: error)", r.stderr)
+              if part.startswith("mgpu")]
+    assert len(errors) == 2 and all(re.search(message, e) for e in errors), r.stderr
+    assert "Traceback" not in r.stderr and time.monotonic() - t0 < 60
+    assert all(p.read_bytes() == data for p, data in before.items()), "an input or output file changed"
+    assert not inputs["out"].with_suffix(".npz").exists()
