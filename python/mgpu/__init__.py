@@ -9,10 +9,12 @@ from .process_group import ProcessGroup
 from .config import PRESETS, TrainConfig
 from .model import MLP
 from .data import Dataset, load_dataset, split_counts
-from .trainer import Trainer
+from .schedule import LRSchedule
+from .checkpoint import CheckpointError
+from .trainer import CheckpointPolicy, Trainer
 
 __all__ = [
     "__version__", "build_info", "ProcessGroup", "TrainConfig", "PRESETS", "MLP", "Trainer",
-    "Dataset", "load_dataset", "split_counts", "MgpuError", "ConfigError", "DataError",
-    "DeviceError", "CommError", "NumericsError",
+    "CheckpointPolicy", "LRSchedule", "Dataset", "load_dataset", "split_counts", "MgpuError",
+    "ConfigError", "DataError", "CheckpointError", "DeviceError", "CommError", "NumericsError",
 ]
