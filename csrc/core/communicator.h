@@ -9,8 +9,11 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 namespace mgpu {
+
+class Backend;
 
 class Communicator {
  public:
@@ -36,6 +39,14 @@ class Communicator {
   double timeout() const { return timeout_seconds_; }
   virtual void begin_step(uint64_t step) { current_step_ = step; }
   uint64_t current_step() const { return current_step_; }
+  // Ranks known not to have reached the current step (heartbeats); empty when
+  // the transport cannot tell.
+  virtual std::vector<int> missing_peers() { return {}; }
+
+  // The backend whose memory the collectives will see: a device transport
+  // (NCCL) orders its collectives after the backend's compute stream. Throws
+  // ConfigError when the transport cannot work with that backend.
+  virtual void attach(Backend&) {}
 
  protected:
   double timeout_seconds_ = 0.0;
