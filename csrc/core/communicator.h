@@ -47,6 +47,9 @@ class Communicator {
   // (NCCL) orders its collectives after the backend's compute stream. Throws
   // ConfigError when the transport cannot work with that backend.
   virtual void attach(Backend&) {}
+  // Whether collectives may be handed device (non-host-accessible backend)
+  // memory; those that cannot are wrapped in a StagedCommunicator.
+  virtual bool accepts_device_memory() const { return false; }
 
  protected:
   double timeout_seconds_ = 0.0;
@@ -62,6 +65,7 @@ class LocalCommunicator final : public Communicator {
   void allreduce_sum(float*, size_t) override {}
   void broadcast(float*, size_t, int) override {}
   void barrier() override {}
+  bool accepts_device_memory() const override { return true; }  // never touches the data
 };
 
 }  // namespace mgpu

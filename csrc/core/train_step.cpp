@@ -5,6 +5,7 @@
 #include <cmath>
 
 #include "errors.h"
+#include "staged_communicator.h"
 
 namespace mgpu {
 
@@ -44,6 +45,9 @@ DataParallelStep::DataParallelStep(std::shared_ptr<MLP> model, std::shared_ptr<O
   MGPU_CHECK(options_.loss_scale_window >= 1, ConfigError, "loss_scale_window must be >= 1");
   set_loss_scale(options_.loss_scale);
   buckets_ = plan_buckets(*model_, options_.bucket_elems);
+  // MPI moves host memory only: a device backend's gradients go through host buffers.
+  if (!model_->backend().host_accessible() && !comm_->accepts_device_memory())
+    comm_ = std::make_shared<StagedCommunicator>(comm_, model_->backend_ptr());
   comm_->attach(model_->backend());
   // Overlap pays only when something drives the collective while backward runs:
   // the transport itself (NCCL), or a host thread left idle by a device backend.

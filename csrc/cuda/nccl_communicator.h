@@ -49,6 +49,7 @@ class NcclCommunicator final : public Communicator {
   // ready buckets, so buckets that become ready together launch together.
   void allreduce_sum_async(float* data, size_t count) override;
   bool progresses_independently() const override { return true; }
+  bool accepts_device_memory() const override { return true; }
   void progress() override;
   void wait_all() override;
 
