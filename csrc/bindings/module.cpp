@@ -155,6 +155,19 @@ py::dict build_info() {
   const int gpus = cuda::device_count();
   cuda["device_count"] = gpus;
   if (gpus == 0) cuda["no_device_reason"] = cuda::no_device_reason();
+  py::list gpu_list;  // what `mgpu info` shows of each GPU
+  for (int i = 0; i < gpus; ++i) {
+    const cuda::DeviceInfo d = cuda::device_info(i);
+    py::dict dev;
+    dev["index"] = d.index;
+    dev["name"] = d.name;
+    dev["total_memory_mib"] = d.total_memory >> 20;
+    dev["multiprocessors"] = d.multiprocessors;
+    dev["compute_capability"] = std::to_string(d.major) + "." + std::to_string(d.minor);
+    dev["pci_bus_id"] = d.pci_bus_id;
+    gpu_list.append(dev);
+  }
+  cuda["devices"] = gpu_list;
 #else
   cuda["backend"] = false;
   cuda["compiled"] = false;

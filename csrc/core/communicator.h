@@ -44,9 +44,10 @@ class Communicator {
   virtual std::vector<int> missing_peers() { return {}; }
 
   // The backend whose memory the collectives will see: a device transport
-  // (NCCL) orders its collectives after the backend's compute stream. Throws
-  // ConfigError when the transport cannot work with that backend.
-  virtual void attach(Backend&) {}
+  // (NCCL) orders its collectives after the backend's compute stream (and keeps
+  // the backend alive while it may use that stream). Throws ConfigError when
+  // the transport cannot work with that backend.
+  virtual void attach(const std::shared_ptr<Backend>&) {}
   // Whether collectives may be handed device (non-host-accessible backend)
   // memory; those that cannot are wrapped in a StagedCommunicator.
   virtual bool accepts_device_memory() const { return false; }

@@ -48,7 +48,7 @@ DataParallelStep::DataParallelStep(std::shared_ptr<MLP> model, std::shared_ptr<O
   // MPI moves host memory only: a device backend's gradients go through host buffers.
   if (!model_->backend().host_accessible() && !comm_->accepts_device_memory())
     comm_ = std::make_shared<StagedCommunicator>(comm_, model_->backend_ptr());
-  comm_->attach(model_->backend());
+  comm_->attach(model_->backend_ptr());
   // Overlap pays only when something drives the collective while backward runs:
   // the transport itself (NCCL), or a host thread left idle by a device backend.
   // With the CPU backend and MPI the same cores would do both, and blocking

@@ -57,6 +57,7 @@ struct NcclCommunicator::Impl {
   ncclComm_t comm = nullptr;
   int rank = 0, size = 1, device = 0;
   cudaStream_t comm_stream = nullptr;
+  std::shared_ptr<CudaBackend> backend;  // attached; keeps `compute` valid
   cudaStream_t compute = nullptr;  // attached backend's stream (none: order by device sync)
   cudaEvent_t compute_ready = nullptr, comm_done = nullptr;
   std::shared_ptr<Communicator> sidecar;
@@ -238,12 +239,13 @@ int NcclCommunicator::rank() const { return impl_->rank; }
 int NcclCommunicator::size() const { return impl_->size; }
 int NcclCommunicator::device() const { return impl_->device; }
 
-void NcclCommunicator::attach(Backend& backend) {
-  auto* cuda = dynamic_cast<CudaBackend*>(&backend);
+void NcclCommunicator::attach(const std::shared_ptr<Backend>& backend) {
+  auto cuda = std::dynamic_pointer_cast<CudaBackend>(backend);
   MGPU_CHECK(cuda, ConfigError, "the NCCL communicator needs the CUDA backend (the model is on '",
-             backend.name(), "'); use the MPI communicator for CPU training");
+             backend ? backend->name() : "none", "'); use the MPI communicator for CPU training");
   MGPU_CHECK(cuda->device() == impl_->device, ConfigError, "the model is on GPU ", cuda->device(),
              " but this rank's NCCL communicator on GPU ", impl_->device);
+  impl_->backend = cuda;  // its stream must outlive our uses of it
   impl_->compute = cuda->stream();
 }
 

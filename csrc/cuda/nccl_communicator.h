@@ -60,7 +60,7 @@ class NcclCommunicator final : public Communicator {
 
   void begin_step(uint64_t step) override;
   std::vector<int> missing_peers() override;
-  void attach(Backend& backend) override;
+  void attach(const std::shared_ptr<Backend>& backend) override;
 
  private:
   struct Impl;
