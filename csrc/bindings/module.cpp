@@ -6,6 +6,7 @@
 #include <pybind11/stl.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <limits>
 #include <vector>
@@ -17,8 +18,15 @@
 #include "../core/optimizer.h"
 #include "../core/train_step.h"
 #include "../cpu/cpu_backend.h"
+#include "../core/philox.h"
 #ifdef MGPU_HAVE_MPI
 #include "../mpi/mpi_communicator.h"
+#endif
+#ifdef MGPU_HAVE_CUDA
+#include "../cuda/cuda_api.h"
+#endif
+#ifdef MGPU_HAVE_NCCL
+#include "../cuda/nccl_communicator.h"
 #endif
 #ifdef MGPU_HAVE_OPENBLAS
 extern "C" char* openblas_get_config(void);
@@ -26,6 +34,10 @@ extern "C" char* openblas_get_config(void);
 
 namespace py = pybind11;
 using namespace mgpu;
+
+namespace mgpu {
+void bind_probe(py::module_& m);  // probe.cpp
+}
 
 namespace {
 
@@ -128,8 +140,43 @@ py::dict build_info() {
   cuda["nccl_version"] = MGPU_NCCL_VERSION;
 #ifdef MGPU_HAVE_CUDA
   cuda["backend"] = true;
+  cuda["compiled"] = true;
+  const cuda::Versions v = cuda::versions();
+  cuda["runtime_compiled"] = v.runtime_compiled;
+  cuda["runtime_loaded"] = v.runtime_loaded;
+  cuda["driver"] = v.driver;  // "" without a driver
+  cuda["cublas_compiled"] = v.cublas_compiled;
+  cuda["cublas_loaded"] = v.cublas_loaded;
+  cuda["curand_compiled"] = v.curand_compiled;
+  cuda["curand_loaded"] = v.curand_loaded;
+  cuda["nccl_compiled"] = v.nccl_compiled;
+  cuda["nccl_loaded"] = v.nccl_loaded;
+  cuda["nccl_loaded_code"] = v.nccl_loaded_code;
+  const int gpus = cuda::device_count();
+  cuda["device_count"] = gpus;
+  if (gpus == 0) cuda["no_device_reason"] = cuda::no_device_reason();
+  py::list gpu_list;  // what `mgpu info` shows of each GPU
+  for (int i = 0; i < gpus; ++i) {
+    const cuda::DeviceInfo d = cuda::device_info(i);
+    py::dict dev;
+    dev["index"] = d.index;
+    dev["name"] = d.name;
+    dev["total_memory_mib"] = d.total_memory >> 20;
+    dev["multiprocessors"] = d.multiprocessors;
+    dev["compute_capability"] = std::to_string(d.major) + "." + std::to_string(d.minor);
+    dev["pci_bus_id"] = d.pci_bus_id;
+    gpu_list.append(dev);
+  }
+  cuda["devices"] = gpu_list;
 #else
   cuda["backend"] = false;
+  cuda["compiled"] = false;
+  cuda["device_count"] = 0;
+#endif
+#ifdef MGPU_HAVE_NCCL
+  cuda["nccl_communicator"] = true;
+#else
+  cuda["nccl_communicator"] = false;
 #endif
   info["cuda"] = cuda;
   py::list devices;
@@ -158,6 +205,11 @@ PYBIND11_MODULE(_core, m) {
   py::class_<Backend, std::shared_ptr<Backend>>(m, "Backend")
       .def_property_readonly("name", &Backend::name)
       .def_property("threads", &Backend::threads, &Backend::set_threads)
+      .def_property(
+          "precision", [](const Backend& b) { return precision_name(b.precision()); },
+          [](Backend& b, const std::string& name) { b.set_precision(parse_precision(name)); },
+          "GEMM arithmetic: 'fp32' | 'tf32' | 'bf16' | 'fp16' (parameters, gradients and optimizer "
+          "state stay fp32); backends that cannot honour one raise ConfigError.")
       .def("synchronize", &Backend::synchronize);
   m.def("make_backend", &make_backend, py::arg("device") = "cpu", py::arg("device_index") = 0,
         py::arg("threads") = 0, "A backend for 'cpu' or 'cuda'; threads=0 uses every available core.");
@@ -214,6 +266,65 @@ PYBIND11_MODULE(_core, m) {
            "Wraps (a duplicate of) the MPI communicator whose handle is mpi4py's MPI._handleof(comm).")
       .def("missing_peers", &MpiCommunicator::missing_peers,
            "Watched ranks whose heartbeats have not reached this rank's current step.");
+#endif
+
+  // --- CUDA: discovery, properties, versions, test hooks ----------------------
+  m.def("cuda_device_count",
+#ifdef MGPU_HAVE_CUDA
+        []() { return cuda::device_count(); },
+#else
+        []() { return 0; },
+#endif
+        "GPUs visible to this process (0 without a CUDA backend, driver or GPU; never raises).");
+  m.def("philox4x32_10",
+        [](std::array<uint32_t, 4> c, std::array<uint32_t, 2> k) {
+          const Philox4 r = philox4x32_10(c[0], c[1], c[2], c[3], k[0], k[1]);
+          return std::array<uint32_t, 4>{r.v[0], r.v[1], r.v[2], r.v[3]};
+        },
+        py::arg("counter"), py::arg("key"), "mgpu's Philox4x32-10 (csrc/core/philox.h) on the host.");
+#ifdef MGPU_HAVE_CUDA
+  m.def("cuda_device_info", [](int index) {
+    const cuda::DeviceInfo d = cuda::device_info(index);
+    py::dict out;
+    out["index"] = d.index;
+    out["name"] = d.name;
+    out["total_memory"] = d.total_memory;
+    out["multiprocessors"] = d.multiprocessors;
+    out["compute_capability"] = std::to_string(d.major) + "." + std::to_string(d.minor);
+    out["pci_bus_id"] = d.pci_bus_id;
+    return out;
+  }, py::arg("index") = 0, "Name, memory (bytes), SM count, compute capability and PCI bus id of a GPU.");
+  m.def("cuda_memory_info", [](int index) { return cuda::memory_info(index); }, py::arg("index") = 0,
+        "(free, total) bytes of device memory (cudaMemGetInfo).");
+  m.def("curand_philox4x32_10", &cuda::curand_philox_on_host, py::arg("counter"), py::arg("key"),
+        "cuRAND's curand_Philox4x32_10 (the dropout kernel's generator) run on the host.");
+  m.def("cuda_dropout_mask_on_host",
+        [](int B, int C, float p, uint64_t seed, uint64_t step, uint32_t layer, int64_t first_sample) {
+          std::vector<float> mask = cuda::dropout_mask_on_host(B, C, p, DropoutKey{seed, step, layer, first_sample});
+          py::array_t<float> out({static_cast<py::ssize_t>(B), static_cast<py::ssize_t>(C)});
+          std::copy(mask.begin(), mask.end(), out.mutable_data());
+          return out;
+        },
+        py::arg("rows"), py::arg("cols"), py::arg("p"), py::arg("seed") = 0, py::arg("step") = 0,
+        py::arg("layer") = 0, py::arg("first_sample") = 0,
+        "The CUDA dropout kernel's per-element mask code run on the host: (rows, cols) of 0 or 1/(1-p).");
+#endif
+#ifdef MGPU_HAVE_NCCL
+  m.def("nccl_unique_id", []() { return py::bytes(cuda::nccl_unique_id()); },
+        "A fresh ncclUniqueId (bytes); rank 0 creates it and broadcasts it to the others.");
+  py::class_<NcclCommunicator, Communicator, std::shared_ptr<NcclCommunicator>>(m, "NcclCommunicator")
+      .def(py::init([](py::bytes unique_id, int rank, int size, int device_index,
+                       std::shared_ptr<Communicator> sidecar) {
+             std::string id = unique_id;
+             py::gil_scoped_release nogil;  // ncclCommInitRank waits for every rank
+             return std::make_shared<NcclCommunicator>(id, rank, size, device_index, std::move(sidecar));
+           }),
+           py::arg("unique_id"), py::arg("rank"), py::arg("size"), py::arg("device_index"),
+           py::arg("sidecar") = nullptr,
+           "NCCL communicator of one rank on GPU device_index; sidecar: the MpiCommunicator whose "
+           "heartbeats name missing ranks on a timeout.")
+      .def_property_readonly("device", &NcclCommunicator::device)
+      .def("missing_peers", &NcclCommunicator::missing_peers);
 #endif
 
   py::class_<MLP, std::shared_ptr<MLP>>(m, "MLP")
@@ -302,6 +413,8 @@ PYBIND11_MODULE(_core, m) {
            },
            py::arg("name"), py::arg("num_params"))
       .def("set_state", [](Optimizer& o, const std::string& name, FloatArray a) { o.set_state(name, a.data()); });
+
+  bind_probe(m);
 
   py::class_<StepResult>(m, "StepResult")
       .def_readonly("loss", &StepResult::loss)

@@ -9,8 +9,11 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 namespace mgpu {
+
+class Backend;
 
 class Communicator {
  public:
@@ -36,6 +39,18 @@ class Communicator {
   double timeout() const { return timeout_seconds_; }
   virtual void begin_step(uint64_t step) { current_step_ = step; }
   uint64_t current_step() const { return current_step_; }
+  // Ranks known not to have reached the current step (heartbeats); empty when
+  // the transport cannot tell.
+  virtual std::vector<int> missing_peers() { return {}; }
+
+  // The backend whose memory the collectives will see: a device transport
+  // (NCCL) orders its collectives after the backend's compute stream (and keeps
+  // the backend alive while it may use that stream). Throws ConfigError when
+  // the transport cannot work with that backend.
+  virtual void attach(const std::shared_ptr<Backend>&) {}
+  // Whether collectives may be handed device (non-host-accessible backend)
+  // memory; those that cannot are wrapped in a StagedCommunicator.
+  virtual bool accepts_device_memory() const { return false; }
 
  protected:
   double timeout_seconds_ = 0.0;
@@ -51,6 +66,7 @@ class LocalCommunicator final : public Communicator {
   void allreduce_sum(float*, size_t) override {}
   void broadcast(float*, size_t, int) override {}
   void barrier() override {}
+  bool accepts_device_memory() const override { return true; }  // never touches the data
 };
 
 }  // namespace mgpu

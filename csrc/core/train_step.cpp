@@ -5,6 +5,7 @@
 #include <cmath>
 
 #include "errors.h"
+#include "staged_communicator.h"
 
 namespace mgpu {
 
@@ -44,6 +45,10 @@ DataParallelStep::DataParallelStep(std::shared_ptr<MLP> model, std::shared_ptr<O
   MGPU_CHECK(options_.loss_scale_window >= 1, ConfigError, "loss_scale_window must be >= 1");
   set_loss_scale(options_.loss_scale);
   buckets_ = plan_buckets(*model_, options_.bucket_elems);
+  // MPI moves host memory only: a device backend's gradients go through host buffers.
+  if (!model_->backend().host_accessible() && !comm_->accepts_device_memory())
+    comm_ = std::make_shared<StagedCommunicator>(comm_, model_->backend_ptr());
+  comm_->attach(model_->backend_ptr());
   // Overlap pays only when something drives the collective while backward runs:
   // the transport itself (NCCL), or a host thread left idle by a device backend.
   // With the CPU backend and MPI the same cores would do both, and blocking
@@ -96,6 +101,10 @@ StepResult DataParallelStep::step(const std::vector<MicroShard>& shards, int64_t
                                 ? static_cast<double>(global_batch) * m.out_features()
                                 : static_cast<double>(global_batch);
   const float grad_scale = static_cast<float>(loss_scale_ / normaliser);
+  // The stop slot travels in the first bucket, which overlap launches during
+  // the last backward: write it before any backward runs.
+  const float stop_flag = request_stop ? 1.0f : 0.0f;
+  be.copy_to_backend(m.stop_slot(), &stop_flag, sizeof(float));
   bool written = false;  // has any micro-batch written the gradient buffer yet?
   for (size_t k = 0; k < shards.size(); ++k) {
     const MicroShard& s = shards[k];
@@ -111,8 +120,6 @@ StepResult DataParallelStep::step(const std::vector<MicroShard>& shards, int64_t
   }
   // An empty share contributes zero gradient and zero loss.
   if (!written) be.zero(m.grads(), m.num_params() + 1);
-  const float stop_flag = request_stop ? 1.0f : 0.0f;
-  be.copy_to_backend(m.stop_slot(), &stop_flag, sizeof(float));
   launch_ready(-1);  // every bucket not yet launched
   // 5. All gradients summed on every rank; from here on every rank computes
   // the same values and takes the same decisions.

@@ -39,7 +39,7 @@ class MpiCommunicator final : public Communicator {
 
   // Ranks whose heartbeats show they have not reached this rank's current
   // step (only ranks this rank watches; see the file comment).
-  std::vector<int> missing_peers();
+  std::vector<int> missing_peers() override;
 
  private:
   void ensure_usable() const;

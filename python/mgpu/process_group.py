@@ -41,22 +41,72 @@ class ProcessGroup:
             self.local_rank, self.local_size = node.Get_rank(), node.Get_size()
             node.Free()
         self._core_comm: Optional[_core.Communicator] = None
+        self._core_comm_kind: Optional[str] = None
         self.timeout = 0.0  # seconds a control-plane collective may take (0: forever); see Trainer
 
     @property
     def is_root(self) -> bool:
         return self.rank == 0
 
-    def communicator(self) -> "_core.Communicator":
-        """The core communicator (MPI over a duplicate of this group's comm; local for one rank)."""
-        if self._core_comm is None:
-            if self.size == 1:
-                self._core_comm = _core.LocalCommunicator()
-            elif not hasattr(_core, "MpiCommunicator"):
-                raise ConfigError("this build of mgpu has no MPI support; rebuild with MPI to run several ranks")
-            else:
-                self._core_comm = _core.MpiCommunicator(self._mpi._handleof(self.comm))
+    def communicator(self, kind: str = "mpi", device_index: Optional[int] = None) -> "_core.Communicator":
+        """The core communicator, created on first use and then reused.
+
+        kind="mpi": MPI over a duplicate of this group's comm (local for one rank).
+        kind="nccl": NCCL between the ranks' GPUs (device_index: this rank's GPU,
+        default as resolve_device("cuda") picks it), with the MPI communicator as
+        heartbeat sidecar so a timeout names the missing ranks.
+        """
+        if kind not in ("mpi", "nccl"):
+            raise ConfigError(f"unknown communicator '{kind}' (expected mpi or nccl)")
+        if self._core_comm is not None:
+            if self._core_comm_kind != kind:
+                raise ConfigError(f"this process group already uses the {self._core_comm_kind} communicator")
+            return self._core_comm
+        if kind == "nccl":
+            self._core_comm = self._nccl_communicator(device_index)
+        elif self.size == 1:
+            self._core_comm = _core.LocalCommunicator()
+        else:
+            self._core_comm = self._mpi_communicator()
+        self._core_comm_kind = kind
         return self._core_comm
+
+    def _mpi_communicator(self) -> "_core.Communicator":
+        if not hasattr(_core, "MpiCommunicator"):
+            raise ConfigError("this build of mgpu has no MPI support; rebuild with MPI to run several ranks")
+        return _core.MpiCommunicator(self._mpi._handleof(self.comm))
+
+    def _nccl_communicator(self, device_index: Optional[int]) -> "_core.Communicator":
+        if not hasattr(_core, "NcclCommunicator"):
+            raise ConfigError("communicator 'nccl' requested, but this build of mgpu has no NCCL "
+                              "(built without the CUDA toolkit or NCCL); use --comm mpi")
+        if device_index is None:
+            _, device_index = self.resolve_device("cuda")
+        self._check_gpu_sharing(device_index)
+        sidecar = self._mpi_communicator() if self.size > 1 else None
+        unique_id = _core.nccl_unique_id() if self.rank == 0 else None
+        unique_id = self.bcast(unique_id, root=0)
+        return _core.NcclCommunicator(unique_id, self.rank, self.size, device_index, sidecar)
+
+    def _check_gpu_sharing(self, device_index: int) -> None:
+        """Collective: ConfigError on every rank when ranks would share a GPU NCCL cannot share."""
+        bus = _core.cuda_device_info(device_index)["pci_bus_id"]
+        host = self._mpi.Get_processor_name() if self.comm is not None else "localhost"
+        seen = self.comm.allgather((host, bus)) if self.comm is not None else [(host, bus)]
+        shared = len(seen) != len(set(seen))
+        if not shared:
+            return
+        code = _core.build_info()["cuda"].get("nccl_loaded_code", 0)
+        version = _core.build_info()["cuda"].get("nccl_loaded", "?")
+        if code < 23000:
+            raise ConfigError(
+                f"{len(seen)} ranks share {len(set(seen))} GPU(s), but NCCL {version} allows one rank per "
+                "GPU (it fails with 'duplicate GPU'); run at most one rank per GPU, use --comm mpi, or use "
+                "NCCL >= 2.30 with NCCL_MULTI_RANK_GPU_ENABLE=1")
+        if os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE") != "1":
+            raise ConfigError(
+                f"{len(seen)} ranks share {len(set(seen))} GPU(s): set NCCL_MULTI_RANK_GPU_ENABLE=1 "
+                f"(NCCL {version}) to let NCCL run several ranks on one GPU, or use --comm mpi")
 
     def default_threads(self) -> int:
         """CPU threads per rank when the user gives none: the node's cores shared evenly."""

@@ -1,0 +1,247 @@
+// CUDA backend implementation (see cuda_backend.h). Row-major matrices meet
+// column-major cuBLAS through the identity (row-major X) = (column-major X^T):
+// the row-major product C = A B^T is computed as column-major C^T = B A^T, so
+// every GEMM below swaps its operands instead of transposing any data.
+#include "cuda_backend.h"
+
+#include <algorithm>
+#include <memory>
+
+#include "../../kernels/kernels.cuh"
+#include "cuda_check.h"
+
+namespace mgpu {
+
+namespace {
+// cuBLAS's recommended workspace on Hopper; set once so cuBLAS never allocates
+// inside a step.
+constexpr size_t kCublasWorkspaceBytes = size_t{32} << 20;
+}  // namespace
+
+CudaBackend::CudaBackend(int device_index) : device_(device_index) {
+  try {
+    activate();
+    MGPU_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    MGPU_CUBLAS_CHECK(cublasCreate(&cublas_));
+    MGPU_CUBLAS_CHECK(cublasSetStream(cublas_, stream_));
+    MGPU_CUDA_CHECK(cudaMalloc(&cublas_workspace_, kCublasWorkspaceBytes));
+    MGPU_CUBLAS_CHECK(cublasSetWorkspace(cublas_, cublas_workspace_, kCublasWorkspaceBytes));
+    MGPU_CUBLAS_CHECK(cublasSetMathMode(cublas_, CUBLAS_DEFAULT_MATH));
+    MGPU_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&partials_), kernels::kPartialsSize * sizeof(double)));
+    MGPU_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&sum_out_), sizeof(double)));
+    MGPU_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&sum_host_), sizeof(double)));
+  } catch (...) {
+    release();
+    throw;
+  }
+}
+
+CudaBackend::~CudaBackend() { release(); }
+
+void CudaBackend::release() noexcept {
+  // Errors here cannot be reported (destructor); a broken context frees everything anyway.
+  cudaSetDevice(device_);
+  if (stream_) cudaStreamSynchronize(stream_);
+  if (cublas_) cublasDestroy(cublas_);
+  cudaFree(cublas_workspace_);
+  cudaFree(partials_);
+  cudaFree(sum_out_);
+  if (sum_host_) cudaFreeHost(sum_host_);
+  for (void* p : half_) cudaFree(p);
+  if (stream_) cudaStreamDestroy(stream_);
+  cublas_ = nullptr;
+  stream_ = nullptr;
+  cublas_workspace_ = nullptr;
+  partials_ = sum_out_ = sum_host_ = nullptr;
+  half_[0] = half_[1] = nullptr;
+  cudaGetLastError();  // leave no sticky error behind for the next user of the device
+}
+
+void CudaBackend::activate() const { MGPU_CUDA_CHECK(cudaSetDevice(device_)); }
+
+void CudaBackend::set_threads(int threads) {
+  MGPU_CHECK(threads >= 1, ConfigError, "threads must be >= 1, got ", threads);
+  threads_ = threads;
+}
+
+void* CudaBackend::allocate_bytes(size_t bytes) {
+  activate();
+  void* p = nullptr;
+  const cudaError_t rc = cudaMalloc(&p, bytes);
+  if (rc != cudaSuccess) {
+    cudaGetLastError();
+    size_t free_bytes = 0, total = 0;
+    cudaMemGetInfo(&free_bytes, &total);
+    throw DeviceError(detail::concat("cudaMalloc of ", bytes, " bytes on GPU ", device_, " failed: ",
+                                     cudaGetErrorString(rc), " (", free_bytes >> 20, " MiB free of ",
+                                     total >> 20, " MiB)"));
+  }
+  return p;
+}
+
+void CudaBackend::free_bytes(void* ptr) noexcept {
+  if (!ptr) return;
+  cudaSetDevice(device_);
+  cudaFree(ptr);  // implicitly waits for work still using ptr
+}
+
+void CudaBackend::copy_to_backend(void* dst, const void* host_src, size_t bytes) {
+  if (!bytes) return;
+  activate();
+  MGPU_CUDA_CHECK(cudaMemcpyAsync(dst, host_src, bytes, cudaMemcpyHostToDevice, stream_));
+  MGPU_CUDA_CHECK(cudaStreamSynchronize(stream_));
+}
+
+void CudaBackend::copy_to_host(void* host_dst, const void* src, size_t bytes) {
+  if (!bytes) return;
+  activate();
+  MGPU_CUDA_CHECK(cudaMemcpyAsync(host_dst, src, bytes, cudaMemcpyDeviceToHost, stream_));
+  MGPU_CUDA_CHECK(cudaStreamSynchronize(stream_));
+}
+
+void CudaBackend::zero(float* x, size_t n) {
+  if (!n) return;
+  activate();
+  MGPU_CUDA_CHECK(cudaMemsetAsync(x, 0, n * sizeof(float), stream_));
+}
+
+void CudaBackend::synchronize() {
+  activate();
+  MGPU_CUDA_CHECK(cudaStreamSynchronize(stream_));
+}
+
+void CudaBackend::set_precision(Precision precision) {
+  activate();
+  // TF32 only when asked: fp32 GEMMs stay IEEE fp32 so results match the CPU backend.
+  MGPU_CUBLAS_CHECK(cublasSetMathMode(
+      cublas_, precision == Precision::kTF32 ? CUBLAS_TF32_TENSOR_OP_MATH : CUBLAS_DEFAULT_MATH));
+  precision_ = precision;
+}
+
+const void* CudaBackend::gemm_input(int slot, const float* src, size_t n) {
+  if (precision_ == Precision::kFP32 || precision_ == Precision::kTF32) return src;
+  if (half_capacity_[slot] < n) {
+    // Grows only while shapes grow (the first steps); the stream must be done
+    // with the old buffer before it goes.
+    const size_t cap = std::max(n, half_capacity_[slot] + half_capacity_[slot] / 2);
+    MGPU_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    MGPU_CUDA_CHECK(cudaFree(half_[slot]));
+    half_[slot] = nullptr;
+    half_capacity_[slot] = 0;
+    half_[slot] = allocate_bytes(cap * 2);  // 2-byte elements
+    half_capacity_[slot] = cap;
+  }
+  if (precision_ == Precision::kBF16)
+    kernels::cast_to_bf16(half_[slot], src, n, stream_);
+  else
+    kernels::cast_to_fp16(half_[slot], src, n, stream_);
+  return half_[slot];
+}
+
+void CudaBackend::gemm(cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k, const void* A,
+                       int lda, const void* B, int ldb, float beta, float* C, int ldc) {
+  const float alpha = 1.0f;
+  if (precision_ == Precision::kFP32 || precision_ == Precision::kTF32) {
+    MGPU_CUBLAS_CHECK(cublasSgemm(cublas_, ta, tb, m, n, k, &alpha, static_cast<const float*>(A), lda,
+                                  static_cast<const float*>(B), ldb, &beta, C, ldc));
+    return;
+  }
+  // Half-precision inputs, fp32 accumulation and fp32 output (master values stay fp32).
+  const cudaDataType_t in_type = precision_ == Precision::kBF16 ? CUDA_R_16BF : CUDA_R_16F;
+  MGPU_CUBLAS_CHECK(cublasGemmEx(cublas_, ta, tb, m, n, k, &alpha, A, in_type, lda, B, in_type, ldb, &beta, C,
+                                 CUDA_R_32F, ldc, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+}
+
+// inp (B, IN), weight (OUT, IN), bias (OUT) -> out (B, OUT)
+void CudaBackend::linear_forward(float* out, const float* inp, const float* weight, const float* bias, int B,
+                                 int IN, int OUT) {
+  if (B == 0) return;
+  activate();
+  // Seed out with the bias and let the GEMM add onto it (beta = 1), as the CPU backend does.
+  kernels::broadcast_rows(out, bias, B, OUT, stream_);
+  // column-major out^T (OUT, B) = W (IN, OUT)^T . inp^T (IN, B)
+  const void* w = gemm_input(0, weight, size_t(OUT) * IN);
+  const void* x = gemm_input(1, inp, size_t(B) * IN);
+  gemm(CUBLAS_OP_T, CUBLAS_OP_N, OUT, B, IN, w, IN, x, IN, 1.0f, out, OUT);
+}
+
+// dout (B, OUT), inp (B, IN), weight (OUT, IN) -> dweight (OUT, IN), dbias (OUT), dinp (B, IN)
+void CudaBackend::linear_backward(float* dinp, float* dweight, float* dbias, const float* dout,
+                                  const float* inp, const float* weight, int B, int IN, int OUT,
+                                  bool accumulate) {
+  activate();
+  if (B == 0) {
+    // The CPU's GEMM with k = 0 leaves beta * dweight: zero unless accumulating.
+    if (!accumulate) {
+      zero(dweight, size_t(OUT) * IN);
+      zero(dbias, size_t(OUT));
+    }
+    return;
+  }
+  const void* d = gemm_input(1, dout, size_t(B) * OUT);  // shared by both GEMMs
+  if (dinp) {
+    // column-major dinp^T (IN, B) = W^T (IN, OUT) . dout^T (OUT, B)
+    const void* w = gemm_input(0, weight, size_t(OUT) * IN);
+    gemm(CUBLAS_OP_N, CUBLAS_OP_N, IN, B, OUT, w, IN, d, OUT, 0.0f, dinp, IN);
+  }
+  // column-major dW^T (IN, OUT) = inp^T (IN, B) . dout (B, OUT)
+  const void* x = gemm_input(0, inp, size_t(B) * IN);
+  gemm(CUBLAS_OP_N, CUBLAS_OP_T, IN, OUT, B, x, IN, d, OUT, accumulate ? 1.0f : 0.0f, dweight, IN);
+  kernels::column_sums(dbias, dout, B, OUT, accumulate, stream_);
+}
+
+void CudaBackend::relu_dropout_forward(float* h, int B, int C, float p, const DropoutKey& key) {
+  activate();
+  kernels::relu_dropout_forward(h, B, C, p, key, stream_);
+}
+
+void CudaBackend::relu_dropout_backward(float* dh, const float* h, size_t n, float p) {
+  activate();
+  kernels::relu_dropout_backward(dh, h, n, p, stream_);
+}
+
+void CudaBackend::mse_forward_backward(float* loss_out, float* dpred, const float* pred, const float* target,
+                                       int B, int D, float grad_scale) {
+  activate();
+  kernels::mse_forward_backward(loss_out, dpred, pred, target, B, D, grad_scale, partials_, stream_);
+}
+
+void CudaBackend::cross_entropy_forward_backward(float* loss_out, float* dlogits, float* correct_out,
+                                                 const float* logits, const int32_t* labels, int B, int C,
+                                                 float grad_scale) {
+  activate();
+  kernels::cross_entropy_forward_backward(loss_out, dlogits, correct_out, logits, labels, B, C, grad_scale,
+                                          partials_, stream_);
+}
+
+void CudaBackend::sgd_update(float* param, const float* grad, float* momentum_buf, size_t n,
+                             const SgdParams& hp) {
+  activate();
+  kernels::sgd_update(param, grad, momentum_buf, n, hp, stream_);
+}
+
+void CudaBackend::adamw_update(float* param, const float* grad, float* exp_avg, float* exp_avg_sq, size_t n,
+                               const AdamWParams& hp) {
+  activate();
+  kernels::adamw_update(param, grad, exp_avg, exp_avg_sq, n, hp, stream_);
+}
+
+double CudaBackend::sum_squares(const float* x, size_t n) {
+  activate();
+  kernels::sum_squares(sum_out_, x, n, partials_, stream_);
+  MGPU_CUDA_CHECK(cudaMemcpyAsync(sum_host_, sum_out_, sizeof(double), cudaMemcpyDeviceToHost, stream_));
+  MGPU_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  return *sum_host_;
+}
+
+void CudaBackend::scale(float* x, size_t n, float alpha) {
+  activate();
+  kernels::scale(x, n, alpha, stream_);
+}
+
+void CudaBackend::axpy(float* y, const float* x, size_t n, float alpha) {
+  activate();
+  kernels::axpy(y, x, n, alpha, stream_);
+}
+
+}  // namespace mgpu

@@ -1,0 +1,88 @@
+// CUDA backend: cuBLAS GEMMs and the kernels of kernels/ on one compute stream
+// owned by the backend. Device memory from cudaMalloc; scratch buffers (reduction
+// partials, half-precision GEMM operands, the cuBLAS workspace) are allocated
+// once and grow only when a larger shape first appears, so a training step in
+// steady state allocates nothing. Every CUDA/cuBLAS failure throws DeviceError.
+// Included by CUDA translation units only: the bindings use cuda_api.h.
+#pragma once
+#include <cublas_v2.h>
+#include <cuda_runtime_api.h>
+
+#include "../core/backend.h"
+
+namespace mgpu {
+
+class CudaBackend final : public Backend {
+ public:
+  explicit CudaBackend(int device_index);
+  ~CudaBackend() override;
+  CudaBackend(const CudaBackend&) = delete;
+  CudaBackend& operator=(const CudaBackend&) = delete;
+
+  std::string name() const override { return "cuda"; }
+  bool host_accessible() const override { return false; }
+  // Host threads do not matter to a GPU backend; kept for the interface.
+  void set_threads(int threads) override;
+  int threads() const override { return threads_; }
+
+  void* allocate_bytes(size_t bytes) override;
+  void free_bytes(void* ptr) noexcept override;
+  // Both copies are complete when they return (they synchronise the compute
+  // stream), so host buffers may be reused or read at once.
+  void copy_to_backend(void* dst, const void* host_src, size_t bytes) override;
+  void copy_to_host(void* host_dst, const void* src, size_t bytes) override;
+  void zero(float* x, size_t n) override;
+  void synchronize() override;
+
+  void linear_forward(float* out, const float* inp, const float* weight, const float* bias, int B,
+                      int IN, int OUT) override;
+  void linear_backward(float* dinp, float* dweight, float* dbias, const float* dout,
+                       const float* inp, const float* weight, int B, int IN, int OUT,
+                       bool accumulate) override;
+  void relu_dropout_forward(float* h, int B, int C, float p, const DropoutKey& key) override;
+  void relu_dropout_backward(float* dh, const float* h, size_t n, float p) override;
+  void mse_forward_backward(float* loss_out, float* dpred, const float* pred, const float* target,
+                            int B, int D, float grad_scale) override;
+  void cross_entropy_forward_backward(float* loss_out, float* dlogits, float* correct_out,
+                                      const float* logits, const int32_t* labels, int B, int C,
+                                      float grad_scale) override;
+  void sgd_update(float* param, const float* grad, float* momentum_buf, size_t n,
+                  const SgdParams& hp) override;
+  void adamw_update(float* param, const float* grad, float* exp_avg, float* exp_avg_sq, size_t n,
+                    const AdamWParams& hp) override;
+  double sum_squares(const float* x, size_t n) override;
+  void scale(float* x, size_t n, float alpha) override;
+  void axpy(float* y, const float* x, size_t n, float alpha) override;
+
+  void set_precision(Precision precision) override;
+  Precision precision() const override { return precision_; }
+
+  int device() const { return device_; }
+  // The stream every kernel and GEMM of this backend runs on; a communicator
+  // orders its collectives after it with events.
+  cudaStream_t stream() const { return stream_; }
+
+ private:
+  void activate() const;
+  // The GEMM operand `src` (n floats) in the precision's input type: src itself
+  // for fp32/tf32, else a bf16/fp16 copy in scratch `slot` (0 or 1).
+  const void* gemm_input(int slot, const float* src, size_t n);
+  // Column-major C (m, n) = op(A) op(B) + beta C, fp32 output, inputs from gemm_input.
+  void gemm(cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k, const void* A, int lda,
+            const void* B, int ldb, float beta, float* C, int ldc);
+  void release() noexcept;
+
+  int device_ = 0;
+  int threads_ = 1;
+  Precision precision_ = Precision::kFP32;
+  cudaStream_t stream_ = nullptr;
+  cublasHandle_t cublas_ = nullptr;
+  void* cublas_workspace_ = nullptr;
+  double* partials_ = nullptr;    // kernels::kPartialsSize doubles
+  double* sum_out_ = nullptr;     // device result of sum_squares
+  double* sum_host_ = nullptr;    // pinned landing place of that result
+  void* half_[2] = {nullptr, nullptr};
+  size_t half_capacity_[2] = {0, 0};  // elements
+};
+
+}  // namespace mgpu

@@ -1,0 +1,354 @@
+// NCCL communicator implementation (see nccl_communicator.h).
+#include "nccl_communicator.h"
+
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+
+#include <chrono>
+#include <sstream>
+#include <thread>
+
+#include "../core/errors.h"
+#include "cuda_backend.h"
+#include "cuda_check.h"
+
+namespace mgpu {
+
+namespace {
+
+[[noreturn]] void throw_nccl(ncclResult_t rc, ncclComm_t comm, const char* call, const char* file, int line) {
+  const char* last = ncclGetLastError(comm);
+  throw CommError(detail::concat(call, " failed: ", ncclGetErrorString(rc),
+                                 last && *last ? std::string(" (") + last + ")" : std::string(), " (", file, ":",
+                                 line, ")"));
+}
+
+#define MGPU_NCCL_CHECK(comm, call)                                                  \
+  do {                                                                               \
+    const ncclResult_t mgpu_rc_ = (call);                                            \
+    if (mgpu_rc_ != ncclSuccess && mgpu_rc_ != ncclInProgress)                       \
+      throw_nccl(mgpu_rc_, comm, #call, __FILE__, __LINE__);                         \
+  } while (0)
+
+std::string join(const std::vector<int>& ranks) {
+  std::ostringstream out;
+  for (size_t i = 0; i < ranks.size(); ++i) out << (i ? ", " : "") << ranks[i];
+  return out.str();
+}
+
+bool is_device_pointer(const void* p) {
+  cudaPointerAttributes attr{};
+  if (cudaPointerGetAttributes(&attr, p) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  return attr.type == cudaMemoryTypeDevice || attr.type == cudaMemoryTypeManaged;
+}
+
+struct Pending {
+  void* data;
+  size_t count;
+  ncclDataType_t type;
+};
+
+}  // namespace
+
+struct NcclCommunicator::Impl {
+  ncclComm_t comm = nullptr;
+  int rank = 0, size = 1, device = 0;
+  cudaStream_t comm_stream = nullptr;
+  std::shared_ptr<CudaBackend> backend;  // attached; keeps `compute` valid
+  cudaStream_t compute = nullptr;  // attached backend's stream (none: order by device sync)
+  cudaEvent_t compute_ready = nullptr, comm_done = nullptr;
+  std::shared_ptr<Communicator> sidecar;
+  std::vector<Pending> queued;  // enqueued by *_async, launched at progress()/wait_all()
+  bool outstanding = false;     // launched since the last wait
+  bool broken = false;          // aborted after a timeout or an asynchronous error
+  float* staging = nullptr;     // device copy of host buffers (grows, never shrinks)
+  size_t staging_capacity = 0;
+
+  void activate() const { MGPU_CUDA_CHECK(cudaSetDevice(device)); }
+
+  void ensure_usable() const {
+    MGPU_CHECK(!broken, CommError,
+               "the NCCL communicator was aborted after an earlier timeout or error; restart the job");
+  }
+
+  // Collectives enqueued from now on start after everything the compute stream holds.
+  void order_after_compute() {
+    if (compute) {
+      MGPU_CUDA_CHECK(cudaEventRecord(compute_ready, compute));
+      MGPU_CUDA_CHECK(cudaStreamWaitEvent(comm_stream, compute_ready, 0));
+    } else {
+      MGPU_CUDA_CHECK(cudaDeviceSynchronize());  // no backend attached: whoever wrote the data is done
+    }
+  }
+
+  void launch(const std::vector<Pending>& ops) {
+    if (ops.empty()) return;
+    order_after_compute();
+    MGPU_NCCL_CHECK(comm, ncclGroupStart());
+    for (const Pending& op : ops)
+      MGPU_NCCL_CHECK(comm, ncclAllReduce(op.data, op.data, op.count, op.type, ncclSum, comm, comm_stream));
+    MGPU_NCCL_CHECK(comm, ncclGroupEnd());
+    outstanding = true;
+  }
+
+  void flush() {
+    launch(queued);
+    queued.clear();
+  }
+
+  uint64_t step = 0;  // of the last begin_step
+
+  [[noreturn]] void fail(const std::string& what, const std::string& why) {
+    broken = true;
+    // Aborting ends NCCL's kernels, so the streams waiting on them drain.
+    ncclCommAbort(comm);
+    comm = nullptr;
+    throw CommError(detail::concat(what, " at step ", step, " on rank ", rank, " (GPU ", device, "): ", why));
+  }
+
+  std::string missing_ranks_text(bool timed_out) {
+    if (!sidecar) return "no heartbeat sidecar, so the missing ranks are unknown";
+    const std::vector<int> missing = sidecar->missing_peers();
+    if (!missing.empty())
+      return detail::concat("rank", missing.size() > 1 ? "s " : " ", join(missing),
+                            missing.size() > 1 ? " have" : " has", " not reached this step (stopped, hung or dead)");
+    return timed_out ? "every watched rank reached this step, but the collective is stuck"
+                     : "every watched rank reached this step";
+  }
+
+  void check_async_error(const char* what) {
+    ncclResult_t state = ncclSuccess;
+    MGPU_NCCL_CHECK(comm, ncclCommGetAsyncError(comm, &state));
+    if (state != ncclSuccess && state != ncclInProgress) {
+      const char* last = ncclGetLastError(comm);
+      fail(what, detail::concat("NCCL reported an asynchronous error: ", ncclGetErrorString(state),
+                                last && *last ? std::string(" (") + last + ")" : std::string(), "; ",
+                                missing_ranks_text(false)));
+    }
+  }
+
+  // Completes everything launched; the compute stream waits for it. With
+  // timeout_seconds > 0 the host waits too, against the deadline.
+  void wait(const char* what, double timeout_seconds, bool host_wait) {
+    flush();
+    if (!outstanding) return;
+    MGPU_CUDA_CHECK(cudaEventRecord(comm_done, comm_stream));
+    if (compute) MGPU_CUDA_CHECK(cudaStreamWaitEvent(compute, comm_done, 0));
+    outstanding = false;
+    if (timeout_seconds <= 0.0) {
+      if (host_wait || !compute) MGPU_CUDA_CHECK(cudaEventSynchronize(comm_done));
+      check_async_error(what);
+      return;
+    }
+    using clock = std::chrono::steady_clock;
+    const auto deadline = clock::now() + std::chrono::duration<double>(timeout_seconds);
+    for (unsigned polls = 0;; ++polls) {
+      const cudaError_t rc = cudaEventQuery(comm_done);
+      if (rc == cudaSuccess) break;
+      if (rc != cudaErrorNotReady) MGPU_CUDA_CHECK(rc);
+      check_async_error(what);
+      if (clock::now() > deadline)
+        fail(what, detail::concat("did not complete within ", timeout_seconds, " s: ", missing_ranks_text(true)));
+      // Short sleeps: a collective of a healthy job finishes in micro- to milliseconds.
+      if (polls > 64) std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+    check_async_error(what);
+  }
+
+  // After the collective completed (waited on against the deadline): a copy to
+  // pageable memory blocks the host, so it must never queue behind a collective.
+  void copy_back(float* host, const float* dev, size_t count) {
+    MGPU_CUDA_CHECK(cudaMemcpyAsync(host, dev, count * sizeof(float), cudaMemcpyDeviceToHost, comm_stream));
+    MGPU_CUDA_CHECK(cudaStreamSynchronize(comm_stream));
+  }
+
+  float* stage(size_t count) {
+    if (staging_capacity < count) {
+      MGPU_CUDA_CHECK(cudaStreamSynchronize(comm_stream));
+      MGPU_CUDA_CHECK(cudaFree(staging));
+      staging = nullptr;
+      staging_capacity = 0;
+      MGPU_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&staging), count * sizeof(float)));
+      staging_capacity = count;
+    }
+    return staging;
+  }
+};
+
+NcclCommunicator::NcclCommunicator(const std::string& unique_id, int rank, int size, int device_index,
+                                   std::shared_ptr<Communicator> sidecar)
+    : impl_(std::make_unique<Impl>()) {
+  MGPU_CHECK(unique_id.size() == NCCL_UNIQUE_ID_BYTES, ConfigError, "an NCCL unique id has ",
+             NCCL_UNIQUE_ID_BYTES, " bytes, got ", unique_id.size());
+  MGPU_CHECK(size >= 1 && rank >= 0 && rank < size, ConfigError, "NCCL rank ", rank, " outside [0, ", size, ")");
+  MGPU_CHECK(!sidecar || (sidecar->rank() == rank && sidecar->size() == size), ConfigError,
+             "the heartbeat sidecar must span the same ranks (it is rank ", sidecar ? sidecar->rank() : -1, " of ",
+             sidecar ? sidecar->size() : 0, ", NCCL rank ", rank, " of ", size, ")");
+  int gpus = 0;
+  if (cudaGetDeviceCount(&gpus) != cudaSuccess) {
+    cudaGetLastError();
+    gpus = 0;
+  }
+  MGPU_CHECK(gpus > 0, DeviceError, "no CUDA GPU is visible to this process: the NCCL communicator needs one");
+  MGPU_CHECK(device_index >= 0 && device_index < gpus, DeviceError, "device index ", device_index,
+             " out of range: ", gpus, " GPU", gpus == 1 ? "" : "s", " visible");
+  Impl& s = *impl_;
+  s.rank = rank;
+  s.size = size;
+  s.device = device_index;
+  s.sidecar = std::move(sidecar);
+  s.activate();
+  ncclUniqueId id;
+  std::copy(unique_id.begin(), unique_id.end(), id.internal);
+  MGPU_NCCL_CHECK(nullptr, ncclCommInitRank(&s.comm, size, id, rank));
+  try {
+    int low = 0, high = 0;
+    MGPU_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&low, &high));
+    // Higher priority than compute: bucket reductions should not queue behind backward kernels.
+    MGPU_CUDA_CHECK(cudaStreamCreateWithPriority(&s.comm_stream, cudaStreamNonBlocking, high));
+    MGPU_CUDA_CHECK(cudaEventCreateWithFlags(&s.compute_ready, cudaEventDisableTiming));
+    MGPU_CUDA_CHECK(cudaEventCreateWithFlags(&s.comm_done, cudaEventDisableTiming));
+  } catch (...) {
+    ncclCommDestroy(s.comm);
+    if (s.comm_stream) cudaStreamDestroy(s.comm_stream);
+    if (s.compute_ready) cudaEventDestroy(s.compute_ready);
+    throw;
+  }
+}
+
+NcclCommunicator::~NcclCommunicator() {
+  Impl& s = *impl_;
+  cudaSetDevice(s.device);
+  if (!s.broken && s.comm) {
+    // Queued but never launched buckets are dropped; launched ones finish first.
+    if (s.outstanding) cudaStreamSynchronize(s.comm_stream);
+    ncclCommDestroy(s.comm);
+  }
+  if (s.comm_stream) cudaStreamSynchronize(s.comm_stream);
+  cudaFree(s.staging);
+  if (s.compute_ready) cudaEventDestroy(s.compute_ready);
+  if (s.comm_done) cudaEventDestroy(s.comm_done);
+  if (s.comm_stream) cudaStreamDestroy(s.comm_stream);
+  cudaGetLastError();
+}
+
+int NcclCommunicator::rank() const { return impl_->rank; }
+int NcclCommunicator::size() const { return impl_->size; }
+int NcclCommunicator::device() const { return impl_->device; }
+
+void NcclCommunicator::attach(const std::shared_ptr<Backend>& backend) {
+  auto cuda = std::dynamic_pointer_cast<CudaBackend>(backend);
+  MGPU_CHECK(cuda, ConfigError, "the NCCL communicator needs the CUDA backend (the model is on '",
+             backend ? backend->name() : "none", "'); use the MPI communicator for CPU training");
+  MGPU_CHECK(cuda->device() == impl_->device, ConfigError, "the model is on GPU ", cuda->device(),
+             " but this rank's NCCL communicator on GPU ", impl_->device);
+  impl_->backend = cuda;  // its stream must outlive our uses of it
+  impl_->compute = cuda->stream();
+}
+
+void NcclCommunicator::begin_step(uint64_t step) {
+  Communicator::begin_step(step);
+  impl_->step = step;
+  if (impl_->sidecar) impl_->sidecar->begin_step(step);
+}
+
+std::vector<int> NcclCommunicator::missing_peers() {
+  return impl_->sidecar ? impl_->sidecar->missing_peers() : std::vector<int>{};
+}
+
+void NcclCommunicator::allreduce_sum_async(float* data, size_t count) {
+  Impl& s = *impl_;
+  s.ensure_usable();
+  if (!count) return;
+  if (!is_device_pointer(data)) {
+    allreduce_sum(data, count);  // host memory: staged, synchronous
+    return;
+  }
+  s.queued.push_back({data, count, ncclFloat32});
+}
+
+void NcclCommunicator::allreduce_sum_bf16_async(void* data, size_t count) {
+  Impl& s = *impl_;
+  s.ensure_usable();
+  MGPU_CHECK(!count || is_device_pointer(data), ConfigError, "bf16 allreduce needs device memory");
+  if (count) s.queued.push_back({data, count, ncclBfloat16});
+}
+
+void NcclCommunicator::allreduce_sum_fp16_async(void* data, size_t count) {
+  Impl& s = *impl_;
+  s.ensure_usable();
+  MGPU_CHECK(!count || is_device_pointer(data), ConfigError, "fp16 allreduce needs device memory");
+  if (count) s.queued.push_back({data, count, ncclFloat16});
+}
+
+void NcclCommunicator::progress() {
+  Impl& s = *impl_;
+  if (s.broken || s.queued.empty()) return;
+  s.activate();
+  s.flush();
+}
+
+void NcclCommunicator::wait_all() {
+  Impl& s = *impl_;
+  s.ensure_usable();
+  s.activate();
+  s.wait("allreduce", timeout_seconds_, false);
+}
+
+void NcclCommunicator::allreduce_sum(float* data, size_t count) {
+  Impl& s = *impl_;
+  s.ensure_usable();
+  if (!count) return;
+  s.activate();
+  if (is_device_pointer(data)) {
+    s.queued.push_back({data, count, ncclFloat32});
+    s.wait("allreduce", timeout_seconds_, false);
+    return;
+  }
+  s.flush();
+  float* dev = s.stage(count);
+  MGPU_CUDA_CHECK(cudaMemcpyAsync(dev, data, count * sizeof(float), cudaMemcpyHostToDevice, s.comm_stream));
+  MGPU_NCCL_CHECK(s.comm, ncclAllReduce(dev, dev, count, ncclFloat32, ncclSum, s.comm, s.comm_stream));
+  s.outstanding = true;
+  s.wait("allreduce", timeout_seconds_, true);
+  s.copy_back(data, dev, count);
+}
+
+void NcclCommunicator::broadcast(float* data, size_t count, int root) {
+  Impl& s = *impl_;
+  s.ensure_usable();
+  MGPU_CHECK(root >= 0 && root < s.size, CommError, "broadcast root ", root, " outside [0, ", s.size, ")");
+  if (!count) return;
+  s.activate();
+  s.flush();
+  const bool device = is_device_pointer(data);
+  float* buf = data;
+  if (device) {
+    s.order_after_compute();
+  } else {
+    buf = s.stage(count);
+    MGPU_CUDA_CHECK(cudaMemcpyAsync(buf, data, count * sizeof(float), cudaMemcpyHostToDevice, s.comm_stream));
+  }
+  MGPU_NCCL_CHECK(s.comm, ncclBroadcast(buf, buf, count, ncclFloat32, root, s.comm, s.comm_stream));
+  s.outstanding = true;
+  s.wait("broadcast", timeout_seconds_, !device);
+  if (!device) s.copy_back(data, buf, count);
+}
+
+void NcclCommunicator::barrier() {
+  Impl& s = *impl_;
+  s.ensure_usable();
+  s.activate();
+  s.flush();
+  // NCCL has no barrier: a one-element allreduce every rank must join, waited on from the host.
+  float* one = s.stage(1);
+  MGPU_CUDA_CHECK(cudaMemsetAsync(one, 0, sizeof(float), s.comm_stream));
+  MGPU_NCCL_CHECK(s.comm, ncclAllReduce(one, one, 1, ncclFloat32, ncclSum, s.comm, s.comm_stream));
+  s.outstanding = true;
+  s.wait("barrier", timeout_seconds_, true);
+}
+
+}  // namespace mgpu

@@ -1,0 +1,70 @@
+// NCCL communicator: collectives between the GPUs of a data-parallel job, one
+// rank per process. Collectives run on a communication stream of their own,
+// ordered after the attached CUDA backend's compute stream with an event;
+// wait_all() makes the compute stream wait for them in turn (another event), so
+// the host never blocks unless a timeout is set. With a timeout, wait_all() is
+// a watchdog: it polls the completion event and ncclCommGetAsyncError against a
+// deadline, and on expiry aborts the NCCL communicator and throws CommError
+// naming the step and the ranks whose heartbeats (sent through the MPI sidecar)
+// never reached it.
+//
+// Several ranks on one GPU: NCCL before 2.30 refuses them ("duplicate GPU");
+// NCCL >= 2.30 allows it with NCCL_MULTI_RANK_GPU_ENABLE=1 in the environment.
+// mgpu.ProcessGroup checks this before creating the communicator.
+//
+// Free of CUDA and NCCL types (the bindings include it): state lives in Impl.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "../core/communicator.h"
+
+namespace mgpu {
+
+class NcclCommunicator final : public Communicator {
+ public:
+  // unique_id: the bytes of rank 0's ncclGetUniqueId (cuda::nccl_unique_id()),
+  // shared by every rank; device_index: this rank's GPU. sidecar: an optional
+  // host communicator over the same ranks (MpiCommunicator) for heartbeats.
+  NcclCommunicator(const std::string& unique_id, int rank, int size, int device_index,
+                   std::shared_ptr<Communicator> sidecar = nullptr);
+  ~NcclCommunicator() override;
+  NcclCommunicator(const NcclCommunicator&) = delete;
+  NcclCommunicator& operator=(const NcclCommunicator&) = delete;
+
+  std::string name() const override { return "nccl"; }
+  int rank() const override;
+  int size() const override;
+  int device() const;
+
+  // data may be device memory (the attached backend's) or host memory (staged
+  // through a device buffer; synchronous). Counts are elements.
+  void allreduce_sum(float* data, size_t count) override;
+  void broadcast(float* data, size_t count, int root) override;
+  void barrier() override;
+  // Queued, then launched as one ncclGroupStart/End group at the next
+  // progress() or wait_all(): the step calls progress() after each batch of
+  // ready buckets, so buckets that become ready together launch together.
+  void allreduce_sum_async(float* data, size_t count) override;
+  bool progresses_independently() const override { return true; }
+  bool accepts_device_memory() const override { return true; }
+  void progress() override;
+  void wait_all() override;
+
+  // Compressed-gradient entries: in-place sums of `count` bf16 / fp16 values in
+  // device memory, queued like allreduce_sum_async.
+  void allreduce_sum_bf16_async(void* data, size_t count);
+  void allreduce_sum_fp16_async(void* data, size_t count);
+
+  void begin_step(uint64_t step) override;
+  std::vector<int> missing_peers() override;
+  void attach(const std::shared_ptr<Backend>& backend) override;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace mgpu

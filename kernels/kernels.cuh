@@ -1,0 +1,79 @@
+// Launchers of the CUDA backend's kernels (one .cu file per family, llm.c
+// style; each kernel names its CPU reference in csrc/cpu/cpu_backend.cpp).
+// Every launcher enqueues on `stream` and returns without synchronising;
+// launch errors throw DeviceError. Included by CUDA translation units only.
+#pragma once
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "../csrc/core/backend.h"
+
+namespace mgpu {
+namespace kernels {
+
+// Deterministic reductions write one partial per block (at most this many
+// blocks, a function of the problem size only) and a single block sums them in
+// a fixed order: same input, same bits, on any GPU.
+constexpr int kReduceBlocks = 256;
+// Doubles of scratch a backend must hand to the reducing launchers.
+constexpr int kPartialsSize = 2 * kReduceBlocks + 8;
+
+// elementwise.cu
+// bias (C) -> out (B, C), every row a copy of bias (seeds out for a beta=1 GEMM).
+void broadcast_rows(float* out, const float* bias, int B, int C, cudaStream_t stream);
+void scale(float* x, size_t n, float alpha, cudaStream_t stream);
+void axpy(float* y, const float* x, size_t n, float alpha, cudaStream_t stream);  // y += alpha x
+// fp32 -> bf16 / fp16, round to nearest even (n elements; out holds 2-byte values).
+void cast_to_bf16(void* out, const float* in, size_t n, cudaStream_t stream);
+void cast_to_fp16(void* out, const float* in, size_t n, cudaStream_t stream);
+
+// dropout.cu
+// h (B, C) in place: relu, then inverted dropout with the DropoutKey mask.
+void relu_dropout_forward(float* h, int B, int C, float p, const DropoutKey& key, cudaStream_t stream);
+// dh (n) *= [h > 0] / (1 - p)
+void relu_dropout_backward(float* dh, const float* h, size_t n, float p, cudaStream_t stream);
+// Host execution of the exact per-element code the forward kernel runs
+// (curand_Philox4x32_10 compiled for the host): mask (B, C) of 0 or 1/(1-p).
+void dropout_mask_on_host(float* mask, int B, int C, float p, const DropoutKey& key);
+// curand_Philox4x32_10 on the host, for comparing with mgpu's philox.h.
+void curand_philox_on_host(const uint32_t counter[4], const uint32_t key[2], uint32_t out[4]);
+
+// losses.cu (partials: kPartialsSize doubles of device scratch)
+// pred (B, D), target (B, D) -> *loss_out = grad_scale * sum (pred - target)^2, dpred (nullable)
+void mse_forward_backward(float* loss_out, float* dpred, const float* pred, const float* target, int B,
+                          int D, float grad_scale, double* partials, cudaStream_t stream);
+// logits (B, C), labels (B) -> *loss_out, dlogits (nullable), *correct_out (nullable)
+void cross_entropy_forward_backward(float* loss_out, float* dlogits, float* correct_out,
+                                    const float* logits, const int32_t* labels, int B, int C,
+                                    float grad_scale, double* partials, cudaStream_t stream);
+
+// optimizers.cu
+void sgd_update(float* param, const float* grad, float* momentum_buf, size_t n, const SgdParams& hp,
+                cudaStream_t stream);
+void adamw_update(float* param, const float* grad, float* exp_avg, float* exp_avg_sq, size_t n,
+                  const AdamWParams& hp, cudaStream_t stream);
+
+// reduce.cu
+// *out (device double) = sum x^2 (NaN/Inf propagate); partials: kPartialsSize doubles.
+void sum_squares(double* out, const float* x, size_t n, double* partials, cudaStream_t stream);
+// dout (B, OUT) -> dbias (OUT) = column sums (+= when accumulate).
+void column_sums(float* dbias, const float* dout, int B, int OUT, bool accumulate, cudaStream_t stream);
+// Sums series s = 0..nseries-1 of `nblocks` partials each (series s at
+// partials + s * kReduceBlocks) in a fixed order; writes out_f[s] = sum * scale[s]
+// where out_f[s] is set, and *out_d = series 0 where out_d is set.
+struct FinalizeArgs {
+  const double* partials = nullptr;
+  int nblocks = 1;
+  int nseries = 1;
+  float* out_f[2] = {nullptr, nullptr};
+  float scale[2] = {1.0f, 1.0f};
+  double* out_d = nullptr;
+};
+void finalize_partials(const FinalizeArgs& args, cudaStream_t stream);
+// Blocks a reducing kernel over `work` items should use (1..kReduceBlocks).
+int reduce_blocks(size_t work, size_t per_block);
+
+}  // namespace kernels
+}  // namespace mgpu

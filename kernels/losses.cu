@@ -1,0 +1,132 @@
+// Loss kernels: MSE and softmax cross-entropy, each fused forward + backward.
+// CPU reference: CpuBackend::mse_forward_backward and
+// CpuBackend::cross_entropy_forward_backward. Loss sums accumulate in double
+// like the CPU's and reduce in a fixed order (per-block partials, then
+// finalize_partials), so a step's loss is bit-reproducible.
+#include <cuda_runtime.h>
+
+#include "../csrc/cuda/cuda_check.h"
+#include "common.cuh"
+#include "kernels.cuh"
+
+namespace mgpu {
+namespace kernels {
+
+namespace {
+
+constexpr int kWarpsPerBlock = kThreads / 32;
+
+// pred (B, D), target (B, D): partials[block] = sum (pred - target)^2 over the
+// block's elements; dpred = 2 grad_scale (pred - target).
+__global__ void mse_kernel(double* __restrict__ partials, float* __restrict__ dpred,
+                           const float* __restrict__ pred, const float* __restrict__ target, size_t n,
+                           float two_scale) {
+  __shared__ double smem[kThreads];
+  double sum = 0.0;
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+    const float diff = pred[i] - target[i];
+    sum += double(diff) * diff;
+    if (dpred) dpred[i] = two_scale * diff;
+  }
+  sum = block_sum(sum, smem);
+  if (threadIdx.x == 0) partials[blockIdx.x] = sum;
+}
+
+// One warp per row of logits (B, C). The argmax is the first maximal index,
+// as in the CPU loop, so ties count the same.
+__global__ void cross_entropy_kernel(double* __restrict__ partials, float* __restrict__ dlogits,
+                                     const float* __restrict__ logits, const int32_t* __restrict__ labels,
+                                     int B, int C, float grad_scale) {
+  __shared__ double warp_loss[kWarpsPerBlock];
+  __shared__ int warp_hits[kWarpsPerBlock];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  double loss_sum = 0.0;
+  int hits = 0;
+  for (int b = blockIdx.x * kWarpsPerBlock + warp; b < B; b += gridDim.x * kWarpsPerBlock) {
+    const float* x = logits + size_t(b) * C;
+    float best = -INFINITY;
+    int best_j = C;  // sentinel: larger than any real index
+    for (int j = lane; j < C; j += 32)
+      if (best_j == C || x[j] > best) {
+        best = x[j];
+        best_j = j;
+      }
+    for (int offset = 16; offset > 0; offset >>= 1) {
+      const float ob = __shfl_xor_sync(0xffffffffu, best, offset);
+      const int oj = __shfl_xor_sync(0xffffffffu, best_j, offset);
+      if (oj != C && (best_j == C || ob > best || (ob == best && oj < best_j))) {
+        best = ob;
+        best_j = oj;
+      }
+    }
+    // With NaN logits the merge above is not associative: take lane 0's view
+    // so every lane agrees (the loss is NaN either way).
+    best_j = __shfl_sync(0xffffffffu, best_j, 0);
+    const float mx = x[best_j];
+    double denom = 0.0;
+    for (int j = lane; j < C; j += 32) denom += exp(double(x[j] - mx));
+    for (int offset = 16; offset > 0; offset >>= 1) denom += __shfl_xor_sync(0xffffffffu, denom, offset);
+    const int y = labels[b];
+    if (lane == 0) {
+      loss_sum += log(denom) - double(x[y] - mx);
+      hits += best_j == y;
+    }
+    if (dlogits) {
+      float* g = dlogits + size_t(b) * C;
+      const float inv = static_cast<float>(1.0 / denom);
+      for (int j = lane; j < C; j += 32)
+        g[j] = grad_scale * (expf(x[j] - mx) * inv - (j == y ? 1.0f : 0.0f));
+    }
+  }
+  if (lane == 0) {
+    warp_loss[warp] = loss_sum;
+    warp_hits[warp] = hits;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    double total = 0.0;
+    int total_hits = 0;
+    for (int w = 0; w < kWarpsPerBlock; ++w) {
+      total += warp_loss[w];
+      total_hits += warp_hits[w];
+    }
+    partials[blockIdx.x] = total;
+    partials[kReduceBlocks + blockIdx.x] = total_hits;
+  }
+}
+
+}  // namespace
+
+void mse_forward_backward(float* loss_out, float* dpred, const float* pred, const float* target, int B,
+                          int D, float grad_scale, double* partials, cudaStream_t stream) {
+  const size_t n = size_t(B) * D;
+  const int blocks = reduce_blocks(n, size_t(kThreads) * 8);
+  mse_kernel<<<blocks, kThreads, 0, stream>>>(partials, dpred, pred, target, n, 2.0f * grad_scale);
+  MGPU_CUDA_CHECK_LAUNCH("mse_kernel");
+  FinalizeArgs f;
+  f.partials = partials;
+  f.nblocks = blocks;
+  f.out_f[0] = loss_out;
+  f.scale[0] = grad_scale;
+  finalize_partials(f, stream);
+}
+
+void cross_entropy_forward_backward(float* loss_out, float* dlogits, float* correct_out,
+                                    const float* logits, const int32_t* labels, int B, int C,
+                                    float grad_scale, double* partials, cudaStream_t stream) {
+  const int blocks = reduce_blocks(size_t(B), kWarpsPerBlock);
+  cross_entropy_kernel<<<blocks, kThreads, 0, stream>>>(partials, dlogits, logits, labels, B, C, grad_scale);
+  MGPU_CUDA_CHECK_LAUNCH("cross_entropy_kernel");
+  FinalizeArgs f;
+  f.partials = partials;
+  f.nblocks = blocks;
+  f.nseries = 2;
+  f.out_f[0] = loss_out;
+  f.scale[0] = grad_scale;
+  f.out_f[1] = correct_out;
+  f.scale[1] = 1.0f;
+  finalize_partials(f, stream);
+}
+
+}  // namespace kernels
+}  // namespace mgpu

@@ -1,0 +1,83 @@
+// Fused optimizer updates, one pass over the parameters. CPU reference:
+// CpuBackend::sgd_update and CpuBackend::adamw_update (PyTorch's rules: SGD
+// adds weight decay to the gradient and initialises the momentum buffer to the
+// first gradient; AdamW decays the weights decoupled from the gradient).
+#include <cmath>
+
+#include "../csrc/cuda/cuda_check.h"
+#include "common.cuh"
+#include "kernels.cuh"
+
+namespace mgpu {
+namespace kernels {
+
+namespace {
+
+__global__ void sgd_kernel(float* __restrict__ param, const float* __restrict__ grad, size_t n, float lr,
+                           float wd) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
+    param[i] -= lr * (grad[i] + wd * param[i]);
+}
+
+__global__ void sgd_momentum_kernel(float* __restrict__ param, const float* __restrict__ grad,
+                                    float* __restrict__ buf, size_t n, float lr, float wd, float mom,
+                                    bool first) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+    const float g = grad[i] + wd * param[i];
+    const float b = first ? g : mom * buf[i] + g;
+    buf[i] = b;
+    param[i] -= lr * b;
+  }
+}
+
+struct AdamWConsts {
+  float step_size, inv_sqrt_bc2, decay, one_minus_b1, one_minus_b2, b2, eps;
+};
+
+__global__ void adamw_kernel(float* __restrict__ param, const float* __restrict__ grad, float* __restrict__ m,
+                             float* __restrict__ v, size_t n, AdamWConsts c) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+    const float g = grad[i];
+    const float mi = m[i] + c.one_minus_b1 * (g - m[i]);
+    const float vi = c.b2 * v[i] + c.one_minus_b2 * g * g;
+    m[i] = mi;
+    v[i] = vi;
+    const float denom = sqrtf(vi) * c.inv_sqrt_bc2 + c.eps;
+    param[i] = param[i] * c.decay - c.step_size * (mi / denom);
+  }
+}
+
+}  // namespace
+
+void sgd_update(float* param, const float* grad, float* momentum_buf, size_t n, const SgdParams& hp,
+                cudaStream_t stream) {
+  if (n == 0) return;
+  if (hp.momentum > 0.0f) {
+    sgd_momentum_kernel<<<grid_for(n), kThreads, 0, stream>>>(param, grad, momentum_buf, n, hp.lr,
+                                                              hp.weight_decay, hp.momentum, hp.first_step);
+    MGPU_CUDA_CHECK_LAUNCH("sgd_momentum_kernel");
+  } else {
+    sgd_kernel<<<grid_for(n), kThreads, 0, stream>>>(param, grad, n, hp.lr, hp.weight_decay);
+    MGPU_CUDA_CHECK_LAUNCH("sgd_kernel");
+  }
+}
+
+void adamw_update(float* param, const float* grad, float* exp_avg, float* exp_avg_sq, size_t n,
+                  const AdamWParams& hp, cudaStream_t stream) {
+  if (n == 0) return;
+  // Bias corrections in double on the host, exactly as the CPU backend does.
+  const double t = static_cast<double>(hp.step);
+  AdamWConsts c;
+  c.step_size = static_cast<float>(hp.lr / (1.0 - std::pow(double(hp.beta1), t)));
+  c.inv_sqrt_bc2 = static_cast<float>(1.0 / std::sqrt(1.0 - std::pow(double(hp.beta2), t)));
+  c.decay = 1.0f - hp.lr * hp.weight_decay;
+  c.one_minus_b1 = 1.0f - hp.beta1;
+  c.one_minus_b2 = 1.0f - hp.beta2;
+  c.b2 = hp.beta2;
+  c.eps = hp.eps;
+  adamw_kernel<<<grid_for(n), kThreads, 0, stream>>>(param, grad, exp_avg, exp_avg_sq, n, c);
+  MGPU_CUDA_CHECK_LAUNCH("adamw_kernel");
+}
+
+}  // namespace kernels
+}  // namespace mgpu

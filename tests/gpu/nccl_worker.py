@@ -1,0 +1,61 @@
+"""Worker for tests/gpu/test_nccl.py, run under mpirun: trains on the CUDA
+backend with the NCCL (or MPI) communicator and checks the result against a
+single-process run of the whole global batch; prints OK on success."""
+import sys
+from pathlib import Path
+
+import numpy as np
+from mpi4py import MPI
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import mgpu  # noqa: E402
+from mgpu import _core  # noqa: E402
+from mgpu.data import local_slice  # noqa: E402
+from mgpu.errors import ConfigError  # noqa: E402
+from reference import rel_err  # noqa: E402
+
+SIZES, BATCH, STEPS = [12, 48, 48, 5], 30, 15
+
+
+def train(comm, first, rows, gpu):
+    model = _core.MLP(_core.make_backend("cuda", gpu), SIZES, 0.2, 11)
+    step = _core.DataParallelStep(model, _core.Optimizer(model, "sgd", momentum=0.9), comm, "cross_entropy",
+                                  bucket_elems=600)
+    step.broadcast_parameters(0)
+    rng = np.random.default_rng(5)
+    losses = []
+    for t in range(STEPS):
+        x = rng.standard_normal((BATCH, SIZES[0])).astype(np.float32)
+        y = rng.integers(0, SIZES[-1], BATCH)
+        r = step.step([(x[first:first + rows], y[first:first + rows], first)], BATCH, t, 0.05)
+        losses.append(r.loss)
+    return model.get_parameters(), losses
+
+
+def main(mode):
+    pg = mgpu.ProcessGroup()
+    if mode == "nccl-expect-config-error":
+        try:
+            pg.communicator("nccl")
+        except ConfigError as e:
+            assert "share" in str(e) and "--comm mpi" in str(e), e
+            print("OK", flush=True)
+            return
+        raise SystemExit("expected a ConfigError for ranks sharing a GPU")
+    comm = pg.communicator("nccl" if mode == "nccl" else "mpi")
+    comm.timeout = 60.0
+    part = local_slice(BATCH, pg.rank, pg.size)
+    _, gpu = pg.resolve_device("cuda")
+    params, losses = train(comm, part.start, part.stop - part.start, gpu)
+    ref_params, ref_losses = train(_core.LocalCommunicator(), 0, BATCH, gpu)
+    assert rel_err(params, ref_params) < 1e-5, rel_err(params, ref_params)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    x = np.full(10, pg.rank + 1, np.float32)
+    comm.allreduce_sum(x)
+    assert np.all(x == pg.size * (pg.size + 1) / 2)
+    MPI.COMM_WORLD.Barrier()
+    print("OK", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,205 @@
+"""Runs without a GPU (CI): the backend_ops probe on the CPU backend against
+float64 NumPy for every Backend kernel, and the CUDA build's host-runnable
+pieces: cuRAND's Philox equals mgpu's, the dropout kernel's mask code (run on
+the host) equals the CPU backend's mask, and the no-GPU paths fail cleanly."""
+import numpy as np
+import pytest
+
+from mgpu import _core
+from mgpu.errors import ConfigError
+
+ops = _core.backend_ops
+RNG = np.random.default_rng(7)
+DROPOUT_TAG = (0xD7A0 * 0x9E3779B9) & 0xFFFFFFFF
+
+
+def rand(*shape):
+    return RNG.standard_normal(shape).astype(np.float32)
+
+
+def close(a, b, tol=1e-5):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    assert a.shape == b.shape
+    assert np.linalg.norm(a - b) <= tol * max(np.linalg.norm(b), 1e-12), np.abs(a - b).max()
+
+
+def reference_mask(rows, cols, p, seed, step, layer, first_sample):
+    """The DropoutKey definition of backend.h, spelled out with mgpu's Philox."""
+    groups = (cols + 3) // 4
+    key = [seed & 0xFFFFFFFF, ((seed >> 32) ^ DROPOUT_TAG) & 0xFFFFFFFF]
+    keep = np.float32(1.0) / (np.float32(1.0) - np.float32(p))
+    mask = np.zeros((rows, cols), np.float32)
+    for b in range(rows):
+        for g in range(groups):
+            words = _core.philox4x32_10([g, (first_sample + b) & 0xFFFFFFFF, layer, step & 0xFFFFFFFF], key)
+            for k in range(4):
+                j = k * groups + g
+                if j < cols:
+                    u = np.float32(words[k] >> 8) * np.float32(1.0 / 16777216.0)
+                    mask[b, j] = keep if u >= np.float32(p) else 0.0
+    return mask
+
+
+@pytest.mark.parametrize("B, IN, OUT", [(1, 1, 1), (7, 5, 3), (33, 64, 17)])
+def test_linear(cpu_backend, B, IN, OUT):
+    x, w, b = rand(B, IN), rand(OUT, IN), rand(OUT)
+    close(ops.linear_forward(cpu_backend, x, w, b), x.astype(np.float64) @ w.T + b)
+    dout, gw0, gb0 = rand(B, OUT), rand(OUT, IN), rand(OUT)
+    for accumulate in (False, True):
+        dinp, gw, gb = ops.linear_backward(cpu_backend, dout, x, w, gw0, gb0, accumulate)
+        close(dinp, dout.astype(np.float64) @ w)
+        close(gw, dout.T.astype(np.float64) @ x + (gw0 if accumulate else 0))
+        close(gb, dout.astype(np.float64).sum(0) + (gb0 if accumulate else 0))
+    dinp, _, _ = ops.linear_backward(cpu_backend, dout, x, w, gw0, gb0, False, with_dinp=False)
+    assert dinp is None
+
+
+@pytest.mark.parametrize("rows, cols", [(5, 1), (4, 37), (9, 256)])
+@pytest.mark.parametrize("p", [0.0, 0.1, 0.5])
+def test_relu_dropout(cpu_backend, rows, cols, p):
+    h = rand(rows, cols)
+    out = ops.relu_dropout_forward(cpu_backend, h, p, seed=(3 << 32) + 11, step=5, layer=2, first_sample=40)
+    mask = (reference_mask(rows, cols, p, (3 << 32) + 11, 5, 2, 40) if p > 0
+            else np.ones((rows, cols), np.float32))
+    assert np.array_equal(out, np.maximum(h, 0) * mask)
+    dh = rand(rows, cols)
+    keep = np.float32(1) / (np.float32(1) - np.float32(p))
+    assert np.array_equal(ops.relu_dropout_backward(cpu_backend, dh, out, p), np.where(out > 0, dh * keep, 0))
+
+
+def test_dropout_mask_is_independent_of_the_split(cpu_backend):
+    h = np.abs(rand(10, 21)) + 0.1
+    whole = ops.relu_dropout_forward(cpu_backend, h, 0.3, seed=9, step=1, layer=0, first_sample=0)
+    top = ops.relu_dropout_forward(cpu_backend, h[:4], 0.3, seed=9, step=1, layer=0, first_sample=0)
+    bottom = ops.relu_dropout_forward(cpu_backend, h[4:], 0.3, seed=9, step=1, layer=0, first_sample=4)
+    assert np.array_equal(whole, np.vstack([top, bottom]))
+
+
+@pytest.mark.parametrize("B, D", [(1, 1), (13, 3), (300, 7)])
+def test_mse(cpu_backend, B, D):
+    pred, target = rand(B, D), rand(B, D)
+    loss, grad = ops.mse_forward_backward(cpu_backend, pred, target, 0.25)
+    diff = pred.astype(np.float64) - target
+    assert loss == pytest.approx(0.25 * (diff ** 2).sum(), rel=1e-6)
+    close(grad, 0.5 * diff)
+    loss2, none = ops.mse_forward_backward(cpu_backend, pred, target, 1.0, with_grad=False)
+    assert none is None and loss2 == pytest.approx((diff ** 2).sum(), rel=1e-6)
+
+
+@pytest.mark.parametrize("B, C", [(1, 2), (17, 10), (64, 100)])
+def test_cross_entropy(cpu_backend, B, C):
+    logits = rand(B, C) * 3
+    labels = RNG.integers(0, C, B).astype(np.int32)
+    logits[0, :] = 1.5  # a tie: the first maximal index is the prediction
+    loss, grad, correct = ops.cross_entropy_forward_backward(cpu_backend, logits, labels, 0.5)
+    z = logits.astype(np.float64) - logits.max(1, keepdims=True)
+    logp = z - np.log(np.exp(z).sum(1, keepdims=True))
+    assert loss == pytest.approx(-0.5 * logp[np.arange(B), labels].sum(), rel=1e-6)
+    onehot = np.eye(C)[labels]
+    close(grad, 0.5 * (np.exp(logp) - onehot))
+    assert correct == float((logits.argmax(1) == labels).sum())
+
+
+@pytest.mark.parametrize("momentum, first", [(0.0, True), (0.9, True), (0.9, False)])
+def test_sgd(cpu_backend, momentum, first):
+    p, g, buf = rand(100), rand(100), rand(100)
+    new_p, new_buf = ops.sgd_update(cpu_backend, p, g, buf, lr=0.1, momentum=momentum, weight_decay=0.01,
+                                    first_step=first)
+    d = g.astype(np.float64) + 0.01 * p
+    if momentum > 0:
+        d = d if first else momentum * buf + d
+        close(new_buf, d)
+    close(new_p, p - 0.1 * d)
+
+
+@pytest.mark.parametrize("step", [1, 7])
+def test_adamw(cpu_backend, step):
+    p, g, m, v = rand(200), rand(200), rand(200), np.abs(rand(200))
+    new_p, new_m, new_v = ops.adamw_update(cpu_backend, p, g, m, v, lr=0.01, beta1=0.9, beta2=0.99, eps=1e-8,
+                                           weight_decay=0.1, step=step)
+    rm = 0.9 * m + 0.1 * g.astype(np.float64)
+    rv = 0.99 * v + 0.01 * g.astype(np.float64) ** 2
+    denom = np.sqrt(rv) / np.sqrt(1 - 0.99 ** step) + 1e-8
+    close(new_m, rm)
+    close(new_v, rv)
+    close(new_p, p * (1 - 0.01 * 0.1) - 0.01 / (1 - 0.9 ** step) * rm / denom)
+
+
+def test_sum_squares_scale_axpy_zero(cpu_backend):
+    x, y = rand(1000), rand(1000)
+    assert ops.sum_squares(cpu_backend, x) == pytest.approx((x.astype(np.float64) ** 2).sum(), rel=1e-12)
+    assert ops.sum_squares(cpu_backend, np.zeros(0, np.float32)) == 0.0
+    for bad, expect in ((np.nan, np.isnan), (np.inf, np.isinf), (-np.inf, np.isinf)):
+        z = x.copy()
+        z[500] = bad
+        assert expect(ops.sum_squares(cpu_backend, z))
+    close(ops.scale(cpu_backend, x, -0.5), -0.5 * x.astype(np.float64))
+    close(ops.axpy(cpu_backend, y, x, 2.0), y + 2.0 * x.astype(np.float64))
+    assert not ops.zero(cpu_backend, x).any()
+    assert np.array_equal(ops.round_trip(cpu_backend, x), x)
+
+
+def test_cpu_precision_is_fp32_only(cpu_backend):
+    assert cpu_backend.precision == "fp32"
+    cpu_backend.precision = "fp32"
+    with pytest.raises(ConfigError, match="fp32 only"):
+        cpu_backend.precision = "bf16"
+    with pytest.raises(ConfigError, match="unknown precision"):
+        cpu_backend.precision = "fp8"
+
+
+# --- pieces of the CUDA build that run on the host --------------------------
+
+needs_cuda_build = pytest.mark.skipif(not hasattr(_core, "curand_philox4x32_10"),
+                                      reason="mgpu was built without the CUDA backend")
+
+
+@needs_cuda_build
+def test_curand_philox_equals_mgpu_philox():
+    rng = np.random.default_rng(0)
+    cases = [([0, 0, 0, 0], [0, 0]), ([0xFFFFFFFF] * 4, [0xFFFFFFFF] * 2), ([1, 2, 3, 4], [5, 6])]
+    cases += [(list(map(int, rng.integers(0, 2 ** 32, 4))), list(map(int, rng.integers(0, 2 ** 32, 2))))
+              for _ in range(200)]
+    for counter, key in cases:
+        assert _core.curand_philox4x32_10(counter, key) == _core.philox4x32_10(counter, key), (counter, key)
+    # Known-answer vector of the Random123 reference (philox4x32_10, all-zero counter and key).
+    assert _core.philox4x32_10([0, 0, 0, 0], [0, 0]) == [0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8]
+
+
+@needs_cuda_build
+@pytest.mark.parametrize("rows, cols, p, first_sample", [(3, 1, 0.5, 0), (6, 37, 0.2, 11), (4, 1000, 0.9, 2 ** 31)])
+def test_cuda_dropout_kernel_mask_equals_cpu_backend(cpu_backend, rows, cols, p, first_sample):
+    seed, step, layer = (7 << 32) + 99, 2 ** 33 + 5, 3
+    mask = _core.cuda_dropout_mask_on_host(rows, cols, p, seed, step, layer, first_sample)
+    ones = np.ones((rows, cols), np.float32)
+    cpu = ops.relu_dropout_forward(cpu_backend, ones, p, seed=seed, step=step, layer=layer, first_sample=first_sample)
+    assert np.array_equal(mask, cpu)
+
+
+def test_no_gpu_paths_fail_cleanly():
+    if _core.cuda_device_count() > 0:
+        pytest.skip("a GPU is visible")
+    info = _core.build_info()["cuda"]
+    assert info["device_count"] == 0
+    assert _core.cuda_device_count() == 0
+    with pytest.raises(_core.DeviceError, match="no CUDA GPU is visible|without the CUDA toolkit"):
+        _core.make_backend("cuda", 0)
+    from mgpu import ProcessGroup
+    pg = ProcessGroup(comm=__import__("mpi4py.MPI", fromlist=["MPI"]).COMM_SELF)
+    assert pg.resolve_device("auto") == ("cpu", 0)
+    with pytest.raises(ConfigError, match="no GPU is visible|no CUDA backend"):
+        pg.resolve_device("cuda")
+    with pytest.raises(ConfigError):
+        pg.communicator("nccl")
+
+
+def test_build_info_reports_cuda_versions():
+    info = _core.build_info()["cuda"]
+    assert isinstance(info["compiled"], bool)
+    if info["compiled"]:
+        for key in ("runtime_compiled", "runtime_loaded", "cublas_compiled", "cublas_loaded",
+                    "curand_compiled", "curand_loaded"):
+            assert info[key], key
+        assert "driver" in info
+        if info["nccl_communicator"]:
+            assert info["nccl_compiled"] and info["nccl_loaded"] and info["nccl_loaded_code"] > 0

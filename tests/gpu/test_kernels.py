@@ -1,0 +1,163 @@
+"""Every Backend kernel on the CUDA backend against the CPU backend, through
+the backend_ops probe: the dropout mask bit for bit, everything else within
+fp32 rounding (GEMMs in IEEE fp32: TF32 is off unless asked for)."""
+import numpy as np
+import pytest
+
+from mgpu import _core
+from mgpu.errors import ConfigError
+
+ops = _core.backend_ops
+
+
+def rand(rng, *shape, scale=1.0):
+    return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+
+def close(a, b, tol):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    assert a.shape == b.shape
+    err = np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-12)
+    assert err <= tol, err
+
+
+SHAPES = [(1, 1, 1), (7, 5, 3), (64, 128, 10), (257, 300, 33), (1024, 784, 512)]
+
+
+@pytest.mark.parametrize("B, IN, OUT", SHAPES)
+def test_linear_forward_backward(cuda_backend, cpu_backend, B, IN, OUT):
+    rng = np.random.default_rng(B + IN + OUT)
+    x, w, b = rand(rng, B, IN), rand(rng, OUT, IN), rand(rng, OUT)
+    close(ops.linear_forward(cuda_backend, x, w, b), ops.linear_forward(cpu_backend, x, w, b), 1e-6)
+    dout, gw0, gb0 = rand(rng, B, OUT), rand(rng, OUT, IN), rand(rng, OUT)
+    for accumulate in (False, True):
+        got = ops.linear_backward(cuda_backend, dout, x, w, gw0, gb0, accumulate)
+        want = ops.linear_backward(cpu_backend, dout, x, w, gw0, gb0, accumulate)
+        for g, r in zip(got, want):
+            close(g, r, 1e-6)
+    got = ops.linear_backward(cuda_backend, dout, x, w, gw0, gb0, False, with_dinp=False)
+    assert got[0] is None
+
+
+def test_linear_with_zero_rows(cuda_backend, cpu_backend):
+    rng = np.random.default_rng(0)
+    x, w, dout = np.zeros((0, 4), np.float32), rand(rng, 3, 4), np.zeros((0, 3), np.float32)
+    gw0, gb0 = rand(rng, 3, 4), rand(rng, 3)
+    for accumulate in (False, True):
+        _, gw, gb = ops.linear_backward(cuda_backend, dout, x, w, gw0, gb0, accumulate)
+        _, rw, rb = ops.linear_backward(cpu_backend, dout, x, w, gw0, gb0, accumulate)
+        assert np.array_equal(gw, rw) and np.array_equal(gb, rb)
+
+
+@pytest.mark.parametrize("precision, tol", [("tf32", 5e-3), ("bf16", 2e-2), ("fp16", 5e-3)])
+def test_reduced_precision_gemms(cuda_backend, cpu_backend, precision, tol):
+    rng = np.random.default_rng(1)
+    cuda_backend.precision = precision
+    assert cuda_backend.precision == precision
+    B, IN, OUT = 96, 200, 48
+    x, w, b = rand(rng, B, IN), rand(rng, OUT, IN, scale=0.1), rand(rng, OUT)
+    close(ops.linear_forward(cuda_backend, x, w, b), ops.linear_forward(cpu_backend, x, w, b), tol)
+    dout, gw0, gb0 = rand(rng, B, OUT), rand(rng, OUT, IN), rand(rng, OUT)
+    got = ops.linear_backward(cuda_backend, dout, x, w, gw0, gb0, True)
+    want = ops.linear_backward(cpu_backend, dout, x, w, gw0, gb0, True)
+    for g, r in zip(got, want):
+        close(g, r, tol)
+    cuda_backend.precision = "fp32"
+    close(ops.linear_forward(cuda_backend, x, w, b), ops.linear_forward(cpu_backend, x, w, b), 1e-6)
+
+
+@pytest.mark.parametrize("rows, cols", [(1, 1), (5, 3), (33, 37), (512, 1024), (3, 4097)])
+@pytest.mark.parametrize("p", [0.0, 0.1, 0.5, 0.9])
+def test_relu_dropout_bit_exact(cuda_backend, cpu_backend, rows, cols, p):
+    rng = np.random.default_rng(rows * cols)
+    h = rand(rng, rows, cols)
+    key = dict(seed=(5 << 32) + 3, step=2 ** 32 + 17, layer=1, first_sample=1000)
+    got = ops.relu_dropout_forward(cuda_backend, h, p, **key)
+    want = ops.relu_dropout_forward(cpu_backend, h, p, **key)
+    assert np.array_equal(got, want)
+    dh = rand(rng, rows, cols)
+    assert np.array_equal(ops.relu_dropout_backward(cuda_backend, dh, want, p),
+                          ops.relu_dropout_backward(cpu_backend, dh, want, p))
+
+
+@pytest.mark.parametrize("B, D", [(1, 1), (13, 3), (4096, 7), (100000, 3)])
+def test_mse(cuda_backend, cpu_backend, B, D):
+    rng = np.random.default_rng(B)
+    pred, target = rand(rng, B, D), rand(rng, B, D)
+    for with_grad in (True, False):
+        got = ops.mse_forward_backward(cuda_backend, pred, target, 1.0 / (B * D), with_grad)
+        want = ops.mse_forward_backward(cpu_backend, pred, target, 1.0 / (B * D), with_grad)
+        assert got[0] == pytest.approx(want[0], rel=1e-6)
+        if with_grad:
+            close(got[1], want[1], 1e-7)
+
+
+@pytest.mark.parametrize("B, C", [(1, 1), (1, 2), (17, 10), (1000, 10), (64, 1000)])
+def test_cross_entropy(cuda_backend, cpu_backend, B, C):
+    rng = np.random.default_rng(B * C)
+    logits = rand(rng, B, C, scale=4.0)
+    logits[0, :] = 0.5  # tie: first maximal index
+    labels = rng.integers(0, C, B).astype(np.int32)
+    got = ops.cross_entropy_forward_backward(cuda_backend, logits, labels, 1.0 / B)
+    want = ops.cross_entropy_forward_backward(cpu_backend, logits, labels, 1.0 / B)
+    assert got[0] == pytest.approx(want[0], rel=1e-6)
+    close(got[1], want[1], 1e-6)
+    assert got[2] == want[2]
+    got = ops.cross_entropy_forward_backward(cuda_backend, logits, labels, 1.0, False, False)
+    assert got[1] is None and got[2] is None
+
+
+@pytest.mark.parametrize("momentum, first", [(0.0, True), (0.9, True), (0.9, False)])
+def test_sgd(cuda_backend, cpu_backend, momentum, first):
+    rng = np.random.default_rng(2)
+    args = [rand(rng, 10001) for _ in range(3)]
+    kw = dict(lr=0.05, momentum=momentum, weight_decay=0.01, first_step=first)
+    for g, r in zip(ops.sgd_update(cuda_backend, *args, **kw), ops.sgd_update(cpu_backend, *args, **kw)):
+        close(g, r, 1e-7)
+
+
+@pytest.mark.parametrize("step", [1, 2, 1000])
+def test_adamw(cuda_backend, cpu_backend, step):
+    rng = np.random.default_rng(3)
+    p, g, m, v = rand(rng, 10001), rand(rng, 10001), rand(rng, 10001), np.abs(rand(rng, 10001))
+    kw = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, step=step)
+    for a, b in zip(ops.adamw_update(cuda_backend, p, g, m, v, **kw), ops.adamw_update(cpu_backend, p, g, m, v, **kw)):
+        close(a, b, 1e-6)
+
+
+@pytest.mark.parametrize("n", [0, 1, 1000, 3_000_001])
+def test_sum_squares_scale_axpy(cuda_backend, cpu_backend, n):
+    rng = np.random.default_rng(n)
+    x, y = rand(rng, n), rand(rng, n)
+    got = ops.sum_squares(cuda_backend, x)
+    assert got == pytest.approx(ops.sum_squares(cpu_backend, x), rel=1e-12, abs=1e-30)
+    assert ops.sum_squares(cuda_backend, x) == got, "deterministic"
+    close(ops.scale(cuda_backend, x, 0.3), ops.scale(cpu_backend, x, 0.3), 1e-7)
+    close(ops.axpy(cuda_backend, y, x, -1.5), ops.axpy(cpu_backend, y, x, -1.5), 1e-7)
+    assert not ops.zero(cuda_backend, x).any()
+    assert np.array_equal(ops.round_trip(cuda_backend, x), x)
+
+
+def test_sum_squares_propagates_nan_and_inf(cuda_backend):
+    x = np.ones(100000, np.float32)
+    for bad, check in ((np.nan, np.isnan), (np.inf, np.isinf)):
+        z = x.copy()
+        z[77777] = bad
+        assert check(ops.sum_squares(cuda_backend, z))
+
+
+def test_backend_properties_and_errors(gpu):
+    be = _core.make_backend("cuda", gpu)
+    assert be.name == "cuda" and be.precision == "fp32"
+    with pytest.raises(ConfigError):
+        be.precision = "fp8"
+    n = _core.cuda_device_count()
+    with pytest.raises(_core.DeviceError, match=f"device index {n} out of range: {n} GPU"):
+        _core.make_backend("cuda", n)
+    info = _core.cuda_device_info(gpu)
+    assert info["name"] and info["total_memory"] > 0 and info["multiprocessors"] > 0
+    assert info["compute_capability"][0].isdigit() and info["pci_bus_id"]
+    free, total = _core.cuda_memory_info(gpu)
+    assert 0 < free <= total
+    cuda = _core.build_info()["cuda"]
+    assert cuda["driver"] and cuda["device_count"] == n

@@ -1,0 +1,102 @@
+"""The NCCL communicator: one rank in this process, and two ranks under
+mpirun sharing GPU 0 (NCCL >= 2.30 with NCCL_MULTI_RANK_GPU_ENABLE=1); with an
+older NCCL, ranks sharing a GPU get a clear ConfigError. CUDA + MPI (host-staged
+gradients) under mpirun needs no NCCL at all."""
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mgpu import _core
+from conftest import mpi_env, mpirun  # tests/conftest.py helpers
+
+WORKER = Path(__file__).with_name("nccl_worker.py")
+HAS_NCCL = hasattr(_core, "NcclCommunicator")
+NCCL_CODE = _core.build_info()["cuda"].get("nccl_loaded_code", 0)
+
+needs_nccl = pytest.mark.skipif(not HAS_NCCL, reason="mgpu was built without NCCL")
+
+
+def one_rank(gpu):
+    return _core.NcclCommunicator(_core.nccl_unique_id(), 0, 1, gpu)
+
+
+@needs_nccl
+def test_single_rank_collectives(gpu):
+    comm = one_rank(gpu)
+    assert (comm.name, comm.rank, comm.size, comm.device) == ("nccl", 0, 1, gpu)
+    x = np.arange(1000, dtype=np.float32)
+    comm.allreduce_sum(x)
+    assert np.array_equal(x, np.arange(1000, dtype=np.float32))
+    comm.allreduce_sum_bucketed(x, 300)
+    comm.broadcast(x, 0)
+    comm.barrier()
+    comm.timeout = 5.0
+    comm.begin_step(3)
+    comm.allreduce_sum(x)
+    assert comm.missing_peers() == []
+    with pytest.raises(_core.CommError):
+        comm.broadcast(x, 1)
+
+
+@needs_nccl
+def test_bad_unique_id_and_cpu_backend_are_config_errors(gpu):
+    with pytest.raises(ValueError, match="128 bytes"):
+        _core.NcclCommunicator(b"short", 0, 1, gpu)
+    be = _core.make_backend("cpu", 0, 1)
+    model = _core.MLP(be, [4, 3], 0.0, 0)
+    with pytest.raises(ValueError, match="needs the CUDA backend"):
+        _core.DataParallelStep(model, _core.Optimizer(model, "sgd"), one_rank(gpu), "mse")
+
+
+@needs_nccl
+@pytest.mark.parametrize("overlap", [True, False])
+def test_single_rank_nccl_step_equals_local(gpu, overlap):
+    sizes = [16, 40, 40, 4]
+    rng = np.random.default_rng(0)
+    data = [(rng.standard_normal((32, 16)).astype(np.float32), rng.integers(0, 4, 32)) for _ in range(10)]
+    params = {}
+    for kind in ("local", "nccl"):
+        model = _core.MLP(_core.make_backend("cuda", gpu), sizes, 0.1, 7)
+        comm = _core.LocalCommunicator() if kind == "local" else one_rank(gpu)
+        step = _core.DataParallelStep(model, _core.Optimizer(model, "adamw"), comm, "cross_entropy",
+                                      bucket_elems=700, overlap=overlap)
+        assert step.overlaps == overlap
+        for t, (x, y) in enumerate(data):
+            r = step.step([(x, y, 0)], 32, t, 1e-3, request_stop=(t == 9))
+            assert r.applied and r.stop_requested == (t == 9)
+        params[kind] = model.get_parameters()
+    assert np.array_equal(params["nccl"], params["local"])
+
+
+def launch(n, mode, extra_env=None, timeout=300):
+    env = mpi_env(**(extra_env or {}))
+    return mpirun(n, [sys.executable, WORKER, mode], timeout=timeout, env=env)
+
+
+@needs_nccl
+def test_two_ranks_share_gpu0(gpu):
+    if NCCL_CODE < 23000:
+        pytest.skip(f"NCCL {_core.build_info()['cuda']['nccl_loaded']} < 2.30 cannot put two ranks on one GPU")
+    r = launch(2, "nccl", {"NCCL_MULTI_RANK_GPU_ENABLE": "1", "CUDA_VISIBLE_DEVICES": "0"})
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.count("OK") == 2, r.stdout + r.stderr
+
+
+@needs_nccl
+def test_sharing_a_gpu_without_support_is_a_config_error(gpu):
+    env = {"CUDA_VISIBLE_DEVICES": "0"}
+    if NCCL_CODE >= 23000:
+        env["NCCL_MULTI_RANK_GPU_ENABLE"] = "0"  # supported, but not enabled: same clear error
+    r = launch(2, "nccl-expect-config-error", env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.count("OK") == 2, r.stdout + r.stderr
+
+
+def test_two_ranks_cuda_with_mpi_staging(gpu):
+    if not hasattr(_core, "MpiCommunicator"):
+        pytest.skip("mgpu was built without MPI")
+    r = launch(2, "mpi", {"CUDA_VISIBLE_DEVICES": "0"})
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.count("OK") == 2, r.stdout + r.stderr
