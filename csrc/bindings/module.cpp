@@ -223,6 +223,14 @@ PYBIND11_MODULE(_core, m) {
                     "missing ranks (0: wait forever).")
       .def("begin_step", &Communicator::begin_step, py::arg("step"),
            "Heartbeat: this rank reached training step `step`.")
+      .def_property_readonly("current_step", &Communicator::current_step,
+                             "The training step of the last begin_step heartbeat.")
+      .def("missing_peers", &Communicator::missing_peers,
+           "Watched ranks whose heartbeats have not reached this rank's current step.")
+      .def("heartbeat", &Communicator::heartbeat,
+           "Call while waiting on peers: tells them this rank is alive and reads their heartbeats.")
+      .def("diagnose_stall", &Communicator::diagnose_stall, py::arg("silence"),
+           "Which ranks never reached the current step or went silent for `silence` seconds, in words.")
       .def(
           "allreduce_sum",
           [](Communicator& c, py::array a) {
@@ -263,9 +271,7 @@ PYBIND11_MODULE(_core, m) {
 #ifdef MGPU_HAVE_MPI
   py::class_<MpiCommunicator, Communicator, std::shared_ptr<MpiCommunicator>>(m, "MpiCommunicator")
       .def(py::init<uintptr_t>(), py::arg("handle"),
-           "Wraps (a duplicate of) the MPI communicator whose handle is mpi4py's MPI._handleof(comm).")
-      .def("missing_peers", &MpiCommunicator::missing_peers,
-           "Watched ranks whose heartbeats have not reached this rank's current step.");
+           "Wraps (a duplicate of) the MPI communicator whose handle is mpi4py's MPI._handleof(comm).");
 #endif
 
   // --- CUDA: discovery, properties, versions, test hooks ----------------------
@@ -323,8 +329,7 @@ PYBIND11_MODULE(_core, m) {
            py::arg("sidecar") = nullptr,
            "NCCL communicator of one rank on GPU device_index; sidecar: the MpiCommunicator whose "
            "heartbeats name missing ranks on a timeout.")
-      .def_property_readonly("device", &NcclCommunicator::device)
-      .def("missing_peers", &NcclCommunicator::missing_peers);
+      .def_property_readonly("device", &NcclCommunicator::device);
 #endif
 
   py::class_<MLP, std::shared_ptr<MLP>>(m, "MLP")

@@ -42,6 +42,12 @@ class Communicator {
   // Ranks known not to have reached the current step (heartbeats); empty when
   // the transport cannot tell.
   virtual std::vector<int> missing_peers() { return {}; }
+  // Call while waiting on peers: tells the watched ranks this one is alive, and
+  // reads their heartbeats.
+  virtual void heartbeat() {}
+  // Why a wait did not end, in words: which ranks never reached the current
+  // step and which went silent for more than `silence` seconds while in it.
+  virtual std::string diagnose_stall(double /*silence*/) { return "the missing ranks are unknown"; }
 
   // The backend whose memory the collectives will see: a device transport
   // (NCCL) orders its collectives after the backend's compute stream (and keeps

@@ -62,6 +62,8 @@ class StagedCommunicator final : public Communicator {
     inner_->begin_step(step);
   }
   std::vector<int> missing_peers() override { return inner_->missing_peers(); }
+  void heartbeat() override { inner_->heartbeat(); }
+  std::string diagnose_stall(double silence) override { return inner_->diagnose_stall(silence); }
 
  private:
   struct Pending {

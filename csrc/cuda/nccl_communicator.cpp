@@ -30,11 +30,6 @@ namespace {
       throw_nccl(mgpu_rc_, comm, #call, __FILE__, __LINE__);                         \
   } while (0)
 
-std::string join(const std::vector<int>& ranks) {
-  std::ostringstream out;
-  for (size_t i = 0; i < ranks.size(); ++i) out << (i ? ", " : "") << ranks[i];
-  return out.str();
-}
 
 bool is_device_pointer(const void* p) {
   cudaPointerAttributes attr{};
@@ -109,14 +104,9 @@ struct NcclCommunicator::Impl {
     throw CommError(detail::concat(what, " at step ", step, " on rank ", rank, " (GPU ", device, "): ", why));
   }
 
-  std::string missing_ranks_text(bool timed_out) {
+  std::string missing_ranks_text(double silence) {
     if (!sidecar) return "no heartbeat sidecar, so the missing ranks are unknown";
-    const std::vector<int> missing = sidecar->missing_peers();
-    if (!missing.empty())
-      return detail::concat("rank", missing.size() > 1 ? "s " : " ", join(missing),
-                            missing.size() > 1 ? " have" : " has", " not reached this step (stopped, hung or dead)");
-    return timed_out ? "every watched rank reached this step, but the collective is stuck"
-                     : "every watched rank reached this step";
+    return sidecar->diagnose_stall(silence);
   }
 
   void check_async_error(const char* what) {
@@ -126,7 +116,7 @@ struct NcclCommunicator::Impl {
       const char* last = ncclGetLastError(comm);
       fail(what, detail::concat("NCCL reported an asynchronous error: ", ncclGetErrorString(state),
                                 last && *last ? std::string(" (") + last + ")" : std::string(), "; ",
-                                missing_ranks_text(false)));
+                                missing_ranks_text(1e300)));
     }
   }
 
@@ -145,13 +135,21 @@ struct NcclCommunicator::Impl {
     }
     using clock = std::chrono::steady_clock;
     const auto deadline = clock::now() + std::chrono::duration<double>(timeout_seconds);
+    // While waiting, repeat the heartbeat so peers can tell a waiting rank from a frozen one.
+    const auto beat_interval = std::chrono::duration<double>(std::min(1.0, timeout_seconds / 4));
+    auto next_beat = clock::now() + beat_interval;
     for (unsigned polls = 0;; ++polls) {
       const cudaError_t rc = cudaEventQuery(comm_done);
       if (rc == cudaSuccess) break;
       if (rc != cudaErrorNotReady) MGPU_CUDA_CHECK(rc);
       check_async_error(what);
+      if (sidecar && clock::now() > next_beat) {
+        sidecar->heartbeat();
+        next_beat = clock::now() + beat_interval;
+      }
       if (clock::now() > deadline)
-        fail(what, detail::concat("did not complete within ", timeout_seconds, " s: ", missing_ranks_text(true)));
+        fail(what, detail::concat("did not complete within ", timeout_seconds, " s: ",
+                                  missing_ranks_text(2.5 * beat_interval.count())));
       // Short sleeps: a collective of a healthy job finishes in micro- to milliseconds.
       if (polls > 64) std::this_thread::sleep_for(std::chrono::microseconds(50));
     }

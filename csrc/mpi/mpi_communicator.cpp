@@ -128,25 +128,35 @@ void MpiCommunicator::wait(std::vector<MPI_Request>& requests, const char* what)
 
 void MpiCommunicator::fail_timeout(const char* what, double silence) {
   broken_ = true;
+  std::ostringstream msg;
+  msg << what << " at step " << current_step_ << " did not complete within " << timeout_seconds_
+      << " s on rank " << rank_ << ": " << diagnose_stall(silence);
+  throw CommError(msg.str());
+}
+
+void MpiCommunicator::heartbeat() {
+  send_heartbeat();
+  drain_heartbeats();
+}
+
+std::string MpiCommunicator::diagnose_stall(double silence) {
   const std::vector<int> missing = missing_peers();
   const std::vector<int> silent = silent_peers(silence);
   std::ostringstream msg;
-  msg << what << " at step " << current_step_ << " did not complete within " << timeout_seconds_
-      << " s on rank " << rank_ << ": ";
-  const bool sees_everyone = static_cast<int>(watched_.size()) == size_ - 1;
   if (!missing.empty())
     msg << "rank" << (missing.size() > 1 ? "s " : " ") << join(missing)
         << (missing.size() > 1 ? " have" : " has") << " not reached this step";
   if (!silent.empty())
     msg << (missing.empty() ? "" : "; ") << "rank" << (silent.size() > 1 ? "s " : " ") << join(silent)
-        << (silent.size() > 1 ? " stopped" : " stopped") << " responding during it";
-  if (!missing.empty() || !silent.empty())
+        << " stopped responding during it";
+  if (!missing.empty() || !silent.empty()) {
     msg << " (stopped, hung or dead)";
-  else if (sees_everyone)
+  } else if (static_cast<int>(watched_.size()) == size_ - 1) {
     msg << "every rank reached this step and is responding, but the collective is stuck";
-  else
+  } else {
     msg << "rank 0 reached this step; it names the missing rank";
-  throw CommError(msg.str());
+  }
+  return msg.str();
 }
 
 std::vector<int> MpiCommunicator::silent_peers(double silence) {

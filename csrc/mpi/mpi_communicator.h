@@ -40,6 +40,8 @@ class MpiCommunicator final : public Communicator {
   // Ranks whose heartbeats show they have not reached this rank's current
   // step (only ranks this rank watches; see the file comment).
   std::vector<int> missing_peers() override;
+  void heartbeat() override;
+  std::string diagnose_stall(double silence) override;
 
  private:
   void ensure_usable() const;

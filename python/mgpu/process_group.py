@@ -138,16 +138,20 @@ class ProcessGroup:
             return
         start = time.monotonic()
         deadline = start + self.timeout
+        # While waiting, beat so peers can tell this waiting rank from a frozen one.
+        beat_interval = min(1.0, self.timeout / 4)
+        next_beat = start + beat_interval
+        comm = self._core_comm
         while not request.Test():
             now = time.monotonic()
+            if comm is not None and now > next_beat:
+                comm.heartbeat()
+                next_beat = now + beat_interval
             if now > deadline:
-                missing = []
-                if self._core_comm is not None and hasattr(self._core_comm, "missing_peers"):
-                    missing = self._core_comm.missing_peers()
-                who = (f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} "
-                       f"{'have' if len(missing) > 1 else 'has'} not reached this step (stopped, hung or dead)"
-                       if missing else "a peer did not arrive (stopped, hung or dead)")
-                raise CommError(f"{what} did not complete within {self.timeout:g} s on rank {self.rank}: {who}")
+                why = comm.diagnose_stall(2.5 * beat_interval) if comm is not None else "a peer did not arrive"
+                where = f" at step {comm.current_step}" if comm is not None else ""
+                raise CommError(f"{what}{where} did not complete within {self.timeout:g} s on rank {self.rank}: "
+                                f"{why}")
             if now - start > 1e-3:
                 time.sleep(5e-4)  # waiting long: leave the core to the ranks still working
 
