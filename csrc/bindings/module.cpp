@@ -37,6 +37,7 @@ using namespace mgpu;
 
 namespace mgpu {
 void bind_probe(py::module_& m);  // probe.cpp
+void bind_perf(py::module_& m);   // perf.cpp
 }
 
 namespace {
@@ -420,8 +421,16 @@ PYBIND11_MODULE(_core, m) {
       .def("set_state", [](Optimizer& o, const std::string& name, FloatArray a) { o.set_state(name, a.data()); });
 
   bind_probe(m);
+  bind_perf(m);
 
+  py::class_<StepTimings>(m, "StepTimings")
+      .def_readonly("forward", &StepTimings::forward)
+      .def_readonly("backward", &StepTimings::backward)
+      .def_readonly("comm_wait", &StepTimings::comm_wait)
+      .def_readonly("optimizer", &StepTimings::optimizer)
+      .def_readonly("total", &StepTimings::total);
   py::class_<StepResult>(m, "StepResult")
+      .def_readonly("timings", &StepResult::timings)
       .def_readonly("loss", &StepResult::loss)
       .def_readonly("grad_norm", &StepResult::grad_norm)
       .def_readonly("applied", &StepResult::applied)
@@ -432,7 +441,7 @@ PYBIND11_MODULE(_core, m) {
       .def(py::init([](std::shared_ptr<MLP> model, std::shared_ptr<Optimizer> opt,
                        std::shared_ptr<Communicator> comm, const std::string& loss, size_t bucket_elems,
                        bool overlap, float max_grad_norm, float loss_scale, bool dynamic_loss_scale,
-                       int loss_scale_window) {
+                       int loss_scale_window, bool timed) {
              StepOptions o;
              o.bucket_elems = bucket_elems;
              o.overlap = overlap;
@@ -440,13 +449,14 @@ PYBIND11_MODULE(_core, m) {
              o.loss_scale = loss_scale;
              o.dynamic_loss_scale = dynamic_loss_scale;
              o.loss_scale_window = loss_scale_window;
+             o.timed = timed;
              return std::make_shared<DataParallelStep>(std::move(model), std::move(opt), std::move(comm),
                                                        parse_loss(loss), o);
            }),
            py::arg("model"), py::arg("optimizer"), py::arg("communicator"), py::arg("loss") = "mse",
            py::arg("bucket_elems") = size_t{1} << 20, py::arg("overlap") = true,
            py::arg("max_grad_norm") = 0.0f, py::arg("loss_scale") = 1.0f,
-           py::arg("dynamic_loss_scale") = false, py::arg("loss_scale_window") = 2000)
+           py::arg("dynamic_loss_scale") = false, py::arg("loss_scale_window") = 2000, py::arg("timed") = false)
       .def(
           "step",
           [](DataParallelStep& s, py::list micro_batches, int64_t global_batch, uint64_t step_index,

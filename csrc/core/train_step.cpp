@@ -2,6 +2,7 @@
 #include "train_step.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 
 #include "errors.h"
@@ -9,13 +10,18 @@
 
 namespace mgpu {
 
-std::vector<Bucket> plan_buckets(const MLP& model, size_t bucket_elems) {
+std::vector<Bucket> plan_buckets(const std::vector<int>& sizes, size_t extra_slots, size_t bucket_elems) {
   MGPU_CHECK(bucket_elems >= 1, ConfigError, "bucket size must be >= 1 element");
+  MGPU_CHECK(sizes.size() >= 2, ConfigError, "a model needs at least an input and an output size");
+  const int layers = static_cast<int>(sizes.size()) - 1;
+  std::vector<size_t> start(layers + 1, 0);  // start[l]: offset of layer l's weights
+  for (int l = 0; l < layers; ++l)
+    start[l + 1] = start[l] + static_cast<size_t>(sizes[l]) * sizes[l + 1] + sizes[l + 1];
   std::vector<Bucket> buckets;
-  // Walk the buffer from its end (loss slot, last layer) towards layer 0.
-  size_t open_end = model.grad_buffer_size();  // end of the bucket being filled
-  for (int l = model.num_layers() - 1; l >= 0; --l) {
-    const size_t begin = model.weight_offset(l);
+  // Walk the buffer from its end (extra slots, last layer) towards layer 0.
+  size_t open_end = start[layers] + extra_slots;  // end of the bucket being filled
+  for (int l = layers - 1; l >= 0; --l) {
+    const size_t begin = start[l];
     // Cut full buckets out of this layer while it overflows the open bucket.
     while (open_end - begin > bucket_elems) {
       const size_t cut = std::max(begin, open_end - bucket_elems);
@@ -28,6 +34,10 @@ std::vector<Bucket> plan_buckets(const MLP& model, size_t bucket_elems) {
     }
   }
   return buckets;
+}
+
+std::vector<Bucket> plan_buckets(const MLP& model, size_t bucket_elems) {
+  return plan_buckets(model.sizes(), MLP::kGradExtraSlots, bucket_elems);
 }
 
 DataParallelStep::DataParallelStep(std::shared_ptr<MLP> model, std::shared_ptr<Optimizer> optimizer,
@@ -80,6 +90,17 @@ StepResult DataParallelStep::step(const std::vector<MicroShard>& shards, int64_t
   MGPU_CHECK(local_rows <= global_batch, ConfigError, "this rank's ", local_rows,
              " rows exceed the global batch of ", global_batch);
 
+  using Clock = std::chrono::steady_clock;
+  const bool sync_phases = options_.timed && !be.host_accessible();
+  auto now = [&] {
+    if (sync_phases) be.synchronize();
+    return Clock::now();
+  };
+  auto seconds = [](Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); };
+  StepResult result;
+  const auto t_start = now();
+  auto t_phase = t_start;
+
   size_t next_bucket = 0;
   auto launch_ready = [&](int layer) {
     if (next_bucket == 0) comm_->begin_step(step_index);  // heartbeat, just before the first collective
@@ -114,8 +135,12 @@ StepResult DataParallelStep::step(const std::vector<MicroShard>& shards, int64_t
     const DropoutKey key{m.seed(), step_index, 0, s.first_sample};
     m.forward(s.batch.rows, &key);
     m.loss_forward_backward(loss_, s.batch.rows, grad_scale, nullptr, written);
+    const auto t_forward = now();
+    result.timings.forward += seconds(t_phase, t_forward);
     m.backward(s.batch.rows, last && overlap_ ? std::function<void(int)>(launch_ready) : nullptr,
                written);
+    t_phase = now();
+    result.timings.backward += seconds(t_forward, t_phase);
     written = true;
   }
   // An empty share contributes zero gradient and zero loss.
@@ -125,10 +150,11 @@ StepResult DataParallelStep::step(const std::vector<MicroShard>& shards, int64_t
   // the same values and takes the same decisions.
   comm_->wait_all();
 
-  StepResult result;
   result.loss_scale = loss_scale_;
   float slots[MLP::kGradExtraSlots] = {};
   be.copy_to_host(slots, m.loss_slot(), sizeof(slots));
+  const auto t_comm = now();
+  result.timings.comm_wait = seconds(t_phase, t_comm);
   result.loss = static_cast<float>(slots[0] / loss_scale_);
   result.stop_requested = slots[1] > 0.0f;
   // 6. Health check: one reduction over the gradients yields the norm for
@@ -140,6 +166,7 @@ StepResult DataParallelStep::step(const std::vector<MicroShard>& shards, int64_t
     // Skip: parameters and optimizer state stay as they were.
     if (options_.dynamic_loss_scale) loss_scale_ = std::max(loss_scale_ * 0.5f, 1e-30f);
     good_steps_ = 0;
+    result.timings.total = seconds(t_start, now());
     return result;
   }
   // 7. Unscale and clip in one pass: g *= (1/scale) * min(1, max_norm / (norm + 1e-6)).
@@ -154,6 +181,9 @@ StepResult DataParallelStep::step(const std::vector<MicroShard>& shards, int64_t
     loss_scale_ = std::min(loss_scale_ * 2.0f, 3.0e38f);
     good_steps_ = 0;
   }
+  const auto t_end = now();
+  result.timings.optimizer = seconds(t_comm, t_end);
+  result.timings.total = seconds(t_start, t_end);
   return result;
 }
 

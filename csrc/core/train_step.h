@@ -27,6 +27,9 @@ struct Bucket {
 // bucket closes once it holds >= bucket_elems elements and at a layer
 // boundary; a layer larger than bucket_elems is cut into several buckets.
 std::vector<Bucket> plan_buckets(const MLP& model, size_t bucket_elems);
+// The same plan for layer sizes [in, hidden..., out] and a gradient buffer
+// with extra_slots after the parameters (used by the performance model).
+std::vector<Bucket> plan_buckets(const std::vector<int>& sizes, size_t extra_slots, size_t bucket_elems);
 
 struct StepOptions {
   size_t bucket_elems = size_t{1} << 20;  // 4 MiB of float32: well under MPI's large-message cliffs
@@ -41,6 +44,10 @@ struct StepOptions {
   float loss_scale = 1.0f;
   bool dynamic_loss_scale = false;
   int loss_scale_window = 2000;
+  // Synchronize the backend between phases so StepResult::timings separates
+  // them on a device backend (benchmarks; costs overlap). Host backends are
+  // always timed exactly.
+  bool timed = false;
 };
 
 // One rank's share of one micro-batch: rows of the step's global batch whose
@@ -50,7 +57,18 @@ struct MicroShard {
   int64_t first_sample = 0;
 };
 
+// Where a step's time went (seconds), from host timers; with a device backend
+// the phases are only separated when StepOptions::timed synchronizes them.
+struct StepTimings {
+  double forward = 0;     // staging, forward, loss (every micro-batch)
+  double backward = 0;    // backward, including allreduces launched during it
+  double comm_wait = 0;   // allreduce time not hidden behind backward
+  double optimizer = 0;   // health check, unscale/clip, update
+  double total = 0;
+};
+
 struct StepResult {
+  StepTimings timings;
   float loss = 0.0f;          // global mean loss of the step's samples
   double grad_norm = 0.0;     // L2 norm of the averaged, unscaled gradient before clipping
   bool applied = false;       // false: non-finite loss or gradients; parameters untouched

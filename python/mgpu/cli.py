@@ -1,4 +1,4 @@
-"""Command line: python -m mgpu {train,info} (under mpirun -np N for several ranks).
+"""Command line: python -m mgpu {train,info,topo,recommend,bench} (under mpirun -np N for several ranks).
 
 User errors print one line on stderr and exit with code 2 on every rank;
 unexpected errors end the whole MPI job instead of leaving ranks hanging.
@@ -102,6 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     sub.add_parser("info", help="what this build contains and what this process sees")
+    from . import bench, perf, topo
+    topo.add_parser(sub)
+    perf.add_parser(sub)
+    bench.add_parser(sub)
     return p
 
 
@@ -294,7 +298,10 @@ def cmd_info(a, pg) -> int:
     return 0
 
 
-COMMANDS = {"train": cmd_train, "info": cmd_info}
+def _commands():
+    from . import bench, perf, topo
+    return {"train": cmd_train, "info": cmd_info, "topo": topo.cmd_topo, "recommend": perf.cmd_recommend,
+            "bench": bench.cmd_bench}
 
 
 def main(argv=None) -> int:
@@ -303,7 +310,7 @@ def main(argv=None) -> int:
         args = build_parser().parse_args(argv)
         from .process_group import ProcessGroup
         pg = ProcessGroup()
-        return COMMANDS[args.command](args, pg)
+        return _commands()[args.command](args, pg)
     except UsageError as e:
         print(str(e), file=sys.stderr, flush=True)
         return EXIT_USAGE

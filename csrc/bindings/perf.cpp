@@ -1,0 +1,222 @@
+// Bindings of the performance model (csrc/core/perf_model.h) and the
+// micro-benchmarks that calibrate it (GEMM rate, memory bandwidth, launch
+// overhead of a backend), used by `mgpu topo`, `mgpu bench` and `mgpu recommend`.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <algorithm>
+#include <chrono>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "../core/backend.h"
+#include "../core/communicator.h"
+#include "../core/errors.h"
+#include "../core/perf_model.h"
+#include "../core/staged_communicator.h"
+
+namespace py = pybind11;
+
+namespace mgpu {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Seconds of each of `repeats` timed calls of fn (after one untimed warm-up).
+template <typename Fn>
+std::vector<double> time_calls(Backend& be, int repeats, Fn fn) {
+  MGPU_CHECK(repeats >= 1, ConfigError, "repeats must be >= 1");
+  fn();
+  be.synchronize();
+  std::vector<double> out;
+  for (int i = 0; i < repeats; ++i) {
+    const auto t0 = Clock::now();
+    fn();
+    be.synchronize();
+    out.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+  }
+  return out;
+}
+
+// inp (B, IN), weight (OUT, IN) -> out (B, OUT): the forward GEMM of a Linear layer.
+std::vector<double> time_linear(Backend& be, int B, int IN, int OUT, int repeats) {
+  MGPU_CHECK(B >= 1 && IN >= 1 && OUT >= 1, ConfigError, "GEMM sizes must be >= 1");
+  BackendArray<float> inp(&be, size_t(B) * IN), w(&be, size_t(OUT) * IN), bias(&be, OUT), out(&be, size_t(B) * OUT);
+  be.zero(inp.data(), inp.size());
+  be.zero(w.data(), w.size());
+  be.zero(bias.data(), bias.size());
+  return time_calls(be, repeats, [&] { be.linear_forward(out.data(), inp.data(), w.data(), bias.data(), B, IN, OUT); });
+}
+
+// y += a x over n floats: 12 bytes of traffic per element.
+std::vector<double> time_axpy(Backend& be, size_t n, int repeats) {
+  MGPU_CHECK(n >= 1, ConfigError, "n must be >= 1");
+  BackendArray<float> x(&be, n), y(&be, n);
+  be.zero(x.data(), n);
+  be.zero(y.data(), n);
+  return time_calls(be, repeats, [&] { be.axpy(y.data(), x.data(), n, 0.5f); });
+}
+
+// host -> backend copies of `bytes` (staging bandwidth; a memcpy on the CPU).
+std::vector<double> time_copy_to_backend(Backend& be, size_t bytes, int repeats) {
+  MGPU_CHECK(bytes >= 1, ConfigError, "bytes must be >= 1");
+  std::vector<float> host((bytes + 3) / 4, 1.0f);
+  BackendArray<float> dev(&be, host.size());
+  return time_calls(be, repeats, [&] { be.copy_to_backend(dev.data(), host.data(), host.size() * 4); });
+}
+
+// The allreduce of nccl-tests, on a communicator and a backend's memory: one
+// buffer of max_count floats allocated (and touched) once and reused for every
+// size, so no size pays for fresh pages. run() first checks one allreduce bit
+// for bit (rank r contributes (r + 1) * (i % 13 + 1): sums are exact in float32),
+// then times `iters` allreduces.
+class AllreduceProbe {
+ public:
+  AllreduceProbe(std::shared_ptr<Communicator> comm, std::shared_ptr<Backend> backend, size_t max_count)
+      : comm_(std::move(comm)), be_(std::move(backend)), host_(max_count), buffer_(be_.get(), max_count) {
+    MGPU_CHECK(max_count >= 1, ConfigError, "max_count must be >= 1");
+    // MPI moves host memory only: a device backend's buffer goes through host staging, as in training.
+    if (!be_->host_accessible() && !comm_->accepts_device_memory())
+      comm_ = std::make_shared<StagedCommunicator>(comm_, be_);
+    comm_->attach(be_);
+    be_->zero(buffer_.data(), max_count);
+  }
+  // (seconds per allreduce on this rank, elements that were not bit-exact)
+  std::pair<double, int64_t> run(size_t count, int iters, int warmup) {
+    MGPU_CHECK(count >= 1 && count <= host_.size(), ConfigError, "count must be in [1, ", host_.size(), "]");
+    MGPU_CHECK(iters >= 1 && warmup >= 0, ConfigError, "iters must be >= 1 and warmup >= 0");
+    const int n = comm_->size(), r = comm_->rank();
+    for (size_t i = 0; i < count; ++i) host_[i] = float((r + 1) * (i % 13 + 1));
+    be_->copy_to_backend(buffer_.data(), host_.data(), count * sizeof(float));
+    comm_->allreduce_sum(buffer_.data(), count);
+    be_->copy_to_host(host_.data(), buffer_.data(), count * sizeof(float));
+    const float ranks_sum = float(n) * (n + 1) / 2;
+    int64_t wrong = 0;
+    for (size_t i = 0; i < count; ++i) wrong += host_[i] != ranks_sum * float(i % 13 + 1);
+    be_->zero(buffer_.data(), count);  // zeros stay zeros: timing never meets Inf/NaN
+    for (int i = 0; i < warmup; ++i) comm_->allreduce_sum(buffer_.data(), count);
+    be_->synchronize();
+    comm_->barrier();
+    const auto t0 = Clock::now();
+    for (int i = 0; i < iters; ++i) comm_->allreduce_sum(buffer_.data(), count);
+    be_->synchronize();
+    return {std::chrono::duration<double>(Clock::now() - t0).count() / iters, wrong};
+  }
+
+ private:
+  std::shared_ptr<Communicator> comm_;
+  std::shared_ptr<Backend> be_;
+  std::vector<float> host_;
+  BackendArray<float> buffer_;
+};
+
+}  // namespace
+
+void bind_perf(py::module_& m) {
+  m.def("time_copy_to_backend", &time_copy_to_backend, py::arg("backend"), py::arg("bytes"), py::arg("repeats") = 5,
+        py::call_guard<py::gil_scoped_release>(), "Seconds of each timed host-to-backend copy of `bytes`.");
+  py::class_<AllreduceProbe>(m, "AllreduceProbe")
+      .def(py::init<std::shared_ptr<Communicator>, std::shared_ptr<Backend>, size_t>(), py::arg("communicator"),
+           py::arg("backend"), py::arg("max_count"))
+      .def("run", &AllreduceProbe::run, py::arg("count"), py::arg("iters"), py::arg("warmup") = 2,
+           py::call_guard<py::gil_scoped_release>(),
+           "(seconds per allreduce of `count` floats on this rank, elements not bit-exact).");
+  m.def("time_linear", &time_linear, py::arg("backend"), py::arg("batch"), py::arg("in_features"),
+        py::arg("out_features"), py::arg("repeats") = 5, py::call_guard<py::gil_scoped_release>(),
+        "Seconds of each timed Linear forward GEMM (work 2 x batch x in x out FLOP) on the backend.");
+  m.def("time_axpy", &time_axpy, py::arg("backend"), py::arg("n"), py::arg("repeats") = 5,
+        py::call_guard<py::gil_scoped_release>(),
+        "Seconds of each timed y += a x over n floats (12 bytes per element): bandwidth and, for tiny n, "
+        "the per-kernel overhead.");
+
+  using namespace perf;
+  auto pm = m.def_submodule("perf", "The performance model and strategy selector.");
+  py::class_<GemmRate>(pm, "GemmRate")
+      .def(py::init([](double peak, double half) { return GemmRate{peak, half}; }), py::arg("peak_flops") = 0.0,
+           py::arg("half_work_flops") = 0.0)
+      .def_readwrite("peak_flops", &GemmRate::peak_flops)
+      .def_readwrite("half_work_flops", &GemmRate::half_work_flops)
+      .def_readwrite("measured", &GemmRate::measured)
+      .def("at", &GemmRate::at, py::arg("work_flops"));
+  py::class_<DeviceProfile>(pm, "DeviceProfile")
+      .def(py::init<>())
+      .def_readwrite("name", &DeviceProfile::name)
+      .def_readwrite("kind", &DeviceProfile::kind)
+      .def_readwrite("fp32", &DeviceProfile::fp32)
+      .def_readwrite("tf32", &DeviceProfile::tf32)
+      .def_readwrite("bf16", &DeviceProfile::bf16)
+      .def_readwrite("fp16", &DeviceProfile::fp16)
+      .def_readwrite("memory_bytes", &DeviceProfile::memory_bytes)
+      .def_readwrite("memory_bandwidth", &DeviceProfile::memory_bandwidth)
+      .def_readwrite("host_to_device_bandwidth", &DeviceProfile::host_to_device_bandwidth)
+      .def_readwrite("launch_overhead_s", &DeviceProfile::launch_overhead_s)
+      .def_readwrite("context_bytes", &DeviceProfile::context_bytes)
+      .def_readwrite("dropout_s_per_unit", &DeviceProfile::dropout_s_per_unit);
+  py::class_<LinkProfile>(pm, "LinkProfile")
+      .def(py::init<>())
+      .def_readwrite("name", &LinkProfile::name)
+      .def_readwrite("alpha_s", &LinkProfile::alpha_s)
+      .def_readwrite("bus_bandwidth", &LinkProfile::bus_bandwidth)
+      .def_readwrite("overlaps_compute", &LinkProfile::overlaps_compute)
+      .def_readwrite("buffer_bytes", &LinkProfile::buffer_bytes)
+      .def_readwrite("step_sync_s", &LinkProfile::step_sync_s)
+      .def("allreduce_seconds", &LinkProfile::allreduce_seconds, py::arg("devices"), py::arg("bytes"));
+  py::class_<HardwareProfile>(pm, "HardwareProfile")
+      .def(py::init<>())
+      .def_readwrite("name", &HardwareProfile::name)
+      .def_readwrite("source", &HardwareProfile::source)
+      .def_readwrite("devices", &HardwareProfile::devices)
+      .def_readwrite("link", &HardwareProfile::link)
+      .def_readwrite("step_overhead_s", &HardwareProfile::step_overhead_s)
+      .def_readwrite("model_error", &HardwareProfile::model_error);
+  py::class_<Workload>(pm, "Workload")
+      .def(py::init<>())
+      .def_readwrite("layers", &Workload::layers)
+      .def_readwrite("params", &Workload::params)
+      .def_readwrite("global_batch", &Workload::global_batch)
+      .def_readwrite("precision", &Workload::precision)
+      .def_readwrite("optimizer", &Workload::optimizer)
+      .def_readwrite("dropout", &Workload::dropout)
+      .def_readwrite("bucket_elems", &Workload::bucket_elems)
+      .def("resolved_layers", &Workload::resolved_layers);
+  py::class_<Options>(pm, "Options")
+      .def(py::init<>())
+      .def_readwrite("candidates", &Options::candidates)
+      .def_readwrite("memory_margin", &Options::memory_margin)
+      .def_readwrite("price_per_device_hour", &Options::price_per_device_hour);
+  py::class_<Prediction>(pm, "Prediction")
+      .def_readonly("devices", &Prediction::devices)
+      .def_readonly("batch_shares", &Prediction::batch_shares)
+      .def_readonly("forward_s", &Prediction::forward_s)
+      .def_readonly("backward_s", &Prediction::backward_s)
+      .def_readonly("optimizer_s", &Prediction::optimizer_s)
+      .def_readonly("overhead_s", &Prediction::overhead_s)
+      .def_readonly("comm_s", &Prediction::comm_s)
+      .def_readonly("exposed_comm_s", &Prediction::exposed_comm_s)
+      .def_readonly("step_s", &Prediction::step_s)
+      .def_readonly("samples_per_s", &Prediction::samples_per_s)
+      .def_readonly("speedup", &Prediction::speedup)
+      .def_readonly("efficiency", &Prediction::efficiency)
+      .def_readonly("memory_bytes", &Prediction::memory_bytes)
+      .def_readonly("memory_usable_bytes", &Prediction::memory_usable_bytes)
+      .def_readonly("memory_fits", &Prediction::memory_fits)
+      .def_readonly("cost_per_million_samples", &Prediction::cost_per_million_samples);
+  py::class_<Recommendation>(pm, "Recommendation")
+      .def_readonly("strategy", &Recommendation::strategy)
+      .def_readonly("devices", &Recommendation::devices)
+      .def_readonly("candidates", &Recommendation::candidates)
+      .def_readonly("break_even_batch", &Recommendation::break_even_batch)
+      .def_readonly("reasons", &Recommendation::reasons)
+      .def_readonly("confidence", &Recommendation::confidence)
+      .def_readonly("roi", &Recommendation::roi)
+      .def_readonly("fallback", &Recommendation::fallback)
+      .def_readonly("profile", &Recommendation::profile)
+      .def_readonly("profile_source", &Recommendation::profile_source)
+      .def_readonly("params", &Recommendation::params);
+  pm.def("predict", &predict, py::arg("workload"), py::arg("hardware"), py::arg("devices"), py::arg("options"));
+  pm.def("recommend", &recommend, py::arg("workload"), py::arg("hardware"), py::arg("options"));
+  pm.def("recommend_by_thresholds", &recommend_by_thresholds, py::arg("workload"), py::arg("options"));
+}
+
+}  // namespace mgpu

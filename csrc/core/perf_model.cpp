@@ -1,0 +1,446 @@
+// The performance model and strategy selector (see perf_model.h).
+#include "perf_model.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <numeric>
+
+#include "errors.h"
+#include "model.h"
+#include "train_step.h"
+
+namespace mgpu {
+namespace perf {
+
+namespace {
+
+std::string fmt(const char* format, double a) {
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), format, a);
+  return buf;
+}
+std::string ms(double seconds) { return fmt(seconds < 0.01 ? "%.3g ms" : "%.1f ms", seconds * 1e3); }
+std::string bytes_text(double b) {
+  if (b >= 1e9) return fmt("%.2f GB", b / 1e9);
+  if (b >= 1e6) return fmt("%.1f MB", b / 1e6);
+  return fmt("%.0f kB", b / 1e3);
+}
+std::string count_text(double n) {
+  if (n >= 1e9) return fmt("%.2fB", n / 1e9);
+  if (n >= 1e6) return fmt("%.2fM", n / 1e6);
+  if (n >= 1e3) return fmt("%.0fK", n / 1e3);
+  return fmt("%.0f", n);
+}
+std::string device_word(const HardwareProfile& hw, int n) {
+  const bool cpu = !hw.devices.empty() && hw.devices[0].kind == "cpu";
+  return std::to_string(n) + (cpu ? (n == 1 ? " CPU rank" : " CPU ranks") : (n == 1 ? " GPU" : " GPUs"));
+}
+
+double parameter_count(const std::vector<int>& sizes) {
+  double p = 0;
+  for (size_t l = 0; l + 1 < sizes.size(); ++l) p += double(sizes[l]) * sizes[l + 1] + sizes[l + 1];
+  return p;
+}
+
+// Per-device compute of one step at local batch b (seconds), with backward
+// broken down per layer for the overlap schedule.
+struct DeviceTimes {
+  double forward = 0, backward = 0, optimizer = 0, overhead = 0;
+  std::vector<double> backward_done;  // [l]: time from backward start until layer l's gradients exist
+};
+
+DeviceTimes device_times(const std::vector<int>& sizes, int64_t b, const DeviceProfile& d,
+                         const Workload& w, double step_overhead) {
+  const GemmRate& rate = d.gemm(w.precision);
+  MGPU_CHECK(rate.peak_flops > 0, ConfigError, "device '", d.name, "' has no GEMM rate in its profile");
+  MGPU_CHECK(d.memory_bandwidth > 0, ConfigError, "device '", d.name, "' has no memory bandwidth in its profile");
+  const double L = d.launch_overhead_s, bw = d.memory_bandwidth, B = double(b);
+  auto gemm = [&](double m, double n, double k) {
+    const double work = 2.0 * m * n * k;
+    return work > 0 ? work / rate.at(work) + L : 0.0;
+  };
+  auto pass = [&](double bytes) { return bytes / bw + L; };
+  const int layers = static_cast<int>(sizes.size()) - 1;
+  DeviceTimes t;
+  t.backward_done.assign(layers, 0.0);
+  if (b > 0) {
+    for (int l = 0; l < layers; ++l) {
+      const double in = sizes[l], out = sizes[l + 1];
+      t.forward += gemm(B, out, in) + pass(4.0 * B * out) /* bias */ +
+                   (l + 1 < layers ? pass(8.0 * B * out) : 0.0) /* relu, dropout */;
+    }
+    t.forward += pass(16.0 * B * sizes.back());  // loss and its gradient
+    if (w.dropout > 0) {
+      double hidden = 0;
+      for (int l = 1; l < layers; ++l) hidden += sizes[l];
+      t.forward += B * hidden * d.dropout_s_per_unit;
+    }
+    double elapsed = 0;
+    for (int l = layers - 1; l >= 0; --l) {
+      const double in = sizes[l], out = sizes[l + 1];
+      elapsed += gemm(out, in, B) /* dW */ + pass(4.0 * B * out) /* db */;
+      if (l > 0) elapsed += gemm(B, in, out) /* dX */ + pass(12.0 * B * in) /* relu backward */;
+      t.backward_done[l] = elapsed;
+    }
+    t.backward = elapsed;
+  }
+  const double P = parameter_count(sizes);
+  const double update_bytes = (w.optimizer == "sgd" ? 20.0 : 28.0) * P;
+  const bool half = w.precision == "bf16" || w.precision == "fp16";
+  t.optimizer = pass(update_bytes) + pass(4.0 * P) /* health check */ + (half ? pass(6.0 * P) : 0.0);
+  t.overhead = step_overhead;
+  if (d.host_to_device_bandwidth > 0)
+    t.overhead += 4.0 * B * (sizes.front() + sizes.back()) / d.host_to_device_bandwidth + L;
+  return t;
+}
+
+std::vector<int64_t> shares_by_weight(int64_t total, const std::vector<double>& weights) {
+  const double sum = std::accumulate(weights.begin(), weights.end(), 0.0);
+  std::vector<int64_t> counts(weights.size());
+  std::vector<std::pair<double, size_t>> remainders;
+  int64_t assigned = 0;
+  for (size_t i = 0; i < weights.size(); ++i) {
+    const double exact = total * weights[i] / sum;
+    counts[i] = static_cast<int64_t>(std::floor(exact));
+    assigned += counts[i];
+    remainders.push_back({-(exact - counts[i]), i});  // largest remainder first, then lowest index
+  }
+  std::sort(remainders.begin(), remainders.end());
+  for (int64_t k = 0; k < total - assigned; ++k) counts[remainders[k % remainders.size()].second] += 1;
+  return counts;
+}
+
+double memory_per_device(const std::vector<int>& sizes, int64_t b, const Workload& w, const DeviceProfile& d,
+                         const LinkProfile& link, int devices) {
+  const double P = parameter_count(sizes), B = double(b);
+  double mem = 4.0 * P + 4.0 * (P + MLP::kGradExtraSlots) + (w.optimizer == "sgd" ? 4.0 : 8.0) * P;
+  if (w.precision == "bf16" || w.precision == "fp16") mem += 2.0 * P;
+  double activations = 0, widest = 0;
+  for (size_t l = 1; l < sizes.size(); ++l) {
+    activations += sizes[l];
+    widest = std::max(widest, double(sizes[l]));
+  }
+  mem += 4.0 * B * (activations + 2.0 * widest + sizes.front() + sizes.back());
+  if (devices > 1) mem += link.buffer_bytes;
+  return mem + d.context_bytes;
+}
+
+void validate(const Workload& w, const HardwareProfile& hw, const Options& o) {
+  MGPU_CHECK(w.global_batch >= 1, ConfigError, "global batch must be >= 1, got ", w.global_batch);
+  MGPU_CHECK(!hw.devices.empty(), ConfigError, "hardware profile '", hw.name, "' lists no devices");
+  MGPU_CHECK(o.memory_margin > 0 && o.memory_margin <= 1, ConfigError, "memory margin must be in (0, 1]");
+  MGPU_CHECK(o.price_per_device_hour >= 0, ConfigError, "price must be >= 0");
+  MGPU_CHECK(w.precision == "fp32" || w.precision == "tf32" || w.precision == "bf16" || w.precision == "fp16",
+             ConfigError, "unknown precision '", w.precision, "' (expected fp32, tf32, bf16 or fp16)");
+  MGPU_CHECK(w.optimizer == "sgd" || w.optimizer == "adamw", ConfigError, "unknown optimizer '", w.optimizer,
+             "' (expected sgd or adamw)");
+  MGPU_CHECK(w.bucket_elems >= 1, ConfigError, "bucket size must be >= 1 element");
+  MGPU_CHECK(w.dropout >= 0 && w.dropout < 1, ConfigError, "dropout must be in [0, 1), got ", w.dropout);
+  for (int n : o.candidates) {
+    MGPU_CHECK(n >= 1, ConfigError, "device counts must be >= 1, got ", n);
+    MGPU_CHECK(n <= static_cast<int>(hw.devices.size()), ConfigError, "profile '", hw.name, "' has ",
+               hw.devices.size(), " device(s); cannot predict ", n);
+  }
+}
+
+}  // namespace
+
+double GemmRate::at(double work_flops) const {
+  if (measured.size() >= 2) {
+    if (work_flops <= measured.front().first) return measured.front().second;
+    if (work_flops >= measured.back().first) return measured.back().second;
+    for (size_t i = 1; i < measured.size(); ++i) {
+      const auto& [w1, r1] = measured[i];
+      if (work_flops > w1) continue;
+      const auto& [w0, r0] = measured[i - 1];
+      const double t = std::log(work_flops / w0) / std::log(w1 / w0);
+      return r0 + t * (r1 - r0);
+    }
+  }
+  return peak_flops * work_flops / (work_flops + std::max(half_work_flops, 0.0));
+}
+
+const GemmRate& DeviceProfile::gemm(const std::string& precision) const {
+  const GemmRate* r = &fp32;
+  if (precision == "tf32") r = &tf32;
+  if (precision == "bf16") r = &bf16;
+  if (precision == "fp16") r = &fp16;
+  return r->peak_flops > 0 ? *r : fp32;
+}
+
+double LinkProfile::allreduce_seconds(int devices, double bytes) const {
+  if (devices <= 1 || bytes <= 0) return 0.0;
+  MGPU_CHECK(bus_bandwidth > 0, ConfigError, "link '", name, "' has no bandwidth in its profile");
+  const double steps = 2.0 * (devices - 1);
+  return steps * alpha_s + steps / devices * bytes / bus_bandwidth;
+}
+
+std::vector<int> Workload::resolved_layers() const {
+  if (!layers.empty()) {
+    MGPU_CHECK(layers.size() >= 2, ConfigError, "layers need at least an input and an output size");
+    for (int s : layers) MGPU_CHECK(s >= 1, ConfigError, "layer sizes must be >= 1");
+    return layers;
+  }
+  MGPU_CHECK(params >= 1, ConfigError, "give layer sizes or a parameter count >= 1");
+  // Four square layers of width w hold 4 (w^2 + w) parameters.
+  const int width = std::max(1, static_cast<int>(std::lround((-1.0 + std::sqrt(1.0 + params)) / 2.0)));
+  return std::vector<int>(5, width);
+}
+
+Prediction predict(const Workload& w, const HardwareProfile& hw, int devices, const Options& o) {
+  validate(w, hw, o);
+  MGPU_CHECK(devices >= 1 && devices <= static_cast<int>(hw.devices.size()), ConfigError, "profile '", hw.name,
+             "' has ", hw.devices.size(), " device(s); cannot predict ", devices);
+  const std::vector<int> sizes = w.resolved_layers();
+  Prediction p;
+  p.devices = devices;
+  const int64_t batch = w.global_batch;
+  // Shares: proportional to each device's throughput at an equal split.
+  std::vector<double> speed(devices);
+  for (int i = 0; i < devices; ++i) {
+    const int64_t b = std::max<int64_t>(1, batch / devices);
+    const DeviceTimes t = device_times(sizes, b, hw.devices[i], w, 0.0);
+    speed[i] = b / std::max(t.forward + t.backward, 1e-30);
+  }
+  p.batch_shares = shares_by_weight(batch, speed);
+
+  std::vector<DeviceTimes> times;
+  double compute_end = 0, optimizer = 0, overhead = 0, memory = 0, usable = 1e300;
+  for (int i = 0; i < devices; ++i) {
+    times.push_back(device_times(sizes, p.batch_shares[i], hw.devices[i], w, hw.step_overhead_s));
+    const DeviceTimes& t = times.back();
+    compute_end = std::max(compute_end, t.forward + t.backward);
+    p.forward_s = std::max(p.forward_s, t.forward);
+    p.backward_s = std::max(p.backward_s, t.backward);
+    optimizer = std::max(optimizer, t.optimizer);
+    overhead = std::max(overhead, t.overhead);
+    memory = std::max(memory, memory_per_device(sizes, p.batch_shares[i], w, hw.devices[i], hw.link, devices));
+    usable = std::min(usable, hw.devices[i].memory_bytes * o.memory_margin);
+  }
+  // The allreduce of each bucket can start once every device has its gradients.
+  if (devices > 1) {
+    double channel_free = 0;
+    for (const Bucket& bucket : plan_buckets(sizes, MLP::kGradExtraSlots, static_cast<size_t>(w.bucket_elems))) {
+      const double t = hw.link.allreduce_seconds(devices, 4.0 * bucket.count);
+      p.comm_s += t;
+      double ready = compute_end;
+      if (hw.link.overlaps_compute) {
+        ready = 0;
+        for (const DeviceTimes& d : times) ready = std::max(ready, d.forward + d.backward_done[bucket.ready_layer]);
+      }
+      channel_free = std::max(channel_free, ready) + t;
+    }
+    p.exposed_comm_s = std::max(0.0, channel_free - compute_end);
+  }
+  p.optimizer_s = optimizer;
+  p.overhead_s = overhead;
+  if (devices > 1) overhead += hw.link.step_sync_s;
+  p.step_s = overhead + compute_end + p.exposed_comm_s + optimizer;
+  p.samples_per_s = batch / p.step_s;
+  p.memory_bytes = memory;
+  p.memory_usable_bytes = hw.devices[0].memory_bytes > 0 ? usable : 0;
+  p.memory_fits = hw.devices[0].memory_bytes <= 0 || memory <= usable;
+  if (o.price_per_device_hour > 0)
+    p.cost_per_million_samples = devices * o.price_per_device_hour / 3600.0 * p.step_s / batch * 1e6;
+  if (devices > 1) {
+    const Prediction one = predict(w, hw, 1, o);
+    p.speedup = one.step_s / p.step_s;
+    double ideal = 0;  // what perfect scaling would give on these (possibly unequal) devices
+    for (double s : speed) ideal += s / speed[0];
+    p.efficiency = p.speedup / ideal;
+  }
+  return p;
+}
+
+namespace {
+
+double best_multi_speedup(const Workload& w, const HardwareProfile& hw, const Options& o,
+                          const std::vector<int>& counts) {
+  double best = 0;
+  for (int n : counts)
+    if (n > 1 && w.global_batch >= n) best = std::max(best, predict(w, hw, n, o).speedup);
+  return best;
+}
+
+int64_t break_even_batch(Workload w, const HardwareProfile& hw, const Options& o, const std::vector<int>& counts) {
+  int largest = 1;
+  for (int n : counts) largest = std::max(largest, n);
+  if (largest < 2) return -1;
+  auto wins = [&](int64_t batch) {
+    w.global_batch = batch;
+    return best_multi_speedup(w, hw, o, counts) > 1.0;
+  };
+  int64_t hi = 2;
+  constexpr int64_t kLimit = int64_t{1} << 24;
+  while (hi <= kLimit && !wins(hi)) hi *= 2;
+  if (hi > kLimit) return -1;
+  int64_t lo = hi / 2;  // does not win (or is 1)
+  if (lo < 2) return hi;
+  while (hi - lo > 1) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    (wins(mid) ? hi : lo) = mid;
+  }
+  return hi;
+}
+
+}  // namespace
+
+Recommendation recommend(const Workload& w, const HardwareProfile& hw, const Options& options) {
+  Options o = options;
+  if (o.candidates.empty())
+    for (int n = 1; n <= static_cast<int>(hw.devices.size()); ++n) o.candidates.push_back(n);
+  validate(w, hw, o);
+  std::sort(o.candidates.begin(), o.candidates.end());
+  o.candidates.erase(std::unique(o.candidates.begin(), o.candidates.end()), o.candidates.end());
+  const std::vector<int> sizes = w.resolved_layers();
+
+  Recommendation r;
+  r.profile = hw.name;
+  r.profile_source = hw.source;
+  r.params = parameter_count(sizes);
+  for (int n : o.candidates)
+    if (w.global_batch >= n) r.candidates.push_back(predict(w, hw, n, o));
+  MGPU_CHECK(!r.candidates.empty(), ConfigError, "global batch ", w.global_batch,
+             " is smaller than every candidate device count");
+  const Prediction* one = nullptr;
+  const Prediction* best = nullptr;        // fastest that fits
+  const Prediction* best_multi = nullptr;  // fastest multi-device that fits
+  for (const Prediction& p : r.candidates) {
+    if (p.devices == 1) one = &p;
+    if (!p.memory_fits) continue;
+    if (!best || p.step_s < best->step_s) best = &p;
+    if (p.devices > 1 && (!best_multi || p.step_s < best_multi->step_s)) best_multi = &p;
+  }
+  const double err = std::max(hw.model_error, 0.01);
+  const std::string dev1 = device_word(hw, 1);
+
+  // The decision.
+  if (!best) {
+    r.strategy = "does_not_fit";
+    const Prediction& smallest = *std::min_element(
+        r.candidates.begin(), r.candidates.end(),
+        [](const Prediction& a, const Prediction& b) { return a.memory_bytes < b.memory_bytes; });
+    r.devices = smallest.devices;
+    r.reasons.push_back("no candidate fits in memory: at best " + bytes_text(smallest.memory_bytes) +
+                        " per device against " + bytes_text(smallest.memory_usable_bytes) + " usable (" +
+                        fmt("%.0f%%", o.memory_margin * 100) +
+                        " of the device); lower the batch, use bf16/fp16, or SGD instead of AdamW");
+  } else if (one && !one->memory_fits) {
+    r.strategy = "multi_gpu";
+    r.devices = best->devices;
+    r.reasons.push_back("one device cannot hold it (" + bytes_text(one->memory_bytes) + " > " +
+                        bytes_text(one->memory_usable_bytes) + " usable); " + device_word(hw, best->devices) +
+                        " split the batch so each holds " + bytes_text(best->memory_bytes));
+  } else if (!best_multi) {
+    r.strategy = "single_gpu";
+    r.devices = 1;
+    r.reasons.push_back("no multi-device candidate to compare with");
+  } else if (best_multi->speedup > 1.0 + err) {
+    r.strategy = "multi_gpu";
+    r.devices = best_multi->devices;
+  } else if (best_multi->speedup < 1.0 - err) {
+    r.strategy = "single_gpu";
+    r.devices = 1;
+  } else {
+    r.strategy = "benchmark_required";
+    r.devices = best->devices;
+    r.reasons.push_back(fmt("the predicted gain (%.2fx) is within the model's error", best_multi->speedup) +
+                        fmt(" (+-%.0f%%): measure it with `mgpu bench`", err * 100));
+  }
+
+  // Why, in numbers.
+  if (one) {
+    r.reasons.push_back(dev1 + ": " + ms(one->step_s) + " a step (forward " + ms(one->forward_s) + ", backward " +
+                        ms(one->backward_s) + ", optimizer " + ms(one->optimizer_s) + ", overhead " +
+                        ms(one->overhead_s) + "), " + count_text(one->samples_per_s) + " samples/s");
+  }
+  for (const Prediction& p : r.candidates) {
+    if (p.devices == 1) continue;
+    std::string line = device_word(hw, p.devices) + ": " + ms(p.step_s) + " a step, " +
+                       fmt("%.2fx", p.speedup) + fmt(" (efficiency %.0f%%)", p.efficiency * 100) + "; the " +
+                       bytes_text(4.0 * (r.params + MLP::kGradExtraSlots)) + " gradient allreduce takes " +
+                       ms(p.comm_s) + ", " + ms(p.exposed_comm_s) + " of it not hidden behind backward";
+    if (p.comm_s > 0) line += fmt("; communication/computation %.2f", p.comm_s / std::max(p.forward_s + p.backward_s, 1e-30));
+    r.reasons.push_back(line);
+  }
+  if (best_multi && best_multi->batch_shares.size() > 1) {
+    const auto& s = best_multi->batch_shares;
+    if (std::adjacent_find(s.begin(), s.end(), [](int64_t a, int64_t b) { return std::llabs(a - b) > 1; }) != s.end()) {
+      std::string shares;
+      for (size_t i = 0; i < s.size(); ++i) shares += (i ? ", " : "") + std::to_string(s[i]);
+      r.reasons.push_back("unequal devices: batch shares " + shares + " (by device speed) balance the step");
+    }
+  }
+  r.break_even_batch = break_even_batch(w, hw, o, o.candidates);
+  if (r.break_even_batch > 0)
+    r.reasons.push_back("several devices beat one from a global batch of " + std::to_string(r.break_even_batch) +
+                        (w.global_batch >= r.break_even_batch ? " (this one is above it)" : " (this one is below it)"));
+  else if (o.candidates.back() > 1)
+    r.reasons.push_back("several devices never beat one for this model up to a global batch of 16M");
+  const Prediction& chosen = best ? *best : r.candidates.front();
+  r.reasons.push_back("memory: " + bytes_text(chosen.memory_bytes) + " per device" +
+                      (chosen.memory_usable_bytes > 0 ? " of " + bytes_text(chosen.memory_usable_bytes) + " usable" : ""));
+  r.reasons.push_back("profile '" + hw.name + "' (" + hw.source + ")" +
+                      (hw.source == "calibrated" ? "" : ": run `python -m mgpu topo` on the machine to calibrate"));
+
+  // How sure: the source of the numbers, and how far the decision is from the error band.
+  const double base = hw.source == "calibrated" ? 0.9 : hw.source == "detected" ? 0.7 : 0.6;
+  const double margin = best_multi ? std::fabs(best_multi->speedup - 1.0) / err : 2.0;
+  r.confidence = std::clamp(base * std::min(1.0, 0.5 + 0.25 * margin), 0.05, 0.99);
+
+  if (o.price_per_device_hour > 0 && one) {
+    const Prediction& pick = best ? *best : *one;
+    r.roi = fmt("at %.2f per device-hour: ", o.price_per_device_hour) + dev1 +
+            fmt(" costs %.3f per million samples", one->cost_per_million_samples);
+    if (pick.devices != 1)
+      r.roi += ", " + device_word(hw, pick.devices) + fmt(" %.3f", pick.cost_per_million_samples) +
+               fmt(" (%+.0f%% cost", (pick.cost_per_million_samples / one->cost_per_million_samples - 1) * 100) +
+               fmt(" for %.2fx the speed)", pick.speedup);
+  }
+  return r;
+}
+
+Recommendation recommend_by_thresholds(const Workload& w, const Options& o) {
+  MGPU_CHECK(w.global_batch >= 1, ConfigError, "global batch must be >= 1, got ", w.global_batch);
+  const std::vector<int> sizes = w.resolved_layers();
+  Recommendation r;
+  r.fallback = true;
+  r.profile = "seed 001 thresholds";
+  r.profile_source = "fallback";
+  r.params = parameter_count(sizes);
+  const double P = r.params;
+  const int64_t B = w.global_batch;
+  int most = 2;
+  for (int n : o.candidates) most = std::max(most, n);
+  const std::string size = count_text(P) + " parameters";
+  if (P < 1e6) {
+    r.strategy = "single_gpu";
+    r.reasons.push_back(size + " (< 1M): multi-GPU is never beneficial; communication outweighs computation");
+  } else if (P < 5e6) {
+    r.strategy = B >= 256 ? "benchmark_required" : "single_gpu";
+    r.break_even_batch = 256;
+    r.reasons.push_back(size + " (1M-5M): single GPU preferred (15-25% loss typical); may break even above a "
+                               "batch of 256");
+  } else if (P < 10e6) {
+    r.strategy = "benchmark_required";
+    r.break_even_batch = 128;
+    r.reasons.push_back(size + " (5M-10M): evaluate case by case; break-even above a batch of ~128");
+  } else if (P < 50e6) {
+    r.strategy = B >= 64 ? "multi_gpu" : "single_gpu";
+    r.break_even_batch = 64;
+    r.reasons.push_back(size + " (10M-50M): consider multi-GPU at a batch of 64 or more");
+  } else {
+    r.strategy = "multi_gpu";
+    r.break_even_batch = 32;
+    r.reasons.push_back(size + " (> 50M): multi-GPU gains expected");
+  }
+  r.devices = r.strategy == "multi_gpu" ? most : 1;
+  r.reasons.push_back("no calibration profile and no GPU visible: fell back to seed 001's threshold table "
+                      "(measured on 2 PCIe GPUs through a host bridge); run `python -m mgpu topo` to calibrate");
+  r.confidence = 0.3;
+  return r;
+}
+
+}  // namespace perf
+}  // namespace mgpu

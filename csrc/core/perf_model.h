@@ -1,0 +1,119 @@
+// PerfModel: predicts the time and memory of one data-parallel training step
+// on 1..N devices from a hardware profile, and the strategy selector built on
+// it: single device or several, how many, why, and how sure. Pure functions of
+// their inputs (no device, no MPI): the profile carries every measured number.
+//
+// Step time on n devices with local batch b_i:
+//   overhead + forward(b) + loss + backward(b) + exposed allreduce + optimizer
+// GEMMs: work / rate(work), with rate(w) = peak * w / (w + half_work) (small
+// GEMMs reach a fraction of the peak); elementwise kernels: bytes / bandwidth;
+// plus a launch overhead per kernel. Allreduce of each gradient bucket (the
+// plan of train_step.h): ring alpha-beta, 2(n-1) alpha + 2(n-1)/n bytes / busbw,
+// overlapped with backward where the transport runs beside compute.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace mgpu {
+namespace perf {
+
+// Achieved GEMM rate of one device at one precision, by the work of one GEMM.
+// Measured points (work, rate), when present, are interpolated in log(work)
+// (clamped at the ends); otherwise rate(w) = peak * w / (w + half_work).
+struct GemmRate {
+  double peak_flops = 0.0;       // FLOP/s that large GEMMs approach (0: precision unsupported)
+  double half_work_flops = 0.0;  // work (FLOP) at which a GEMM reaches half of the peak
+  std::vector<std::pair<double, double>> measured;  // (work FLOP, FLOP/s), ascending work
+  double at(double work_flops) const;
+};
+
+struct DeviceProfile {
+  std::string name;
+  std::string kind = "cuda";     // "cuda" | "cpu"
+  GemmRate fp32, tf32, bf16, fp16;
+  double memory_bytes = 0.0;     // capacity
+  double memory_bandwidth = 0.0; // bytes/s reached by elementwise kernels
+  double host_to_device_bandwidth = 0.0;  // bytes/s for staging batches (0: host memory)
+  double launch_overhead_s = 0.0;  // per kernel launch
+  double context_bytes = 0.0;    // fixed per-process memory (CUDA context, libraries)
+  double dropout_s_per_unit = 0.0;  // forward + backward cost of dropout per hidden unit and sample
+  const GemmRate& gemm(const std::string& precision) const;  // falls back to fp32
+};
+
+// The interconnect between the devices, as the allreduce sees it.
+struct LinkProfile {
+  std::string name;
+  double alpha_s = 0.0;          // latency per ring step
+  double bus_bandwidth = 0.0;    // bytes/s (nccl-tests' busbw)
+  bool overlaps_compute = true;  // allreduce progresses while backward computes (NCCL; not MPI+CPU)
+  double buffer_bytes = 0.0;     // communication buffers per device
+  double step_sync_s = 0.0;      // per step with several ranks: skew and control messages
+  double allreduce_seconds(int devices, double bytes) const;
+};
+
+struct HardwareProfile {
+  std::string name;
+  std::string source = "named";  // "calibrated" | "detected" | "named"
+  std::vector<DeviceProfile> devices;  // candidates with n devices use the first n
+  LinkProfile link;
+  double step_overhead_s = 0.0;  // host time per step outside kernels (Python, bookkeeping)
+  double model_error = 0.25;     // expected relative error of a predicted speedup
+};
+
+struct Workload {
+  std::vector<int> layers;       // [in, hidden..., out]; empty: derived from params
+  int64_t params = 0;            // used when layers is empty
+  int64_t global_batch = 0;
+  std::string precision = "fp32";  // fp32 | tf32 | bf16 | fp16
+  std::string optimizer = "adamw"; // sgd (momentum) | adamw
+  double dropout = 0.0;          // after every hidden layer
+  int64_t bucket_elems = 1 << 20;
+  // The layers that stand in for a bare parameter count: four square hidden
+  // layers holding the same number of parameters.
+  std::vector<int> resolved_layers() const;
+};
+
+struct Options {
+  std::vector<int> candidates;   // device counts; empty: 1..number of devices in the profile
+  double memory_margin = 0.8;    // usable fraction of device memory (seed 001's safety margin)
+  double price_per_device_hour = 0.0;  // > 0: cost per million samples and an ROI line
+};
+
+struct Prediction {
+  int devices = 1;
+  std::vector<int64_t> batch_shares;  // samples per device (unequal devices get unequal shares)
+  double forward_s = 0, backward_s = 0, optimizer_s = 0, overhead_s = 0;
+  double comm_s = 0;             // total allreduce time of one step
+  double exposed_comm_s = 0;     // the part not hidden behind backward
+  double step_s = 0;
+  double samples_per_s = 0, speedup = 1, efficiency = 1;
+  double memory_bytes = 0;       // per device (the largest)
+  double memory_usable_bytes = 0;  // capacity x margin of the smallest device
+  bool memory_fits = true;
+  double cost_per_million_samples = 0;  // when priced
+};
+
+struct Recommendation {
+  std::string strategy;          // single_gpu | multi_gpu | benchmark_required | does_not_fit
+  int devices = 1;               // the recommended device count
+  std::vector<Prediction> candidates;
+  int64_t break_even_batch = -1; // smallest global batch where several devices beat one; -1: none
+  std::vector<std::string> reasons;
+  double confidence = 0.0;       // 0..1
+  std::string roi;               // when priced
+  bool fallback = false;         // seed 001's threshold table was used (no profile)
+  std::string profile, profile_source;
+  double params = 0;
+};
+
+// Step time and memory of one candidate device count.
+Prediction predict(const Workload& workload, const HardwareProfile& hw, int devices, const Options& options);
+// The decision over options.candidates, with reasons.
+Recommendation recommend(const Workload& workload, const HardwareProfile& hw, const Options& options);
+// Without any profile: seed 001's parameter-count/batch thresholds, said so.
+Recommendation recommend_by_thresholds(const Workload& workload, const Options& options);
+
+}  // namespace perf
+}  // namespace mgpu

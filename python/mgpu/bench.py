@@ -1,0 +1,449 @@
+"""`mgpu bench`: training throughput by model, batch size and rank count, seed 001's
+methodology, with the physical floors beside each figure.
+
+Per (batch size, ranks): warm-up steps excluded, then repeats x measured steps,
+each step timed; outliers (modified z-score > 3.5) removed; median, mean and
+95% confidence interval of the step time; the step broken down (forward,
+backward, exposed allreduce, optimizer) by the core's timers; speedup and
+efficiency against 1 rank; peak memory; the compute floor (model FLOPs at the
+measured GEMM rate) and the allreduce floor (the calibrated alpha-beta model).
+`--ranks 1,2,...` launches mpirun itself, once per rank count; under mpirun it
+measures the running world. `--compare torch` runs the same workload in PyTorch
+(DDP) in the same run; `--validate-selector` sets the selector's predictions
+beside the measurements.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import resource
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Optional
+
+import numpy as np
+
+from . import __version__, _core
+from .config import PRESETS
+from .errors import ConfigError
+
+PEER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "peers", "torch_ddp.py")
+
+
+# --- statistics ------------------------------------------------------------------------
+def summarize(samples) -> dict:
+    """Median, mean and 95% CI of the mean after dropping modified-z-score outliers (> 3.5)."""
+    x = np.asarray(samples, float)
+    med = float(np.median(x))
+    mad = float(np.median(np.abs(x - med)))
+    keep = x if mad == 0 else x[np.abs(0.6745 * (x - med) / mad) <= 3.5]
+    n = len(keep)
+    mean = float(keep.mean())
+    sd = float(keep.std(ddof=1)) if n > 1 else 0.0
+    try:
+        from scipy import stats
+        t = float(stats.t.ppf(0.975, n - 1)) if n > 1 else 0.0
+    except ImportError:
+        t = 1.96
+    half = t * sd / np.sqrt(n) if n > 1 else 0.0
+    return {"median": float(np.median(keep)), "mean": mean, "ci95": [mean - half, mean + half],
+            "n": n, "outliers": int(len(x) - n)}
+
+
+# --- the workload --------------------------------------------------------------------------
+def resolve_layers(model: Optional[str], layers) -> tuple:
+    if layers:
+        return [int(v) for v in layers], 0.0
+    p = PRESETS[model or "large"]
+    return [p.in_features or 50, *p.hidden, p.out_features or 3], p.dropout
+
+
+def step_flops(sizes, batch: int) -> float:
+    """FLOPs of one training step's GEMMs on `batch` samples (the first layer needs no input gradient)."""
+    total = 0.0
+    for l in range(len(sizes) - 1):
+        total += 2.0 * batch * sizes[l] * sizes[l + 1] * (2 if l == 0 else 3)
+    return total
+
+
+def measure(pg, sizes, dropout: float, batch: int, *, optimizer: str, warmup: int, steps: int, repeats: int,
+            device: str, device_index: int, threads: int) -> dict:
+    """Collective: time `repeats` x `steps` training steps at global batch `batch` on this world."""
+    from .data import local_slice
+    from .model import MLP
+    from .trainer import Trainer
+    model = MLP(sizes, seed=0, dropout=dropout, device=device, device_index=device_index, threads=threads)
+    trainer = Trainer(model, loss="mse", optimizer=optimizer, lr=1e-3, momentum=0.9, process_group=pg)
+    trainer._step = _core.DataParallelStep(model._core, trainer._optimizer, pg.communicator(), "mse", 1 << 20, True,
+                                           0.0, 1.0, False, 2000, True)  # timed: phases separated
+    part = local_slice(batch, pg.rank, pg.size)
+    rng = np.random.default_rng(pg.rank)
+    rows = part.stop - part.start
+    data = [(rng.standard_normal((rows, sizes[0]), dtype=np.float32),
+             rng.standard_normal((rows, sizes[-1]), dtype=np.float32)) for _ in range(4)]
+    for i in range(warmup):
+        trainer.step(*data[i % 4], global_batch=batch, first_sample=part.start)
+    times, phases = [], {"forward": [], "backward": [], "comm_wait": [], "optimizer": []}
+    for _ in range(repeats):
+        pg.barrier()
+        for i in range(steps):
+            t0 = time.perf_counter()
+            trainer.step(*data[i % 4], global_batch=batch, first_sample=part.start)
+            times.append(time.perf_counter() - t0)
+            t = trainer.last_result.timings
+            for k in phases:
+                phases[k].append(getattr(t, k))
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0
+    if device == "cuda":
+        free, total = _core.cuda_memory_info(device_index)
+        peak = float(total - free)
+    peak = pg.allreduce(peak, op="max")
+    stats = summarize(times)
+    return {"batch_size": batch, "ranks": pg.size, "threads": threads, "device": device,
+            "step": stats, "samples_per_sec": batch / stats["median"],
+            "breakdown_ms": {k: float(np.median(v)) * 1e3 for k, v in phases.items()},
+            "peak_memory_bytes": peak, "params": model.num_params, "overlap": trainer._step.overlaps}
+
+
+def gemm_rate(device: str, device_index: int, threads: int, sizes, local_batch: int) -> float:
+    """FLOP/s of this model's own GEMMs at this local batch: the compute floor's rate."""
+    backend = _core.make_backend(device, device_index, threads)
+    work = time_total = 0.0
+    for l in range(len(sizes) - 1):
+        t = float(np.median(_core.time_linear(backend, max(local_batch, 1), sizes[l], sizes[l + 1], 3)))
+        work += 2.0 * max(local_batch, 1) * sizes[l] * sizes[l + 1]
+        time_total += t
+    return work / time_total
+
+
+# --- worker and driver ---------------------------------------------------------------------
+def run_worker(pg, a) -> list:
+    """Every batch size at this world size; rows on rank 0."""
+    sizes, dropout = resolve_layers(a.model, a.layers)
+    if a.dropout is not None:
+        dropout = a.dropout
+    device, device_index = pg.resolve_device(a.device)
+    threads = a.threads or pg.default_threads()
+    rows = []
+    bar = None
+    if pg.is_root and not a.no_progress:
+        from tqdm.auto import tqdm
+        bar = tqdm(total=len(a.batch_sizes), desc=f"bench {pg.size} rank(s)", unit="batch", file=sys.stderr)
+    for batch in a.batch_sizes:
+        if batch < pg.size:
+            raise ConfigError(f"batch size {batch} is smaller than the number of ranks ({pg.size})")
+        row = measure(pg, sizes, dropout, batch, optimizer=a.optimizer, warmup=a.warmup, steps=a.steps,
+                      repeats=a.repeats, device=device, device_index=device_index, threads=threads)
+        local = -(-batch // pg.size)
+        rate = gemm_rate(device, device_index, threads, sizes, local)
+        row["gemm_flops"] = pg.allreduce(rate, op="min")
+        row["compute_floor_ms"] = step_flops(sizes, local) / row["gemm_flops"] * 1e3
+        row["layers"] = sizes
+        row["dropout"] = dropout
+        rows.append(row)
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    return rows
+
+
+def _launch(ranks: int, args: list, env: dict) -> list:
+    out = tempfile.NamedTemporaryFile(prefix="mgpu-bench-", suffix=".json", delete=False).name
+    cmd = ["mpirun", "-np", str(ranks), "--oversubscribe", "--bind-to", "none", sys.executable, "-m", "mgpu",
+           "bench", *args, "--worker-out", out]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    try:
+        if r.returncode != 0:
+            tail = [l for l in r.stderr.splitlines() if l.startswith("mgpu")] or r.stderr.splitlines()[-3:]
+            raise ConfigError(f"benchmark at {ranks} rank(s) failed: {' '.join(tail)[:500]}")
+        with open(out) as f:
+            return json.load(f)
+    finally:
+        os.unlink(out)
+
+
+def _mpi_env() -> dict:
+    env = dict(os.environ)
+    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
+    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+    env.setdefault("OMPI_MCA_rmaps_base_oversubscribe", "1")
+    return env
+
+
+def torch_python() -> Optional[str]:
+    for py in (sys.executable, "/usr/bin/python3"):
+        if os.path.exists(py) and subprocess.run([py, "-c", "import torch"], capture_output=True).returncode == 0:
+            return py
+    return None
+
+
+def run_torch(py: str, ranks: int, sizes, dropout, batch, a, device: str, threads: int) -> dict:
+    cmd = ["mpirun", "-np", str(ranks), "--oversubscribe", "--bind-to", "none", py, PEER,
+           "--layers", ",".join(map(str, sizes)), "--dropout", str(dropout), "--batch-size", str(batch),
+           "--optimizer", a.optimizer, "--warmup", str(a.warmup), "--steps", str(a.steps),
+           "--repeats", str(a.repeats), "--threads", str(threads), "--device", device,
+           "--port", str(29500 + (os.getpid() + ranks + batch) % 400)]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=_mpi_env())
+    if r.returncode != 0:
+        raise ConfigError(f"the PyTorch peer failed at {ranks} rank(s): {r.stderr.strip().splitlines()[-1:]}")
+    result = json.loads(r.stdout.strip().splitlines()[-1])
+    stats = summarize(result["step_seconds"])
+    return {"version": result["version"], "step": stats, "samples_per_sec": batch / stats["median"]}
+
+
+def add_derived(rows: list, profile: Optional[dict]) -> None:
+    """Speedup and efficiency against 1 rank; allreduce floor and the selector's prediction."""
+    from . import perf
+    by_batch = {}
+    for r in rows:
+        by_batch.setdefault(r["batch_size"], {})[r["ranks"]] = r
+    for r in rows:
+        base = by_batch[r["batch_size"]].get(1)
+        if base:
+            r["speedup"] = r["samples_per_sec"] / base["samples_per_sec"]
+            r["efficiency"] = r["speedup"] / r["ranks"]
+        if profile is not None:
+            try:
+                w = perf._workload(None, r["layers"], None, r["batch_size"], "fp32", r.get("optimizer", "sgd"), 4.0,
+                                   r.get("dropout", 0.0))
+                hw = perf.to_core(profile, r["ranks"])
+                options = perf.P.Options()
+                p = perf.P.predict(w, hw, r["ranks"], options)
+                r["allreduce_floor_ms"] = p.comm_s * 1e3
+                r["predicted_step_ms"] = p.step_s * 1e3
+                r["predicted_speedup"] = p.speedup
+            except ConfigError as e:
+                r["prediction_error"] = str(e)
+
+
+def format_table(rows: list) -> str:
+    head = (f"{'batch':>6} {'ranks':>5} {'samples/s':>10} {'95% CI step ms':>17} {'fwd':>6} {'bwd':>6} {'comm':>6} "
+            f"{'opt':>5} {'speedup':>7} {'effic':>5} {'mem MB':>7} {'floor ms':>8} {'ar floor':>8} {'torch/s':>9} {'ratio':>5}")
+    out = [head]
+    for r in rows:
+        b = r["breakdown_ms"]
+        ci = r["step"]["ci95"]
+        torch = r.get("torch", {})
+        out.append(
+            f"{r['batch_size']:>6} {r['ranks']:>5} {r['samples_per_sec']:>10,.0f} "
+            f"{ci[0] * 1e3:>7.2f}-{ci[1] * 1e3:<8.2f} {b['forward']:>6.2f} {b['backward']:>6.2f} {b['comm_wait']:>6.2f} "
+            f"{b['optimizer']:>5.2f} {r.get('speedup', float('nan')):>6.2f}x {r.get('efficiency', float('nan')):>5.0%} "
+            f"{r['peak_memory_bytes'] / 2**20:>7.0f} {r['compute_floor_ms']:>8.2f} "
+            f"{r.get('allreduce_floor_ms', float('nan')):>8.2f} "
+            f"{torch.get('samples_per_sec', float('nan')):>9,.0f} "
+            f"{r['samples_per_sec'] / torch['samples_per_sec'] if torch else float('nan'):>5.2f}")
+    return "\n".join(out)
+
+
+def validate_selector(rows: list, profile: dict, a) -> list:
+    """Per batch: measured vs predicted speedup per rank count, and whether the selector's pick was the faster."""
+    from . import perf
+    out = []
+    ranks = sorted({r["ranks"] for r in rows})
+    for batch in sorted({r["batch_size"] for r in rows}):
+        cells = {r["ranks"]: r for r in rows if r["batch_size"] == batch}
+        rec = perf.recommend(layers=cells[ranks[0]]["layers"], batch_size=batch, devices=ranks, profile=profile,
+                             optimizer=a.optimizer, dropout=cells[ranks[0]].get("dropout", 0.0))
+        fastest = max(cells.values(), key=lambda r: r["samples_per_sec"])["ranks"]
+        for n in ranks:
+            c = cells[n]
+            if n == 1 or "speedup" not in c:
+                continue
+            err = (c["predicted_speedup"] - c["speedup"]) / c["speedup"] if "predicted_speedup" in c else None
+            out.append({"batch_size": batch, "ranks": n, "measured_speedup": c["speedup"],
+                        "predicted_speedup": c.get("predicted_speedup"), "relative_error": err,
+                        "selector_strategy": rec["strategy"], "selector_devices": rec["devices"],
+                        "measured_fastest": fastest,
+                        "picked_faster": None if rec["strategy"] == "benchmark_required" else rec["devices"] == fastest})
+    return out
+
+
+def format_validation(rows: list) -> str:
+    out = [f"{'batch':>6} {'ranks':>5} {'measured':>9} {'predicted':>9} {'error':>7}  selector -> fastest measured"]
+    for v in rows:
+        pred = f"{v['predicted_speedup']:.2f}x" if v["predicted_speedup"] is not None else "n/a"
+        err = f"{v['relative_error']:+.0%}" if v["relative_error"] is not None else "n/a"
+        verdict = {True: "right", False: "WRONG", None: "asks for a benchmark"}[v["picked_faster"]]
+        out.append(f"{v['batch_size']:>6} {v['ranks']:>5} {v['measured_speedup']:>8.2f}x {pred:>9} {err:>7}  "
+                   f"{v['selector_strategy']} ({v['selector_devices']}) vs {v['measured_fastest']}: {verdict}")
+    return "\n".join(out)
+
+
+def write_csv(path: str, rows: list) -> None:
+    fields = ["batch_size", "ranks", "threads", "device", "samples_per_sec", "step_median_ms", "step_mean_ms",
+              "ci95_low_ms", "ci95_high_ms", "forward_ms", "backward_ms", "comm_wait_ms", "optimizer_ms", "speedup",
+              "efficiency", "peak_memory_bytes", "compute_floor_ms", "allreduce_floor_ms", "predicted_step_ms",
+              "torch_samples_per_sec"]
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields)
+        w.writeheader()
+        for r in rows:
+            s = r["step"]
+            w.writerow({"batch_size": r["batch_size"], "ranks": r["ranks"], "threads": r["threads"], "device": r["device"],
+                        "samples_per_sec": r["samples_per_sec"], "step_median_ms": s["median"] * 1e3,
+                        "step_mean_ms": s["mean"] * 1e3, "ci95_low_ms": s["ci95"][0] * 1e3,
+                        "ci95_high_ms": s["ci95"][1] * 1e3,
+                        **{f"{k}_ms": v for k, v in r["breakdown_ms"].items()},
+                        "speedup": r.get("speedup"), "efficiency": r.get("efficiency"),
+                        "peak_memory_bytes": r["peak_memory_bytes"], "compute_floor_ms": r["compute_floor_ms"],
+                        "allreduce_floor_ms": r.get("allreduce_floor_ms"), "predicted_step_ms": r.get("predicted_step_ms"),
+                        "torch_samples_per_sec": r.get("torch", {}).get("samples_per_sec")})
+    os.replace(tmp, path)
+
+
+def write_plots(directory: str, rows: list) -> list:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    os.makedirs(directory, exist_ok=True)
+    ranks = sorted({r["ranks"] for r in rows})
+    batches = sorted({r["batch_size"] for r in rows})
+    paths = []
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for n in ranks:
+        pts = sorted((r["batch_size"], r["samples_per_sec"]) for r in rows if r["ranks"] == n)
+        ax.plot(*zip(*pts), marker="o", label=f"{n} rank(s)")
+    ax.set(xscale="log", xlabel="global batch size", ylabel="samples/s", title="Throughput vs batch size")
+    ax.legend()
+    paths.append(os.path.join(directory, "throughput_vs_batch.png"))
+    fig.tight_layout()
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(ranks, ranks, "k--", label="ideal")
+    for b in batches:
+        pts = sorted((r["ranks"], r.get("speedup", np.nan)) for r in rows if r["batch_size"] == b)
+        ax.plot(*zip(*pts), marker="o", label=f"batch {b}")
+    ax.set(xlabel="ranks", ylabel="speedup vs 1 rank", title="Speedup vs ranks")
+    ax.legend()
+    paths.append(os.path.join(directory, "speedup_vs_ranks.png"))
+    fig.tight_layout()
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(max(6, len(rows) * 0.8), 4))
+    labels = [f"b{r['batch_size']}\nn{r['ranks']}" for r in rows]
+    bottom = np.zeros(len(rows))
+    for k in ("forward", "backward", "comm_wait", "optimizer"):
+        vals = np.array([r["breakdown_ms"][k] for r in rows])
+        ax.bar(labels, vals, bottom=bottom, label=k.replace("_", " "))
+        bottom += vals
+    ax.set(ylabel="ms per step", title="Step breakdown")
+    ax.legend()
+    paths.append(os.path.join(directory, "breakdown.png"))
+    fig.tight_layout()
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+    return paths
+
+
+def cmd_bench(a, pg) -> int:
+    from .cli import _check_output_path, _write_json_atomic
+    from . import perf
+    for name in ("warmup", "steps", "repeats"):
+        if getattr(a, name) < (0 if name == "warmup" else 1):
+            raise ConfigError(f"--{name} must be >= {0 if name == 'warmup' else 1}, got {getattr(a, name)}")
+    if any(b < 1 for b in a.batch_sizes):
+        raise ConfigError(f"batch sizes must be >= 1, got {a.batch_sizes}")
+    if a.threads is not None and a.threads < 1:
+        raise ConfigError(f"threads must be >= 1, got {a.threads}")
+    if a.layers is not None and (len(a.layers) < 2 or min(a.layers) < 1):
+        raise ConfigError(f"layers must be at least two positive sizes, got {a.layers}")
+    for path, what in ((a.json, "--json"), (a.csv, "--csv")):
+        if path:
+            _check_output_path(path, what)
+    if a.worker_out:  # launched by a driver: measure this world, hand the rows back
+        rows = run_worker(pg, a)
+        if pg.is_root:
+            _write_json_atomic(a.worker_out, rows)
+        return 0
+    profile = None
+    if a.validate_selector or a.profile:
+        profile = perf.resolve_profile(a.profile or "calibrated", max(a.ranks or [pg.size]))
+        if profile is None:
+            raise ConfigError("--validate-selector needs a calibration: run `python -m mgpu topo` under mpirun first")
+    if pg.size > 1 or not a.ranks:
+        rows = run_worker(pg, a)
+    else:
+        if shutil.which("mpirun") is None:
+            raise ConfigError("--ranks needs mpirun on PATH")
+        passthrough = [f"--batch-sizes={','.join(map(str, a.batch_sizes))}", f"--warmup={a.warmup}",
+                       f"--steps={a.steps}", f"--repeats={a.repeats}", f"--optimizer={a.optimizer}",
+                       f"--device={a.device}", "--no-progress"]
+        passthrough += [f"--layers={','.join(map(str, a.layers))}"] if a.layers else [f"--model={a.model or 'large'}"]
+        if a.threads:
+            passthrough.append(f"--threads={a.threads}")
+        if a.dropout is not None:
+            passthrough.append(f"--dropout={a.dropout}")
+        rows = []
+        for n in a.ranks:
+            if not a.no_progress:
+                print(f"bench: {n} rank(s)...", file=sys.stderr, flush=True)
+            rows += _launch(n, passthrough, _mpi_env())
+    if not pg.is_root:
+        return 0
+    for r in rows:
+        r["optimizer"] = a.optimizer
+    if a.compare == "torch":
+        py = torch_python()
+        if py is None:
+            raise ConfigError("--compare torch: no interpreter here can import torch "
+                              "(pip install torch, or apt-get install python3-torch)")
+        for r in rows:
+            r["torch"] = run_torch(py, r["ranks"], r["layers"], r["dropout"], r["batch_size"], a,
+                                   r["device"], r["threads"])
+    add_derived(rows, profile)
+    print(format_table(rows))
+    result = {"version": __version__, "host": socket.gethostname(), "model": a.model, "layers": rows[0]["layers"],
+              "optimizer": a.optimizer, "warmup": a.warmup, "steps": a.steps, "repeats": a.repeats,
+              "openblas_coretype": os.environ.get("OPENBLAS_CORETYPE"), "rows": rows}
+    if a.validate_selector:
+        result["validation"] = validate_selector(rows, profile, a)
+        print(format_validation(result["validation"]))
+    if a.json:
+        _write_json_atomic(a.json, result)
+    if a.csv:
+        write_csv(a.csv, rows)
+    if a.plots:
+        for path in write_plots(a.plots, rows):
+            print(f"plot written to {path}")
+    return 0
+
+
+def add_parser(sub) -> None:
+    from .cli import _int_list
+    b = sub.add_parser("bench", help="training throughput by batch and ranks, with floors and the PyTorch peer",
+                       description=__doc__.splitlines()[0])
+    m = b.add_mutually_exclusive_group()
+    m.add_argument("--model", choices=sorted(PRESETS), default=None, help="model preset (default: large)")
+    m.add_argument("--layers", type=_int_list, help="in,h1,...,out")
+    b.add_argument("--batch-sizes", type=_int_list, default=[1024], help="global batch sizes (default 1024)")
+    b.add_argument("--ranks", type=_int_list, default=None,
+                   help="rank counts to launch with mpirun (default: this world)")
+    b.add_argument("--warmup", type=int, default=10)
+    b.add_argument("--steps", type=int, default=100)
+    b.add_argument("--repeats", type=int, default=3)
+    b.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd")
+    b.add_argument("--dropout", type=float, default=None, help="default: the preset's")
+    b.add_argument("--device", choices=("cpu", "cuda", "auto"), default="auto")
+    b.add_argument("--threads", type=int, default=None, help="CPU threads per rank")
+    b.add_argument("--compare", choices=("torch",), default=None, help="run the same workload in PyTorch (DDP)")
+    b.add_argument("--validate-selector", action="store_true",
+                   help="predicted vs measured speedup per cell (needs `mgpu topo` first)")
+    b.add_argument("--profile", default=None, help="hardware profile for the floors and predictions")
+    b.add_argument("--json", metavar="PATH")
+    b.add_argument("--csv", metavar="PATH")
+    b.add_argument("--plots", metavar="DIR", help="write PNG plots here")
+    b.add_argument("--no-progress", action="store_true")
+    b.add_argument("--worker-out", help=argparse_suppress())
+
+
+def argparse_suppress():
+    import argparse
+    return argparse.SUPPRESS

@@ -1,0 +1,85 @@
+"""PyTorch peer of `mgpu bench --compare torch`: the same MLP, loss, optimizer,
+batch and step methodology in PyTorch, data-parallel with DDP (gloo on the CPU,
+NCCL on GPUs), launched by the benchmark under mpirun (ranks from OpenMPI's
+environment). Standalone: it runs in whichever interpreter has torch (the
+venv's, or Debian's /usr/bin/python3 with python3-torch), without mgpu.
+
+Prints one JSON line on rank 0: per-step seconds of the measured steps.
+"""
+import argparse
+import json
+import os
+import time
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--layers", required=True)
+    p.add_argument("--dropout", type=float, default=0.0)
+    p.add_argument("--batch-size", type=int, required=True, help="global")
+    p.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd")
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--port", type=int, default=29533)
+    a = p.parse_args()
+
+    import torch
+    import torch.distributed as dist
+    torch.set_num_threads(a.threads)
+    rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", 0))
+    world = int(os.environ.get("OMPI_COMM_WORLD_SIZE", 1))
+    local = int(os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK", 0))
+    device = torch.device("cuda", local % max(torch.cuda.device_count(), 1)) if a.device == "cuda" else torch.device("cpu")
+    if world > 1:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(a.port))
+        dist.init_process_group("nccl" if a.device == "cuda" else "gloo", rank=rank, world_size=world)
+    sizes = [int(v) for v in a.layers.split(",")]
+    torch.manual_seed(0)
+    mods = []
+    for i in range(len(sizes) - 1):
+        mods.append(torch.nn.Linear(sizes[i], sizes[i + 1]))
+        if i + 2 < len(sizes):
+            mods.append(torch.nn.ReLU())
+            if a.dropout > 0:
+                mods.append(torch.nn.Dropout(a.dropout))
+    net = torch.nn.Sequential(*mods).to(device)
+    if world > 1:
+        net = torch.nn.parallel.DistributedDataParallel(net, device_ids=[device.index] if a.device == "cuda" else None)
+    opt = (torch.optim.SGD(net.parameters(), lr=1e-3, momentum=0.9) if a.optimizer == "sgd"
+           else torch.optim.AdamW(net.parameters(), lr=1e-3))
+    lossf = torch.nn.MSELoss()
+    local_batch = a.batch_size // world + (rank < a.batch_size % world)
+    xs = [torch.randn(local_batch, sizes[0], device=device) for _ in range(4)]
+    ys = [torch.randn(local_batch, sizes[-1], device=device) for _ in range(4)]
+    sync = torch.cuda.synchronize if a.device == "cuda" else (lambda: None)
+
+    def step(i):
+        opt.zero_grad(set_to_none=True)
+        loss = lossf(net(xs[i % 4]), ys[i % 4])
+        loss.backward()
+        opt.step()
+
+    for i in range(a.warmup):
+        step(i)
+    times = []
+    for _ in range(a.repeats):
+        if world > 1:
+            dist.barrier()
+        for i in range(a.steps):
+            sync()
+            t0 = time.perf_counter()
+            step(i)
+            sync()
+            times.append(time.perf_counter() - t0)
+    if rank == 0:
+        print(json.dumps({"impl": "torch", "version": torch.__version__, "ranks": world, "step_seconds": times}))
+    if world > 1:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

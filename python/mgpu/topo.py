@@ -1,0 +1,316 @@
+"""`mgpu topo`: what this machine is, how fast it computes and communicates, and
+the calibration profile the strategy selector predicts from.
+
+Runs as one process or under mpirun (each rank measures its own device; rank 0
+reports). Measures, on the backend and communicator training would use:
+  - devices: CPU model, cores and ISA; GPUs (name, memory, SMs, capability);
+  - GEMM rate by size (the Linear forward GEMM), per precision the device offers;
+  - memory bandwidth (y += a x), per-kernel overhead, host-to-device bandwidth;
+  - an allreduce sweep, 4 B to 256 MB, nccl-tests style: time, algbw, busbw =
+    algbw x 2(n-1)/n, every result checked bit for bit;
+  - the host overhead of a training step (a tiny model);
+then fits the alpha-beta allreduce model and writes the profile (JSON).
+"""
+from __future__ import annotations
+
+import os
+import platform
+import socket
+import time
+
+import numpy as np
+
+from . import __version__, _core
+from .errors import ConfigError
+from .perf import PRECISIONS, PROFILE_FORMAT, PROFILE_VERSION, default_profile_path, save_profile
+
+GEMM_SIZES = (32, 64, 128, 256, 512, 1024, 2048)
+MiB = 1 << 20
+
+
+def _cpu_description() -> dict:
+    model, flags = platform.processor() or "unknown", set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name") and model in ("unknown", ""):
+                    model = line.split(":", 1)[1].strip()
+                elif line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    break
+    except OSError:
+        pass
+    isa = [f for f in ("sse4_2", "avx", "avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "amx_tile") if f in flags]
+    memory = 0
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    memory = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return {"model": model, "cores": len(os.sched_getaffinity(0)), "isa": isa, "memory_bytes": memory,
+            "openblas_coretype": os.environ.get("OPENBLAS_CORETYPE")}
+
+
+def _median(values) -> float:
+    return float(np.median(np.asarray(values)))
+
+
+def measure_gemm(backend, precision: str, quick: bool) -> list:
+    """[(work FLOP, FLOP/s)] of square Linear GEMMs at one precision."""
+    points = []
+    sizes = GEMM_SIZES[:-1] if quick else GEMM_SIZES
+    for n in sizes:
+        work = 2.0 * n * n * n
+        repeats = max(3, min(50, int(2e9 / work)))
+        t = _median(_core.time_linear(backend, n, n, n, repeats))
+        points.append((work, work / t))
+    return points
+
+
+def fit_gemm(points: list) -> dict:
+    """Peak (the best measured rate) and the half-peak work of rate = peak w / (w + h)."""
+    peak = max(r for _, r in points)
+    # h from each point: h = w (peak / r - 1); the median resists noise
+    halves = [w * (peak / r - 1.0) for w, r in points if r < peak]
+    return {"peak_flops": peak, "half_work_flops": float(np.median(halves)) if halves else 0.0,
+            "measured": [[w, r] for w, r in points]}
+
+
+def measure_device(pg, device: str, device_index: int, threads: int, quick: bool) -> dict:
+    backend = _core.make_backend(device, device_index, threads)
+    entry = {"kind": device, "threads": threads if device == "cpu" else None}
+    if device == "cpu":
+        cpu = _cpu_description()
+        entry.update(name=f"{cpu['model']} ({threads} thread{'s' if threads > 1 else ''})",
+                     memory_bytes=cpu["memory_bytes"] / max(pg.local_size, 1), cpu=cpu)
+        precisions = ["fp32"]
+    else:
+        info = _core.cuda_device_info(device_index)
+        entry.update(name=info["name"], memory_bytes=float(info["total_memory"]), gpu=info)
+        precisions = list(PRECISIONS)
+    for precision in precisions:
+        try:
+            backend.precision = precision
+        except (ConfigError, AttributeError):
+            continue
+        entry[precision] = fit_gemm(measure_gemm(backend, precision, quick))
+    if hasattr(backend, "precision"):
+        backend.precision = "fp32"
+    n = (16 if quick else 64) * MiB // 4
+    entry["memory_bandwidth"] = 12.0 * n / _median(_core.time_axpy(backend, n, 5))
+    entry["launch_overhead_s"] = _median(_core.time_axpy(backend, 1, 200))
+    if device == "cpu":
+        entry["host_to_device_bandwidth"] = 0.0
+        entry["context_bytes"] = 0.1e9
+    else:
+        entry["host_to_device_bandwidth"] = 64 * MiB / _median(_core.time_copy_to_backend(backend, 64 * MiB, 5))
+        entry["context_bytes"] = 0.6e9
+    return entry, backend
+
+
+def allreduce_sweep(pg, comm, backend, max_bytes: int, quick: bool) -> list:
+    """nccl-tests style: rows of bytes, time_us, algbw and busbw (GB/s), wrong elements."""
+    n = pg.size
+    max_count = max(1, max_bytes // 4)
+    probe = _core.AllreduceProbe(comm, backend, max_count)
+    rows, count = [], 1
+    while count <= max_count:
+        size = count * 4
+        iters = max(2, min(200 if not quick else 50, int(2e8 / max(size, 1)) + 2))
+        seconds, wrong = probe.run(count, iters, 2)
+        seconds = pg.allreduce(seconds, op="max")  # the slowest rank is the collective's time
+        wrong = pg.allreduce(int(wrong))
+        algbw = size / seconds / 1e9
+        rows.append({"bytes": size, "count": count, "time_us": seconds * 1e6, "algbw_GBps": algbw,
+                     "busbw_GBps": algbw * 2 * (n - 1) / n, "wrong": wrong})
+        count *= 4 if quick else 2
+    return rows
+
+
+FIT_RANGE = (1 << 10, 16 << 20)  # the message sizes training sends: gradient buckets of up to 4 MiB
+
+
+def fit_link(rows: list, n: int) -> dict:
+    """alpha (per ring step) and bus bandwidth of t = 2(n-1) alpha + 2(n-1)/n bytes / busbw,
+    from a least-squares fit of t = a + b bytes weighted to relative error, over
+    the sizes training sends (FIT_RANGE; all sizes when the sweep has too few)."""
+    used = [r for r in rows if FIT_RANGE[0] <= r["bytes"] <= FIT_RANGE[1]]
+    used = used if len(used) >= 3 else rows
+    sizes = np.array([r["bytes"] for r in used], float)
+    times = np.array([r["time_us"] * 1e-6 for r in used], float)
+    A = np.stack([np.ones_like(sizes), sizes], axis=1) / times[:, None]
+    (a, b), *_ = np.linalg.lstsq(A, np.ones_like(times), rcond=None)
+    a, b = max(a, 0.0), max(b, 1e-15)
+    predicted = a + b * sizes
+    error = float(np.median(np.abs(predicted - times) / times))
+    steps = 2.0 * (n - 1)
+    return {"alpha_s": a / steps, "bus_bandwidth": steps / n / b, "fit_median_rel_error": error,
+            "fitted_at_ranks": n, "fit_bytes": [int(sizes.min()), int(sizes.max())]}
+
+
+def _step_seconds(pg, sizes, dropout, batch, device, device_index, threads, steps) -> float:
+    """Median wall time of a training step of an MLP on this process group."""
+    from .data import local_slice
+    from .model import MLP
+    from .trainer import Trainer
+    model = MLP(sizes, seed=0, dropout=dropout, device=device, device_index=device_index, threads=threads)
+    trainer = Trainer(model, lr=1e-3, process_group=pg)
+    part = local_slice(batch, pg.rank, pg.size)
+    x = np.zeros((part.stop - part.start, sizes[0]), np.float32)
+    y = np.zeros((part.stop - part.start, sizes[-1]), np.float32)
+    for _ in range(max(3, steps // 10)):
+        trainer.step(x, y, global_batch=batch, first_sample=part.start)
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        trainer.step(x, y, global_batch=batch, first_sample=part.start)
+        times.append(time.perf_counter() - t0)
+    return _median(times)
+
+
+def _self_group():
+    from .process_group import ProcessGroup
+    if _mpi_available():
+        return ProcessGroup(comm=__import__("mpi4py.MPI", fromlist=["MPI"]).COMM_SELF)
+    return ProcessGroup()
+
+
+def measure_step_overhead(device: str, device_index: int, threads: int) -> float:
+    """Host time of a training step whose math is negligible: Python, binding, bookkeeping."""
+    return _step_seconds(_self_group(), [8, 8, 8], 0.0, 8, device, device_index, threads, 200)
+
+
+def measure_dropout_cost(device: str, device_index: int, threads: int, quick: bool) -> float:
+    """Seconds per hidden unit and sample that dropout adds to a step (mask generation and use)."""
+    sizes, batch = [64, 1024, 1024, 1], 256
+    steps = 10 if quick else 30
+    group = _self_group()
+    with_dropout = _step_seconds(group, sizes, 0.3, batch, device, device_index, threads, steps)
+    without = _step_seconds(group, sizes, 0.0, batch, device, device_index, threads, steps)
+    return max(0.0, (with_dropout - without) / (batch * sum(sizes[1:-1])))
+
+
+def measure_step_sync(pg, device: str, device_index: int, threads: int) -> float:
+    """Collective: what a step on this world costs beyond the same step alone (tiny model):
+    the collective's latency and the ranks' skew."""
+    alone = measure_step_overhead(device, device_index, threads)
+    together = _step_seconds(pg, [8, 8, 8], 0.0, 8 * pg.size, device, device_index, threads, 200)
+    return pg.allreduce(max(0.0, together - alone), op="max")
+
+
+def _mpi_available() -> bool:
+    try:
+        import mpi4py.MPI  # noqa: F401
+        return os.environ.get("MGPU_NO_MPI") != "1"
+    except ImportError:
+        return False
+
+
+def run_topo(pg, *, device: str = "auto", threads=None, max_bytes: int = 256 * MiB, quick: bool = False,
+             comm_kind: str = "auto") -> dict:
+    """Collective: measure every rank's device and the communicator; returns the profile (rank 0) or None."""
+    device, device_index = pg.resolve_device(device)
+    threads = threads or pg.default_threads()
+    entry, backend = measure_device(pg, device, device_index, threads, quick)
+    entry["host"] = socket.gethostname()
+    entry["rank"] = pg.rank
+    entry["step_overhead_s"] = measure_step_overhead(device, device_index, threads)
+    entry["dropout_s_per_unit"] = measure_dropout_cost(device, device_index, threads, quick)
+    kind = comm_kind if comm_kind != "auto" else ("nccl" if device == "cuda" and pg.size > 1 else "mpi")
+    rows, link = [], None
+    if pg.size > 1:
+        comm = pg.communicator(kind, device_index) if kind == "nccl" else pg.communicator()
+        rows = allreduce_sweep(pg, comm, backend, max_bytes, quick)
+        link = fit_link(rows, pg.size)
+        link.update(name=f"{comm.name} ({pg.size} ranks)", overlaps_compute=(kind == "nccl"),
+                    buffer_bytes=64e6 if kind == "nccl" else 0.0,
+                    step_sync_s=measure_step_sync(pg, device, device_index, threads))
+    entries = pg.comm.gather(entry, root=0) if pg.comm is not None else [entry]
+    if not pg.is_root:
+        return None
+    if link is None:  # one rank: nothing to measure; the named CPU link stands in
+        link = {"name": "not measured (1 rank): run `mpirun -np N python -m mgpu topo`", "alpha_s": 5e-6,
+                "bus_bandwidth": 5e9, "overlaps_compute": device == "cuda", "buffer_bytes": 0.0}
+    return {
+        "format": PROFILE_FORMAT, "version": PROFILE_VERSION, "source": "calibrated",
+        "name": f"calibrated: {socket.gethostname()} ({pg.size} x {device})",
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "mgpu_version": __version__,
+        "devices": entries, "link": link, "allreduce": rows,
+        "step_overhead_s": max(e["step_overhead_s"] for e in entries),
+        "model_error": 0.15,
+        "environment": {"openblas_coretype": os.environ.get("OPENBLAS_CORETYPE"), "world_size": pg.size,
+                        "threads_per_rank": threads, "communicator": kind if pg.size > 1 else None},
+    }
+
+
+def format_topo(profile: dict) -> str:
+    lines = [f"{profile['name']}  (mgpu {profile['mgpu_version']})"]
+    for d in profile["devices"]:
+        fp = ", ".join(f"{p} {d[p]['peak_flops'] / 1e9:,.0f} GFLOP/s" for p in PRECISIONS if p in d)
+        lines.append(f"  rank {d['rank']} on {d['host']}: {d['name']}; GEMM peak {fp}; "
+                     f"memory bw {d['memory_bandwidth'] / 1e9:.1f} GB/s; kernel overhead "
+                     f"{d['launch_overhead_s'] * 1e6:.2f} us; step overhead {d['step_overhead_s'] * 1e6:.0f} us; "
+                     f"dropout {d['dropout_s_per_unit'] * 1e9:.2f} ns/unit")
+        if "cpu" in d:
+            cpu = d["cpu"]
+            lines.append(f"    {cpu['cores']} cores, ISA {' '.join(cpu['isa'])}, "
+                         f"OPENBLAS_CORETYPE={cpu['openblas_coretype'] or '(unset)'}")
+        if d.get("host_to_device_bandwidth"):
+            lines.append(f"    host-to-device {d['host_to_device_bandwidth'] / 1e9:.1f} GB/s")
+    if profile["allreduce"]:
+        lines.append(f"  allreduce ({profile['link']['name']}), float32 sum, in place:")
+        lines.append(f"  {'bytes':>12} {'count':>10} {'time us':>10} {'algbw GB/s':>11} {'busbw GB/s':>11} {'wrong':>6}")
+        for r in profile["allreduce"]:
+            lines.append(f"  {r['bytes']:>12,} {r['count']:>10,} {r['time_us']:>10.1f} {r['algbw_GBps']:>11.3f} "
+                         f"{r['busbw_GBps']:>11.3f} {r['wrong']:>6}")
+        link = profile["link"]
+        lines.append(f"  fit over {link['fit_bytes'][0]:,}-{link['fit_bytes'][1]:,} B: alpha {link['alpha_s'] * 1e6:.2f} us "
+                     f"per ring step, busbw {link['bus_bandwidth'] / 1e9:.2f} GB/s "
+                     f"(median error {link['fit_median_rel_error']:.0%}); a step on {profile['environment']['world_size']} "
+                     f"ranks costs {link['step_sync_s'] * 1e6:.0f} us more than alone (latency, skew)")
+    else:
+        lines.append("  allreduce: 1 rank, nothing to measure (run under mpirun -np N)")
+    return "\n".join(lines)
+
+
+def cmd_topo(a, pg) -> int:
+    from .cli import _check_output_path, _write_json_atomic
+    if a.max_bytes < 4:
+        raise ConfigError(f"--max-mb must be at least 4 bytes, got {a.max_bytes} bytes")
+    if a.out:
+        _check_output_path(a.out, "--out")
+    if a.json:
+        _check_output_path(a.json, "--json")
+    profile = run_topo(pg, device=a.device, threads=a.threads, max_bytes=a.max_bytes, quick=a.quick)
+    if pg.is_root:
+        print(format_topo(profile))
+        if a.json:
+            _write_json_atomic(a.json, profile)
+        if not a.no_save:
+            path = save_profile(profile, a.out or default_profile_path())
+            print(f"profile written to {path}")
+        bad = sum(r["wrong"] for r in profile["allreduce"])
+        if bad:
+            print(f"mgpu: error: {bad} allreduce results were not bit-exact", flush=True)
+            pg.barrier()
+            return 1
+    pg.barrier()
+    return 0
+
+
+def add_parser(sub) -> None:
+    t = sub.add_parser("topo", help="measure devices, GEMM rates and the allreduce; write the calibration profile",
+                       description="Measure this machine (under mpirun: every rank's device and the communicator) "
+                                   "and save the calibration profile the strategy selector uses.")
+    t.add_argument("--device", choices=("cpu", "cuda", "auto"), default="auto")
+    t.add_argument("--threads", type=int, default=None, help="CPU threads per rank (default: cores / ranks per node)")
+    t.add_argument("--max-mb", dest="max_bytes", type=lambda v: int(float(v) * MiB), default=256 * MiB,
+                   help="largest allreduce in MiB (default 256)")
+    t.add_argument("--quick", action="store_true", help="fewer sizes and repeats (seconds, not minutes)")
+    t.add_argument("--out", metavar="PATH", help=f"profile path (default {default_profile_path()})")
+    t.add_argument("--no-save", action="store_true", help="measure and print only")
+    t.add_argument("--json", metavar="PATH", help="also write the profile here")

@@ -1,0 +1,149 @@
+"""`mgpu topo`, `mgpu recommend` and `mgpu bench` from the command line, under
+mpirun where they measure a communicator: files, JSON fields, bit-exact
+allreduce checks, the selector's validation, and one-line errors."""
+import csv
+import json
+import re
+
+import pytest
+
+from conftest import PYTHON, mpi_env, mpirun, run_cli
+
+MGPU = [PYTHON, "-m", "mgpu"]
+
+
+@pytest.fixture(scope="module")
+def calibration(tmp_path_factory):
+    """A 2-rank calibration of this machine, made once for the module."""
+    d = tmp_path_factory.mktemp("topo")
+    r = mpirun(2, [*MGPU, "topo", "--quick", "--max-mb", "1", "--threads", "1", "--out", d / "profile.json",
+                   "--json", d / "topo.json"], env=mpi_env(XDG_CACHE_HOME=d / "cache"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    return d, r
+
+
+def test_topo_measures_devices_and_a_bit_exact_allreduce_sweep(calibration):
+    d, r = calibration
+    profile = json.loads((d / "profile.json").read_text())
+    assert profile == json.loads((d / "topo.json").read_text())
+    assert profile["source"] == "calibrated" and len(profile["devices"]) == 2
+    for dev in profile["devices"]:
+        assert dev["fp32"]["peak_flops"] > 1e9 and len(dev["fp32"]["measured"]) >= 4
+        assert dev["memory_bandwidth"] > 1e8 and dev["cpu"]["cores"] >= 1
+    rows = profile["allreduce"]
+    assert rows[0]["bytes"] == 4 and rows[-1]["bytes"] == 1 << 20
+    assert all(row["wrong"] == 0 for row in rows)
+    for row in rows:  # busbw = algbw x 2(n-1)/n with n = 2
+        assert row["busbw_GBps"] == pytest.approx(row["algbw_GBps"])
+        assert row["algbw_GBps"] == pytest.approx(row["bytes"] / (row["time_us"] * 1e-6) / 1e9, rel=1e-6)
+    link = profile["link"]
+    assert link["alpha_s"] >= 0 and link["bus_bandwidth"] > 0 and link["fitted_at_ranks"] == 2
+    assert "algbw GB/s" in r.stdout and "busbw GB/s" in r.stdout
+    assert not (d / "cache").exists(), "--out given: the cache is left alone"
+
+
+def test_recommend_on_the_calibration(calibration, tmp_path):
+    d, _ = calibration
+    out = tmp_path / "rec.json"
+    r = run_cli(["recommend", "--layers", "50,1024,1024,3", "--batch-size", "1024", "--devices", "1,2",
+                 "--profile", d / "profile.json", "--json", out])
+    assert r.returncode == 0, r.stderr
+    rec = json.loads(out.read_text())
+    assert rec["profile_source"] == "calibrated" and rec["fallback"] is False
+    assert rec["strategy"] in ("single_gpu", "multi_gpu", "benchmark_required")
+    assert [c["devices"] for c in rec["candidates"]] == [1, 2]
+    assert "strategy:" in r.stdout and "break-even" in r.stdout or rec["break_even_batch"] is None
+
+
+def test_recommend_cli_example_from_the_issue(tmp_path):
+    out = tmp_path / "xl.json"
+    r = run_cli(["recommend", "--model", "xl", "--batch-size", "2048", "--devices", "1,2,4", "--profile", "nvlink",
+                 "--json", out, "--price", "2.5"])
+    assert r.returncode == 0, r.stderr
+    rec = json.loads(out.read_text())
+    for key in ("strategy", "devices", "candidates", "break_even_batch", "reasons", "confidence", "roi"):
+        assert key in rec
+    for c in rec["candidates"]:
+        for key in ("predicted_step_ms", "predicted_speedup", "efficiency", "memory_fits"):
+            assert key in c
+    assert rec["strategy"] == "multi_gpu" and rec["devices"] in (2, 4)  # 120M params on NVLink
+    assert rec["params"] > 100e6
+
+
+def test_recommend_without_calibration_or_gpu_falls_back(tmp_path):
+    r = run_cli(["recommend", "--params", "3e5", "--batch-size", "64", "--json", tmp_path / "f.json"],
+                env=mpi_env(XDG_CACHE_HOME=tmp_path / "empty"))
+    assert r.returncode == 0, r.stderr
+    rec = json.loads((tmp_path / "f.json").read_text())
+    assert rec["fallback"] is True and rec["strategy"] == "single_gpu"
+    assert "seed 001" in r.stdout
+
+
+def test_bench_launches_each_rank_count_and_validates_the_selector(calibration, tmp_path):
+    d, _ = calibration
+    r = run_cli(["bench", "--layers", "50,256,256,3", "--batch-sizes", "64,256", "--ranks", "1,2", "--warmup", "2",
+                 "--steps", "8", "--repeats", "2", "--threads", "1", "--validate-selector", "--profile",
+                 d / "profile.json", "--json", tmp_path / "b.json", "--csv", tmp_path / "b.csv", "--plots",
+                 tmp_path / "plots", "--no-progress"], timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    result = json.loads((tmp_path / "b.json").read_text())
+    rows = result["rows"]
+    assert sorted((x["batch_size"], x["ranks"]) for x in rows) == [(64, 1), (64, 2), (256, 1), (256, 2)]
+    for x in rows:
+        assert x["step"]["n"] + x["step"]["outliers"] == 16
+        assert x["step"]["ci95"][0] <= x["step"]["mean"] <= x["step"]["ci95"][1]
+        assert x["samples_per_sec"] == pytest.approx(x["batch_size"] / x["step"]["median"])
+        assert set(x["breakdown_ms"]) == {"forward", "backward", "comm_wait", "optimizer"}
+        assert x["compute_floor_ms"] > 0 and x["peak_memory_bytes"] > 0
+        assert "predicted_step_ms" in x and "allreduce_floor_ms" in x
+        if x["ranks"] == 1:
+            assert x["speedup"] == pytest.approx(1.0)
+    assert len(result["validation"]) == 2
+    for v in result["validation"]:
+        assert v["predicted_speedup"] > 0 and v["selector_strategy"] in (
+            "single_gpu", "multi_gpu", "benchmark_required")
+    with open(tmp_path / "b.csv") as f:
+        assert len(list(csv.DictReader(f))) == 4
+    assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == [
+        "breakdown.png", "speedup_vs_ranks.png", "throughput_vs_batch.png"]
+    assert re.search(r"measured\s+predicted", r.stdout)
+
+
+def test_bench_under_mpirun_measures_that_world(tmp_path):
+    r = mpirun(2, [*MGPU, "bench", "--layers", "20,32,3", "--batch-sizes", "32", "--warmup", "1", "--steps", "4",
+                   "--repeats", "1", "--json", tmp_path / "w.json", "--no-progress"])
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = json.loads((tmp_path / "w.json").read_text())["rows"]
+    assert [x["ranks"] for x in rows] == [2]
+
+
+def _torch_available():
+    from mgpu.bench import torch_python
+    return torch_python() is not None
+
+
+@pytest.mark.skipif(not _torch_available(), reason="no interpreter with torch (the peer is optional)")
+def test_bench_compares_with_pytorch_in_the_same_run(tmp_path):
+    r = run_cli(["bench", "--layers", "50,128,3", "--batch-sizes", "64", "--ranks", "1,2", "--warmup", "2",
+                 "--steps", "5", "--repeats", "1", "--threads", "1", "--compare", "torch", "--json",
+                 tmp_path / "t.json", "--no-progress"], timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    for x in json.loads((tmp_path / "t.json").read_text())["rows"]:
+        assert x["torch"]["samples_per_sec"] > 0 and x["torch"]["version"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["recommend", "--model", "large", "--batch-size", "0"], "batch size"),
+    (["recommend", "--model", "large", "--batch-size", "64", "--devices", "0,2"], "device counts"),
+    (["recommend", "--model", "large", "--batch-size", "64", "--profile", "nosuch"], "unknown hardware profile"),
+    (["recommend", "--batch-size", "64"], "one of the arguments"),
+    (["bench", "--steps", "0"], "--steps must be >= 1"),
+    (["bench", "--batch-sizes", "1", "--layers", "4,4"], "smaller than the number of ranks"),
+    (["topo", "--max-mb", "0"], "--max-mb"),
+])
+def test_tool_bad_input_one_line_on_every_rank(args, message):
+    r = mpirun(2, [*MGPU, *args], timeout=120)
+    assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
+    errors = [p.splitlines()[0] for p in re.split(r"(?=mgpu(?: \w+)?: error)", r.stderr) if p.startswith("mgpu")]
+    assert len(errors) == 2 and all(message in e for e in errors), r.stderr
+    assert "Traceback" not in r.stderr
