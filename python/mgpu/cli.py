@@ -14,7 +14,7 @@ import time
 import traceback
 
 from . import __version__, build_info
-from .config import DEVICES, LOSSES, OPTIMIZERS, PRESETS, TrainConfig
+from .config import COMMS, DEVICES, LOSSES, OPTIMIZERS, PRECISIONS, PRESETS, TrainConfig
 from .errors import CommError, ConfigError, DataError, NumericsError
 from .schedule import SCHEDULES
 
@@ -73,6 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--device", choices=DEVICES, default="auto")
     t.add_argument("--threads", type=int, default=None, help="CPU threads per rank (default: cores / ranks per node)")
+    t.add_argument("--precision", choices=PRECISIONS, default="fp32",
+                   help="GEMM precision on GPUs: fp32 (default), tf32, bf16, fp16 (dynamic loss scaling)")
+    t.add_argument("--comm", choices=COMMS, default="auto",
+                   help="gradient allreduce: auto (NCCL between GPUs, else MPI), nccl, mpi (host-staged)")
     t.add_argument("--bucket-mb", type=float, default=4.0, help="gradient allreduce bucket size")
     t.add_argument("--no-overlap", action="store_true", help="allreduce after backward instead of during it")
     t.add_argument("--batch-shares", type=_float_list, default=None,
@@ -121,7 +125,7 @@ def _config_from_args(a) -> TrainConfig:
                        warmup_steps=a.warmup_steps, lr_step_size=a.lr_step_size, lr_gamma=a.lr_gamma,
                        min_lr=a.min_lr, checkpoint_dir=a.checkpoint_dir, checkpoint_every=a.checkpoint_every,
                        keep_checkpoints=a.keep_checkpoints, watchdog_timeout=a.watchdog_timeout,
-                       max_bad_steps=a.max_bad_steps)
+                       max_bad_steps=a.max_bad_steps, precision=a.precision, comm=a.comm)
 
 
 def _check_output_path(path: str, what: str) -> None:
@@ -223,21 +227,26 @@ def cmd_train(a, pg) -> int:
     pg.agree(error)
     resume = pg.bcast(resume)
 
+    if cfg.precision != "fp32" and device != "cuda":
+        raise ConfigError(f"--precision {cfg.precision} needs a GPU; the CPU backend computes in fp32")
+    if cfg.comm == "nccl" and device != "cuda":
+        raise ConfigError("--comm nccl needs GPUs (--device cuda); CPU ranks use MPI")
     model = MLP(sizes, seed=cfg.seed, dropout=cfg.effective_dropout(), device=device,
-                device_index=device_index, threads=threads)
+                device_index=device_index, threads=threads, precision=cfg.precision)
     steps_per_epoch = -(-len(data.x_train) // (cfg.batch_size * cfg.accumulate))
     total_steps = cfg.steps if cfg.steps is not None else cfg.epochs * steps_per_epoch
     trainer = Trainer(model, loss=loss, optimizer=cfg.optimizer, lr=cfg.lr, momentum=cfg.momentum,
                       weight_decay=cfg.weight_decay, process_group=pg, bucket_elems=cfg.bucket_elems(),
                       overlap=cfg.overlap, batch_shares=a.batch_shares, accumulate=cfg.accumulate,
                       max_grad_norm=cfg.max_grad_norm, schedule=cfg.schedule(total_steps),
-                      max_bad_steps=cfg.max_bad_steps, timeout=cfg.watchdog_timeout)
+                      max_bad_steps=cfg.max_bad_steps, timeout=cfg.watchdog_timeout, communicator=cfg.comm)
     policy = (CheckpointPolicy(cfg.checkpoint_dir, cfg.checkpoint_every, cfg.keep_checkpoints)
               if cfg.checkpoint_dir else None)
     say = print if pg.is_root else (lambda *x, **k: None)
     per_rank = ", ".join(str(c) for c in split_counts(cfg.batch_size, pg.size, a.batch_shares))
     accum = f" x {cfg.accumulate} accumulated" if cfg.accumulate > 1 else ""
-    say(f"mgpu {__version__}: {pg.size} rank(s) x {threads} thread(s) on {device}; "
+    on = f"{device}, {cfg.precision}, {trainer.communicator_kind} allreduce" if device == "cuda" else device
+    say(f"mgpu {__version__}: {pg.size} rank(s) x {threads} thread(s) on {on}; "
         f"model {'-'.join(map(str, sizes))} ({model.num_params:,} params, {loss}, {cfg.optimizer}); "
         f"{cfg.dataset}: {len(data.x_train)} train / {len(data.x_val)} val; "
         f"global batch {cfg.batch_size} ({per_rank} per rank){accum}", flush=True)

@@ -33,6 +33,8 @@ PRESETS = {
 OPTIMIZERS = ("sgd", "adamw")
 LOSSES = ("mse", "cross_entropy")
 DEVICES = ("cpu", "cuda", "auto")
+PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
+COMMS = ("auto", "nccl", "mpi")
 BUILTIN_DATASETS = ("synthetic", "digits")
 
 
@@ -74,6 +76,8 @@ class TrainConfig:
     keep_checkpoints: int = 3
     watchdog_timeout: float = 300.0     # seconds a collective may wait for a peer; 0: forever
     max_bad_steps: int = 3              # consecutive non-finite steps before stopping
+    precision: str = "fp32"             # fp32 | tf32 | bf16 | fp16 (GPU; fp16 with dynamic loss scaling)
+    comm: str = "auto"                  # auto (NCCL between GPUs, else MPI) | nccl | mpi (host-staged)
 
     def __post_init__(self):
         self.validate()
@@ -151,6 +155,10 @@ class TrainConfig:
             fail(f"checkpoints to keep must be an integer >= 1, got {self.keep_checkpoints}")
         if not (self.watchdog_timeout >= 0 and math.isfinite(self.watchdog_timeout)):
             fail(f"watchdog timeout must be >= 0 seconds (0: wait forever), got {self.watchdog_timeout}")
+        if self.precision not in PRECISIONS:
+            fail(f"unknown precision '{self.precision}' (expected {', '.join(PRECISIONS)})")
+        if self.comm not in COMMS:
+            fail(f"unknown communicator '{self.comm}' (expected {', '.join(COMMS)})")
         if not _is_int(self.max_bad_steps) or self.max_bad_steps < 1:
             fail(f"max bad steps must be an integer >= 1, got {self.max_bad_steps}")
         return self

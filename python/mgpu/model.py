@@ -24,14 +24,16 @@ class MLP:
     """
 
     def __init__(self, layers: Sequence[int], *, seed: int = 0, dropout: float = 0.0,
-                 device: str = "cpu", device_index: int = 0, threads: Optional[int] = None):
+                 device: str = "cpu", device_index: int = 0, threads: Optional[int] = None,
+                 precision: str = "fp32"):
         layers = list(layers)
         if len(layers) < 2 or not all(isinstance(s, (int, np.integer)) and s >= 1 for s in layers):
             raise ConfigError(f"layers must be >= 2 positive integers [in, hidden..., out], got {layers}")
         if threads is not None and threads < 1:
             raise ConfigError(f"threads must be >= 1, got {threads}")
-        self.device = device
+        self.device, self.device_index = device, int(device_index)
         self._backend = _core.make_backend(device, device_index, threads or 0)
+        self._backend.precision = precision  # ConfigError where the backend cannot (the CPU: fp32 only)
         self._core = _core.MLP(self._backend, [int(s) for s in layers], float(dropout), int(seed))
         self.layers = [int(s) for s in layers]
         self._offsets = self._core.layer_offsets()

@@ -53,8 +53,8 @@ class Trainer:
                  process_group: Optional[ProcessGroup] = None, bucket_elems: int = 1 << 20,
                  overlap: bool = True, batch_shares: Optional[Sequence[float]] = None,
                  accumulate: int = 1, max_grad_norm: float = 0.0, schedule: Optional[LRSchedule] = None,
-                 loss_scale: float = 1.0, dynamic_loss_scale: bool = False, max_bad_steps: int = 3,
-                 timeout: float = 300.0):
+                 loss_scale: Optional[float] = None, dynamic_loss_scale: Optional[bool] = None,
+                 max_bad_steps: int = 3, timeout: float = 300.0, communicator: str = "auto"):
         if not (isinstance(lr, (int, float)) and np.isfinite(lr) and lr > 0):
             raise ConfigError(f"learning rate must be a finite number > 0, got {lr}")
         if not isinstance(accumulate, int) or accumulate < 1:
@@ -74,8 +74,21 @@ class Trainer:
         self.schedule = schedule or LRSchedule(float(lr))
         self.max_bad_steps = max_bad_steps
         self.pg.timeout = timeout
-        comm = self.pg.communicator()
+        if communicator not in ("auto", "nccl", "mpi"):
+            raise ConfigError(f"unknown communicator '{communicator}' (expected auto, nccl or mpi)")
+        if communicator == "auto":  # NCCL between GPUs when this build has it; MPI otherwise
+            communicator = ("nccl" if model.device == "cuda" and self.pg.size > 1
+                            and hasattr(_core, "NcclCommunicator") else "mpi")
+        self.communicator_kind = communicator
+        comm = (self.pg.communicator("nccl", model.device_index) if communicator == "nccl"
+                else self.pg.communicator())
         comm.timeout = timeout
+        # fp16 needs loss scaling (dynamic unless a scale is given); other precisions none
+        fp16 = getattr(model._backend, "precision", "fp32") == "fp16"
+        if dynamic_loss_scale is None:
+            dynamic_loss_scale = fp16 and loss_scale is None
+        if loss_scale is None:
+            loss_scale = 2.0 ** 16 if fp16 else 1.0
         self._optimizer = _core.Optimizer(model._core, optimizer, momentum, weight_decay, betas[0], betas[1], eps)
         self._step = _core.DataParallelStep(model._core, self._optimizer, comm, loss, bucket_elems, overlap,
                                             max_grad_norm, loss_scale, dynamic_loss_scale)
