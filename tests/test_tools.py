@@ -33,6 +33,7 @@ def test_topo_measures_devices_and_a_bit_exact_allreduce_sweep(calibration):
     rows = profile["allreduce"]
     assert rows[0]["bytes"] == 4 and rows[-1]["bytes"] == 1 << 20
     assert all(row["wrong"] == 0 for row in rows)
+    assert rows[-1]["raw_mpi_busbw_GBps"] > 0 and rows[-1]["vs_raw_mpi"] > 0  # held against bare MPI_Allreduce
     for row in rows:  # busbw = algbw x 2(n-1)/n with n = 2
         assert row["busbw_GBps"] == pytest.approx(row["algbw_GBps"])
         assert row["algbw_GBps"] == pytest.approx(row["bytes"] / (row["time_us"] * 1e-6) / 1e9, rel=1e-6)

@@ -161,6 +161,8 @@ void bind_perf(py::module_& m) {
       .def_readwrite("overlaps_compute", &LinkProfile::overlaps_compute)
       .def_readwrite("buffer_bytes", &LinkProfile::buffer_bytes)
       .def_readwrite("step_sync_s", &LinkProfile::step_sync_s)
+      .def_readwrite("measured", &LinkProfile::measured)
+      .def_readwrite("measured_devices", &LinkProfile::measured_devices)
       .def("allreduce_seconds", &LinkProfile::allreduce_seconds, py::arg("devices"), py::arg("bytes"));
   py::class_<HardwareProfile>(pm, "HardwareProfile")
       .def(py::init<>())
@@ -184,7 +186,8 @@ void bind_perf(py::module_& m) {
       .def(py::init<>())
       .def_readwrite("candidates", &Options::candidates)
       .def_readwrite("memory_margin", &Options::memory_margin)
-      .def_readwrite("price_per_device_hour", &Options::price_per_device_hour);
+      .def_readwrite("price_per_device_hour", &Options::price_per_device_hour)
+      .def_readwrite("equal_shares", &Options::equal_shares);
   py::class_<Prediction>(pm, "Prediction")
       .def_readonly("devices", &Prediction::devices)
       .def_readonly("batch_shares", &Prediction::batch_shares)

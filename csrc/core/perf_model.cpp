@@ -173,7 +173,24 @@ double LinkProfile::allreduce_seconds(int devices, double bytes) const {
   if (devices <= 1 || bytes <= 0) return 0.0;
   MGPU_CHECK(bus_bandwidth > 0, ConfigError, "link '", name, "' has no bandwidth in its profile");
   const double steps = 2.0 * (devices - 1);
-  return steps * alpha_s + steps / devices * bytes / bus_bandwidth;
+  const double model = steps * alpha_s + steps / devices * bytes / bus_bandwidth;
+  if (measured.size() < 2 || measured_devices < 2 || bytes < measured.front().first ||
+      bytes > measured.back().first)
+    return model;
+  double at_measured = model;
+  for (size_t i = 1; i < measured.size(); ++i) {
+    const auto& [b1, t1] = measured[i];
+    if (bytes > b1) continue;
+    const auto& [b0, t0] = measured[i - 1];
+    const double f = std::log(bytes / b0) / std::log(b1 / b0);
+    at_measured = std::exp(std::log(t0) + f * (std::log(t1) - std::log(t0)));
+    break;
+  }
+  // Another device count: scale by the ring model's ratio between the two counts.
+  if (devices == measured_devices) return at_measured;
+  const double m_steps = 2.0 * (measured_devices - 1);
+  const double model_at_measured = m_steps * alpha_s + m_steps / measured_devices * bytes / bus_bandwidth;
+  return model_at_measured > 0 ? at_measured * model / model_at_measured : model;
 }
 
 std::vector<int> Workload::resolved_layers() const {
@@ -203,7 +220,7 @@ Prediction predict(const Workload& w, const HardwareProfile& hw, int devices, co
     const DeviceTimes t = device_times(sizes, b, hw.devices[i], w, 0.0);
     speed[i] = b / std::max(t.forward + t.backward, 1e-30);
   }
-  p.batch_shares = shares_by_weight(batch, speed);
+  p.batch_shares = shares_by_weight(batch, o.equal_shares ? std::vector<double>(devices, 1.0) : speed);
 
   std::vector<DeviceTimes> times;
   double compute_end = 0, optimizer = 0, overhead = 0, memory = 0, usable = 1e300;
@@ -247,7 +264,7 @@ Prediction predict(const Workload& w, const HardwareProfile& hw, int devices, co
     const Prediction one = predict(w, hw, 1, o);
     p.speedup = one.step_s / p.step_s;
     double ideal = 0;  // what perfect scaling would give on these (possibly unequal) devices
-    for (double s : speed) ideal += s / speed[0];
+    for (double s : speed) ideal += o.equal_shares ? 1.0 : s / speed[0];
     p.efficiency = p.speedup / ideal;
   }
   return p;

@@ -50,6 +50,11 @@ struct LinkProfile {
   bool overlaps_compute = true;  // allreduce progresses while backward computes (NCCL; not MPI+CPU)
   double buffer_bytes = 0.0;     // communication buffers per device
   double step_sync_s = 0.0;      // per step with several ranks: skew and control messages
+  // Measured allreduce times (bytes, seconds) at measured_devices ranks, when
+  // present, are interpolated in log-log and scaled to other device counts by
+  // the ring's factor; alpha and bus_bandwidth extrapolate beyond them.
+  std::vector<std::pair<double, double>> measured;
+  int measured_devices = 0;
   double allreduce_seconds(int devices, double bytes) const;
 };
 
@@ -79,6 +84,7 @@ struct Options {
   std::vector<int> candidates;   // device counts; empty: 1..number of devices in the profile
   double memory_margin = 0.8;    // usable fraction of device memory (seed 001's safety margin)
   double price_per_device_hour = 0.0;  // > 0: cost per million samples and an ROI line
+  bool equal_shares = false;     // split the batch evenly even over unequal devices (as `bench` does)
 };
 
 struct Prediction {

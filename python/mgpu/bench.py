@@ -214,6 +214,7 @@ def add_derived(rows: list, profile: Optional[dict]) -> None:
                                    r.get("dropout", 0.0))
                 hw = perf.to_core(profile, r["ranks"])
                 options = perf.P.Options()
+                options.equal_shares = True  # as measured: the benchmark splits the batch evenly
                 p = perf.P.predict(w, hw, r["ranks"], options)
                 r["allreduce_floor_ms"] = p.comm_s * 1e3
                 r["predicted_step_ms"] = p.step_s * 1e3

@@ -42,6 +42,10 @@ def _int_list(text: str) -> list:
     return values
 
 
+def _shares(text: str):
+    return "auto" if text.strip() == "auto" else _float_list(text)
+
+
 def _float_list(text: str) -> list:
     try:
         return [float(v) for v in text.split(",") if v.strip()]
@@ -79,8 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="gradient allreduce: auto (NCCL between GPUs, else MPI), nccl, mpi (host-staged)")
     t.add_argument("--bucket-mb", type=float, default=4.0, help="gradient allreduce bucket size")
     t.add_argument("--no-overlap", action="store_true", help="allreduce after backward instead of during it")
-    t.add_argument("--batch-shares", type=_float_list, default=None,
-                   help="per-rank shares of the global batch, e.g. 0.7,0.3 (default: equal)")
+    t.add_argument("--batch-shares", type=_shares, default=None,
+                   help="per-rank shares of the global batch, e.g. 0.7,0.3, or 'auto': by each rank's device "
+                        "speed in the calibration (`mgpu topo`) (default: equal)")
     t.add_argument("--accumulate", type=int, default=1, metavar="K",
                    help="gradient accumulation: K micro-batches of --batch-size per step, one allreduce")
     t.add_argument("--max-grad-norm", type=float, default=0.0, metavar="X",
@@ -147,6 +152,26 @@ def _write_json_atomic(path: str, obj) -> None:
     os.replace(tmp, path)
 
 
+def _auto_batch_shares(cfg, pg) -> list:
+    """Per-rank shares from the strategy selector on this machine's calibration: each
+    rank's share in proportion to its device's predicted speed (seed 000's unequal GPUs)."""
+    from . import perf
+    import os
+    path = perf.default_profile_path()
+    if not os.path.exists(path):
+        raise ConfigError("--batch-shares auto needs a calibration of this machine: run "
+                          f"`mpirun -np {pg.size} python -m mgpu topo` first")
+    profile = perf.load_profile(path)
+    if len(profile["devices"]) != pg.size:
+        raise ConfigError(f"--batch-shares auto: the calibration at {path} has {len(profile['devices'])} "
+                          f"device(s) but this job has {pg.size} ranks; rerun `mgpu topo` with {pg.size} ranks")
+    layers = cfg.layers or [perf.PRESETS[cfg.model].in_features or 50, *perf.PRESETS[cfg.model].hidden,
+                            perf.PRESETS[cfg.model].out_features or 3]
+    w = perf._workload(None, layers, None, cfg.batch_size, "fp32", cfg.optimizer, cfg.bucket_mb, cfg.effective_dropout())
+    prediction = perf.P.predict(w, perf.to_core(profile), pg.size, perf.P.Options())
+    return [float(s) for s in prediction.batch_shares]
+
+
 def _resolve_resume(a, cfg) -> str:
     """The checkpoint --resume names: a path, or the newest in --checkpoint-dir."""
     from .checkpoint import CheckpointError, latest_checkpoint
@@ -195,7 +220,7 @@ def cmd_train(a, pg) -> int:
     from .trainer import CheckpointPolicy, Trainer
 
     cfg = _config_from_args(a).validate(pg.size)
-    if a.batch_shares is not None:
+    if a.batch_shares is not None and a.batch_shares != "auto":
         try:
             split_counts(cfg.batch_size, pg.size, a.batch_shares)
         except ConfigError:
@@ -206,6 +231,8 @@ def cmd_train(a, pg) -> int:
 
     error, resume = None, None
     try:  # work that can fail on some ranks only: agree before any collective
+        if a.batch_shares == "auto":
+            a.batch_shares = _auto_batch_shares(cfg, pg)
         fixed_in, fixed_out = cfg.fixed_io()
         data = load_dataset(cfg.dataset, in_features=fixed_in, out_features=fixed_out, seed=42,
                             val_fraction=cfg.val_fraction)
@@ -226,6 +253,8 @@ def cmd_train(a, pg) -> int:
         error = e
     pg.agree(error)
     resume = pg.bcast(resume)
+    a.batch_shares = pg.bcast(a.batch_shares)  # rank 0's reading of the calibration for 'auto'
+
 
     if cfg.precision != "fp32" and device != "cuda":
         raise ConfigError(f"--precision {cfg.precision} needs a GPU; the CPU backend computes in fp32")

@@ -60,15 +60,47 @@ def _median(values) -> float:
 
 
 def measure_gemm(backend, precision: str, quick: bool) -> list:
-    """[(work FLOP, FLOP/s)] of square Linear GEMMs at one precision."""
+    """[(work FLOP, FLOP/s)] of Linear GEMMs at one precision: square ones, and the
+    skinny (batch x width x width) ones of MLP layers at small per-rank batches."""
+    shapes = [(n, n, n) for n in (GEMM_SIZES[:-1] if quick else GEMM_SIZES)]
+    shapes += [(b, w, w) for w in (256, 1024) for b in (16, 64, 256) if not quick or b == 64]
     points = []
-    sizes = GEMM_SIZES[:-1] if quick else GEMM_SIZES
-    for n in sizes:
-        work = 2.0 * n * n * n
+    for b, i, o in shapes:
+        work = 2.0 * b * i * o
         repeats = max(3, min(50, int(2e9 / work)))
-        t = _median(_core.time_linear(backend, n, n, n, repeats))
+        t = _median(_core.time_linear(backend, b, i, o, repeats))
         points.append((work, work / t))
-    return points
+    # one rate per work: the model looks rates up by work
+    merged = {}
+    for w, r in sorted(points):
+        merged.setdefault(w, []).append(r)
+    return [(w, float(np.median(rs))) for w, rs in sorted(merged.items())]
+
+
+def homogenize(entries: list) -> None:
+    """Ranks with the same device (name and kind) get the median of their measurements:
+    identical hardware measured under noise must not look unequal to the selector."""
+    groups = {}
+    for e in entries:
+        groups.setdefault((e["name"], e["kind"]), []).append(e)
+    for same in groups.values():
+        if len(same) < 2:
+            continue
+        for key in ("memory_bandwidth", "launch_overhead_s", "host_to_device_bandwidth", "step_overhead_s",
+                    "dropout_s_per_unit", "memory_bytes"):
+            if all(key in e for e in same):
+                value = float(np.median([e[key] for e in same]))
+                for e in same:
+                    e[key] = value
+        for prec in PRECISIONS:
+            if all(prec in e for e in same):
+                table = {}
+                for e in same:
+                    for w, r in e[prec]["measured"]:
+                        table.setdefault(w, []).append(r)
+                fitted = fit_gemm([(w, float(np.median(rs))) for w, rs in sorted(table.items())])
+                for e in same:
+                    e[prec] = fitted
 
 
 def fit_gemm(points: list) -> dict:
@@ -117,6 +149,7 @@ def allreduce_sweep(pg, comm, backend, max_bytes: int, quick: bool) -> list:
     n = pg.size
     max_count = max(1, max_bytes // 4)
     probe = _core.AllreduceProbe(comm, backend, max_count)
+    raw = _RawMpiAllreduce(pg, max_count) if comm.name == "mpi" else None
     rows, count = [], 1
     while count <= max_count:
         size = count * 4
@@ -125,10 +158,34 @@ def allreduce_sweep(pg, comm, backend, max_bytes: int, quick: bool) -> list:
         seconds = pg.allreduce(seconds, op="max")  # the slowest rank is the collective's time
         wrong = pg.allreduce(int(wrong))
         algbw = size / seconds / 1e9
-        rows.append({"bytes": size, "count": count, "time_us": seconds * 1e6, "algbw_GBps": algbw,
-                     "busbw_GBps": algbw * 2 * (n - 1) / n, "wrong": wrong})
+        row = {"bytes": size, "count": count, "time_us": seconds * 1e6, "algbw_GBps": algbw,
+               "busbw_GBps": algbw * 2 * (n - 1) / n, "wrong": wrong}
+        if raw is not None and size >= MiB:  # the reference: a bare MPI_Allreduce from mpi4py
+            raw_seconds = pg.allreduce(raw.run(count, iters), op="max")
+            row["raw_mpi_busbw_GBps"] = size / raw_seconds / 1e9 * 2 * (n - 1) / n
+            row["vs_raw_mpi"] = raw_seconds / seconds
+        rows.append(row)
         count *= 4 if quick else 2
     return rows
+
+
+class _RawMpiAllreduce:
+    """mpi4py's Allreduce on one reused NumPy buffer: what mgpu's allreduce is held against."""
+
+    def __init__(self, pg, max_count: int):
+        self.pg = pg
+        self.buffer = np.zeros(max_count, np.float32)
+        self.MPI = __import__("mpi4py.MPI", fromlist=["MPI"])
+
+    def run(self, count: int, iters: int) -> float:
+        view = self.buffer[:count]
+        for _ in range(2):
+            self.pg.comm.Allreduce(self.MPI.IN_PLACE, view, op=self.MPI.SUM)
+        self.pg.comm.Barrier()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            self.pg.comm.Allreduce(self.MPI.IN_PLACE, view, op=self.MPI.SUM)
+        return (time.perf_counter() - t0) / iters
 
 
 FIT_RANGE = (1 << 10, 16 << 20)  # the message sizes training sends: gradient buckets of up to 4 MiB
@@ -149,7 +206,9 @@ def fit_link(rows: list, n: int) -> dict:
     error = float(np.median(np.abs(predicted - times) / times))
     steps = 2.0 * (n - 1)
     return {"alpha_s": a / steps, "bus_bandwidth": steps / n / b, "fit_median_rel_error": error,
-            "fitted_at_ranks": n, "fit_bytes": [int(sizes.min()), int(sizes.max())]}
+            "fitted_at_ranks": n, "fit_bytes": [int(sizes.min()), int(sizes.max())],
+            # the model interpolates these (it is only extrapolated beyond them)
+            "measured": [[r["bytes"], r["time_us"] * 1e-6] for r in rows]}
 
 
 def _step_seconds(pg, sizes, dropout, batch, device, device_index, threads, steps) -> float:
@@ -187,7 +246,7 @@ def measure_step_overhead(device: str, device_index: int, threads: int) -> float
 def measure_dropout_cost(device: str, device_index: int, threads: int, quick: bool) -> float:
     """Seconds per hidden unit and sample that dropout adds to a step (mask generation and use)."""
     sizes, batch = [64, 1024, 1024, 1], 256
-    steps = 10 if quick else 30
+    steps = 10 if quick else 60
     group = _self_group()
     with_dropout = _step_seconds(group, sizes, 0.3, batch, device, device_index, threads, steps)
     without = _step_seconds(group, sizes, 0.0, batch, device, device_index, threads, steps)
@@ -232,6 +291,7 @@ def run_topo(pg, *, device: str = "auto", threads=None, max_bytes: int = 256 * M
     entries = pg.comm.gather(entry, root=0) if pg.comm is not None else [entry]
     if not pg.is_root:
         return None
+    homogenize(entries)
     if link is None:  # one rank: nothing to measure; the named CPU link stands in
         link = {"name": "not measured (1 rank): run `mpirun -np N python -m mgpu topo`", "alpha_s": 5e-6,
                 "bus_bandwidth": 5e9, "overlaps_compute": device == "cuda", "buffer_bytes": 0.0}
@@ -263,10 +323,12 @@ def format_topo(profile: dict) -> str:
             lines.append(f"    host-to-device {d['host_to_device_bandwidth'] / 1e9:.1f} GB/s")
     if profile["allreduce"]:
         lines.append(f"  allreduce ({profile['link']['name']}), float32 sum, in place:")
-        lines.append(f"  {'bytes':>12} {'count':>10} {'time us':>10} {'algbw GB/s':>11} {'busbw GB/s':>11} {'wrong':>6}")
+        lines.append(f"  {'bytes':>12} {'count':>10} {'time us':>10} {'algbw GB/s':>11} {'busbw GB/s':>11} {'wrong':>6}"
+                     f" {'raw MPI busbw':>14} {'vs raw':>7}")
         for r in profile["allreduce"]:
+            raw = (f" {r['raw_mpi_busbw_GBps']:>14.3f} {r['vs_raw_mpi']:>6.0%}" if "vs_raw_mpi" in r else "")
             lines.append(f"  {r['bytes']:>12,} {r['count']:>10,} {r['time_us']:>10.1f} {r['algbw_GBps']:>11.3f} "
-                         f"{r['busbw_GBps']:>11.3f} {r['wrong']:>6}")
+                         f"{r['busbw_GBps']:>11.3f} {r['wrong']:>6}{raw}")
         link = profile["link"]
         lines.append(f"  fit over {link['fit_bytes'][0]:,}-{link['fit_bytes'][1]:,} B: alpha {link['alpha_s'] * 1e6:.2f} us "
                      f"per ring step, busbw {link['bus_bandwidth'] / 1e9:.2f} GB/s "

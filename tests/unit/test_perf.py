@@ -193,3 +193,21 @@ def test_summary_drops_outliers_by_modified_z_score():
     s = summarize([1.0, 1.1, 0.9, 1.0, 1.05, 0.95] * 5 + [50.0])
     assert s["outliers"] == 1 and s["n"] == 30
     assert s["median"] == pytest.approx(1.0) and s["ci95"][0] < s["mean"] < s["ci95"][1] < 1.1
+
+
+@pytest.mark.parametrize("model", ["medium", "large"])
+@pytest.mark.parametrize("batch", [8, 16, 32, 64])
+def test_seed_001_grid_on_its_own_hardware_never_recommends_two_gpus(model, batch):
+    """Seed 001 measured 0.78-0.90x for these cells on two PCIe GPUs behind a host bridge."""
+    r = perf.recommend(model=model, batch_size=batch, devices=[1, 2], profile="pcie-host-bridge")
+    assert r["candidates"][1]["predicted_speedup"] < 1.0
+    assert r["strategy"] in ("single_gpu", "benchmark_required")
+
+
+@pytest.mark.parametrize("profile_name", ["nvlink", "h100-nvswitch"])
+def test_large_models_on_fast_interconnects_go_multi_gpu(profile_name):
+    r = perf.recommend(model="xl", batch_size=4096, devices=[1, 2, 4, 8], profile=profile_name)
+    assert r["strategy"] == "multi_gpu" and r["devices"] >= 4
+    speedups = {c["devices"]: c["predicted_speedup"] for c in r["candidates"]}
+    assert 1.5 < speedups[2] < 2 and speedups[4] > speedups[2]
+    assert r["devices"] == max(speedups, key=speedups.get)  # the fastest count is recommended
