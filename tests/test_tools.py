@@ -148,3 +148,19 @@ def test_tool_bad_input_one_line_on_every_rank(args, message):
     errors = [p.splitlines()[0] for p in re.split(r"(?=mgpu(?: \w+)?: error)", r.stderr) if p.startswith("mgpu")]
     assert len(errors) == 2 and all(message in e for e in errors), r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_train_batch_shares_auto_follows_the_calibration(calibration, tmp_path):
+    d, _ = calibration
+    cache = tmp_path / "cache"
+    (cache / "mgpu").mkdir(parents=True)
+    (cache / "mgpu" / "profile.json").write_text((d / "profile.json").read_text())
+    args = [*MGPU, "train", "--layers", "50,64,3", "--steps", "3", "--batch-size", "101", "--batch-shares", "auto",
+            "--no-progress", "--json", tmp_path / "t.json"]
+    r = mpirun(2, args, env=mpi_env(XDG_CACHE_HOME=cache))
+    assert r.returncode == 0, r.stderr[-2000:]
+    shares = json.loads((tmp_path / "t.json").read_text())["config"]["batch_shares"]
+    assert len(shares) == 2 and sum(shares) == 101  # identical ranks: an even split
+    assert abs(shares[0] - shares[1]) <= 1
+    r = mpirun(2, args, env=mpi_env(XDG_CACHE_HOME=tmp_path / "none"))
+    assert r.returncode == 2 and r.stderr.count("needs a calibration") == 2, r.stderr[-2000:]
