@@ -25,6 +25,10 @@ def main():
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--port", type=int, default=29533)
     a = p.parse_args()
+    # torch.set_num_threads does not reach the BLAS: Debian's torch calls OpenBLAS,
+    # which would otherwise use every core. Same threads as mgpu, or the peer cheats.
+    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ[var] = str(a.threads)
 
     import torch
     import torch.distributed as dist
