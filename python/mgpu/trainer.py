@@ -269,7 +269,8 @@ class Trainer:
         (per micro-batch; each step takes batch_size x accumulate samples).
 
         resume: a checkpoint path to continue from (the same run continues
-        bit-identically at the same world size). Returns the history: one dict
+        bit-identically at the same world size; epochs/steps then count from the
+        start of that run). Without it, each call trains that many more. Returns the history: one dict
         per epoch with epoch, train_loss, val_loss (and val_accuracy for
         classification), steps (cumulative), samples, seconds (training only)
         and samples_per_sec. Ends early, with a checkpoint when a policy is
@@ -292,7 +293,10 @@ class Trainer:
         if resume is not None:
             self.load_checkpoint(resume, compat)
         batches = GlobalBatches(len(data.x_train), effective, seed)
-        total = steps if steps is not None else epochs * batches.steps_per_epoch
+        length = steps if steps is not None else epochs * batches.steps_per_epoch
+        # A resumed run ends where the interrupted one would have; otherwise each
+        # call trains `length` more steps (so fit can be called again to go on).
+        total = length if resume is not None else self.global_step + length
         bar = None
         if progress and self.pg.is_root:
             from tqdm.auto import tqdm

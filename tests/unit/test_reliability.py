@@ -300,3 +300,15 @@ def test_non_finite_state_is_never_checkpointed(tmp_path):
     for path in list_checkpoints(str(tmp_path)):
         arrays, _ = load_checkpoint(path)
         assert all(np.isfinite(a).all() for a in arrays.values())
+
+
+def test_fit_again_trains_more_and_continues_the_sampler():
+    data = load_dataset("synthetic", samples=300)  # 240 train: 8 steps of 32 per epoch
+    m = mgpu.MLP([50, 16, 3], seed=0, threads=1)
+    t = mgpu.Trainer(m, lr=0.05, process_group=local_group())
+    first = t.fit(data, batch_size=32, epochs=2, progress=False)
+    assert t.global_step == 16 and [e["epoch"] for e in first] == [1, 2]
+    history = t.fit(data, batch_size=32, epochs=1, progress=False)
+    assert t.global_step == 24 and [e["epoch"] for e in history] == [1, 2, 3]
+    t.fit(data, batch_size=32, steps=3, progress=False)
+    assert t.global_step == 27
