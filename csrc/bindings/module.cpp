@@ -38,6 +38,7 @@ using namespace mgpu;
 namespace mgpu {
 void bind_probe(py::module_& m);  // probe.cpp
 void bind_perf(py::module_& m);   // perf.cpp
+void bind_stress(py::module_& m); // stress.cpp
 }
 
 namespace {
@@ -422,6 +423,7 @@ PYBIND11_MODULE(_core, m) {
 
   bind_probe(m);
   bind_perf(m);
+  bind_stress(m);
 
   py::class_<StepTimings>(m, "StepTimings")
       .def_readonly("forward", &StepTimings::forward)

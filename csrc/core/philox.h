@@ -40,7 +40,7 @@ MGPU_HD float uniform01(uint32_t bits) { return static_cast<float>(bits >> 8) * 
 
 // Streams are separated by a tag folded into the key, so init and dropout never
 // share random numbers even for equal counters.
-enum class RngStream : uint32_t { kInit = 0x1A17u, kDropout = 0xD7A0u };
+enum class RngStream : uint32_t { kInit = 0x1A17u, kDropout = 0xD7A0u, kStress = 0x57E5u };
 
 MGPU_HD Philox4 philox_draw(uint64_t seed, RngStream stream, uint32_t c0, uint32_t c1, uint32_t c2,
                             uint32_t c3) {

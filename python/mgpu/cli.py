@@ -1,4 +1,4 @@
-"""Command line: python -m mgpu {train,info,topo,recommend,bench} (under mpirun -np N for several ranks).
+"""Command line: python -m mgpu {train,info,topo,recommend,bench,stress} (under mpirun -np N for several ranks).
 
 User errors print one line on stderr and exit with code 2 on every rank;
 unexpected errors end the whole MPI job instead of leaving ranks hanging.
@@ -111,10 +111,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     sub.add_parser("info", help="what this build contains and what this process sees")
-    from . import bench, perf, topo
+    from . import bench, perf, stress, topo
     topo.add_parser(sub)
     perf.add_parser(sub)
     bench.add_parser(sub)
+    stress.add_parser(sub)
     return p
 
 
@@ -337,9 +338,9 @@ def cmd_info(a, pg) -> int:
 
 
 def _commands():
-    from . import bench, perf, topo
+    from . import bench, perf, stress, topo
     return {"train": cmd_train, "info": cmd_info, "topo": topo.cmd_topo, "recommend": perf.cmd_recommend,
-            "bench": bench.cmd_bench}
+            "bench": bench.cmd_bench, "stress": stress.cmd_stress}
 
 
 def main(argv=None) -> int:

@@ -1,0 +1,173 @@
+// CPU StressDevice (see core/stress.h): OpenMP loops and OpenBLAS sgemm. Also
+// the reference the CUDA stress kernels are held against.
+#include <cblas.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#include "../core/errors.h"
+#include "../core/stress.h"
+#include "../core/stress_math.h"
+#include "cpu_backend.h"
+
+extern "C" void openblas_set_num_threads(int num_threads);
+
+namespace mgpu {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+double since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+StressPattern parse_pattern(const std::string& name) {
+  if (name == "walking_ones") return StressPattern::kWalkingOnes;
+  if (name == "address") return StressPattern::kAddress;
+  if (name == "random") return StressPattern::kRandom;
+  throw ConfigError("unknown memory pattern '" + name + "' (expected walking_ones, address or random)");
+}
+
+// Scalar and not vectorised, so the burn and its reference run the very same
+// instructions (vector libm variants may differ from scalar ones by an ulp).
+__attribute__((optimize("no-tree-vectorize"))) float chain_n(float x, int iterations) {
+  for (int k = 0; k < iterations; ++k) x = stress_chain(x);
+  return x;
+}
+
+class CpuStress final : public StressDevice {
+ public:
+  explicit CpuStress(int threads) : threads_(threads > 0 ? threads : available_cpu_threads()) {}
+  ~CpuStress() override { std::free(buffer_); }
+  std::string name() const override { return "cpu"; }
+
+  StressCheck compute(size_t n, int iterations, uint64_t seed, size_t sample, bool inject_fault) override {
+    MGPU_CHECK(n >= 1 && iterations >= 1, ConfigError, "compute burn needs n >= 1 and iterations >= 1");
+    values_.resize(n);
+    StressCheck c;
+    const long len = static_cast<long>(n);
+    const auto t0 = Clock::now();
+#pragma omp parallel for num_threads(threads_) schedule(static)
+    for (long i = 0; i < len; ++i) values_[i] = chain_n(stress_start(seed, i), iterations);
+    c.seconds = since(t0);
+    c.work = double(n) * iterations * kStressChainOps;
+    const size_t checks = std::min(std::max<size_t>(sample, 1), n);
+    if (inject_fault) flip_bit(&values_[(checks / 2) * n / checks]);  // one of the sampled values
+    for (size_t s = 0; s < checks; ++s) {
+      const size_t i = s * n / checks;
+      const float expect = chain_n(stress_start(seed, i), iterations);
+      c.checked += 1;
+      c.mismatches += std::memcmp(&values_[i], &expect, sizeof(float)) != 0;
+      c.nonfinite += !std::isfinite(values_[i]);
+    }
+    return c;
+  }
+
+  StressCheck gemm(int n, int repeats, uint64_t seed, double tol, bool inject_fault) override {
+    MGPU_CHECK(n >= 1 && repeats >= 1, ConfigError, "GEMM burn needs n >= 1 and repeats >= 1");
+    MGPU_CHECK(tol >= 0, ConfigError, "tolerance must be >= 0");
+    const size_t nn = size_t(n) * n;
+    if (gemm_n_ != n || gemm_seed_ != seed) {
+      a_.resize(nn);
+      b_.resize(nn);
+      for (size_t i = 0; i < nn; ++i) {
+        a_[i] = stress_start(seed, i) - 0.5f;
+        b_[i] = stress_start(seed + 1, i) - 0.5f;
+      }
+      first_.clear();
+      gemm_n_ = n;
+      gemm_seed_ = seed;
+    }
+    c_.resize(nn);
+    openblas_set_num_threads(threads_);
+    StressCheck c;
+    for (int r = 0; r < repeats; ++r) {
+      const auto t0 = Clock::now();
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, n, n, 1.0f, a_.data(), n, b_.data(), n, 0.0f,
+                  c_.data(), n);
+      c.seconds += since(t0);
+      c.work += 2.0 * n * double(n) * n;
+      if (first_.empty()) {  // the reference for every later result of these inputs
+        first_ = c_;
+        continue;
+      }
+      if (inject_fault && r == repeats - 1) flip_bit(&c_[nn / 3]);
+      int64_t wrong = 0, nonfinite = 0;
+#pragma omp parallel for num_threads(threads_) reduction(+ : wrong, nonfinite) schedule(static)
+      for (long i = 0; i < static_cast<long>(nn); ++i) {
+        const float got = c_[i], want = first_[i];
+        nonfinite += !std::isfinite(got);
+        wrong += !(std::fabs(got - want) <= tol * std::fabs(want)) && got != want;
+      }
+      c.checked += static_cast<int64_t>(nn);
+      c.mismatches += wrong;
+      c.nonfinite += nonfinite;
+    }
+    return c;
+  }
+
+  size_t resize_buffer(size_t bytes) override {
+    const size_t words = bytes / sizeof(uint64_t);
+    if (words == words_) return buffer_bytes();
+    std::free(buffer_);
+    buffer_ = nullptr;
+    words_ = 0;
+    if (words == 0) return 0;
+    void* p = std::aligned_alloc(64, words * sizeof(uint64_t));
+    MGPU_CHECK(p, DeviceError, "out of host memory: cannot hold a ", bytes, "-byte stress buffer");
+    buffer_ = static_cast<uint64_t*>(p);
+    words_ = words;
+    return buffer_bytes();
+  }
+  size_t buffer_bytes() const override { return words_ * sizeof(uint64_t); }
+
+  StressCheck memory(const std::string& pattern_name, uint64_t seed, int pass, bool inject_fault) override {
+    const StressPattern pattern = parse_pattern(pattern_name);
+    MGPU_CHECK(words_ > 0, ConfigError, "the memory pass needs a buffer (resize_buffer first)");
+    const long len = static_cast<long>(words_);
+    StressCheck c;
+    auto t0 = Clock::now();
+#pragma omp parallel for num_threads(threads_) schedule(static)
+    for (long i = 0; i < len; ++i) buffer_[i] = stress_word(pattern, seed, pass, i);
+    c.seconds = since(t0);
+    if (inject_fault) buffer_[words_ / 2] ^= uint64_t{1} << 17;
+    int64_t wrong = 0;
+    t0 = Clock::now();
+#pragma omp parallel for num_threads(threads_) reduction(+ : wrong) schedule(static)
+    for (long i = 0; i < len; ++i) wrong += buffer_[i] != stress_word(pattern, seed, pass, i);
+    c.seconds += since(t0);
+    c.work = 2.0 * buffer_bytes();  // written once, read once
+    c.checked = len;
+    c.mismatches = wrong;
+    return c;
+  }
+
+ private:
+  static void flip_bit(float* x) {
+    uint32_t bits;
+    std::memcpy(&bits, x, sizeof(bits));
+    bits ^= 1u << 22;  // the top mantissa bit: a 25-50% error that any tolerance catches
+    std::memcpy(x, &bits, sizeof(bits));
+  }
+
+  int threads_;
+  std::vector<float> values_, a_, b_, c_, first_;
+  int gemm_n_ = 0;
+  uint64_t gemm_seed_ = 0;
+  uint64_t* buffer_ = nullptr;
+  size_t words_ = 0;
+};
+
+}  // namespace
+
+std::shared_ptr<StressDevice> make_stress_device(const std::string& device, int device_index, int threads) {
+  (void)device_index;
+  if (device == "cpu") return std::make_shared<CpuStress>(threads);
+  if (device == "cuda")
+    throw DeviceError("the CUDA stress kernels are not written yet; use --device cpu");
+  throw ConfigError("unknown device '" + device + "' (expected cpu or cuda)");
+}
+
+}  // namespace mgpu

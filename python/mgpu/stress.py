@@ -1,0 +1,265 @@
+"""`mgpu stress`: burn in every device, verify every result, watch it, stay safe.
+
+Each rank drives its own device (one rank per GPU under mpirun, or the CPU)
+through the core's StressDevice (csrc/core/stress.h): a transcendental compute
+burn, repeated GEMMs on fixed random inputs, and memory patterns (walking ones,
+address-in-address, random) over a buffer grown to --memory-fraction of free
+memory. Every result is checked (sampled compute values against the reference,
+every GEMM element against the first result, every memory word); mismatches and
+NaN/Inf turn a device's verdict to FAULTY. A telemetry thread samples the device;
+a safety monitor throttles above --max-temp, stops growing memory above
+--max-memory-percent, warns above the power limit, and a watchdog ends the run
+when a device or a peer hangs. Every action is logged in `events`.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+from . import _core
+from .errors import ConfigError
+from .telemetry import METRICS, Sampler, reader_for, summarize, write_series
+
+KERNELS = ("compute", "gemm", "memory")
+PATTERNS = ("walking_ones", "address", "random")
+MiB = 1 << 20
+
+
+@dataclass
+class Thresholds:
+    max_temp_c: float = 85.0
+    max_memory_pct: float = 95.0
+    power_limit_w: Optional[float] = None  # None: the device's enforced limit when telemetry knows it
+
+
+class SafetyMonitor:
+    """Turns readings into actions: throttle (fewer iterations a launch), stop growing
+    memory, warn about power. Every action is an event with a time and the reading."""
+
+    def __init__(self, thresholds: Thresholds, rank: int = 0):
+        self.t, self.rank = thresholds, rank
+        self.events: list = []
+        self.grow_memory = True
+        self._last_power_warning = -1e9
+
+    def _event(self, kind: str, message: str, reading: dict) -> None:
+        self.events.append({"t": reading.get("t"), "rank": self.rank, "action": kind, "message": message})
+        print(f"mgpu stress (rank {self.rank}): {message}", file=sys.stderr, flush=True)
+
+    def check(self, reading: Optional[dict], iterations: int) -> int:
+        """Apply the thresholds to a reading; returns the iterations per launch to use."""
+        if not reading:
+            return iterations
+        temp = reading.get("temperature_c")
+        if temp is not None and temp > self.t.max_temp_c:
+            if iterations > 1:
+                iterations = max(1, iterations // 2)
+                self._event("throttle", f"temperature {temp:.0f} C > {self.t.max_temp_c:.0f} C: "
+                                        f"{iterations} iterations a launch", reading)
+        mem = reading.get("memory_used_pct")
+        if mem is not None and mem > self.t.max_memory_pct and self.grow_memory:
+            self.grow_memory = False
+            self._event("stop_growing_memory", f"memory {mem:.1f}% used > {self.t.max_memory_pct:.0f}%: "
+                                               "the buffer stops growing", reading)
+        power, limit = reading.get("power_w"), self.t.power_limit_w or reading.get("power_limit_w")
+        if power is not None and limit and power > limit and (reading.get("t", 0) - self._last_power_warning) > 10:
+            self._last_power_warning = reading.get("t", 0)
+            self._event("power_warning", f"power {power:.0f} W > limit {limit:.0f} W", reading)
+        return iterations
+
+
+def _available_memory(device: str, index: int, local_size: int) -> float:
+    if device == "cuda":
+        free, _ = _core.cuda_memory_info(index)
+        return float(free)
+    for line in open("/proc/meminfo"):
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024.0 / max(local_size, 1)
+    raise ConfigError("cannot read the available memory from /proc/meminfo")
+
+
+def run_device(pg, *, device: str, device_index: int, threads: int, duration: float, kernels, memory_bytes: float,
+               compute_size: int, iterations: int, gemm_size: int, gemm_repeats: int, gemm_tol: float,
+               thresholds: Thresholds, interval: float, inject: Optional[str], hang_timeout: float,
+               progress: bool, stop: threading.Event) -> tuple:
+    """Stress this rank's device for `duration` seconds; returns (result, telemetry samples)."""
+    dev = _core.make_stress_device(device, device_index, threads)
+    source, read = reader_for(device, device_index)
+    sampler = Sampler(read, interval).start()
+    monitor = SafetyMonitor(thresholds, pg.rank)
+    backend = _core.make_backend(device, device_index, threads)
+    ref = sorted(_core.time_linear(backend, gemm_size, gemm_size, gemm_size, 5))[2]
+    reference_flops = 2.0 * gemm_size ** 3 / ref  # the plain GEMM rate, measured in this run
+    totals = {k: {"checked": 0, "mismatches": 0, "nonfinite": 0, "seconds": 0.0, "work": 0.0, "runs": 0}
+              for k in kernels}
+    injected = set()
+    last_progress = [time.monotonic()]
+
+    def watchdog():  # a kernel that never returns cannot raise: end the job from here
+        while not stop.wait(1.0):
+            if time.monotonic() - last_progress[0] > hang_timeout:
+                print(f"mgpu: error: rank {pg.rank}: device hang: no stress kernel finished in {hang_timeout:g} s",
+                      file=sys.stderr, flush=True)
+                if pg.size > 1:
+                    pg.abort(3)
+                os._exit(3)
+    guard = threading.Thread(target=watchdog, name="mgpu-stress-watchdog", daemon=True)
+    guard.start()
+
+    bar = None
+    if progress and pg.is_root:
+        from tqdm.auto import tqdm
+        bar = tqdm(total=round(duration), unit="s", desc="stress", dynamic_ncols=True, file=sys.stderr)
+    t0 = time.monotonic()
+    patterns = itertools.cycle(PATTERNS)
+    try:
+        for i, kernel in enumerate(itertools.cycle(kernels)):
+            if time.monotonic() - t0 >= duration or stop.is_set():
+                break
+            fault = inject == kernel and kernel not in injected
+            if kernel == "compute":
+                c = dev.compute(compute_size, iterations, i, 1024, fault)
+            elif kernel == "gemm":
+                c = dev.gemm(gemm_size, gemm_repeats, 7, gemm_tol, fault)
+            else:
+                target = memory_bytes
+                if dev.buffer_bytes < target and monitor.grow_memory:  # grow in quarters
+                    dev.resize_buffer(int(min(target, dev.buffer_bytes + target / 4)))
+                c = dev.memory(next(patterns), 11, i, fault)
+            if fault:
+                injected.add(kernel)
+            t = totals[kernel]
+            for key in ("checked", "mismatches", "nonfinite", "seconds", "work"):
+                t[key] += getattr(c, key)
+            t["runs"] += 1
+            last_progress[0] = time.monotonic()
+            iterations = monitor.check(sampler.latest(), iterations)
+            if bar is not None:
+                bar.n = min(round(time.monotonic() - t0), round(duration))
+                r = sampler.latest() or {}
+                bar.set_postfix({k: f"{r[k]:.0f}" for k in ("temperature_c", "utilization_pct", "memory_used_pct")
+                                 if r.get(k) is not None}, refresh=True)
+    finally:
+        stop.set()
+        samples = sampler.stop()
+        if bar is not None:
+            bar.close()
+    errors = {k: int(v["mismatches"]) for k, v in totals.items()}
+    nonfinite = sum(int(v["nonfinite"]) for v in totals.values())
+    rates = {}
+    if "compute" in totals and totals["compute"]["seconds"] > 0:
+        rates["compute_ops_per_s"] = totals["compute"]["work"] / totals["compute"]["seconds"]
+    if "gemm" in totals and totals["gemm"]["seconds"] > 0:
+        rates["gemm_flops"] = totals["gemm"]["work"] / totals["gemm"]["seconds"]
+        rates["gemm_reference_flops"] = reference_flops
+        rates["gemm_vs_reference"] = rates["gemm_flops"] / reference_flops
+    if "memory" in totals and totals["memory"]["seconds"] > 0:
+        rates["memory_GBps"] = totals["memory"]["work"] / totals["memory"]["seconds"] / 1e9
+    result = {"rank": pg.rank, "host": socket.gethostname(), "device": device, "device_index": device_index,
+              "name": dev.name, "verdict": "FAULTY" if sum(errors.values()) or nonfinite else "OK",
+              "errors": errors, "nonfinite": nonfinite, "checked": {k: int(v["checked"]) for k, v in totals.items()},
+              "runs": {k: v["runs"] for k, v in totals.items()}, "rates": rates,
+              "buffer_bytes": dev.buffer_bytes, "iterations_per_launch": iterations,
+              "telemetry_source": source, "telemetry": summarize(samples), "events": monitor.events,
+              "seconds": time.monotonic() - t0, "injected_fault": sorted(injected) or None}
+    return result, samples
+
+
+def cmd_stress(a, pg) -> int:
+    from .cli import _check_output_path, _write_json_atomic
+    if not a.duration > 0:
+        raise ConfigError(f"--duration must be > 0 seconds, got {a.duration}")
+    if not 0 < a.memory_fraction <= 1:
+        raise ConfigError(f"--memory-fraction must be in (0, 1], got {a.memory_fraction}")
+    if a.memory_mb is not None and not a.memory_mb > 0:
+        raise ConfigError(f"--memory-mb must be > 0, got {a.memory_mb}")
+    for name in ("iterations", "compute_size", "gemm_size", "gemm_repeats"):
+        if getattr(a, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
+    if not a.interval > 0 or not a.hang_timeout > 0:
+        raise ConfigError("--interval and --hang-timeout must be > 0 seconds")
+    if a.threads is not None and a.threads < 1:
+        raise ConfigError(f"--threads must be >= 1, got {a.threads}")
+    for path, what in ((a.json, "--json"), (a.telemetry and f"{a.telemetry}.csv", "--telemetry")):
+        if path:
+            _check_output_path(path, what)
+    kernels = KERNELS if a.kernel == "all" else (a.kernel,)
+    device, index = pg.resolve_device(a.device)
+    threads = a.threads or pg.default_threads()
+    memory = a.memory_mb * MiB if a.memory_mb else a.memory_fraction * _available_memory(device, index, pg.local_size)
+    pg.timeout = a.hang_timeout
+    stop = threading.Event()
+    previous = {}
+
+    def on_signal(signum, frame):
+        print(f"mgpu: {signal.Signals(signum).name} on rank {pg.rank}: stopping the stress run", file=sys.stderr,
+              flush=True)
+        stop.set()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        previous[sig] = signal.signal(sig, on_signal)
+    try:
+        result, samples = run_device(
+            pg, device=device, device_index=index, threads=threads, duration=a.duration, kernels=kernels,
+            memory_bytes=memory, compute_size=a.compute_size, iterations=a.iterations, gemm_size=a.gemm_size,
+            gemm_repeats=a.gemm_repeats, gemm_tol=a.gemm_tol,
+            thresholds=Thresholds(a.max_temp, a.max_memory_percent, a.power_limit), interval=a.interval,
+            inject=a.inject_fault, hang_timeout=a.hang_timeout, progress=not a.no_progress, stop=stop)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    pg.barrier(what="stress report")  # against the hang timeout: a lost peer ends the job
+    results = pg.comm.gather((result, samples), root=0) if pg.comm is not None else [(result, samples)]
+    if not pg.is_root:
+        return 0 if result["verdict"] == "OK" else 1
+    devices = [r for r, _ in results]
+    report = {"devices": devices, "duration_s": a.duration, "kernels": list(kernels),
+              "thresholds": {"max_temp_c": a.max_temp, "max_memory_percent": a.max_memory_percent,
+                             "power_limit_w": a.power_limit},
+              "events": [e for d in devices for e in d["events"]], "stopped_early": stop.is_set() and any(
+                  d["seconds"] < a.duration for d in devices)}
+    for d in devices:
+        rates = ", ".join(f"{k} {v:.3g}" for k, v in d["rates"].items())
+        print(f"rank {d['rank']} {d['name']} on {d['host']}: {d['verdict']}; errors {d['errors']}, "
+              f"non-finite {d['nonfinite']}; {rates}")
+    if a.json:
+        _write_json_atomic(a.json, report)
+    if a.telemetry:
+        series = {f"rank{r['rank']}:{r['name']}": s for r, s in results}
+        for path in write_series(a.telemetry, series):
+            print(f"telemetry written to {path}")
+    faulty = [d["rank"] for d in devices if d["verdict"] != "OK"]
+    return 1 if faulty else 0
+
+
+def add_parser(sub) -> None:
+    s = sub.add_parser("stress", help="burn in every device, verify every result, watch temperature and memory",
+                       description=__doc__.splitlines()[0])
+    s.add_argument("--duration", type=float, default=60.0, help="seconds (default 60)")
+    s.add_argument("--kernel", choices=("all", *KERNELS), default="all")
+    s.add_argument("--device", choices=("cpu", "cuda", "auto"), default="auto")
+    s.add_argument("--threads", type=int, default=None, help="CPU threads per rank")
+    s.add_argument("--memory-fraction", type=float, default=0.8,
+                   help="fraction of free device memory for the pattern buffer (per device; default 0.8)")
+    s.add_argument("--memory-mb", type=float, default=None, help="buffer size instead of a fraction")
+    s.add_argument("--iterations", type=int, default=20, help="transcendental chain steps per launch")
+    s.add_argument("--compute-size", type=int, default=1 << 18, help="values per compute launch")
+    s.add_argument("--gemm-size", type=int, default=1024, help="GEMM size n (n x n)")
+    s.add_argument("--gemm-repeats", type=int, default=4, help="GEMMs per launch")
+    s.add_argument("--gemm-tol", type=float, default=0.0, help="relative tolerance of GEMM verification")
+    s.add_argument("--max-temp", type=float, default=85.0, help="C: above it, throttle")
+    s.add_argument("--max-memory-percent", type=float, default=95.0, help="above it, stop growing the buffer")
+    s.add_argument("--power-limit", type=float, default=None, help="W: above it, warn (default: the device's)")
+    s.add_argument("--interval", type=float, default=1.0, help="telemetry sampling interval, seconds")
+    s.add_argument("--hang-timeout", type=float, default=120.0, help="seconds without progress that end the run")
+    s.add_argument("--json", metavar="PATH")
+    s.add_argument("--telemetry", metavar="PREFIX", help="write PREFIX.csv, PREFIX.json and PREFIX.png")
+    s.add_argument("--inject-fault", choices=KERNELS, default=None,
+                   help="test hook: flip one bit of one result of this kernel (the verdict must turn FAULTY)")
+    s.add_argument("--no-progress", action="store_true")

@@ -1,0 +1,182 @@
+"""Telemetry: per-device temperature, power, utilisation, clocks and memory,
+sampled in a background thread, saved as a time series (CSV, JSON) and plotted.
+
+Sources, in order: NVML through pynvml when importable, `nvidia-smi
+--query-gpu` otherwise (GPUs); /proc/loadavg, /proc/meminfo and
+/sys/class/thermal (the CPU). A reading a source cannot give is None.
+"""
+from __future__ import annotations
+
+import csv
+import glob
+import json
+import os
+import shutil
+import subprocess
+import threading
+import time
+from typing import Callable, Optional
+
+METRICS = ("temperature_c", "power_w", "power_limit_w", "utilization_pct", "sm_clock_mhz", "mem_clock_mhz",
+           "memory_used_pct")
+
+
+def cpu_reading() -> dict:
+    r = {m: None for m in METRICS}
+    try:
+        load1 = float(open("/proc/loadavg").read().split()[0])
+        r["utilization_pct"] = min(100.0, 100.0 * load1 / max(len(os.sched_getaffinity(0)), 1))
+    except (OSError, ValueError):
+        pass
+    try:
+        info = {}
+        for line in open("/proc/meminfo"):
+            key, value = line.split(":", 1)
+            info[key] = int(value.split()[0])
+        r["memory_used_pct"] = 100.0 * (1 - info["MemAvailable"] / info["MemTotal"])
+    except (OSError, ValueError, KeyError):
+        pass
+    temps = []
+    for path in glob.glob("/sys/class/thermal/thermal_zone*/temp"):
+        try:
+            temps.append(int(open(path).read().strip()) / 1000.0)
+        except (OSError, ValueError):
+            pass
+    r["temperature_c"] = max(temps) if temps else None
+    return r
+
+
+def _nvml_reader(index: int) -> Optional[Callable[[], dict]]:
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+        h = pynvml.nvmlDeviceGetHandleByIndex(index)
+    except Exception:  # noqa: BLE001 - absent library, driver or device
+        return None
+
+    def read() -> dict:
+        mem = pynvml.nvmlDeviceGetMemoryInfo(h)
+        return {"temperature_c": float(pynvml.nvmlDeviceGetTemperature(h, pynvml.NVML_TEMPERATURE_GPU)),
+                "power_w": pynvml.nvmlDeviceGetPowerUsage(h) / 1000.0,
+                "power_limit_w": pynvml.nvmlDeviceGetEnforcedPowerLimit(h) / 1000.0,
+                "utilization_pct": float(pynvml.nvmlDeviceGetUtilizationRates(h).gpu),
+                "sm_clock_mhz": float(pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM)),
+                "mem_clock_mhz": float(pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_MEM)),
+                "memory_used_pct": 100.0 * mem.used / mem.total}
+    return read
+
+
+def _smi_reader(index: int) -> Optional[Callable[[], dict]]:
+    if shutil.which("nvidia-smi") is None:
+        return None
+    fields = "temperature.gpu,power.draw,power.limit,utilization.gpu,clocks.sm,clocks.mem,memory.used,memory.total"
+
+    def read() -> dict:
+        out = subprocess.run(["nvidia-smi", f"--id={index}", f"--query-gpu={fields}", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=10).stdout.strip().split(",")
+
+        def num(i):
+            try:
+                return float(out[i])
+            except (IndexError, ValueError):
+                return None
+        used, total = num(6), num(7)
+        return {"temperature_c": num(0), "power_w": num(1), "power_limit_w": num(2), "utilization_pct": num(3),
+                "sm_clock_mhz": num(4), "mem_clock_mhz": num(5),
+                "memory_used_pct": 100.0 * used / total if used is not None and total else None}
+    return read
+
+
+def reader_for(device: str, index: int = 0) -> tuple:
+    """(source name, function returning one reading) for a device."""
+    if device == "cuda":
+        for name, make in (("nvml", _nvml_reader), ("nvidia-smi", _smi_reader)):
+            fn = make(index)
+            if fn is not None:
+                return name, fn
+        return "none", lambda: {m: None for m in METRICS}
+    return "proc", cpu_reading
+
+
+class Sampler:
+    """Samples `read()` every `interval` seconds in a daemon thread."""
+
+    def __init__(self, read: Callable[[], dict], interval: float = 1.0):
+        if not interval > 0:
+            raise ValueError("telemetry interval must be > 0")
+        self.read, self.interval = read, interval
+        self.samples: list = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="mgpu-telemetry", daemon=True)
+        self._t0 = time.monotonic()
+
+    def _run(self):
+        while not self._stop.is_set():
+            self.sample()
+            self._stop.wait(self.interval)
+
+    def sample(self) -> dict:
+        try:
+            reading = self.read()
+        except Exception as e:  # noqa: BLE001 - a failing sensor must not end the run
+            reading = {m: None for m in METRICS}
+            reading["error"] = str(e)
+        reading["t"] = time.monotonic() - self._t0
+        with self._lock:
+            self.samples.append(reading)
+        return reading
+
+    def latest(self) -> Optional[dict]:
+        with self._lock:
+            return dict(self.samples[-1]) if self.samples else None
+
+    def start(self) -> "Sampler":
+        self._thread.start()
+        return self
+
+    def stop(self) -> list:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+        return list(self.samples)
+
+
+def summarize(samples: list) -> dict:
+    """min and max of every metric a source gave."""
+    out = {}
+    for m in METRICS:
+        values = [s[m] for s in samples if s.get(m) is not None]
+        if values:
+            out[m] = {"min": min(values), "max": max(values)}
+    return out
+
+
+def write_series(path_prefix: str, series: dict) -> list:
+    """series: {device label: [samples]} -> PREFIX.csv, PREFIX.json, PREFIX.png; returns the paths."""
+    rows = [{"device": label, **{k: s.get(k) for k in ("t", *METRICS)}} for label, samples in series.items()
+            for s in samples]
+    with open(f"{path_prefix}.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=["device", "t", *METRICS])
+        w.writeheader()
+        w.writerows(rows)
+    with open(f"{path_prefix}.json", "w") as f:
+        json.dump(series, f)
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    shown = [m for m in METRICS if any(s.get(m) is not None for ss in series.values() for s in ss)]
+    fig, axes = plt.subplots(max(len(shown), 1), 1, figsize=(8, 2.2 * max(len(shown), 1)), sharex=True, squeeze=False)
+    for ax, metric in zip(axes[:, 0], shown):
+        for label, samples in series.items():
+            pts = [(s["t"], s[metric]) for s in samples if s.get(metric) is not None]
+            if pts:
+                ax.plot(*zip(*pts), label=label)
+        ax.set_ylabel(metric)
+    axes[-1, 0].set_xlabel("seconds")
+    if shown:
+        axes[0, 0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(f"{path_prefix}.png", dpi=100)
+    plt.close(fig)
+    return [f"{path_prefix}.csv", f"{path_prefix}.json", f"{path_prefix}.png"]

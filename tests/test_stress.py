@@ -1,0 +1,116 @@
+"""`mgpu stress` on the CPU: verification that catches an injected fault in every
+kernel, telemetry files, the safety monitor's actions, several ranks, clean stops
+and one-line errors."""
+import csv
+import json
+import re
+import signal
+import subprocess
+import time
+
+import pytest
+
+from conftest import PYTHON, ROOT, mpi_env, mpirun, run_cli
+from mgpu import _core
+from mgpu.stress import SafetyMonitor, Thresholds
+from mgpu.telemetry import Sampler, summarize
+
+MGPU = [PYTHON, "-m", "mgpu"]
+SMALL = ["--memory-mb", "8", "--compute-size", "4096", "--gemm-size", "128", "--no-progress"]
+
+
+def test_short_run_verifies_every_kernel_and_writes_telemetry(tmp_path):
+    r = run_cli(["stress", "--duration", "2", *SMALL, "--interval", "0.2", "--json", tmp_path / "s.json",
+                 "--telemetry", tmp_path / "tel"])
+    assert r.returncode == 0, r.stderr[-2000:]
+    report = json.loads((tmp_path / "s.json").read_text())
+    (dev,) = report["devices"]
+    assert dev["verdict"] == "OK" and dev["errors"] == {"compute": 0, "gemm": 0, "memory": 0}
+    assert all(dev["checked"][k] > 0 and dev["runs"][k] > 0 for k in ("compute", "gemm", "memory"))
+    assert dev["buffer_bytes"] == 8 << 20
+    for key in ("compute_ops_per_s", "gemm_flops", "gemm_reference_flops", "memory_GBps"):
+        assert dev["rates"][key] > 0
+    tel = dev["telemetry"]
+    assert tel["memory_used_pct"]["min"] <= tel["memory_used_pct"]["max"]
+    with open(tmp_path / "tel.csv") as f:
+        assert len(list(csv.DictReader(f))) >= 3
+    assert (tmp_path / "tel.png").stat().st_size > 1000
+    assert "OK" in r.stdout
+
+
+@pytest.mark.parametrize("kernel", ["compute", "gemm", "memory"])
+def test_an_injected_bit_flip_makes_the_device_faulty(tmp_path, kernel):
+    r = run_cli(["stress", "--duration", "1", "--kernel", kernel, *SMALL, "--inject-fault", kernel,
+                 "--json", tmp_path / "f.json"])
+    assert r.returncode == 1, r.stderr[-2000:]
+    (dev,) = json.loads((tmp_path / "f.json").read_text())["devices"]
+    assert dev["verdict"] == "FAULTY" and dev["errors"][kernel] >= 1 and dev["injected_fault"] == [kernel]
+
+
+def test_verification_is_exact_without_faults():
+    dev = _core.make_stress_device("cpu", 0, 1)
+    c = dev.compute(1000, 5, 3, 1000, False)
+    assert c.checked == 1000 and c.mismatches == 0 and c.nonfinite == 0
+    g = dev.gemm(64, 3, 1, 0.0, False)
+    assert g.checked == 2 * 64 * 64 and g.mismatches == 0
+    dev.resize_buffer(1 << 20)
+    for pattern in ("walking_ones", "address", "random"):
+        m = dev.memory(pattern, 0, 1, False)
+        assert m.checked == (1 << 20) // 8 and m.mismatches == 0
+    with pytest.raises(ValueError, match="unknown memory pattern"):
+        dev.memory("zebra", 0, 0, False)
+
+
+def test_safety_monitor_throttles_stops_growing_and_warns():
+    m = SafetyMonitor(Thresholds(max_temp_c=85, max_memory_pct=95, power_limit_w=300))
+    assert m.check({"t": 0.0, "temperature_c": 70, "memory_used_pct": 50}, 16) == 16 and not m.events
+    assert m.check({"t": 1.0, "temperature_c": 90}, 16) == 8
+    assert m.check({"t": 2.0, "temperature_c": 91}, 8) == 4
+    assert m.check({"t": 3.0, "memory_used_pct": 96.5}, 4) == 4 and m.grow_memory is False
+    m.check({"t": 4.0, "power_w": 320.0}, 4)
+    m.check({"t": 5.0, "power_w": 330.0}, 4)  # within 10 s of the last warning: not repeated
+    assert [e["action"] for e in m.events] == ["throttle", "throttle", "stop_growing_memory", "power_warning"]
+    # the device's own enforced limit applies when none is configured
+    m2 = SafetyMonitor(Thresholds())
+    m2.check({"t": 0.0, "power_w": 400.0, "power_limit_w": 350.0}, 4)
+    assert m2.events[-1]["action"] == "power_warning"
+
+
+def test_sampler_collects_and_summarizes():
+    values = iter(range(100))
+    s = Sampler(lambda: {"temperature_c": float(next(values))}, interval=0.01).start()
+    time.sleep(0.2)
+    samples = s.stop()
+    assert len(samples) >= 3 and samples[0]["t"] <= samples[-1]["t"]
+    assert summarize(samples)["temperature_c"] == {"min": 0.0, "max": float(len(samples) - 1)}
+
+
+def test_two_ranks_report_one_device_each(tmp_path):
+    r = mpirun(2, [*MGPU, "stress", "--duration", "1.5", *SMALL, "--json", tmp_path / "m.json"])
+    assert r.returncode == 0, r.stderr[-2000:]
+    devices = json.loads((tmp_path / "m.json").read_text())["devices"]
+    assert [d["rank"] for d in devices] == [0, 1] and all(d["verdict"] == "OK" for d in devices)
+
+
+def test_sigterm_stops_cleanly_with_a_report(tmp_path):
+    out = tmp_path / "t.json"
+    p = subprocess.Popen([*MGPU, "stress", "--duration", "120", *SMALL, "--json", out], cwd=ROOT, env=mpi_env(),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(3)
+    t0 = time.monotonic()
+    p.send_signal(signal.SIGTERM)
+    rc = p.wait(timeout=60)
+    assert rc == 0 and time.monotonic() - t0 < 20
+    report = json.loads(out.read_text())
+    assert report["stopped_early"] is True and report["devices"][0]["seconds"] < 60
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--duration", "-1"], "--duration"), (["--memory-fraction", "1.5"], "--memory-fraction"),
+    (["--kernel", "fft"], "invalid choice"), (["--gemm-size", "0"], "--gemm-size"),
+])
+def test_stress_bad_input_one_line_on_every_rank(args, message):
+    r = mpirun(2, [*MGPU, "stress", "--no-progress", *args], timeout=120)
+    assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
+    errors = [p.splitlines()[0] for p in re.split(r"(?=mgpu(?: \w+)?: error)", r.stderr) if p.startswith("mgpu")]
+    assert len(errors) == 2 and all(message in e for e in errors), r.stderr
