@@ -162,11 +162,20 @@ class CpuStress final : public StressDevice {
 
 }  // namespace
 
+#ifdef MGPU_HAVE_CUDA
+std::shared_ptr<StressDevice> make_cuda_stress_device(int device_index);  // kernels/stress.cu
+#endif
+
 std::shared_ptr<StressDevice> make_stress_device(const std::string& device, int device_index, int threads) {
-  (void)device_index;
   if (device == "cpu") return std::make_shared<CpuStress>(threads);
-  if (device == "cuda")
-    throw DeviceError("the CUDA stress kernels are not written yet; use --device cpu");
+  if (device == "cuda") {
+#ifdef MGPU_HAVE_CUDA
+    return make_cuda_stress_device(device_index);
+#else
+    (void)device_index;
+    throw DeviceError("this build of mgpu has no CUDA backend (built without the CUDA toolkit); use --device cpu");
+#endif
+  }
   throw ConfigError("unknown device '" + device + "' (expected cpu or cuda)");
 }
 

@@ -1,0 +1,293 @@
+// Stress kernels (CPU reference: csrc/cpu/cpu_stress.cpp; the element functions
+// are shared in csrc/core/stress_math.h) and the CUDA StressDevice that runs
+// them: a transcendental burn verified by recomputing a sample in a second,
+// differently mapped launch; cuBLAS GEMMs on fixed random inputs, each result
+// compared element by element with the first; memory patterns written and read
+// back with a mismatch counter. Times come from CUDA events.
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <string>
+
+#include "../csrc/core/errors.h"
+#include "../csrc/core/stress.h"
+#include "../csrc/core/stress_math.h"
+#include "../csrc/cuda/cuda_check.h"
+#include "common.cuh"
+
+namespace mgpu {
+namespace {
+
+using kernels::grid_for;
+using kernels::kThreads;
+
+__device__ float chain_n(float x, int iterations) {
+  for (int k = 0; k < iterations; ++k) x = stress_chain(x);
+  return x;
+}
+
+// out (n) = chain^iterations(start(seed, i))
+__global__ void compute_kernel(float* __restrict__ out, size_t n, int iterations, uint64_t seed) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
+    out[i] = chain_n(stress_start(seed, i), iterations);
+}
+
+// The sample, recomputed with the threads mapped in reverse (other SMs and
+// lanes than the burn used), compared bit for bit with the burn's values.
+__global__ void compute_check_kernel(unsigned long long* __restrict__ counts, const float* __restrict__ values,
+                                     size_t n, size_t checks, int iterations, uint64_t seed) {
+  for (size_t s = blockIdx.x * size_t(blockDim.x) + threadIdx.x; s < checks; s += size_t(gridDim.x) * blockDim.x) {
+    const size_t i = (checks - 1 - s) * n / checks;
+    const float want = chain_n(stress_start(seed, i), iterations);
+    const float got = values[i];
+    if (__float_as_uint(got) != __float_as_uint(want)) atomicAdd(&counts[0], 1ull);
+    if (!isfinite(got)) atomicAdd(&counts[1], 1ull);
+  }
+}
+
+// a, b (n, n): uniform in [-0.5, 0.5), as the CPU's inputs
+__global__ void gemm_inputs_kernel(float* __restrict__ a, float* __restrict__ b, size_t nn, uint64_t seed) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < nn; i += size_t(gridDim.x) * blockDim.x) {
+    a[i] = stress_start(seed, i) - 0.5f;
+    b[i] = stress_start(seed + 1, i) - 0.5f;
+  }
+}
+
+__global__ void gemm_check_kernel(unsigned long long* __restrict__ counts, const float* __restrict__ got,
+                                  const float* __restrict__ want, size_t nn, double tol) {
+  unsigned long long wrong = 0, nonfinite = 0;
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < nn; i += size_t(gridDim.x) * blockDim.x) {
+    const float g = got[i], w = want[i];
+    nonfinite += !isfinite(g);
+    wrong += !(fabs(double(g) - double(w)) <= tol * fabs(double(w))) && g != w;
+  }
+  if (wrong) atomicAdd(&counts[0], wrong);
+  if (nonfinite) atomicAdd(&counts[1], nonfinite);
+}
+
+__global__ void memory_write_kernel(uint64_t* __restrict__ buf, size_t words, StressPattern p, uint64_t seed,
+                                    int pass) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < words; i += size_t(gridDim.x) * blockDim.x)
+    buf[i] = stress_word(p, seed, pass, i);
+}
+
+__global__ void memory_check_kernel(unsigned long long* __restrict__ counts, const uint64_t* __restrict__ buf,
+                                    size_t words, StressPattern p, uint64_t seed, int pass) {
+  unsigned long long wrong = 0;
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < words; i += size_t(gridDim.x) * blockDim.x)
+    wrong += buf[i] != stress_word(p, seed, pass, i);
+  if (wrong) atomicAdd(&counts[0], wrong);
+}
+
+StressPattern parse_pattern(const std::string& name) {
+  if (name == "walking_ones") return StressPattern::kWalkingOnes;
+  if (name == "address") return StressPattern::kAddress;
+  if (name == "random") return StressPattern::kRandom;
+  throw ConfigError("unknown memory pattern '" + name + "' (expected walking_ones, address or random)");
+}
+
+// Device memory owned by the stress device; freed without throwing.
+template <typename T>
+struct DeviceBuffer {
+  T* ptr = nullptr;
+  size_t count = 0;
+  void resize(size_t n) {
+    if (n == count) return;
+    release();
+    if (n) MGPU_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&ptr), n * sizeof(T)));
+    count = n;
+  }
+  void release() noexcept {
+    if (ptr) cudaFree(ptr);
+    ptr = nullptr;
+    count = 0;
+  }
+  ~DeviceBuffer() { release(); }
+};
+
+class CudaStress final : public StressDevice {
+ public:
+  explicit CudaStress(int device) : device_(device) {
+    int count = 0;
+    if (cudaGetDeviceCount(&count) != cudaSuccess) count = 0;
+    MGPU_CHECK(count > 0, DeviceError, "no CUDA GPU is visible (check nvidia-smi and CUDA_VISIBLE_DEVICES)");
+    MGPU_CHECK(device >= 0 && device < count, DeviceError, "device index ", device, " out of range: ", count,
+               " GPU(s) visible");
+    MGPU_CUDA_CHECK(cudaSetDevice(device_));
+    MGPU_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    MGPU_CUDA_CHECK(cudaEventCreate(&start_));
+    MGPU_CUDA_CHECK(cudaEventCreate(&stop_));
+    MGPU_CUBLAS_CHECK(cublasCreate(&blas_));
+    MGPU_CUBLAS_CHECK(cublasSetStream(blas_, stream_));
+    MGPU_CUBLAS_CHECK(cublasSetMathMode(blas_, CUBLAS_PEDANTIC_MATH));  // FP32, no TF32
+    counts_.resize(2);
+  }
+  ~CudaStress() override {
+    cudaSetDevice(device_);
+    if (blas_) cublasDestroy(blas_);
+    cudaEventDestroy(start_);
+    cudaEventDestroy(stop_);
+    cudaStreamDestroy(stream_);
+  }
+  std::string name() const override {
+    cudaDeviceProp prop{};
+    return cudaGetDeviceProperties(&prop, device_) == cudaSuccess ? std::string(prop.name) : "cuda";
+  }
+
+  StressCheck compute(size_t n, int iterations, uint64_t seed, size_t sample, bool inject_fault) override {
+    MGPU_CHECK(n >= 1 && iterations >= 1, ConfigError, "compute burn needs n >= 1 and iterations >= 1");
+    MGPU_CUDA_CHECK(cudaSetDevice(device_));
+    values_.resize(n);
+    StressCheck c;
+    begin();
+    compute_kernel<<<grid_for(n), kThreads, 0, stream_>>>(values_.ptr, n, iterations, seed);
+    MGPU_CUDA_CHECK_LAUNCH("compute_kernel");
+    c.seconds = end();
+    c.work = double(n) * iterations * kStressChainOps;
+    const size_t checks = std::min(std::max<size_t>(sample, 1), n);
+    if (inject_fault) flip_bit(values_.ptr + (checks / 2) * n / checks);
+    zero_counts();
+    compute_check_kernel<<<grid_for(checks), kThreads, 0, stream_>>>(counts_.ptr, values_.ptr, n, checks,
+                                                                       iterations, seed);
+    MGPU_CUDA_CHECK_LAUNCH("compute_check_kernel");
+    const auto counts = read_counts();
+    c.checked = static_cast<int64_t>(checks);
+    c.mismatches = static_cast<int64_t>(counts[0]);
+    c.nonfinite = static_cast<int64_t>(counts[1]);
+    return c;
+  }
+
+  StressCheck gemm(int n, int repeats, uint64_t seed, double tol, bool inject_fault) override {
+    MGPU_CHECK(n >= 1 && repeats >= 1, ConfigError, "GEMM burn needs n >= 1 and repeats >= 1");
+    MGPU_CHECK(tol >= 0, ConfigError, "tolerance must be >= 0");
+    MGPU_CUDA_CHECK(cudaSetDevice(device_));
+    const size_t nn = size_t(n) * n;
+    if (gemm_n_ != n || gemm_seed_ != seed) {
+      a_.resize(nn);
+      b_.resize(nn);
+      c_.resize(nn);
+      first_.resize(nn);
+      gemm_inputs_kernel<<<grid_for(nn), kThreads, 0, stream_>>>(a_.ptr, b_.ptr, nn, seed);
+      MGPU_CUDA_CHECK_LAUNCH("gemm_inputs_kernel");
+      have_first_ = false;
+      gemm_n_ = n;
+      gemm_seed_ = seed;
+    }
+    const float one = 1.0f, zero = 0.0f;
+    StressCheck c;
+    for (int r = 0; r < repeats; ++r) {
+      begin();
+      // row-major C = A B is column-major C^T = B^T A^T: swap the operands
+      MGPU_CUBLAS_CHECK(cublasSgemm(blas_, CUBLAS_OP_N, CUBLAS_OP_N, n, n, n, &one, b_.ptr, n, a_.ptr, n, &zero,
+                                    c_.ptr, n));
+      c.seconds += end();
+      c.work += 2.0 * n * double(n) * n;
+      if (!have_first_) {
+        MGPU_CUDA_CHECK(cudaMemcpyAsync(first_.ptr, c_.ptr, nn * sizeof(float), cudaMemcpyDeviceToDevice, stream_));
+        have_first_ = true;
+        continue;
+      }
+      if (inject_fault && r == repeats - 1) flip_bit(c_.ptr + nn / 3);
+      zero_counts();
+      gemm_check_kernel<<<grid_for(nn), kThreads, 0, stream_>>>(counts_.ptr, c_.ptr, first_.ptr, nn, tol);
+      MGPU_CUDA_CHECK_LAUNCH("gemm_check_kernel");
+      const auto counts = read_counts();
+      c.checked += static_cast<int64_t>(nn);
+      c.mismatches += static_cast<int64_t>(counts[0]);
+      c.nonfinite += static_cast<int64_t>(counts[1]);
+    }
+    return c;
+  }
+
+  size_t resize_buffer(size_t bytes) override {
+    MGPU_CUDA_CHECK(cudaSetDevice(device_));
+    buffer_.resize(bytes / sizeof(uint64_t));
+    return buffer_bytes();
+  }
+  size_t buffer_bytes() const override { return buffer_.count * sizeof(uint64_t); }
+
+  StressCheck memory(const std::string& pattern_name, uint64_t seed, int pass, bool inject_fault) override {
+    const StressPattern p = parse_pattern(pattern_name);
+    MGPU_CHECK(buffer_.count > 0, ConfigError, "the memory pass needs a buffer (resize_buffer first)");
+    MGPU_CUDA_CHECK(cudaSetDevice(device_));
+    StressCheck c;
+    begin();
+    memory_write_kernel<<<grid_for(buffer_.count), kThreads, 0, stream_>>>(buffer_.ptr, buffer_.count, p, seed, pass);
+    MGPU_CUDA_CHECK_LAUNCH("memory_write_kernel");
+    c.seconds = end();
+    if (inject_fault) {
+      uint64_t word = 0;
+      uint64_t* target = buffer_.ptr + buffer_.count / 2;
+      MGPU_CUDA_CHECK(cudaMemcpyAsync(&word, target, sizeof(word), cudaMemcpyDeviceToHost, stream_));
+      MGPU_CUDA_CHECK(cudaStreamSynchronize(stream_));
+      word ^= uint64_t{1} << 17;
+      MGPU_CUDA_CHECK(cudaMemcpyAsync(target, &word, sizeof(word), cudaMemcpyHostToDevice, stream_));
+      MGPU_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    }
+    zero_counts();
+    begin();
+    memory_check_kernel<<<grid_for(buffer_.count), kThreads, 0, stream_>>>(counts_.ptr, buffer_.ptr, buffer_.count,
+                                                                            p, seed, pass);
+    MGPU_CUDA_CHECK_LAUNCH("memory_check_kernel");
+    c.seconds += end();
+    c.work = 2.0 * buffer_bytes();
+    c.checked = static_cast<int64_t>(buffer_.count);
+    c.mismatches = static_cast<int64_t>(read_counts()[0]);
+    return c;
+  }
+
+ private:
+  void begin() { MGPU_CUDA_CHECK(cudaEventRecord(start_, stream_)); }
+  double end() {
+    MGPU_CUDA_CHECK(cudaEventRecord(stop_, stream_));
+    MGPU_CUDA_CHECK(cudaEventSynchronize(stop_));
+    float ms = 0.0f;
+    MGPU_CUDA_CHECK(cudaEventElapsedTime(&ms, start_, stop_));
+    return ms * 1e-3;
+  }
+  void zero_counts() {
+    MGPU_CUDA_CHECK(cudaMemsetAsync(counts_.ptr, 0, 2 * sizeof(unsigned long long), stream_));
+  }
+  std::array<unsigned long long, 2> read_counts() {
+    std::array<unsigned long long, 2> host{};
+    MGPU_CUDA_CHECK(cudaMemcpyAsync(host.data(), counts_.ptr, sizeof(host), cudaMemcpyDeviceToHost, stream_));
+    MGPU_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    return host;
+  }
+  // The test hook: the top mantissa bit of one float, a 25-50% error.
+  void flip_bit(float* device_value) {
+    float v = 0.0f;
+    MGPU_CUDA_CHECK(cudaMemcpyAsync(&v, device_value, sizeof(v), cudaMemcpyDeviceToHost, stream_));
+    MGPU_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    uint32_t bits;
+    std::memcpy(&bits, &v, sizeof(bits));
+    bits ^= 1u << 22;
+    std::memcpy(&v, &bits, sizeof(bits));
+    MGPU_CUDA_CHECK(cudaMemcpyAsync(device_value, &v, sizeof(v), cudaMemcpyHostToDevice, stream_));
+    MGPU_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  }
+
+  int device_;
+  cudaStream_t stream_ = nullptr;
+  cudaEvent_t start_ = nullptr, stop_ = nullptr;
+  cublasHandle_t blas_ = nullptr;
+  DeviceBuffer<float> values_, a_, b_, c_, first_;
+  DeviceBuffer<uint64_t> buffer_;
+  DeviceBuffer<unsigned long long> counts_;
+  int gemm_n_ = 0;
+  uint64_t gemm_seed_ = 0;
+  bool have_first_ = false;
+};
+
+}  // namespace
+
+std::shared_ptr<StressDevice> make_cuda_stress_device(int device_index) {
+  return std::make_shared<CudaStress>(device_index);
+}
+
+}  // namespace mgpu
