@@ -78,9 +78,7 @@ def measure(pg, sizes, dropout: float, batch: int, *, optimizer: str, warmup: in
     from .model import MLP
     from .trainer import Trainer
     model = MLP(sizes, seed=0, dropout=dropout, device=device, device_index=device_index, threads=threads)
-    trainer = Trainer(model, loss="mse", optimizer=optimizer, lr=1e-3, momentum=0.9, process_group=pg)
-    trainer._step = _core.DataParallelStep(model._core, trainer._optimizer, pg.communicator(), "mse", 1 << 20, True,
-                                           0.0, 1.0, False, 2000, True)  # timed: phases separated
+    trainer = Trainer(model, loss="mse", optimizer=optimizer, lr=1e-3, momentum=0.9, process_group=pg, timed=True)
     part = local_slice(batch, pg.rank, pg.size)
     rng = np.random.default_rng(pg.rank)
     rows = part.stop - part.start

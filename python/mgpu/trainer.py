@@ -54,7 +54,8 @@ class Trainer:
                  overlap: bool = True, batch_shares: Optional[Sequence[float]] = None,
                  accumulate: int = 1, max_grad_norm: float = 0.0, schedule: Optional[LRSchedule] = None,
                  loss_scale: Optional[float] = None, dynamic_loss_scale: Optional[bool] = None,
-                 max_bad_steps: int = 3, timeout: float = 300.0, communicator: str = "auto"):
+                 max_bad_steps: int = 3, timeout: float = 300.0, communicator: str = "auto",
+                 timed: bool = False):
         if not (isinstance(lr, (int, float)) and np.isfinite(lr) and lr > 0):
             raise ConfigError(f"learning rate must be a finite number > 0, got {lr}")
         if not isinstance(accumulate, int) or accumulate < 1:
@@ -90,8 +91,9 @@ class Trainer:
         if loss_scale is None:
             loss_scale = 2.0 ** 16 if fp16 else 1.0
         self._optimizer = _core.Optimizer(model._core, optimizer, momentum, weight_decay, betas[0], betas[1], eps)
+        # timed: separate the phases of a step on device backends too (benchmarks; costs overlap)
         self._step = _core.DataParallelStep(model._core, self._optimizer, comm, loss, bucket_elems, overlap,
-                                            max_grad_norm, loss_scale, dynamic_loss_scale)
+                                            max_grad_norm, loss_scale, dynamic_loss_scale, 2000, timed)
         self._step.broadcast_parameters(0)
         # Loop state: everything a checkpoint must hold to continue exactly.
         self.global_step = 0          # steps taken (including skipped ones)
