@@ -2,8 +2,8 @@
 sampled in a background thread, saved as a time series (CSV, JSON) and plotted.
 
 Sources, in order: NVML through pynvml when importable, `nvidia-smi
---query-gpu` otherwise (GPUs); /proc/loadavg, /proc/meminfo and
-/sys/class/thermal (the CPU). A reading a source cannot give is None.
+--query-gpu` otherwise (GPUs); /proc/stat (busy share since the last sample),
+/proc/meminfo and /sys/class/thermal (the CPU). A reading a source cannot give is None.
 """
 from __future__ import annotations
 
@@ -21,13 +21,26 @@ METRICS = ("temperature_c", "power_w", "power_limit_w", "utilization_pct", "sm_c
            "memory_used_pct")
 
 
+_last_cpu_times: list = []
+
+
+def _cpu_busy_pct() -> Optional[float]:
+    """Busy share of all CPUs since the previous call (from /proc/stat), None on the first."""
+    try:
+        fields = [int(v) for v in open("/proc/stat").readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle, total = fields[3] + (fields[4] if len(fields) > 4 else 0), sum(fields[:8])
+    previous = _last_cpu_times[:]
+    _last_cpu_times[:] = [idle, total]
+    if not previous or total <= previous[1]:
+        return None
+    return 100.0 * (1.0 - (idle - previous[0]) / (total - previous[1]))
+
+
 def cpu_reading() -> dict:
     r = {m: None for m in METRICS}
-    try:
-        load1 = float(open("/proc/loadavg").read().split()[0])
-        r["utilization_pct"] = min(100.0, 100.0 * load1 / max(len(os.sched_getaffinity(0)), 1))
-    except (OSError, ValueError):
-        pass
+    r["utilization_pct"] = _cpu_busy_pct()
     try:
         info = {}
         for line in open("/proc/meminfo"):
