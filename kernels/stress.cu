@@ -5,6 +5,7 @@
 // compared element by element with the first; memory patterns written and read
 // back with a mismatch counter. Times come from CUDA events.
 #include <cublas_v2.h>
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -56,6 +57,11 @@ __global__ void gemm_inputs_kernel(float* __restrict__ a, float* __restrict__ b,
     a[i] = stress_start(seed, i) - 0.5f;
     b[i] = stress_start(seed + 1, i) - 0.5f;
   }
+}
+
+__global__ void to_bf16_kernel(__nv_bfloat16* __restrict__ out, const float* __restrict__ in, size_t n) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
+    out[i] = __float2bfloat16(in[i]);
 }
 
 __global__ void gemm_check_kernel(unsigned long long* __restrict__ counts, const float* __restrict__ got,
@@ -162,29 +168,48 @@ class CudaStress final : public StressDevice {
     return c;
   }
 
-  StressCheck gemm(int n, int repeats, uint64_t seed, double tol, bool inject_fault) override {
+  StressCheck gemm(int n, int repeats, uint64_t seed, double tol, bool inject_fault,
+                   const std::string& precision) override {
+    MGPU_CHECK(precision == "fp32" || precision == "tf32" || precision == "bf16", ConfigError,
+               "GEMM burn precision must be fp32, tf32 or bf16, got '", precision, "'");
     MGPU_CHECK(n >= 1 && repeats >= 1, ConfigError, "GEMM burn needs n >= 1 and repeats >= 1");
     MGPU_CHECK(tol >= 0, ConfigError, "tolerance must be >= 0");
     MGPU_CUDA_CHECK(cudaSetDevice(device_));
     const size_t nn = size_t(n) * n;
-    if (gemm_n_ != n || gemm_seed_ != seed) {
+    if (gemm_n_ != n || gemm_seed_ != seed || gemm_precision_ != precision) {
       a_.resize(nn);
       b_.resize(nn);
       c_.resize(nn);
       first_.resize(nn);
       gemm_inputs_kernel<<<grid_for(nn), kThreads, 0, stream_>>>(a_.ptr, b_.ptr, nn, seed);
       MGPU_CUDA_CHECK_LAUNCH("gemm_inputs_kernel");
+      if (precision == "bf16") {
+        a16_.resize(nn);
+        b16_.resize(nn);
+        to_bf16_kernel<<<grid_for(nn), kThreads, 0, stream_>>>(a16_.ptr, a_.ptr, nn);
+        MGPU_CUDA_CHECK_LAUNCH("to_bf16_kernel");
+        to_bf16_kernel<<<grid_for(nn), kThreads, 0, stream_>>>(b16_.ptr, b_.ptr, nn);
+        MGPU_CUDA_CHECK_LAUNCH("to_bf16_kernel");
+      }
+      MGPU_CUBLAS_CHECK(cublasSetMathMode(blas_, precision == "tf32" ? CUBLAS_TF32_TENSOR_OP_MATH
+                                                                    : CUBLAS_PEDANTIC_MATH));
       have_first_ = false;
       gemm_n_ = n;
       gemm_seed_ = seed;
+      gemm_precision_ = precision;
     }
     const float one = 1.0f, zero = 0.0f;
     StressCheck c;
     for (int r = 0; r < repeats; ++r) {
       begin();
       // row-major C = A B is column-major C^T = B^T A^T: swap the operands
-      MGPU_CUBLAS_CHECK(cublasSgemm(blas_, CUBLAS_OP_N, CUBLAS_OP_N, n, n, n, &one, b_.ptr, n, a_.ptr, n, &zero,
-                                    c_.ptr, n));
+      if (precision == "bf16")
+        MGPU_CUBLAS_CHECK(cublasGemmEx(blas_, CUBLAS_OP_N, CUBLAS_OP_N, n, n, n, &one, b16_.ptr, CUDA_R_16BF, n,
+                                       a16_.ptr, CUDA_R_16BF, n, &zero, c_.ptr, CUDA_R_32F, n, CUBLAS_COMPUTE_32F,
+                                       CUBLAS_GEMM_DEFAULT));
+      else
+        MGPU_CUBLAS_CHECK(cublasSgemm(blas_, CUBLAS_OP_N, CUBLAS_OP_N, n, n, n, &one, b_.ptr, n, a_.ptr, n, &zero,
+                                      c_.ptr, n));
       c.seconds += end();
       c.work += 2.0 * n * double(n) * n;
       if (!have_first_) {
@@ -202,6 +227,20 @@ class CudaStress final : public StressDevice {
       c.nonfinite += static_cast<int64_t>(counts[1]);
     }
     return c;
+  }
+
+  double copy_bandwidth(size_t bytes) override {
+    MGPU_CHECK(bytes >= 1, ConfigError, "copy size must be >= 1 byte");
+    MGPU_CUDA_CHECK(cudaSetDevice(device_));
+    DeviceBuffer<char> src, dst;
+    src.resize(bytes);
+    dst.resize(bytes);
+    MGPU_CUDA_CHECK(cudaMemcpyAsync(dst.ptr, src.ptr, bytes, cudaMemcpyDeviceToDevice, stream_));  // warm-up
+    constexpr int kRepeats = 10;
+    begin();
+    for (int r = 0; r < kRepeats; ++r)
+      MGPU_CUDA_CHECK(cudaMemcpyAsync(dst.ptr, src.ptr, bytes, cudaMemcpyDeviceToDevice, stream_));
+    return 2.0 * bytes * kRepeats / end();
   }
 
   size_t resize_buffer(size_t bytes) override {
@@ -277,6 +316,8 @@ class CudaStress final : public StressDevice {
   cudaEvent_t start_ = nullptr, stop_ = nullptr;
   cublasHandle_t blas_ = nullptr;
   DeviceBuffer<float> values_, a_, b_, c_, first_;
+  DeviceBuffer<__nv_bfloat16> a16_, b16_;
+  std::string gemm_precision_;
   DeviceBuffer<uint64_t> buffer_;
   DeviceBuffer<unsigned long long> counts_;
   int gemm_n_ = 0;

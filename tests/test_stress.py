@@ -28,7 +28,8 @@ def test_short_run_verifies_every_kernel_and_writes_telemetry(tmp_path):
     assert dev["verdict"] == "OK" and dev["errors"] == {"compute": 0, "gemm": 0, "memory": 0}
     assert all(dev["checked"][k] > 0 and dev["runs"][k] > 0 for k in ("compute", "gemm", "memory"))
     assert dev["buffer_bytes"] == 8 << 20
-    for key in ("compute_ops_per_s", "gemm_flops", "gemm_reference_flops", "memory_GBps"):
+    for key in ("compute_ops_per_s", "gemm_flops", "gemm_reference_flops", "memory_GBps", "copy_reference_GBps",
+                "memory_vs_copy", "gemm_vs_reference"):
         assert dev["rates"][key] > 0
     tel = dev["telemetry"]
     assert tel["memory_used_pct"]["min"] <= tel["memory_used_pct"]["max"]
@@ -53,6 +54,9 @@ def test_verification_is_exact_without_faults():
     assert c.checked == 1000 and c.mismatches == 0 and c.nonfinite == 0
     g = dev.gemm(64, 3, 1, 0.0, False)
     assert g.checked == 2 * 64 * 64 and g.mismatches == 0
+    with pytest.raises(ValueError, match="fp32 only"):
+        dev.gemm(64, 2, 1, 0.0, False, "bf16")
+    assert dev.copy_bandwidth(1 << 20) > 1e8
     dev.resize_buffer(1 << 20)
     for pattern in ("walking_ones", "address", "random"):
         m = dev.memory(pattern, 0, 1, False)
@@ -108,6 +112,7 @@ def test_sigterm_stops_cleanly_with_a_report(tmp_path):
 @pytest.mark.parametrize("args, message", [
     (["--duration", "-1"], "--duration"), (["--memory-fraction", "1.5"], "--memory-fraction"),
     (["--kernel", "fft"], "invalid choice"), (["--gemm-size", "0"], "--gemm-size"),
+    (["--device", "cpu", "--gemm-precision", "bf16"], "needs a GPU"),
 ])
 def test_stress_bad_input_one_line_on_every_rank(args, message):
     r = mpirun(2, [*MGPU, "stress", "--no-progress", *args], timeout=120)

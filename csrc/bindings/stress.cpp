@@ -21,8 +21,10 @@ void bind_stress(py::module_& m) {
            py::arg("sample") = 1024, py::arg("inject_fault") = false, py::call_guard<py::gil_scoped_release>(),
            "Transcendental burn over n values; `sample` recomputed by the reference.")
       .def("gemm", &StressDevice::gemm, py::arg("n"), py::arg("repeats"), py::arg("seed") = 0, py::arg("tol") = 0.0,
-           py::arg("inject_fault") = false, py::call_guard<py::gil_scoped_release>(),
-           "Repeated GEMMs on fixed random inputs, each result checked against the first.")
+           py::arg("inject_fault") = false, py::arg("precision") = "fp32", py::call_guard<py::gil_scoped_release>(),
+           "Repeated GEMMs on fixed random inputs (fp32, tf32 or bf16), each result checked against the first.")
+      .def("copy_bandwidth", &StressDevice::copy_bandwidth, py::arg("bytes"), py::call_guard<py::gil_scoped_release>(),
+           "Bytes/s (read + written) of a plain device-to-device copy: the memory pass's reference.")
       .def("resize_buffer", &StressDevice::resize_buffer, py::arg("bytes"), py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("buffer_bytes", &StressDevice::buffer_bytes)
       .def("memory", &StressDevice::memory, py::arg("pattern"), py::arg("seed") = 0, py::arg("pass_index") = 0,

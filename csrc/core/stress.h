@@ -29,7 +29,12 @@ class StressDevice {
   virtual StressCheck compute(size_t n, int iterations, uint64_t seed, size_t sample, bool inject_fault) = 0;
   // C (n, n) = A B on fixed random inputs, `repeats` times; every result
   // compared element by element with the first (relative tolerance `tol`).
-  virtual StressCheck gemm(int n, int repeats, uint64_t seed, double tol, bool inject_fault) = 0;
+  // precision: "fp32", or "tf32" / "bf16" where the device has them.
+  virtual StressCheck gemm(int n, int repeats, uint64_t seed, double tol, bool inject_fault,
+                           const std::string& precision) = 0;
+  // Reference for the memory pass: bytes/s (read + written) of a plain
+  // device-to-device copy of `bytes`.
+  virtual double copy_bandwidth(size_t bytes) = 0;
   // The pattern buffer: grown (or shrunk) to `bytes`; returns what it holds.
   virtual size_t resize_buffer(size_t bytes) = 0;
   virtual size_t buffer_bytes() const = 0;

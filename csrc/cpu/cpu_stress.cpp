@@ -65,7 +65,9 @@ class CpuStress final : public StressDevice {
     return c;
   }
 
-  StressCheck gemm(int n, int repeats, uint64_t seed, double tol, bool inject_fault) override {
+  StressCheck gemm(int n, int repeats, uint64_t seed, double tol, bool inject_fault,
+                   const std::string& precision) override {
+    MGPU_CHECK(precision == "fp32", ConfigError, "the CPU GEMM burn runs in fp32 only (asked for ", precision, ")");
     MGPU_CHECK(n >= 1 && repeats >= 1, ConfigError, "GEMM burn needs n >= 1 and repeats >= 1");
     MGPU_CHECK(tol >= 0, ConfigError, "tolerance must be >= 0");
     const size_t nn = size_t(n) * n;
@@ -106,6 +108,16 @@ class CpuStress final : public StressDevice {
       c.nonfinite += nonfinite;
     }
     return c;
+  }
+
+  double copy_bandwidth(size_t bytes) override {
+    MGPU_CHECK(bytes >= 1, ConfigError, "copy size must be >= 1 byte");
+    std::vector<char> src(bytes, 1), dst(bytes, 0);
+    std::memcpy(dst.data(), src.data(), bytes);  // fault the pages in before timing
+    const auto t0 = Clock::now();
+    constexpr int kRepeats = 5;
+    for (int r = 0; r < kRepeats; ++r) std::memcpy(dst.data(), src.data(), bytes);
+    return 2.0 * bytes * kRepeats / since(t0);
   }
 
   size_t resize_buffer(size_t bytes) override {

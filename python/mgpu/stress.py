@@ -87,6 +87,7 @@ def _available_memory(device: str, index: int, local_size: int) -> float:
 
 def run_device(pg, *, device: str, device_index: int, threads: int, duration: float, kernels, memory_bytes: float,
                compute_size: int, iterations: int, gemm_size: int, gemm_repeats: int, gemm_tol: float,
+               gemm_precision: str,
                thresholds: Thresholds, interval: float, inject: Optional[str], hang_timeout: float,
                progress: bool, stop: threading.Event) -> tuple:
     """Stress this rank's device for `duration` seconds; returns (result, telemetry samples)."""
@@ -95,8 +96,11 @@ def run_device(pg, *, device: str, device_index: int, threads: int, duration: fl
     sampler = Sampler(read, interval).start()
     monitor = SafetyMonitor(thresholds, pg.rank)
     backend = _core.make_backend(device, device_index, threads)
+    backend.precision = gemm_precision  # ConfigError where the device has no such GEMMs
     ref = sorted(_core.time_linear(backend, gemm_size, gemm_size, gemm_size, 5))[2]
-    reference_flops = 2.0 * gemm_size ** 3 / ref  # the plain GEMM rate, measured in this run
+    reference_flops = 2.0 * gemm_size ** 3 / ref  # the plain GEMM rate at this precision, measured in this run
+    copy_bytes = int(min(max(memory_bytes, MiB), 256 * MiB))
+    reference_copy = dev.copy_bandwidth(copy_bytes)  # bytes/s of a plain device-to-device copy
     totals = {k: {"checked": 0, "mismatches": 0, "nonfinite": 0, "seconds": 0.0, "work": 0.0, "runs": 0}
               for k in kernels}
     injected = set()
@@ -127,7 +131,7 @@ def run_device(pg, *, device: str, device_index: int, threads: int, duration: fl
             if kernel == "compute":
                 c = dev.compute(compute_size, iterations, i, 1024, fault)
             elif kernel == "gemm":
-                c = dev.gemm(gemm_size, gemm_repeats, 7, gemm_tol, fault)
+                c = dev.gemm(gemm_size, gemm_repeats, 7, gemm_tol, fault, gemm_precision)
             else:
                 target = memory_bytes
                 if dev.buffer_bytes < target and monitor.grow_memory:  # grow in quarters
@@ -156,12 +160,19 @@ def run_device(pg, *, device: str, device_index: int, threads: int, duration: fl
     rates = {}
     if "compute" in totals and totals["compute"]["seconds"] > 0:
         rates["compute_ops_per_s"] = totals["compute"]["work"] / totals["compute"]["seconds"]
+        clock = summarize(samples).get("sm_clock_mhz", {}).get("max")
+        if device == "cuda" and clock:  # special-function units: 16 per SM and clock
+            sms = _core.cuda_device_info(device_index)["multiprocessors"]
+            rates["sfu_limit_ops_per_s"] = sms * 16 * clock * 1e6
+            rates["compute_vs_sfu_limit"] = rates["compute_ops_per_s"] / rates["sfu_limit_ops_per_s"]
     if "gemm" in totals and totals["gemm"]["seconds"] > 0:
         rates["gemm_flops"] = totals["gemm"]["work"] / totals["gemm"]["seconds"]
         rates["gemm_reference_flops"] = reference_flops
         rates["gemm_vs_reference"] = rates["gemm_flops"] / reference_flops
     if "memory" in totals and totals["memory"]["seconds"] > 0:
         rates["memory_GBps"] = totals["memory"]["work"] / totals["memory"]["seconds"] / 1e9
+        rates["copy_reference_GBps"] = reference_copy / 1e9
+        rates["memory_vs_copy"] = rates["memory_GBps"] / rates["copy_reference_GBps"]
     result = {"rank": pg.rank, "host": socket.gethostname(), "device": device, "device_index": device_index,
               "name": dev.name, "verdict": "FAULTY" if sum(errors.values()) or nonfinite else "OK",
               "errors": errors, "nonfinite": nonfinite, "checked": {k: int(v["checked"]) for k, v in totals.items()},
@@ -192,6 +203,8 @@ def cmd_stress(a, pg) -> int:
             _check_output_path(path, what)
     kernels = KERNELS if a.kernel == "all" else (a.kernel,)
     device, index = pg.resolve_device(a.device)
+    if a.gemm_precision != "fp32" and device != "cuda":
+        raise ConfigError(f"--gemm-precision {a.gemm_precision} needs a GPU; the CPU GEMM burn runs in fp32")
     threads = a.threads or pg.default_threads()
     memory = a.memory_mb * MiB if a.memory_mb else a.memory_fraction * _available_memory(device, index, pg.local_size)
     pg.timeout = a.hang_timeout
@@ -208,7 +221,7 @@ def cmd_stress(a, pg) -> int:
         result, samples = run_device(
             pg, device=device, device_index=index, threads=threads, duration=a.duration, kernels=kernels,
             memory_bytes=memory, compute_size=a.compute_size, iterations=a.iterations, gemm_size=a.gemm_size,
-            gemm_repeats=a.gemm_repeats, gemm_tol=a.gemm_tol,
+            gemm_repeats=a.gemm_repeats, gemm_tol=a.gemm_tol, gemm_precision=a.gemm_precision,
             thresholds=Thresholds(a.max_temp, a.max_memory_percent, a.power_limit), interval=a.interval,
             inject=a.inject_fault, hang_timeout=a.hang_timeout, progress=not a.no_progress, stop=stop)
     finally:
@@ -253,6 +266,8 @@ def add_parser(sub) -> None:
     s.add_argument("--gemm-size", type=int, default=1024, help="GEMM size n (n x n)")
     s.add_argument("--gemm-repeats", type=int, default=4, help="GEMMs per launch")
     s.add_argument("--gemm-tol", type=float, default=0.0, help="relative tolerance of GEMM verification")
+    s.add_argument("--gemm-precision", choices=("fp32", "tf32", "bf16"), default="fp32",
+                   help="GEMM burn precision (tf32 and bf16 on GPUs)")
     s.add_argument("--max-temp", type=float, default=85.0, help="C: above it, throttle")
     s.add_argument("--max-memory-percent", type=float, default=95.0, help="above it, stop growing the buffer")
     s.add_argument("--power-limit", type=float, default=None, help="W: above it, warn (default: the device's)")

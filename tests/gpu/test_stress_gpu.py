@@ -17,10 +17,15 @@ def test_compute_burn_verifies_and_catches_a_flip(dev):
     assert dev.compute(1 << 16, 8, 3, 4096, True).mismatches == 1
 
 
-def test_gemm_burn_is_deterministic_and_catches_a_flip(dev):
-    g = dev.gemm(512, 4, 1, 0.0, False)
+@pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"])
+def test_gemm_burn_is_deterministic_and_catches_a_flip(dev, precision):
+    g = dev.gemm(512, 4, 1, 0.0, False, precision)
     assert g.checked == 3 * 512 * 512 and g.mismatches == 0 and g.nonfinite == 0
-    assert dev.gemm(512, 3, 1, 1e-3, True).mismatches == 1
+    assert dev.gemm(512, 3, 1, 1e-3, True, precision).mismatches == 1
+
+
+def test_copy_reference_bandwidth(dev):
+    assert dev.copy_bandwidth(64 << 20) > 1e11  # any data-centre GPU copies > 100 GB/s
 
 
 @pytest.mark.parametrize("pattern", ["walking_ones", "address", "random"])
