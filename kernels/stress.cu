@@ -90,13 +90,6 @@ __global__ void memory_check_kernel(unsigned long long* __restrict__ counts, con
   if (wrong) atomicAdd(&counts[0], wrong);
 }
 
-StressPattern parse_pattern(const std::string& name) {
-  if (name == "walking_ones") return StressPattern::kWalkingOnes;
-  if (name == "address") return StressPattern::kAddress;
-  if (name == "random") return StressPattern::kRandom;
-  throw ConfigError("unknown memory pattern '" + name + "' (expected walking_ones, address or random)");
-}
-
 // Device memory owned by the stress device; freed without throwing.
 template <typename T>
 struct DeviceBuffer {
@@ -251,7 +244,7 @@ class CudaStress final : public StressDevice {
   size_t buffer_bytes() const override { return buffer_.count * sizeof(uint64_t); }
 
   StressCheck memory(const std::string& pattern_name, uint64_t seed, int pass, bool inject_fault) override {
-    const StressPattern p = parse_pattern(pattern_name);
+    const StressPattern p = parse_stress_pattern(pattern_name);
     MGPU_CHECK(buffer_.count > 0, ConfigError, "the memory pass needs a buffer (resize_buffer first)");
     MGPU_CUDA_CHECK(cudaSetDevice(device_));
     StressCheck c;

@@ -4,7 +4,9 @@
 #pragma once
 #include <cmath>
 #include <cstdint>
+#include <string>
 
+#include "errors.h"
 #include "philox.h"
 
 namespace mgpu {
@@ -33,6 +35,14 @@ MGPU_HD float stress_start(uint64_t seed, uint64_t i) {
 
 // Memory patterns: the 64-bit word at index i of pass `pass`.
 enum class StressPattern { kWalkingOnes, kAddress, kRandom };
+
+// Host only: a pattern by its name in StressDevice::memory.
+inline StressPattern parse_stress_pattern(const std::string& name) {
+  if (name == "walking_ones") return StressPattern::kWalkingOnes;
+  if (name == "address") return StressPattern::kAddress;
+  if (name == "random") return StressPattern::kRandom;
+  throw ConfigError("unknown memory pattern '" + name + "' (expected walking_ones, address or random)");
+}
 MGPU_HD uint64_t stress_word(StressPattern p, uint64_t seed, int pass, uint64_t i) {
   switch (p) {
     case StressPattern::kWalkingOnes:

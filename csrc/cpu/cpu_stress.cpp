@@ -23,13 +23,6 @@ namespace {
 using Clock = std::chrono::steady_clock;
 double since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
-StressPattern parse_pattern(const std::string& name) {
-  if (name == "walking_ones") return StressPattern::kWalkingOnes;
-  if (name == "address") return StressPattern::kAddress;
-  if (name == "random") return StressPattern::kRandom;
-  throw ConfigError("unknown memory pattern '" + name + "' (expected walking_ones, address or random)");
-}
-
 // Scalar and not vectorised, so the burn and its reference run the very same
 // instructions (vector libm variants may differ from scalar ones by an ulp).
 __attribute__((optimize("no-tree-vectorize"))) float chain_n(float x, int iterations) {
@@ -136,7 +129,7 @@ class CpuStress final : public StressDevice {
   size_t buffer_bytes() const override { return words_ * sizeof(uint64_t); }
 
   StressCheck memory(const std::string& pattern_name, uint64_t seed, int pass, bool inject_fault) override {
-    const StressPattern pattern = parse_pattern(pattern_name);
+    const StressPattern pattern = parse_stress_pattern(pattern_name);
     MGPU_CHECK(words_ > 0, ConfigError, "the memory pass needs a buffer (resize_buffer first)");
     const long len = static_cast<long>(words_);
     StressCheck c;

@@ -153,11 +153,10 @@ def _write_json_atomic(path: str, obj) -> None:
     os.replace(tmp, path)
 
 
-def _auto_batch_shares(cfg, pg) -> list:
+def _auto_batch_shares(cfg, pg, sizes) -> list:
     """Per-rank shares from the strategy selector on this machine's calibration: each
     rank's share in proportion to its device's predicted speed (seed 000's unequal GPUs)."""
     from . import perf
-    import os
     path = perf.default_profile_path()
     if not os.path.exists(path):
         raise ConfigError("--batch-shares auto needs a calibration of this machine: run "
@@ -166,9 +165,7 @@ def _auto_batch_shares(cfg, pg) -> list:
     if len(profile["devices"]) != pg.size:
         raise ConfigError(f"--batch-shares auto: the calibration at {path} has {len(profile['devices'])} "
                           f"device(s) but this job has {pg.size} ranks; rerun `mgpu topo` with {pg.size} ranks")
-    layers = cfg.layers or [perf.PRESETS[cfg.model].in_features or 50, *perf.PRESETS[cfg.model].hidden,
-                            perf.PRESETS[cfg.model].out_features or 3]
-    w = perf._workload(None, layers, None, cfg.batch_size, "fp32", cfg.optimizer, cfg.bucket_mb, cfg.effective_dropout())
+    w = perf._workload(None, sizes, None, cfg.batch_size, "fp32", cfg.optimizer, cfg.bucket_mb, cfg.effective_dropout())
     prediction = perf.P.predict(w, perf.to_core(profile), pg.size, perf.P.Options())
     return [float(s) for s in prediction.batch_shares]
 
@@ -232,8 +229,6 @@ def cmd_train(a, pg) -> int:
 
     error, resume = None, None
     try:  # work that can fail on some ranks only: agree before any collective
-        if a.batch_shares == "auto":
-            a.batch_shares = _auto_batch_shares(cfg, pg)
         fixed_in, fixed_out = cfg.fixed_io()
         data = load_dataset(cfg.dataset, in_features=fixed_in, out_features=fixed_out, seed=42,
                             val_fraction=cfg.val_fraction)
@@ -243,6 +238,8 @@ def cmd_train(a, pg) -> int:
         if loss == "mse" and data.num_classes is not None:
             raise DataError(f"loss mse needs float targets, but dataset '{cfg.dataset}' has class labels")
         sizes = cfg.layer_sizes(data.in_features, data.out_features)
+        if a.batch_shares == "auto":  # the model as built for this dataset
+            a.batch_shares = _auto_batch_shares(cfg, pg, sizes)
         if len(data.x_train) < pg.size:
             raise DataError(f"dataset has {len(data.x_train)} training samples, fewer than the {pg.size} ranks")
         for path, what in ((a.json, "--json"), (a.save, "--save")):

@@ -33,9 +33,7 @@ def _cpu_description() -> dict:
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("model name") and model in ("unknown", ""):
-                    model = line.split(":", 1)[1].strip()
-                elif line.startswith("model name"):
+                if line.startswith("model name"):
                     model = line.split(":", 1)[1].strip()
                 if line.startswith("flags"):
                     flags = set(line.split(":", 1)[1].split())
