@@ -71,7 +71,9 @@ __global__ void relu_kernel(float* __restrict__ h, size_t n) {
 
 // One thread per (row, counter): one Philox call serves the row's four units
 // g, g + G, g + 2G, g + 3G; neighbouring threads touch neighbouring units.
-__global__ void relu_dropout_kernel(float* __restrict__ h, int B, MaskParams m) {
+// step_dev (nullable): the step to use instead of m.step (captured graphs; see Backend).
+__global__ void relu_dropout_kernel(float* __restrict__ h, int B, MaskParams m, const uint64_t* step_dev) {
+  if (step_dev) m.step = static_cast<uint32_t>(*step_dev);
   const size_t total = size_t(B) * m.groups;
   for (size_t t = blockIdx.x * size_t(blockDim.x) + threadIdx.x; t < total; t += size_t(gridDim.x) * blockDim.x) {
     const int b = static_cast<int>(t / m.groups), g = static_cast<int>(t % m.groups);
@@ -96,7 +98,8 @@ __global__ void relu_dropout_backward_kernel(float* __restrict__ dh, const float
 
 }  // namespace
 
-void relu_dropout_forward(float* h, int B, int C, float p, const DropoutKey& key, cudaStream_t stream) {
+void relu_dropout_forward(float* h, int B, int C, float p, const DropoutKey& key, cudaStream_t stream,
+                          const uint64_t* step_dev) {
   const size_t n = size_t(B) * C;
   if (n == 0) return;
   if (p <= 0.0f) {
@@ -105,7 +108,7 @@ void relu_dropout_forward(float* h, int B, int C, float p, const DropoutKey& key
     return;
   }
   const MaskParams m = mask_params(C, p, key);
-  relu_dropout_kernel<<<grid_for(size_t(B) * m.groups), kThreads, 0, stream>>>(h, B, m);
+  relu_dropout_kernel<<<grid_for(size_t(B) * m.groups), kThreads, 0, stream>>>(h, B, m, step_dev);
   MGPU_CUDA_CHECK_LAUNCH("relu_dropout_kernel");
 }
 

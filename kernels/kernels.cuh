@@ -30,8 +30,10 @@ void cast_to_bf16(void* out, const float* in, size_t n, cudaStream_t stream);
 void cast_to_fp16(void* out, const float* in, size_t n, cudaStream_t stream);
 
 // dropout.cu
-// h (B, C) in place: relu, then inverted dropout with the DropoutKey mask.
-void relu_dropout_forward(float* h, int B, int C, float p, const DropoutKey& key, cudaStream_t stream);
+// h (B, C) in place: relu, then inverted dropout with the DropoutKey mask;
+// step_dev (device, nullable) overrides key.step, read when the kernel runs.
+void relu_dropout_forward(float* h, int B, int C, float p, const DropoutKey& key, cudaStream_t stream,
+                          const uint64_t* step_dev = nullptr);
 // dh (n) *= [h > 0] / (1 - p)
 void relu_dropout_backward(float* dh, const float* h, size_t n, float p, cudaStream_t stream);
 // Host execution of the exact per-element code the forward kernel runs

@@ -95,9 +95,15 @@ BatchArgs make_batch(MLP& model, const py::array& x_in, const py::object& y_in, 
   return a;
 }
 
+// fill may wait on the device: the GIL is released meanwhile, so another
+// thread (a rank of run_on_gpus) can launch the collective the device waits for.
 py::array_t<float> host_copy(size_t n, const std::function<void(float*)>& fill) {
   py::array_t<float> out(static_cast<py::ssize_t>(n));
-  fill(out.mutable_data());
+  float* dst = out.mutable_data();
+  {
+    py::gil_scoped_release nogil;
+    fill(dst);
+  }
   return out;
 }
 
@@ -212,7 +218,7 @@ PYBIND11_MODULE(_core, m) {
           [](Backend& b, const std::string& name) { b.set_precision(parse_precision(name)); },
           "GEMM arithmetic: 'fp32' | 'tf32' | 'bf16' | 'fp16' (parameters, gradients and optimizer "
           "state stay fp32); backends that cannot honour one raise ConfigError.")
-      .def("synchronize", &Backend::synchronize);
+      .def("synchronize", &Backend::synchronize, py::call_guard<py::gil_scoped_release>());
   m.def("make_backend", &make_backend, py::arg("device") = "cpu", py::arg("device_index") = 0,
         py::arg("threads") = 0, "A backend for 'cpu' or 'cuda'; threads=0 uses every available core.");
 
@@ -332,6 +338,12 @@ PYBIND11_MODULE(_core, m) {
            "NCCL communicator of one rank on GPU device_index; sidecar: the MpiCommunicator whose "
            "heartbeats name missing ranks on a timeout.")
       .def_property_readonly("device", &NcclCommunicator::device);
+  m.def("nccl_init_all", [](const std::vector<int>& devices) {
+          py::gil_scoped_release nogil;
+          return NcclCommunicator::init_all(devices);
+        }, py::arg("devices"),
+        "Single-process multi-GPU: one NcclCommunicator per device (ncclCommInitAll); rank i drives "
+        "devices[i], each from a thread of its own.");
 #endif
 
   py::class_<MLP, std::shared_ptr<MLP>>(m, "MLP")
@@ -349,7 +361,7 @@ PYBIND11_MODULE(_core, m) {
              return out;
            },
            "(weight offset, bias offset) of each layer in the flat buffers.")
-      .def("initialize", &MLP::initialize, py::arg("seed"))
+      .def("initialize", &MLP::initialize, py::arg("seed"), py::call_guard<py::gil_scoped_release>())
       .def("get_parameters",
            [](MLP& mm) { return host_copy(mm.num_params(), [&](float* d) { mm.get_parameters(d); }); })
       .def("set_parameters",
@@ -358,6 +370,7 @@ PYBIND11_MODULE(_core, m) {
              if (!flat || static_cast<size_t>(flat.size()) != mm.num_params())
                throw ConfigError(detail::concat("expected ", mm.num_params(), " float32 parameters, got ",
                                                 flat ? flat.size() : 0));
+             py::gil_scoped_release nogil;
              mm.set_parameters(flat.data());
            })
       .def("get_gradients",
@@ -416,10 +429,19 @@ PYBIND11_MODULE(_core, m) {
       .def("state_names", &Optimizer::state_names)
       .def("get_state",
            [](Optimizer& o, const std::string& name, size_t n) {
+             if (n != o.num_params())
+               throw ConfigError(detail::concat("optimizer state '", name, "' holds ", o.num_params(),
+                                                " values, not ", n));
              return host_copy(n, [&](float* d) { o.get_state(name, d); });
            },
            py::arg("name"), py::arg("num_params"))
-      .def("set_state", [](Optimizer& o, const std::string& name, FloatArray a) { o.set_state(name, a.data()); });
+      .def("set_state", [](Optimizer& o, const std::string& name, FloatArray a) {
+        if (static_cast<size_t>(a.size()) != o.num_params())
+          throw ConfigError(detail::concat("optimizer state '", name, "' needs ", o.num_params(),
+                                           " float32 values, got ", a.size()));
+        py::gil_scoped_release nogil;
+        o.set_state(name, a.data());
+      });
 
   bind_probe(m);
   bind_perf(m);
@@ -443,8 +465,16 @@ PYBIND11_MODULE(_core, m) {
       .def(py::init([](std::shared_ptr<MLP> model, std::shared_ptr<Optimizer> opt,
                        std::shared_ptr<Communicator> comm, const std::string& loss, size_t bucket_elems,
                        bool overlap, float max_grad_norm, float loss_scale, bool dynamic_loss_scale,
-                       int loss_scale_window, bool timed) {
+                       int loss_scale_window, bool timed, const std::string& graph) {
              StepOptions o;
+             if (graph == "off")
+               o.graph = StepOptions::Graph::kOff;
+             else if (graph == "auto")
+               o.graph = StepOptions::Graph::kAuto;
+             else if (graph == "on")
+               o.graph = StepOptions::Graph::kOn;
+             else
+               throw ConfigError("unknown graph mode '" + graph + "' (expected auto, on or off)");
              o.bucket_elems = bucket_elems;
              o.overlap = overlap;
              o.max_grad_norm = max_grad_norm;
@@ -458,7 +488,8 @@ PYBIND11_MODULE(_core, m) {
            py::arg("model"), py::arg("optimizer"), py::arg("communicator"), py::arg("loss") = "mse",
            py::arg("bucket_elems") = size_t{1} << 20, py::arg("overlap") = true,
            py::arg("max_grad_norm") = 0.0f, py::arg("loss_scale") = 1.0f,
-           py::arg("dynamic_loss_scale") = false, py::arg("loss_scale_window") = 2000, py::arg("timed") = false)
+           py::arg("dynamic_loss_scale") = false, py::arg("loss_scale_window") = 2000, py::arg("timed") = false,
+           py::arg("graph") = "off")
       .def(
           "step",
           [](DataParallelStep& s, py::list micro_batches, int64_t global_batch, uint64_t step_index,
@@ -489,6 +520,12 @@ PYBIND11_MODULE(_core, m) {
         py::gil_scoped_release nogil;
         s.broadcast_parameters(root);
       }, py::arg("root") = 0)
+      .def_property_readonly("uses_graphs", &DataParallelStep::uses_graphs,
+                             "Whether micro-batches are captured and replayed (CUDA graphs).")
+      .def_property_readonly("graph_replays", &DataParallelStep::graph_replays,
+                             "Micro-batches run as a replayed graph so far.")
+      .def_property_readonly("graph_fallback", &DataParallelStep::graph_fallback,
+                             "Why graph='auto' gave captured steps up ('' if it did not).")
       .def_property_readonly("overlaps", &DataParallelStep::overlaps,
                              "Whether allreduces overlap backward (needs NCCL or a device backend).")
       .def("buckets", [](const DataParallelStep& s) {

@@ -117,6 +117,29 @@ class Backend {
                " backend computes in fp32 only (asked for ", precision_name(precision), ")");
   }
   virtual Precision precision() const { return Precision::kFP32; }
+
+  // Step capture (CUDA graphs), for small models whose step is bound by kernel
+  // launches. The work issued between begin_capture() and end_capture() is
+  // recorded instead of run; replay(graph, step) runs it again with one launch.
+  // While capturing nothing may synchronise, allocate or copy to or from the
+  // host, and the dropout kernels take the step from backend memory (written by
+  // replay) instead of their DropoutKey, so one graph serves every step. A
+  // backend releases its graphs (capture_generation() changes) whenever memory
+  // they use may move: scratch growth, precision changes, release_captures().
+  virtual bool supports_capture() const { return false; }
+  virtual void begin_capture() {
+    throw ConfigError("the " + name() + " backend cannot capture steps (CUDA graphs)");
+  }
+  virtual int end_capture() { throw ConfigError("no capture in progress"); }
+  // Ends a capture that failed half-way; the stream is usable again afterwards.
+  virtual void abort_capture() noexcept {}
+  virtual void replay(int graph, uint64_t step) {
+    (void)graph;
+    (void)step;
+    throw ConfigError("the " + name() + " backend has no captured steps");
+  }
+  virtual void release_captures() {}
+  virtual uint64_t capture_generation() const { return 0; }
 };
 
 // Owning, move-only array in a backend's memory.

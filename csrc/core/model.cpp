@@ -67,6 +67,7 @@ void MLP::get_gradients(float* host_dst) {
 
 void MLP::ensure_capacity(int rows) {
   if (rows <= capacity_) return;
+  backend_->release_captures();  // captured steps point at the buffers about to move
   // Grow geometrically so a slowly growing batch does not reallocate every step.
   const int cap = std::max(rows, capacity_ + capacity_ / 2);
   activations_.clear();

@@ -29,6 +29,7 @@ class Optimizer {
 
   const OptimizerConfig& config() const { return config_; }
   int64_t steps_taken() const { return steps_; }
+  size_t num_params() const { return n_; }
   void set_steps_taken(int64_t steps) { steps_ = steps; }
   // Checkpoint access: SGD has "momentum_buffer" (when momentum > 0); AdamW has
   // "exp_avg" and "exp_avg_sq". Each holds num_params floats.

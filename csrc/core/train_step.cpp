@@ -65,6 +65,65 @@ DataParallelStep::DataParallelStep(std::shared_ptr<MLP> model, std::shared_ptr<O
   // per-bucket allreduces after backward are faster (docs/benchmarks.md).
   overlap_ = options_.overlap &&
              (comm_->progresses_independently() || !model_->backend().host_accessible());
+  const Backend& be = model_->backend();
+  MGPU_CHECK(options_.graph != StepOptions::Graph::kOn || be.supports_capture(), ConfigError,
+             "captured steps (CUDA graphs) need the CUDA backend; the ", be.name(), " backend has none");
+  graphs_enabled_ = be.supports_capture() &&
+                    (options_.graph == StepOptions::Graph::kOn ||
+                     (options_.graph == StepOptions::Graph::kAuto &&
+                      model_->num_params() <= StepOptions::kGraphAutoMaxParams));
+}
+
+void DataParallelStep::forward_backward(int rows, const DropoutKey& key, float grad_scale, bool accumulate,
+                                        const std::function<void(int)>& layer_done) {
+  MLP& m = *model_;
+  m.forward(rows, &key);
+  m.loss_forward_backward(loss_, rows, grad_scale, nullptr, accumulate);
+  m.backward(rows, layer_done, accumulate);
+}
+
+void DataParallelStep::forward_backward_graph(int rows, const DropoutKey& key, float grad_scale,
+                                              bool accumulate) {
+  Backend& be = model_->backend();
+  if (be.capture_generation() != graph_generation_) {  // the backend released our graphs
+    graphs_.clear();
+    seen_shapes_.clear();
+    graph_generation_ = be.capture_generation();
+  }
+  const ShapeKey shape{rows, key.first_sample, accumulate, grad_scale};
+  const auto found = graphs_.find(shape);
+  if (found != graphs_.end()) {
+    be.replay(found->second, key.step);
+    ++graph_replays_;
+    return;
+  }
+  // Bounded: shapes that keep changing (a dynamic loss scale, ragged batches)
+  // would otherwise pile up graphs.
+  constexpr size_t kMaxGraphs = 16, kMaxSeen = 256;
+  if (graphs_.size() >= kMaxGraphs || seen_shapes_.size() >= kMaxSeen) {
+    be.release_captures();
+    graphs_.clear();
+    seen_shapes_.clear();
+    graph_generation_ = be.capture_generation();
+  }
+  if (seen_shapes_.insert(shape).second) {  // first appearance: run uncaptured, sizing every buffer
+    forward_backward(rows, key, grad_scale, accumulate, nullptr);
+    return;
+  }
+  try {
+    be.begin_capture();
+    forward_backward(rows, key, grad_scale, accumulate, nullptr);
+    const int graph = be.end_capture();
+    graphs_[shape] = graph;
+    be.replay(graph, key.step);  // captured work is recorded, not run: run it now
+    ++graph_replays_;
+  } catch (const Error& e) {
+    be.abort_capture();
+    if (options_.graph == StepOptions::Graph::kOn) throw;
+    graphs_enabled_ = false;  // kAuto: uncaptured from here on
+    graph_fallback_ = e.what();
+    forward_backward(rows, key, grad_scale, accumulate, nullptr);
+  }
 }
 
 void DataParallelStep::set_loss_scale(float scale) {
@@ -133,6 +192,16 @@ StepResult DataParallelStep::step(const std::vector<MicroShard>& shards, int64_t
     if (s.batch.rows == 0) continue;
     m.stage(s.batch, loss_);
     const DropoutKey key{m.seed(), step_index, 0, s.first_sample};
+    if (graphs_enabled_) {
+      // One replay runs forward, loss and backward; the buckets go after it.
+      const auto t_staged = now();
+      result.timings.forward += seconds(t_phase, t_staged);
+      forward_backward_graph(s.batch.rows, key, grad_scale, written);
+      t_phase = now();
+      result.timings.backward += seconds(t_staged, t_phase);
+      written = true;
+      continue;
+    }
     m.forward(s.batch.rows, &key);
     m.loss_forward_backward(loss_, s.batch.rows, grad_scale, nullptr, written);
     const auto t_forward = now();

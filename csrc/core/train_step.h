@@ -6,7 +6,12 @@
 // however unevenly it is split.
 #pragma once
 #include <cstdint>
+#include <functional>
+#include <map>
 #include <memory>
+#include <set>
+#include <string>
+#include <tuple>
 #include <vector>
 
 #include "communicator.h"
@@ -44,6 +49,18 @@ struct StepOptions {
   float loss_scale = 1.0f;
   bool dynamic_loss_scale = false;
   int loss_scale_window = 2000;
+  // Capture each micro-batch's forward, loss and backward in a graph per shard
+  // shape (rows, first sample, accumulation, gradient scale) and replay it on
+  // later steps: one launch instead of dozens (CUDA graphs; see Backend). A
+  // shape is captured the second time it appears, so the first, uncaptured run
+  // has sized every buffer. With graphs the allreduce follows backward instead
+  // of overlapping it. kAuto: on for backends that capture and models of at
+  // most kGraphAutoMaxParams parameters (there launches dominate), falling back
+  // to uncaptured steps if a capture fails (graph_fallback() says why); kOn:
+  // always, and a failed capture throws.
+  enum class Graph { kOff, kAuto, kOn };
+  Graph graph = Graph::kOff;
+  static constexpr size_t kGraphAutoMaxParams = size_t{1} << 24;
   // Synchronize the backend between phases so StepResult::timings separates
   // them on a device backend (benchmarks; costs overlap). Host backends are
   // always timed exactly.
@@ -59,6 +76,8 @@ struct MicroShard {
 
 // Where a step's time went (seconds), from host timers; with a device backend
 // the phases are only separated when StepOptions::timed synchronizes them.
+// With a captured step, forward holds the staging and backward the replayed
+// forward, loss and backward.
 struct StepTimings {
   double forward = 0;     // staging, forward, loss (every micro-batch)
   double backward = 0;    // backward, including allreduces launched during it
@@ -92,8 +111,8 @@ class DataParallelStep {
   void broadcast_parameters(int root);
 
   const std::vector<Bucket>& buckets() const { return buckets_; }
-  // Whether this step overlaps the allreduce with backward.
-  bool overlaps() const { return overlap_; }
+  // Whether this step overlaps the allreduce with backward (never with graphs).
+  bool overlaps() const { return overlap_ && !graphs_enabled_; }
   const StepOptions& options() const { return options_; }
   float loss_scale() const { return loss_scale_; }
   void set_loss_scale(float scale);
@@ -103,8 +122,19 @@ class DataParallelStep {
   Optimizer& optimizer() { return *optimizer_; }
   Communicator& communicator() { return *comm_; }
   LossKind loss() const { return loss_; }
+  // Whether steps are captured and replayed (StepOptions::graph), how many
+  // micro-batches ran as a replay so far, and why kAuto gave graphs up ("" if not).
+  bool uses_graphs() const { return graphs_enabled_; }
+  int64_t graph_replays() const { return graph_replays_; }
+  const std::string& graph_fallback() const { return graph_fallback_; }
 
  private:
+  // Forward, loss and backward of the staged micro-batch (layer_done: see MLP::backward).
+  void forward_backward(int rows, const DropoutKey& key, float grad_scale, bool accumulate,
+                        const std::function<void(int)>& layer_done);
+  // The same through a captured graph (captured on the shape's second appearance).
+  void forward_backward_graph(int rows, const DropoutKey& key, float grad_scale, bool accumulate);
+
   std::shared_ptr<MLP> model_;
   std::shared_ptr<Optimizer> optimizer_;
   std::shared_ptr<Communicator> comm_;
@@ -114,6 +144,13 @@ class DataParallelStep {
   std::vector<Bucket> buckets_;
   float loss_scale_ = 1.0f;
   int good_steps_ = 0;
+  using ShapeKey = std::tuple<int, int64_t, bool, float>;  // rows, first sample, accumulate, grad scale
+  bool graphs_enabled_ = false;
+  std::map<ShapeKey, int> graphs_;   // captured shapes -> the backend's graph id
+  std::set<ShapeKey> seen_shapes_;   // shapes run once uncaptured
+  uint64_t graph_generation_ = 0;    // backend's capture_generation() the ids belong to
+  int64_t graph_replays_ = 0;
+  std::string graph_fallback_;
 };
 
 }  // namespace mgpu

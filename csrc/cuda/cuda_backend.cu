@@ -30,6 +30,8 @@ CudaBackend::CudaBackend(int device_index) : device_(device_index) {
     MGPU_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&partials_), kernels::kPartialsSize * sizeof(double)));
     MGPU_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&sum_out_), sizeof(double)));
     MGPU_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&sum_host_), sizeof(double)));
+    MGPU_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&step_dev_), sizeof(uint64_t)));
+    MGPU_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&step_host_), sizeof(uint64_t)));
   } catch (...) {
     release();
     throw;
@@ -41,13 +43,21 @@ CudaBackend::~CudaBackend() { release(); }
 void CudaBackend::release() noexcept {
   // Errors here cannot be reported (destructor); a broken context frees everything anyway.
   cudaSetDevice(device_);
+  abort_capture();
   if (stream_) cudaStreamSynchronize(stream_);
+  for (cudaGraphExec_t g : graphs_) cudaGraphExecDestroy(g);
+  graphs_.clear();
   if (cublas_) cublasDestroy(cublas_);
   cudaFree(cublas_workspace_);
   cudaFree(partials_);
   cudaFree(sum_out_);
   if (sum_host_) cudaFreeHost(sum_host_);
-  for (void* p : half_) cudaFree(p);
+  cudaFree(step_dev_);
+  if (step_host_) cudaFreeHost(step_host_);
+  step_dev_ = step_host_ = nullptr;
+  for (void* p : half_)
+    if (p && stream_) cudaFreeAsync(p, stream_);  // stream-ordered allocations (gemm_input)
+  if (stream_) cudaStreamSynchronize(stream_);
   if (stream_) cudaStreamDestroy(stream_);
   cublas_ = nullptr;
   stream_ = nullptr;
@@ -88,6 +98,7 @@ void CudaBackend::free_bytes(void* ptr) noexcept {
 void CudaBackend::copy_to_backend(void* dst, const void* host_src, size_t bytes) {
   if (!bytes) return;
   activate();
+  MGPU_CHECK(!capturing_, DeviceError, "copy_to_backend synchronises: not allowed in a capture");
   MGPU_CUDA_CHECK(cudaMemcpyAsync(dst, host_src, bytes, cudaMemcpyHostToDevice, stream_));
   MGPU_CUDA_CHECK(cudaStreamSynchronize(stream_));
 }
@@ -95,6 +106,7 @@ void CudaBackend::copy_to_backend(void* dst, const void* host_src, size_t bytes)
 void CudaBackend::copy_to_host(void* host_dst, const void* src, size_t bytes) {
   if (!bytes) return;
   activate();
+  MGPU_CHECK(!capturing_, DeviceError, "copy_to_host synchronises: not allowed in a capture");
   MGPU_CUDA_CHECK(cudaMemcpyAsync(host_dst, src, bytes, cudaMemcpyDeviceToHost, stream_));
   MGPU_CUDA_CHECK(cudaStreamSynchronize(stream_));
 }
@@ -107,11 +119,14 @@ void CudaBackend::zero(float* x, size_t n) {
 
 void CudaBackend::synchronize() {
   activate();
+  MGPU_CHECK(!capturing_, DeviceError, "synchronize() is not allowed in a capture");
   MGPU_CUDA_CHECK(cudaStreamSynchronize(stream_));
 }
 
 void CudaBackend::set_precision(Precision precision) {
   activate();
+  MGPU_CHECK(!capturing_, ConfigError, "the precision cannot change during a capture");
+  release_captures();  // graphs hold the old GEMM configuration
   // TF32 only when asked: fp32 GEMMs stay IEEE fp32 so results match the CPU backend.
   MGPU_CUBLAS_CHECK(cublasSetMathMode(
       cublas_, precision == Precision::kTF32 ? CUBLAS_TF32_TENSOR_OP_MATH : CUBLAS_DEFAULT_MATH));
@@ -123,12 +138,22 @@ const void* CudaBackend::gemm_input(int slot, const float* src, size_t n) {
   if (half_capacity_[slot] < n) {
     // Grows only while shapes grow (the first steps); the stream must be done
     // with the old buffer before it goes.
+    MGPU_CHECK(!capturing_, DeviceError, "a GEMM operand outgrew its buffer during a capture "
+               "(run the shape uncaptured first)");
     const size_t cap = std::max(n, half_capacity_[slot] + half_capacity_[slot] / 2);
-    MGPU_CUDA_CHECK(cudaStreamSynchronize(stream_));
-    MGPU_CUDA_CHECK(cudaFree(half_[slot]));
+    release_captures();  // graphs point at the buffer about to go
+    // Stream-ordered: no device-wide synchronisation (cudaFree's), which could
+    // wait forever on a collective of another rank sharing this GPU.
+    if (half_[slot]) MGPU_CUDA_CHECK(cudaFreeAsync(half_[slot], stream_));
     half_[slot] = nullptr;
     half_capacity_[slot] = 0;
-    half_[slot] = allocate_bytes(cap * 2);  // 2-byte elements
+    const cudaError_t rc = cudaMallocAsync(&half_[slot], cap * 2, stream_);  // 2-byte elements
+    if (rc != cudaSuccess) {
+      cudaGetLastError();
+      half_[slot] = nullptr;
+      throw DeviceError(detail::concat("cudaMallocAsync of ", cap * 2, " bytes on GPU ", device_,
+                                       " failed: ", cudaGetErrorString(rc)));
+    }
     half_capacity_[slot] = cap;
   }
   if (precision_ == Precision::kBF16)
@@ -192,7 +217,7 @@ void CudaBackend::linear_backward(float* dinp, float* dweight, float* dbias, con
 
 void CudaBackend::relu_dropout_forward(float* h, int B, int C, float p, const DropoutKey& key) {
   activate();
-  kernels::relu_dropout_forward(h, B, C, p, key, stream_);
+  kernels::relu_dropout_forward(h, B, C, p, key, stream_, capturing_ ? step_dev_ : nullptr);
 }
 
 void CudaBackend::relu_dropout_backward(float* dh, const float* h, size_t n, float p) {
@@ -228,6 +253,7 @@ void CudaBackend::adamw_update(float* param, const float* grad, float* exp_avg, 
 
 double CudaBackend::sum_squares(const float* x, size_t n) {
   activate();
+  MGPU_CHECK(!capturing_, DeviceError, "sum_squares reads back to the host: not allowed in a capture");
   kernels::sum_squares(sum_out_, x, n, partials_, stream_);
   MGPU_CUDA_CHECK(cudaMemcpyAsync(sum_host_, sum_out_, sizeof(double), cudaMemcpyDeviceToHost, stream_));
   MGPU_CUDA_CHECK(cudaStreamSynchronize(stream_));
@@ -242,6 +268,60 @@ void CudaBackend::scale(float* x, size_t n, float alpha) {
 void CudaBackend::axpy(float* y, const float* x, size_t n, float alpha) {
   activate();
   kernels::axpy(y, x, n, alpha, stream_);
+}
+
+// --- CUDA graphs ------------------------------------------------------------
+// Thread-local capture mode: only this thread's calls are checked against the
+// capture, so a communicator's watchdog thread may go on querying events.
+void CudaBackend::begin_capture() {
+  activate();
+  MGPU_CHECK(!capturing_, ConfigError, "a capture is already in progress");
+  MGPU_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+  capturing_ = true;
+}
+
+int CudaBackend::end_capture() {
+  activate();
+  MGPU_CHECK(capturing_, ConfigError, "end_capture() without begin_capture()");
+  capturing_ = false;
+  cudaGraph_t graph = nullptr;
+  MGPU_CUDA_CHECK(cudaStreamEndCapture(stream_, &graph));
+  cudaGraphExec_t exec = nullptr;
+  const cudaError_t rc = cudaGraphInstantiate(&exec, graph, 0);
+  cudaGraphDestroy(graph);
+  MGPU_CUDA_CHECK(rc);
+  graphs_.push_back(exec);
+  return static_cast<int>(graphs_.size()) - 1;
+}
+
+void CudaBackend::abort_capture() noexcept {
+  if (!capturing_) return;
+  capturing_ = false;
+  cudaSetDevice(device_);
+  cudaGraph_t graph = nullptr;
+  if (cudaStreamEndCapture(stream_, &graph) == cudaSuccess && graph) cudaGraphDestroy(graph);
+  cudaGetLastError();  // capture errors are not sticky; leave none behind
+}
+
+void CudaBackend::replay(int graph, uint64_t step) {
+  activate();
+  MGPU_CHECK(!capturing_, ConfigError, "replay() during a capture");
+  MGPU_CHECK(graph >= 0 && graph < static_cast<int>(graphs_.size()), ConfigError, "no captured graph ",
+             graph, " (released after generation ", capture_generation_, ")");
+  // The previous replay's copy has run: the step synchronises the stream
+  // (loss read-back) before the next step writes step_host_ again.
+  *step_host_ = step;
+  MGPU_CUDA_CHECK(cudaMemcpyAsync(step_dev_, step_host_, sizeof(uint64_t), cudaMemcpyHostToDevice, stream_));
+  MGPU_CUDA_CHECK(cudaGraphLaunch(graphs_[graph], stream_));
+}
+
+void CudaBackend::release_captures() {
+  if (graphs_.empty()) return;
+  activate();
+  MGPU_CUDA_CHECK(cudaStreamSynchronize(stream_));  // no replay may still be running
+  for (cudaGraphExec_t g : graphs_) cudaGraphExecDestroy(g);
+  graphs_.clear();
+  ++capture_generation_;
 }
 
 }  // namespace mgpu

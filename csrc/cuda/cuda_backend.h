@@ -8,6 +8,8 @@
 #include <cublas_v2.h>
 #include <cuda_runtime_api.h>
 
+#include <vector>
+
 #include "../core/backend.h"
 
 namespace mgpu {
@@ -57,6 +59,16 @@ class CudaBackend final : public Backend {
   void set_precision(Precision precision) override;
   Precision precision() const override { return precision_; }
 
+  // CUDA graphs of the backend's stream (see Backend): instantiated once,
+  // replayed with the dropout step copied to step_dev_ ahead of each launch.
+  bool supports_capture() const override { return true; }
+  void begin_capture() override;
+  int end_capture() override;
+  void abort_capture() noexcept override;
+  void replay(int graph, uint64_t step) override;
+  void release_captures() override;
+  uint64_t capture_generation() const override { return capture_generation_; }
+
   int device() const { return device_; }
   // The stream every kernel and GEMM of this backend runs on; a communicator
   // orders its collectives after it with events.
@@ -83,6 +95,11 @@ class CudaBackend final : public Backend {
   double* sum_host_ = nullptr;    // pinned landing place of that result
   void* half_[2] = {nullptr, nullptr};
   size_t half_capacity_[2] = {0, 0};  // elements
+  bool capturing_ = false;
+  uint64_t* step_dev_ = nullptr;   // the dropout step captured kernels read
+  uint64_t* step_host_ = nullptr;  // pinned source of its per-replay copy
+  std::vector<cudaGraphExec_t> graphs_;
+  uint64_t capture_generation_ = 0;
 };
 
 }  // namespace mgpu

@@ -83,8 +83,17 @@ struct NcclCommunicator::Impl {
     if (ops.empty()) return;
     order_after_compute();
     MGPU_NCCL_CHECK(comm, ncclGroupStart());
+    // A failed call inside the group must still close it: an open group would
+    // silently defer every later NCCL call of this thread.
+    struct GroupEnd {
+      bool armed = true;
+      ~GroupEnd() {
+        if (armed) ncclGroupEnd();
+      }
+    } group_end;
     for (const Pending& op : ops)
       MGPU_NCCL_CHECK(comm, ncclAllReduce(op.data, op.data, op.count, op.type, ncclSum, comm, comm_stream));
+    group_end.armed = false;
     MGPU_NCCL_CHECK(comm, ncclGroupEnd());
     outstanding = true;
   }
@@ -163,6 +172,27 @@ struct NcclCommunicator::Impl {
     MGPU_CUDA_CHECK(cudaStreamSynchronize(comm_stream));
   }
 
+  // Streams and events of a freshly initialised comm; destroys the comm if that fails.
+  void create_streams() {
+    try {
+      activate();
+      int low = 0, high = 0;
+      MGPU_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&low, &high));
+      // Higher priority than compute: bucket reductions should not queue behind backward kernels.
+      MGPU_CUDA_CHECK(cudaStreamCreateWithPriority(&comm_stream, cudaStreamNonBlocking, high));
+      MGPU_CUDA_CHECK(cudaEventCreateWithFlags(&compute_ready, cudaEventDisableTiming));
+      MGPU_CUDA_CHECK(cudaEventCreateWithFlags(&comm_done, cudaEventDisableTiming));
+    } catch (...) {
+      ncclCommDestroy(comm);
+      comm = nullptr;
+      if (comm_stream) cudaStreamDestroy(comm_stream);
+      if (compute_ready) cudaEventDestroy(compute_ready);
+      comm_stream = nullptr;
+      compute_ready = nullptr;
+      throw;
+    }
+  }
+
   float* stage(size_t count) {
     if (staging_capacity < count) {
       MGPU_CUDA_CHECK(cudaStreamSynchronize(comm_stream));
@@ -202,28 +232,59 @@ NcclCommunicator::NcclCommunicator(const std::string& unique_id, int rank, int s
   ncclUniqueId id;
   std::copy(unique_id.begin(), unique_id.end(), id.internal);
   MGPU_NCCL_CHECK(nullptr, ncclCommInitRank(&s.comm, size, id, rank));
-  try {
-    int low = 0, high = 0;
-    MGPU_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&low, &high));
-    // Higher priority than compute: bucket reductions should not queue behind backward kernels.
-    MGPU_CUDA_CHECK(cudaStreamCreateWithPriority(&s.comm_stream, cudaStreamNonBlocking, high));
-    MGPU_CUDA_CHECK(cudaEventCreateWithFlags(&s.compute_ready, cudaEventDisableTiming));
-    MGPU_CUDA_CHECK(cudaEventCreateWithFlags(&s.comm_done, cudaEventDisableTiming));
-  } catch (...) {
-    ncclCommDestroy(s.comm);
-    if (s.comm_stream) cudaStreamDestroy(s.comm_stream);
-    if (s.compute_ready) cudaEventDestroy(s.compute_ready);
-    throw;
+  s.create_streams();
+}
+
+NcclCommunicator::NcclCommunicator(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+std::vector<std::shared_ptr<NcclCommunicator>> NcclCommunicator::init_all(const std::vector<int>& devices) {
+  const int n = static_cast<int>(devices.size());
+  MGPU_CHECK(n >= 1, ConfigError, "init_all needs at least one device");
+  int gpus = 0;
+  if (cudaGetDeviceCount(&gpus) != cudaSuccess) {
+    cudaGetLastError();
+    gpus = 0;
   }
+  MGPU_CHECK(gpus > 0, DeviceError, "no CUDA GPU is visible to this process: the NCCL communicator needs one");
+  for (int d : devices)
+    MGPU_CHECK(d >= 0 && d < gpus, DeviceError, "device index ", d, " out of range: ", gpus, " GPU",
+               gpus == 1 ? "" : "s", " visible");
+  std::vector<ncclComm_t> comms(n, nullptr);
+  MGPU_NCCL_CHECK(nullptr, ncclCommInitAll(comms.data(), n, devices.data()));
+  std::vector<std::shared_ptr<NcclCommunicator>> out;
+  int adopted = 0;
+  try {
+    for (; adopted < n; ++adopted) {
+      auto impl = std::make_unique<Impl>();
+      impl->comm = comms[adopted];
+      impl->rank = adopted;
+      impl->size = n;
+      impl->device = devices[adopted];
+      comms[adopted] = nullptr;  // owned by impl from here (create_streams destroys it on failure)
+      impl->create_streams();
+      out.push_back(std::shared_ptr<NcclCommunicator>(new NcclCommunicator(std::move(impl))));
+    }
+  } catch (...) {
+    for (int i = adopted + 1; i < n; ++i)
+      if (comms[i]) ncclCommDestroy(comms[i]);
+    throw;  // the communicators already made destroy theirs
+  }
+  return out;
 }
 
 NcclCommunicator::~NcclCommunicator() {
   Impl& s = *impl_;
   cudaSetDevice(s.device);
   if (!s.broken && s.comm) {
-    // Queued but never launched buckets are dropped; launched ones finish first.
-    if (s.outstanding) cudaStreamSynchronize(s.comm_stream);
-    ncclCommDestroy(s.comm);
+    // Queued but never launched buckets are dropped. A collective still running
+    // may wait for a peer that is gone (an error unwound the step): abort it
+    // rather than wait forever in a destructor.
+    const cudaError_t idle = s.comm_stream ? cudaStreamQuery(s.comm_stream) : cudaSuccess;
+    cudaGetLastError();
+    if (idle == cudaSuccess)
+      ncclCommDestroy(s.comm);
+    else
+      ncclCommAbort(s.comm);
   }
   if (s.comm_stream) cudaStreamSynchronize(s.comm_stream);
   cudaFree(s.staging);

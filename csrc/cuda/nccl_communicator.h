@@ -1,5 +1,5 @@
 // NCCL communicator: collectives between the GPUs of a data-parallel job, one
-// rank per process. Collectives run on a communication stream of their own,
+// rank per process (ncclCommInitRank) or per thread of one process (init_all). Collectives run on a communication stream of their own,
 // ordered after the attached CUDA backend's compute stream with an event;
 // wait_all() makes the compute stream wait for them in turn (another event), so
 // the host never blocks unless a timeout is set. With a timeout, wait_all() is
@@ -30,6 +30,10 @@ class NcclCommunicator final : public Communicator {
   // host communicator over the same ranks (MpiCommunicator) for heartbeats.
   NcclCommunicator(const std::string& unique_id, int rank, int size, int device_index,
                    std::shared_ptr<Communicator> sidecar = nullptr);
+  // Single-process multi-GPU: one communicator per device of `devices`, all
+  // made by one ncclCommInitAll (rank i drives devices[i]). Each is then used
+  // by one thread of this process, like a rank of its own.
+  static std::vector<std::shared_ptr<NcclCommunicator>> init_all(const std::vector<int>& devices);
   ~NcclCommunicator() override;
   NcclCommunicator(const NcclCommunicator&) = delete;
   NcclCommunicator& operator=(const NcclCommunicator&) = delete;
@@ -64,6 +68,7 @@ class NcclCommunicator final : public Communicator {
 
  private:
   struct Impl;
+  explicit NcclCommunicator(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;
 };
 

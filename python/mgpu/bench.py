@@ -29,7 +29,7 @@ from typing import Optional
 import numpy as np
 
 from . import __version__, _core
-from .config import PRESETS
+from .config import GRAPH_MODES, PRECISIONS, PRESETS
 from .errors import ConfigError
 
 PEER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "peers", "torch_ddp.py")
@@ -72,13 +72,15 @@ def step_flops(sizes, batch: int) -> float:
 
 
 def measure(pg, sizes, dropout: float, batch: int, *, optimizer: str, warmup: int, steps: int, repeats: int,
-            device: str, device_index: int, threads: int) -> dict:
+            device: str, device_index: int, threads: int, precision: str = "fp32", graph: str = "auto") -> dict:
     """Collective: time `repeats` x `steps` training steps at global batch `batch` on this world."""
     from .data import local_slice
     from .model import MLP
     from .trainer import Trainer
-    model = MLP(sizes, seed=0, dropout=dropout, device=device, device_index=device_index, threads=threads)
-    trainer = Trainer(model, loss="mse", optimizer=optimizer, lr=1e-3, momentum=0.9, process_group=pg, timed=True)
+    model = MLP(sizes, seed=0, dropout=dropout, device=device, device_index=device_index, threads=threads,
+                precision=precision)
+    trainer = Trainer(model, loss="mse", optimizer=optimizer, lr=1e-3, momentum=0.9, process_group=pg, timed=True,
+                      graph=graph)
     part = local_slice(batch, pg.rank, pg.size)
     rng = np.random.default_rng(pg.rank)
     rows = part.stop - part.start
@@ -105,12 +107,15 @@ def measure(pg, sizes, dropout: float, batch: int, *, optimizer: str, warmup: in
     return {"batch_size": batch, "ranks": pg.size, "threads": threads, "device": device,
             "step": stats, "samples_per_sec": batch / stats["median"],
             "breakdown_ms": {k: float(np.median(v)) * 1e3 for k, v in phases.items()},
-            "peak_memory_bytes": peak, "params": model.num_params, "overlap": trainer._step.overlaps}
+            "peak_memory_bytes": peak, "params": model.num_params, "overlap": trainer._step.overlaps,
+            "precision": precision, "cuda_graph": trainer._step.uses_graphs,
+            "graph_fallback": trainer._step.graph_fallback or None}
 
 
-def gemm_rate(device: str, device_index: int, threads: int, sizes, local_batch: int) -> float:
-    """FLOP/s of this model's own GEMMs at this local batch: the compute floor's rate."""
+def gemm_rate(device: str, device_index: int, threads: int, sizes, local_batch: int, precision: str = "fp32") -> float:
+    """FLOP/s of this model's own GEMMs at this local batch and precision: the compute floor's rate."""
     backend = _core.make_backend(device, device_index, threads)
+    backend.precision = precision
     work = time_total = 0.0
     for l in range(len(sizes) - 1):
         t = float(np.median(_core.time_linear(backend, max(local_batch, 1), sizes[l], sizes[l + 1], 3)))
@@ -136,9 +141,10 @@ def run_worker(pg, a) -> list:
         if batch < pg.size:
             raise ConfigError(f"batch size {batch} is smaller than the number of ranks ({pg.size})")
         row = measure(pg, sizes, dropout, batch, optimizer=a.optimizer, warmup=a.warmup, steps=a.steps,
-                      repeats=a.repeats, device=device, device_index=device_index, threads=threads)
+                      repeats=a.repeats, device=device, device_index=device_index, threads=threads,
+                      precision=a.precision, graph=a.cuda_graph)
         local = -(-batch // pg.size)
-        rate = gemm_rate(device, device_index, threads, sizes, local)
+        rate = gemm_rate(device, device_index, threads, sizes, local, a.precision)
         row["gemm_flops"] = pg.allreduce(rate, op="min")
         row["compute_floor_ms"] = step_flops(sizes, local) / row["gemm_flops"] * 1e3
         row["layers"] = sizes
@@ -185,7 +191,7 @@ def run_torch(py: str, ranks: int, sizes, dropout, batch, a, device: str, thread
     cmd = ["mpirun", "-np", str(ranks), "--oversubscribe", "--bind-to", "none", py, PEER,
            "--layers", ",".join(map(str, sizes)), "--dropout", str(dropout), "--batch-size", str(batch),
            "--optimizer", a.optimizer, "--warmup", str(a.warmup), "--steps", str(a.steps),
-           "--repeats", str(a.repeats), "--threads", str(threads), "--device", device,
+           "--repeats", str(a.repeats), "--threads", str(threads), "--device", device, "--precision", a.precision,
            "--port", str(29500 + (os.getpid() + ranks + batch) % 400)]
     r = subprocess.run(cmd, capture_output=True, text=True, env=_mpi_env())
     if r.returncode != 0:
@@ -352,6 +358,8 @@ def cmd_bench(a, pg) -> int:
         raise ConfigError(f"batch sizes must be >= 1, got {a.batch_sizes}")
     if a.threads is not None and a.threads < 1:
         raise ConfigError(f"threads must be >= 1, got {a.threads}")
+    if a.precision != "fp32" and a.device == "cpu":
+        raise ConfigError(f"--precision {a.precision} needs a GPU; the CPU backend computes in fp32")
     if a.layers is not None and (len(a.layers) < 2 or min(a.layers) < 1):
         raise ConfigError(f"layers must be at least two positive sizes, got {a.layers}")
     for path, what in ((a.json, "--json"), (a.csv, "--csv")):
@@ -374,7 +382,8 @@ def cmd_bench(a, pg) -> int:
             raise ConfigError("--ranks needs mpirun on PATH")
         passthrough = [f"--batch-sizes={','.join(map(str, a.batch_sizes))}", f"--warmup={a.warmup}",
                        f"--steps={a.steps}", f"--repeats={a.repeats}", f"--optimizer={a.optimizer}",
-                       f"--device={a.device}", "--no-progress"]
+                       f"--device={a.device}", f"--precision={a.precision}", f"--cuda-graph={a.cuda_graph}",
+                       "--no-progress"]
         passthrough += [f"--layers={','.join(map(str, a.layers))}"] if a.layers else [f"--model={a.model or 'large'}"]
         if a.threads:
             passthrough.append(f"--threads={a.threads}")
@@ -400,7 +409,7 @@ def cmd_bench(a, pg) -> int:
     add_derived(rows, profile)
     print(format_table(rows))
     result = {"version": __version__, "host": socket.gethostname(), "model": a.model, "layers": rows[0]["layers"],
-              "optimizer": a.optimizer, "warmup": a.warmup, "steps": a.steps, "repeats": a.repeats,
+              "optimizer": a.optimizer, "precision": a.precision, "warmup": a.warmup, "steps": a.steps, "repeats": a.repeats,
               "openblas_coretype": os.environ.get("OPENBLAS_CORETYPE"), "rows": rows}
     if a.validate_selector:
         result["validation"] = validate_selector(rows, profile, a)
@@ -432,6 +441,10 @@ def add_parser(sub) -> None:
     b.add_argument("--dropout", type=float, default=None, help="default: the preset's")
     b.add_argument("--device", choices=("cpu", "cuda", "auto"), default="auto")
     b.add_argument("--threads", type=int, default=None, help="CPU threads per rank")
+    b.add_argument("--precision", choices=PRECISIONS, default="fp32",
+                   help="GEMM precision (GPUs): fp32, tf32, bf16, fp16; the PyTorch peer uses the same")
+    b.add_argument("--cuda-graph", choices=GRAPH_MODES, default="auto",
+                   help="replay steps as CUDA graphs: auto (small models on GPUs), on, off")
     b.add_argument("--compare", choices=("torch",), default=None, help="run the same workload in PyTorch (DDP)")
     b.add_argument("--validate-selector", action="store_true",
                    help="predicted vs measured speedup per cell (needs `mgpu topo` first)")

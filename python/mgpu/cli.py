@@ -6,15 +6,17 @@ unexpected errors end the whole MPI job instead of leaving ranks hanging.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
 
 from . import __version__, build_info
-from .config import COMMS, DEVICES, LOSSES, OPTIMIZERS, PRECISIONS, PRESETS, TrainConfig
+from .config import COMMS, DEVICES, GRAPH_MODES, LOSSES, OPTIMIZERS, PRECISIONS, PRESETS, TrainConfig
 from .errors import CommError, ConfigError, DataError, NumericsError
 from .schedule import SCHEDULES
 
@@ -76,11 +78,17 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--dropout", type=float, default=None, help="dropout after hidden layers (default: the preset's)")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--device", choices=DEVICES, default="auto")
+    t.add_argument("--gpus", type=int, default=None, metavar="N",
+                   help="single-process multi-GPU: drive N GPUs from threads of this process, no mpirun "
+                        "(NCCL between them; default: one rank per process)")
     t.add_argument("--threads", type=int, default=None, help="CPU threads per rank (default: cores / ranks per node)")
     t.add_argument("--precision", choices=PRECISIONS, default="fp32",
                    help="GEMM precision on GPUs: fp32 (default), tf32, bf16, fp16 (dynamic loss scaling)")
     t.add_argument("--comm", choices=COMMS, default="auto",
                    help="gradient allreduce: auto (NCCL between GPUs, else MPI), nccl, mpi (host-staged)")
+    t.add_argument("--cuda-graph", choices=GRAPH_MODES, default="auto",
+                   help="replay each step's forward and backward as a CUDA graph: auto (GPUs, models up to "
+                        "16M parameters, where kernel launches dominate), on, off")
     t.add_argument("--bucket-mb", type=float, default=4.0, help="gradient allreduce bucket size")
     t.add_argument("--no-overlap", action="store_true", help="allreduce after backward instead of during it")
     t.add_argument("--batch-shares", type=_shares, default=None,
@@ -131,7 +139,8 @@ def _config_from_args(a) -> TrainConfig:
                        warmup_steps=a.warmup_steps, lr_step_size=a.lr_step_size, lr_gamma=a.lr_gamma,
                        min_lr=a.min_lr, checkpoint_dir=a.checkpoint_dir, checkpoint_every=a.checkpoint_every,
                        keep_checkpoints=a.keep_checkpoints, watchdog_timeout=a.watchdog_timeout,
-                       max_bad_steps=a.max_bad_steps, precision=a.precision, comm=a.comm)
+                       max_bad_steps=a.max_bad_steps, precision=a.precision, comm=a.comm,
+                       cuda_graph=a.cuda_graph)
 
 
 def _check_output_path(path: str, what: str) -> None:
@@ -201,6 +210,12 @@ class _StopOnSignals:
               flush=True)
 
     def __enter__(self):
+        if threading.current_thread() is not threading.main_thread():
+            # A rank of run_on_gpus: its main thread takes the signals and calls us.
+            on_stop = getattr(self.pg, "on_stop_request", None)
+            if on_stop is not None:
+                on_stop(lambda name: self._handle(getattr(signal, name), None))
+            return self
         for name in self.SIGNALS:
             sig = getattr(signal, name)
             self.previous[sig] = signal.signal(sig, self._handle)
@@ -266,7 +281,8 @@ def cmd_train(a, pg) -> int:
                       weight_decay=cfg.weight_decay, process_group=pg, bucket_elems=cfg.bucket_elems(),
                       overlap=cfg.overlap, batch_shares=a.batch_shares, accumulate=cfg.accumulate,
                       max_grad_norm=cfg.max_grad_norm, schedule=cfg.schedule(total_steps),
-                      max_bad_steps=cfg.max_bad_steps, timeout=cfg.watchdog_timeout, communicator=cfg.comm)
+                      max_bad_steps=cfg.max_bad_steps, timeout=cfg.watchdog_timeout, communicator=cfg.comm,
+                      graph=cfg.cuda_graph)
     policy = (CheckpointPolicy(cfg.checkpoint_dir, cfg.checkpoint_every, cfg.keep_checkpoints)
               if cfg.checkpoint_dir else None)
     say = print if pg.is_root else (lambda *x, **k: None)
@@ -325,6 +341,20 @@ def cmd_train(a, pg) -> int:
     return 0
 
 
+def _train_single_process(a, pg) -> int:
+    """`train --gpus N`: N ranks as threads of this process, one GPU each (see thread_group.py)."""
+    from .thread_group import run_on_gpus
+    if pg.size > 1:
+        raise ConfigError(f"--gpus runs every GPU from one process; under mpirun ({pg.size} ranks) each rank "
+                          f"already drives one GPU: leave --gpus out")
+    if a.gpus < 1:
+        raise ConfigError(f"--gpus must be >= 1, got {a.gpus}")
+    if a.device == "cpu":
+        raise ConfigError("--gpus drives GPUs; CPU ranks run under mpirun (mpirun -np N python -m mgpu train)")
+    codes = run_on_gpus(lambda tg: cmd_train(copy.copy(a), tg), gpus=a.gpus)
+    return max(codes)
+
+
 def cmd_info(a, pg) -> int:
     info = build_info()
     info["process"] = {"rank": pg.rank, "size": pg.size, "local_rank": pg.local_rank,
@@ -346,6 +376,8 @@ def main(argv=None) -> int:
         args = build_parser().parse_args(argv)
         from .process_group import ProcessGroup
         pg = ProcessGroup()
+        if getattr(args, "gpus", None) is not None:
+            return _train_single_process(args, pg)
         return _commands()[args.command](args, pg)
     except UsageError as e:
         print(str(e), file=sys.stderr, flush=True)

@@ -35,6 +35,7 @@ LOSSES = ("mse", "cross_entropy")
 DEVICES = ("cpu", "cuda", "auto")
 PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
 COMMS = ("auto", "nccl", "mpi")
+GRAPH_MODES = ("auto", "on", "off")
 BUILTIN_DATASETS = ("synthetic", "digits")
 
 
@@ -78,6 +79,7 @@ class TrainConfig:
     max_bad_steps: int = 3              # consecutive non-finite steps before stopping
     precision: str = "fp32"             # fp32 | tf32 | bf16 | fp16 (GPU; fp16 with dynamic loss scaling)
     comm: str = "auto"                  # auto (NCCL between GPUs, else MPI) | nccl | mpi (host-staged)
+    cuda_graph: str = "auto"            # auto (small models on GPUs) | on | off: replay steps as CUDA graphs
 
     def __post_init__(self):
         self.validate()
@@ -159,6 +161,8 @@ class TrainConfig:
             fail(f"unknown precision '{self.precision}' (expected {', '.join(PRECISIONS)})")
         if self.comm not in COMMS:
             fail(f"unknown communicator '{self.comm}' (expected {', '.join(COMMS)})")
+        if self.cuda_graph not in GRAPH_MODES:
+            fail(f"unknown CUDA graph mode '{self.cuda_graph}' (expected {', '.join(GRAPH_MODES)})")
         if not _is_int(self.max_bad_steps) or self.max_bad_steps < 1:
             fail(f"max bad steps must be an integer >= 1, got {self.max_bad_steps}")
         return self

@@ -19,6 +19,7 @@ import numpy as np
 from . import __version__, _core
 from .checkpoint import (CheckpointError, check_compatible, load_checkpoint, prepare_directory,
                          save_checkpoint)
+from .config import GRAPH_MODES
 from .data import Dataset, GlobalBatches, check_dataset_fits, local_slice, split_counts
 from .errors import ConfigError, NumericsError
 from .model import MLP
@@ -55,7 +56,7 @@ class Trainer:
                  accumulate: int = 1, max_grad_norm: float = 0.0, schedule: Optional[LRSchedule] = None,
                  loss_scale: Optional[float] = None, dynamic_loss_scale: Optional[bool] = None,
                  max_bad_steps: int = 3, timeout: float = 300.0, communicator: str = "auto",
-                 timed: bool = False):
+                 timed: bool = False, graph: str = "auto"):
         if not (isinstance(lr, (int, float)) and np.isfinite(lr) and lr > 0):
             raise ConfigError(f"learning rate must be a finite number > 0, got {lr}")
         if not isinstance(accumulate, int) or accumulate < 1:
@@ -75,6 +76,8 @@ class Trainer:
         self.schedule = schedule or LRSchedule(float(lr))
         self.max_bad_steps = max_bad_steps
         self.pg.timeout = timeout
+        if graph not in GRAPH_MODES:
+            raise ConfigError(f"unknown CUDA graph mode '{graph}' (expected {', '.join(GRAPH_MODES)})")
         if communicator not in ("auto", "nccl", "mpi"):
             raise ConfigError(f"unknown communicator '{communicator}' (expected auto, nccl or mpi)")
         if communicator == "auto":  # NCCL between GPUs when this build has it; MPI otherwise
@@ -92,8 +95,10 @@ class Trainer:
             loss_scale = 2.0 ** 16 if fp16 else 1.0
         self._optimizer = _core.Optimizer(model._core, optimizer, momentum, weight_decay, betas[0], betas[1], eps)
         # timed: separate the phases of a step on device backends too (benchmarks; costs overlap)
+        # graph: capture each step's forward/backward in a CUDA graph (auto: small models on GPUs)
         self._step = _core.DataParallelStep(model._core, self._optimizer, comm, loss, bucket_elems, overlap,
-                                            max_grad_norm, loss_scale, dynamic_loss_scale, 2000, timed)
+                                            max_grad_norm, loss_scale, dynamic_loss_scale, 2000, timed, graph)
+        self._graph_fallback_reported = False
         self._step.broadcast_parameters(0)
         # Loop state: everything a checkpoint must hold to continue exactly.
         self.global_step = 0          # steps taken (including skipped ones)
@@ -140,6 +145,11 @@ class Trainer:
         request = self._stop_request is not None
         result = self._step.step(micro, global_batch, self.global_step, self.lr, request)
         self.last_result = result
+        if not self._graph_fallback_reported and self._step.graph_fallback:
+            self._graph_fallback_reported = True
+            if self.pg.is_root:
+                print(f"mgpu: warning: CUDA graph capture failed, steps run uncaptured from here on: "
+                      f"{self._step.graph_fallback}", file=sys.stderr, flush=True)
         if result.stop_requested and self.stop_reason is None:
             self.stop_reason = self._stop_request or "a stop requested on another rank"
         self.global_step += 1

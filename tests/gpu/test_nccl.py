@@ -51,8 +51,8 @@ def test_bad_unique_id_and_cpu_backend_are_config_errors(gpu):
 
 
 @needs_nccl
-@pytest.mark.parametrize("overlap", [True, False])
-def test_single_rank_nccl_step_equals_local(gpu, overlap):
+@pytest.mark.parametrize("overlap, graph", [(True, "off"), (False, "off"), (True, "on")])
+def test_single_rank_nccl_step_equals_local(gpu, overlap, graph):
     sizes = [16, 40, 40, 4]
     rng = np.random.default_rng(0)
     data = [(rng.standard_normal((32, 16)).astype(np.float32), rng.integers(0, 4, 32)) for _ in range(10)]
@@ -61,8 +61,9 @@ def test_single_rank_nccl_step_equals_local(gpu, overlap):
         model = _core.MLP(_core.make_backend("cuda", gpu), sizes, 0.1, 7)
         comm = _core.LocalCommunicator() if kind == "local" else one_rank(gpu)
         step = _core.DataParallelStep(model, _core.Optimizer(model, "adamw"), comm, "cross_entropy",
-                                      bucket_elems=700, overlap=overlap)
-        assert step.overlaps == overlap
+                                      bucket_elems=700, overlap=overlap, graph=graph)
+        assert step.overlaps == (overlap and graph == "off")  # a captured step allreduces after backward
+        assert step.uses_graphs == (graph == "on")
         for t, (x, y) in enumerate(data):
             r = step.step([(x, y, 0)], 32, t, 1e-3, request_stop=(t == 9))
             assert r.applied and r.stop_requested == (t == 9)

@@ -1,7 +1,8 @@
 """Whole training on the CUDA backend: the same seed and data give the CPU
 backend's parameters (fp32, TF32 off) after 20 SGD-momentum and 20 AdamW
 steps, with dropout and gradient accumulation; bf16 and fp16 (dynamic loss
-scaling) train digits; 1000 steps allocate no device memory."""
+scaling) train digits; 1000 steps allocate no device memory; a step replayed
+from a CUDA graph gives the bits of the uncaptured step."""
 import numpy as np
 import pytest
 
@@ -113,3 +114,61 @@ def test_no_device_memory_growth_over_1000_steps(gpu):
     model.backend.synchronize()
     free_after, _ = _core.cuda_memory_info(gpu)
     assert free_after == free_before, (free_before - free_after) / 2 ** 20
+
+
+def run_steps(step, sizes, loss, shapes, lr=1e-3, seed=0):
+    """One step per entry of shapes (each a list of micro-batch row counts); the losses."""
+    rng = np.random.default_rng(seed)
+    losses = []
+    for t, micro in enumerate(shapes):
+        batch = sum(micro)
+        x, y = next(batches(sizes, loss, 1, batch, seed=int(rng.integers(1 << 30))))
+        cut = np.concatenate([[0], np.cumsum(micro)])
+        r = step.step([(x[a:b], y[a:b], int(a)) for a, b in zip(cut[:-1], cut[1:])], batch, t, lr)
+        assert r.applied
+        losses.append(r.loss)
+    return losses
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("micro", [[64], [20, 44]])
+def test_graph_step_equals_uncaptured_step(gpu, precision, micro):
+    # Same kernels in the same order, dropout keyed by the step from device memory: same bits.
+    sizes = [32, 256, 128, 64, 10]  # the medium preset's hidden layers
+    out = {}
+    for graph in ("off", "on"):
+        model, step = make("cuda", sizes, dropout=0.2, precision=precision, optimizer="adamw",
+                           loss="cross_entropy", graph=graph)
+        assert step.uses_graphs == (graph == "on")
+        losses = run_steps(step, sizes, "cross_entropy", [micro] * 12)
+        out[graph] = (model.get_parameters(), losses, step.graph_replays, step.graph_fallback)
+    params_off, losses_off, _, _ = out["off"]
+    params_on, losses_on, replays, fallback = out["on"]
+    assert fallback == ""
+    assert replays == 11 * len(micro)  # every step but the first (uncaptured) replays each micro-batch
+    assert losses_on == losses_off
+    assert np.array_equal(params_on, params_off)
+
+
+def test_graphs_follow_changing_shapes_and_growing_buffers(gpu):
+    # A larger batch regrows the activations (every graph is released and
+    # recaptured); a ragged last batch is a shape of its own.
+    sizes = [16, 64, 64, 4]
+    shapes = [[32]] * 4 + [[96]] * 3 + [[32]] * 3 + [[7]] * 3 + [[32]] * 2
+    out = {}
+    for graph in ("off", "on"):
+        model, step = make("cuda", sizes, dropout=0.1, optimizer="sgd", loss="mse", graph=graph)
+        losses = run_steps(step, sizes, "mse", shapes, lr=0.01)
+        out[graph] = (model.get_parameters(), losses, step.graph_replays)
+    assert out["on"][1] == out["off"][1]
+    assert np.array_equal(out["on"][0], out["off"][0])
+    assert out["on"][2] >= 6, out["on"][2]
+
+
+def test_auto_graphs_only_for_small_models(gpu):
+    _, small = make("cuda", [32, 256, 128, 64, 10], graph="auto")
+    assert small.uses_graphs
+    be = _core.make_backend("cuda", gpu, 1)
+    big = _core.MLP(be, [4096, 4096, 1024], 0.0, 0)  # 21M parameters: GEMM-bound, no graphs
+    step = _core.DataParallelStep(big, _core.Optimizer(big, "sgd"), _core.LocalCommunicator(), "mse", graph="auto")
+    assert not step.uses_graphs

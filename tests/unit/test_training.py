@@ -90,6 +90,22 @@ def test_cpu_backend_does_not_overlap_host_driven_collectives():
     assert step.overlaps is False  # measured faster: per-bucket blocking allreduce after backward
 
 
+def test_cuda_graph_modes_on_the_cpu_backend():
+    m = mgpu.MLP([3, 2])
+
+    def step(graph):
+        return _core.DataParallelStep(m._core, _core.Optimizer(m._core, "sgd"), _core.LocalCommunicator(), "mse",
+                                      graph=graph)
+    assert step("auto").uses_graphs is False  # auto: only where the backend captures (CUDA)
+    assert step("off").uses_graphs is False
+    with pytest.raises(mgpu.ConfigError, match="CUDA backend"):
+        step("on")
+    with pytest.raises(mgpu.ConfigError, match="graph mode"):
+        step("sometimes")
+    with pytest.raises(mgpu.ConfigError, match="graph mode"):
+        mgpu.Trainer(m, process_group=local_group(), graph="always")
+
+
 @pytest.mark.parametrize("overlap", [True, False])
 def test_overlap_setting_does_not_change_results(overlap):
     layers = [5, 9, 3]

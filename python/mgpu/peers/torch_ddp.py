@@ -7,6 +7,7 @@ venv's, or Debian's /usr/bin/python3 with python3-torch), without mgpu.
 Prints one JSON line on rank 0: per-step seconds of the measured steps.
 """
 import argparse
+import contextlib
 import json
 import os
 import time
@@ -23,6 +24,8 @@ def main():
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--precision", choices=("fp32", "tf32", "bf16", "fp16"), default="fp32",
+                   help="as mgpu's: tf32 GEMMs, or bf16/fp16 autocast with fp32 master weights")
     p.add_argument("--port", type=int, default=29533)
     a = p.parse_args()
     # torch.set_num_threads does not reach the BLAS: Debian's torch calls OpenBLAS,
@@ -33,6 +36,13 @@ def main():
     import torch
     import torch.distributed as dist
     torch.set_num_threads(a.threads)
+    if a.precision != "fp32" and a.device != "cuda":
+        raise SystemExit(f"--precision {a.precision} needs --device cuda")
+    if a.device == "cuda":  # fp32 means IEEE fp32 GEMMs, as mgpu's default
+        torch.backends.cuda.matmul.allow_tf32 = a.precision == "tf32"
+        torch.backends.cudnn.allow_tf32 = a.precision == "tf32"
+    half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(a.precision)
+    scaler = torch.amp.GradScaler("cuda") if a.precision == "fp16" else None
     rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", 0))
     world = int(os.environ.get("OMPI_COMM_WORLD_SIZE", 1))
     local = int(os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK", 0))
@@ -63,9 +73,15 @@ def main():
 
     def step(i):
         opt.zero_grad(set_to_none=True)
-        loss = lossf(net(xs[i % 4]), ys[i % 4])
-        loss.backward()
-        opt.step()
+        with torch.autocast("cuda", dtype=half) if half is not None else contextlib.nullcontext():
+            loss = lossf(net(xs[i % 4]).float(), ys[i % 4])
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        else:
+            loss.backward()
+            opt.step()
 
     for i in range(a.warmup):
         step(i)
@@ -80,7 +96,8 @@ def main():
             sync()
             times.append(time.perf_counter() - t0)
     if rank == 0:
-        print(json.dumps({"impl": "torch", "version": torch.__version__, "ranks": world, "step_seconds": times}))
+        print(json.dumps({"impl": "torch", "version": torch.__version__, "ranks": world, "precision": a.precision,
+                          "step_seconds": times}))
     if world > 1:
         dist.destroy_process_group()
 

@@ -1,0 +1,60 @@
+"""Single-process multi-GPU (`train --gpus N`, mgpu.run_on_gpus): NCCL
+communicators from one ncclCommInitAll, one thread per GPU. With one GPU, two
+threads share it where NCCL >= 2.30 allows (NCCL_MULTI_RANK_GPU_ENABLE=1),
+and must train as one rank with the same global batch does."""
+import json
+
+import numpy as np
+import pytest
+
+from mgpu import _core
+from conftest import mpi_env, run_cli  # tests/conftest.py helpers
+
+HAS_NCCL = hasattr(_core, "NcclCommunicator")
+NCCL_CODE = _core.build_info()["cuda"].get("nccl_loaded_code", 0)
+needs_nccl = pytest.mark.skipif(not HAS_NCCL, reason="mgpu was built without NCCL")
+
+
+@needs_nccl
+def test_init_all_on_one_gpu(gpu):
+    comms = _core.nccl_init_all([gpu])
+    assert len(comms) == 1
+    comm = comms[0]
+    assert (comm.rank, comm.size, comm.device) == (0, 1, gpu)
+    x = np.arange(257, dtype=np.float32)
+    comm.allreduce_sum(x)
+    np.testing.assert_array_equal(x, np.arange(257, dtype=np.float32))
+    with pytest.raises(_core.DeviceError, match="out of range"):
+        _core.nccl_init_all([gpu, 99])
+
+
+def train(tmp_path, name, extra, env):
+    out = tmp_path / f"{name}.json"
+    r = run_cli(["train", "--device", "cuda", "--dataset", "digits", "--model", "medium", "--optimizer", "adamw",
+                 "--batch-size", "128", "--steps", "40", "--no-progress", "--json", out, *extra],
+                timeout=600, env=mpi_env(**env))
+    assert r.returncode == 0, r.stdout + r.stderr
+    return json.loads(out.read_text())
+
+
+@needs_nccl
+def test_two_threads_on_one_gpu_train_like_one_rank(gpu, tmp_path):
+    if NCCL_CODE < 23000:
+        pytest.skip(f"NCCL {_core.build_info()['cuda']['nccl_loaded']} < 2.30 cannot put two ranks on one GPU")
+    env = {"NCCL_MULTI_RANK_GPU_ENABLE": "1", "CUDA_VISIBLE_DEVICES": str(gpu)}
+    one = train(tmp_path, "one", [], env)
+    two = train(tmp_path, "two", ["--gpus", "2"], env)
+    assert two["world_size"] == 2 and one["world_size"] == 1
+    assert two["steps"] == one["steps"] == 40
+    # Exact averaging and dropout keyed by global sample: the same run up to summation order.
+    for key in ("train_loss", "val_loss"):
+        np.testing.assert_allclose([e[key] for e in two["history"]], [e[key] for e in one["history"]], rtol=1e-3)
+
+
+@needs_nccl
+def test_more_threads_than_gpus_is_a_clear_error(gpu):
+    r = run_cli(["train", "--device", "cuda", "--gpus", str(_core.cuda_device_count() + 1), "--steps", "2",
+                 "--no-progress"], timeout=300, env=mpi_env(NCCL_MULTI_RANK_GPU_ENABLE="0"))
+    assert r.returncode == 2, r.stdout + r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "GPU(s) visible" in lines[0], r.stderr
