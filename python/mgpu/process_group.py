@@ -76,12 +76,15 @@ class ProcessGroup:
             raise ConfigError("this build of mgpu has no MPI support; rebuild with MPI to run several ranks")
         return _core.MpiCommunicator(self._mpi._handleof(self.comm))
 
-    def _nccl_communicator(self, device_index: Optional[int]) -> "_core.Communicator":
+    def _nccl_device(self, device_index: Optional[int]) -> int:
+        """This rank's GPU for NCCL (ConfigError when the build has no NCCL)."""
         if not hasattr(_core, "NcclCommunicator"):
             raise ConfigError("communicator 'nccl' requested, but this build of mgpu has no NCCL "
                               "(built without the CUDA toolkit or NCCL); use --comm mpi")
-        if device_index is None:
-            _, device_index = self.resolve_device("cuda")
+        return self.resolve_device("cuda")[1] if device_index is None else device_index
+
+    def _nccl_communicator(self, device_index: Optional[int]) -> "_core.Communicator":
+        device_index = self._nccl_device(device_index)
         self._check_gpu_sharing(device_index)
         sidecar = self._mpi_communicator() if self.size > 1 else None
         unique_id = _core.nccl_unique_id() if self.rank == 0 else None

@@ -174,12 +174,7 @@ class ThreadGroup(ProcessGroup):
         return super().communicator(kind, device_index)
 
     def _nccl_communicator(self, device_index: Optional[int]) -> "_core.Communicator":
-        if not hasattr(_core, "NcclCommunicator"):
-            raise ConfigError("communicator 'nccl' requested, but this build of mgpu has no NCCL "
-                              "(built without the CUDA toolkit or NCCL)")
-        if device_index is None:
-            _, device_index = self.resolve_device("cuda")
-        devices = self._exchange(int(device_index), "NCCL initialisation")
+        devices = self._exchange(int(self._nccl_device(device_index)), "NCCL initialisation")
         sh = self._shared
         if self.rank == 0:  # ncclCommInitAll makes every rank's communicator at once
             try:
