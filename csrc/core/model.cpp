@@ -78,15 +78,22 @@ void MLP::ensure_capacity(int rows) {
     if (l > 0) widest = std::max(widest, sizes_[l]);
   }
   for (auto& d : dact_) d = BackendArray<float>(backend_.get(), static_cast<size_t>(cap) * widest);
-  if (!backend_->host_accessible()) {
-    staged_x_ = BackendArray<float>(backend_.get(), static_cast<size_t>(cap) * in_features());
-    staged_targets_ = BackendArray<float>(backend_.get(), static_cast<size_t>(cap) * out_features());
-    staged_labels_ = BackendArray<int32_t>(backend_.get(), static_cast<size_t>(cap));
-  }
+  // Staging buffers follow on first use at this capacity (host backends may never need them).
+  staged_x_ = BackendArray<float>();
+  staged_targets_ = BackendArray<float>();
+  staged_labels_ = BackendArray<int32_t>();
   capacity_ = cap;
 }
 
-void MLP::stage(const HostBatch& batch, LossKind loss) {
+void MLP::ensure_staging() {
+  if (staged_labels_.size() >= static_cast<size_t>(capacity_)) return;
+  const size_t cap = static_cast<size_t>(capacity_);
+  staged_x_ = BackendArray<float>(backend_.get(), cap * in_features());
+  staged_targets_ = BackendArray<float>(backend_.get(), cap * out_features());
+  staged_labels_ = BackendArray<int32_t>(backend_.get(), cap);
+}
+
+void MLP::stage(const HostBatch& batch, LossKind loss, bool own_copy) {
   MGPU_CHECK(batch.rows >= 0, ConfigError, "batch rows must be >= 0");
   ensure_capacity(std::max(batch.rows, 1));
   if (loss == LossKind::kCrossEntropy && batch.labels) {
@@ -95,12 +102,13 @@ void MLP::stage(const HostBatch& batch, LossKind loss) {
       MGPU_CHECK(batch.labels[i] >= 0 && batch.labels[i] < C, ConfigError, "label ",
                  batch.labels[i], " at row ", i, " is out of range [0, ", C, ")");
   }
-  if (backend_->host_accessible()) {
+  if (backend_->host_accessible() && !own_copy) {
     input_ = batch.x;
     targets_ = batch.targets;
     labels_ = batch.labels;
     return;
   }
+  ensure_staging();
   const size_t rows = static_cast<size_t>(batch.rows);
   backend_->copy_to_backend(staged_x_.data(), batch.x, rows * in_features() * sizeof(float));
   input_ = staged_x_.data();

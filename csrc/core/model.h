@@ -64,7 +64,9 @@ class MLP {
   void get_gradients(float* host_dst);
 
   // Copies (or, for host backends, points at) the batch; validates labels.
-  void stage(const HostBatch& batch, LossKind loss);
+  // own_copy: copy on host backends too, into buffers whose addresses stay put
+  // (a captured step replays with the addresses it was captured with).
+  void stage(const HostBatch& batch, LossKind loss, bool own_copy = false);
   // Forward pass over the staged rows; dropout is active iff `dropout` is set.
   // Returns the output (rows, out_features) in backend memory.
   const float* forward(int rows, const DropoutKey* dropout);
@@ -89,6 +91,7 @@ class MLP {
 
  private:
   void ensure_capacity(int rows);
+  void ensure_staging();  // staged_* at capacity_
   float* output() { return activations_.back().data(); }
   float layer_dropout(int layer) const { return layer + 1 < num_layers() ? dropout_ : 0.0f; }
 

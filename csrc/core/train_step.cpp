@@ -67,10 +67,12 @@ DataParallelStep::DataParallelStep(std::shared_ptr<MLP> model, std::shared_ptr<O
              (comm_->progresses_independently() || !model_->backend().host_accessible());
   const Backend& be = model_->backend();
   MGPU_CHECK(options_.graph != StepOptions::Graph::kOn || be.supports_capture(), ConfigError,
-             "captured steps (CUDA graphs) need the CUDA backend; the ", be.name(), " backend has none");
+             "captured steps (CUDA graphs) need a backend that captures; the ", be.name(), " backend does not");
+  // Capture pays where launches cost: device backends (the CPU's recorded
+  // calls exist to test this logic and run only when asked for).
   graphs_enabled_ = be.supports_capture() &&
                     (options_.graph == StepOptions::Graph::kOn ||
-                     (options_.graph == StepOptions::Graph::kAuto &&
+                     (options_.graph == StepOptions::Graph::kAuto && !be.host_accessible() &&
                       model_->num_params() <= StepOptions::kGraphAutoMaxParams));
 }
 
@@ -190,7 +192,7 @@ StepResult DataParallelStep::step(const std::vector<MicroShard>& shards, int64_t
     const MicroShard& s = shards[k];
     const bool last = k + 1 == shards.size();
     if (s.batch.rows == 0) continue;
-    m.stage(s.batch, loss_);
+    m.stage(s.batch, loss_, /*own_copy=*/graphs_enabled_);
     const DropoutKey key{m.seed(), step_index, 0, s.first_sample};
     if (graphs_enabled_) {
       // One replay runs forward, loss and backward; the buckets go after it.

@@ -54,8 +54,8 @@ struct StepOptions {
   // later steps: one launch instead of dozens (CUDA graphs; see Backend). A
   // shape is captured the second time it appears, so the first, uncaptured run
   // has sized every buffer. With graphs the allreduce follows backward instead
-  // of overlapping it. kAuto: on for backends that capture and models of at
-  // most kGraphAutoMaxParams parameters (there launches dominate), falling back
+  // of overlapping it. kAuto: on for device backends that capture and models of
+  // at most kGraphAutoMaxParams parameters (there launches dominate), falling back
   // to uncaptured steps if a capture fails (graph_fallback() says why); kOn:
   // always, and a failed capture throws.
   enum class Graph { kOff, kAuto, kOn };

@@ -102,18 +102,67 @@ void* CpuBackend::allocate_bytes(size_t bytes) {
 }
 void CpuBackend::free_bytes(void* ptr) noexcept { std::free(ptr); }
 void CpuBackend::copy_to_backend(void* dst, const void* src, size_t bytes) {
+  refuse_in_capture("copy_to_backend");
   if (bytes) std::memcpy(dst, src, bytes);
 }
 void CpuBackend::copy_to_host(void* dst, const void* src, size_t bytes) {
+  refuse_in_capture("copy_to_host");
   if (bytes) std::memcpy(dst, src, bytes);
 }
 void CpuBackend::zero(float* x, size_t n) {
+  if (record([=] { zero(x, n); })) return;
   if (n) std::memset(x, 0, n * sizeof(float));
+}
+
+// --- capture: the CPU reference of CUDA graphs -------------------------------
+bool CpuBackend::record(std::function<void()> call) {
+  if (!capturing_) return false;
+  recording_.push_back(std::move(call));
+  return true;
+}
+
+// The same calls a CUDA graph cannot hold (they synchronise or read back).
+void CpuBackend::refuse_in_capture(const char* what) const {
+  MGPU_CHECK(!capturing_, DeviceError, what, " is not allowed in a capture");
+}
+
+void CpuBackend::begin_capture() {
+  MGPU_CHECK(!capturing_, ConfigError, "a capture is already in progress");
+  capturing_ = true;
+  recording_.clear();
+}
+
+int CpuBackend::end_capture() {
+  MGPU_CHECK(capturing_, ConfigError, "end_capture() without begin_capture()");
+  capturing_ = false;
+  graphs_.push_back(std::move(recording_));
+  recording_.clear();
+  return static_cast<int>(graphs_.size()) - 1;
+}
+
+void CpuBackend::abort_capture() noexcept {
+  capturing_ = false;
+  recording_.clear();
+}
+
+void CpuBackend::replay(int graph, uint64_t step) {
+  MGPU_CHECK(!capturing_, ConfigError, "replay() during a capture");
+  MGPU_CHECK(graph >= 0 && graph < static_cast<int>(graphs_.size()), ConfigError, "no captured graph ",
+             graph, " (released after generation ", capture_generation_, ")");
+  replay_step_ = step;
+  for (const auto& call : graphs_[graph]) call();
+}
+
+void CpuBackend::release_captures() {
+  if (graphs_.empty()) return;
+  graphs_.clear();
+  ++capture_generation_;
 }
 
 // inp (B, IN), weight (OUT, IN), bias (OUT) -> out (B, OUT)
 void CpuBackend::linear_forward(float* out, const float* inp, const float* weight, const float* bias,
                                 int B, int IN, int OUT) {
+  if (record([=] { linear_forward(out, inp, weight, bias, B, IN, OUT); })) return;
   if (B == 0) return;
   // Seed the output with the bias so the GEMM adds onto it (beta = 1): no extra pass.
 #pragma omp parallel for num_threads(threads_) if (long(B) * OUT > kParallelMin) schedule(static)
@@ -126,6 +175,7 @@ void CpuBackend::linear_forward(float* out, const float* inp, const float* weigh
 void CpuBackend::linear_backward(float* dinp, float* dweight, float* dbias, const float* dout,
                                  const float* inp, const float* weight, int B, int IN, int OUT,
                                  bool accumulate) {
+  if (record([=] { linear_backward(dinp, dweight, dbias, dout, inp, weight, B, IN, OUT, accumulate); })) return;
   const float beta = accumulate ? 1.0f : 0.0f;
   if (dinp)
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, B, IN, OUT, 1.0f, dout, OUT, weight, IN,
@@ -150,6 +200,13 @@ void CpuBackend::linear_backward(float* dinp, float* dweight, float* dbias, cons
 }
 
 void CpuBackend::relu_dropout_forward(float* h, int B, int C, float p, const DropoutKey& key) {
+  // Replays draw the mask of the replayed step (as the CUDA graph reads it from device memory).
+  if (record([=] {
+        DropoutKey replayed = key;
+        replayed.step = replay_step_;
+        relu_dropout_forward(h, B, C, p, replayed);
+      }))
+    return;
   if (p <= 0.0f) {
     const long n = long(B) * C;
 #pragma omp parallel for simd num_threads(threads_) if (n > kParallelMin) schedule(static)
@@ -183,6 +240,7 @@ void CpuBackend::relu_dropout_forward(float* h, int B, int C, float p, const Dro
 }
 
 void CpuBackend::relu_dropout_backward(float* dh, const float* h, size_t n, float p) {
+  if (record([=] { relu_dropout_backward(dh, h, n, p); })) return;
   const float keep_scale = p > 0.0f ? 1.0f / (1.0f - p) : 1.0f;
   const long len = static_cast<long>(n);
 #pragma omp parallel for simd num_threads(threads_) if (len > kParallelMin) schedule(static)
@@ -192,6 +250,7 @@ void CpuBackend::relu_dropout_backward(float* dh, const float* h, size_t n, floa
 // pred (B, D), target (B, D) -> loss_out = grad_scale * sum (pred - target)^2, dpred
 void CpuBackend::mse_forward_backward(float* loss_out, float* dpred, const float* pred,
                                       const float* target, int B, int D, float grad_scale) {
+  if (record([=] { mse_forward_backward(loss_out, dpred, pred, target, B, D, grad_scale); })) return;
   const long n = long(B) * D;
   double sum = 0.0;
   const float two_scale = 2.0f * grad_scale;
@@ -208,6 +267,8 @@ void CpuBackend::mse_forward_backward(float* loss_out, float* dpred, const float
 void CpuBackend::cross_entropy_forward_backward(float* loss_out, float* dlogits, float* correct_out,
                                                 const float* logits, const int32_t* labels, int B,
                                                 int C, float grad_scale) {
+  if (record([=] { cross_entropy_forward_backward(loss_out, dlogits, correct_out, logits, labels, B, C, grad_scale); }))
+    return;
   double sum = 0.0;
   long hits = 0;
 #pragma omp parallel for num_threads(threads_) if (long(B) * C > kParallelMin) reduction(+ : sum, hits) schedule(static)
@@ -233,6 +294,7 @@ void CpuBackend::cross_entropy_forward_backward(float* loss_out, float* dlogits,
 }
 
 void CpuBackend::sgd_update(float* param, const float* grad, float* buf, size_t n, const SgdParams& hp) {
+  if (record([=] { sgd_update(param, grad, buf, n, hp); })) return;
   const long len = static_cast<long>(n);
   const float lr = hp.lr, wd = hp.weight_decay, mom = hp.momentum;
   if (mom > 0.0f) {
@@ -252,6 +314,7 @@ void CpuBackend::sgd_update(float* param, const float* grad, float* buf, size_t 
 
 void CpuBackend::adamw_update(float* param, const float* grad, float* m, float* v, size_t n,
                               const AdamWParams& hp) {
+  if (record([=] { adamw_update(param, grad, m, v, n, hp); })) return;
   const long len = static_cast<long>(n);
   const double t = static_cast<double>(hp.step);
   const float step_size = static_cast<float>(hp.lr / (1.0 - std::pow(double(hp.beta1), t)));
@@ -272,6 +335,7 @@ void CpuBackend::adamw_update(float* param, const float* grad, float* m, float* 
 }
 
 double CpuBackend::sum_squares(const float* x, size_t n) {
+  refuse_in_capture("sum_squares (it reads back)");
   const long len = static_cast<long>(n);
   double sum = 0.0;
 #pragma omp parallel for simd num_threads(threads_) if (len > kParallelMin) reduction(+ : sum) schedule(static)
@@ -280,12 +344,14 @@ double CpuBackend::sum_squares(const float* x, size_t n) {
 }
 
 void CpuBackend::scale(float* x, size_t n, float alpha) {
+  if (record([=] { scale(x, n, alpha); })) return;
   const long len = static_cast<long>(n);
 #pragma omp parallel for simd num_threads(threads_) if (len > kParallelMin) schedule(static)
   for (long i = 0; i < len; ++i) x[i] *= alpha;
 }
 
 void CpuBackend::axpy(float* y, const float* x, size_t n, float alpha) {
+  if (record([=] { axpy(y, x, n, alpha); })) return;
   const long len = static_cast<long>(n);
 #pragma omp parallel for simd num_threads(threads_) if (len > kParallelMin) schedule(static)
   for (long i = 0; i < len; ++i) y[i] += alpha * x[i];

@@ -2,6 +2,9 @@
 // vectorisable loops for everything elementwise. The reference every other
 // backend's kernels are tested against.
 #pragma once
+#include <functional>
+#include <vector>
+
 #include "../core/backend.h"
 
 namespace mgpu {
@@ -41,8 +44,29 @@ class CpuBackend final : public Backend {
   void scale(float* x, size_t n, float alpha) override;
   void axpy(float* y, const float* x, size_t n, float alpha) override;
 
+  // Capture as a list of recorded calls, replayed in order: nothing to gain on a
+  // CPU, but it is the reference the CUDA graphs are checked against, and it
+  // lets the step's capture logic be tested where there is no GPU. Steps use it
+  // only when asked (StepOptions::Graph::kOn).
+  bool supports_capture() const override { return true; }
+  void begin_capture() override;
+  int end_capture() override;
+  void abort_capture() noexcept override;
+  void replay(int graph, uint64_t step) override;
+  void release_captures() override;
+  uint64_t capture_generation() const override { return capture_generation_; }
+
  private:
+  // While capturing: record `call` and return true (the caller returns at once).
+  bool record(std::function<void()> call);
+  void refuse_in_capture(const char* what) const;
+
   int threads_ = 1;
+  bool capturing_ = false;
+  std::vector<std::function<void()>> recording_;
+  std::vector<std::vector<std::function<void()>>> graphs_;
+  uint64_t replay_step_ = 0;  // the dropout step of the replay in progress
+  uint64_t capture_generation_ = 0;
 };
 
 // Number of hardware threads this process may use (affinity-aware).

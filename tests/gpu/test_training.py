@@ -2,7 +2,8 @@
 backend's parameters (fp32, TF32 off) after 20 SGD-momentum and 20 AdamW
 steps, with dropout and gradient accumulation; bf16 and fp16 (dynamic loss
 scaling) train digits; 1000 steps allocate no device memory; a step replayed
-from a CUDA graph gives the bits of the uncaptured step."""
+from a CUDA graph gives the bits of the uncaptured step (and so does the CPU's
+reference capture, tested everywhere)."""
 import numpy as np
 import pytest
 
@@ -130,14 +131,24 @@ def run_steps(step, sizes, loss, shapes, lr=1e-3, seed=0):
     return losses
 
 
+@pytest.fixture(params=["cpu", "cuda"])
+def capture_device(request):
+    """The CUDA graphs, and their CPU reference (recorded calls) that runs everywhere."""
+    if request.param == "cuda":
+        request.getfixturevalue("gpu")
+    return request.param
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("micro", [[64], [20, 44]])
-def test_graph_step_equals_uncaptured_step(gpu, precision, micro):
+def test_graph_step_equals_uncaptured_step(capture_device, precision, micro):
     # Same kernels in the same order, dropout keyed by the step from device memory: same bits.
+    if capture_device == "cpu" and precision != "fp32":
+        pytest.skip("the CPU backend computes in fp32 only")
     sizes = [32, 256, 128, 64, 10]  # the medium preset's hidden layers
     out = {}
     for graph in ("off", "on"):
-        model, step = make("cuda", sizes, dropout=0.2, precision=precision, optimizer="adamw",
+        model, step = make(capture_device, sizes, dropout=0.2, precision=precision, optimizer="adamw",
                            loss="cross_entropy", graph=graph)
         assert step.uses_graphs == (graph == "on")
         losses = run_steps(step, sizes, "cross_entropy", [micro] * 12)
@@ -150,14 +161,14 @@ def test_graph_step_equals_uncaptured_step(gpu, precision, micro):
     assert np.array_equal(params_on, params_off)
 
 
-def test_graphs_follow_changing_shapes_and_growing_buffers(gpu):
+def test_graphs_follow_changing_shapes_and_growing_buffers(capture_device):
     # A larger batch regrows the activations (every graph is released and
     # recaptured); a ragged last batch is a shape of its own.
     sizes = [16, 64, 64, 4]
     shapes = [[32]] * 4 + [[96]] * 3 + [[32]] * 3 + [[7]] * 3 + [[32]] * 2
     out = {}
     for graph in ("off", "on"):
-        model, step = make("cuda", sizes, dropout=0.1, optimizer="sgd", loss="mse", graph=graph)
+        model, step = make(capture_device, sizes, dropout=0.1, optimizer="sgd", loss="mse", graph=graph)
         losses = run_steps(step, sizes, "mse", shapes, lr=0.01)
         out[graph] = (model.get_parameters(), losses, step.graph_replays)
     assert out["on"][1] == out["off"][1]
@@ -165,7 +176,9 @@ def test_graphs_follow_changing_shapes_and_growing_buffers(gpu):
     assert out["on"][2] >= 6, out["on"][2]
 
 
-def test_auto_graphs_only_for_small_models(gpu):
+def test_auto_graphs_only_for_small_models_on_gpus(gpu):
+    _, cpu_step = make("cpu", [32, 256, 128, 64, 10], graph="auto")
+    assert not cpu_step.uses_graphs  # recorded calls gain nothing on a CPU
     _, small = make("cuda", [32, 256, 128, 64, 10], graph="auto")
     assert small.uses_graphs
     be = _core.make_backend("cuda", gpu, 1)

@@ -90,20 +90,35 @@ def test_cpu_backend_does_not_overlap_host_driven_collectives():
     assert step.overlaps is False  # measured faster: per-bucket blocking allreduce after backward
 
 
-def test_cuda_graph_modes_on_the_cpu_backend():
+def test_graph_modes_on_the_cpu_backend():
     m = mgpu.MLP([3, 2])
 
     def step(graph):
         return _core.DataParallelStep(m._core, _core.Optimizer(m._core, "sgd"), _core.LocalCommunicator(), "mse",
                                       graph=graph)
-    assert step("auto").uses_graphs is False  # auto: only where the backend captures (CUDA)
+    assert step("auto").uses_graphs is False  # auto: device backends only (CUDA graphs)
     assert step("off").uses_graphs is False
-    with pytest.raises(mgpu.ConfigError, match="CUDA backend"):
-        step("on")
+    assert step("on").uses_graphs is True  # the CPU reference capture (tests/gpu/test_training.py)
     with pytest.raises(mgpu.ConfigError, match="graph mode"):
         step("sometimes")
     with pytest.raises(mgpu.ConfigError, match="graph mode"):
         mgpu.Trainer(m, process_group=local_group(), graph="always")
+
+
+def test_trainer_with_captured_steps_trains_the_same_run():
+    # A whole fit (ragged last batch, validation between epochs, dropout) through
+    # the CPU's reference capture gives the uncaptured run's bits.
+    data = load_dataset("digits")
+    out = {}
+    for graph in ("off", "on"):
+        m = mgpu.MLP([64, 48, 10], seed=2, dropout=0.1)
+        t = mgpu.Trainer(m, loss="cross_entropy", optimizer="adamw", lr=3e-3, process_group=local_group(),
+                         accumulate=2, graph=graph)
+        history = t.fit(data, batch_size=100, epochs=2, progress=False)
+        out[graph] = (m.get_parameters(), [e["train_loss"] for e in history], t._step.graph_replays)
+    assert out["on"][2] > 0 and out["off"][2] == 0
+    assert out["on"][1] == out["off"][1]
+    assert all(np.array_equal(a, b) for a, b in zip(out["on"][0], out["off"][0]))
 
 
 @pytest.mark.parametrize("overlap", [True, False])
