@@ -367,7 +367,9 @@ void NcclCommunicator::allreduce_sum(float* data, size_t count) {
     s.wait("allreduce", timeout_seconds_, false);
     return;
   }
-  s.flush();
+  // Earlier collectives first, against the deadline: the pageable copy below
+  // would otherwise block the host behind them with no timeout at all.
+  s.wait("allreduce", timeout_seconds_, true);
   float* dev = s.stage(count);
   MGPU_CUDA_CHECK(cudaMemcpyAsync(dev, data, count * sizeof(float), cudaMemcpyHostToDevice, s.comm_stream));
   MGPU_NCCL_CHECK(s.comm, ncclAllReduce(dev, dev, count, ncclFloat32, ncclSum, s.comm, s.comm_stream));
@@ -382,8 +384,11 @@ void NcclCommunicator::broadcast(float* data, size_t count, int root) {
   MGPU_CHECK(root >= 0 && root < s.size, CommError, "broadcast root ", root, " outside [0, ", s.size, ")");
   if (!count) return;
   s.activate();
-  s.flush();
   const bool device = is_device_pointer(data);
+  if (device)
+    s.flush();
+  else
+    s.wait("broadcast", timeout_seconds_, true);  // as in allreduce_sum: no pageable copy behind them
   float* buf = data;
   if (device) {
     s.order_after_compute();
