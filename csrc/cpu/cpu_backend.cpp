@@ -116,47 +116,41 @@ void CpuBackend::zero(float* x, size_t n) {
 
 // --- capture: the CPU reference of CUDA graphs -------------------------------
 bool CpuBackend::record(std::function<void()> call) {
-  if (!capturing_) return false;
+  if (!captures_.capturing()) return false;
   recording_.push_back(std::move(call));
   return true;
 }
 
 // The same calls a CUDA graph cannot hold (they synchronise or read back).
 void CpuBackend::refuse_in_capture(const char* what) const {
-  MGPU_CHECK(!capturing_, DeviceError, what, " is not allowed in a capture");
+  MGPU_CHECK(!captures_.capturing(), DeviceError, what, " is not allowed in a capture");
 }
 
 void CpuBackend::begin_capture() {
-  MGPU_CHECK(!capturing_, ConfigError, "a capture is already in progress");
-  capturing_ = true;
+  captures_.begin();
   recording_.clear();
 }
 
 int CpuBackend::end_capture() {
-  MGPU_CHECK(capturing_, ConfigError, "end_capture() without begin_capture()");
-  capturing_ = false;
-  graphs_.push_back(std::move(recording_));
+  captures_.end();
+  const int graph = captures_.store(std::move(recording_));
   recording_.clear();
-  return static_cast<int>(graphs_.size()) - 1;
+  return graph;
 }
 
 void CpuBackend::abort_capture() noexcept {
-  capturing_ = false;
+  captures_.abort();
   recording_.clear();
 }
 
 void CpuBackend::replay(int graph, uint64_t step) {
-  MGPU_CHECK(!capturing_, ConfigError, "replay() during a capture");
-  MGPU_CHECK(graph >= 0 && graph < static_cast<int>(graphs_.size()), ConfigError, "no captured graph ",
-             graph, " (released after generation ", capture_generation_, ")");
+  const auto& calls = captures_.get(graph);
   replay_step_ = step;
-  for (const auto& call : graphs_[graph]) call();
+  for (const auto& call : calls) call();
 }
 
 void CpuBackend::release_captures() {
-  if (graphs_.empty()) return;
-  graphs_.clear();
-  ++capture_generation_;
+  captures_.release([](auto&) {});
 }
 
 // inp (B, IN), weight (OUT, IN), bias (OUT) -> out (B, OUT)

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "../core/backend.h"
+#include "../core/capture_registry.h"
 
 namespace mgpu {
 
@@ -54,7 +55,7 @@ class CpuBackend final : public Backend {
   void abort_capture() noexcept override;
   void replay(int graph, uint64_t step) override;
   void release_captures() override;
-  uint64_t capture_generation() const override { return capture_generation_; }
+  uint64_t capture_generation() const override { return captures_.generation(); }
 
  private:
   // While capturing: record `call` and return true (the caller returns at once).
@@ -62,11 +63,9 @@ class CpuBackend final : public Backend {
   void refuse_in_capture(const char* what) const;
 
   int threads_ = 1;
-  bool capturing_ = false;
-  std::vector<std::function<void()>> recording_;
-  std::vector<std::vector<std::function<void()>>> graphs_;
+  CaptureRegistry<std::vector<std::function<void()>>> captures_;
+  std::vector<std::function<void()>> recording_;  // of the capture in progress
   uint64_t replay_step_ = 0;  // the dropout step of the replay in progress
-  uint64_t capture_generation_ = 0;
 };
 
 // Number of hardware threads this process may use (affinity-aware).

@@ -45,8 +45,7 @@ void CudaBackend::release() noexcept {
   cudaSetDevice(device_);
   abort_capture();
   if (stream_) cudaStreamSynchronize(stream_);
-  for (cudaGraphExec_t g : graphs_) cudaGraphExecDestroy(g);
-  graphs_.clear();
+  captures_.release([](cudaGraphExec_t g) { cudaGraphExecDestroy(g); });
   if (cublas_) cublasDestroy(cublas_);
   cudaFree(cublas_workspace_);
   cudaFree(partials_);
@@ -98,7 +97,7 @@ void CudaBackend::free_bytes(void* ptr) noexcept {
 void CudaBackend::copy_to_backend(void* dst, const void* host_src, size_t bytes) {
   if (!bytes) return;
   activate();
-  MGPU_CHECK(!capturing_, DeviceError, "copy_to_backend synchronises: not allowed in a capture");
+  MGPU_CHECK(!captures_.capturing(), DeviceError, "copy_to_backend synchronises: not allowed in a capture");
   MGPU_CUDA_CHECK(cudaMemcpyAsync(dst, host_src, bytes, cudaMemcpyHostToDevice, stream_));
   MGPU_CUDA_CHECK(cudaStreamSynchronize(stream_));
 }
@@ -106,7 +105,7 @@ void CudaBackend::copy_to_backend(void* dst, const void* host_src, size_t bytes)
 void CudaBackend::copy_to_host(void* host_dst, const void* src, size_t bytes) {
   if (!bytes) return;
   activate();
-  MGPU_CHECK(!capturing_, DeviceError, "copy_to_host synchronises: not allowed in a capture");
+  MGPU_CHECK(!captures_.capturing(), DeviceError, "copy_to_host synchronises: not allowed in a capture");
   MGPU_CUDA_CHECK(cudaMemcpyAsync(host_dst, src, bytes, cudaMemcpyDeviceToHost, stream_));
   MGPU_CUDA_CHECK(cudaStreamSynchronize(stream_));
 }
@@ -119,13 +118,13 @@ void CudaBackend::zero(float* x, size_t n) {
 
 void CudaBackend::synchronize() {
   activate();
-  MGPU_CHECK(!capturing_, DeviceError, "synchronize() is not allowed in a capture");
+  MGPU_CHECK(!captures_.capturing(), DeviceError, "synchronize() is not allowed in a capture");
   MGPU_CUDA_CHECK(cudaStreamSynchronize(stream_));
 }
 
 void CudaBackend::set_precision(Precision precision) {
   activate();
-  MGPU_CHECK(!capturing_, ConfigError, "the precision cannot change during a capture");
+  MGPU_CHECK(!captures_.capturing(), ConfigError, "the precision cannot change during a capture");
   release_captures();  // graphs hold the old GEMM configuration
   // TF32 only when asked: fp32 GEMMs stay IEEE fp32 so results match the CPU backend.
   MGPU_CUBLAS_CHECK(cublasSetMathMode(
@@ -136,9 +135,8 @@ void CudaBackend::set_precision(Precision precision) {
 const void* CudaBackend::gemm_input(int slot, const float* src, size_t n) {
   if (precision_ == Precision::kFP32 || precision_ == Precision::kTF32) return src;
   if (half_capacity_[slot] < n) {
-    // Grows only while shapes grow (the first steps); the stream must be done
-    // with the old buffer before it goes.
-    MGPU_CHECK(!capturing_, DeviceError, "a GEMM operand outgrew its buffer during a capture "
+    // Grows only while shapes grow (the first steps).
+    MGPU_CHECK(!captures_.capturing(), DeviceError, "a GEMM operand outgrew its buffer during a capture "
                "(run the shape uncaptured first)");
     const size_t cap = std::max(n, half_capacity_[slot] + half_capacity_[slot] / 2);
     release_captures();  // graphs point at the buffer about to go
@@ -217,7 +215,7 @@ void CudaBackend::linear_backward(float* dinp, float* dweight, float* dbias, con
 
 void CudaBackend::relu_dropout_forward(float* h, int B, int C, float p, const DropoutKey& key) {
   activate();
-  kernels::relu_dropout_forward(h, B, C, p, key, stream_, capturing_ ? step_dev_ : nullptr);
+  kernels::relu_dropout_forward(h, B, C, p, key, stream_, captures_.capturing() ? step_dev_ : nullptr);
 }
 
 void CudaBackend::relu_dropout_backward(float* dh, const float* h, size_t n, float p) {
@@ -253,7 +251,7 @@ void CudaBackend::adamw_update(float* param, const float* grad, float* exp_avg, 
 
 double CudaBackend::sum_squares(const float* x, size_t n) {
   activate();
-  MGPU_CHECK(!capturing_, DeviceError, "sum_squares reads back to the host: not allowed in a capture");
+  MGPU_CHECK(!captures_.capturing(), DeviceError, "sum_squares reads back to the host: not allowed in a capture");
   kernels::sum_squares(sum_out_, x, n, partials_, stream_);
   MGPU_CUDA_CHECK(cudaMemcpyAsync(sum_host_, sum_out_, sizeof(double), cudaMemcpyDeviceToHost, stream_));
   MGPU_CUDA_CHECK(cudaStreamSynchronize(stream_));
@@ -275,28 +273,27 @@ void CudaBackend::axpy(float* y, const float* x, size_t n, float alpha) {
 // capture, so a communicator's watchdog thread may go on querying events.
 void CudaBackend::begin_capture() {
   activate();
-  MGPU_CHECK(!capturing_, ConfigError, "a capture is already in progress");
-  MGPU_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
-  capturing_ = true;
+  captures_.begin();
+  const cudaError_t rc = cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal);
+  if (rc != cudaSuccess) captures_.abort();
+  MGPU_CUDA_CHECK(rc);
 }
 
 int CudaBackend::end_capture() {
   activate();
-  MGPU_CHECK(capturing_, ConfigError, "end_capture() without begin_capture()");
-  capturing_ = false;
+  captures_.end();
   cudaGraph_t graph = nullptr;
   MGPU_CUDA_CHECK(cudaStreamEndCapture(stream_, &graph));
   cudaGraphExec_t exec = nullptr;
   const cudaError_t rc = cudaGraphInstantiate(&exec, graph, 0);
   cudaGraphDestroy(graph);
   MGPU_CUDA_CHECK(rc);
-  graphs_.push_back(exec);
-  return static_cast<int>(graphs_.size()) - 1;
+  return captures_.store(exec);
 }
 
 void CudaBackend::abort_capture() noexcept {
-  if (!capturing_) return;
-  capturing_ = false;
+  if (!captures_.capturing()) return;
+  captures_.abort();
   cudaSetDevice(device_);
   cudaGraph_t graph = nullptr;
   if (cudaStreamEndCapture(stream_, &graph) == cudaSuccess && graph) cudaGraphDestroy(graph);
@@ -305,23 +302,19 @@ void CudaBackend::abort_capture() noexcept {
 
 void CudaBackend::replay(int graph, uint64_t step) {
   activate();
-  MGPU_CHECK(!capturing_, ConfigError, "replay() during a capture");
-  MGPU_CHECK(graph >= 0 && graph < static_cast<int>(graphs_.size()), ConfigError, "no captured graph ",
-             graph, " (released after generation ", capture_generation_, ")");
+  cudaGraphExec_t exec = captures_.get(graph);
   // The previous replay's copy has run: the step synchronises the stream
-  // (loss read-back) before the next step writes step_host_ again.
+  // (staging, loss read-back) before the next replay writes step_host_ again.
   *step_host_ = step;
   MGPU_CUDA_CHECK(cudaMemcpyAsync(step_dev_, step_host_, sizeof(uint64_t), cudaMemcpyHostToDevice, stream_));
-  MGPU_CUDA_CHECK(cudaGraphLaunch(graphs_[graph], stream_));
+  MGPU_CUDA_CHECK(cudaGraphLaunch(exec, stream_));
 }
 
 void CudaBackend::release_captures() {
-  if (graphs_.empty()) return;
+  if (captures_.empty()) return;
   activate();
   MGPU_CUDA_CHECK(cudaStreamSynchronize(stream_));  // no replay may still be running
-  for (cudaGraphExec_t g : graphs_) cudaGraphExecDestroy(g);
-  graphs_.clear();
-  ++capture_generation_;
+  captures_.release([](cudaGraphExec_t g) { cudaGraphExecDestroy(g); });
 }
 
 }  // namespace mgpu

@@ -1,5 +1,6 @@
 // CUDA backend: cuBLAS GEMMs and the kernels of kernels/ on one compute stream
-// owned by the backend. Device memory from cudaMalloc; scratch buffers (reduction
+// owned by the backend. Device memory from cudaMalloc (half-precision GEMM operands
+// stream-ordered, cudaMallocAsync); scratch buffers (reduction
 // partials, half-precision GEMM operands, the cuBLAS workspace) are allocated
 // once and grow only when a larger shape first appears, so a training step in
 // steady state allocates nothing. Every CUDA/cuBLAS failure throws DeviceError.
@@ -8,9 +9,8 @@
 #include <cublas_v2.h>
 #include <cuda_runtime_api.h>
 
-#include <vector>
-
 #include "../core/backend.h"
+#include "../core/capture_registry.h"
 
 namespace mgpu {
 
@@ -67,7 +67,7 @@ class CudaBackend final : public Backend {
   void abort_capture() noexcept override;
   void replay(int graph, uint64_t step) override;
   void release_captures() override;
-  uint64_t capture_generation() const override { return capture_generation_; }
+  uint64_t capture_generation() const override { return captures_.generation(); }
 
   int device() const { return device_; }
   // The stream every kernel and GEMM of this backend runs on; a communicator
@@ -95,11 +95,9 @@ class CudaBackend final : public Backend {
   double* sum_host_ = nullptr;    // pinned landing place of that result
   void* half_[2] = {nullptr, nullptr};
   size_t half_capacity_[2] = {0, 0};  // elements
-  bool capturing_ = false;
+  CaptureRegistry<cudaGraphExec_t> captures_;
   uint64_t* step_dev_ = nullptr;   // the dropout step captured kernels read
   uint64_t* step_host_ = nullptr;  // pinned source of its per-replay copy
-  std::vector<cudaGraphExec_t> graphs_;
-  uint64_t capture_generation_ = 0;
 };
 
 }  // namespace mgpu

@@ -40,6 +40,18 @@ bool is_device_pointer(const void* p) {
   return attr.type == cudaMemoryTypeDevice || attr.type == cudaMemoryTypeManaged;
 }
 
+// DeviceError unless device_index names a GPU this process sees.
+void check_device(int device_index) {
+  int gpus = 0;
+  if (cudaGetDeviceCount(&gpus) != cudaSuccess) {
+    cudaGetLastError();
+    gpus = 0;
+  }
+  MGPU_CHECK(gpus > 0, DeviceError, "no CUDA GPU is visible to this process: the NCCL communicator needs one");
+  MGPU_CHECK(device_index >= 0 && device_index < gpus, DeviceError, "device index ", device_index,
+             " out of range: ", gpus, " GPU", gpus == 1 ? "" : "s", " visible");
+}
+
 struct Pending {
   void* data;
   size_t count;
@@ -215,14 +227,7 @@ NcclCommunicator::NcclCommunicator(const std::string& unique_id, int rank, int s
   MGPU_CHECK(!sidecar || (sidecar->rank() == rank && sidecar->size() == size), ConfigError,
              "the heartbeat sidecar must span the same ranks (it is rank ", sidecar ? sidecar->rank() : -1, " of ",
              sidecar ? sidecar->size() : 0, ", NCCL rank ", rank, " of ", size, ")");
-  int gpus = 0;
-  if (cudaGetDeviceCount(&gpus) != cudaSuccess) {
-    cudaGetLastError();
-    gpus = 0;
-  }
-  MGPU_CHECK(gpus > 0, DeviceError, "no CUDA GPU is visible to this process: the NCCL communicator needs one");
-  MGPU_CHECK(device_index >= 0 && device_index < gpus, DeviceError, "device index ", device_index,
-             " out of range: ", gpus, " GPU", gpus == 1 ? "" : "s", " visible");
+  check_device(device_index);
   Impl& s = *impl_;
   s.rank = rank;
   s.size = size;
@@ -240,15 +245,7 @@ NcclCommunicator::NcclCommunicator(std::unique_ptr<Impl> impl) : impl_(std::move
 std::vector<std::shared_ptr<NcclCommunicator>> NcclCommunicator::init_all(const std::vector<int>& devices) {
   const int n = static_cast<int>(devices.size());
   MGPU_CHECK(n >= 1, ConfigError, "init_all needs at least one device");
-  int gpus = 0;
-  if (cudaGetDeviceCount(&gpus) != cudaSuccess) {
-    cudaGetLastError();
-    gpus = 0;
-  }
-  MGPU_CHECK(gpus > 0, DeviceError, "no CUDA GPU is visible to this process: the NCCL communicator needs one");
-  for (int d : devices)
-    MGPU_CHECK(d >= 0 && d < gpus, DeviceError, "device index ", d, " out of range: ", gpus, " GPU",
-               gpus == 1 ? "" : "s", " visible");
+  for (int d : devices) check_device(d);
   std::vector<ncclComm_t> comms(n, nullptr);
   MGPU_NCCL_CHECK(nullptr, ncclCommInitAll(comms.data(), n, devices.data()));
   std::vector<std::shared_ptr<NcclCommunicator>> out;

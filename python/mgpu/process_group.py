@@ -199,15 +199,8 @@ class ProcessGroup:
             return
         if self.allreduce(0 if error is None else 1, op="max", what=what) == 0:
             return
-        local = None if error is None else (type(error).__name__, str(error))
-        reports = self.comm.allgather(local)  # every rank is here: the flag arrived from all
-        if error is not None:
-            raise error
-        for rank, report in enumerate(reports):
-            if report is not None:
-                user = report[0] in ("ConfigError", "DataError", "CheckpointError")
-                cls = ConfigError if user else RuntimeError
-                raise cls(f"rank {rank}: {report[1]}")
+        reports = self.comm.allgather(error_report(error))  # every rank is here: the flag arrived from all
+        raise_agreed(error, reports)
 
     def abort(self, code: int = 1) -> None:
         """End every rank of the job (after an unexpected error on this one)."""
@@ -217,6 +210,23 @@ class ProcessGroup:
     def __repr__(self) -> str:
         return (f"ProcessGroup(rank={self.rank}, size={self.size}, local_rank={self.local_rank}, "
                 f"local_size={self.local_size})")
+
+
+def error_report(error: Optional[BaseException]):
+    """What agree() tells the other ranks of this rank's error (None: no error)."""
+    return None if error is None else (type(error).__name__, str(error))
+
+
+def raise_agreed(error: Optional[BaseException], reports: list) -> None:
+    """agree()'s verdict from every rank's error_report: this rank's own error,
+    else the first other rank's, named; nothing when no rank failed."""
+    if error is not None:
+        raise error
+    for rank, report in enumerate(reports):
+        if report is not None:
+            user = report[0] in ("ConfigError", "DataError", "CheckpointError")
+            cls = ConfigError if user else RuntimeError
+            raise cls(f"rank {rank}: {report[1]}")
 
 
 def cuda_device_count() -> int:

@@ -27,7 +27,7 @@ import numpy as np
 
 from . import _core
 from .errors import CommError, ConfigError
-from .process_group import ProcessGroup, cuda_device_count
+from .process_group import ProcessGroup, cuda_device_count, error_report, raise_agreed
 
 
 class _Shared:
@@ -131,17 +131,7 @@ class ThreadGroup(ProcessGroup):
             self._meet(what)
 
     def agree(self, error: Optional[BaseException], what: str = "agreement") -> None:
-        if self.size == 1:
-            if error is not None:
-                raise error
-            return
-        reports = self._exchange(None if error is None else (type(error).__name__, str(error)), what)
-        if error is not None:
-            raise error
-        for rank, report in enumerate(reports):
-            if report is not None:
-                user = report[0] in ("ConfigError", "DataError", "CheckpointError")
-                raise (ConfigError if user else RuntimeError)(f"rank {rank}: {report[1]}")
+        raise_agreed(error, self._exchange(error_report(error), what) if self.size > 1 else [])
 
     def abort(self, code: int = 1) -> None:
         """Make every other thread's next (or current) meeting raise CommError.
@@ -162,10 +152,6 @@ class ThreadGroup(ProcessGroup):
             raise ConfigError(f"{self.size} GPU threads asked for, but {gpus} GPU(s) visible: one thread drives "
                               f"one GPU (NCCL >= 2.30 shares a GPU with NCCL_MULTI_RANK_GPU_ENABLE=1)")
         return "cuda", self.rank % gpus
-
-    def default_threads(self) -> int:
-        cores = _core.build_info()["cpu_threads_available"]
-        return max(1, cores // self.size)
 
     def communicator(self, kind: str = "mpi", device_index: Optional[int] = None) -> "_core.Communicator":
         if kind == "mpi" and self.size > 1:
