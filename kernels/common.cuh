@@ -6,6 +6,13 @@
 #include <algorithm>
 #include <cstddef>
 
+// Every kernel launch goes through MGPU_LAUNCH(kernel, grid, block, shared_bytes,
+// stream)(args...): nvcc's <<< >>> here; the GPU emulation build
+// (emulation/README.md) defines its own before this header is read.
+#ifndef MGPU_LAUNCH
+#define MGPU_LAUNCH(kernel, grid, block, shared_bytes, stream) kernel<<<grid, block, shared_bytes, stream>>>
+#endif
+
 namespace mgpu {
 namespace kernels {
 

@@ -103,19 +103,19 @@ void relu_dropout_forward(float* h, int B, int C, float p, const DropoutKey& key
   const size_t n = size_t(B) * C;
   if (n == 0) return;
   if (p <= 0.0f) {
-    relu_kernel<<<grid_for(n), kThreads, 0, stream>>>(h, n);
+    MGPU_LAUNCH(relu_kernel, grid_for(n), kThreads, 0, stream)(h, n);
     MGPU_CUDA_CHECK_LAUNCH("relu_kernel");
     return;
   }
   const MaskParams m = mask_params(C, p, key);
-  relu_dropout_kernel<<<grid_for(size_t(B) * m.groups), kThreads, 0, stream>>>(h, B, m, step_dev);
+  MGPU_LAUNCH(relu_dropout_kernel, grid_for(size_t(B) * m.groups), kThreads, 0, stream)(h, B, m, step_dev);
   MGPU_CUDA_CHECK_LAUNCH("relu_dropout_kernel");
 }
 
 void relu_dropout_backward(float* dh, const float* h, size_t n, float p, cudaStream_t stream) {
   if (n == 0) return;
   const float keep_scale = p > 0.0f ? 1.0f / (1.0f - p) : 1.0f;
-  relu_dropout_backward_kernel<<<grid_for(n), kThreads, 0, stream>>>(dh, h, n, keep_scale);
+  MGPU_LAUNCH(relu_dropout_backward_kernel, grid_for(n), kThreads, 0, stream)(dh, h, n, keep_scale);
   MGPU_CUDA_CHECK_LAUNCH("relu_dropout_backward_kernel");
 }
 

@@ -46,31 +46,31 @@ __global__ void cast_fp16_kernel(__half* __restrict__ out, const float* __restri
 void broadcast_rows(float* out, const float* bias, int B, int C, cudaStream_t stream) {
   const size_t n = size_t(B) * C;
   if (n == 0) return;
-  broadcast_rows_kernel<<<grid_for(n), kThreads, 0, stream>>>(out, bias, n, C);
+  MGPU_LAUNCH(broadcast_rows_kernel, grid_for(n), kThreads, 0, stream)(out, bias, n, C);
   MGPU_CUDA_CHECK_LAUNCH("broadcast_rows_kernel");
 }
 
 void scale(float* x, size_t n, float alpha, cudaStream_t stream) {
   if (n == 0) return;
-  scale_kernel<<<grid_for(n), kThreads, 0, stream>>>(x, n, alpha);
+  MGPU_LAUNCH(scale_kernel, grid_for(n), kThreads, 0, stream)(x, n, alpha);
   MGPU_CUDA_CHECK_LAUNCH("scale_kernel");
 }
 
 void axpy(float* y, const float* x, size_t n, float alpha, cudaStream_t stream) {
   if (n == 0) return;
-  axpy_kernel<<<grid_for(n), kThreads, 0, stream>>>(y, x, n, alpha);
+  MGPU_LAUNCH(axpy_kernel, grid_for(n), kThreads, 0, stream)(y, x, n, alpha);
   MGPU_CUDA_CHECK_LAUNCH("axpy_kernel");
 }
 
 void cast_to_bf16(void* out, const float* in, size_t n, cudaStream_t stream) {
   if (n == 0) return;
-  cast_bf16_kernel<<<grid_for(n), kThreads, 0, stream>>>(static_cast<__nv_bfloat16*>(out), in, n);
+  MGPU_LAUNCH(cast_bf16_kernel, grid_for(n), kThreads, 0, stream)(static_cast<__nv_bfloat16*>(out), in, n);
   MGPU_CUDA_CHECK_LAUNCH("cast_bf16_kernel");
 }
 
 void cast_to_fp16(void* out, const float* in, size_t n, cudaStream_t stream) {
   if (n == 0) return;
-  cast_fp16_kernel<<<grid_for(n), kThreads, 0, stream>>>(static_cast<__half*>(out), in, n);
+  MGPU_LAUNCH(cast_fp16_kernel, grid_for(n), kThreads, 0, stream)(static_cast<__half*>(out), in, n);
   MGPU_CUDA_CHECK_LAUNCH("cast_fp16_kernel");
 }
 

@@ -101,7 +101,7 @@ void mse_forward_backward(float* loss_out, float* dpred, const float* pred, cons
                           int D, float grad_scale, double* partials, cudaStream_t stream) {
   const size_t n = size_t(B) * D;
   const int blocks = reduce_blocks(n, size_t(kThreads) * 8);
-  mse_kernel<<<blocks, kThreads, 0, stream>>>(partials, dpred, pred, target, n, 2.0f * grad_scale);
+  MGPU_LAUNCH(mse_kernel, blocks, kThreads, 0, stream)(partials, dpred, pred, target, n, 2.0f * grad_scale);
   MGPU_CUDA_CHECK_LAUNCH("mse_kernel");
   FinalizeArgs f;
   f.partials = partials;
@@ -115,7 +115,7 @@ void cross_entropy_forward_backward(float* loss_out, float* dlogits, float* corr
                                     const float* logits, const int32_t* labels, int B, int C,
                                     float grad_scale, double* partials, cudaStream_t stream) {
   const int blocks = reduce_blocks(size_t(B), kWarpsPerBlock);
-  cross_entropy_kernel<<<blocks, kThreads, 0, stream>>>(partials, dlogits, logits, labels, B, C, grad_scale);
+  MGPU_LAUNCH(cross_entropy_kernel, blocks, kThreads, 0, stream)(partials, dlogits, logits, labels, B, C, grad_scale);
   MGPU_CUDA_CHECK_LAUNCH("cross_entropy_kernel");
   FinalizeArgs f;
   f.partials = partials;

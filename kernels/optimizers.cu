@@ -53,11 +53,11 @@ void sgd_update(float* param, const float* grad, float* momentum_buf, size_t n, 
                 cudaStream_t stream) {
   if (n == 0) return;
   if (hp.momentum > 0.0f) {
-    sgd_momentum_kernel<<<grid_for(n), kThreads, 0, stream>>>(param, grad, momentum_buf, n, hp.lr,
+    MGPU_LAUNCH(sgd_momentum_kernel, grid_for(n), kThreads, 0, stream)(param, grad, momentum_buf, n, hp.lr,
                                                               hp.weight_decay, hp.momentum, hp.first_step);
     MGPU_CUDA_CHECK_LAUNCH("sgd_momentum_kernel");
   } else {
-    sgd_kernel<<<grid_for(n), kThreads, 0, stream>>>(param, grad, n, hp.lr, hp.weight_decay);
+    MGPU_LAUNCH(sgd_kernel, grid_for(n), kThreads, 0, stream)(param, grad, n, hp.lr, hp.weight_decay);
     MGPU_CUDA_CHECK_LAUNCH("sgd_kernel");
   }
 }
@@ -75,7 +75,7 @@ void adamw_update(float* param, const float* grad, float* exp_avg, float* exp_av
   c.one_minus_b2 = 1.0f - hp.beta2;
   c.b2 = hp.beta2;
   c.eps = hp.eps;
-  adamw_kernel<<<grid_for(n), kThreads, 0, stream>>>(param, grad, exp_avg, exp_avg_sq, n, c);
+  MGPU_LAUNCH(adamw_kernel, grid_for(n), kThreads, 0, stream)(param, grad, exp_avg, exp_avg_sq, n, c);
   MGPU_CUDA_CHECK_LAUNCH("adamw_kernel");
 }
 

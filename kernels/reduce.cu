@@ -65,13 +65,13 @@ int reduce_blocks(size_t work, size_t per_block) {
 }
 
 void finalize_partials(const FinalizeArgs& args, cudaStream_t stream) {
-  finalize_kernel<<<1, kThreads, 0, stream>>>(args);
+  MGPU_LAUNCH(finalize_kernel, 1, kThreads, 0, stream)(args);
   MGPU_CUDA_CHECK_LAUNCH("finalize_kernel");
 }
 
 void sum_squares(double* out, const float* x, size_t n, double* partials, cudaStream_t stream) {
   const int blocks = reduce_blocks(n, size_t(kThreads) * 8);
-  sum_squares_kernel<<<blocks, kThreads, 0, stream>>>(partials, x, n);
+  MGPU_LAUNCH(sum_squares_kernel, blocks, kThreads, 0, stream)(partials, x, n);
   MGPU_CUDA_CHECK_LAUNCH("sum_squares_kernel");
   FinalizeArgs f;
   f.partials = partials;
@@ -84,7 +84,7 @@ void column_sums(float* dbias, const float* dout, int B, int OUT, bool accumulat
   if (OUT <= 0) return;
   const dim3 block(kColTile, kRowThreads);
   const unsigned grid = static_cast<unsigned>((OUT + kColTile - 1) / kColTile);
-  column_sums_kernel<<<grid, block, 0, stream>>>(dbias, dout, B, OUT, accumulate);
+  MGPU_LAUNCH(column_sums_kernel, grid, block, 0, stream)(dbias, dout, B, OUT, accumulate);
   MGPU_CUDA_CHECK_LAUNCH("column_sums_kernel");
 }
 

@@ -144,14 +144,14 @@ class CudaStress final : public StressDevice {
     values_.resize(n);
     StressCheck c;
     begin();
-    compute_kernel<<<grid_for(n), kThreads, 0, stream_>>>(values_.ptr, n, iterations, seed);
+    MGPU_LAUNCH(compute_kernel, grid_for(n), kThreads, 0, stream_)(values_.ptr, n, iterations, seed);
     MGPU_CUDA_CHECK_LAUNCH("compute_kernel");
     c.seconds = end();
     c.work = double(n) * iterations * kStressChainOps;
     const size_t checks = std::min(std::max<size_t>(sample, 1), n);
     if (inject_fault) flip_bit(values_.ptr + (checks / 2) * n / checks);
     zero_counts();
-    compute_check_kernel<<<grid_for(checks), kThreads, 0, stream_>>>(counts_.ptr, values_.ptr, n, checks,
+    MGPU_LAUNCH(compute_check_kernel, grid_for(checks), kThreads, 0, stream_)(counts_.ptr, values_.ptr, n, checks,
                                                                        iterations, seed);
     MGPU_CUDA_CHECK_LAUNCH("compute_check_kernel");
     const auto counts = read_counts();
@@ -174,14 +174,14 @@ class CudaStress final : public StressDevice {
       b_.resize(nn);
       c_.resize(nn);
       first_.resize(nn);
-      gemm_inputs_kernel<<<grid_for(nn), kThreads, 0, stream_>>>(a_.ptr, b_.ptr, nn, seed);
+      MGPU_LAUNCH(gemm_inputs_kernel, grid_for(nn), kThreads, 0, stream_)(a_.ptr, b_.ptr, nn, seed);
       MGPU_CUDA_CHECK_LAUNCH("gemm_inputs_kernel");
       if (precision == "bf16") {
         a16_.resize(nn);
         b16_.resize(nn);
-        to_bf16_kernel<<<grid_for(nn), kThreads, 0, stream_>>>(a16_.ptr, a_.ptr, nn);
+        MGPU_LAUNCH(to_bf16_kernel, grid_for(nn), kThreads, 0, stream_)(a16_.ptr, a_.ptr, nn);
         MGPU_CUDA_CHECK_LAUNCH("to_bf16_kernel");
-        to_bf16_kernel<<<grid_for(nn), kThreads, 0, stream_>>>(b16_.ptr, b_.ptr, nn);
+        MGPU_LAUNCH(to_bf16_kernel, grid_for(nn), kThreads, 0, stream_)(b16_.ptr, b_.ptr, nn);
         MGPU_CUDA_CHECK_LAUNCH("to_bf16_kernel");
       }
       // Pedantic only for fp32 (no TF32 sneaking in); bf16 needs the default
@@ -215,7 +215,7 @@ class CudaStress final : public StressDevice {
       }
       if (inject_fault && r == repeats - 1) flip_bit(c_.ptr + nn / 3);
       zero_counts();
-      gemm_check_kernel<<<grid_for(nn), kThreads, 0, stream_>>>(counts_.ptr, c_.ptr, first_.ptr, nn, tol);
+      MGPU_LAUNCH(gemm_check_kernel, grid_for(nn), kThreads, 0, stream_)(counts_.ptr, c_.ptr, first_.ptr, nn, tol);
       MGPU_CUDA_CHECK_LAUNCH("gemm_check_kernel");
       const auto counts = read_counts();
       c.checked += static_cast<int64_t>(nn);
@@ -252,7 +252,7 @@ class CudaStress final : public StressDevice {
     MGPU_CUDA_CHECK(cudaSetDevice(device_));
     StressCheck c;
     begin();
-    memory_write_kernel<<<grid_for(buffer_.count), kThreads, 0, stream_>>>(buffer_.ptr, buffer_.count, p, seed, pass);
+    MGPU_LAUNCH(memory_write_kernel, grid_for(buffer_.count), kThreads, 0, stream_)(buffer_.ptr, buffer_.count, p, seed, pass);
     MGPU_CUDA_CHECK_LAUNCH("memory_write_kernel");
     c.seconds = end();
     if (inject_fault) {
@@ -266,7 +266,7 @@ class CudaStress final : public StressDevice {
     }
     zero_counts();
     begin();
-    memory_check_kernel<<<grid_for(buffer_.count), kThreads, 0, stream_>>>(counts_.ptr, buffer_.ptr, buffer_.count,
+    MGPU_LAUNCH(memory_check_kernel, grid_for(buffer_.count), kThreads, 0, stream_)(counts_.ptr, buffer_.ptr, buffer_.count,
                                                                             p, seed, pass);
     MGPU_CUDA_CHECK_LAUNCH("memory_check_kernel");
     c.seconds += end();

@@ -193,12 +193,22 @@ py::dict build_info() {
   devices.append("cuda");
 #endif
   info["backends"] = devices;
+#ifdef MGPU_GPU_EMULATION
+  info["gpu_emulation"] = true;  // every GPU of this module is the CPU emulation (emulation/)
+#else
+  info["gpu_emulation"] = false;
+#endif
+  cuda["emulated"] = info["gpu_emulation"];
   return info;
 }
 
 }  // namespace
 
-PYBIND11_MODULE(_core, m) {
+#ifdef MGPU_GPU_EMULATION
+void bind_emulation(py::module_& m);  // csrc/bindings/emulation.cpp
+#endif
+
+PYBIND11_MODULE(MGPU_MODULE_NAME, m) {
   m.doc() = "mgpu native core: backends, communicators, the MLP and the data-parallel step";
   m.attr("__version__") = MGPU_VERSION;
 
@@ -533,4 +543,7 @@ PYBIND11_MODULE(_core, m) {
         for (const Bucket& b : s.buckets()) out.emplace_back(b.offset, b.count, b.ready_layer);
         return out;
       }, "(offset, count, ready_layer) of each gradient bucket, in launch order.");
+#ifdef MGPU_GPU_EMULATION
+  bind_emulation(m);
+#endif
 }

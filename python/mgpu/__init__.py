@@ -3,6 +3,20 @@
 The native core (mgpu._core) does the math and the collectives; this package
 drives training, benchmarks and the CLI (``python -m mgpu --help``).
 """
+import os as _os
+import sys as _sys
+
+if _os.environ.get("MGPU_EMULATE_GPU", "").strip() not in ("", "0"):
+    # MGPU_EMULATE_GPU=N: the CUDA code runs on N emulated GPUs on the CPU
+    # (emulation/README.md). The emulation build of the core replaces _core for
+    # this process, so every module below and every `from mgpu import _core` sees it.
+    try:
+        from . import _core_emu as _core
+    except ImportError as _e:  # built without the emulation (no CUDA headers, Boost.Context or MPI)
+        raise ImportError(f"MGPU_EMULATE_GPU is set but this mgpu has no GPU emulation build ({_e}); "
+                          "unset MGPU_EMULATE_GPU or rebuild with the CUDA toolkit headers, "
+                          "libboost-context-dev and MPI") from None
+    _sys.modules[__name__ + "._core"] = _core
 from ._core import __version__, build_info
 from .errors import CommError, ConfigError, DataError, DeviceError, MgpuError, NumericsError
 from .process_group import ProcessGroup
