@@ -42,6 +42,7 @@ struct StackPool {
   }
 };
 thread_local StackPool tl_stacks;
+thread_local bctx::stack_context tl_last_stack;  // the stack PooledStack handed out last
 
 class PooledStack {
  public:
@@ -49,6 +50,7 @@ class PooledStack {
     if (!tl_stacks.free.empty()) {
       bctx::stack_context sc = tl_stacks.free.back();
       tl_stacks.free.pop_back();
+      tl_last_stack = sc;
       return sc;
     }
     const size_t page = size_t(sysconf(_SC_PAGESIZE));
@@ -59,6 +61,7 @@ class PooledStack {
     bctx::stack_context sc;
     sc.size = size;
     sc.sp = static_cast<char*>(base) + size;
+    tl_last_stack = sc;
     return sc;
   }
   void deallocate(bctx::stack_context& sc) noexcept { tl_stacks.free.push_back(sc); }
@@ -75,8 +78,10 @@ struct EmuThread {
   unsigned mask = 0;
   const char* what = "";
   uint64_t warp_ops = 0;
-  bctx::fiber fiber;  // the suspended thread
-  bctx::fiber sink;   // the scheduler, while the thread runs
+  bctx::fiber fiber;           // the suspended fiber running this thread
+  bctx::fiber* sink = nullptr;  // the scheduler, while the thread runs (in its fiber's frame)
+  uintptr_t stack_lo = 0, stack_hi = 0;  // the fiber stack it runs on (its locals: not device memory)
+  struct BlockRun* block = nullptr;
 };
 
 struct WarpSlots {
@@ -92,6 +97,8 @@ struct BlockRun {
   bool faulted = false;
   cudaError_t fault_code = cudaSuccess;
   std::string fault;
+  unsigned next_new = 0;  // threads not started yet begin here
+  AccessLog* log = nullptr;  // of the operation running the kernel
 };
 
 thread_local EmuThread* tl_thread = nullptr;
@@ -113,7 +120,7 @@ std::string block_text(const EmuThread& t) {
 
 void yield_to_scheduler() {
   EmuThread* t = tl_thread;
-  t->sink = std::move(t->sink).resume();
+  *t->sink = std::move(*t->sink).resume();
   tl_thread = t;  // the scheduler ran other threads meanwhile
 }
 
@@ -226,13 +233,21 @@ bool release_barrier(BlockRun& b) {
   return true;
 }
 
-void resume(BlockRun& b, EmuThread& t, const std::function<void()>& body) {
-  tl_thread = &t;
-  tl_block = &b;
-  if (t.state == ThreadState::kNew) {
-    t.state = ThreadState::kRunnable;
-    t.fiber = bctx::fiber(std::allocator_arg, PooledStack(), [&t, &b, &body](bctx::fiber&& sink) {
-      t.sink = std::move(sink);
+// A runner fiber runs not-yet-started threads one after another on one stack
+// until a thread waits (barrier or warp operation): the fiber then belongs to
+// that thread, and the next runner starts the threads after it. Kernels without
+// barriers thus run a whole block on one fiber.
+bctx::fiber make_runner(BlockRun& b, const std::function<void()>& body) {
+  return bctx::fiber(std::allocator_arg, PooledStack(), [&b, &body](bctx::fiber&& sink) {
+    const bctx::stack_context stack = tl_last_stack;  // allocated for this fiber just before it first ran
+    while (!b.faulted && b.next_new < b.threads.size()) {
+      EmuThread& t = b.threads[b.next_new++];
+      t.state = ThreadState::kRunnable;
+      t.sink = &sink;
+      t.stack_hi = uintptr_t(stack.sp);
+      t.stack_lo = t.stack_hi - stack.size;
+      t.block = &b;
+      tl_thread = &t;
       try {
         body();
       } catch (const Fault& f) {
@@ -249,19 +264,43 @@ void resume(BlockRun& b, EmuThread& t, const std::function<void()>& body) {
         }
       }
       t.state = ThreadState::kDone;
+      t.sink = nullptr;
       tl_thread = nullptr;
-      return std::move(t.sink);
-    });
+    }
+    return std::move(sink);
+  });
+}
+
+// Runs fibers until every thread has started; returns with each thread done or waiting.
+void start_threads(BlockRun& b, const std::function<void()>& body) {
+  while (!b.faulted && b.next_new < b.threads.size()) {
+    tl_block = &b;
+    bctx::fiber runner = std::move(make_runner(b, body)).resume();
+    tl_thread = nullptr;
+    if (runner) {
+      // Suspended: the thread started last waits, and keeps the fiber.
+      b.threads[b.next_new - 1].fiber = std::move(runner);
+    }
   }
-  t.fiber = std::move(t.fiber).resume();
+}
+
+void resume(BlockRun& b, EmuThread& t) {
+  tl_thread = &t;
+  tl_block = &b;
+  // Every thread has started by now, so a fiber that comes back is t's, waiting again.
+  bctx::fiber rest = std::move(t.fiber).resume();
   tl_thread = nullptr;
+  if (rest) t.fiber = std::move(rest);
 }
 
 void run_block(BlockRun& b, const std::function<void()>& body) {
+  b.next_new = 0;
   for (;;) {
+    start_threads(b, body);
+    if (b.faulted) throw Fault(b.fault_code, b.fault);
     bool all_done = true;
     for (EmuThread& t : b.threads) {
-      if (t.state == ThreadState::kNew || t.state == ThreadState::kRunnable) resume(b, t, body);
+      if (t.state == ThreadState::kRunnable) resume(b, t);
       if (b.faulted) throw Fault(b.fault_code, b.fault);
       all_done = all_done && t.state == ThreadState::kDone;
     }
@@ -366,6 +405,7 @@ void run_grid(const std::string& name, const std::function<void()>& body, dim3 g
   const unsigned nthreads = block.x * block.y * block.z;
   BlockRun b;
   b.kernel = &name;
+  b.log = current_access_log();
   b.threads.resize(nthreads);
   b.warps.resize((nthreads + 31) / 32);
   b.lanes_in_last_warp = int(nthreads - (b.warps.size() - 1) * 32);
@@ -446,9 +486,11 @@ void launch(const char* name, const void* kernel_ptr, std::function<void()> body
 
 namespace {
 inline void on_access(const void* p, size_t n, bool write) {
-  if (!tl_thread) return;  // host code of the same translation unit
-  AccessLog* log = current_access_log();
-  if (log) log_access(log, uintptr_t(p), n, write, tl_block->kernel->c_str());
+  const EmuThread* t = tl_thread;
+  if (!t) return;  // host code of the same translation unit
+  const uintptr_t a = uintptr_t(p);
+  if (a >= t->stack_lo && a < t->stack_hi) return;  // the thread's own locals
+  if (t->block->log) log_access(t->block->log, a, n, write, t->block->kernel->c_str());
 }
 }  // namespace
 

@@ -127,7 +127,8 @@ struct AccessLog {
   std::vector<Interval> items;
   int device = 0;
   const char* op = "";
-  Allocation* last = nullptr;
+  Allocation* recent[4] = {nullptr, nullptr, nullptr, nullptr};  // the allocations last touched
+  uintptr_t gap_lo[4] = {0, 0, 0, 0}, gap_hi[4] = {0, 0, 0, 0};  // address ranges holding no emulated memory
   size_t next_compact = 4096;
 };
 
@@ -211,7 +212,8 @@ struct Graph {
 };
 
 struct Device {
-  int index = 0;
+  int index = 0;     // as the process sees it (after CUDA_VISIBLE_DEVICES)
+  int physical = 0;  // of the MGPU_EMULATE_GPU emulated GPUs
   size_t limit = 0;
   size_t used = 0;
   cudaError_t sticky = cudaSuccess;
@@ -264,10 +266,28 @@ State& state() {
     // 80 GiB reported per device unless MGPU_EMULATE_GPU_MEMORY says otherwise (an
     // allocation beyond it fails, so out-of-memory paths can be tested).
     const size_t limit = parse_bytes(std::getenv("MGPU_EMULATE_GPU_MEMORY"), size_t{80} << 30);
-    st->devices.resize(size_t(n));
-    for (int i = 0; i < n; ++i) {
-      st->devices[size_t(i)].index = i;
-      st->devices[size_t(i)].limit = limit;
+    // CUDA_VISIBLE_DEVICES as the CUDA runtime reads it: indices up to the first invalid one.
+    std::vector<int> visible;
+    const char* mask = std::getenv("CUDA_VISIBLE_DEVICES");
+    if (mask) {
+      std::stringstream in(mask);
+      std::string item;
+      std::set<int> seen;
+      while (std::getline(in, item, ',')) {
+        char* end = nullptr;
+        const long v = std::strtol(item.c_str(), &end, 10);
+        if (item.empty() || (end && *end) || v < 0 || v >= n || seen.count(int(v))) break;
+        seen.insert(int(v));
+        visible.push_back(int(v));
+      }
+    } else {
+      for (int i = 0; i < n; ++i) visible.push_back(i);
+    }
+    st->devices.resize(visible.size());
+    for (size_t i = 0; i < visible.size(); ++i) {
+      st->devices[i].index = int(i);
+      st->devices[i].physical = visible[i];
+      st->devices[i].limit = limit;
     }
     std::atexit(print_leaks);
     return st;
@@ -642,8 +662,10 @@ void print_leaks() {
   for (size_t i = 0; i < leaks.size() && i < 20; ++i) std::fprintf(stderr, "  leak: %s\n", leaks[i].c_str());
 }
 
+int physical(int device) { return state().devices.at(size_t(device)).physical; }
+
 std::string device_name(int device) {
-  return "Emulated GPU " + std::to_string(device) + " (mgpu CPU emulation, not a real GPU)";
+  return "Emulated GPU " + std::to_string(physical(device)) + " (mgpu CPU emulation, not a real GPU)";
 }
 
 }  // namespace
@@ -766,13 +788,37 @@ void touch(const void* p, size_t bytes, bool write, bool allow_pinned) {
 AccessLog* current_access_log() { return tl_log; }
 
 void log_access(AccessLog* log, uintptr_t p, size_t bytes, bool write, const char* kernel) {
-  Allocation* a = log->last;
-  if (!a || p < uintptr_t(a->raw) || p >= uintptr_t(a->raw) + a->raw_size) {
+  Allocation* a = nullptr;
+  for (Allocation* c : log->recent)
+    if (c && p >= uintptr_t(c->raw) && p < uintptr_t(c->raw) + c->raw_size) {
+      a = c;
+      break;
+    }
+  if (!a) {
+    for (int k = 0; k < 4; ++k)
+      if (p >= log->gap_lo[k] && p < log->gap_hi[k]) return;
     Registry& r = registry();
     std::shared_lock<std::shared_mutex> lock(r.m);
     a = r.find_locked(p);
-    if (!a) return;  // not emulated memory: the thread's stack, shared memory or pageable host memory
-    log->last = a;
+    if (!a) {
+      // Not emulated memory (shared memory, the launch's arguments, pageable
+      // host memory): remember the whole gap between the allocations around
+      // it (an operation cannot use memory allocated after its launch).
+      auto next = r.by_raw.upper_bound(p);
+      const uintptr_t hi = next == r.by_raw.end() ? ~uintptr_t(0) : next->first;
+      uintptr_t lo = 0;
+      if (next != r.by_raw.begin()) {
+        auto prev = std::prev(next);
+        lo = uintptr_t(prev->second->raw) + prev->second->raw_size;
+      }
+      std::copy_backward(log->gap_lo, log->gap_lo + 3, log->gap_lo + 4);
+      std::copy_backward(log->gap_hi, log->gap_hi + 3, log->gap_hi + 4);
+      log->gap_lo[0] = lo;
+      log->gap_hi[0] = hi;
+      return;
+    }
+    std::copy_backward(log->recent, log->recent + 3, log->recent + 4);
+    log->recent[0] = a;
   }
   auto fail = [&](const std::string& what) {
     std::ostringstream o;
@@ -899,7 +945,7 @@ cudaError_t cudaGetDeviceProperties(cudaDeviceProp* prop, int device) {
   prop->memoryPoolsSupported = 1;
   prop->canMapHostMemory = 1;
   prop->pciDomainID = 0;
-  prop->pciBusID = 0xE0 + device;  // fictitious, one per emulated device
+  prop->pciBusID = 0xE0 + physical(device);  // fictitious, one per emulated device
   prop->pciDeviceID = 0;
   return cudaSuccess;
 }
@@ -924,7 +970,7 @@ cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int device) 
 cudaError_t cudaDeviceGetPCIBusId(char* pciBusId, int len, int device) {
   if (!pciBusId || len <= 0) return record_error(cudaErrorInvalidValue);
   if (!device_valid(device)) return record_error(cudaErrorInvalidDevice);
-  std::snprintf(pciBusId, size_t(len), "0000:%02X:00.0", 0xE0 + device);
+  std::snprintf(pciBusId, size_t(len), "0000:%02X:00.0", 0xE0 + physical(device));
   return cudaSuccess;
 }
 

@@ -2,7 +2,12 @@
 fixtures built on it). They skip when no GPU is visible, and FAIL instead when
 MGPU_TEST_GPU=1, so a GPU job cannot pass by skipping everything. Tests in this
 directory that need no GPU (the probe on the CPU backend, host-side Philox
-checks) run everywhere, CI included."""
+checks) run everywhere, CI included.
+
+With MGPU_EMULATE_GPU=N every test here runs on the GPU emulation
+(emulation/README.md), except those marked real_gpu (timing figures), and a
+test fails when the emulation reported a rule violation (race, out-of-bounds
+access, divergent barrier, mismatched collectives) while it ran."""
 import os
 import sys
 from pathlib import Path
@@ -14,6 +19,26 @@ from mgpu import _core
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/reference.py, tests/conftest.py helpers
 
 REQUIRE_GPU = os.environ.get("MGPU_TEST_GPU") == "1"
+EMULATED = bool(_core.build_info().get("gpu_emulation", False))
+
+
+def pytest_runtest_setup(item):
+    marker = item.get_closest_marker("real_gpu")
+    if marker is not None and EMULATED:
+        pytest.skip(f"needs real GPU hardware: {marker.args[0] if marker.args else 'timing'}")
+
+
+@pytest.fixture(autouse=True)
+def no_emulation_violations():
+    """On the emulation: the test fails if the emulated GPU saw a rule violation."""
+    if not EMULATED:
+        yield
+        return
+    _core.emulation.clear_violations()
+    yield
+    found = _core.emulation.violations()
+    _core.emulation.clear_violations()
+    assert not found, "GPU emulation violations:\n" + "\n".join(found)
 
 
 def gpu_count() -> int:

@@ -24,6 +24,7 @@ def test_gemm_burn_is_deterministic_and_catches_a_flip(dev, precision):
     assert dev.gemm(512, 3, 1, 1e-3, True, precision).mismatches == 1
 
 
+@pytest.mark.real_gpu("a bandwidth figure: the emulation copies host memory")
 def test_copy_reference_bandwidth(dev):
     assert dev.copy_bandwidth(64 << 20) > 1e11  # any data-centre GPU copies > 100 GB/s
 
