@@ -1,8 +1,23 @@
 #!/usr/bin/env bash
-# Set up, then run the whole test suite (unit tests, and tests that launch mpirun
-# with 1-3 ranks themselves). Extra arguments go to pytest.
+# Set up, then run the tests. Extra arguments go to pytest.
+#   bash scripts/test.sh [pytest options]    the whole suite: the CPU suite (unit tests,
+#       and tests that launch mpirun with 1-3 ranks themselves), then tests/gpu again
+#       on two emulated GPUs (MGPU_EMULATE_GPU=2, emulation/README.md)
+#   bash scripts/test.sh PATH... [options]   only those tests, in the environment given
+#       (e.g. MGPU_EMULATE_GPU=1 bash scripts/test.sh tests/gpu)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash scripts/setup.sh
 source scripts/mpi_env.sh
-exec .venv/bin/python -m pytest tests "$@"
+for arg in "$@"; do
+  # A path (file, directory or node id) among the arguments: run just that.
+  if [[ "$arg" != -* && -e "${arg%%::*}" ]]; then
+    exec .venv/bin/python -m pytest "$@"
+  fi
+done
+if [[ -n "${MGPU_EMULATE_GPU:-}" ]]; then
+  exec .venv/bin/python -m pytest tests "$@"
+fi
+.venv/bin/python -m pytest tests "$@"
+echo "test.sh: tests/gpu on the GPU emulation (MGPU_EMULATE_GPU=2)" >&2
+MGPU_EMULATE_GPU=2 exec .venv/bin/python -m pytest tests/gpu tests/emulation "$@"

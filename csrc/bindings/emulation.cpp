@@ -10,6 +10,10 @@
 
 namespace py = pybind11;
 
+namespace mgpu_selftest {
+std::string run_scenario(const std::string& name);  // emulation/selftest.cu
+}
+
 void bind_emulation(py::module_& m) {
   py::module_ e = m.def_submodule(
       "emulation", "The CPU emulation of CUDA, cuBLAS and NCCL this module runs on (not a real GPU).");
@@ -33,5 +37,9 @@ void bind_emulation(py::module_& m) {
   e.def("violations", &mgpu_emu::violations, "Rule violations found so far, one line each.");
   e.def("clear_violations", &mgpu_emu::clear_violations,
         "Forget the violations and clear the devices' sticky errors (a fresh context, as cudaDeviceReset).");
+  e.def("selftest", [](const std::string& name) {
+    py::gil_scoped_release nogil;
+    return mgpu_selftest::run_scenario(name);
+  }, py::arg("name"), "Runs a scenario of emulation/selftest.cu; returns what the emulation said.");
   e.def("live_allocations", &mgpu_emu::live_allocations, "Device and pinned allocations not yet freed.");
 }

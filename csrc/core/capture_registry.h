@@ -39,6 +39,9 @@ class CaptureRegistry {
                " (released after generation ", generation_, ")");
     return graphs_[id];
   }
+  // A new generation without graphs to release: what was seen before (uncaptured
+  // first appearances of shapes) no longer describes the backend's buffers.
+  void invalidate() { ++generation_; }
   // destroy(graph) for each graph, then a new generation.
   template <typename Destroy>
   void release(Destroy destroy) {

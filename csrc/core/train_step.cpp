@@ -163,6 +163,10 @@ StepResult DataParallelStep::step(const std::vector<MicroShard>& shards, int64_t
   auto t_phase = t_start;
 
   size_t next_bucket = 0;
+  // Launches the buckets whose layer's gradients are complete. The launches are
+  // grouped by ready layer whatever the path (per-layer callbacks, one call
+  // after a replayed graph, a rank without rows): NCCL schedules a group as a
+  // whole, so every rank must group the same collectives the same way.
   auto launch_ready = [&](int layer) {
     if (next_bucket == 0) comm_->begin_step(step_index);  // heartbeat, just before the first collective
     while (next_bucket < buckets_.size() && buckets_[next_bucket].ready_layer >= layer) {
@@ -171,8 +175,9 @@ StepResult DataParallelStep::step(const std::vector<MicroShard>& shards, int64_t
         comm_->allreduce_sum_async(m.grads() + b.offset, b.count);
       else
         comm_->allreduce_sum(m.grads() + b.offset, b.count);
+      const bool layer_ends = next_bucket == buckets_.size() || buckets_[next_bucket].ready_layer != b.ready_layer;
+      if (overlap_ && layer_ends) comm_->progress();
     }
-    if (overlap_) comm_->progress();
   };
 
   // 1-4. Per micro-batch: stage the shard, forward (dropout keyed by seed, step,

@@ -126,6 +126,9 @@ void CudaBackend::set_precision(Precision precision) {
   activate();
   MGPU_CHECK(!captures_.capturing(), ConfigError, "the precision cannot change during a capture");
   release_captures();  // graphs hold the old GEMM configuration
+  // Shapes seen in the old precision have not sized the new precision's
+  // scratch: they must run uncaptured once more before being captured.
+  if (precision != precision_) captures_.invalidate();
   // TF32 only when asked: fp32 GEMMs stay IEEE fp32 so results match the CPU backend.
   MGPU_CUBLAS_CHECK(cublasSetMathMode(
       cublas_, precision == Precision::kTF32 ? CUBLAS_TF32_TENSOR_OP_MATH : CUBLAS_DEFAULT_MATH));

@@ -14,6 +14,9 @@ namespace mgpu {
 namespace cuda_detail {
 
 [[noreturn]] inline void throw_cuda(cudaError_t rc, const char* call, const char* file, int line) {
+  // Clear the thread's last error: left behind, the next launch check would
+  // report it again under another kernel's name (sticky errors stay anyway).
+  cudaGetLastError();
   throw DeviceError(detail::concat(call, " failed: ", cudaGetErrorName(rc), ": ",
                                    cudaGetErrorString(rc), " (", file, ":", line, ")"));
 }

@@ -27,6 +27,10 @@ struct cublasContext {
   size_t workspace_bytes = 0;
 };
 
+// OpenBLAS's own threads would spin beside the emulation's stream threads: one
+// thread per GEMM (weak: any CBLAS serves).
+extern "C" void openblas_set_num_threads(int num_threads) __attribute__((weak));
+
 namespace {
 
 std::mutex g_m;
@@ -114,6 +118,7 @@ cublasStatus_t gemm(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb
     if (b != 0.0f) mgpu_emu::touch(C, span(m, n, ldc, 4), false, false);
     mgpu_emu::touch(C, span(m, n, ldc, 4), true, false);
     const auto cb = [](cublasOperation_t t) { return t == CUBLAS_OP_N ? CblasNoTrans : CblasTrans; };
+    if (openblas_set_num_threads) openblas_set_num_threads(1);
     if (k == 0) {
       // C = beta C (cuBLAS's definition with an empty inner dimension).
       for (int c = 0; c < n; ++c)

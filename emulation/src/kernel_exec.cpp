@@ -133,13 +133,14 @@ EmuThread& running(const char* what) {
 void check_mask(const EmuThread& t, unsigned mask, const char* what) {
   const int lanes = t.warp + 1 == int(tl_block->warps.size()) ? tl_block->lanes_in_last_warp : 32;
   const unsigned present = lanes == 32 ? 0xffffffffu : ((1u << lanes) - 1u);
-  std::ostringstream o;
   if (mask & ~present) {
+    std::ostringstream o;
     o << what << " mask 0x" << std::hex << mask << std::dec << " names lanes that do not exist (warp " << t.warp
       << " has " << lanes << " lanes) at " << block_text(t);
     kernel_error(o.str());
   }
   if (!(mask & (1u << t.lane))) {
+    std::ostringstream o;
     o << what << " called by lane " << t.lane << " which its mask 0x" << std::hex << mask << std::dec
       << " does not name, at " << block_text(t);
     kernel_error(o.str());
@@ -169,13 +170,14 @@ bool release_warps(BlockRun& b) {
       for (int k = 0; k < 32; ++k) {
         if (!(t.mask & (1u << k))) continue;
         const EmuThread& o = b.threads[size_t(first + k)];
-        std::ostringstream msg;
         if (o.state == ThreadState::kDone) {
+          std::ostringstream msg;
           msg << t.what << " (mask 0x" << std::hex << t.mask << std::dec << ") at " << t.site_file << ":" << t.site_line
               << " waits for lane " << k << " of warp " << w << ", which has exited (" << block_text(t) << ")";
           kernel_error(msg.str());
         }
         if (o.state == ThreadState::kAtBarrier) {
+          std::ostringstream msg;
           msg << "divergence: lane " << t.lane << " waits at " << t.what << " (" << t.site_file << ":" << t.site_line
               << ") while lane " << k << " waits at __syncthreads (" << o.site_file << ":" << o.site_line << ") in "
               << block_text(t);
@@ -186,6 +188,7 @@ bool release_warps(BlockRun& b) {
           break;
         }
         if (o.mask != t.mask || o.what != t.what || o.site_line != t.site_line || o.site_file != t.site_file) {
+          std::ostringstream msg;
           msg << "lanes of warp " << w << " meet at different warp operations: lane " << t.lane << " at " << t.what
               << " mask 0x" << std::hex << t.mask << std::dec << " (" << t.site_file << ":" << t.site_line << "), lane " << k
               << " at " << o.what << " mask 0x" << std::hex << o.mask << std::dec << " (" << o.site_file << ":"
@@ -446,14 +449,14 @@ void launch(const char* name, const void* kernel_ptr, std::function<void()> body
     set_error(e, "launch of " + std::string(name) + " on a broken context");
     return;
   }
-  std::ostringstream why;
   const unsigned long long threads = (unsigned long long)block.x * block.y * block.z;
-  if (grid.x < 1 || grid.y < 1 || grid.z < 1 || grid.x > 2147483647u || grid.y > 65535 || grid.z > 65535)
-    why << "grid (" << grid.x << "," << grid.y << "," << grid.z << ") outside the limits (1..2^31-1, 1..65535, 1..65535)";
-  else if (block.x < 1 || block.y < 1 || block.z < 1 || block.x > 1024 || block.y > 1024 || block.z > 64 || threads > 1024)
-    why << "block (" << block.x << "," << block.y << "," << block.z << ") outside the limits (at most 1024 threads, z <= 64)";
-  if (!why.str().empty()) {
-    set_error(cudaErrorInvalidConfiguration, std::string(name) + ": " + why.str());
+  if (grid.x < 1 || grid.y < 1 || grid.z < 1 || grid.x > 2147483647u || grid.y > 65535 || grid.z > 65535 ||
+      block.x < 1 || block.y < 1 || block.z < 1 || block.x > 1024 || block.y > 1024 || block.z > 64 || threads > 1024) {
+    std::ostringstream why;
+    why << name << ": grid (" << grid.x << "," << grid.y << "," << grid.z << ") block (" << block.x << ","
+        << block.y << "," << block.z << ") outside an H100's limits (grid 1..2^31-1 x 1..65535 x 1..65535; "
+        << "block at most 1024 threads, x and y <= 1024, z <= 64)";
+    set_error(cudaErrorInvalidConfiguration, why.str());
     return;
   }
   size_t max_shared = 48 * 1024;

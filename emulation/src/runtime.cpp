@@ -856,18 +856,18 @@ extern "C" {
 const char* cudaGetErrorName(cudaError_t error) { return error_text(error).name; }
 
 const char* cudaGetErrorString(cudaError_t error) {
-  auto it = tl_details.find(int(error));
-  if (it != tl_details.end()) return it->second.c_str();
   State& s = state();
   {
+    // A device's sticky error first: its text says what broke the context.
     std::lock_guard<std::mutex> lock(s.m);
     for (const Device& d : s.devices)
       if (d.sticky == error && !d.sticky_detail.empty()) {
-        // Kept per thread so the pointer stays valid after the lock.
-        tl_details[int(error)] = d.sticky_detail;
+        tl_details[int(error)] = d.sticky_detail;  // kept per thread: the pointer outlives the lock
         return tl_details[int(error)].c_str();
       }
   }
+  auto it = tl_details.find(int(error));
+  if (it != tl_details.end()) return it->second.c_str();
   if (error == cudaErrorNoDevice && !s.config_error.empty()) {
     tl_details[int(error)] = std::string(error_text(error).text) + " [GPU emulation: " + s.config_error + "]";
     return tl_details[int(error)].c_str();

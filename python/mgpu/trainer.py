@@ -87,6 +87,7 @@ class Trainer:
         comm = (self.pg.communicator("nccl", model.device_index) if communicator == "nccl"
                 else self.pg.communicator())
         comm.timeout = timeout
+        self._comm = comm  # the one this trainer's collectives use (MPI or NCCL), resume included
         # fp16 needs loss scaling (dynamic unless a scale is given); other precisions none
         fp16 = getattr(model._backend, "precision", "fp32") == "fp16"
         if dynamic_loss_scale is None:
@@ -248,7 +249,7 @@ class Trainer:
                 error = e
         self.pg.agree(error, what="checkpoint")
         meta = self.pg.bcast(meta)
-        comm = self.pg.communicator()
+        comm = self._comm
         for key in names:
             buf = arrays[key] if self.pg.is_root else np.empty(n, dtype=np.float32)
             comm.broadcast(buf, 0)

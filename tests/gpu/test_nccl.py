@@ -95,6 +95,18 @@ def test_sharing_a_gpu_without_support_is_a_config_error(gpu):
     assert r.stdout.count("OK") == 2, r.stdout + r.stderr
 
 
+@needs_nccl
+def test_a_rank_without_rows_groups_its_allreduces_like_the_others(gpu):
+    # A rank with 0 rows skips backward; its bucket allreduces must still form
+    # the same NCCL groups as its peers' (real NCCL: hang or wrong sums otherwise;
+    # the emulation compares every group across ranks).
+    if _core.cuda_device_count() < 2 and NCCL_CODE < 23000:
+        pytest.skip("needs 2 GPUs (or NCCL >= 2.30 to share one)")
+    r = launch(2, "nccl-zero-rows")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.count("OK") == 2, r.stdout + r.stderr
+
+
 def test_two_ranks_cuda_with_mpi_staging(gpu):
     if not hasattr(_core, "MpiCommunicator"):
         pytest.skip("mgpu was built without MPI")

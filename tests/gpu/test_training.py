@@ -11,6 +11,8 @@ from mgpu import _core
 from mgpu.data import load_dataset
 from reference import rel_err
 
+EMULATED = _core.build_info().get("gpu_emulation", False)  # the CPU emulation runs ~1000x slower
+
 
 def make(device, sizes, dropout=0.0, seed=3, precision="fp32", optimizer="sgd", loss="mse", **step_opts):
     be = _core.make_backend(device, 0, 1)
@@ -111,10 +113,13 @@ def test_no_device_memory_growth_over_1000_steps(gpu):
     run(0, 10)  # warm-up: activations, half-precision scratch and lazily loaded kernels settle
     model.backend.synchronize()
     free_before, _ = _core.cuda_memory_info(gpu)
-    run(10, 1000)
+    allocations_before = _core.emulation.counters()["allocations"] if EMULATED else 0
+    run(10, 40 if EMULATED else 1000)
     model.backend.synchronize()
     free_after, _ = _core.cuda_memory_info(gpu)
     assert free_after == free_before, (free_before - free_after) / 2 ** 20
+    if EMULATED:  # stronger there: not one allocation, even one freed again
+        assert _core.emulation.counters()["allocations"] == allocations_before
 
 
 def run_steps(step, sizes, loss, shapes, lr=1e-3, seed=0):
@@ -185,3 +190,19 @@ def test_auto_graphs_only_for_small_models_on_gpus(gpu):
     big = _core.MLP(be, [4096, 4096, 1024], 0.0, 0)  # 21M parameters: GEMM-bound, no graphs
     step = _core.DataParallelStep(big, _core.Optimizer(big, "sgd"), _core.LocalCommunicator(), "mse", graph="auto")
     assert not step.uses_graphs
+
+
+def test_precision_change_recaptures_after_an_uncaptured_run(gpu):
+    # A shape first seen in fp32 must run uncaptured again after a switch to
+    # bf16 (which needs half-precision scratch that a capture may not allocate).
+    sizes = [16, 64, 4]
+    out = {}
+    for graph in ("off", "on"):
+        model, step = make("cuda", sizes, optimizer="sgd", loss="mse", graph=graph)
+        losses = run_steps(step, sizes, "mse", [[32]], lr=0.01)  # seen once, not captured yet
+        model.backend.precision = "bf16"
+        losses += run_steps(step, sizes, "mse", [[32]] * 3, lr=0.01, seed=1)
+        out[graph] = (model.get_parameters(), losses, step.graph_fallback)
+    assert out["on"][2] == ""
+    assert out["on"][1] == out["off"][1]
+    assert np.array_equal(out["on"][0], out["off"][0])

@@ -1,0 +1,76 @@
+"""The emulation is stricter than a GPU: each scenario of emulation/selftest.cu
+either computes the right answer or is refused with a message that names the
+kernel and the rule, where a GPU would hang, crash later or silently compute
+garbage."""
+import pytest
+
+from mgpu import _core
+
+
+def scenario(name):
+    return _core.emulation.selftest(name)
+
+
+def test_block_reduction_with_barriers_is_exact():
+    assert float(scenario("block_sum")) == 256.0
+    assert _core.emulation.violations() == []
+
+
+def test_missing_barriers_give_a_wrong_sum():
+    # Threads run as fibers in order: without __syncthreads thread 0 sums
+    # shared memory the others have not written yet, every time.
+    assert float(scenario("block_sum_without_barriers")) != 256.0
+
+
+def test_warp_shuffles_reduce_each_warp():
+    assert float(scenario("warp_sum")) == 32.0
+
+
+def test_atomics_from_every_thread_count_once():
+    assert int(scenario("atomics")) == 300
+
+
+@pytest.mark.parametrize("name, words", [
+    ("divergent_barrier", ["divergent_barrier_kernel", "__syncthreads", "exited"]),
+    ("shuffle_names_absent_lane", ["shuffle_kernel", "do not exist"]),
+    ("shuffle_names_exited_lane", ["shuffle_kernel", "exited"]),
+    ("out_of_bounds_write", ["write_kernel", "out of bounds", "1024"]),
+    ("use_after_free", ["write_kernel", "freed"]),
+    ("host_pointer_argument", ["write_kernel", "host memory"]),
+    ("wrong_memcpy_kind", ["cudaMemcpyHostToDevice", "device memory"]),
+    ("too_many_threads", ["write_kernel", "1024"]),
+    ("dynamic_shared_over_default", ["dynamic_shared_kernel", "shared memory"]),
+    ("race_between_streams", ["race", "write_kernel", "copy_kernel", "no ordering"]),
+])
+def test_broken_rules_are_reported_by_name(name, words):
+    said = scenario(name)
+    assert said, f"{name} was accepted"
+    for w in words:
+        assert w in said, (w, said)
+
+
+def test_right_mask_and_event_ordering_are_accepted():
+    assert scenario("shuffle_half_warp") == ""
+    assert scenario("ordered_by_event") == ""
+    assert _core.emulation.violations() == []
+
+
+def test_dynamic_shared_memory_opt_in():
+    assert float(scenario("dynamic_shared_opt_in")) == 63.0
+
+
+def test_capture_refuses_a_synchronisation_and_invalidates():
+    during, end = scenario("sync_during_capture").split(" | ")
+    assert "not permitted when stream is capturing" in during
+    assert "cudaStreamSynchronize" in end and "invalidated" in end.lower() or "previous error" in end
+
+
+def test_a_captured_graph_replays():
+    assert float(scenario("graph_replay")) == 5.0 * 256
+
+
+def test_emulated_devices_say_so():
+    info = _core.build_info()
+    assert info["gpu_emulation"] and info["cuda"]["emulated"]
+    for d in info["cuda"]["devices"]:
+        assert "emulat" in d["name"].lower() and "not a real GPU" in d["name"]
