@@ -43,7 +43,7 @@ __global__ void compute_kernel(float* __restrict__ out, size_t n, int iterations
 __global__ void compute_check_kernel(unsigned long long* __restrict__ counts, const float* __restrict__ values,
                                      size_t n, size_t checks, int iterations, uint64_t seed) {
   for (size_t s = blockIdx.x * size_t(blockDim.x) + threadIdx.x; s < checks; s += size_t(gridDim.x) * blockDim.x) {
-    const size_t i = (checks - 1 - s) * n / checks;
+    const size_t i = stress_sample_index(checks - 1 - s, n, checks);
     const float want = chain_n(stress_start(seed, i), iterations);
     const float got = values[i];
     if (__float_as_uint(got) != __float_as_uint(want)) atomicAdd(&counts[0], 1ull);
@@ -149,7 +149,7 @@ class CudaStress final : public StressDevice {
     c.seconds = end();
     c.work = double(n) * iterations * kStressChainOps;
     const size_t checks = std::min(std::max<size_t>(sample, 1), n);
-    if (inject_fault) flip_bit(values_.ptr + (checks / 2) * n / checks);
+    if (inject_fault) flip_bit(values_.ptr + stress_sample_index(checks / 2, n, checks));
     zero_counts();
     MGPU_LAUNCH(compute_check_kernel, grid_for(checks), kThreads, 0, stream_)(counts_.ptr, values_.ptr, n, checks,
                                                                        iterations, seed);

@@ -11,6 +11,15 @@
 
 namespace mgpu {
 
+// Element verified by sample k of `checks` over n values: one per stretch of
+// q = n / checks, shifted by k mod q, so the samples come from every lane and
+// thread of a block instead of the same one (a stride of 256 would sample
+// thread 0 only). No product overflows (k q <= n).
+MGPU_HD uint64_t stress_sample_index(uint64_t k, uint64_t n, uint64_t checks) {
+  const uint64_t q = n / checks;
+  return k * q + k % q;
+}
+
 // One step of the transcendental chain (10 transcendental calls). Bounded: maps
 // (0, 1) into [0.1, 0.9], so iterating it never overflows.
 MGPU_HD float stress_chain(float x) {

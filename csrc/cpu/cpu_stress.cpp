@@ -47,9 +47,9 @@ class CpuStress final : public StressDevice {
     c.seconds = since(t0);
     c.work = double(n) * iterations * kStressChainOps;
     const size_t checks = std::min(std::max<size_t>(sample, 1), n);
-    if (inject_fault) flip_bit(&values_[(checks / 2) * n / checks]);  // one of the sampled values
+    if (inject_fault) flip_bit(&values_[stress_sample_index(checks / 2, n, checks)]);  // one of the sampled values
     for (size_t s = 0; s < checks; ++s) {
-      const size_t i = s * n / checks;
+      const size_t i = stress_sample_index(s, n, checks);
       const float expect = chain_n(stress_start(seed, i), iterations);
       c.checked += 1;
       c.mismatches += std::memcmp(&values_[i], &expect, sizeof(float)) != 0;

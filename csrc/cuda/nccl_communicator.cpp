@@ -103,16 +103,20 @@ struct NcclCommunicator::Impl {
         if (armed) ncclGroupEnd();
       }
     } group_end;
+    outstanding = true;
     for (const Pending& op : ops)
       MGPU_NCCL_CHECK(comm, ncclAllReduce(op.data, op.data, op.count, op.type, ncclSum, comm, comm_stream));
     group_end.armed = false;
     MGPU_NCCL_CHECK(comm, ncclGroupEnd());
-    outstanding = true;
   }
 
+  // The queue is emptied before launching, and `outstanding` set before the
+  // group closes: a failure half-way neither relaunches ops later (counts
+  // would no longer match the peers') nor leaves launched ops unwaited.
   void flush() {
-    launch(queued);
-    queued.clear();
+    std::vector<Pending> ops;
+    ops.swap(queued);
+    launch(ops);
   }
 
   uint64_t step = 0;  // of the last begin_step
@@ -313,6 +317,16 @@ void NcclCommunicator::begin_step(uint64_t step) {
 
 std::vector<int> NcclCommunicator::missing_peers() {
   return impl_->sidecar ? impl_->sidecar->missing_peers() : std::vector<int>{};
+}
+
+// Heartbeats travel through the sidecar, so peers can tell this rank waiting
+// in a control-plane collective from a frozen one.
+void NcclCommunicator::heartbeat() {
+  if (impl_->sidecar) impl_->sidecar->heartbeat();
+}
+
+std::string NcclCommunicator::diagnose_stall(double silence) {
+  return impl_->sidecar ? impl_->sidecar->diagnose_stall(silence) : Communicator::diagnose_stall(silence);
 }
 
 void NcclCommunicator::allreduce_sum_async(float* data, size_t count) {

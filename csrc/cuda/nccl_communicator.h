@@ -64,6 +64,8 @@ class NcclCommunicator final : public Communicator {
 
   void begin_step(uint64_t step) override;
   std::vector<int> missing_peers() override;
+  void heartbeat() override;
+  std::string diagnose_stall(double silence) override;
   void attach(const std::shared_ptr<Backend>& backend) override;
 
  private:

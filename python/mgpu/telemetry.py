@@ -17,6 +17,8 @@ import threading
 import time
 from typing import Callable, Optional
 
+from . import _core
+
 METRICS = ("temperature_c", "power_w", "power_limit_w", "utilization_pct", "sm_clock_mhz", "mem_clock_mhz",
            "memory_used_pct")
 
@@ -102,6 +104,9 @@ def _smi_reader(index: int) -> Optional[Callable[[], dict]]:
 
 def reader_for(device: str, index: int = 0) -> tuple:
     """(source name, function returning one reading) for a device."""
+    if device == "cuda" and _core.build_info().get("gpu_emulation", False):
+        # The emulated GPU is this CPU: its readings, under a name that says so.
+        return "emulated GPU: host CPU readings (/proc)", cpu_reading
     if device == "cuda":
         for name, make in (("nvml", _nvml_reader), ("nvidia-smi", _smi_reader)):
             fn = make(index)
