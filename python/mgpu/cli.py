@@ -289,6 +289,10 @@ def cmd_train(a, pg) -> int:
     per_rank = ", ".join(str(c) for c in split_counts(cfg.batch_size, pg.size, a.batch_shares))
     accum = f" x {cfg.accumulate} accumulated" if cfg.accumulate > 1 else ""
     on = f"{device}, {cfg.precision}, {trainer.communicator_kind} allreduce" if device == "cuda" else device
+    # On the GPU emulation every line that shows a GPU or its speed says so.
+    emulated = device == "cuda" and bool(build_info().get("gpu_emulation", False))
+    if emulated:
+        on = f"EMULATED GPUs (CPU emulation, not real GPUs; speeds are not GPU speeds): {on}"
     say(f"mgpu {__version__}: {pg.size} rank(s) x {threads} thread(s) on {on}; "
         f"model {'-'.join(map(str, sizes))} ({model.num_params:,} params, {loss}, {cfg.optimizer}); "
         f"{cfg.dataset}: {len(data.x_train)} train / {len(data.x_val)} val; "
@@ -320,7 +324,7 @@ def cmd_train(a, pg) -> int:
         "history": history, "steps": trainer.global_step,
         "samples_per_sec": samples / train_seconds if train_seconds > 0 else 0.0,
         "wall_seconds": wall, "resumed_from": resume, "stopped": trainer.stop_reason,
-        "checkpoint": trainer.last_checkpoint,
+        "checkpoint": trainer.last_checkpoint, "gpu_emulation": emulated,
     }
     if trainer.stop_reason:
         where = f"; checkpoint {trainer.last_checkpoint} (continue with --resume)" if trainer.last_checkpoint else ""
@@ -328,8 +332,8 @@ def cmd_train(a, pg) -> int:
     elif history:
         final = history[-1]
         acc = f", val accuracy {final['val_accuracy']:.4f}" if "val_accuracy" in final else ""
-        say(f"done: {trainer.global_step} steps in {wall:.1f}s, {result['samples_per_sec']:,.0f} samples/s; "
-            f"final train loss {final['train_loss']:.5f}, val loss {final['val_loss']:.5f}{acc}")
+        say(f"done: {trainer.global_step} steps in {wall:.1f}s, {result['samples_per_sec']:,.0f} samples/s"
+            f"{' on the GPU emulation' if emulated else ''}; final train loss {final['train_loss']:.5f}, val loss {final['val_loss']:.5f}{acc}")
     if pg.is_root:
         if a.json:
             _write_json_atomic(a.json, result)
@@ -376,6 +380,11 @@ def main(argv=None) -> int:
         args = build_parser().parse_args(argv)
         from .process_group import ProcessGroup
         pg = ProcessGroup()
+        if pg.is_root and build_info().get("gpu_emulation", False) and args.command != "recommend":
+            # Whatever follows (names, timings, bandwidths) is the CPU emulating GPUs: say so first.
+            print(f"mgpu: GPU EMULATION (MGPU_EMULATE_GPU={os.environ.get('MGPU_EMULATE_GPU', '')}): the GPUs "
+                  "below are the CPU running mgpu's CUDA code, not real GPUs; their timings are not GPU timings",
+                  file=sys.stderr, flush=True)
         if getattr(args, "gpus", None) is not None:
             return _train_single_process(args, pg)
         return _commands()[args.command](args, pg)
