@@ -10,6 +10,7 @@
 // wrong cudaMemcpyKind and host/device confusion are errors, capture-unsafe
 // calls fail during a capture, leaks are listed at exit.
 #include <cuda_runtime_api.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -263,9 +264,13 @@ State& state() {
       else
         st->config_error = std::string("MGPU_EMULATE_GPU='") + env + "' is not a GPU count in 0..64";
     }
-    // 80 GiB reported per device unless MGPU_EMULATE_GPU_MEMORY says otherwise (an
-    // allocation beyond it fails, so out-of-memory paths can be tested).
-    const size_t limit = parse_bytes(std::getenv("MGPU_EMULATE_GPU_MEMORY"), size_t{80} << 30);
+    // Emulated device memory is host memory: by default each device gets a quarter
+    // of this machine's RAM shared among the devices (at most an H100's 80 GiB), so
+    // "use most of the GPU's memory" stays possible; MGPU_EMULATE_GPU_MEMORY sets it
+    // (an allocation beyond it fails, so out-of-memory paths can be tested).
+    const double ram = double(sysconf(_SC_PHYS_PAGES)) * double(sysconf(_SC_PAGESIZE));
+    const size_t share = size_t(ram / 4 / std::max(n, 1));
+    const size_t limit = parse_bytes(std::getenv("MGPU_EMULATE_GPU_MEMORY"), std::min(share, size_t{80} << 30));
     // CUDA_VISIBLE_DEVICES as the CUDA runtime reads it: indices up to the first invalid one.
     std::vector<int> visible;
     const char* mask = std::getenv("CUDA_VISIBLE_DEVICES");
@@ -1525,7 +1530,6 @@ cudaError_t cudaGraphLaunch(cudaGraphExec_t exec, cudaStream_t stream) {
     op->name = "graph: " + templ->name;
     op->kind = templ->kind;
     op->run = templ->run;
-    if (templ->kind == OpKind::kKernel) state().counters.kernels_executed++;
     if (const cudaError_t e = enqueue_locked(st, std::move(op))) return record_error(e);
   }
   return cudaSuccess;
