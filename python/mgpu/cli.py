@@ -380,11 +380,11 @@ def main(argv=None) -> int:
         args = build_parser().parse_args(argv)
         from .process_group import ProcessGroup
         pg = ProcessGroup()
-        if pg.is_root and build_info().get("gpu_emulation", False) and args.command != "recommend":
-            # Whatever follows (names, timings, bandwidths) is the CPU emulating GPUs: say so first.
-            print(f"mgpu: GPU EMULATION (MGPU_EMULATE_GPU={os.environ.get('MGPU_EMULATE_GPU', '')}): the GPUs "
-                  "below are the CPU running mgpu's CUDA code, not real GPUs; their timings are not GPU timings",
-                  file=sys.stderr, flush=True)
+        if pg.is_root and build_info().get("gpu_emulation", False) and args.command in ("bench", "topo"):
+            # Their tables are timings: say first that these GPUs are the CPU emulating them
+            # (train says it in its header line, stress and info in the device names).
+            print(f"GPU EMULATION (MGPU_EMULATE_GPU={os.environ.get('MGPU_EMULATE_GPU', '')}): the GPUs below are "
+                  "the CPU running mgpu's CUDA code, not real GPUs; their timings are not GPU timings", flush=True)
         if getattr(args, "gpus", None) is not None:
             return _train_single_process(args, pg)
         return _commands()[args.command](args, pg)

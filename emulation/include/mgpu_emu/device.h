@@ -69,32 +69,23 @@ template <typename T>
 inline T atomicAdd(T* address, T val) {
   return __atomic_fetch_add(address, val, __ATOMIC_SEQ_CST);
 }
-inline float atomicAdd(float* address, float val) {
-  uint32_t expected = __atomic_load_n(reinterpret_cast<uint32_t*>(address), __ATOMIC_SEQ_CST);
+// Floating-point adds as a compare-and-swap loop on the value's bits (Bits: same size).
+template <typename T, typename Bits>
+inline T atomic_float_add(T* address, T val) {
+  static_assert(sizeof(T) == sizeof(Bits), "bit pattern of the same size");
+  Bits* bits = reinterpret_cast<Bits*>(address);
+  Bits expected = __atomic_load_n(bits, __ATOMIC_SEQ_CST);
   for (;;) {
-    float old;
+    T old;
     std::memcpy(&old, &expected, sizeof(old));
-    const float updated = old + val;
-    uint32_t desired;
+    const T updated = old + val;
+    Bits desired;
     std::memcpy(&desired, &updated, sizeof(desired));
-    if (__atomic_compare_exchange_n(reinterpret_cast<uint32_t*>(address), &expected, desired, false,
-                                    __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST))
-      return old;
+    if (__atomic_compare_exchange_n(bits, &expected, desired, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) return old;
   }
 }
-inline double atomicAdd(double* address, double val) {
-  uint64_t expected = __atomic_load_n(reinterpret_cast<uint64_t*>(address), __ATOMIC_SEQ_CST);
-  for (;;) {
-    double old;
-    std::memcpy(&old, &expected, sizeof(old));
-    const double updated = old + val;
-    uint64_t desired;
-    std::memcpy(&desired, &updated, sizeof(desired));
-    if (__atomic_compare_exchange_n(reinterpret_cast<uint64_t*>(address), &expected, desired, false,
-                                    __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST))
-      return old;
-  }
-}
+inline float atomicAdd(float* address, float val) { return atomic_float_add<float, uint32_t>(address, val); }
+inline double atomicAdd(double* address, double val) { return atomic_float_add<double, uint64_t>(address, val); }
 template <typename T>
 inline T atomicMax(T* address, T val) {
   T old = __atomic_load_n(address, __ATOMIC_SEQ_CST);
