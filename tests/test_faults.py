@@ -148,17 +148,23 @@ def test_killed_rank_ends_the_job_and_keeps_the_checkpoint(tmp_path):
     print(f"SIGKILL of rank 1: job ended in {elapsed:.2f} s")
 
 
-@pytest.mark.parametrize("frozen", [0, 1])
-def test_frozen_rank_is_named_by_the_watchdog(tmp_path, frozen):
-    timeout = 3
+def freeze_a_rank(run, tmp_path, frozen, timeout):
+    """A 2-rank `run` checkpointing every 10 steps; rank `frozen` SIGSTOPped after the
+    first checkpoint. Returns (job, exit code, seconds from the freeze to the end, checkpoint dir)."""
     ckpt = tmp_path / "ckpt"
-    job = Job(2, [*MGPU, *RUN, "--steps", 10 ** 6, "--checkpoint-dir", ckpt, "--checkpoint-every", 10,
+    job = Job(2, [*MGPU, *run, "--steps", 10 ** 6, "--checkpoint-dir", ckpt, "--checkpoint-every", 10,
                   "--watchdog-timeout", timeout], tmp_path)
     first_checkpoint(ckpt, job)
     os.kill(job.ranks()[frozen], signal.SIGSTOP)
     t0 = time.monotonic()
     rc = job.wait(120)
-    elapsed = time.monotonic() - t0
+    return job, rc, time.monotonic() - t0, ckpt
+
+
+@pytest.mark.parametrize("frozen", [0, 1])
+def test_frozen_rank_is_named_by_the_watchdog(tmp_path, frozen):
+    timeout = 3
+    job, rc, elapsed, ckpt = freeze_a_rank(RUN, tmp_path, frozen, timeout)
     assert rc != 0 and elapsed < timeout + 30, (rc, elapsed, job.stderr[-2000:])
     survivor = 1 - frozen
     message = re.search(rf"on rank {survivor}: rank {frozen} (has not reached this step|stopped responding during it) \(stopped, hung or dead\)", job.stderr)

@@ -52,6 +52,18 @@ def test_two_threads_on_one_gpu_train_like_one_rank(gpu, tmp_path):
 
 
 @needs_nccl
+def test_two_threads_on_two_gpus_train_like_one_rank(gpu, tmp_path):
+    # `train --gpus 2`: two threads of one process, one GPU each, NCCL from ncclCommInitAll.
+    if _core.cuda_device_count() < 2:
+        pytest.skip("needs 2 GPUs (MGPU_EMULATE_GPU=2 on the emulation)")
+    one = train(tmp_path, "one", ["--steps", "12"], {})
+    two = train(tmp_path, "two", ["--steps", "12", "--gpus", "2"], {})
+    assert two["world_size"] == 2 and one["world_size"] == 1 and two["steps"] == one["steps"] == 12
+    for key in ("train_loss", "val_loss"):
+        np.testing.assert_allclose([e[key] for e in two["history"]], [e[key] for e in one["history"]], rtol=1e-4)
+
+
+@needs_nccl
 def test_more_threads_than_gpus_is_a_clear_error(gpu):
     r = run_cli(["train", "--device", "cuda", "--gpus", str(_core.cuda_device_count() + 1), "--steps", "2",
                  "--no-progress"], timeout=300, env=mpi_env(NCCL_MULTI_RANK_GPU_ENABLE="0"))
