@@ -178,6 +178,9 @@ StepResult DataParallelStep::step(const std::vector<MicroShard>& shards, int64_t
       const bool layer_ends = next_bucket == buckets_.size() || buckets_[next_bucket].ready_layer != b.ready_layer;
       if (overlap_ && layer_ends) comm_->progress();
     }
+    // Nothing is queued here any more (the loop ends at a layer's end), so this
+    // only lets a host-driven transport (MPI) advance what is in flight.
+    if (overlap_) comm_->progress();
   };
 
   // 1-4. Per micro-batch: stage the shard, forward (dropout keyed by seed, step,
