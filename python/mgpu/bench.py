@@ -104,12 +104,33 @@ def measure(pg, sizes, dropout: float, batch: int, *, optimizer: str, warmup: in
         peak = float(total - free)
     peak = pg.allreduce(peak, op="max")
     stats = summarize(times)
-    return {"batch_size": batch, "ranks": pg.size, "threads": threads, "device": device,
+    counted = (count_emulated_work(model, trainer, pg, data, batch, part.start)
+               if device == "cuda" and _core.build_info().get("gpu_emulation", False) else None)
+    return {"emulation_counters_per_step": counted,
+            "batch_size": batch, "ranks": pg.size, "threads": threads, "device": device,
             "step": stats, "samples_per_sec": batch / stats["median"],
             "breakdown_ms": {k: float(np.median(v)) * 1e3 for k, v in phases.items()},
             "peak_memory_bytes": peak, "params": model.num_params, "overlap": trainer._step.overlaps,
             "precision": precision, "cuda_graph": trainer._step.uses_graphs,
             "graph_fallback": trainer._step.graph_fallback or None}
+
+
+def count_emulated_work(model, timed_trainer, pg, data, batch: int, first_sample: int, steps: int = 3) -> dict:
+    """On the GPU emulation: the CUDA work of one steady-state step (kernel and graph
+    launches, host synchronisations, allocations, bytes each way), averaged over `steps`
+    steps of an untimed trainer (the timed one adds a synchronisation per phase)."""
+    from .trainer import Trainer
+    trainer = Trainer(model, loss="mse", optimizer=timed_trainer.optimizer_name, lr=1e-3, momentum=0.9,
+                      process_group=pg, graph="on" if timed_trainer._step.uses_graphs else "off")
+    for i in range(2):  # first appearance and capture of the shape
+        trainer.step(*data[i % 4], global_batch=batch, first_sample=first_sample)
+    model._backend.synchronize()
+    before = _core.emulation.counters()
+    for i in range(steps):
+        trainer.step(*data[i % 4], global_batch=batch, first_sample=first_sample)
+    model._backend.synchronize()
+    after = _core.emulation.counters()
+    return {k: (after[k] - before[k]) / steps for k in after}
 
 
 def gemm_rate(device: str, device_index: int, threads: int, sizes, local_batch: int, precision: str = "fp32") -> float:
@@ -408,9 +429,19 @@ def cmd_bench(a, pg) -> int:
                                    r["device"], r["threads"])
     add_derived(rows, profile)
     print(format_table(rows))
+    for r in rows:
+        c = r.get("emulation_counters_per_step")
+        if c:
+            print(f"emulated GPU, batch {r['batch_size']} x {r['ranks']} rank(s), per step: "
+                  f"{c['kernel_launches']:g} kernel launches, {c['graph_launches']:g} graph launches, "
+                  f"{c['kernels_executed']:g} kernels run, {c['host_syncs']:g} host syncs, "
+                  f"{c['allocations']:g} allocations, {c['h2d_bytes']:,.0f} B to and {c['d2h_bytes']:,.0f} B "
+                  f"from the device, {c['collectives']:g} collectives")
     result = {"version": __version__, "host": socket.gethostname(), "model": a.model, "layers": rows[0]["layers"],
               "optimizer": a.optimizer, "precision": a.precision, "warmup": a.warmup, "steps": a.steps, "repeats": a.repeats,
-              "openblas_coretype": os.environ.get("OPENBLAS_CORETYPE"), "rows": rows}
+              "openblas_coretype": os.environ.get("OPENBLAS_CORETYPE"),
+              "gpu_emulation": bool(_core.build_info().get("gpu_emulation", False)) and rows[0]["device"] == "cuda",
+              "rows": rows}
     if a.validate_selector:
         result["validation"] = validate_selector(rows, profile, a)
         print(format_validation(result["validation"]))

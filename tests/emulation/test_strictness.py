@@ -74,3 +74,24 @@ def test_emulated_devices_say_so():
     assert info["gpu_emulation"] and info["cuda"]["emulated"]
     for d in info["cuda"]["devices"]:
         assert "emulat" in d["name"].lower() and "not a real GPU" in d["name"]
+
+
+def test_bench_reports_the_cuda_work_of_a_step(tmp_path):
+    # The emulation's counters are the only performance signal without a GPU:
+    # `mgpu bench` reports them per steady-state step (no allocation allowed).
+    import json
+    import subprocess
+    import sys
+
+    from conftest import mpi_env  # tests/conftest.py
+    out = tmp_path / "bench.json"
+    r = subprocess.run([sys.executable, "-m", "mgpu", "bench", "--device", "cuda", "--model", "medium",
+                        "--batch-sizes", "64", "--ranks", "1", "--steps", "2", "--repeats", "1", "--warmup", "1",
+                        "--no-progress", "--json", str(out)], capture_output=True, text=True, timeout=600,
+                       env=mpi_env())
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "GPU EMULATION" in r.stdout and "per step:" in r.stdout
+    row = json.loads(out.read_text())["rows"][0]
+    counted = row["emulation_counters_per_step"]
+    assert counted["allocations"] == 0 and counted["kernels_executed"] > 0
+    assert counted["graph_launches"] == 1  # medium at batch 64: one replayed graph per step
