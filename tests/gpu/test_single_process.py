@@ -28,10 +28,10 @@ def test_init_all_on_one_gpu(gpu):
         _core.nccl_init_all([gpu, 99])
 
 
-def train(tmp_path, name, extra, env):
+def train(tmp_path, name, extra, env, steps=40):
     out = tmp_path / f"{name}.json"
     r = run_cli(["train", "--device", "cuda", "--dataset", "digits", "--model", "medium", "--optimizer", "adamw",
-                 "--batch-size", "128", "--steps", "40", "--no-progress", "--json", out, *extra],
+                 "--batch-size", "128", "--steps", steps, "--no-progress", "--json", out, *extra],
                 timeout=600, env=mpi_env(**env))
     assert r.returncode == 0, r.stdout + r.stderr
     return json.loads(out.read_text())
@@ -56,8 +56,8 @@ def test_two_threads_on_two_gpus_train_like_one_rank(gpu, tmp_path):
     # `train --gpus 2`: two threads of one process, one GPU each, NCCL from ncclCommInitAll.
     if _core.cuda_device_count() < 2:
         pytest.skip("needs 2 GPUs (MGPU_EMULATE_GPU=2 on the emulation)")
-    one = train(tmp_path, "one", ["--steps", "12"], {})
-    two = train(tmp_path, "two", ["--steps", "12", "--gpus", "2"], {})
+    one = train(tmp_path, "one", [], {}, steps=12)
+    two = train(tmp_path, "two", ["--gpus", "2"], {}, steps=12)
     assert two["world_size"] == 2 and one["world_size"] == 1 and two["steps"] == one["steps"] == 12
     for key in ("train_loss", "val_loss"):
         np.testing.assert_allclose([e[key] for e in two["history"]], [e[key] for e in one["history"]], rtol=1e-4)
