@@ -71,7 +71,7 @@ enum class ThreadState { kNew, kRunnable, kAtBarrier, kAtWarp, kDone };
 
 struct EmuThread {
   ThreadContext ctx;
-  int linear = 0, warp = 0, lane = 0;
+  int warp = 0, lane = 0;
   ThreadState state = ThreadState::kNew;
   const char* site_file = "";
   int site_line = 0;
@@ -419,7 +419,6 @@ void run_grid(const std::string& name, const std::function<void()>& body, dim3 g
         for (unsigned i = 0; i < nthreads; ++i) {
           EmuThread& t = b.threads[i];
           t = EmuThread();
-          t.linear = int(i);
           t.warp = int(i / 32);
           t.lane = int(i % 32);
           t.ctx.thread_idx = make_uint3(i % block.x, (i / block.x) % block.y, i / (block.x * block.y));

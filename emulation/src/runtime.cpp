@@ -473,6 +473,17 @@ void host_wait_stream(Stream* st) {
   join(tl_host_vc, vc);
 }
 
+// The synchronous APIs' end: the host waits for the stream, then sees its device's health.
+cudaError_t host_sync(cudaStream_t stream, int device) {
+  Stream* st;
+  {
+    std::lock_guard<std::mutex> lock(state().m);
+    st = resolve_locked(stream, device);
+  }
+  host_wait_stream(st);
+  return record_error(check_context(device));
+}
+
 void host_wait_device(int device) {
   std::vector<Stream*> streams;
   {
@@ -1181,13 +1192,7 @@ cudaError_t memcpy_impl(void* dst, const void* src, size_t count, cudaMemcpyKind
   if (e != cudaSuccess) return e;
   // Copies to pageable memory, and the synchronous API, return when done.
   if (!capturing && (sync_api || s_dst == Space::kPageable)) {
-    Stream* st;
-    {
-      std::lock_guard<std::mutex> lock(state().m);
-      st = resolve_locked(stream, device);
-    }
-    host_wait_stream(st);
-    return record_error(check_context(device));
+    return host_sync(stream, device);
   }
   return cudaSuccess;
 }
@@ -1205,13 +1210,7 @@ cudaError_t memset_impl(void* devPtr, int value, size_t count, cudaStream_t stre
     std::memset(devPtr, value, count);
   });
   if (e != cudaSuccess || !sync_api) return e;
-  Stream* st;
-  {
-    std::lock_guard<std::mutex> lock(state().m);
-    st = resolve_locked(stream, device);
-  }
-  host_wait_stream(st);
-  return record_error(check_context(device));
+  return host_sync(stream, device);
 }
 
 }  // namespace
@@ -1273,13 +1272,7 @@ cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
     return set_error(cudaErrorStreamCaptureUnsupported, "cudaStreamSynchronize of a capturing stream");
   }
   if (const cudaError_t e = capture_guard("cudaStreamSynchronize")) return e;
-  Stream* st;
-  {
-    std::lock_guard<std::mutex> lock(state().m);
-    st = resolve_locked(stream, device);
-  }
-  host_wait_stream(st);
-  return record_error(check_context(device));
+  return host_sync(stream, device);
 }
 
 cudaError_t cudaStreamQuery(cudaStream_t stream) {
