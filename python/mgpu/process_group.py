@@ -42,6 +42,7 @@ class ProcessGroup:
             node.Free()
         self._core_comm: Optional[_core.Communicator] = None
         self._core_comm_kind: Optional[str] = None
+        self._gpu: Optional[int] = None  # this rank's GPU once NCCL binds one; named in stall errors
         self.timeout = 0.0  # seconds a control-plane collective may take (0: forever); see Trainer
 
     @property
@@ -86,6 +87,7 @@ class ProcessGroup:
     def _nccl_communicator(self, device_index: Optional[int]) -> "_core.Communicator":
         device_index = self._nccl_device(device_index)
         self._check_gpu_sharing(device_index)
+        self._gpu = device_index
         sidecar = self._mpi_communicator() if self.size > 1 else None
         unique_id = _core.nccl_unique_id() if self.rank == 0 else None
         unique_id = self.bcast(unique_id, root=0)
@@ -153,8 +155,9 @@ class ProcessGroup:
             if now > deadline:
                 why = comm.diagnose_stall(2.5 * beat_interval) if comm is not None else "a peer did not arrive"
                 where = f" at step {comm.current_step}" if comm is not None else ""
-                raise CommError(f"{what}{where} did not complete within {self.timeout:g} s on rank {self.rank}: "
-                                f"{why}")
+                gpu = f" (GPU {self._gpu})" if self._gpu is not None else ""
+                raise CommError(f"{what}{where} did not complete within {self.timeout:g} s on rank {self.rank}"
+                                f"{gpu}: {why}")
             if now - start > 1e-3:
                 time.sleep(5e-4)  # waiting long: leave the core to the ranks still working
 

@@ -85,6 +85,7 @@ class ThreadGroup(ProcessGroup):
         self.local_rank, self.local_size = rank, shared.size
         self._core_comm = None
         self._core_comm_kind = None
+        self._gpu = None
         self.timeout = 0.0
 
     # --- meeting the other threads ---------------------------------------------
