@@ -4,6 +4,7 @@
 // emulation said ("" when it accepted the work). Written as ordinary CUDA,
 // compiled like kernels/*.cu.
 #include <cuda_runtime.h>
+#include <nccl.h>
 
 #include <functional>
 #include <map>
@@ -238,6 +239,45 @@ std::string run_scenario(const std::string& name) {
     if (exec) cudaGraphExecDestroy(exec);
     if (graph) cudaGraphDestroy(graph);
     return err.empty() ? std::to_string(v) : err;
+  }
+  if (name == "free_during_in_process_collective" || name == "free_async_during_in_process_collective") {
+    // GPU 0's half of a two-GPU allreduce waits for GPU 1's; meanwhile GPU 1 frees memory.
+    int gpus = 0;
+    cudaGetDeviceCount(&gpus);
+    if (gpus < 2) return "needs 2 emulated GPUs";
+    ncclComm_t comms[2] = {nullptr, nullptr};
+    const int devices[2] = {0, 1};
+    if (ncclCommInitAll(comms, 2, devices) != ncclSuccess) return "ncclCommInitAll failed";
+    float* data[2] = {nullptr, nullptr};
+    float* spare = nullptr;
+    cudaStream_t streams[2] = {nullptr, nullptr};
+    for (int g = 0; g < 2; ++g) {
+      cudaSetDevice(g);
+      cudaMalloc(reinterpret_cast<void**>(&data[g]), kN * sizeof(float));
+      cudaMemset(data[g], 0, kN * sizeof(float));
+      cudaStreamCreateWithFlags(&streams[g], cudaStreamNonBlocking);
+    }
+    cudaMalloc(reinterpret_cast<void**>(&spare), kN * sizeof(float));  // on GPU 1
+    cudaDeviceSynchronize();
+    cudaSetDevice(0);
+    ncclAllReduce(data[0], data[0], kN, ncclFloat32, ncclSum, comms[0], streams[0]);
+    cudaSetDevice(1);
+    std::string err;
+    if (name == "free_during_in_process_collective") {
+      err = error_text(cudaFree(spare));
+    } else {
+      err = error_text(cudaFreeAsync(spare, streams[1]));
+    }
+    ncclAllReduce(data[1], data[1], kN, ncclFloat32, ncclSum, comms[1], streams[1]);
+    for (int g = 0; g < 2; ++g) {
+      cudaSetDevice(g);
+      cudaStreamSynchronize(streams[g]);
+      cudaFree(data[g]);
+      cudaStreamDestroy(streams[g]);
+      ncclCommDestroy(comms[g]);
+    }
+    cudaSetDevice(0);
+    return err;
   }
   return "unknown scenario " + name;
 }

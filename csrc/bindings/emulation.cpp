@@ -42,4 +42,8 @@ void bind_emulation(py::module_& m) {
     return mgpu_selftest::run_scenario(name);
   }, py::arg("name"), "Runs a scenario of emulation/selftest.cu; returns what the emulation said.");
   e.def("live_allocations", &mgpu_emu::live_allocations, "Device and pinned allocations not yet freed.");
+  e.def("inject_launch_failure", &mgpu_emu::inject_launch_failure, py::arg("kernel"), py::arg("device") = -1,
+        py::arg("nth") = 1,
+        "Makes the nth launch from now of a kernel whose name contains `kernel` (on GPU `device`, -1: any) "
+        "fail with cudaErrorLaunchOutOfResources; nth=0 disarms. For tests of error paths.");
 }

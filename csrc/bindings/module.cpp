@@ -249,6 +249,12 @@ PYBIND11_MODULE(MGPU_MODULE_NAME, m) {
            "Call while waiting on peers: tells them this rank is alive and reads their heartbeats.")
       .def("diagnose_stall", &Communicator::diagnose_stall, py::arg("silence"),
            "Which ranks never reached the current step or went silent for `silence` seconds, in words.")
+      .def("close", &Communicator::close, py::call_guard<py::gil_scoped_release>(),
+           "Collective, the normal end: completes what is in flight and releases the transport (NCCL: "
+           "finalize and destroy, under the timeout); later calls raise CommError.")
+      .def("abort", &Communicator::abort, py::arg("why"),
+           "Ends collectives in flight without the peers (after an error); local, never blocks; later "
+           "calls raise CommError.")
       .def(
           "allreduce_sum",
           [](Communicator& c, py::array a) {
@@ -338,15 +344,17 @@ PYBIND11_MODULE(MGPU_MODULE_NAME, m) {
         "A fresh ncclUniqueId (bytes); rank 0 creates it and broadcasts it to the others.");
   py::class_<NcclCommunicator, Communicator, std::shared_ptr<NcclCommunicator>>(m, "NcclCommunicator")
       .def(py::init([](py::bytes unique_id, int rank, int size, int device_index,
-                       std::shared_ptr<Communicator> sidecar) {
+                       std::shared_ptr<Communicator> sidecar, double setup_timeout) {
              std::string id = unique_id;
-             py::gil_scoped_release nogil;  // ncclCommInitRank waits for every rank
-             return std::make_shared<NcclCommunicator>(id, rank, size, device_index, std::move(sidecar));
+             py::gil_scoped_release nogil;  // setup waits for every rank
+             return std::make_shared<NcclCommunicator>(id, rank, size, device_index, std::move(sidecar),
+                                                       setup_timeout);
            }),
            py::arg("unique_id"), py::arg("rank"), py::arg("size"), py::arg("device_index"),
-           py::arg("sidecar") = nullptr,
+           py::arg("sidecar") = nullptr, py::arg("setup_timeout") = 0.0,
            "NCCL communicator of one rank on GPU device_index; sidecar: the MpiCommunicator whose "
-           "heartbeats name missing ranks on a timeout.")
+           "heartbeats name missing ranks on a timeout; setup_timeout: seconds the ranks may take to "
+           "meet (0: forever), CommError after.")
       .def_property_readonly("device", &NcclCommunicator::device);
   m.def("nccl_init_all", [](const std::vector<int>& devices) {
           py::gil_scoped_release nogil;

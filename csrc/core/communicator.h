@@ -30,6 +30,14 @@ class Communicator {
   virtual bool progresses_independently() const { return false; }
   virtual void progress() {}
   virtual void wait_all() {}
+  // After an error unwound a step with collectives in flight: end them without
+  // the peers (NCCL: ncclCommAbort), so memory they use can be freed and
+  // nothing waits on them; later calls throw CommError. Local, never blocks.
+  virtual void abort(const std::string& /*why*/) {}
+  // The normal end, called by every rank: completes what is in flight and
+  // releases the transport (NCCL: ncclCommFinalize, then ncclCommDestroy, under
+  // the timeout). Later calls throw CommError. Without it the destructor aborts.
+  virtual void close() {}
 
   // Fault detection. begin_step announces that this rank reached training step
   // `step` (a heartbeat the peers can see); a collective that has not completed

@@ -64,6 +64,8 @@ class StagedCommunicator final : public Communicator {
   std::vector<int> missing_peers() override { return inner_->missing_peers(); }
   void heartbeat() override { inner_->heartbeat(); }
   std::string diagnose_stall(double silence) override { return inner_->diagnose_stall(silence); }
+  void abort(const std::string& why) override { inner_->abort(why); }
+  void close() override { inner_->close(); }
 
  private:
   struct Pending {

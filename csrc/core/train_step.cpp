@@ -195,39 +195,47 @@ StepResult DataParallelStep::step(const std::vector<MicroShard>& shards, int64_t
   // the last backward: write it before any backward runs.
   const float stop_flag = request_stop ? 1.0f : 0.0f;
   be.copy_to_backend(m.stop_slot(), &stop_flag, sizeof(float));
-  bool written = false;  // has any micro-batch written the gradient buffer yet?
-  for (size_t k = 0; k < shards.size(); ++k) {
-    const MicroShard& s = shards[k];
-    const bool last = k + 1 == shards.size();
-    if (s.batch.rows == 0) continue;
-    m.stage(s.batch, loss_, /*own_copy=*/graphs_enabled_);
-    const DropoutKey key{m.seed(), step_index, 0, s.first_sample};
-    if (graphs_enabled_) {
-      // One replay runs forward, loss and backward; the buckets go after it.
-      const auto t_staged = now();
-      result.timings.forward += seconds(t_phase, t_staged);
-      forward_backward_graph(s.batch.rows, key, grad_scale, written);
+  // An error once buckets are in flight (a failed allocation or launch in
+  // backward) aborts them: they use the gradient buffer, which may be freed
+  // next, and the peers wait for the buckets this rank will never launch.
+  try {
+    bool written = false;  // has any micro-batch written the gradient buffer yet?
+    for (size_t k = 0; k < shards.size(); ++k) {
+      const MicroShard& s = shards[k];
+      const bool last = k + 1 == shards.size();
+      if (s.batch.rows == 0) continue;
+      m.stage(s.batch, loss_, /*own_copy=*/graphs_enabled_);
+      const DropoutKey key{m.seed(), step_index, 0, s.first_sample};
+      if (graphs_enabled_) {
+        // One replay runs forward, loss and backward; the buckets go after it.
+        const auto t_staged = now();
+        result.timings.forward += seconds(t_phase, t_staged);
+        forward_backward_graph(s.batch.rows, key, grad_scale, written);
+        t_phase = now();
+        result.timings.backward += seconds(t_staged, t_phase);
+        written = true;
+        continue;
+      }
+      m.forward(s.batch.rows, &key);
+      m.loss_forward_backward(loss_, s.batch.rows, grad_scale, nullptr, written);
+      const auto t_forward = now();
+      result.timings.forward += seconds(t_phase, t_forward);
+      m.backward(s.batch.rows, last && overlap_ ? std::function<void(int)>(launch_ready) : nullptr,
+                 written);
       t_phase = now();
-      result.timings.backward += seconds(t_staged, t_phase);
+      result.timings.backward += seconds(t_forward, t_phase);
       written = true;
-      continue;
     }
-    m.forward(s.batch.rows, &key);
-    m.loss_forward_backward(loss_, s.batch.rows, grad_scale, nullptr, written);
-    const auto t_forward = now();
-    result.timings.forward += seconds(t_phase, t_forward);
-    m.backward(s.batch.rows, last && overlap_ ? std::function<void(int)>(launch_ready) : nullptr,
-               written);
-    t_phase = now();
-    result.timings.backward += seconds(t_forward, t_phase);
-    written = true;
+    // An empty share contributes zero gradient and zero loss.
+    if (!written) be.zero(m.grads(), m.num_params() + 1);
+    launch_ready(-1);  // every bucket not yet launched
+    // 5. All gradients summed on every rank; from here on every rank computes
+    // the same values and takes the same decisions.
+    comm_->wait_all();
+  } catch (const std::exception& e) {
+    if (next_bucket > 0) comm_->abort(detail::concat("step ", step_index, " failed on this rank: ", e.what()));
+    throw;
   }
-  // An empty share contributes zero gradient and zero loss.
-  if (!written) be.zero(m.grads(), m.num_params() + 1);
-  launch_ready(-1);  // every bucket not yet launched
-  // 5. All gradients summed on every rank; from here on every rank computes
-  // the same values and takes the same decisions.
-  comm_->wait_all();
 
   result.loss_scale = loss_scale_;
   float slots[MLP::kGradExtraSlots] = {};

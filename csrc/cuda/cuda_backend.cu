@@ -73,15 +73,20 @@ void CudaBackend::set_threads(int threads) {
   threads_ = threads;
 }
 
+// Model arrays are stream-ordered (the device's default pool, on the compute
+// stream): cudaMalloc and cudaFree can synchronise the device and its peers,
+// which deadlocks with a collective of another thread's GPU that waits for this
+// one (NVIDIA/nccl#48), and the first steps allocate while peers' allreduces run.
 void* CudaBackend::allocate_bytes(size_t bytes) {
   activate();
   void* p = nullptr;
-  const cudaError_t rc = cudaMalloc(&p, bytes);
+  const cudaError_t rc = cudaMallocAsync(&p, bytes, stream_);
   if (rc != cudaSuccess) {
     cudaGetLastError();
     size_t free_bytes = 0, total = 0;
     cudaMemGetInfo(&free_bytes, &total);
-    throw DeviceError(detail::concat("cudaMalloc of ", bytes, " bytes on GPU ", device_, " failed: ",
+    cudaGetLastError();
+    throw DeviceError(detail::concat("cudaMallocAsync of ", bytes, " bytes on GPU ", device_, " failed: ",
                                      cudaGetErrorString(rc), " (", free_bytes >> 20, " MiB free of ",
                                      total >> 20, " MiB)"));
   }
@@ -91,7 +96,10 @@ void* CudaBackend::allocate_bytes(size_t bytes) {
 void CudaBackend::free_bytes(void* ptr) noexcept {
   if (!ptr) return;
   cudaSetDevice(device_);
-  cudaFree(ptr);  // implicitly waits for work still using ptr
+  // After everything queued on the compute stream; a collective on the array
+  // was ordered before it (wait_all), or aborted when the step failed.
+  cudaFreeAsync(ptr, stream_);
+  cudaGetLastError();
 }
 
 void CudaBackend::copy_to_backend(void* dst, const void* host_src, size_t bytes) {

@@ -52,6 +52,30 @@ void check_device(int device_index) {
              " out of range: ", gpus, " GPU", gpus == 1 ? "" : "s", " visible");
 }
 
+// Opens each GPU's default stream-ordered pool (where the backend's arrays
+// live) to the other GPUs of the list that can reach it: NCCL within one
+// process reads and writes peers' buffers directly ("P2P/direct pointer"),
+// which pool memory allows only when granted (openxla/xla#14891).
+void grant_peer_pool_access(const std::vector<int>& devices) {
+  for (int owner : devices) {
+    cudaMemPool_t pool = nullptr;
+    MGPU_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, owner));
+    std::vector<cudaMemAccessDesc> access;
+    for (int peer : devices) {
+      int reachable = 0;
+      if (peer == owner) continue;
+      MGPU_CUDA_CHECK(cudaDeviceCanAccessPeer(&reachable, peer, owner));
+      if (!reachable) continue;  // NCCL goes through host memory then, never the pointer
+      cudaMemAccessDesc d{};
+      d.location.type = cudaMemLocationTypeDevice;
+      d.location.id = peer;
+      d.flags = cudaMemAccessFlagsProtReadWrite;
+      access.push_back(d);
+    }
+    if (!access.empty()) MGPU_CUDA_CHECK(cudaMemPoolSetAccess(pool, access.data(), access.size()));
+  }
+}
+
 struct Pending {
   void* data;
   size_t count;
@@ -61,7 +85,7 @@ struct Pending {
 }  // namespace
 
 struct NcclCommunicator::Impl {
-  ncclComm_t comm = nullptr;
+  ncclComm_t comm = nullptr;  // owned: closed, or aborted by ~Impl
   int rank = 0, size = 1, device = 0;
   cudaStream_t comm_stream = nullptr;
   std::shared_ptr<CudaBackend> backend;  // attached; keeps `compute` valid
@@ -71,14 +95,51 @@ struct NcclCommunicator::Impl {
   std::vector<Pending> queued;  // enqueued by *_async, launched at progress()/wait_all()
   bool outstanding = false;     // launched since the last wait
   bool broken = false;          // aborted after a timeout or an asynchronous error
+  bool closed = false;          // close() ended it normally
+  std::string broken_why;       // what aborted it
   float* staging = nullptr;     // device copy of host buffers (grows, never shrinks)
   size_t staging_capacity = 0;
+
+  Impl() = default;
+  Impl(const Impl&) = delete;
+  Impl& operator=(const Impl&) = delete;
+  // Whatever state construction, a failure or close() left: a live comm is
+  // aborted (local; a destroy would be an intra-node collective), then the
+  // streams drain and everything is freed. Errors cannot be reported here.
+  ~Impl() {
+    cudaSetDevice(device);
+    if (comm) ncclCommAbort(comm);
+    comm = nullptr;
+    if (comm_stream) {
+      if (staging) cudaFreeAsync(staging, comm_stream);
+      cudaStreamSynchronize(comm_stream);
+    }
+    if (compute_ready) cudaEventDestroy(compute_ready);
+    if (comm_done) cudaEventDestroy(comm_done);
+    if (comm_stream) cudaStreamDestroy(comm_stream);
+    cudaGetLastError();
+  }
 
   void activate() const { MGPU_CUDA_CHECK(cudaSetDevice(device)); }
 
   void ensure_usable() const {
-    MGPU_CHECK(!broken, CommError,
-               "the NCCL communicator was aborted after an earlier timeout or error; restart the job");
+    MGPU_CHECK(!closed, CommError, "the NCCL communicator of rank ", rank, " was closed");
+    MGPU_CHECK(!broken, CommError, "the NCCL communicator of rank ", rank, " was aborted (", broken_why,
+               "); restart the job");
+  }
+
+  // Ends every NCCL kernel of this comm and waits for the stream to drain:
+  // from here on the memory its collectives used may be freed or reused.
+  void abort_comm(const std::string& why) {
+    if (broken) return;
+    broken = true;
+    broken_why = why;
+    queued.clear();
+    outstanding = false;
+    if (comm) ncclCommAbort(comm);
+    comm = nullptr;
+    if (comm_stream) cudaStreamSynchronize(comm_stream);
+    cudaGetLastError();
   }
 
   // Collectives enqueued from now on start after everything the compute stream holds.
@@ -108,6 +169,43 @@ struct NcclCommunicator::Impl {
       MGPU_NCCL_CHECK(comm, ncclAllReduce(op.data, op.data, op.count, op.type, ncclSum, comm, comm_stream));
     group_end.armed = false;
     MGPU_NCCL_CHECK(comm, ncclGroupEnd());
+    settle("allreduce", timeout);
+  }
+
+  double timeout = 0.0;  // the communicator's, for the waits inside NCCL calls
+
+  // A non-blocking comm's calls may return before NCCL finished them
+  // (ncclInProgress: connecting at the first collective, initialising,
+  // finalising); nothing else may be called on it until the state settles.
+  // Polled against the deadline, with heartbeats, like wait().
+  void settle(const char* what, double timeout_seconds, bool during_step = true) {
+    using clock = std::chrono::steady_clock;
+    const auto start = clock::now();
+    const auto beat_interval = std::chrono::duration<double>(
+        timeout_seconds > 0 ? std::min(1.0, timeout_seconds / 4) : 1.0);
+    auto next_beat = start + beat_interval;
+    for (unsigned polls = 0;; ++polls) {
+      ncclResult_t state = ncclInProgress;
+      MGPU_NCCL_CHECK(comm, ncclCommGetAsyncError(comm, &state));
+      if (state == ncclSuccess) return;
+      if (state != ncclInProgress) {
+        const char* last = ncclGetLastError(comm);
+        fail(what, detail::concat("NCCL reported an error: ", ncclGetErrorString(state),
+                                  last && *last ? std::string(" (") + last + ")" : std::string(), "; ",
+                                  missing_ranks_text(1e300)),
+             during_step);
+      }
+      const auto now = clock::now();
+      if (sidecar && now > next_beat) {
+        sidecar->heartbeat();
+        next_beat = now + beat_interval;
+      }
+      if (timeout_seconds > 0 && now - start > std::chrono::duration<double>(timeout_seconds))
+        fail(what, detail::concat("did not complete within ", timeout_seconds, " s: ",
+                                  missing_ranks_text(2.5 * beat_interval.count())),
+             during_step);
+      if (polls > 64) std::this_thread::sleep_for(std::chrono::microseconds(polls > 4096 ? 1000 : 50));
+    }
   }
 
   // The queue is emptied before launching, and `outstanding` set before the
@@ -121,12 +219,11 @@ struct NcclCommunicator::Impl {
 
   uint64_t step = 0;  // of the last begin_step
 
-  [[noreturn]] void fail(const std::string& what, const std::string& why) {
-    broken = true;
-    // Aborting ends NCCL's kernels, so the streams waiting on them drain.
-    ncclCommAbort(comm);
-    comm = nullptr;
-    throw CommError(detail::concat(what, " at step ", step, " on rank ", rank, " (GPU ", device, "): ", why));
+  [[noreturn]] void fail(const std::string& what, const std::string& why, bool during_step = true) {
+    const std::string where = during_step ? detail::concat(" at step ", step) : std::string();
+    const std::string message = detail::concat(what, where, " on rank ", rank, " (GPU ", device, "): ", why);
+    abort_comm(message);
+    throw CommError(message);
   }
 
   std::string missing_ranks_text(double silence) {
@@ -188,34 +285,25 @@ struct NcclCommunicator::Impl {
     MGPU_CUDA_CHECK(cudaStreamSynchronize(comm_stream));
   }
 
-  // Streams and events of a freshly initialised comm; destroys the comm if that fails.
+  // Streams and events of the comm (~Impl releases them if this fails half-way).
   void create_streams() {
-    try {
-      activate();
-      int low = 0, high = 0;
-      MGPU_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&low, &high));
-      // Higher priority than compute: bucket reductions should not queue behind backward kernels.
-      MGPU_CUDA_CHECK(cudaStreamCreateWithPriority(&comm_stream, cudaStreamNonBlocking, high));
-      MGPU_CUDA_CHECK(cudaEventCreateWithFlags(&compute_ready, cudaEventDisableTiming));
-      MGPU_CUDA_CHECK(cudaEventCreateWithFlags(&comm_done, cudaEventDisableTiming));
-    } catch (...) {
-      ncclCommDestroy(comm);
-      comm = nullptr;
-      if (comm_stream) cudaStreamDestroy(comm_stream);
-      if (compute_ready) cudaEventDestroy(compute_ready);
-      comm_stream = nullptr;
-      compute_ready = nullptr;
-      throw;
-    }
+    activate();
+    int low = 0, high = 0;
+    MGPU_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&low, &high));
+    // Higher priority than compute: bucket reductions should not queue behind backward kernels.
+    MGPU_CUDA_CHECK(cudaStreamCreateWithPriority(&comm_stream, cudaStreamNonBlocking, high));
+    MGPU_CUDA_CHECK(cudaEventCreateWithFlags(&compute_ready, cudaEventDisableTiming));
+    MGPU_CUDA_CHECK(cudaEventCreateWithFlags(&comm_done, cudaEventDisableTiming));
   }
 
+  // Stream-ordered on the communication stream, as the backend's arrays (see
+  // CudaBackend::allocate_bytes): no device-wide synchronisation.
   float* stage(size_t count) {
     if (staging_capacity < count) {
-      MGPU_CUDA_CHECK(cudaStreamSynchronize(comm_stream));
-      MGPU_CUDA_CHECK(cudaFree(staging));
+      if (staging) MGPU_CUDA_CHECK(cudaFreeAsync(staging, comm_stream));
       staging = nullptr;
       staging_capacity = 0;
-      MGPU_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&staging), count * sizeof(float)));
+      MGPU_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&staging), count * sizeof(float), comm_stream));
       staging_capacity = count;
     }
     return staging;
@@ -223,8 +311,9 @@ struct NcclCommunicator::Impl {
 };
 
 NcclCommunicator::NcclCommunicator(const std::string& unique_id, int rank, int size, int device_index,
-                                   std::shared_ptr<Communicator> sidecar)
+                                   std::shared_ptr<Communicator> sidecar, double setup_timeout)
     : impl_(std::make_unique<Impl>()) {
+  MGPU_CHECK(setup_timeout >= 0.0, ConfigError, "the NCCL setup timeout must be >= 0 seconds, got ", setup_timeout);
   MGPU_CHECK(unique_id.size() == NCCL_UNIQUE_ID_BYTES, ConfigError, "an NCCL unique id has ",
              NCCL_UNIQUE_ID_BYTES, " bytes, got ", unique_id.size());
   MGPU_CHECK(size >= 1 && rank >= 0 && rank < size, ConfigError, "NCCL rank ", rank, " outside [0, ", size, ")");
@@ -237,11 +326,14 @@ NcclCommunicator::NcclCommunicator(const std::string& unique_id, int rank, int s
   s.size = size;
   s.device = device_index;
   s.sidecar = std::move(sidecar);
-  s.activate();
+  s.timeout = timeout_seconds_ = setup_timeout;
+  s.create_streams();
   ncclUniqueId id;
   std::copy(unique_id.begin(), unique_id.end(), id.internal);
-  MGPU_NCCL_CHECK(nullptr, ncclCommInitRank(&s.comm, size, id, rank));
-  s.create_streams();
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0;  // returns at once; settle() waits for the other ranks against the deadline
+  MGPU_NCCL_CHECK(nullptr, ncclCommInitRankConfig(&s.comm, size, id, rank, &config));
+  s.settle("NCCL setup", setup_timeout, /*during_step=*/false);
 }
 
 NcclCommunicator::NcclCommunicator(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -250,49 +342,58 @@ std::vector<std::shared_ptr<NcclCommunicator>> NcclCommunicator::init_all(const 
   const int n = static_cast<int>(devices.size());
   MGPU_CHECK(n >= 1, ConfigError, "init_all needs at least one device");
   for (int d : devices) check_device(d);
+  grant_peer_pool_access(devices);
   std::vector<ncclComm_t> comms(n, nullptr);
   MGPU_NCCL_CHECK(nullptr, ncclCommInitAll(comms.data(), n, devices.data()));
-  std::vector<std::shared_ptr<NcclCommunicator>> out;
-  int adopted = 0;
+  std::vector<std::unique_ptr<Impl>> impls;
   try {
-    for (; adopted < n; ++adopted) {
-      auto impl = std::make_unique<Impl>();
-      impl->comm = comms[adopted];
-      impl->rank = adopted;
-      impl->size = n;
-      impl->device = devices[adopted];
-      comms[adopted] = nullptr;  // owned by impl from here (create_streams destroys it on failure)
-      impl->create_streams();
-      out.push_back(std::shared_ptr<NcclCommunicator>(new NcclCommunicator(std::move(impl))));
+    for (int i = 0; i < n; ++i) {
+      impls.push_back(std::make_unique<Impl>());
+      Impl& impl = *impls.back();
+      impl.rank = i;
+      impl.size = n;
+      impl.device = devices[i];
+      impl.comm = comms[i];  // owned by impl from here: ~Impl aborts it on failure
+      comms[i] = nullptr;
+      impl.create_streams();
     }
   } catch (...) {
-    for (int i = adopted + 1; i < n; ++i)
-      if (comms[i]) ncclCommDestroy(comms[i]);
-    throw;  // the communicators already made destroy theirs
+    for (ncclComm_t c : comms)
+      if (c) ncclCommAbort(c);
+    throw;  // the Impls made so far abort theirs
   }
+  std::vector<std::shared_ptr<NcclCommunicator>> out;
+  for (auto& impl : impls) out.push_back(std::shared_ptr<NcclCommunicator>(new NcclCommunicator(std::move(impl))));
   return out;
 }
 
-NcclCommunicator::~NcclCommunicator() {
+// Not closed: ~Impl aborts (queued buckets are dropped; a collective still
+// running may wait for a peer that is gone, and must not be waited for here).
+NcclCommunicator::~NcclCommunicator() = default;
+
+void NcclCommunicator::abort(const std::string& why) {
   Impl& s = *impl_;
+  if (s.closed) return;
   cudaSetDevice(s.device);
-  if (!s.broken && s.comm) {
-    // Queued but never launched buckets are dropped. A collective still running
-    // may wait for a peer that is gone (an error unwound the step): abort it
-    // rather than wait forever in a destructor.
-    const cudaError_t idle = s.comm_stream ? cudaStreamQuery(s.comm_stream) : cudaSuccess;
-    cudaGetLastError();
-    if (idle == cudaSuccess)
-      ncclCommDestroy(s.comm);
-    else
-      ncclCommAbort(s.comm);
-  }
-  if (s.comm_stream) cudaStreamSynchronize(s.comm_stream);
-  cudaFree(s.staging);
-  if (s.compute_ready) cudaEventDestroy(s.compute_ready);
-  if (s.comm_done) cudaEventDestroy(s.comm_done);
-  if (s.comm_stream) cudaStreamDestroy(s.comm_stream);
-  cudaGetLastError();
+  s.abort_comm(why);
+}
+
+void NcclCommunicator::close() {
+  Impl& s = *impl_;
+  if (s.closed) return;
+  s.ensure_usable();
+  s.activate();
+  s.wait("close", timeout_seconds_, true);  // everything launched completes first
+  MGPU_NCCL_CHECK(s.comm, ncclCommFinalize(s.comm));
+  s.settle("close", timeout_seconds_, false);
+  MGPU_NCCL_CHECK(s.comm, ncclCommDestroy(s.comm));
+  s.comm = nullptr;
+  s.closed = true;
+}
+
+void NcclCommunicator::set_timeout(double seconds) {
+  Communicator::set_timeout(seconds);
+  impl_->timeout = seconds;
 }
 
 int NcclCommunicator::rank() const { return impl_->rank; }
@@ -356,7 +457,7 @@ void NcclCommunicator::allreduce_sum_fp16_async(void* data, size_t count) {
 
 void NcclCommunicator::progress() {
   Impl& s = *impl_;
-  if (s.broken || s.queued.empty()) return;
+  if (s.broken || s.closed || s.queued.empty()) return;
   s.activate();
   s.flush();
 }
@@ -384,6 +485,7 @@ void NcclCommunicator::allreduce_sum(float* data, size_t count) {
   float* dev = s.stage(count);
   MGPU_CUDA_CHECK(cudaMemcpyAsync(dev, data, count * sizeof(float), cudaMemcpyHostToDevice, s.comm_stream));
   MGPU_NCCL_CHECK(s.comm, ncclAllReduce(dev, dev, count, ncclFloat32, ncclSum, s.comm, s.comm_stream));
+  s.settle("allreduce", timeout_seconds_);
   s.outstanding = true;
   s.wait("allreduce", timeout_seconds_, true);
   s.copy_back(data, dev, count);
@@ -408,6 +510,7 @@ void NcclCommunicator::broadcast(float* data, size_t count, int root) {
     MGPU_CUDA_CHECK(cudaMemcpyAsync(buf, data, count * sizeof(float), cudaMemcpyHostToDevice, s.comm_stream));
   }
   MGPU_NCCL_CHECK(s.comm, ncclBroadcast(buf, buf, count, ncclFloat32, root, s.comm, s.comm_stream));
+  s.settle("broadcast", timeout_seconds_);
   s.outstanding = true;
   s.wait("broadcast", timeout_seconds_, !device);
   if (!device) s.copy_back(data, buf, count);
@@ -422,6 +525,7 @@ void NcclCommunicator::barrier() {
   float* one = s.stage(1);
   MGPU_CUDA_CHECK(cudaMemsetAsync(one, 0, sizeof(float), s.comm_stream));
   MGPU_NCCL_CHECK(s.comm, ncclAllReduce(one, one, 1, ncclFloat32, ncclSum, s.comm, s.comm_stream));
+  s.settle("barrier", timeout_seconds_);
   s.outstanding = true;
   s.wait("barrier", timeout_seconds_, true);
 }

@@ -8,6 +8,12 @@
 // naming the step and the ranks whose heartbeats (sent through the MPI sidecar)
 // never reached it.
 //
+// Setup has the same deadline: the communicator is created non-blocking
+// (ncclCommInitRankConfig, blocking = 0) and polled against setup_timeout, so
+// a rank that never arrives ends setup with a CommError, not a hang. close() is
+// the collective end (finalize, destroy); the destructor only aborts, which is
+// local (ncclCommDestroy is an intra-node collective).
+//
 // Several ranks on one GPU: NCCL before 2.30 refuses them ("duplicate GPU");
 // NCCL >= 2.30 allows it with NCCL_MULTI_RANK_GPU_ENABLE=1 in the environment.
 // mgpu.ProcessGroup checks this before creating the communicator.
@@ -28,11 +34,15 @@ class NcclCommunicator final : public Communicator {
   // unique_id: the bytes of rank 0's ncclGetUniqueId (cuda::nccl_unique_id()),
   // shared by every rank; device_index: this rank's GPU. sidecar: an optional
   // host communicator over the same ranks (MpiCommunicator) for heartbeats.
+  // setup_timeout: seconds the ranks may take to meet (0: forever); it also
+  // becomes the collectives' timeout until set_timeout changes it.
   NcclCommunicator(const std::string& unique_id, int rank, int size, int device_index,
-                   std::shared_ptr<Communicator> sidecar = nullptr);
+                   std::shared_ptr<Communicator> sidecar = nullptr, double setup_timeout = 0.0);
   // Single-process multi-GPU: one communicator per device of `devices`, all
   // made by one ncclCommInitAll (rank i drives devices[i]). Each is then used
-  // by one thread of this process, like a rank of its own.
+  // by one thread of this process, like a rank of its own. Each GPU's
+  // stream-ordered pool is opened to the others first: NCCL in one process
+  // accesses peers' buffers directly.
   static std::vector<std::shared_ptr<NcclCommunicator>> init_all(const std::vector<int>& devices);
   ~NcclCommunicator() override;
   NcclCommunicator(const NcclCommunicator&) = delete;
@@ -56,12 +66,15 @@ class NcclCommunicator final : public Communicator {
   bool accepts_device_memory() const override { return true; }
   void progress() override;
   void wait_all() override;
+  void abort(const std::string& why) override;
+  void close() override;
 
   // Compressed-gradient entries: in-place sums of `count` bf16 / fp16 values in
   // device memory, queued like allreduce_sum_async.
   void allreduce_sum_bf16_async(void* data, size_t count);
   void allreduce_sum_fp16_async(void* data, size_t count);
 
+  void set_timeout(double seconds) override;
   void begin_step(uint64_t step) override;
   std::vector<int> missing_peers() override;
   void heartbeat() override;

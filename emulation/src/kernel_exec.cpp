@@ -437,11 +437,38 @@ void run_grid(const std::string& name, const std::function<void()>& body, dim3 g
   tl_block = nullptr;
 }
 
+namespace {
+std::mutex g_fault_m;
+std::string g_fault_kernel;
+int g_fault_device = -1;
+long g_fault_countdown = 0;
+
+bool injected_failure(const char* name, int device) {
+  std::lock_guard<std::mutex> lock(g_fault_m);
+  if (g_fault_countdown <= 0 || (g_fault_device >= 0 && g_fault_device != device) ||
+      std::string(name).find(g_fault_kernel) == std::string::npos)
+    return false;
+  return --g_fault_countdown == 0;
+}
+}  // namespace
+
+void inject_launch_failure(const std::string& kernel, int device, long nth) {
+  std::lock_guard<std::mutex> lock(g_fault_m);
+  g_fault_kernel = kernel;
+  g_fault_device = device;
+  g_fault_countdown = nth;
+}
+
 void launch(const char* name, const void* kernel_ptr, std::function<void()> body, dim3 grid, dim3 block, size_t shared_bytes,
             cudaStream_t stream, const std::vector<PointerArg>& pointers) {
   const int device = device_of(stream);
   if (device < 0) {
     set_error(cudaErrorInvalidResourceHandle, std::string("launch of ") + name + " on an unknown stream");
+    return;
+  }
+  if (injected_failure(name, device)) {
+    set_error(cudaErrorLaunchOutOfResources, std::string(name) + " on GPU " + std::to_string(device) +
+                                                 ": launch failure injected by emulation.inject_launch_failure");
     return;
   }
   if (const cudaError_t e = sticky_error(device)) {

@@ -112,11 +112,16 @@ struct Clique {
   std::vector<const std::vector<Call>*> posted;
   std::vector<std::string> descs;
   std::atomic<bool> aborted{false};
+  std::vector<int> devices;  // rank i drives devices[i]
 };
 
+// MGPU_EMULATE_NCCL_FAULT=RANK:GROUP:KIND, KIND hang or error: rank RANK's
+// GROUP-th group (1-based) of each communicator hangs until aborted, or fails;
+// GROUP "init": its communicator's initialisation does (ncclCommInitRank*).
 struct Fault {
   int rank = -1;
-  uint64_t group = 0;
+  uint64_t group = 0;  // 0 with init
+  bool init = false;
   std::string kind;
 };
 
@@ -125,11 +130,11 @@ Fault read_fault() {
   const char* env = std::getenv("MGPU_EMULATE_NCCL_FAULT");
   if (!env || !*env) return f;
   int rank = -1;
-  unsigned long long group = 0;
-  char kind[16] = {};
-  if (std::sscanf(env, "%d:%llu:%15s", &rank, &group, kind) == 3) {
+  char group[24] = {}, kind[16] = {};
+  if (std::sscanf(env, "%d:%23[^:]:%15s", &rank, group, kind) == 3) {
     f.rank = rank;
-    f.group = group;
+    f.init = std::string(group) == "init";
+    f.group = f.init ? 0 : std::strtoull(group, nullptr, 10);
     f.kind = kind;
   }
   return f;
@@ -143,7 +148,7 @@ struct ncclComm {
   MPI_Comm mpi = MPI_COMM_NULL;
   std::vector<int> world_of;  // NCCL rank -> rank in `mpi`
   MPI_Request init_req = MPI_REQUEST_NULL;
-  int init_stage = 0;         // 0 dup pending, 1 table pending, 2 ready
+  int init_stage = 0;         // 0 dup pending, 1 table pending, 2 ready, 3 never (injected hang)
   std::vector<long long> init_table;
   long long init_mine[2] = {0, 0};
   std::shared_ptr<Clique> clique;
@@ -202,9 +207,16 @@ bool mpi_wait(ncclComm& c, MPI_Request* req) {
   }
 }
 
-// A barrier of the clique's threads that an abort releases; returns false when aborted.
+// A barrier of the clique's threads; returns false when this rank's comm is
+// aborted. Once a peer aborted, the clique's collectives never complete, as
+// on a GPU, where the others' kernels wait until their own comms are aborted.
 bool clique_barrier(ncclComm& c, Clique& q) {
   std::unique_lock<std::mutex> lock(q.m);
+  auto stuck = [&] {
+    while (!c.aborted) q.cv.wait_for(lock, std::chrono::milliseconds(5));
+    return false;
+  };
+  if (q.aborted) return stuck();
   const uint64_t gen = q.generation;
   if (++q.arrived == q.size) {
     q.arrived = 0;
@@ -213,7 +225,8 @@ bool clique_barrier(ncclComm& c, Clique& q) {
     return true;
   }
   while (q.generation == gen) {
-    if (c.aborted || q.aborted) return false;
+    if (c.aborted) return false;
+    if (q.aborted) return stuck();
     q.cv.wait_for(lock, std::chrono::milliseconds(5));
   }
   return true;
@@ -414,6 +427,7 @@ void run_group(const std::shared_ptr<ncclComm>& cp, const std::vector<Call>& cal
 
 // Progresses a non-blocking MPI initialisation; returns ncclInProgress until ready.
 ncclResult_t progress_init(ncclComm& c) {
+  if (c.init_stage == 3) return c.aborted ? ncclInvalidUsage : ncclInProgress;  // an injected hang
   if (c.init_stage == 2 || c.nranks == 1 || c.clique) return ncclSuccess;
   if (c.aborted) return ncclInvalidUsage;
   int done = 0;
@@ -468,6 +482,18 @@ ncclResult_t init_rank(ncclComm_t* out, int nranks, const ncclUniqueId& id, int 
   c->device = device;
   c->blocking = blocking;
   c->fault = read_fault();
+  if (c->fault.init && c->fault.rank == rank) {
+    if (c->fault.kind == "error")
+      return fail_call(nullptr, ncclSystemError, "ncclCommInitRank: injected failure (MGPU_EMULATE_NCCL_FAULT) on rank " +
+                                                     std::to_string(rank));
+    // hang: the others wait for this rank in vain; it never finishes either
+    c->init_stage = 3;
+    if (blocking)
+      while (true) std::this_thread::sleep_for(std::chrono::seconds(1));  // as NCCL's blocking init would
+    register_comm(c);
+    *out = c.get();
+    return ncclInProgress;
+  }
   if (nranks > 1) {
     int initialised = 0, level = 0, world = 0;
     MPI_Initialized(&initialised);
@@ -569,6 +595,7 @@ ncclResult_t ncclCommInitAll(ncclComm_t* comms, int ndev, const int* devlist) {
         return fail_call(nullptr, ncclInvalidUsage, "ncclCommInitAll: duplicate device " + std::to_string(devices[size_t(i)]));
   }
   auto clique = std::make_shared<Clique>(ndev);
+  clique->devices = devices;
   const Fault fault = read_fault();
   for (int i = 0; i < ndev; ++i) {
     auto c = std::make_shared<ncclComm>();
@@ -672,9 +699,23 @@ ncclResult_t ncclGroupEnd() {
       if (k.stream != stream)
         return fail_call(c.get(), ncclInvalidUsage, "the NCCL emulation runs one group of a communicator on one stream");
     const uint64_t group = ++c->groups;
+    // Counted only when it runs once, now (not recorded into a graph capture).
+    const bool in_process = c->clique != nullptr && !mgpu_emu::stream_is_capturing(stream);
+    if (in_process) mgpu_emu::in_process_collective_queued();
     const cudaError_t rc = mgpu_emu::enqueue(stream, "nccl " + describe(calls), mgpu_emu::OpKind::kCollective,
-                                             [c, calls, group] { run_group(c, calls, group); });
-    if (rc != cudaSuccess) result = fail_call(c.get(), ncclUnhandledCudaError, std::string("enqueue failed: ") + cudaGetErrorString(rc));
+                                             [c, calls, group, in_process] {
+                                               struct Done {
+                                                 bool on;
+                                                 ~Done() {
+                                                   if (on) mgpu_emu::in_process_collective_done();
+                                                 }
+                                               } done{in_process};
+                                               run_group(c, calls, group);
+                                             });
+    if (rc != cudaSuccess) {
+      if (in_process) mgpu_emu::in_process_collective_done();
+      result = fail_call(c.get(), ncclUnhandledCudaError, std::string("enqueue failed: ") + cudaGetErrorString(rc));
+    }
   }
   if (result == ncclSuccess)
     for (const auto& c : order)
@@ -699,6 +740,16 @@ ncclResult_t add_call(ncclComm_t comm, const Call& call, const char* name) {
     std::string why = reads ? mgpu_emu::check_device_range(call.send, bytes, c->device, false) : "";
     if (why.empty()) why = mgpu_emu::check_device_range(call.recv, bytes, c->device, false);
     if (!why.empty()) return fail_call(c.get(), ncclInvalidArgument, std::string(name) + ": " + why);
+    if (c->clique)
+      for (int peer : c->clique->devices) {
+        if (peer == c->device) continue;
+        if (reads) why = mgpu_emu::check_peer_access(call.send, bytes, peer);
+        if (why.empty()) why = mgpu_emu::check_peer_access(call.recv, bytes, peer);
+        if (!why.empty()) {
+          mgpu_emu::report_violation(c->device, cudaErrorIllegalAddress, std::string(name) + ": " + why);
+          return fail_call(c.get(), ncclUnhandledCudaError, std::string(name) + ": " + why);
+        }
+      }
   }
   if (mgpu_emu::device_of(call.stream) != c->device)
     return fail_call(c.get(), ncclInvalidArgument, std::string(name) + ": stream of another GPU than the communicator's");

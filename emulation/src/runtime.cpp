@@ -69,6 +69,7 @@ ErrorText error_text(cudaError_t e) {
     case cudaErrorNotReady: return {"cudaErrorNotReady", "device not ready"};
     case cudaErrorIllegalAddress: return {"cudaErrorIllegalAddress", "an illegal memory access was encountered"};
     case cudaErrorLaunchFailure: return {"cudaErrorLaunchFailure", "unspecified launch failure"};
+    case cudaErrorLaunchOutOfResources: return {"cudaErrorLaunchOutOfResources", "too many resources requested for launch"};
     case cudaErrorAssert: return {"cudaErrorAssert", "device-side assert triggered"};
     case cudaErrorStreamCaptureUnsupported: return {"cudaErrorStreamCaptureUnsupported", "operation not permitted when stream is capturing"};
     case cudaErrorStreamCaptureInvalidated: return {"cudaErrorStreamCaptureInvalidated", "operation failed due to a previous error during capture"};
@@ -861,6 +862,64 @@ void log_access(AccessLog* log, uintptr_t p, size_t bytes, bool write, const cha
   if (items.size() > log->next_compact) finish_log(*log);
 }
 
+namespace {
+std::atomic<int> g_in_process_collectives{0};
+
+// A device-synchronising memory call while an in-process collective is pending
+// (see runtime.h): a hang on a GPU, a violation here.
+void check_no_pending_in_process_collective(const char* call, int device) {
+  const int pending = g_in_process_collectives.load();
+  if (pending == 0) return;
+  add_violation(std::string(call) + " on GPU " + std::to_string(device) + " while " + std::to_string(pending) +
+                " collective(s) of a single-process multi-GPU NCCL communicator are queued or running: on a GPU " +
+                call + " can synchronise the device and its peers and deadlock with a collective that waits for "
+                "this thread (NVIDIA/nccl#48); allocate stream-ordered (cudaMallocAsync/cudaFreeAsync) instead");
+}
+}  // namespace
+
+void in_process_collective_queued() { ++g_in_process_collectives; }
+void in_process_collective_done() { --g_in_process_collectives; }
+
+// --- Stream-ordered pools: each GPU's default pool, and which other GPUs may access it.
+
+namespace {
+struct PoolHandle {
+  int device;
+};
+std::mutex g_pool_m;
+std::map<int, std::set<int>> g_pool_access;  // pool's GPU -> other GPUs granted read/write
+PoolHandle* pool_handle(int device) {
+  static std::vector<PoolHandle>* handles = [] {
+    auto* h = new std::vector<PoolHandle>;
+    for (int d = 0; d < emulated_device_count(); ++d) h->push_back({d});
+    return h;
+  }();
+  return device_valid(device) ? &(*handles)[size_t(device)] : nullptr;
+}
+int pool_device(cudaMemPool_t pool) {
+  for (int d = 0; d < emulated_device_count(); ++d)
+    if (reinterpret_cast<cudaMemPool_t>(pool_handle(d)) == pool) return d;
+  return -1;
+}
+}  // namespace
+
+std::string check_peer_access(const void* p, size_t bytes, int peer) {
+  Registry& r = registry();
+  Allocation* a = nullptr;
+  {
+    std::shared_lock<std::shared_mutex> lock(r.m);
+    a = r.find_locked(uintptr_t(p));
+  }
+  if (!a || a->freed || a->kind != MemKind::kDevice || a->device == peer || bytes == 0) return "";
+  if (std::string(a->how) != "cudaMallocAsync") return "";  // cudaMalloc memory: peer access follows the context
+  std::lock_guard<std::mutex> lock(g_pool_m);
+  if (g_pool_access[a->device].count(peer)) return "";
+  return "GPU " + std::to_string(a->device) + "'s stream-ordered pool memory at " + hex(uintptr_t(p)) +
+         " is not accessible to GPU " + std::to_string(peer) +
+         ": NCCL in one process accesses peers' buffers directly; grant access with cudaMemPoolSetAccess "
+         "(openxla/xla#14891)";
+}
+
 }  // namespace mgpu_emu
 
 using namespace mgpu_emu;
@@ -1037,10 +1096,12 @@ cudaError_t cudaDeviceReset(void) {
 
 // --- Memory ---------------------------------------------------------------------
 
+
 cudaError_t cudaMalloc(void** devPtr, size_t size) {
   if (!device_valid(tl_device)) return record_error(cudaErrorNoDevice);
   if (const cudaError_t e = capture_guard("cudaMalloc")) return e;
   if (const cudaError_t e = check_context(tl_device)) return record_error(e);
+  check_no_pending_in_process_collective("cudaMalloc", tl_device);
   const cudaError_t e = allocate(devPtr, size, tl_device, MemKind::kDevice, "cudaMalloc");
   if (e == cudaErrorMemoryAllocation)
     return set_error(e, "cudaMalloc of " + std::to_string(size) + " bytes exceeds the emulated GPU's memory (MGPU_EMULATE_GPU_MEMORY)");
@@ -1054,6 +1115,7 @@ cudaError_t cudaFree(void* devPtr) {
   if (!a)
     return set_error(cudaErrorInvalidValue, "cudaFree(" + hex(uintptr_t(devPtr)) +
                                                 "): not the start of a live cudaMalloc allocation (double free, or a host pointer)");
+  check_no_pending_in_process_collective("cudaFree", a->device);
   // cudaFree synchronises the device: every stream's work finishes first.
   host_wait_device(a->device);
   release(a, "cudaFree");
@@ -1073,6 +1135,7 @@ cudaError_t cudaFreeHost(void* ptr) {
   Allocation* a = allocation_at(ptr, MemKind::kPinned);
   if (!a)
     return set_error(cudaErrorInvalidValue, "cudaFreeHost(" + hex(uintptr_t(ptr)) + "): not a live cudaMallocHost allocation");
+  check_no_pending_in_process_collective("cudaFreeHost", tl_device);
   for (int d = 0; d < emulated_device_count(); ++d) host_wait_device(d);
   release(a, "cudaFreeHost");
   return cudaSuccess;
@@ -1102,6 +1165,41 @@ cudaError_t cudaFreeAsync(void* devPtr, cudaStream_t stream) {
     touch(devPtr, a->size, true, false);  // the free is a write: unordered users on other streams race with it
     release(a, "cudaFreeAsync");
   });
+}
+
+cudaError_t cudaDeviceGetDefaultMemPool(cudaMemPool_t* memPool, int device) {
+  if (!memPool) return record_error(cudaErrorInvalidValue);
+  if (!device_valid(device)) return set_error(cudaErrorInvalidDevice, "cudaDeviceGetDefaultMemPool: no GPU " + std::to_string(device));
+  *memPool = reinterpret_cast<cudaMemPool_t>(pool_handle(device));
+  return cudaSuccess;
+}
+
+cudaError_t cudaMemPoolSetAccess(cudaMemPool_t memPool, const cudaMemAccessDesc* descList, size_t count) {
+  const int owner = pool_device(memPool);
+  if (owner < 0 || (count && !descList)) return set_error(cudaErrorInvalidValue, "cudaMemPoolSetAccess: not a pool of the emulation");
+  std::lock_guard<std::mutex> lock(g_pool_m);
+  for (size_t i = 0; i < count; ++i) {
+    const cudaMemAccessDesc& d = descList[i];
+    if (d.location.type != cudaMemLocationTypeDevice || !device_valid(d.location.id))
+      return set_error(cudaErrorInvalidValue, "cudaMemPoolSetAccess: location is not an emulated GPU");
+    if (d.location.id == owner) {
+      if (d.flags != cudaMemAccessFlagsProtReadWrite)
+        return set_error(cudaErrorInvalidValue, "cudaMemPoolSetAccess: the pool's own GPU keeps read/write access");
+      continue;
+    }
+    if (d.flags == cudaMemAccessFlagsProtReadWrite)
+      g_pool_access[owner].insert(d.location.id);
+    else
+      g_pool_access[owner].erase(d.location.id);  // read-only access is not enough for a collective's output
+  }
+  return cudaSuccess;
+}
+
+cudaError_t cudaDeviceCanAccessPeer(int* canAccessPeer, int device, int peerDevice) {
+  if (!canAccessPeer) return record_error(cudaErrorInvalidValue);
+  if (!device_valid(device) || !device_valid(peerDevice)) return record_error(cudaErrorInvalidDevice);
+  *canAccessPeer = device != peerDevice ? 1 : 0;  // emulated GPUs share one NVLink-like fabric
+  return cudaSuccess;
 }
 
 cudaError_t cudaPointerGetAttributes(cudaPointerAttributes* attributes, const void* ptr) {

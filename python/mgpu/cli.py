@@ -342,6 +342,7 @@ def cmd_train(a, pg) -> int:
             model.save(a.save)
             say(f"parameters written to {a.save}")
     pg.barrier()
+    pg.close()  # the collective end of the communicator (NCCL: finalize, destroy)
     return 0
 
 

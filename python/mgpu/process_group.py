@@ -7,6 +7,7 @@ from the local rank. Without mpi4py or mpirun it is a world of one.
 from __future__ import annotations
 
 import os
+import pickle
 import time
 from typing import Any, Optional
 
@@ -85,33 +86,33 @@ class ProcessGroup:
         return self.resolve_device("cuda")[1] if device_index is None else device_index
 
     def _nccl_communicator(self, device_index: Optional[int]) -> "_core.Communicator":
+        # Every step of the setup is bounded by `timeout`: a rank that never
+        # arrives ends it with CommError on the others, not a hang.
         device_index = self._nccl_device(device_index)
         self._check_gpu_sharing(device_index)
         self._gpu = device_index
         sidecar = self._mpi_communicator() if self.size > 1 else None
         unique_id = _core.nccl_unique_id() if self.rank == 0 else None
-        unique_id = self.bcast(unique_id, root=0)
-        return _core.NcclCommunicator(unique_id, self.rank, self.size, device_index, sidecar)
+        unique_id = self.bcast(unique_id, root=0, what="NCCL setup")
+        return _core.NcclCommunicator(unique_id, self.rank, self.size, device_index, sidecar,
+                                      setup_timeout=self.timeout)
+
+    def close(self) -> None:
+        """Collective, at the normal end of a job: completes what the core
+        communicator has in flight and releases it (NCCL: finalize, destroy).
+        Without it, the communicator is aborted when it is freed."""
+        if self._core_comm is not None:
+            self._core_comm.close()
+            self._core_comm = None
+            self._core_comm_kind = None
 
     def _check_gpu_sharing(self, device_index: int) -> None:
         """Collective: ConfigError on every rank when ranks would share a GPU NCCL cannot share."""
         bus = _core.cuda_device_info(device_index)["pci_bus_id"]
         host = self._mpi.Get_processor_name() if self.comm is not None else "localhost"
-        seen = self.comm.allgather((host, bus)) if self.comm is not None else [(host, bus)]
-        shared = len(seen) != len(set(seen))
-        if not shared:
-            return
-        code = _core.build_info()["cuda"].get("nccl_loaded_code", 0)
-        version = _core.build_info()["cuda"].get("nccl_loaded", "?")
-        if code < 23000:
-            raise ConfigError(
-                f"{len(seen)} ranks share {len(set(seen))} GPU(s), but NCCL {version} allows one rank per "
-                "GPU (it fails with 'duplicate GPU'); run at most one rank per GPU, use --comm mpi, or use "
-                "NCCL >= 2.30 with NCCL_MULTI_RANK_GPU_ENABLE=1")
-        if os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE") != "1":
-            raise ConfigError(
-                f"{len(seen)} ranks share {len(set(seen))} GPU(s): set NCCL_MULTI_RANK_GPU_ENABLE=1 "
-                f"(NCCL {version}) to let NCCL run several ranks on one GPU, or use --comm mpi")
+        seen = self.allgather((host, bus), what="NCCL setup")
+        raise_if_gpu_shared(seen)
+
 
     def default_threads(self) -> int:
         """CPU threads per rank when the user gives none: the node's cores shared evenly."""
@@ -183,8 +184,28 @@ class ProcessGroup:
         self._wait(self.comm.Iexscan(send, recv, op=self._mpi.SUM), "exscan")
         return 0 if self.rank == 0 else int(recv[0])
 
-    def bcast(self, obj, root: int = 0):
-        return obj if self.comm is None else self.comm.bcast(obj, root=root)
+    def bcast(self, obj, root: int = 0, what: str = "broadcast"):
+        """Rank root's obj (any picklable object) on every rank, bounded by `timeout`."""
+        if self.comm is None:
+            return obj
+        data = pickle.dumps(obj) if self.rank == root else b""
+        size = np.array([len(data)], dtype=np.int64)
+        self._wait(self.comm.Ibcast(size, root=root), what)
+        buf = np.frombuffer(data, dtype=np.uint8).copy() if self.rank == root else np.empty(int(size[0]), np.uint8)
+        self._wait(self.comm.Ibcast(buf, root=root), what)
+        return obj if self.rank == root else pickle.loads(buf.tobytes())
+
+    def allgather(self, obj, what: str = "allgather") -> list:
+        """Every rank's obj (picklable), in rank order, bounded by `timeout`."""
+        if self.comm is None:
+            return [obj]
+        data = np.frombuffer(pickle.dumps(obj), dtype=np.uint8).copy()
+        sizes = np.empty(self.size, dtype=np.int64)
+        self._wait(self.comm.Iallgather(np.array([data.size], dtype=np.int64), sizes), what)
+        offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+        out = np.empty(int(sizes.sum()), dtype=np.uint8)
+        self._wait(self.comm.Iallgatherv(data, [out, sizes, offsets, self._mpi.BYTE]), what)
+        return [pickle.loads(out[o:o + n].tobytes()) for o, n in zip(offsets, sizes)]
 
     def barrier(self, what: str = "barrier") -> None:
         if self.comm is not None:
@@ -202,7 +223,7 @@ class ProcessGroup:
             return
         if self.allreduce(0 if error is None else 1, op="max", what=what) == 0:
             return
-        reports = self.comm.allgather(error_report(error))  # every rank is here: the flag arrived from all
+        reports = self.allgather(error_report(error), what)  # every rank is here: the flag arrived from all
         raise_agreed(error, reports)
 
     def abort(self, code: int = 1) -> None:
@@ -236,3 +257,24 @@ def cuda_device_count() -> int:
     """GPUs visible to this process (0 without a CUDA backend)."""
     count = getattr(_core, "cuda_device_count", None)
     return int(count()) if count is not None else 0
+
+
+def raise_if_gpu_shared(seen: list, ranks: str = "ranks") -> None:
+    """ConfigError when the GPUs of the ranks (one hashable id each; `ranks`
+    names them: "ranks" of mpirun, "threads" of run_on_gpus) repeat and the
+    loaded NCCL cannot share a GPU."""
+    shared = len(seen) != len(set(seen))
+    if not shared:
+        return
+    code = _core.build_info()["cuda"].get("nccl_loaded_code", 0)
+    version = _core.build_info()["cuda"].get("nccl_loaded", "?")
+    instead = "use --comm mpi" if ranks == "ranks" else "ask for at most as many GPUs as are visible"
+    if code < 23000:
+        raise ConfigError(
+            f"{len(seen)} {ranks} share {len(set(seen))} GPU(s), but NCCL {version} allows one rank per "
+            f"GPU (it fails with 'duplicate GPU'); run at most one {ranks[:-1]} per GPU, {instead}, or use "
+            "NCCL >= 2.30 with NCCL_MULTI_RANK_GPU_ENABLE=1")
+    if os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE") != "1":
+        raise ConfigError(
+            f"{len(seen)} {ranks} share {len(set(seen))} GPU(s): set NCCL_MULTI_RANK_GPU_ENABLE=1 "
+            f"(NCCL {version}) to let NCCL run several ranks on one GPU, or {instead}")

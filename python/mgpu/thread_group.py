@@ -27,7 +27,7 @@ import numpy as np
 
 from . import _core
 from .errors import CommError, ConfigError
-from .process_group import ProcessGroup, cuda_device_count, error_report, raise_agreed
+from .process_group import ProcessGroup, cuda_device_count, error_report, raise_agreed, raise_if_gpu_shared
 
 
 class _Shared:
@@ -165,6 +165,7 @@ class ThreadGroup(ProcessGroup):
         sh = self._shared
         if self.rank == 0:  # ncclCommInitAll makes every rank's communicator at once
             try:
+                raise_if_gpu_shared(devices, "threads")  # before NCCL's own, opaque "invalid usage"
                 sh.comms = _core.nccl_init_all(devices)
             except Exception as e:  # noqa: BLE001 - handed to every rank below
                 sh.comms = e

@@ -286,6 +286,7 @@ def run_topo(pg, *, device: str = "auto", threads=None, max_bytes: int = 256 * M
         link.update(name=f"{comm.name} ({pg.size} ranks)", overlaps_compute=(kind == "nccl"),
                     buffer_bytes=64e6 if kind == "nccl" else 0.0,
                     step_sync_s=measure_step_sync(pg, device, device_index, threads))
+        pg.close()
     entries = pg.comm.gather(entry, root=0) if pg.comm is not None else [entry]
     if not pg.is_root:
         return None

@@ -55,6 +55,18 @@ def test_right_mask_and_event_ordering_are_accepted():
     assert _core.emulation.violations() == []
 
 
+@pytest.mark.parametrize("call, flagged", [("free", True), ("free_async", False)])
+def test_device_wide_free_during_an_in_process_collective_is_reported(call, flagged):
+    # On a GPU this can deadlock (the collective waits for this thread, cudaFree
+    # waits for the collective); stream-ordered frees cannot.
+    assert scenario(f"{call}_during_in_process_collective") == ""
+    said = [v for v in _core.emulation.violations() if "single-process multi-GPU NCCL" in v]
+    if flagged:
+        assert said and "cudaFree on GPU 1" in said[0] and "cudaFreeAsync" in said[0], said
+    else:
+        assert said == []
+
+
 def test_dynamic_shared_memory_opt_in():
     assert float(scenario("dynamic_shared_opt_in")) == 63.0
 

@@ -2,17 +2,24 @@
 (SIGSTOP) is named by the other rank's watchdog within --watchdog-timeout, a
 killed rank (SIGKILL) ends the job; every checkpoint left behind verifies. On
 the GPU emulation the collectives are the NCCL stand-in's, which an abort ends
-like ncclCommAbort ends NCCL's kernels."""
+like ncclCommAbort ends NCCL's kernels; its fault injection (a rank that never
+finishes NCCL setup, a kernel launch that fails mid-backward) covers what a
+signal cannot time."""
+import gc
 import os
 import re
 import signal
 import time
 
+import numpy as np
 import pytest
 
-from mgpu import _core
+from mgpu import MLP, DeviceError, Trainer, _core, run_on_gpus
 from mgpu.checkpoint import list_checkpoints, load_checkpoint
+from conftest import mpi_env, mpirun  # tests/conftest.py helpers
 from test_faults import MGPU, Job, first_checkpoint, freeze_a_rank  # tests/test_faults.py: the fault harness
+
+EMULATED = bool(_core.build_info().get("gpu_emulation", False))
 
 RUN = ["train", "--device", "cuda", "--comm", "nccl", "--layers", "20,64,64,3", "--batch-size", "64",
        "--optimizer", "adamw", "--no-progress", "--seed", "5"]
@@ -51,3 +58,66 @@ def test_killed_rank_ends_an_nccl_job(two_gpus, tmp_path):
     assert re.search(r"rank 1\b", job.stdout + job.stderr), job.stderr[-2000:]
     for path in list_checkpoints(str(ckpt)):
         load_checkpoint(path)
+
+
+@pytest.fixture
+def emulated_faults(two_gpus):
+    if not EMULATED:
+        pytest.skip("uses the GPU emulation's fault injection (MGPU_EMULATE_GPU=2)")
+
+
+@pytest.mark.parametrize("kind", ["hang", "error"])
+def test_a_rank_failing_nccl_setup_ends_the_job_within_the_timeout(emulated_faults, tmp_path, kind):
+    # Rank 1's ncclCommInitRank never completes (or fails): rank 0 must not wait forever.
+    t0 = time.monotonic()
+    r = mpirun(2, [*MGPU, *RUN, "--steps", 5, "--watchdog-timeout", 3], timeout=90,
+               env=mpi_env(MGPU_EMULATE_NCCL_FAULT=f"1:init:{kind}"))
+    elapsed = time.monotonic() - t0
+    assert r.returncode != 0 and elapsed < 60, (r.returncode, elapsed, r.stderr[-2000:])
+    if kind == "hang":
+        assert re.search(r"NCCL setup on rank [01] \(GPU \d\): did not complete within 3 s", r.stderr), r.stderr[-2000:]
+    else:
+        assert "injected failure (MGPU_EMULATE_NCCL_FAULT) on rank 1" in r.stderr, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr
+
+
+def test_a_launch_failure_mid_backward_aborts_the_buckets_in_flight(emulated_faults):
+    # Thread 1's backward fails after its last layer's buckets were launched.
+    # Its step aborts them: its communicator refuses any further step (which
+    # would otherwise pair its buckets with thread 0's of another step), the
+    # memory they used is free to go, and thread 0, whose collective now never
+    # completes, is freed by its watchdog.
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((64, 20)).astype(np.float32)
+    y = rng.standard_normal((64, 3)).astype(np.float32)
+    errors = {0: [], 1: []}
+
+    def train(tg):
+        model = MLP([20, 64, 64, 3], device="cuda", device_index=tg.rank, seed=1)
+        trainer = Trainer(model, process_group=tg, bucket_elems=64, timeout=2, graph="off")
+        rows = slice(32 * tg.rank, 32 * tg.rank + 32)
+        for _ in range(4):
+            try:
+                trainer.step(x[rows], y[rows], global_batch=64, first_sample=32 * tg.rank)
+            except Exception as e:  # noqa: BLE001 - recorded and checked below
+                errors[tg.rank].append(e)
+                if len(errors[tg.rank]) == 2:
+                    return
+
+    # Backward of layer l: its GEMMs, the ReLU backward of layer l-1, then its
+    # buckets launch. Two ReLU backward launches a step: the 4th comes after
+    # the last-layer buckets of step 1 (the second; steps count from 0).
+    _core.emulation.inject_launch_failure("relu_dropout_backward", device=1, nth=4)
+    try:
+        run_on_gpus(train, gpus=2)
+    finally:
+        _core.emulation.inject_launch_failure("", nth=0)
+    first, then = errors[1][:2]
+    assert isinstance(first, DeviceError) and "injected" in str(first), errors
+    assert isinstance(then, _core.CommError), errors
+    assert re.search(r"aborted \(step 1 failed on this rank: .*injected", str(then)), str(then)
+    assert errors[0] and isinstance(errors[0][0], _core.CommError), errors
+    assert "did not complete within 2 s" in str(errors[0][0]), errors
+    errors.clear()
+    gc.collect()
+    assert _core.emulation.violations() == []

@@ -28,6 +28,26 @@ def test_init_all_on_one_gpu(gpu):
         _core.nccl_init_all([gpu, 99])
 
 
+@needs_nccl
+@pytest.mark.parametrize("end", ["close", "abort"])
+def test_a_closed_or_aborted_communicator_refuses_further_work(gpu, end):
+    comm = _core.nccl_init_all([gpu])[0]
+    comm.timeout = 10
+    x = np.ones(33, dtype=np.float32)
+    comm.allreduce_sum(x)
+    if end == "close":
+        comm.close()
+        comm.close()  # idempotent
+        said = "was closed"
+    else:
+        comm.abort("a test ended it")
+        said = r"was aborted \(a test ended it\)"
+    for call in (lambda: comm.allreduce_sum(x), lambda: comm.broadcast(x, 0), comm.barrier):
+        with pytest.raises(_core.CommError, match=said):
+            call()
+    np.testing.assert_array_equal(x, 1.0)  # untouched after the end
+
+
 def train(tmp_path, name, extra, env, steps=40):
     out = tmp_path / f"{name}.json"
     r = run_cli(["train", "--device", "cuda", "--dataset", "digits", "--model", "medium", "--optimizer", "adamw",
@@ -35,6 +55,19 @@ def train(tmp_path, name, extra, env, steps=40):
                 timeout=600, env=mpi_env(**env))
     assert r.returncode == 0, r.stdout + r.stderr
     return json.loads(out.read_text())
+
+
+@needs_nccl
+def test_two_threads_on_one_gpu_are_refused_clearly_before_nccl_2_30(gpu, tmp_path):
+    # NCCL 2.28's ncclCommInitAll rejects a repeated device with a bare "invalid usage".
+    if NCCL_CODE >= 23000:
+        pytest.skip("NCCL >= 2.30 runs two ranks on one GPU: the next test trains so")
+    r = run_cli(["train", "--device", "cuda", "--layers", "8,16,2", "--steps", "2", "--no-progress", "--gpus", "2"],
+                timeout=120, env=mpi_env(NCCL_MULTI_RANK_GPU_ENABLE="1", CUDA_VISIBLE_DEVICES=str(gpu)))
+    assert r.returncode == 2, r.stdout + r.stderr
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "2 threads share 1 GPU(s)" in lines[0] and "allows one rank per GPU" in lines[0], lines
+    assert "Traceback" not in r.stderr
 
 
 @needs_nccl

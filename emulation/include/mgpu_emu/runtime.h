@@ -64,6 +64,25 @@ std::vector<std::string> live_allocations();
 int emulated_device_count();
 size_t device_memory_limit(int device);
 
+// Collectives of single-process multi-GPU communicators (ncclCommInitAll) that
+// are queued or running. On a GPU, cudaMalloc, cudaFree and cudaFreeHost can
+// synchronise the device and its peer-enabled GPUs; called while a collective
+// of such a communicator waits for this thread's GPU to launch its part, they
+// deadlock (NVIDIA/nccl#48, pytorch/pytorch#50925). The emulation would not
+// hang, so it reports the call as a violation instead.
+void in_process_collective_queued();
+void in_process_collective_done();
+// NCCL within one process reads and writes peer GPUs' buffers directly
+// ("P2P/direct pointer"); memory of a stream-ordered pool (cudaMallocAsync) is
+// accessible to other GPUs only after cudaMemPoolSetAccess (openxla/xla#14891).
+// "" when GPU `peer` may access [p, p + bytes), else why not.
+std::string check_peer_access(const void* p, size_t bytes, int peer);
+
+// Fault injection for tests of error paths: the nth launch from now (1-based)
+// of a kernel whose name contains `kernel`, on `device` (-1: any), fails with
+// cudaErrorLaunchOutOfResources. nth 0 disarms.
+void inject_launch_failure(const std::string& kernel, int device, long nth);
+
 // Kernel execution hook (kernel_exec.cpp): runs the grid of one launch.
 void run_grid(const std::string& name, const std::function<void()>& body, dim3 grid, dim3 block,
               size_t shared_bytes);
