@@ -316,6 +316,14 @@ cudaError_t record_error(cudaError_t e) {
 void add_violation(const std::string& what) {
   State& s = state();
   std::fprintf(stderr, "mgpu GPU emulation: %s\n", what.c_str());
+  // Also to a file shared by every process of a test (tests/gpu/conftest.py),
+  // so that violations in mpirun ranks and subprocesses fail the test too.
+  if (const char* path = std::getenv("MGPU_EMULATE_VIOLATIONS_FILE"); path && *path) {
+    if (FILE* f = std::fopen(path, "a")) {
+      std::fprintf(f, "pid %d: %s\n", int(getpid()), what.c_str());
+      std::fclose(f);
+    }
+  }
   std::lock_guard<std::mutex> lock(s.violations_m);
   s.violations.push_back(what);
 }

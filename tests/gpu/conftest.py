@@ -29,16 +29,22 @@ def pytest_runtest_setup(item):
 
 
 @pytest.fixture(autouse=True)
-def no_emulation_violations():
-    """On the emulation: the test fails if the emulated GPU saw a rule violation."""
+def no_emulation_violations(tmp_path_factory, monkeypatch):
+    """On the emulation: the test fails if the emulated GPU saw a rule violation,
+    in this process or in any process it started (mpirun ranks, the CLI): they
+    all append theirs to MGPU_EMULATE_VIOLATIONS_FILE."""
     if not EMULATED:
         yield
         return
+    shared = tmp_path_factory.mktemp("violations") / "violations.txt"
+    monkeypatch.setenv("MGPU_EMULATE_VIOLATIONS_FILE", str(shared))
     _core.emulation.clear_violations()
     yield
     found = _core.emulation.violations()
     _core.emulation.clear_violations()
     assert not found, "GPU emulation violations:\n" + "\n".join(found)
+    elsewhere = shared.read_text() if shared.exists() else ""
+    assert not elsewhere, "GPU emulation violations in processes the test started:\n" + elsewhere
 
 
 def gpu_count() -> int:
