@@ -145,22 +145,25 @@ class CudaStress final : public StressDevice {
     MGPU_CHECK(count > 0, DeviceError, "no CUDA GPU is visible (check nvidia-smi and CUDA_VISIBLE_DEVICES)");
     MGPU_CHECK(device >= 0 && device < count, DeviceError, "device index ", device, " out of range: ", count,
                " GPU(s) visible");
-    MGPU_CUDA_CHECK(cudaSetDevice(device_));
-    MGPU_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
-    MGPU_CUDA_CHECK(cudaEventCreate(&start_));
-    MGPU_CUDA_CHECK(cudaEventCreate(&stop_));
-    MGPU_CUBLAS_CHECK(cublasCreate(&blas_));
-    MGPU_CUBLAS_CHECK(cublasSetStream(blas_, stream_));
-    MGPU_CUBLAS_CHECK(cublasSetMathMode(blas_, CUBLAS_PEDANTIC_MATH));  // FP32, no TF32
-    counts_.resize(2);
+    // A throw below skips the destructor: release what was created so far (the
+    // DeviceBuffer members free themselves).
+    try {
+      MGPU_CUDA_CHECK(cudaSetDevice(device_));
+      MGPU_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+      MGPU_CUDA_CHECK(cudaEventCreate(&start_));
+      MGPU_CUDA_CHECK(cudaEventCreate(&stop_));
+      MGPU_CUBLAS_CHECK(cublasCreate(&blas_));
+      MGPU_CUBLAS_CHECK(cublasSetStream(blas_, stream_));
+      MGPU_CUBLAS_CHECK(cublasSetMathMode(blas_, CUBLAS_PEDANTIC_MATH));  // FP32, no TF32
+      counts_.resize(2);
+    } catch (...) {
+      release();
+      throw;
+    }
   }
-  ~CudaStress() override {
-    cudaSetDevice(device_);
-    if (blas_) cublasDestroy(blas_);
-    cudaEventDestroy(start_);
-    cudaEventDestroy(stop_);
-    cudaStreamDestroy(stream_);
-  }
+  ~CudaStress() override { release(); }
+  CudaStress(const CudaStress&) = delete;
+  CudaStress& operator=(const CudaStress&) = delete;
   std::string name() const override {
     cudaDeviceProp prop{};
     return cudaGetDeviceProperties(&prop, device_) == cudaSuccess ? std::string(prop.name) : "cuda";
@@ -336,6 +339,17 @@ class CudaStress final : public StressDevice {
   }
 
  private:
+  void release() noexcept {
+    cudaSetDevice(device_);
+    if (stream_) cudaStreamSynchronize(stream_);  // nothing may still use the buffers freed after this
+    if (blas_) cublasDestroy(blas_);
+    if (start_) cudaEventDestroy(start_);
+    if (stop_) cudaEventDestroy(stop_);
+    if (stream_) cudaStreamDestroy(stream_);
+    blas_ = nullptr;
+    start_ = stop_ = nullptr;
+    stream_ = nullptr;
+  }
   static void add(StressCheck& total, const StressCheck& part) {
     total.checked += part.checked;
     total.mismatches += part.mismatches;
