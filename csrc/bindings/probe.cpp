@@ -129,8 +129,7 @@ void bind_probe(py::module_& parent) {
     expect_2d(logits, "logits");
     const int B = int(logits.shape(0)), C = int(logits.shape(1));
     expect_size(labels, size_t(B), "labels");
-    for (int i = 0; i < B; ++i)
-      MGPU_CHECK(labels.data()[i] >= 0 && labels.data()[i] < C, ConfigError, "label out of range at row ", i);
+    // Labels are not checked here: the backends' own checks are under test.
     auto dl = upload(*be, logits);
     auto dy = upload(*be, labels);
     BackendArray<float> out(be.get(), 2), grad(be.get(), with_grad ? size_t(B) * C : 0);

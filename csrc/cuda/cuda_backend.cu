@@ -32,6 +32,12 @@ CudaBackend::CudaBackend(int device_index) : device_(device_index) {
     MGPU_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&sum_host_), sizeof(double)));
     MGPU_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&step_dev_), sizeof(uint64_t)));
     MGPU_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&step_host_), sizeof(uint64_t)));
+    MGPU_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&label_errors_.device), 2 * sizeof(unsigned long long)));
+    MGPU_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&label_errors_.host), 3 * sizeof(unsigned long long)));
+    const unsigned long long none[3] = {0, kernels::kNoLabelError, 0};
+    MGPU_CUDA_CHECK(cudaMemcpyAsync(label_errors_.device, none, 2 * sizeof(none[0]), cudaMemcpyHostToDevice, stream_));
+    MGPU_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    std::copy(none, none + 3, label_errors_.host);
   } catch (...) {
     release();
     throw;
@@ -54,6 +60,9 @@ void CudaBackend::release() noexcept {
   cudaFree(step_dev_);
   if (step_host_) cudaFreeHost(step_host_);
   step_dev_ = step_host_ = nullptr;
+  cudaFree(label_errors_.device);
+  if (label_errors_.host) cudaFreeHost(label_errors_.host);
+  label_errors_ = kernels::LabelErrors();
   for (void* p : half_)
     if (p && stream_) cudaFreeAsync(p, stream_);  // stream-ordered allocations (gemm_input)
   if (stream_) cudaStreamSynchronize(stream_);
@@ -108,6 +117,7 @@ void CudaBackend::copy_to_host(void* host_dst, const void* src, size_t bytes) {
   MGPU_CHECK(!captures_.capturing(), DeviceError, "copy_to_host synchronises: not allowed in a capture");
   MGPU_CUDA_CHECK(cudaMemcpyAsync(host_dst, src, bytes, cudaMemcpyDeviceToHost, stream_));
   MGPU_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  raise_label_errors();
 }
 
 void CudaBackend::zero(float* x, size_t n) {
@@ -120,6 +130,17 @@ void CudaBackend::synchronize() {
   activate();
   MGPU_CHECK(!captures_.capturing(), DeviceError, "synchronize() is not allowed in a capture");
   MGPU_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  raise_label_errors();
+}
+
+void CudaBackend::raise_label_errors() {
+  unsigned long long* h = label_errors_.host;
+  if (!h || h[0] == 0) return;  // a pinned read: nearly free on every synchronisation
+  const unsigned long long count = h[0], first = h[1], classes = h[2];
+  h[0] = 0;  // reported once; the backend stays usable
+  h[1] = kernels::kNoLabelError;
+  throw ConfigError(label_range_error(static_cast<long long>(first >> 32), static_cast<int32_t>(first & 0xffffffffu),
+                                      static_cast<int>(classes), count));
 }
 
 void CudaBackend::set_precision(Precision precision) {
@@ -237,7 +258,7 @@ void CudaBackend::cross_entropy_forward_backward(float* loss_out, float* dlogits
                                                  float grad_scale) {
   activate();
   kernels::cross_entropy_forward_backward(loss_out, dlogits, correct_out, logits, labels, B, C, grad_scale,
-                                          partials_, stream_);
+                                          partials_, label_errors_, stream_);
 }
 
 void CudaBackend::sgd_update(float* param, const float* grad, float* momentum_buf, size_t n,
@@ -258,6 +279,7 @@ double CudaBackend::sum_squares(const float* x, size_t n) {
   kernels::sum_squares(sum_out_, x, n, partials_, stream_);
   MGPU_CUDA_CHECK(cudaMemcpyAsync(sum_host_, sum_out_, sizeof(double), cudaMemcpyDeviceToHost, stream_));
   MGPU_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  raise_label_errors();
   return *sum_host_;
 }
 
