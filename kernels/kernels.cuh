@@ -34,6 +34,10 @@ void cast_to_fp16(void* out, const float* in, size_t n, cudaStream_t stream);
 // step_dev (device, nullable) overrides key.step, read when the kernel runs.
 void relu_dropout_forward(float* h, int B, int C, float p, const DropoutKey& key, cudaStream_t stream,
                           const uint64_t* step_dev = nullptr);
+// *step_dev = step on the stream (the step of captured dropout kernels): the
+// value is the launch's argument, fixed when enqueued, so consecutive calls
+// never see each other's value.
+void set_dropout_step(uint64_t* step_dev, uint64_t step, cudaStream_t stream);
 // dh (n) *= [h > 0] / (1 - p)
 void relu_dropout_backward(float* dh, const float* h, size_t n, float p, cudaStream_t stream);
 // Host execution of the exact per-element code the forward kernel runs

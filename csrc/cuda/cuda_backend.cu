@@ -31,7 +31,6 @@ CudaBackend::CudaBackend(int device_index) : device_(device_index) {
     MGPU_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&sum_out_), sizeof(double)));
     MGPU_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&sum_host_), sizeof(double)));
     MGPU_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&step_dev_), sizeof(uint64_t)));
-    MGPU_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&step_host_), sizeof(uint64_t)));
     MGPU_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&label_errors_.device), 2 * sizeof(unsigned long long)));
     MGPU_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&label_errors_.host), 3 * sizeof(unsigned long long)));
     const unsigned long long none[3] = {0, kernels::kNoLabelError, 0};
@@ -58,8 +57,7 @@ void CudaBackend::release() noexcept {
   cudaFree(sum_out_);
   if (sum_host_) cudaFreeHost(sum_host_);
   cudaFree(step_dev_);
-  if (step_host_) cudaFreeHost(step_host_);
-  step_dev_ = step_host_ = nullptr;
+  step_dev_ = nullptr;
   cudaFree(label_errors_.device);
   if (label_errors_.host) cudaFreeHost(label_errors_.host);
   label_errors_ = kernels::LabelErrors();
@@ -328,10 +326,10 @@ void CudaBackend::abort_capture() noexcept {
 void CudaBackend::replay(int graph, uint64_t step) {
   activate();
   cudaGraphExec_t exec = captures_.get(graph);
-  // The previous replay's copy has run: the step synchronises the stream
-  // (staging, loss read-back) before the next replay writes step_host_ again.
-  *step_host_ = step;
-  MGPU_CUDA_CHECK(cudaMemcpyAsync(step_dev_, step_host_, sizeof(uint64_t), cudaMemcpyHostToDevice, stream_));
+  // A kernel argument, not a copy from one pinned slot: a slot rewritten by the
+  // next replay before this one's copy ran would give this graph the next
+  // step (back-to-back replays, the host running ahead of the stream).
+  kernels::set_dropout_step(step_dev_, step, stream_);
   MGPU_CUDA_CHECK(cudaGraphLaunch(exec, stream_));
 }
 

@@ -61,7 +61,7 @@ class CudaBackend final : public Backend {
   Precision precision() const override { return precision_; }
 
   // CUDA graphs of the backend's stream (see Backend): instantiated once,
-  // replayed with the dropout step copied to step_dev_ ahead of each launch.
+  // replayed with the dropout step stored to step_dev_ ahead of each launch.
   bool supports_capture() const override { return true; }
   void begin_capture() override;
   int end_capture() override;
@@ -101,8 +101,7 @@ class CudaBackend final : public Backend {
   void* half_[2] = {nullptr, nullptr};
   size_t half_capacity_[2] = {0, 0};  // elements
   CaptureRegistry<cudaGraphExec_t> captures_;
-  uint64_t* step_dev_ = nullptr;   // the dropout step captured kernels read
-  uint64_t* step_host_ = nullptr;  // pinned source of its per-replay copy
+  uint64_t* step_dev_ = nullptr;  // the dropout step captured kernels read (set by each replay)
   kernels::LabelErrors label_errors_;  // device: 2 values, host: 3 pinned values
 };
 

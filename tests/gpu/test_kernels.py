@@ -132,6 +132,18 @@ def test_cross_entropy_out_of_range_labels_raise_the_same_error_everywhere(cuda_
     assert got[0] == pytest.approx(want[0], rel=1e-6)
 
 
+def test_back_to_back_replays_each_use_their_own_step(cuda_backend, cpu_backend):
+    # Replays enqueued while the stream is still busy (the host runs ahead, as
+    # in a loop of replays): each must drop with its own step, not a later one.
+    rng = np.random.default_rng(12)
+    h = rand(rng, 64, 96)
+    steps = [3, 4, 5]
+    busy = 1 << 18 if _core.build_info().get("gpu_emulation", False) else 1 << 26
+    want = sum(ops.relu_dropout_forward(cpu_backend, h, 0.5, seed=9, step=s) for s in steps)
+    close(ops.replayed_relu_dropout(cpu_backend, h, 0.5, 9, steps), want, 1e-7)
+    close(ops.replayed_relu_dropout(cuda_backend, h, 0.5, 9, steps, busy), want, 1e-7)
+
+
 @pytest.mark.parametrize("momentum, first", [(0.0, True), (0.9, True), (0.9, False)])
 def test_sgd(cuda_backend, cpu_backend, momentum, first):
     rng = np.random.default_rng(2)
