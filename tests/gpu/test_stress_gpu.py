@@ -119,3 +119,38 @@ def test_cuda_and_cpu_burns_do_the_same_work(dev):
     for d in (dev, cpu):
         c = d.compute(4096, 2, 9, 4096, False)
         assert c.mismatches == 0 and c.work == 4096 * 2 * 10
+
+
+# `mgpu stress --device cuda` end to end, at sizes small enough for the emulation
+# (valid, if light, on a real GPU).
+CLI_SMALL = ["--device", "cuda", "--memory-mb", "8", "--compute-size", "16384", "--gemm-size", "64", "--no-progress"]
+
+
+def stress_cli(tmp_path, *args):
+    import json
+
+    from conftest import run_cli  # tests/conftest.py (on sys.path via tests/gpu/conftest.py)
+    r = run_cli(["stress", *CLI_SMALL, *args, "--json", tmp_path / "s.json"], timeout=300)
+    devices = json.loads((tmp_path / "s.json").read_text())["devices"] if (tmp_path / "s.json").exists() else None
+    return r, devices
+
+
+def test_stress_cli_on_the_gpu_verifies_every_kernel(gpu, tmp_path):
+    r, devices = stress_cli(tmp_path, "--duration", "3")
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    (dev,) = devices
+    assert dev["verdict"] == "OK" and dev["errors"] == {"compute": 0, "gemm": 0, "memory": 0}
+    assert dev["nonfinite"] == 0 and dev["injected_fault"] is None
+    assert all(dev["runs"][k] > 0 and dev["checked"][k] > 0 for k in ("compute", "gemm", "memory"))
+    assert "OK; errors {'compute': 0, 'gemm': 0, 'memory': 0}" in r.stdout
+    emulated = bool(_core.build_info().get("gpu_emulation", False))
+    assert ("not a real GPU" in r.stdout) == emulated  # the device name says it is emulated
+
+
+@pytest.mark.parametrize("kernel", ["compute", "gemm", "memory"])
+def test_stress_cli_on_the_gpu_catches_an_injected_fault(gpu, tmp_path, kernel):
+    r, devices = stress_cli(tmp_path, "--duration", "1", "--kernel", kernel, "--inject-fault", kernel)
+    assert r.returncode == 1, r.stdout + r.stderr[-3000:]
+    (dev,) = devices
+    assert dev["verdict"] == "FAULTY" and dev["errors"][kernel] >= 1 and dev["injected_fault"] == [kernel]
+    assert "FAULTY" in r.stdout
