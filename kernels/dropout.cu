@@ -64,6 +64,10 @@ __host__ __device__ __forceinline__ float keep_factor(const MaskParams& m, uint3
   return uniform01(bits) >= m.p ? m.keep_scale : 0.0f;
 }
 
+// The step comes in the launch's arguments, which CUDA copies when the launch
+// is enqueued (CPU reference: CpuBackend::replay's step).
+__global__ void set_step_kernel(uint64_t* step_dev, uint64_t step) { *step_dev = step; }
+
 __global__ void relu_kernel(float* __restrict__ h, size_t n) {
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
     h[i] = h[i] > 0.0f ? h[i] : 0.0f;
@@ -110,6 +114,11 @@ void relu_dropout_forward(float* h, int B, int C, float p, const DropoutKey& key
   const MaskParams m = mask_params(C, p, key);
   MGPU_LAUNCH(relu_dropout_kernel, grid_for(size_t(B) * m.groups), kThreads, 0, stream)(h, B, m, step_dev);
   MGPU_CUDA_CHECK_LAUNCH("relu_dropout_kernel");
+}
+
+void set_dropout_step(uint64_t* step_dev, uint64_t step, cudaStream_t stream) {
+  MGPU_LAUNCH(set_step_kernel, 1, 1, 0, stream)(step_dev, step);
+  MGPU_CUDA_CHECK_LAUNCH("set_step_kernel");
 }
 
 void relu_dropout_backward(float* dh, const float* h, size_t n, float p, cudaStream_t stream) {

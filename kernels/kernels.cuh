@@ -34,6 +34,10 @@ void cast_to_fp16(void* out, const float* in, size_t n, cudaStream_t stream);
 // step_dev (device, nullable) overrides key.step, read when the kernel runs.
 void relu_dropout_forward(float* h, int B, int C, float p, const DropoutKey& key, cudaStream_t stream,
                           const uint64_t* step_dev = nullptr);
+// *step_dev = step on the stream (the step of captured dropout kernels): the
+// value is the launch's argument, fixed when enqueued, so consecutive calls
+// never see each other's value.
+void set_dropout_step(uint64_t* step_dev, uint64_t step, cudaStream_t stream);
 // dh (n) *= [h > 0] / (1 - p)
 void relu_dropout_backward(float* dh, const float* h, size_t n, float p, cudaStream_t stream);
 // Host execution of the exact per-element code the forward kernel runs
@@ -46,10 +50,24 @@ void curand_philox_on_host(const uint32_t counter[4], const uint32_t key[2], uin
 // pred (B, D), target (B, D) -> *loss_out = grad_scale * sum (pred - target)^2, dpred (nullable)
 void mse_forward_backward(float* loss_out, float* dpred, const float* pred, const float* target, int B,
                           int D, float grad_scale, double* partials, cudaStream_t stream);
-// logits (B, C), labels (B) -> *loss_out, dlogits (nullable), *correct_out (nullable)
+// Labels outside [0, C) that cross_entropy_forward_backward met, for the host
+// to report (Backend::cross_entropy_forward_backward). `device` (2 values,
+// device memory) collects a launch's: count and the smallest (row << 32 | label
+// bits), kNoLabelError when none; the launch's final pass folds them into `host`
+// (3 values, pinned: count, that key of the first launch with any, its C) and
+// resets `device`. The host reads `host` once the stream is synchronised.
+struct LabelErrors {
+  unsigned long long* device = nullptr;
+  unsigned long long* host = nullptr;
+};
+constexpr unsigned long long kNoLabelError = ~0ull;
+// logits (B, C), labels (B) -> *loss_out, dlogits (nullable), *correct_out (nullable);
+// rows with a label outside [0, C) add nothing (zero gradient rows) and are
+// recorded in `errors` (nullable members: not recorded).
 void cross_entropy_forward_backward(float* loss_out, float* dlogits, float* correct_out,
                                     const float* logits, const int32_t* labels, int B, int C,
-                                    float grad_scale, double* partials, cudaStream_t stream);
+                                    float grad_scale, double* partials, const LabelErrors& errors,
+                                    cudaStream_t stream);
 
 // optimizers.cu
 void sgd_update(float* param, const float* grad, float* momentum_buf, size_t n, const SgdParams& hp,
@@ -72,6 +90,8 @@ struct FinalizeArgs {
   float* out_f[2] = {nullptr, nullptr};
   float scale[2] = {1.0f, 1.0f};
   double* out_d = nullptr;
+  LabelErrors label_errors;  // folded device -> host when both are set (cross entropy)
+  int classes = 0;           // C of those labels
 };
 void finalize_partials(const FinalizeArgs& args, cudaStream_t stream);
 // Blocks a reducing kernel over `work` items should use (1..kReduceBlocks).

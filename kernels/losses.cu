@@ -2,7 +2,9 @@
 // CPU reference: CpuBackend::mse_forward_backward and
 // CpuBackend::cross_entropy_forward_backward. Loss sums accumulate in double
 // like the CPU's and reduce in a fixed order (per-block partials, then
-// finalize_partials), so a step's loss is bit-reproducible.
+// finalize_partials), so a step's loss is bit-reproducible. Cross entropy
+// never trusts a label: a row outside [0, C) is left out and recorded for the
+// host (LabelErrors), as the CPU leaves it out and throws.
 #include <cuda_runtime.h>
 
 #include "../csrc/cuda/cuda_check.h"
@@ -33,10 +35,11 @@ __global__ void mse_kernel(double* __restrict__ partials, float* __restrict__ dp
 }
 
 // One warp per row of logits (B, C). The argmax is the first maximal index,
-// as in the CPU loop, so ties count the same.
+// as in the CPU loop, so ties count the same. bad_labels (nullable, device):
+// LabelErrors::device.
 __global__ void cross_entropy_kernel(double* __restrict__ partials, float* __restrict__ dlogits,
                                      const float* __restrict__ logits, const int32_t* __restrict__ labels,
-                                     int B, int C, float grad_scale) {
+                                     int B, int C, float grad_scale, unsigned long long* bad_labels) {
   __shared__ double warp_loss[kWarpsPerBlock];
   __shared__ int warp_hits[kWarpsPerBlock];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
@@ -44,6 +47,16 @@ __global__ void cross_entropy_kernel(double* __restrict__ partials, float* __res
   int hits = 0;
   for (int b = blockIdx.x * kWarpsPerBlock + warp; b < B; b += gridDim.x * kWarpsPerBlock) {
     const float* x = logits + size_t(b) * C;
+    const int y = labels[b];
+    if (y < 0 || y >= C) {  // the whole warp sees the same label: no divergence at the shuffles below
+      if (lane == 0 && bad_labels) {
+        atomicAdd(&bad_labels[0], 1ull);
+        atomicMin(&bad_labels[1], (static_cast<unsigned long long>(b) << 32) | static_cast<uint32_t>(y));
+      }
+      if (dlogits)
+        for (int j = lane; j < C; j += 32) dlogits[size_t(b) * C + j] = 0.0f;
+      continue;
+    }
     float best = -INFINITY;
     int best_j = C;  // sentinel: larger than any real index
     for (int j = lane; j < C; j += 32)
@@ -66,7 +79,6 @@ __global__ void cross_entropy_kernel(double* __restrict__ partials, float* __res
     double denom = 0.0;
     for (int j = lane; j < C; j += 32) denom += exp(double(x[j] - mx));
     for (int offset = 16; offset > 0; offset >>= 1) denom += __shfl_xor_sync(0xffffffffu, denom, offset);
-    const int y = labels[b];
     if (lane == 0) {
       loss_sum += log(denom) - double(x[y] - mx);
       hits += best_j == y;
@@ -113,9 +125,11 @@ void mse_forward_backward(float* loss_out, float* dpred, const float* pred, cons
 
 void cross_entropy_forward_backward(float* loss_out, float* dlogits, float* correct_out,
                                     const float* logits, const int32_t* labels, int B, int C,
-                                    float grad_scale, double* partials, cudaStream_t stream) {
+                                    float grad_scale, double* partials, const LabelErrors& errors,
+                                    cudaStream_t stream) {
   const int blocks = reduce_blocks(size_t(B), kWarpsPerBlock);
-  MGPU_LAUNCH(cross_entropy_kernel, blocks, kThreads, 0, stream)(partials, dlogits, logits, labels, B, C, grad_scale);
+  MGPU_LAUNCH(cross_entropy_kernel, blocks, kThreads, 0, stream)(partials, dlogits, logits, labels, B, C, grad_scale,
+                                                                 errors.device);
   MGPU_CUDA_CHECK_LAUNCH("cross_entropy_kernel");
   FinalizeArgs f;
   f.partials = partials;
@@ -125,6 +139,8 @@ void cross_entropy_forward_backward(float* loss_out, float* dlogits, float* corr
   f.scale[0] = grad_scale;
   f.out_f[1] = correct_out;
   f.scale[1] = 1.0f;
+  f.label_errors = errors;
+  f.classes = C;
   finalize_partials(f, stream);
 }
 

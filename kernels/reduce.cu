@@ -35,6 +35,18 @@ __global__ void finalize_kernel(FinalizeArgs a) {
       if (s == 0 && a.out_d) *a.out_d = v;
     }
   }
+  // One thread, after the loss kernel: no atomics needed here.
+  unsigned long long* dev = a.label_errors.device;
+  unsigned long long* host = a.label_errors.host;
+  if (threadIdx.x == 0 && dev && host && dev[0]) {
+    if (host[0] == 0) {
+      host[1] = dev[1];
+      host[2] = static_cast<unsigned long long>(a.classes);
+    }
+    host[0] += dev[0];
+    dev[0] = 0;
+    dev[1] = kNoLabelError;
+  }
 }
 
 constexpr int kColTile = 32, kRowThreads = 16;

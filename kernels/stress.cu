@@ -2,8 +2,10 @@
 // are shared in csrc/core/stress_math.h) and the CUDA StressDevice that runs
 // them: a transcendental burn verified by recomputing a sample in a second,
 // differently mapped launch; cuBLAS GEMMs on fixed random inputs, each result
-// compared element by element with the first; memory patterns written and read
-// back with a mismatch counter. Times come from CUDA events.
+// compared element by element with the first, and the first checked at samples
+// against fp64 dot products (gemm_reference_check in cpu_stress.cpp); memory
+// patterns written and read back with a mismatch counter. Times come from CUDA
+// events.
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -76,6 +78,32 @@ __global__ void gemm_check_kernel(unsigned long long* __restrict__ counts, const
   if (nonfinite) atomicAdd(&counts[1], nonfinite);
 }
 
+__device__ __forceinline__ double widen(float x) { return x; }
+__device__ __forceinline__ double widen(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+// c (n, n) = a (n, n) b (n, n), row-major: `checks` samples of c recomputed as
+// fp64 dot products of the operands the GEMM read (no cuBLAS, no tensor cores:
+// a path independent of the burn's), each within stress_gemm_bound.
+// CPU reference: gemm_reference_check (csrc/cpu/cpu_stress.cpp).
+template <typename T>
+__global__ void gemm_reference_kernel(unsigned long long* __restrict__ counts, const float* __restrict__ c,
+                                      const T* __restrict__ a, const T* __restrict__ b, int n, size_t checks,
+                                      double input_error) {
+  const size_t nn = size_t(n) * n;
+  for (size_t s = blockIdx.x * size_t(blockDim.x) + threadIdx.x; s < checks; s += size_t(gridDim.x) * blockDim.x) {
+    const size_t i = stress_sample_index(s, nn, checks), row = i / n, col = i % n;
+    double ref = 0.0, abs_sum = 0.0;
+    for (int k = 0; k < n; ++k) {
+      const double p = widen(a[row * n + k]) * widen(b[size_t(k) * n + col]);
+      ref += p;
+      abs_sum += fabs(p);
+    }
+    const float got = c[i];
+    if (!stress_gemm_element_ok(got, ref, abs_sum, n, input_error)) atomicAdd(&counts[0], 1ull);
+    if (!isfinite(got)) atomicAdd(&counts[1], 1ull);
+  }
+}
+
 __global__ void memory_write_kernel(uint64_t* __restrict__ buf, size_t words, StressPattern p, uint64_t seed,
                                     int pass) {
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < words; i += size_t(gridDim.x) * blockDim.x)
@@ -117,22 +145,25 @@ class CudaStress final : public StressDevice {
     MGPU_CHECK(count > 0, DeviceError, "no CUDA GPU is visible (check nvidia-smi and CUDA_VISIBLE_DEVICES)");
     MGPU_CHECK(device >= 0 && device < count, DeviceError, "device index ", device, " out of range: ", count,
                " GPU(s) visible");
-    MGPU_CUDA_CHECK(cudaSetDevice(device_));
-    MGPU_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
-    MGPU_CUDA_CHECK(cudaEventCreate(&start_));
-    MGPU_CUDA_CHECK(cudaEventCreate(&stop_));
-    MGPU_CUBLAS_CHECK(cublasCreate(&blas_));
-    MGPU_CUBLAS_CHECK(cublasSetStream(blas_, stream_));
-    MGPU_CUBLAS_CHECK(cublasSetMathMode(blas_, CUBLAS_PEDANTIC_MATH));  // FP32, no TF32
-    counts_.resize(2);
+    // A throw below skips the destructor: release what was created so far (the
+    // DeviceBuffer members free themselves).
+    try {
+      MGPU_CUDA_CHECK(cudaSetDevice(device_));
+      MGPU_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+      MGPU_CUDA_CHECK(cudaEventCreate(&start_));
+      MGPU_CUDA_CHECK(cudaEventCreate(&stop_));
+      MGPU_CUBLAS_CHECK(cublasCreate(&blas_));
+      MGPU_CUBLAS_CHECK(cublasSetStream(blas_, stream_));
+      MGPU_CUBLAS_CHECK(cublasSetMathMode(blas_, CUBLAS_PEDANTIC_MATH));  // FP32, no TF32
+      counts_.resize(2);
+    } catch (...) {
+      release();
+      throw;
+    }
   }
-  ~CudaStress() override {
-    cudaSetDevice(device_);
-    if (blas_) cublasDestroy(blas_);
-    cudaEventDestroy(start_);
-    cudaEventDestroy(stop_);
-    cudaStreamDestroy(stream_);
-  }
+  ~CudaStress() override { release(); }
+  CudaStress(const CudaStress&) = delete;
+  CudaStress& operator=(const CudaStress&) = delete;
   std::string name() const override {
     cudaDeviceProp prop{};
     return cudaGetDeviceProperties(&prop, device_) == cudaSuccess ? std::string(prop.name) : "cuda";
@@ -211,6 +242,12 @@ class CudaStress final : public StressDevice {
       if (!have_first_) {
         MGPU_CUDA_CHECK(cudaMemcpyAsync(first_.ptr, c_.ptr, nn * sizeof(float), cudaMemcpyDeviceToDevice, stream_));
         have_first_ = true;
+        // Every later result is held against this one: check it on its own.
+        const size_t checks = std::min<size_t>(kStressGemmChecks, nn);
+        if (precision == "bf16")
+          add(c, reference_check(first_.ptr, a16_.ptr, b16_.ptr, n, checks, stress_gemm_input_error(precision)));
+        else
+          add(c, reference_check(first_.ptr, a_.ptr, b_.ptr, n, checks, stress_gemm_input_error(precision)));
         continue;
       }
       if (inject_fault && r == repeats - 1) flip_bit(c_.ptr + nn / 3);
@@ -223,6 +260,31 @@ class CudaStress final : public StressDevice {
       c.nonfinite += static_cast<int64_t>(counts[1]);
     }
     return c;
+  }
+
+  StressCheck gemm_verify(int n, const float* a, const float* b, const float* c, const std::string& precision,
+                          size_t samples) override {
+    const double input_error = stress_gemm_input_error(precision);
+    MGPU_CHECK(n >= 1, ConfigError, "GEMM check needs n >= 1");
+    MGPU_CUDA_CHECK(cudaSetDevice(device_));
+    const size_t nn = size_t(n) * n;
+    DeviceBuffer<float> da, db, dc;  // apart from the burn's buffers, which keep their first result
+    da.resize(nn);
+    db.resize(nn);
+    dc.resize(nn);
+    MGPU_CUDA_CHECK(cudaMemcpyAsync(da.ptr, a, nn * sizeof(float), cudaMemcpyHostToDevice, stream_));
+    MGPU_CUDA_CHECK(cudaMemcpyAsync(db.ptr, b, nn * sizeof(float), cudaMemcpyHostToDevice, stream_));
+    MGPU_CUDA_CHECK(cudaMemcpyAsync(dc.ptr, c, nn * sizeof(float), cudaMemcpyHostToDevice, stream_));
+    const size_t checks = std::min(std::max<size_t>(samples, 1), nn);
+    if (precision != "bf16") return reference_check(dc.ptr, da.ptr, db.ptr, n, checks, input_error);
+    DeviceBuffer<__nv_bfloat16> a16, b16;
+    a16.resize(nn);
+    b16.resize(nn);
+    MGPU_LAUNCH(to_bf16_kernel, grid_for(nn), kThreads, 0, stream_)(a16.ptr, da.ptr, nn);
+    MGPU_CUDA_CHECK_LAUNCH("to_bf16_kernel");
+    MGPU_LAUNCH(to_bf16_kernel, grid_for(nn), kThreads, 0, stream_)(b16.ptr, db.ptr, nn);
+    MGPU_CUDA_CHECK_LAUNCH("to_bf16_kernel");
+    return reference_check(dc.ptr, a16.ptr, b16.ptr, n, checks, input_error);
   }
 
   double copy_bandwidth(size_t bytes) override {
@@ -277,6 +339,36 @@ class CudaStress final : public StressDevice {
   }
 
  private:
+  void release() noexcept {
+    cudaSetDevice(device_);
+    if (stream_) cudaStreamSynchronize(stream_);  // nothing may still use the buffers freed after this
+    if (blas_) cublasDestroy(blas_);
+    if (start_) cudaEventDestroy(start_);
+    if (stop_) cudaEventDestroy(stop_);
+    if (stream_) cudaStreamDestroy(stream_);
+    blas_ = nullptr;
+    start_ = stop_ = nullptr;
+    stream_ = nullptr;
+  }
+  static void add(StressCheck& total, const StressCheck& part) {
+    total.checked += part.checked;
+    total.mismatches += part.mismatches;
+    total.nonfinite += part.nonfinite;
+  }
+  // gemm_reference_kernel over c (n, n) = a b; synchronises (reads the counts).
+  template <typename T>
+  StressCheck reference_check(const float* c, const T* a, const T* b, int n, size_t checks, double input_error) {
+    zero_counts();
+    MGPU_LAUNCH(gemm_reference_kernel<T>, grid_for(checks), kThreads, 0, stream_)(counts_.ptr, c, a, b, n, checks,
+                                                                                 input_error);
+    MGPU_CUDA_CHECK_LAUNCH("gemm_reference_kernel");
+    const auto counts = read_counts();
+    StressCheck r;
+    r.checked = static_cast<int64_t>(checks);
+    r.mismatches = static_cast<int64_t>(counts[0]);
+    r.nonfinite = static_cast<int64_t>(counts[1]);
+    return r;
+  }
   void begin() { MGPU_CUDA_CHECK(cudaEventRecord(start_, stream_)); }
   double end() {
     MGPU_CUDA_CHECK(cudaEventRecord(stop_, stream_));

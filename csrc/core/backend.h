@@ -14,6 +14,14 @@
 
 namespace mgpu {
 
+// The error every backend raises for cross-entropy labels outside [0, C):
+// `first_row` is the smallest such row, `count` how many there were.
+inline std::string label_range_error(long long first_row, int label, int C, unsigned long long count) {
+  return detail::concat("cross_entropy: label ", label, " at row ", first_row, " is out of range [0, ", C, ")",
+                        count > 1 ? detail::concat(" (", count, " rows had such labels)") : std::string(),
+                        "; those rows were left out of the loss and its gradient");
+}
+
 // Identifies the dropout mask of one layer for one slice of the global batch.
 // With G = dropout_groups(C), unit j of global sample i is kept iff
 // uniform01(word j / G of philox(seed, counter = {j % G, i, layer, step})) >= p.
@@ -93,6 +101,10 @@ class Backend {
   virtual void mse_forward_backward(float* loss_out, float* dpred, const float* pred,
                                     const float* target, int B, int D, float grad_scale) = 0;
   // logits (B, C), labels (B) in [0, C); *correct_out (nullable) counts argmax hits.
+  // A row whose label is outside [0, C) is left out (no loss, no hit, a zero
+  // gradient row) and the backend throws ConfigError(label_range_error(...)):
+  // a host backend on return, a device backend from its next synchronising
+  // call (copy_to_host, synchronize, sum_squares), as the kernel runs later.
   virtual void cross_entropy_forward_backward(float* loss_out, float* dlogits, float* correct_out,
                                               const float* logits, const int32_t* labels, int B,
                                               int C, float grad_scale) = 0;

@@ -28,10 +28,18 @@ class StressDevice {
   // values, `iterations` times; `sample` of them recomputed by the reference.
   virtual StressCheck compute(size_t n, int iterations, uint64_t seed, size_t sample, bool inject_fault) = 0;
   // C (n, n) = A B on fixed random inputs, `repeats` times; every result
-  // compared element by element with the first (relative tolerance `tol`).
+  // compared element by element with the first (relative tolerance `tol`),
+  // and the first, once per (n, seed, precision), checked on its own at
+  // kStressGemmChecks samples (gemm_verify's check; counted in the result).
   // precision: "fp32", or "tf32" / "bf16" where the device has them.
   virtual StressCheck gemm(int n, int repeats, uint64_t seed, double tol, bool inject_fault,
                            const std::string& precision) = 0;
+  // The independent check alone, on host matrices a, b, c (n, n) row-major:
+  // `samples` elements of c (stress_sample_index over n * n) recomputed as fp64
+  // dot products of a and b (rounded to bf16 first for "bf16") must lie within
+  // stress_gemm_bound (stress_math.h). Lets tests hand it a corrupted c.
+  virtual StressCheck gemm_verify(int n, const float* a, const float* b, const float* c,
+                                  const std::string& precision, size_t samples) = 0;
   // Reference for the memory pass: bytes/s (read + written) of a plain
   // device-to-device copy of `bytes`.
   virtual double copy_bandwidth(size_t bytes) = 0;

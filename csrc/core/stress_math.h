@@ -4,6 +4,7 @@
 #pragma once
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <string>
 
 #include "errors.h"
@@ -65,6 +66,55 @@ MGPU_HD uint64_t stress_word(StressPattern p, uint64_t seed, int pass, uint64_t 
     }
   }
   return 0;
+}
+
+// --- The GEMM burn's independent check ------------------------------------
+// The burn compares every result with the first of its (n, seed, precision), so
+// the first must be right on its own: kStressGemmChecks of its elements
+// (stress_sample_index over n * n) are recomputed as fp64 dot products of the
+// operands the GEMM saw (fp32, or the bf16 copies widened exactly) and must lie
+// within stress_gemm_bound. A defect that corrupts every run the same way (a
+// stuck bit, a bad lane) is invisible to the comparison, not to this check.
+constexpr uint64_t kStressGemmChecks = 4096;
+
+// Relative error of one product from rounding the operands beyond what the
+// reference sees: tf32 keeps 10 of fp32's 23 mantissa bits (rounded or
+// truncated, < 2^-10 per operand, so < 2^-9 + 2^-20 per product); the fp32 and
+// bf16 references use the GEMM's own operands. Host only.
+inline double stress_gemm_input_error(const std::string& precision) {
+  if (precision == "fp32" || precision == "bf16") return 0.0;
+  if (precision == "tf32") return 0x1.02p-9;
+  throw ConfigError("GEMM precision must be fp32, tf32 or bf16, got '" + precision + "'");
+}
+
+// Largest |C[i] - reference| accepted for an element whose k products have
+// absolute sum abs_sum: the worst case of fp32 accumulation in any order,
+// rounding or truncating (k + 1 roundings of at most 2^-23 each, doubled for
+// margin), plus the operands' input error. No false alarm on a sound device;
+// a top-mantissa-bit flip (a 25-50% error) of an element not far below
+// abs_sum * bound factor is caught.
+MGPU_HD double stress_gemm_bound(double abs_sum, int k, double input_error) {
+  return (input_error + 2.0 * (k + 2) * 0x1p-23) * abs_sum;
+}
+
+// Whether a GEMM element passes its independent check (NaN/Inf never do).
+MGPU_HD bool stress_gemm_element_ok(float got, double reference, double abs_sum, int k, double input_error) {
+  return fabs(double(got) - reference) <= stress_gemm_bound(abs_sum, k, input_error);
+}
+
+// fp32 -> bf16 -> fp32, round to nearest even as __float2bfloat16: the host
+// reference of the bf16 burn's operands. Host only.
+inline float stress_round_bf16(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  if ((bits & 0x7f800000u) == 0x7f800000u && (bits & 0x007fffffu)) {
+    bits |= 0x00400000u;  // NaN stays a (quiet) NaN
+  } else {
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+  }
+  bits &= 0xffff0000u;
+  std::memcpy(&x, &bits, sizeof(bits));
+  return x;
 }
 
 }  // namespace mgpu

@@ -264,17 +264,25 @@ void CpuBackend::cross_entropy_forward_backward(float* loss_out, float* dlogits,
   if (record([=] { cross_entropy_forward_backward(loss_out, dlogits, correct_out, logits, labels, B, C, grad_scale); }))
     return;
   double sum = 0.0;
-  long hits = 0;
-#pragma omp parallel for num_threads(threads_) if (long(B) * C > kParallelMin) reduction(+ : sum, hits) schedule(static)
+  long hits = 0, bad = 0, first_bad = B;  // rows whose label is outside [0, C): left out, then reported
+#pragma omp parallel for num_threads(threads_) if (long(B) * C > kParallelMin) \
+    reduction(+ : sum, hits, bad) reduction(min : first_bad) schedule(static)
   for (int b = 0; b < B; ++b) {
     const float* x = logits + size_t(b) * C;
+    const int y = labels[b];
+    const bool valid = y >= 0 && y < C;
+    if (!valid) {
+      bad += 1;
+      first_bad = std::min<long>(first_bad, b);
+      if (dlogits) std::fill(dlogits + size_t(b) * C, dlogits + size_t(b + 1) * C, 0.0f);
+      continue;
+    }
     int argmax = 0;
     for (int j = 1; j < C; ++j)
       if (x[j] > x[argmax]) argmax = j;
     const float mx = x[argmax];
     double denom = 0.0;
     for (int j = 0; j < C; ++j) denom += std::exp(double(x[j] - mx));
-    const int y = labels[b];
     sum += std::log(denom) - double(x[y] - mx);
     hits += argmax == y;
     if (dlogits) {
@@ -285,6 +293,7 @@ void CpuBackend::cross_entropy_forward_backward(float* loss_out, float* dlogits,
   }
   *loss_out = static_cast<float>(sum * grad_scale);
   if (correct_out) *correct_out = static_cast<float>(hits);
+  if (bad) throw ConfigError(label_range_error(first_bad, labels[first_bad], C, static_cast<unsigned long long>(bad)));
 }
 
 void CpuBackend::sgd_update(float* param, const float* grad, float* buf, size_t n, const SgdParams& hp) {

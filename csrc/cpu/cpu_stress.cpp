@@ -30,6 +30,32 @@ __attribute__((optimize("no-tree-vectorize"))) float chain_n(float x, int iterat
   return x;
 }
 
+// Samples of c (n, n) against fp64 dot products of a (n, n) and b (n, n), all
+// row-major (c = a b): the reference of the CUDA gemm_reference_kernel and the
+// CPU burn's own check of its first result. counts: {mismatches, non-finite}.
+StressCheck gemm_reference_check(int n, const float* a, const float* b, const float* c, size_t checks,
+                                 double input_error, int threads) {
+  const size_t nn = size_t(n) * n;
+  int64_t wrong = 0, nonfinite = 0;
+#pragma omp parallel for num_threads(threads) reduction(+ : wrong, nonfinite) schedule(static)
+  for (long s = 0; s < static_cast<long>(checks); ++s) {
+    const size_t i = stress_sample_index(s, nn, checks), row = i / n, col = i % n;
+    double ref = 0.0, abs_sum = 0.0;
+    for (int k = 0; k < n; ++k) {
+      const double p = double(a[row * n + k]) * double(b[size_t(k) * n + col]);
+      ref += p;
+      abs_sum += std::fabs(p);
+    }
+    wrong += !stress_gemm_element_ok(c[i], ref, abs_sum, n, input_error);
+    nonfinite += !std::isfinite(c[i]);
+  }
+  StressCheck r;
+  r.checked = static_cast<int64_t>(checks);
+  r.mismatches = wrong;
+  r.nonfinite = nonfinite;
+  return r;
+}
+
 class CpuStress final : public StressDevice {
  public:
   explicit CpuStress(int threads) : threads_(threads > 0 ? threads : available_cpu_threads()) {}
@@ -86,6 +112,8 @@ class CpuStress final : public StressDevice {
       c.work += 2.0 * n * double(n) * n;
       if (first_.empty()) {  // the reference for every later result of these inputs
         first_ = c_;
+        add(c, gemm_reference_check(n, a_.data(), b_.data(), first_.data(), std::min<size_t>(kStressGemmChecks, nn),
+                                    0.0, threads_));
         continue;
       }
       if (inject_fault && r == repeats - 1) flip_bit(&c_[nn / 3]);
@@ -101,6 +129,22 @@ class CpuStress final : public StressDevice {
       c.nonfinite += nonfinite;
     }
     return c;
+  }
+
+  StressCheck gemm_verify(int n, const float* a, const float* b, const float* c, const std::string& precision,
+                          size_t samples) override {
+    const double input_error = stress_gemm_input_error(precision);
+    MGPU_CHECK(n >= 1, ConfigError, "GEMM check needs n >= 1");
+    const size_t nn = size_t(n) * n;
+    if (precision != "bf16") return gemm_reference_check(n, a, b, c, std::min(std::max<size_t>(samples, 1), nn),
+                                                         input_error, threads_);
+    std::vector<float> a16(a, a + nn), b16(b, b + nn);  // the operands a bf16 GEMM sees
+    for (size_t i = 0; i < nn; ++i) {
+      a16[i] = stress_round_bf16(a16[i]);
+      b16[i] = stress_round_bf16(b16[i]);
+    }
+    return gemm_reference_check(n, a16.data(), b16.data(), c, std::min(std::max<size_t>(samples, 1), nn),
+                                input_error, threads_);
   }
 
   double copy_bandwidth(size_t bytes) override {
@@ -150,6 +194,11 @@ class CpuStress final : public StressDevice {
   }
 
  private:
+  static void add(StressCheck& total, const StressCheck& part) {
+    total.checked += part.checked;
+    total.mismatches += part.mismatches;
+    total.nonfinite += part.nonfinite;
+  }
   static void flip_bit(float* x) {
     uint32_t bits;
     std::memcpy(&bits, x, sizeof(bits));

@@ -31,7 +31,12 @@ CudaBackend::CudaBackend(int device_index) : device_(device_index) {
     MGPU_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&sum_out_), sizeof(double)));
     MGPU_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&sum_host_), sizeof(double)));
     MGPU_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&step_dev_), sizeof(uint64_t)));
-    MGPU_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&step_host_), sizeof(uint64_t)));
+    MGPU_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&label_errors_.device), 2 * sizeof(unsigned long long)));
+    MGPU_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&label_errors_.host), 3 * sizeof(unsigned long long)));
+    const unsigned long long none[3] = {0, kernels::kNoLabelError, 0};
+    MGPU_CUDA_CHECK(cudaMemcpyAsync(label_errors_.device, none, 2 * sizeof(none[0]), cudaMemcpyHostToDevice, stream_));
+    MGPU_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    std::copy(none, none + 3, label_errors_.host);
   } catch (...) {
     release();
     throw;
@@ -52,8 +57,10 @@ void CudaBackend::release() noexcept {
   cudaFree(sum_out_);
   if (sum_host_) cudaFreeHost(sum_host_);
   cudaFree(step_dev_);
-  if (step_host_) cudaFreeHost(step_host_);
-  step_dev_ = step_host_ = nullptr;
+  step_dev_ = nullptr;
+  cudaFree(label_errors_.device);
+  if (label_errors_.host) cudaFreeHost(label_errors_.host);
+  label_errors_ = kernels::LabelErrors();
   for (void* p : half_)
     if (p && stream_) cudaFreeAsync(p, stream_);  // stream-ordered allocations (gemm_input)
   if (stream_) cudaStreamSynchronize(stream_);
@@ -116,6 +123,7 @@ void CudaBackend::copy_to_host(void* host_dst, const void* src, size_t bytes) {
   MGPU_CHECK(!captures_.capturing(), DeviceError, "copy_to_host synchronises: not allowed in a capture");
   MGPU_CUDA_CHECK(cudaMemcpyAsync(host_dst, src, bytes, cudaMemcpyDeviceToHost, stream_));
   MGPU_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  raise_label_errors();
 }
 
 void CudaBackend::zero(float* x, size_t n) {
@@ -128,6 +136,17 @@ void CudaBackend::synchronize() {
   activate();
   MGPU_CHECK(!captures_.capturing(), DeviceError, "synchronize() is not allowed in a capture");
   MGPU_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  raise_label_errors();
+}
+
+void CudaBackend::raise_label_errors() {
+  unsigned long long* h = label_errors_.host;
+  if (!h || h[0] == 0) return;  // a pinned read: nearly free on every synchronisation
+  const unsigned long long count = h[0], first = h[1], classes = h[2];
+  h[0] = 0;  // reported once; the backend stays usable
+  h[1] = kernels::kNoLabelError;
+  throw ConfigError(label_range_error(static_cast<long long>(first >> 32), static_cast<int32_t>(first & 0xffffffffu),
+                                      static_cast<int>(classes), count));
 }
 
 void CudaBackend::set_precision(Precision precision) {
@@ -245,7 +264,7 @@ void CudaBackend::cross_entropy_forward_backward(float* loss_out, float* dlogits
                                                  float grad_scale) {
   activate();
   kernels::cross_entropy_forward_backward(loss_out, dlogits, correct_out, logits, labels, B, C, grad_scale,
-                                          partials_, stream_);
+                                          partials_, label_errors_, stream_);
 }
 
 void CudaBackend::sgd_update(float* param, const float* grad, float* momentum_buf, size_t n,
@@ -266,6 +285,7 @@ double CudaBackend::sum_squares(const float* x, size_t n) {
   kernels::sum_squares(sum_out_, x, n, partials_, stream_);
   MGPU_CUDA_CHECK(cudaMemcpyAsync(sum_host_, sum_out_, sizeof(double), cudaMemcpyDeviceToHost, stream_));
   MGPU_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  raise_label_errors();
   return *sum_host_;
 }
 
@@ -314,10 +334,10 @@ void CudaBackend::abort_capture() noexcept {
 void CudaBackend::replay(int graph, uint64_t step) {
   activate();
   cudaGraphExec_t exec = captures_.get(graph);
-  // The previous replay's copy has run: the step synchronises the stream
-  // (staging, loss read-back) before the next replay writes step_host_ again.
-  *step_host_ = step;
-  MGPU_CUDA_CHECK(cudaMemcpyAsync(step_dev_, step_host_, sizeof(uint64_t), cudaMemcpyHostToDevice, stream_));
+  // A kernel argument, not a copy from one pinned slot: a slot rewritten by the
+  // next replay before this one's copy ran would give this graph the next
+  // step (back-to-back replays, the host running ahead of the stream).
+  kernels::set_dropout_step(step_dev_, step, stream_);
   MGPU_CUDA_CHECK(cudaGraphLaunch(exec, stream_));
 }
 

@@ -9,6 +9,7 @@
 #include <cublas_v2.h>
 #include <cuda_runtime_api.h>
 
+#include "../../kernels/kernels.cuh"
 #include "../core/backend.h"
 #include "../core/capture_registry.h"
 
@@ -60,7 +61,7 @@ class CudaBackend final : public Backend {
   Precision precision() const override { return precision_; }
 
   // CUDA graphs of the backend's stream (see Backend): instantiated once,
-  // replayed with the dropout step copied to step_dev_ ahead of each launch.
+  // replayed with the dropout step stored to step_dev_ ahead of each launch.
   bool supports_capture() const override { return true; }
   void begin_capture() override;
   int end_capture() override;
@@ -83,6 +84,10 @@ class CudaBackend final : public Backend {
   void gemm(cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k, const void* A, int lda,
             const void* B, int ldb, float beta, float* C, int ldc);
   void release() noexcept;
+  // Throws the ConfigError of cross-entropy labels out of range that kernels
+  // recorded (kernels::LabelErrors) since the last check; call after a
+  // synchronisation of the stream.
+  void raise_label_errors();
 
   int device_ = 0;
   int threads_ = 1;
@@ -96,8 +101,8 @@ class CudaBackend final : public Backend {
   void* half_[2] = {nullptr, nullptr};
   size_t half_capacity_[2] = {0, 0};  // elements
   CaptureRegistry<cudaGraphExec_t> captures_;
-  uint64_t* step_dev_ = nullptr;   // the dropout step captured kernels read
-  uint64_t* step_host_ = nullptr;  // pinned source of its per-replay copy
+  uint64_t* step_dev_ = nullptr;  // the dropout step captured kernels read (set by each replay)
+  kernels::LabelErrors label_errors_;  // device: 2 values, host: 3 pinned values
 };
 
 }  // namespace mgpu

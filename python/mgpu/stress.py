@@ -10,6 +10,10 @@ NaN/Inf turn a device's verdict to FAULTY. A telemetry thread samples the device
 a safety monitor throttles above --max-temp, stops growing memory above
 --max-memory-percent, warns above the power limit, and a watchdog ends the run
 when a device or a peer hangs. Every action is logged in `events`.
+
+On the GPU emulation (MGPU_EMULATE_GPU) the CUDA code runs on the CPU, orders of
+magnitude slower: the size and duration options not given are scaled down
+(EMULATION_DEFAULTS), and the run says so.
 """
 from __future__ import annotations
 
@@ -30,6 +34,28 @@ from .telemetry import METRICS, Sampler, reader_for, summarize, write_series
 KERNELS = ("compute", "gemm", "memory")
 PATTERNS = ("walking_ones", "address", "random")
 MiB = 1 << 20
+
+# Options whose defaults depend on the device: a GPU's, and the GPU emulation's,
+# where a GPU-sized run (0.8 of free memory, 1024^3 GEMMs, a minute) would take hours.
+DEFAULTS = {"duration": 60.0, "compute_size": 1 << 18, "gemm_size": 1024, "memory_fraction": 0.8}
+EMULATION_DEFAULTS = {"duration": 10.0, "compute_size": 1 << 14, "gemm_size": 64, "memory_mb": 8.0}
+
+
+def resolve_defaults(a, device: str) -> list:
+    """Fill the options left unset (None); returns those given emulation defaults."""
+    emulated = device == "cuda" and bool(_core.build_info().get("gpu_emulation", False))
+    memory_given = a.memory_mb is not None or a.memory_fraction is not None
+    scaled = []
+    for name in ("duration", "compute_size", "gemm_size"):
+        if getattr(a, name) is None:
+            setattr(a, name, EMULATION_DEFAULTS[name] if emulated else DEFAULTS[name])
+            scaled += [name] if emulated else []
+    if a.memory_fraction is None:
+        a.memory_fraction = DEFAULTS["memory_fraction"]
+    if emulated and not memory_given:
+        a.memory_mb = EMULATION_DEFAULTS["memory_mb"]
+        scaled.append("memory_mb")
+    return scaled
 
 
 @dataclass
@@ -185,6 +211,12 @@ def run_device(pg, *, device: str, device_index: int, threads: int, duration: fl
 
 def cmd_stress(a, pg) -> int:
     from .cli import _check_output_path, _write_json_atomic
+    device, index = pg.resolve_device(a.device)
+    scaled = resolve_defaults(a, device)
+    if scaled and pg.is_root:
+        print("mgpu stress: GPU EMULATION (the CPU running mgpu's CUDA code, not a real GPU): defaults scaled down to "
+              + ", ".join(f"--{n.replace('_', '-')} {getattr(a, n):g}" for n in scaled)
+              + " (give them to override)", flush=True)
     if not a.duration > 0:
         raise ConfigError(f"--duration must be > 0 seconds, got {a.duration}")
     if not 0 < a.memory_fraction <= 1:
@@ -202,7 +234,6 @@ def cmd_stress(a, pg) -> int:
         if path:
             _check_output_path(path, what)
     kernels = KERNELS if a.kernel == "all" else (a.kernel,)
-    device, index = pg.resolve_device(a.device)
     if a.gemm_precision != "fp32" and device != "cuda":
         raise ConfigError(f"--gemm-precision {a.gemm_precision} needs a GPU; the CPU GEMM burn runs in fp32")
     threads = a.threads or pg.default_threads()
@@ -254,16 +285,18 @@ def cmd_stress(a, pg) -> int:
 def add_parser(sub) -> None:
     s = sub.add_parser("stress", help="burn in every device, verify every result, watch temperature and memory",
                        description=__doc__.splitlines()[0])
-    s.add_argument("--duration", type=float, default=60.0, help="seconds (default 60)")
+    s.add_argument("--duration", type=float, default=None, help="seconds (default 60; 10 on the GPU emulation)")
     s.add_argument("--kernel", choices=("all", *KERNELS), default="all")
     s.add_argument("--device", choices=("cpu", "cuda", "auto"), default="auto")
     s.add_argument("--threads", type=int, default=None, help="CPU threads per rank")
-    s.add_argument("--memory-fraction", type=float, default=0.8,
+    s.add_argument("--memory-fraction", type=float, default=None,
                    help="fraction of free device memory for the pattern buffer (per device; default 0.8)")
-    s.add_argument("--memory-mb", type=float, default=None, help="buffer size instead of a fraction")
+    s.add_argument("--memory-mb", type=float, default=None,
+                   help="buffer size instead of a fraction (8 on the GPU emulation unless a size is given)")
     s.add_argument("--iterations", type=int, default=20, help="transcendental chain steps per launch")
-    s.add_argument("--compute-size", type=int, default=1 << 18, help="values per compute launch")
-    s.add_argument("--gemm-size", type=int, default=1024, help="GEMM size n (n x n)")
+    s.add_argument("--compute-size", type=int, default=None,
+                   help="values per compute launch (default 262144; 16384 on the GPU emulation)")
+    s.add_argument("--gemm-size", type=int, default=None, help="GEMM size n (n x n; default 1024, 64 on the emulation)")
     s.add_argument("--gemm-repeats", type=int, default=4, help="GEMMs per launch")
     s.add_argument("--gemm-tol", type=float, default=0.0, help="relative tolerance of GEMM verification")
     s.add_argument("--gemm-precision", choices=("fp32", "tf32", "bf16"), default="fp32",

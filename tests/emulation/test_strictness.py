@@ -107,3 +107,26 @@ def test_bench_reports_the_cuda_work_of_a_step(tmp_path):
     counted = row["emulation_counters_per_step"]
     assert counted["allocations"] == 0 and counted["kernels_executed"] > 0
     assert counted["graph_launches"] == 1  # medium at batch 64: one replayed graph per step
+
+
+def test_stress_defaults_scale_down_on_the_emulation(tmp_path):
+    # `mgpu stress --device cuda` with no sizes: GPU-sized defaults would run for
+    # hours on the emulation; scaled down, it ends cleanly well within a minute
+    # and says why its sizes are not the documented defaults.
+    import json
+    import subprocess
+    import sys
+    import time
+
+    from conftest import mpi_env  # tests/conftest.py
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "mgpu", "stress", "--device", "cuda", "--no-progress",
+                        "--json", str(tmp_path / "s.json")], capture_output=True, text=True, timeout=300,
+                       env=mpi_env())
+    elapsed = time.monotonic() - t0
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    assert "GPU EMULATION" in r.stdout and "defaults scaled down to --duration 10" in r.stdout
+    assert "--memory-mb 8" in r.stdout and "--gemm-size 64" in r.stdout
+    (dev,) = json.loads((tmp_path / "s.json").read_text())["devices"]
+    assert dev["verdict"] == "OK" and dev["buffer_bytes"] <= 8 << 20
+    assert elapsed < 45, elapsed

@@ -100,6 +100,17 @@ def test_cross_entropy(cpu_backend, B, C):
     assert correct == float((logits.argmax(1) == labels).sum())
 
 
+def test_cross_entropy_out_of_range_labels_raise(cpu_backend):
+    # The CPU reference of the CUDA kernel's label check: rows outside [0, C)
+    # are never read through, the error names the first, the backend carries on.
+    logits, labels = rand(8, 4), np.array([0, 1, 2, 3, 4, -1, 0, 1], np.int32)
+    with pytest.raises(ConfigError, match=r"label 4 at row 4 is out of range \[0, 4\) \(2 rows had such labels\)"):
+        ops.cross_entropy_forward_backward(cpu_backend, logits, labels, 1.0)
+    labels[[4, 5]] = 0
+    loss, _, _ = ops.cross_entropy_forward_backward(cpu_backend, logits, labels, 1.0)
+    assert np.isfinite(loss)
+
+
 @pytest.mark.parametrize("momentum, first", [(0.0, True), (0.9, True), (0.9, False)])
 def test_sgd(cpu_backend, momentum, first):
     p, g, buf = rand(100), rand(100), rand(100)

@@ -107,6 +107,43 @@ def test_cross_entropy(cuda_backend, cpu_backend, B, C):
     assert got[1] is None and got[2] is None
 
 
+@pytest.mark.parametrize("bad", [[10], [-1, 12], [2**31 - 1, -2**31]])
+def test_cross_entropy_out_of_range_labels_raise_the_same_error_everywhere(cuda_backend, cpu_backend, bad):
+    # Labels come from the caller: one outside [0, C) must not be read through
+    # (far out of range it would leave the logits; the emulation reports that),
+    # its row is left out, and every backend raises the same clear error.
+    B, C = 40, 10
+    rng = np.random.default_rng(11)
+    logits = rand(rng, B, C)
+    labels = rng.integers(0, C, B).astype(np.int32)
+    labels[[5, 33][:len(bad)]] = bad
+    messages = []
+    for be in (cuda_backend, cpu_backend):
+        with pytest.raises(ConfigError, match=rf"label {bad[0]} at row 5 is out of range \[0, 10\)") as e:
+            ops.cross_entropy_forward_backward(be, logits, labels, 1.0 / B)
+        messages.append(str(e.value))
+        with pytest.raises(ConfigError, match="at row 5"):  # also when only the loss is read back
+            ops.cross_entropy_forward_backward(be, logits, labels, 1.0, False, False)
+    assert messages[0] == messages[1]
+    assert ("2 rows had such labels" in messages[0]) == (len(bad) == 2)
+    labels[[5, 33]] = 0  # reported once: the backend carries on
+    got = ops.cross_entropy_forward_backward(cuda_backend, logits, labels, 1.0 / B)
+    want = ops.cross_entropy_forward_backward(cpu_backend, logits, labels, 1.0 / B)
+    assert got[0] == pytest.approx(want[0], rel=1e-6)
+
+
+def test_back_to_back_replays_each_use_their_own_step(cuda_backend, cpu_backend):
+    # Replays enqueued while the stream is still busy (the host runs ahead, as
+    # in a loop of replays): each must drop with its own step, not a later one.
+    rng = np.random.default_rng(12)
+    h = rand(rng, 64, 96)
+    steps = [3, 4, 5]
+    busy = 1 << 18 if _core.build_info().get("gpu_emulation", False) else 1 << 26
+    want = sum(ops.relu_dropout_forward(cpu_backend, h, 0.5, seed=9, step=s) for s in steps)
+    close(ops.replayed_relu_dropout(cpu_backend, h, 0.5, 9, steps), want, 1e-7)
+    close(ops.replayed_relu_dropout(cuda_backend, h, 0.5, 9, steps, busy), want, 1e-7)
+
+
 @pytest.mark.parametrize("momentum, first", [(0.0, True), (0.9, True), (0.9, False)])
 def test_sgd(cuda_backend, cpu_backend, momentum, first):
     rng = np.random.default_rng(2)
