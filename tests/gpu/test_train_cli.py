@@ -1,7 +1,7 @@
 """`mgpu train --device cuda` end to end under mpirun with 2 ranks, one GPU each,
-over NCCL: the run equals a 1-rank run, and a run stopped at a checkpoint and
-resumed (--resume) ends bit-identical to the run that never stopped. On the
-GPU emulation (MGPU_EMULATE_GPU=2) this is CI's NCCL training run."""
+over NCCL: the run equals the CPU backend's and a 1-rank run, and a run stopped
+at a checkpoint and resumed (--resume) ends bit-identical to the run that never
+stopped. On the GPU emulation (MGPU_EMULATE_GPU=2) this is CI's NCCL training run."""
 import json
 import sys
 
@@ -11,8 +11,9 @@ import pytest
 from mgpu import _core
 from conftest import mpi_env, mpirun  # tests/conftest.py helpers
 
-ARGS = ["--device", "cuda", "--dataset", "digits", "--layers", "64,32,10", "--batch-size", "64",
-        "--optimizer", "adamw", "--lr", "0.003", "--dropout", "0.1", "--no-progress", "--watchdog-timeout", "60"]
+DATA = ["--dataset", "digits", "--layers", "64,32,10", "--batch-size", "64", "--dropout", "0.1", "--no-progress",
+        "--watchdog-timeout", "60"]
+ARGS = ["--device", "cuda", "--optimizer", "adamw", "--lr", "0.003", *DATA]
 
 
 @pytest.fixture
@@ -23,10 +24,10 @@ def two_gpus(gpu):
         pytest.skip("mgpu was built without NCCL")
 
 
-def train(tmp_path, name, ranks, *extra):
+def train(tmp_path, name, ranks, *extra, args=ARGS):
     out = tmp_path / f"{name}.json"
     params = tmp_path / f"{name}.npz"
-    r = mpirun(ranks, [sys.executable, "-m", "mgpu", "train", *ARGS, "--json", out, "--save", params, *extra],
+    r = mpirun(ranks, [sys.executable, "-m", "mgpu", "train", *args, "--json", out, "--save", params, *extra],
                timeout=600, env=mpi_env())
     assert r.returncode == 0, r.stdout + r.stderr
     with np.load(params) as z:
@@ -43,3 +44,13 @@ def test_nccl_training_equals_one_rank_and_resumes_bit_identical(two_gpus, tmp_p
     _, resumed = train(tmp_path, "resumed", 2, "--steps", "12", "--comm", "nccl", "--checkpoint-dir", ckpt,
                        "--resume")
     assert np.array_equal(resumed, two)
+
+
+@pytest.mark.parametrize("optimizer, lr", [("sgd", "0.05"), ("adamw", "0.003")])
+def test_nccl_training_equals_the_cpu_backend(two_gpus, tmp_path, optimizer, lr):
+    # Same data order, dropout masks (Philox keyed by global sample) and exact averaging:
+    # the CUDA kernels, cuBLAS and NCCL on two GPUs give the CPU backend's parameters.
+    common = [*DATA, "--optimizer", optimizer, "--lr", lr, "--steps", "12"]
+    _, cpu = train(tmp_path, "cpu", 1, args=["--device", "cpu", *common])
+    _, gpus = train(tmp_path, "gpus", 2, "--comm", "nccl", args=["--device", "cuda", *common])
+    assert np.allclose(gpus, cpu, rtol=1e-4, atol=1e-6), np.max(np.abs(gpus - cpu))
