@@ -69,7 +69,9 @@ class Backend {
   virtual void set_threads(int threads) = 0;
   virtual int threads() const = 0;
 
-  // Memory.
+  // Memory. copy_to_backend may return before the copy ran, but host_src may
+  // be reused at once; copy_to_host returns with the values (a device backend
+  // waits for its queued work first: the step's one synchronisation).
   virtual void* allocate_bytes(size_t bytes) = 0;
   virtual void free_bytes(void* ptr) noexcept = 0;
   virtual void copy_to_backend(void* dst, const void* host_src, size_t bytes) = 0;
@@ -118,6 +120,12 @@ class Backend {
   // Helpers for accumulation, clipping, loss scaling and health checks.
   // sum_squares is NaN/Inf when any element is.
   virtual double sum_squares(const float* x, size_t n) = 0;
+  // The same in two halves around a read-back the caller makes anyway (the
+  // step's loss): start queues it, result returns it after the backend's next
+  // synchronising call, so one wait serves both (a host backend computes it at
+  // start). result without such a call in between waits itself.
+  virtual void sum_squares_start(const float* x, size_t n) { started_sum_ = sum_squares(x, n); }
+  virtual double sum_squares_result() { return started_sum_; }
   virtual void scale(float* x, size_t n, float alpha) = 0;
   virtual void axpy(float* y, const float* x, size_t n, float alpha) = 0;  // y += alpha x
 
@@ -152,6 +160,9 @@ class Backend {
   }
   virtual void release_captures() {}
   virtual uint64_t capture_generation() const { return 0; }
+
+ private:
+  double started_sum_ = 0.0;  // the default sum_squares_start's result
 };
 
 // Owning, move-only array in a backend's memory.

@@ -30,6 +30,10 @@ class Communicator {
   virtual bool progresses_independently() const { return false; }
   virtual void progress() {}
   virtual void wait_all() {}
+  // Throws CommError when a collective wait_all() left to complete in the
+  // background (NCCL's watchdog) failed or timed out; call once its results
+  // were read back (the read-back returns either way: the watchdog aborts).
+  virtual void raise_if_failed() {}
   // After an error unwound a step with collectives in flight: end them without
   // the peers (NCCL: ncclCommAbort), so memory they use can be freed and
   // nothing waits on them; later calls throw CommError. Local, never blocks.
@@ -53,6 +57,9 @@ class Communicator {
   // Call while waiting on peers: tells the watched ranks this one is alive, and
   // reads their heartbeats.
   virtual void heartbeat() {}
+  // Whether heartbeat() may be called from another thread than the caller's
+  // other calls (a watchdog thread); MPI needs MPI_THREAD_MULTIPLE for that.
+  virtual bool heartbeat_from_any_thread() const { return true; }
   // Why a wait did not end, in words: which ranks never reached the current
   // step and which went silent for more than `silence` seconds while in it.
   virtual std::string diagnose_stall(double /*silence*/) { return "the missing ranks are unknown"; }

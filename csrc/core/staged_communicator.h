@@ -65,6 +65,8 @@ class StagedCommunicator final : public Communicator {
   void heartbeat() override { inner_->heartbeat(); }
   std::string diagnose_stall(double silence) override { return inner_->diagnose_stall(silence); }
   void abort(const std::string& why) override { inner_->abort(why); }
+  void raise_if_failed() override { inner_->raise_if_failed(); }
+  bool heartbeat_from_any_thread() const override { return inner_->heartbeat_from_any_thread(); }
   void close() override { inner_->close(); }
 
  private:

@@ -18,19 +18,27 @@ std::vector<Bucket> plan_buckets(const std::vector<int>& sizes, size_t extra_slo
   for (int l = 0; l < layers; ++l)
     start[l + 1] = start[l] + static_cast<size_t>(sizes[l]) * sizes[l + 1] + sizes[l + 1];
   std::vector<Bucket> buckets;
+  // Bucket starts are rounded up to 4 elements (16 bytes) when buckets hold at
+  // least that many: collectives read aligned vectors whatever the layer sizes.
+  // Rounding up keeps a bucket within its layer; the few elements it leaves go
+  // to the next (lower) bucket, which is ready later anyway.
+  const size_t align = bucket_elems >= kBucketAlignElems ? kBucketAlignElems : 1;
+  auto aligned_up = [align](size_t x) { return (x + align - 1) / align * align; };
   // Walk the buffer from its end (extra slots, last layer) towards layer 0.
   size_t open_end = start[layers] + extra_slots;  // end of the bucket being filled
   for (int l = layers - 1; l >= 0; --l) {
     const size_t begin = start[l];
-    // Cut full buckets out of this layer while it overflows the open bucket.
+    // Cut full buckets out of this layer while it overflows the open bucket
+    // (open_end - bucket_elems > begin here, so the aligned cut stays < open_end).
     while (open_end - begin > bucket_elems) {
-      const size_t cut = std::max(begin, open_end - bucket_elems);
+      const size_t cut = aligned_up(open_end - bucket_elems);
       buckets.push_back({cut, open_end - cut, l});
       open_end = cut;
     }
     if (open_end - begin >= bucket_elems / 2 || l == 0) {
-      if (open_end > begin) buckets.push_back({begin, open_end - begin, l});
-      open_end = begin;
+      const size_t first = l == 0 ? 0 : aligned_up(begin);
+      if (open_end > first) buckets.push_back({first, open_end - first, l});
+      open_end = std::min(open_end, first);
     }
   }
   return buckets;
@@ -238,15 +246,18 @@ StepResult DataParallelStep::step(const std::vector<MicroShard>& shards, int64_t
   }
 
   result.loss_scale = loss_scale_;
+  // 6. Health check: one reduction over the gradients yields the norm for
+  // clipping and detects NaN/Inf (which make it non-finite). Queued before the
+  // loss read-back, so that one wait serves both: the step's only one.
+  be.sum_squares_start(m.grads(), m.num_params());
   float slots[MLP::kGradExtraSlots] = {};
-  be.copy_to_host(slots, m.loss_slot(), sizeof(slots));
+  be.copy_to_host(slots, m.loss_slot(), sizeof(slots));  // after the allreduce (the compute stream waits for it)
+  comm_->raise_if_failed();
   const auto t_comm = now();
   result.timings.comm_wait = seconds(t_phase, t_comm);
   result.loss = static_cast<float>(slots[0] / loss_scale_);
   result.stop_requested = slots[1] > 0.0f;
-  // 6. Health check: one reduction over the gradients yields the norm for
-  // clipping and detects NaN/Inf (which make it non-finite).
-  const double scaled_norm = std::sqrt(be.sum_squares(m.grads(), m.num_params()));
+  const double scaled_norm = std::sqrt(be.sum_squares_result());
   result.grad_norm = scaled_norm / loss_scale_;
   const bool finite = std::isfinite(result.loss) && std::isfinite(result.grad_norm);
   if (!finite) {

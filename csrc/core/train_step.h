@@ -31,6 +31,8 @@ struct Bucket {
 // Buckets in backward order: the last layer (and the loss slot) first. A
 // bucket closes once it holds >= bucket_elems elements and at a layer
 // boundary; a layer larger than bucket_elems is cut into several buckets.
+// Buckets of at least this many elements start at a multiple of it (16 bytes).
+constexpr size_t kBucketAlignElems = 4;
 std::vector<Bucket> plan_buckets(const MLP& model, size_t bucket_elems);
 // The same plan for layer sizes [in, hidden..., out] and a gradient buffer
 // with extra_slots after the parameters (used by the performance model).

@@ -16,6 +16,18 @@ namespace {
 // cuBLAS's recommended workspace on Hopper; set once so cuBLAS never allocates
 // inside a step.
 constexpr size_t kCublasWorkspaceBytes = size_t{32} << 20;
+
+// Whether p is ordinary (pageable) host memory: a copy from it is staged by the
+// driver before cudaMemcpyAsync returns, and a copy to it returns once done
+// (CUDA's "API synchronization behavior"), so neither needs a stream sync of ours.
+bool pageable(const void* p) {
+  cudaPointerAttributes attr{};
+  if (cudaPointerGetAttributes(&attr, p) != cudaSuccess) {
+    cudaGetLastError();
+    return false;  // unknown: synchronise to be safe
+  }
+  return attr.type == cudaMemoryTypeUnregistered;
+}
 }  // namespace
 
 CudaBackend::CudaBackend(int device_index) : device_(device_index) {
@@ -114,7 +126,8 @@ void CudaBackend::copy_to_backend(void* dst, const void* host_src, size_t bytes)
   activate();
   MGPU_CHECK(!captures_.capturing(), DeviceError, "copy_to_backend synchronises: not allowed in a capture");
   MGPU_CUDA_CHECK(cudaMemcpyAsync(dst, host_src, bytes, cudaMemcpyHostToDevice, stream_));
-  MGPU_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  // The caller may reuse host_src on return: pinned memory is read by the DMA later.
+  if (!pageable(host_src)) MGPU_CUDA_CHECK(cudaStreamSynchronize(stream_));
 }
 
 void CudaBackend::copy_to_host(void* host_dst, const void* src, size_t bytes) {
@@ -122,7 +135,8 @@ void CudaBackend::copy_to_host(void* host_dst, const void* src, size_t bytes) {
   activate();
   MGPU_CHECK(!captures_.capturing(), DeviceError, "copy_to_host synchronises: not allowed in a capture");
   MGPU_CUDA_CHECK(cudaMemcpyAsync(host_dst, src, bytes, cudaMemcpyDeviceToHost, stream_));
-  MGPU_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  if (!pageable(host_dst)) MGPU_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  sum_started_ = false;  // the stream's work up to here has run: a started sum_squares has landed too
   raise_label_errors();
 }
 
@@ -136,6 +150,7 @@ void CudaBackend::synchronize() {
   activate();
   MGPU_CHECK(!captures_.capturing(), DeviceError, "synchronize() is not allowed in a capture");
   MGPU_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  sum_started_ = false;
   raise_label_errors();
 }
 
@@ -280,12 +295,22 @@ void CudaBackend::adamw_update(float* param, const float* grad, float* exp_avg, 
 }
 
 double CudaBackend::sum_squares(const float* x, size_t n) {
+  sum_squares_start(x, n);
+  return sum_squares_result();
+}
+
+// The result lands in pinned memory (sum_host_) in stream order; whichever
+// synchronisation comes next (copy_to_host, synchronize, or result) reads it.
+void CudaBackend::sum_squares_start(const float* x, size_t n) {
   activate();
   MGPU_CHECK(!captures_.capturing(), DeviceError, "sum_squares reads back to the host: not allowed in a capture");
   kernels::sum_squares(sum_out_, x, n, partials_, stream_);
   MGPU_CUDA_CHECK(cudaMemcpyAsync(sum_host_, sum_out_, sizeof(double), cudaMemcpyDeviceToHost, stream_));
-  MGPU_CUDA_CHECK(cudaStreamSynchronize(stream_));
-  raise_label_errors();
+  sum_started_ = true;
+}
+
+double CudaBackend::sum_squares_result() {
+  if (sum_started_) synchronize();
   return *sum_host_;
 }
 

@@ -54,6 +54,8 @@ class CudaBackend final : public Backend {
   void adamw_update(float* param, const float* grad, float* exp_avg, float* exp_avg_sq, size_t n,
                     const AdamWParams& hp) override;
   double sum_squares(const float* x, size_t n) override;
+  void sum_squares_start(const float* x, size_t n) override;
+  double sum_squares_result() override;
   void scale(float* x, size_t n, float alpha) override;
   void axpy(float* y, const float* x, size_t n, float alpha) override;
 
@@ -97,6 +99,7 @@ class CudaBackend final : public Backend {
   void* cublas_workspace_ = nullptr;
   double* partials_ = nullptr;    // kernels::kPartialsSize doubles
   double* sum_out_ = nullptr;     // device result of sum_squares
+  bool sum_started_ = false;      // sum_squares_start queued its copy to sum_host_; no sync since
   double* sum_host_ = nullptr;    // pinned landing place of that result
   void* half_[2] = {nullptr, nullptr};
   size_t half_capacity_[2] = {0, 0};  // elements

@@ -5,6 +5,8 @@
 #include <nccl.h>
 
 #include <chrono>
+#include <condition_variable>
+#include <mutex>
 #include <sstream>
 #include <thread>
 
@@ -100,6 +102,20 @@ struct NcclCommunicator::Impl {
   float* staging = nullptr;     // device copy of host buffers (grows, never shrinks)
   size_t staging_capacity = 0;
 
+  // The watchdog thread (watch()) shares this state: `m` guards the comm, the
+  // broken/failure state and the watch. Public methods hold it while they use
+  // NCCL; the watchdog takes it to poll and to abort. Lock order: m, then sidecar_m.
+  std::mutex m;
+  std::mutex sidecar_m;  // the sidecar is called from both threads
+  std::condition_variable watch_cv;
+  std::thread watchdog;
+  bool watching = false, stopping = false;
+  std::chrono::steady_clock::time_point watch_start;  // of the oldest wait not yet complete
+  uint64_t watch_step = 0;
+  double watch_timeout = 0.0;
+  std::string failure;              // the watchdog's CommError, thrown by raise_if_failed()
+  bool watchdog_may_beat = true;    // false: the sidecar's heartbeats must stay on the calling thread
+
   Impl() = default;
   Impl(const Impl&) = delete;
   Impl& operator=(const Impl&) = delete;
@@ -107,6 +123,12 @@ struct NcclCommunicator::Impl {
   // aborted (local; a destroy would be an intra-node collective), then the
   // streams drain and everything is freed. Errors cannot be reported here.
   ~Impl() {
+    {
+      std::lock_guard<std::mutex> lock(m);
+      stopping = true;
+    }
+    watch_cv.notify_all();
+    if (watchdog.joinable()) watchdog.join();
     cudaSetDevice(device);
     if (comm) ncclCommAbort(comm);
     comm = nullptr;
@@ -197,7 +219,7 @@ struct NcclCommunicator::Impl {
       }
       const auto now = clock::now();
       if (sidecar && now > next_beat) {
-        sidecar->heartbeat();
+        sidecar_heartbeat();
         next_beat = now + beat_interval;
       }
       if (timeout_seconds > 0 && now - start > std::chrono::duration<double>(timeout_seconds))
@@ -228,7 +250,89 @@ struct NcclCommunicator::Impl {
 
   std::string missing_ranks_text(double silence) {
     if (!sidecar) return "no heartbeat sidecar, so the missing ranks are unknown";
+    std::lock_guard<std::mutex> lock(sidecar_m);
     return sidecar->diagnose_stall(silence);
+  }
+
+  void sidecar_heartbeat() {
+    if (!sidecar) return;
+    std::lock_guard<std::mutex> lock(sidecar_m);
+    sidecar->heartbeat();
+  }
+
+  // The step's wait (m held): the compute stream already waits for comm_done;
+  // the watchdog thread keeps the deadline, so this thread never polls. The
+  // newest record of comm_done completes last, so one watch covers every wait
+  // since the oldest incomplete one, whose start sets the deadline.
+  void watch(double timeout_seconds) {
+    if (!watching) watch_start = std::chrono::steady_clock::now();
+    watching = true;
+    watch_step = step;
+    watch_timeout = timeout_seconds;
+    if (!watchdog.joinable()) watchdog = std::thread([this] { watchdog_loop(); });
+    watch_cv.notify_all();
+  }
+
+  // Polls with backoff (20 us to 1 ms) on its own thread, beats while the wait
+  // lasts, and on expiry or an asynchronous error aborts the comm: its kernels
+  // end, so the compute stream and the host's read-back move on, and
+  // raise_if_failed() then throws the message kept here.
+  void watchdog_loop() {
+    using clock = std::chrono::steady_clock;
+    cudaSetDevice(device);
+    std::unique_lock<std::mutex> lock(m);
+    auto poll = std::chrono::microseconds(20);
+    auto next_beat = clock::time_point::max();
+    while (!stopping) {
+      if (!watching) {
+        watch_cv.wait(lock);
+        poll = std::chrono::microseconds(20);
+        next_beat = clock::time_point::max();
+        continue;
+      }
+      ncclResult_t state = ncclSuccess;
+      if (comm && ncclCommGetAsyncError(comm, &state) != ncclSuccess) state = ncclSuccess;
+      if (state != ncclSuccess && state != ncclInProgress) {
+        const char* last = ncclGetLastError(comm);
+        watchdog_fail(detail::concat("NCCL reported an asynchronous error: ", ncclGetErrorString(state),
+                                     last && *last ? std::string(" (") + last + ")" : std::string(), "; ",
+                                     missing_ranks_text(1e300)));
+        continue;
+      }
+      const cudaError_t rc = cudaEventQuery(comm_done);
+      if (rc == cudaSuccess) {
+        watching = false;
+        continue;
+      }
+      if (rc != cudaErrorNotReady) {
+        cudaGetLastError();
+        watchdog_fail(detail::concat("the communication stream failed: ", cudaGetErrorString(rc)));
+        continue;
+      }
+      const auto now = clock::now();
+      const auto beat = std::chrono::duration<double>(std::min(1.0, watch_timeout / 4));
+      if (now - watch_start > std::chrono::duration<double>(watch_timeout)) {
+        watchdog_fail(detail::concat("did not complete within ", watch_timeout, " s: ",
+                                     missing_ranks_text(2.5 * beat.count())));
+        continue;
+      }
+      if (watchdog_may_beat && sidecar && now - watch_start > beat && (next_beat == clock::time_point::max() ||
+                                                                        now > next_beat)) {
+        sidecar_heartbeat();
+        next_beat = now + std::chrono::duration_cast<clock::duration>(beat);
+      }
+      watch_cv.wait_for(lock, poll);
+      poll = std::min(poll * 2, std::chrono::microseconds(1000));
+    }
+  }
+
+  void watchdog_fail(const std::string& why) {  // m held
+    failure = detail::concat("allreduce at step ", watch_step, " on rank ", rank, " (GPU ", device, "): ", why);
+    watching = false;
+    broken = true;
+    broken_why = failure;
+    if (comm) ncclCommAbort(comm);  // ends its kernels: the streams waiting on them drain
+    comm = nullptr;
   }
 
   void check_async_error(const char* what) {
@@ -266,7 +370,7 @@ struct NcclCommunicator::Impl {
       if (rc != cudaErrorNotReady) MGPU_CUDA_CHECK(rc);
       check_async_error(what);
       if (sidecar && clock::now() > next_beat) {
-        sidecar->heartbeat();
+        sidecar_heartbeat();
         next_beat = clock::now() + beat_interval;
       }
       if (clock::now() > deadline)
@@ -326,6 +430,7 @@ NcclCommunicator::NcclCommunicator(const std::string& unique_id, int rank, int s
   s.size = size;
   s.device = device_index;
   s.sidecar = std::move(sidecar);
+  s.watchdog_may_beat = !s.sidecar || s.sidecar->heartbeat_from_any_thread();
   s.timeout = timeout_seconds_ = setup_timeout;
   s.create_streams();
   ncclUniqueId id;
@@ -373,6 +478,7 @@ NcclCommunicator::~NcclCommunicator() = default;
 
 void NcclCommunicator::abort(const std::string& why) {
   Impl& s = *impl_;
+  std::lock_guard<std::mutex> lock(s.m);
   if (s.closed) return;
   cudaSetDevice(s.device);
   s.abort_comm(why);
@@ -380,6 +486,7 @@ void NcclCommunicator::abort(const std::string& why) {
 
 void NcclCommunicator::close() {
   Impl& s = *impl_;
+  std::lock_guard<std::mutex> lock(s.m);
   if (s.closed) return;
   s.ensure_usable();
   s.activate();
@@ -393,6 +500,7 @@ void NcclCommunicator::close() {
 
 void NcclCommunicator::set_timeout(double seconds) {
   Communicator::set_timeout(seconds);
+  std::lock_guard<std::mutex> lock(impl_->m);
   impl_->timeout = seconds;
 }
 
@@ -412,37 +520,46 @@ void NcclCommunicator::attach(const std::shared_ptr<Backend>& backend) {
 
 void NcclCommunicator::begin_step(uint64_t step) {
   Communicator::begin_step(step);
-  impl_->step = step;
-  if (impl_->sidecar) impl_->sidecar->begin_step(step);
+  Impl& s = *impl_;
+  {
+    std::lock_guard<std::mutex> lock(s.m);
+    s.step = step;
+  }
+  if (s.sidecar) {
+    std::lock_guard<std::mutex> lock(s.sidecar_m);
+    s.sidecar->begin_step(step);
+  }
 }
 
 std::vector<int> NcclCommunicator::missing_peers() {
-  return impl_->sidecar ? impl_->sidecar->missing_peers() : std::vector<int>{};
+  Impl& s = *impl_;
+  if (!s.sidecar) return {};
+  std::lock_guard<std::mutex> lock(s.sidecar_m);
+  return s.sidecar->missing_peers();
 }
 
 // Heartbeats travel through the sidecar, so peers can tell this rank waiting
 // in a control-plane collective from a frozen one.
-void NcclCommunicator::heartbeat() {
-  if (impl_->sidecar) impl_->sidecar->heartbeat();
-}
+void NcclCommunicator::heartbeat() { impl_->sidecar_heartbeat(); }
 
 std::string NcclCommunicator::diagnose_stall(double silence) {
-  return impl_->sidecar ? impl_->sidecar->diagnose_stall(silence) : Communicator::diagnose_stall(silence);
+  return impl_->sidecar ? impl_->missing_ranks_text(silence) : Communicator::diagnose_stall(silence);
 }
 
 void NcclCommunicator::allreduce_sum_async(float* data, size_t count) {
   Impl& s = *impl_;
-  s.ensure_usable();
-  if (!count) return;
-  if (!is_device_pointer(data)) {
+  if (count && !is_device_pointer(data)) {
     allreduce_sum(data, count);  // host memory: staged, synchronous
     return;
   }
-  s.queued.push_back({data, count, ncclFloat32});
+  std::lock_guard<std::mutex> lock(s.m);
+  s.ensure_usable();
+  if (count) s.queued.push_back({data, count, ncclFloat32});
 }
 
 void NcclCommunicator::allreduce_sum_bf16_async(void* data, size_t count) {
   Impl& s = *impl_;
+  std::lock_guard<std::mutex> lock(s.m);
   s.ensure_usable();
   MGPU_CHECK(!count || is_device_pointer(data), ConfigError, "bf16 allreduce needs device memory");
   if (count) s.queued.push_back({data, count, ncclBfloat16});
@@ -450,6 +567,7 @@ void NcclCommunicator::allreduce_sum_bf16_async(void* data, size_t count) {
 
 void NcclCommunicator::allreduce_sum_fp16_async(void* data, size_t count) {
   Impl& s = *impl_;
+  std::lock_guard<std::mutex> lock(s.m);
   s.ensure_usable();
   MGPU_CHECK(!count || is_device_pointer(data), ConfigError, "fp16 allreduce needs device memory");
   if (count) s.queued.push_back({data, count, ncclFloat16});
@@ -457,6 +575,7 @@ void NcclCommunicator::allreduce_sum_fp16_async(void* data, size_t count) {
 
 void NcclCommunicator::progress() {
   Impl& s = *impl_;
+  std::lock_guard<std::mutex> lock(s.m);
   if (s.broken || s.closed || s.queued.empty()) return;
   s.activate();
   s.flush();
@@ -464,13 +583,33 @@ void NcclCommunicator::progress() {
 
 void NcclCommunicator::wait_all() {
   Impl& s = *impl_;
+  std::lock_guard<std::mutex> lock(s.m);
   s.ensure_usable();
   s.activate();
-  s.wait("allreduce", timeout_seconds_, false);
+  if (timeout_seconds_ <= 0.0 || !s.compute || !s.watchdog_may_beat) {
+    s.wait("allreduce", timeout_seconds_, false);  // no deadline, or one this thread keeps
+    return;
+  }
+  s.flush();
+  if (!s.outstanding) return;
+  MGPU_CUDA_CHECK(cudaEventRecord(s.comm_done, s.comm_stream));
+  MGPU_CUDA_CHECK(cudaStreamWaitEvent(s.compute, s.comm_done, 0));
+  s.outstanding = false;
+  s.watch(timeout_seconds_);
+}
+
+void NcclCommunicator::raise_if_failed() {
+  Impl& s = *impl_;
+  std::lock_guard<std::mutex> lock(s.m);
+  if (s.failure.empty()) return;
+  std::string message;
+  message.swap(s.failure);
+  throw CommError(message);
 }
 
 void NcclCommunicator::allreduce_sum(float* data, size_t count) {
   Impl& s = *impl_;
+  std::lock_guard<std::mutex> lock(s.m);
   s.ensure_usable();
   if (!count) return;
   s.activate();
@@ -493,6 +632,7 @@ void NcclCommunicator::allreduce_sum(float* data, size_t count) {
 
 void NcclCommunicator::broadcast(float* data, size_t count, int root) {
   Impl& s = *impl_;
+  std::lock_guard<std::mutex> lock(s.m);
   s.ensure_usable();
   MGPU_CHECK(root >= 0 && root < s.size, CommError, "broadcast root ", root, " outside [0, ", s.size, ")");
   if (!count) return;
@@ -518,6 +658,7 @@ void NcclCommunicator::broadcast(float* data, size_t count, int root) {
 
 void NcclCommunicator::barrier() {
   Impl& s = *impl_;
+  std::lock_guard<std::mutex> lock(s.m);
   s.ensure_usable();
   s.activate();
   s.flush();

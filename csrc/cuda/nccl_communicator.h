@@ -6,7 +6,7 @@
 // a watchdog: it polls the completion event and ncclCommGetAsyncError against a
 // deadline, and on expiry aborts the NCCL communicator and throws CommError
 // naming the step and the ranks whose heartbeats (sent through the MPI sidecar)
-// never reached it.
+// never reached it; the step's wait_all() leaves that to a watchdog thread.
 //
 // Setup has the same deadline: the communicator is created non-blocking
 // (ncclCommInitRankConfig, blocking = 0) and polled against setup_timeout, so
@@ -65,7 +65,13 @@ class NcclCommunicator final : public Communicator {
   bool progresses_independently() const override { return true; }
   bool accepts_device_memory() const override { return true; }
   void progress() override;
+  // With a timeout and an attached backend, returns at once: the compute
+  // stream waits for the collectives, and a watchdog thread keeps the deadline
+  // (polling with backoff, beating through the sidecar, aborting on expiry), so
+  // the step's host thread never polls. raise_if_failed() after the step's
+  // read-back throws what the watchdog found.
   void wait_all() override;
+  void raise_if_failed() override;
   void abort(const std::string& why) override;
   void close() override;
 

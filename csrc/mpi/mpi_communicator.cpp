@@ -134,6 +134,11 @@ void MpiCommunicator::fail_timeout(const char* what, double silence) {
   throw CommError(msg.str());
 }
 
+bool MpiCommunicator::heartbeat_from_any_thread() const {
+  int level = MPI_THREAD_SINGLE;
+  return MPI_Query_thread(&level) == MPI_SUCCESS && level == MPI_THREAD_MULTIPLE;
+}
+
 void MpiCommunicator::heartbeat() {
   send_heartbeat();
   drain_heartbeats();

@@ -41,6 +41,7 @@ class MpiCommunicator final : public Communicator {
   // step (only ranks this rank watches; see the file comment).
   std::vector<int> missing_peers() override;
   void heartbeat() override;
+  bool heartbeat_from_any_thread() const override;  // MPI_THREAD_MULTIPLE
   std::string diagnose_stall(double silence) override;
 
  private:

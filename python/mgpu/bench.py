@@ -128,8 +128,9 @@ def count_emulated_work(model, timed_trainer, pg, data, batch: int, first_sample
     before = _core.emulation.counters()
     for i in range(steps):
         trainer.step(*data[i % 4], global_batch=batch, first_sample=first_sample)
-    model._backend.synchronize()
-    after = _core.emulation.counters()
+    stepped = _core.emulation.counters()
+    model._backend.synchronize()  # the queued work runs (and counts); this sync is ours, not the steps'
+    after = dict(_core.emulation.counters(), host_syncs=stepped["host_syncs"])
     return {k: (after[k] - before[k]) / steps for k in after}
 
 

@@ -88,9 +88,11 @@ def test_emulated_devices_say_so():
         assert "emulat" in d["name"].lower() and "not a real GPU" in d["name"]
 
 
-def test_bench_reports_the_cuda_work_of_a_step(tmp_path):
+@pytest.mark.parametrize("graph", ["on", "off"])
+def test_bench_reports_the_cuda_work_of_a_step(tmp_path, graph):
     # The emulation's counters are the only performance signal without a GPU:
-    # `mgpu bench` reports them per steady-state step (no allocation allowed).
+    # `mgpu bench` reports them per steady-state step: no allocation, and one
+    # host synchronisation (the read-back of the loss and the gradient norm).
     import json
     import subprocess
     import sys
@@ -99,14 +101,16 @@ def test_bench_reports_the_cuda_work_of_a_step(tmp_path):
     out = tmp_path / "bench.json"
     r = subprocess.run([sys.executable, "-m", "mgpu", "bench", "--device", "cuda", "--model", "medium",
                         "--batch-sizes", "64", "--ranks", "1", "--steps", "2", "--repeats", "1", "--warmup", "1",
-                        "--no-progress", "--json", str(out)], capture_output=True, text=True, timeout=600,
-                       env=mpi_env())
+                        "--cuda-graph", graph, "--no-progress", "--json", str(out)], capture_output=True, text=True,
+                       timeout=600, env=mpi_env())
     assert r.returncode == 0, r.stdout + r.stderr
     assert "GPU EMULATION" in r.stdout and "per step:" in r.stdout
     row = json.loads(out.read_text())["rows"][0]
     counted = row["emulation_counters_per_step"]
     assert counted["allocations"] == 0 and counted["kernels_executed"] > 0
-    assert counted["graph_launches"] == 1  # medium at batch 64: one replayed graph per step
+    assert counted["host_syncs"] == 1, counted
+    # medium at batch 64: one replayed graph per step, or every kernel launched
+    assert counted["graph_launches"] == (1 if graph == "on" else 0), counted
 
 
 def test_stress_defaults_scale_down_on_the_emulation(tmp_path):
