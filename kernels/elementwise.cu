@@ -1,7 +1,8 @@
 // Elementwise kernels of the CUDA backend: bias broadcast (the linear layer's
 // bias, CPU reference: CpuBackend::linear_forward's row copies), scale and axpy
-// (CpuBackend::scale / CpuBackend::axpy), and the fp32 -> bf16/fp16 casts of
-// the mixed-precision GEMM inputs (no CPU counterpart: the CPU computes in fp32).
+// (CpuBackend::scale / CpuBackend::axpy), and the fp32 <-> bf16/fp16
+// conversions of the mixed-precision GEMM inputs and of gradient compression
+// (CpuBackend::narrow / CpuBackend::widen).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -30,15 +31,44 @@ __global__ void axpy_kernel(float* __restrict__ y, const float* __restrict__ x, 
     y[i] += alpha * x[i];
 }
 
-__global__ void cast_bf16_kernel(__nv_bfloat16* __restrict__ out, const float* __restrict__ in, size_t n) {
+// Element-wise type conversions, one functor each (its kernel name says which):
+// fp32 -> bf16 / fp16 round to nearest even (beyond fp16's range +-Inf, which the
+// loss scaler sees and skips), and back exactly.
+struct ToBf16 {
+  using In = float;
+  using Out = __nv_bfloat16;
+  __device__ Out operator()(In x) const { return __float2bfloat16_rn(x); }
+};
+struct ToFp16 {
+  using In = float;
+  using Out = __half;
+  __device__ Out operator()(In x) const { return __float2half_rn(x); }
+};
+struct FromBf16 {
+  using In = __nv_bfloat16;
+  using Out = float;
+  __device__ Out operator()(In x) const { return __bfloat162float(x); }
+};
+struct FromFp16 {
+  using In = __half;
+  using Out = float;
+  __device__ Out operator()(In x) const { return __half2float(x); }
+};
+
+template <typename Convert>
+__global__ void convert_kernel(typename Convert::Out* __restrict__ out, const typename Convert::In* __restrict__ in,
+                               size_t n) {
+  const Convert convert;
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
-    out[i] = __float2bfloat16_rn(in[i]);
+    out[i] = convert(in[i]);
 }
 
-__global__ void cast_fp16_kernel(__half* __restrict__ out, const float* __restrict__ in, size_t n) {
-  // Values beyond fp16's range become +-Inf: the loss scaler sees them and skips the step.
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
-    out[i] = __float2half_rn(in[i]);
+template <typename Convert>
+void convert(void* out, const void* in, size_t n, cudaStream_t stream, const char* name) {
+  if (n == 0) return;
+  MGPU_LAUNCH(convert_kernel<Convert>, grid_for(n), kThreads, 0, stream)(
+      static_cast<typename Convert::Out*>(out), static_cast<const typename Convert::In*>(in), n);
+  MGPU_CUDA_CHECK_LAUNCH(name);
 }
 
 }  // namespace
@@ -63,15 +93,19 @@ void axpy(float* y, const float* x, size_t n, float alpha, cudaStream_t stream) 
 }
 
 void cast_to_bf16(void* out, const float* in, size_t n, cudaStream_t stream) {
-  if (n == 0) return;
-  MGPU_LAUNCH(cast_bf16_kernel, grid_for(n), kThreads, 0, stream)(static_cast<__nv_bfloat16*>(out), in, n);
-  MGPU_CUDA_CHECK_LAUNCH("cast_bf16_kernel");
+  convert<ToBf16>(out, in, n, stream, "convert_kernel<ToBf16>");
 }
 
 void cast_to_fp16(void* out, const float* in, size_t n, cudaStream_t stream) {
-  if (n == 0) return;
-  MGPU_LAUNCH(cast_fp16_kernel, grid_for(n), kThreads, 0, stream)(static_cast<__half*>(out), in, n);
-  MGPU_CUDA_CHECK_LAUNCH("cast_fp16_kernel");
+  convert<ToFp16>(out, in, n, stream, "convert_kernel<ToFp16>");
+}
+
+void widen_from_bf16(float* out, const void* in, size_t n, cudaStream_t stream) {
+  convert<FromBf16>(out, in, n, stream, "convert_kernel<FromBf16>");
+}
+
+void widen_from_fp16(float* out, const void* in, size_t n, cudaStream_t stream) {
+  convert<FromFp16>(out, in, n, stream, "convert_kernel<FromFp16>");
 }
 
 }  // namespace kernels

@@ -28,6 +28,9 @@ void axpy(float* y, const float* x, size_t n, float alpha, cudaStream_t stream);
 // fp32 -> bf16 / fp16, round to nearest even (n elements; out holds 2-byte values).
 void cast_to_bf16(void* out, const float* in, size_t n, cudaStream_t stream);
 void cast_to_fp16(void* out, const float* in, size_t n, cudaStream_t stream);
+// bf16 / fp16 -> fp32, exact (n elements).
+void widen_from_bf16(float* out, const void* in, size_t n, cudaStream_t stream);
+void widen_from_fp16(float* out, const void* in, size_t n, cudaStream_t stream);
 
 // dropout.cu
 // h (B, C) in place: relu, then inverted dropout with the DropoutKey mask;

@@ -94,3 +94,17 @@ class AdamW:
 def rel_err(a, b):
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def compressed_reference(x, dtype):
+    """x rounded to bf16 or fp16 (nearest even) and back, in NumPy."""
+    if dtype == "fp16":
+        with np.errstate(over="ignore"):  # beyond fp16's range: +-Inf, as the kernels give
+            return x.astype(np.float16).astype(np.float32)
+    u = x.view(np.uint32).astype(np.uint64)
+    rounded = (((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16).astype(np.uint32).view(np.float32)
+    return np.where(np.isnan(x), x, rounded)
+
+
+COMPRESSION_CASES = np.array([0.0, -0.0, 1.0, 1.0 + 2.0 ** -8, 1.0 + 3 * 2.0 ** -8, 65504.0, 65520.0, -65536.0,
+                              2.0 ** -24, 2.0 ** -25, 3e-8, 3.0e38, np.inf, -np.inf, np.nan], np.float32)

@@ -483,8 +483,9 @@ PYBIND11_MODULE(MGPU_MODULE_NAME, m) {
       .def(py::init([](std::shared_ptr<MLP> model, std::shared_ptr<Optimizer> opt,
                        std::shared_ptr<Communicator> comm, const std::string& loss, size_t bucket_elems,
                        bool overlap, float max_grad_norm, float loss_scale, bool dynamic_loss_scale,
-                       int loss_scale_window, bool timed, const std::string& graph) {
+                       int loss_scale_window, bool timed, const std::string& graph, const std::string& grad_dtype) {
              StepOptions o;
+             o.grad_dtype = parse_precision(grad_dtype);
              if (graph == "off")
                o.graph = StepOptions::Graph::kOff;
              else if (graph == "auto")
@@ -507,7 +508,7 @@ PYBIND11_MODULE(MGPU_MODULE_NAME, m) {
            py::arg("bucket_elems") = size_t{1} << 20, py::arg("overlap") = true,
            py::arg("max_grad_norm") = 0.0f, py::arg("loss_scale") = 1.0f,
            py::arg("dynamic_loss_scale") = false, py::arg("loss_scale_window") = 2000, py::arg("timed") = false,
-           py::arg("graph") = "off")
+           py::arg("graph") = "off", py::arg("grad_dtype") = "fp32")
       .def(
           "step",
           [](DataParallelStep& s, py::list micro_batches, int64_t global_batch, uint64_t step_index,

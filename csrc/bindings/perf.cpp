@@ -181,6 +181,7 @@ void bind_perf(py::module_& m) {
       .def_readwrite("optimizer", &Workload::optimizer)
       .def_readwrite("dropout", &Workload::dropout)
       .def_readwrite("bucket_elems", &Workload::bucket_elems)
+      .def_readwrite("grad_dtype", &Workload::grad_dtype)
       .def("resolved_layers", &Workload::resolved_layers);
   py::class_<Options>(pm, "Options")
       .def(py::init<>())

@@ -226,6 +226,17 @@ void bind_probe(py::module_& parent) {
     return download(*be, d, shape_of(x));
   }, py::arg("backend"), py::arg("x"));
 
+  m.def("narrow_widen", [](BE be, F32 x, const std::string& dtype) {
+    const Precision p = parse_precision(dtype);
+    const size_t n = size_t(x.size());
+    auto d = upload(*be, x);
+    BackendArray<uint16_t> half(be.get(), n);
+    be->narrow(half.data(), d.data(), n, p);
+    be->widen(d.data(), half.data(), n, p);
+    return download(*be, d, shape_of(x));
+  }, py::arg("backend"), py::arg("x"), py::arg("dtype"),
+     "x rounded to bf16 or fp16 and widened back (gradient compression's kernels)");
+
   m.def("round_trip", [](BE be, F32 x) {
     auto d = upload(*be, x);
     return download(*be, d, shape_of(x));

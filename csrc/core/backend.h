@@ -127,6 +127,16 @@ class Backend {
   virtual void sum_squares_start(const float* x, size_t n) { started_sum_ = sum_squares(x, n); }
   virtual double sum_squares_result() { return started_sum_; }
   virtual void scale(float* x, size_t n, float alpha) = 0;
+  // Gradient compression: x (n) fp32 -> half (n two-byte values of `dtype`,
+  // kBF16 or kFP16; round to nearest even, beyond fp16's range +-Inf), and back (exact).
+  virtual void narrow(void* half, const float* x, size_t n, Precision dtype) = 0;
+  virtual void widen(float* x, const void* half, size_t n, Precision dtype) = 0;
+  // For their implementations: true for kBF16, false for kFP16, ConfigError otherwise.
+  static bool is_bf16_not_fp16(Precision dtype, const char* what) {
+    MGPU_CHECK(dtype == Precision::kBF16 || dtype == Precision::kFP16, ConfigError, what,
+               ": the half type is bf16 or fp16, not ", precision_name(dtype));
+    return dtype == Precision::kBF16;
+  }
   virtual void axpy(float* y, const float* x, size_t n, float alpha) = 0;  // y += alpha x
 
   // Arithmetic of the linear layers. Parameters, gradients and optimizer state

@@ -11,6 +11,8 @@
 #include <string>
 #include <vector>
 
+#include "errors.h"
+
 namespace mgpu {
 
 class Backend;
@@ -25,6 +27,12 @@ class Communicator {
   virtual void broadcast(float* data, size_t count, int root) = 0;
   virtual void barrier() = 0;
   virtual void allreduce_sum_async(float* data, size_t count) { allreduce_sum(data, count); }
+  // Gradient compression: in-place sums of `count` bf16 / fp16 values in
+  // device memory, queued like allreduce_sum_async, where the transport
+  // reduces half types (NCCL); others throw ConfigError.
+  virtual bool reduces_half_types() const { return false; }
+  virtual void allreduce_sum_bf16_async(void*, size_t) { refuse_half_types(); }
+  virtual void allreduce_sum_fp16_async(void*, size_t) { refuse_half_types(); }
   // True when async collectives advance without the caller's help (NCCL kernels);
   // false when they need progress() calls from the host thread (MPI).
   virtual bool progresses_independently() const { return false; }
@@ -74,6 +82,9 @@ class Communicator {
   virtual bool accepts_device_memory() const { return false; }
 
  protected:
+  [[noreturn]] void refuse_half_types() const {
+    throw ConfigError("the " + name() + " communicator reduces fp32 only (gradient compression needs NCCL)");
+  }
   double timeout_seconds_ = 0.0;
   uint64_t current_step_ = 0;
 };
@@ -88,6 +99,9 @@ class LocalCommunicator final : public Communicator {
   void broadcast(float*, size_t, int) override {}
   void barrier() override {}
   bool accepts_device_memory() const override { return true; }  // never touches the data
+  bool reduces_half_types() const override { return true; }
+  void allreduce_sum_bf16_async(void*, size_t) override {}
+  void allreduce_sum_fp16_async(void*, size_t) override {}
 };
 
 }  // namespace mgpu

@@ -89,6 +89,7 @@ DeviceTimes device_times(const std::vector<int>& sizes, int64_t b, const DeviceP
   const double update_bytes = (w.optimizer == "sgd" ? 20.0 : 28.0) * P;
   const bool half = w.precision == "bf16" || w.precision == "fp16";
   t.optimizer = pass(update_bytes) + pass(4.0 * P) /* health check */ + (half ? pass(6.0 * P) : 0.0);
+  if (w.grad_dtype != "fp32") t.optimizer += 2.0 * pass(6.0 * P);  // gradients narrowed, then the sum widened
   t.overhead = step_overhead;
   if (d.host_to_device_bandwidth > 0)
     t.overhead += 4.0 * B * (sizes.front() + sizes.back()) / d.host_to_device_bandwidth + L;
@@ -136,6 +137,8 @@ void validate(const Workload& w, const HardwareProfile& hw, const Options& o) {
   MGPU_CHECK(w.optimizer == "sgd" || w.optimizer == "adamw", ConfigError, "unknown optimizer '", w.optimizer,
              "' (expected sgd or adamw)");
   MGPU_CHECK(w.bucket_elems >= 1, ConfigError, "bucket size must be >= 1 element");
+  MGPU_CHECK(w.grad_dtype == "fp32" || w.grad_dtype == "bf16" || w.grad_dtype == "fp16", ConfigError,
+             "unknown gradient dtype '", w.grad_dtype, "' (expected fp32, bf16 or fp16)");
   MGPU_CHECK(w.dropout >= 0 && w.dropout < 1, ConfigError, "dropout must be in [0, 1), got ", w.dropout);
   for (int n : o.candidates) {
     MGPU_CHECK(n >= 1, ConfigError, "device counts must be >= 1, got ", n);
@@ -239,7 +242,7 @@ Prediction predict(const Workload& w, const HardwareProfile& hw, int devices, co
   if (devices > 1) {
     double channel_free = 0;
     for (const Bucket& bucket : plan_buckets(sizes, MLP::kGradExtraSlots, static_cast<size_t>(w.bucket_elems))) {
-      const double t = hw.link.allreduce_seconds(devices, 4.0 * bucket.count);
+      const double t = hw.link.allreduce_seconds(devices, (w.grad_dtype == "fp32" ? 4.0 : 2.0) * bucket.count);
       p.comm_s += t;
       double ready = compute_end;
       if (hw.link.overlaps_compute) {

@@ -75,6 +75,7 @@ struct Workload {
   std::string optimizer = "adamw"; // sgd (momentum) | adamw
   double dropout = 0.0;          // after every hidden layer
   int64_t bucket_elems = 1 << 20;
+  std::string grad_dtype = "fp32";  // fp32 | bf16 | fp16: the type gradients travel in (2 bytes halve the allreduce)
   // The layers that stand in for a bare parameter count: four square hidden
   // layers holding the same number of parameters.
   std::vector<int> resolved_layers() const;

@@ -73,6 +73,14 @@ DataParallelStep::DataParallelStep(std::shared_ptr<MLP> model, std::shared_ptr<O
   // per-bucket allreduces after backward are faster (docs/benchmarks.md).
   overlap_ = options_.overlap &&
              (comm_->progresses_independently() || !model_->backend().host_accessible());
+  if (options_.grad_dtype != Precision::kFP32) {
+    MGPU_CHECK(options_.grad_dtype == Precision::kBF16 || options_.grad_dtype == Precision::kFP16, ConfigError,
+               "gradients are reduced in fp32, bf16 or fp16, not ", precision_name(options_.grad_dtype));
+    MGPU_CHECK(comm_->reduces_half_types(), ConfigError, "gradient compression (",
+               precision_name(options_.grad_dtype), " allreduce) needs NCCL between GPUs; the ", comm_->name(),
+               " communicator reduces fp32 gradients (use grad dtype fp32)");
+    half_grads_ = BackendArray<uint16_t>(&model_->backend(), model_->num_params());
+  }
   const Backend& be = model_->backend();
   MGPU_CHECK(options_.graph != StepOptions::Graph::kOn || be.supports_capture(), ConfigError,
              "captured steps (CUDA graphs) need a backend that captures; the ", be.name(), " backend does not");
@@ -179,10 +187,7 @@ StepResult DataParallelStep::step(const std::vector<MicroShard>& shards, int64_t
     if (next_bucket == 0) comm_->begin_step(step_index);  // heartbeat, just before the first collective
     while (next_bucket < buckets_.size() && buckets_[next_bucket].ready_layer >= layer) {
       const Bucket& b = buckets_[next_bucket++];
-      if (overlap_)
-        comm_->allreduce_sum_async(m.grads() + b.offset, b.count);
-      else
-        comm_->allreduce_sum(m.grads() + b.offset, b.count);
+      launch_bucket(b);
       const bool layer_ends = next_bucket == buckets_.size() || buckets_[next_bucket].ready_layer != b.ready_layer;
       if (overlap_ && layer_ends) comm_->progress();
     }
@@ -240,6 +245,7 @@ StepResult DataParallelStep::step(const std::vector<MicroShard>& shards, int64_t
     // 5. All gradients summed on every rank; from here on every rank computes
     // the same values and takes the same decisions.
     comm_->wait_all();
+    if (half_grads_.size()) be.widen(m.grads(), half_grads_.data(), m.num_params(), options_.grad_dtype);
   } catch (const std::exception& e) {
     if (next_bucket > 0) comm_->abort(detail::concat("step ", step_index, " failed on this rank: ", e.what()));
     throw;
@@ -283,6 +289,34 @@ StepResult DataParallelStep::step(const std::vector<MicroShard>& shards, int64_t
   result.timings.optimizer = seconds(t_comm, t_end);
   result.timings.total = seconds(t_start, t_end);
   return result;
+}
+
+void DataParallelStep::launch_bucket(const Bucket& b) {
+  MLP& m = *model_;
+  float* grads = m.grads();
+  if (!half_grads_.size()) {
+    if (overlap_)
+      comm_->allreduce_sum_async(grads + b.offset, b.count);
+    else
+      comm_->allreduce_sum(grads + b.offset, b.count);
+    return;
+  }
+  // Compressed: always queued (completed by wait_all) from the half copy,
+  // rounded on the compute stream the collective is ordered after.
+  const size_t params = m.num_params(), end = b.offset + b.count;
+  if (b.offset < params) {
+    const size_t n = std::min(end, params) - b.offset;
+    uint16_t* half = half_grads_.data() + b.offset;
+    model_->backend().narrow(half, grads + b.offset, n, options_.grad_dtype);
+    if (options_.grad_dtype == Precision::kBF16)
+      comm_->allreduce_sum_bf16_async(half, n);
+    else
+      comm_->allreduce_sum_fp16_async(half, n);
+  }
+  if (end > params) {  // the loss and stop slots: fp32, exact
+    const size_t first = std::max(b.offset, params);
+    comm_->allreduce_sum_async(grads + first, end - first);
+  }
 }
 
 void DataParallelStep::broadcast_parameters(int root) {

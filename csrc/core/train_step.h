@@ -63,6 +63,12 @@ struct StepOptions {
   enum class Graph { kOff, kAuto, kOn };
   Graph graph = Graph::kOff;
   static constexpr size_t kGraphAutoMaxParams = size_t{1} << 24;
+  // Gradient compression: kBF16 / kFP16 allreduce the parameters' gradients
+  // in that type (half the bytes), each rank's fp32 gradients rounded to it and
+  // the sum widened back to fp32 (loss-scale aware: an fp16 overflow is a
+  // non-finite step the scaler skips). The loss and stop slots stay fp32.
+  // Needs a transport that reduces half types (NCCL, or one rank).
+  Precision grad_dtype = Precision::kFP32;
   // Synchronize the backend between phases so StepResult::timings separates
   // them on a device backend (benchmarks; costs overlap). Host backends are
   // always timed exactly.
@@ -136,6 +142,8 @@ class DataParallelStep {
                         const std::function<void(int)>& layer_done);
   // The same through a captured graph (captured on the shape's second appearance).
   void forward_backward_graph(int rows, const DropoutKey& key, float grad_scale, bool accumulate);
+  // Launches bucket b's allreduce (queued or blocking as overlap_ says; compressed with grad_dtype).
+  void launch_bucket(const Bucket& b);
 
   std::shared_ptr<MLP> model_;
   std::shared_ptr<Optimizer> optimizer_;
@@ -144,6 +152,7 @@ class DataParallelStep {
   StepOptions options_;
   bool overlap_ = false;
   std::vector<Bucket> buckets_;
+  BackendArray<uint16_t> half_grads_;  // grad_dtype's copy of the parameters' gradients (compression)
   float loss_scale_ = 1.0f;
   int good_steps_ = 0;
   using ShapeKey = std::tuple<int, int64_t, bool, float>;  // rows, first sample, accumulate, grad scale

@@ -353,6 +353,49 @@ void CpuBackend::scale(float* x, size_t n, float alpha) {
   for (long i = 0; i < len; ++i) x[i] *= alpha;
 }
 
+namespace {
+// bf16 is fp32's top half: round to nearest even on the dropped 16 bits (NaN stays NaN).
+uint16_t bf16_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+float from_bf16_bits(uint16_t h) {
+  const uint32_t u = uint32_t(h) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+}  // namespace
+
+// The CUDA kernels' reference (kernels/elementwise.cu): the same roundings,
+// fp16 through the compiler's IEEE binary16 (_Float16).
+void CpuBackend::narrow(void* half, const float* x, size_t n, Precision dtype) {
+  const bool bf16 = is_bf16_not_fp16(dtype, "narrow");
+  if (record([=] { narrow(half, x, n, dtype); })) return;
+  if (bf16) {
+    auto* out = static_cast<uint16_t*>(half);
+    for (size_t i = 0; i < n; ++i) out[i] = bf16_bits(x[i]);
+  } else {
+    auto* out = static_cast<_Float16*>(half);
+    for (size_t i = 0; i < n; ++i) out[i] = static_cast<_Float16>(x[i]);
+  }
+}
+
+void CpuBackend::widen(float* x, const void* half, size_t n, Precision dtype) {
+  const bool bf16 = is_bf16_not_fp16(dtype, "widen");
+  if (record([=] { widen(x, half, n, dtype); })) return;
+  if (bf16) {
+    const auto* in = static_cast<const uint16_t*>(half);
+    for (size_t i = 0; i < n; ++i) x[i] = from_bf16_bits(in[i]);
+  } else {
+    const auto* in = static_cast<const _Float16*>(half);
+    for (size_t i = 0; i < n; ++i) x[i] = static_cast<float>(in[i]);
+  }
+}
+
 void CpuBackend::axpy(float* y, const float* x, size_t n, float alpha) {
   if (record([=] { axpy(y, x, n, alpha); })) return;
   const long len = static_cast<long>(n);

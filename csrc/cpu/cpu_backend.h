@@ -43,6 +43,8 @@ class CpuBackend final : public Backend {
                     const AdamWParams& hp) override;
   double sum_squares(const float* x, size_t n) override;
   void scale(float* x, size_t n, float alpha) override;
+  void narrow(void* half, const float* x, size_t n, Precision dtype) override;
+  void widen(float* x, const void* half, size_t n, Precision dtype) override;
   void axpy(float* y, const float* x, size_t n, float alpha) override;
 
   // Capture as a list of recorded calls, replayed in order: nothing to gain on a

@@ -319,6 +319,18 @@ void CudaBackend::scale(float* x, size_t n, float alpha) {
   kernels::scale(x, n, alpha, stream_);
 }
 
+void CudaBackend::narrow(void* half, const float* x, size_t n, Precision dtype) {
+  const bool bf16 = is_bf16_not_fp16(dtype, "narrow");
+  activate();
+  (bf16 ? kernels::cast_to_bf16 : kernels::cast_to_fp16)(half, x, n, stream_);
+}
+
+void CudaBackend::widen(float* x, const void* half, size_t n, Precision dtype) {
+  const bool bf16 = is_bf16_not_fp16(dtype, "widen");
+  activate();
+  (bf16 ? kernels::widen_from_bf16 : kernels::widen_from_fp16)(x, half, n, stream_);
+}
+
 void CudaBackend::axpy(float* y, const float* x, size_t n, float alpha) {
   activate();
   kernels::axpy(y, x, n, alpha, stream_);

@@ -57,6 +57,8 @@ class CudaBackend final : public Backend {
   void sum_squares_start(const float* x, size_t n) override;
   double sum_squares_result() override;
   void scale(float* x, size_t n, float alpha) override;
+  void narrow(void* half, const float* x, size_t n, Precision dtype) override;
+  void widen(float* x, const void* half, size_t n, Precision dtype) override;
   void axpy(float* y, const float* x, size_t n, float alpha) override;
 
   void set_precision(Precision precision) override;

@@ -77,8 +77,9 @@ class NcclCommunicator final : public Communicator {
 
   // Compressed-gradient entries: in-place sums of `count` bf16 / fp16 values in
   // device memory, queued like allreduce_sum_async.
-  void allreduce_sum_bf16_async(void* data, size_t count);
-  void allreduce_sum_fp16_async(void* data, size_t count);
+  bool reduces_half_types() const override { return true; }
+  void allreduce_sum_bf16_async(void* data, size_t count) override;
+  void allreduce_sum_fp16_async(void* data, size_t count) override;
 
   void set_timeout(double seconds) override;
   void begin_step(uint64_t step) override;

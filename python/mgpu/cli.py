@@ -16,7 +16,7 @@ import time
 import traceback
 
 from . import __version__, build_info
-from .config import COMMS, DEVICES, GRAPH_MODES, LOSSES, OPTIMIZERS, PRECISIONS, PRESETS, TrainConfig
+from .config import COMMS, DEVICES, GRAD_DTYPES, GRAPH_MODES, LOSSES, OPTIMIZERS, PRECISIONS, PRESETS, TrainConfig
 from .errors import CommError, ConfigError, DataError, NumericsError
 from .schedule import SCHEDULES
 
@@ -84,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--threads", type=int, default=None, help="CPU threads per rank (default: cores / ranks per node)")
     t.add_argument("--precision", choices=PRECISIONS, default="fp32",
                    help="GEMM precision on GPUs: fp32 (default), tf32, bf16, fp16 (dynamic loss scaling)")
+    t.add_argument("--grad-dtype", choices=GRAD_DTYPES, default="fp32",
+                   help="type the gradients are allreduced in: bf16 or fp16 halve the bytes (NCCL between GPUs; "
+                        "default fp32)")
     t.add_argument("--comm", choices=COMMS, default="auto",
                    help="gradient allreduce: auto (NCCL between GPUs, else MPI), nccl, mpi (host-staged)")
     t.add_argument("--cuda-graph", choices=GRAPH_MODES, default="auto",
@@ -140,7 +143,7 @@ def _config_from_args(a) -> TrainConfig:
                        min_lr=a.min_lr, checkpoint_dir=a.checkpoint_dir, checkpoint_every=a.checkpoint_every,
                        keep_checkpoints=a.keep_checkpoints, watchdog_timeout=a.watchdog_timeout,
                        max_bad_steps=a.max_bad_steps, precision=a.precision, comm=a.comm,
-                       cuda_graph=a.cuda_graph)
+                       cuda_graph=a.cuda_graph, grad_dtype=a.grad_dtype)
 
 
 def _check_output_path(path: str, what: str) -> None:
@@ -282,13 +285,15 @@ def cmd_train(a, pg) -> int:
                       overlap=cfg.overlap, batch_shares=a.batch_shares, accumulate=cfg.accumulate,
                       max_grad_norm=cfg.max_grad_norm, schedule=cfg.schedule(total_steps),
                       max_bad_steps=cfg.max_bad_steps, timeout=cfg.watchdog_timeout, communicator=cfg.comm,
-                      graph=cfg.cuda_graph)
+                      graph=cfg.cuda_graph, grad_dtype=cfg.grad_dtype)
     policy = (CheckpointPolicy(cfg.checkpoint_dir, cfg.checkpoint_every, cfg.keep_checkpoints)
               if cfg.checkpoint_dir else None)
     say = print if pg.is_root else (lambda *x, **k: None)
     per_rank = ", ".join(str(c) for c in split_counts(cfg.batch_size, pg.size, a.batch_shares))
     accum = f" x {cfg.accumulate} accumulated" if cfg.accumulate > 1 else ""
     on = f"{device}, {cfg.precision}, {trainer.communicator_kind} allreduce" if device == "cuda" else device
+    if cfg.grad_dtype != "fp32":
+        on += f" of {cfg.grad_dtype} gradients"
     # On the GPU emulation every line that shows a GPU or its speed says so.
     emulated = device == "cuda" and bool(build_info().get("gpu_emulation", False))
     if emulated:
@@ -316,6 +321,7 @@ def cmd_train(a, pg) -> int:
     samples = sum(e["samples"] for e in history)
     result = {
         "version": __version__, "world_size": pg.size, "device": device, "threads_per_rank": threads,
+        "grad_dtype": cfg.grad_dtype,
         "config": {**cfg.to_dict(), "loss": loss, "layers": sizes, "dropout": cfg.effective_dropout(),
                    "batch_shares": a.batch_shares, "effective_batch": cfg.batch_size * cfg.accumulate},
         "model": {"layers": sizes, "params": model.num_params},

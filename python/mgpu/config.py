@@ -36,6 +36,7 @@ DEVICES = ("cpu", "cuda", "auto")
 PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
 COMMS = ("auto", "nccl", "mpi")
 GRAPH_MODES = ("auto", "on", "off")
+GRAD_DTYPES = ("fp32", "bf16", "fp16")  # the type gradients travel in (gradient compression)
 BUILTIN_DATASETS = ("synthetic", "digits")
 
 
@@ -78,6 +79,7 @@ class TrainConfig:
     watchdog_timeout: float = 300.0     # seconds a collective may wait for a peer; 0: forever
     max_bad_steps: int = 3              # consecutive non-finite steps before stopping
     precision: str = "fp32"             # fp32 | tf32 | bf16 | fp16 (GPU; fp16 with dynamic loss scaling)
+    grad_dtype: str = "fp32"            # fp32 | bf16 | fp16: gradients allreduced in half (NCCL)
     comm: str = "auto"                  # auto (NCCL between GPUs, else MPI) | nccl | mpi (host-staged)
     cuda_graph: str = "auto"            # auto (small models on GPUs) | on | off: replay steps as CUDA graphs
 
@@ -159,6 +161,8 @@ class TrainConfig:
             fail(f"watchdog timeout must be >= 0 seconds (0: wait forever), got {self.watchdog_timeout}")
         if self.precision not in PRECISIONS:
             fail(f"unknown precision '{self.precision}' (expected {', '.join(PRECISIONS)})")
+        if self.grad_dtype not in GRAD_DTYPES:
+            fail(f"unknown gradient dtype '{self.grad_dtype}' (expected {', '.join(GRAD_DTYPES)})")
         if self.comm not in COMMS:
             fail(f"unknown communicator '{self.comm}' (expected {', '.join(COMMS)})")
         if self.cuda_graph not in GRAPH_MODES:

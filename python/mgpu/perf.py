@@ -21,7 +21,7 @@ import time
 from typing import Optional, Sequence
 
 from . import _core
-from .config import PRESETS
+from .config import GRAD_DTYPES, PRESETS
 from .errors import ConfigError
 
 P = _core.perf
@@ -218,8 +218,12 @@ def to_core(profile: dict, devices: Optional[int] = None):
 
 # --- the selector --------------------------------------------------------------------
 def _workload(model: Optional[str], layers: Optional[Sequence[int]], params: Optional[int], batch_size: int,
-              precision: str, optimizer: str, bucket_mb: float, dropout: Optional[float] = None):
+              precision: str, optimizer: str, bucket_mb: float, dropout: Optional[float] = None,
+              grad_dtype: str = "fp32"):
     w = P.Workload()
+    if grad_dtype not in GRAD_DTYPES:
+        raise ConfigError(f"unknown gradient dtype '{grad_dtype}' (expected {', '.join(GRAD_DTYPES)})")
+    w.grad_dtype = grad_dtype
     if dropout is not None:
         if not 0 <= dropout < 1:
             raise ConfigError(f"dropout must be in [0, 1), got {dropout}")
@@ -270,7 +274,7 @@ def _as_dict(rec) -> dict:
 def recommend(*, model: Optional[str] = None, layers: Optional[Sequence[int]] = None, params: Optional[int] = None,
               batch_size: int, devices: Sequence[int] = (1, 2), profile=None, precision: str = "fp32",
               optimizer: str = "adamw", bucket_mb: float = 4.0, memory_margin: float = 0.8,
-              price_per_device_hour: float = 0.0, dropout: Optional[float] = None) -> dict:
+              price_per_device_hour: float = 0.0, dropout: Optional[float] = None, grad_dtype: str = "fp32") -> dict:
     """Single device or several, how many, and why, for a model and global batch.
 
     profile: None/'auto', 'calibrated', a named profile, a JSON path, or a
@@ -284,7 +288,7 @@ def recommend(*, model: Optional[str] = None, layers: Optional[Sequence[int]] = 
         raise ConfigError(f"device counts must be integers >= 1, got {list(devices)}")
     if optimizer not in ("sgd", "adamw"):
         raise ConfigError(f"unknown optimizer '{optimizer}' (expected sgd or adamw)")
-    w = _workload(model, layers, params, batch_size, precision, optimizer, bucket_mb, dropout)
+    w = _workload(model, layers, params, batch_size, precision, optimizer, bucket_mb, dropout, grad_dtype)
     options = P.Options()
     options.candidates, options.memory_margin = counts, memory_margin
     options.price_per_device_hour = price_per_device_hour
@@ -333,6 +337,8 @@ def add_parser(sub) -> None:
                         "from `mgpu topo`, else the visible GPUs, else seed 001's thresholds)")
     r.add_argument("--precision", choices=PRECISIONS, default="fp32")
     r.add_argument("--optimizer", choices=("sgd", "adamw"), default="adamw")
+    r.add_argument("--grad-dtype", choices=GRAD_DTYPES, default="fp32",
+                   help="type the gradients travel in: bf16/fp16 halve the allreduce (NCCL; default fp32)")
     r.add_argument("--bucket-mb", type=float, default=4.0)
     r.add_argument("--dropout", type=float, default=None, help="default: the preset's, 0 otherwise")
     r.add_argument("--memory-margin", type=float, default=0.8, help="usable fraction of device memory")
@@ -356,7 +362,8 @@ def cmd_recommend(a, pg) -> int:
         params = int(a.params)
     result = recommend(model=a.model, layers=a.layers, params=params, batch_size=a.batch_size, devices=a.devices,
                        profile=a.profile, precision=a.precision, optimizer=a.optimizer, bucket_mb=a.bucket_mb,
-                       memory_margin=a.memory_margin, price_per_device_hour=a.price, dropout=a.dropout)
+                       memory_margin=a.memory_margin, price_per_device_hour=a.price, dropout=a.dropout,
+                       grad_dtype=a.grad_dtype)
     if pg.is_root:
         print(format_recommendation(result))
         if a.json:

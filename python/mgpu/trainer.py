@@ -19,7 +19,7 @@ import numpy as np
 from . import __version__, _core
 from .checkpoint import (CheckpointError, check_compatible, load_checkpoint, prepare_directory,
                          save_checkpoint)
-from .config import GRAPH_MODES
+from .config import GRAD_DTYPES, GRAPH_MODES
 from .data import Dataset, GlobalBatches, check_dataset_fits, local_slice, split_counts
 from .errors import ConfigError, NumericsError
 from .model import MLP
@@ -56,7 +56,7 @@ class Trainer:
                  accumulate: int = 1, max_grad_norm: float = 0.0, schedule: Optional[LRSchedule] = None,
                  loss_scale: Optional[float] = None, dynamic_loss_scale: Optional[bool] = None,
                  max_bad_steps: int = 3, timeout: float = 300.0, communicator: str = "auto",
-                 timed: bool = False, graph: str = "auto"):
+                 timed: bool = False, graph: str = "auto", grad_dtype: str = "fp32"):
         if not (isinstance(lr, (int, float)) and np.isfinite(lr) and lr > 0):
             raise ConfigError(f"learning rate must be a finite number > 0, got {lr}")
         if not isinstance(accumulate, int) or accumulate < 1:
@@ -78,6 +78,8 @@ class Trainer:
         self.pg.timeout = timeout
         if graph not in GRAPH_MODES:
             raise ConfigError(f"unknown CUDA graph mode '{graph}' (expected {', '.join(GRAPH_MODES)})")
+        if grad_dtype not in GRAD_DTYPES:
+            raise ConfigError(f"unknown gradient dtype '{grad_dtype}' (expected {', '.join(GRAD_DTYPES)})")
         if communicator not in ("auto", "nccl", "mpi"):
             raise ConfigError(f"unknown communicator '{communicator}' (expected auto, nccl or mpi)")
         if communicator == "auto":  # NCCL between GPUs when this build has it; MPI otherwise
@@ -88,8 +90,9 @@ class Trainer:
                 else self.pg.communicator())
         comm.timeout = timeout
         self._comm = comm  # the one this trainer's collectives use (MPI or NCCL), resume included
-        # fp16 needs loss scaling (dynamic unless a scale is given); other precisions none
-        fp16 = getattr(model._backend, "precision", "fp32") == "fp16"
+        # fp16 needs loss scaling (dynamic unless a scale is given), in the GEMMs or in the
+        # gradients' allreduce alike (small gradients underflow fp16); other precisions none
+        fp16 = getattr(model._backend, "precision", "fp32") == "fp16" or grad_dtype == "fp16"
         if dynamic_loss_scale is None:
             dynamic_loss_scale = fp16 and loss_scale is None
         if loss_scale is None:
@@ -97,8 +100,10 @@ class Trainer:
         self._optimizer = _core.Optimizer(model._core, optimizer, momentum, weight_decay, betas[0], betas[1], eps)
         # timed: separate the phases of a step on device backends too (benchmarks; costs overlap)
         # graph: capture each step's forward/backward in a CUDA graph (auto: small models on GPUs)
+        # grad_dtype: the type gradients travel in (bf16/fp16 halve the allreduce; NCCL only)
         self._step = _core.DataParallelStep(model._core, self._optimizer, comm, loss, bucket_elems, overlap,
-                                            max_grad_norm, loss_scale, dynamic_loss_scale, 2000, timed, graph)
+                                            max_grad_norm, loss_scale, dynamic_loss_scale, 2000, timed, graph,
+                                            grad_dtype)
         self._graph_fallback_reported = False
         self._step.broadcast_parameters(0)
         # Loop state: everything a checkpoint must hold to continue exactly.

@@ -214,3 +214,13 @@ def test_build_info_reports_cuda_versions():
         assert "driver" in info
         if info["nccl_communicator"]:
             assert info["nccl_compiled"] and info["nccl_loaded"] and info["nccl_loaded_code"] > 0
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_gradient_compression_on_the_cpu_rounds_to_nearest_even(cpu_backend, dtype):
+    # The CPU reference of the CUDA narrow/widen kernels (tests/gpu/test_kernels.py holds the two together).
+    from reference import COMPRESSION_CASES, compressed_reference  # tests/reference.py
+    x = np.concatenate([rand(4000) * np.float32(1e-3), rand(300) * np.float32(1e4), COMPRESSION_CASES])
+    np.testing.assert_array_equal(ops.narrow_widen(cpu_backend, x, dtype), compressed_reference(x, dtype))
+    with pytest.raises(ConfigError, match="bf16 or fp16"):
+        ops.narrow_widen(cpu_backend, x, "tf32")

@@ -6,6 +6,7 @@ import pytest
 
 from mgpu import _core
 from mgpu.errors import ConfigError
+from reference import COMPRESSION_CASES, compressed_reference  # tests/reference.py
 
 ops = _core.backend_ops
 
@@ -173,6 +174,15 @@ def test_sum_squares_scale_axpy(cuda_backend, cpu_backend, n):
     close(ops.axpy(cuda_backend, y, x, -1.5), ops.axpy(cpu_backend, y, x, -1.5), 1e-7)
     assert not ops.zero(cuda_backend, x).any()
     assert np.array_equal(ops.round_trip(cuda_backend, x), x)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_gradient_compression_rounds_like_the_cpu_and_numpy(cuda_backend, cpu_backend, dtype):
+    rng = np.random.default_rng(11)
+    x = np.concatenate([rand(rng, 5000, scale=1e-3), rand(rng, 300, scale=1e4), COMPRESSION_CASES])
+    expect = compressed_reference(x, dtype)
+    np.testing.assert_array_equal(ops.narrow_widen(cuda_backend, x, dtype), expect)
+    np.testing.assert_array_equal(ops.narrow_widen(cpu_backend, x, dtype), expect)
 
 
 def test_sum_squares_propagates_nan_and_inf(cuda_backend):

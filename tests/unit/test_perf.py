@@ -68,6 +68,19 @@ def test_slow_link_makes_one_device_the_answer_and_fast_link_many():
         assert key in fast["candidates"][0]
 
 
+def test_compressed_gradients_halve_the_bandwidth_term_and_add_two_casts():
+    args = dict(alpha=0.0, busbw=1e9)  # bandwidth-bound: the bytes decide
+    layers, batch = [1024, 4096, 4096, 10], 4096
+    prof = perf.to_core(profile([device()] * 2, overlap=False, **args))
+    fp32, bf16 = (P.predict(perf._workload(None, layers, None, batch, "fp32", "sgd", 4.0, grad_dtype=g), prof, 2,
+                            P.Options()) for g in ("fp32", "bf16"))
+    assert bf16.comm_s == pytest.approx(fp32.comm_s / 2, rel=1e-3)
+    assert bf16.optimizer_s > fp32.optimizer_s  # narrowing and widening the gradients
+    assert bf16.step_s < fp32.step_s
+    with pytest.raises(mgpu.ConfigError, match="gradient dtype"):
+        perf._workload(None, layers, None, batch, "fp32", "sgd", 4.0, grad_dtype="int8")
+
+
 def test_overlap_hides_allreduce_behind_backward():
     args = dict(alpha=1e-5, busbw=2e10)
     overlapped, serial = predict(profile([device()] * 2, overlap=True, **args), 2), predict(
