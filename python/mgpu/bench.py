@@ -29,7 +29,7 @@ from typing import Optional
 import numpy as np
 
 from . import __version__, _core
-from .config import GRAPH_MODES, PRECISIONS, PRESETS
+from .config import GRAD_DTYPES, GRAPH_MODES, PRECISIONS, PRESETS
 from .errors import ConfigError
 
 PEER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "peers", "torch_ddp.py")
@@ -72,15 +72,17 @@ def step_flops(sizes, batch: int) -> float:
 
 
 def measure(pg, sizes, dropout: float, batch: int, *, optimizer: str, warmup: int, steps: int, repeats: int,
-            device: str, device_index: int, threads: int, precision: str = "fp32", graph: str = "auto") -> dict:
-    """Collective: time `repeats` x `steps` training steps at global batch `batch` on this world."""
+            device: str, device_index: int, threads: int, precision: str = "fp32", graph: str = "auto",
+            accumulate: int = 1, grad_dtype: str = "fp32") -> dict:
+    """Collective: time `repeats` x `steps` training steps at global batch `batch` on this world
+    (each rank's share in `accumulate` micro-batches; gradients allreduced in `grad_dtype`)."""
     from .data import local_slice
     from .model import MLP
     from .trainer import Trainer
     model = MLP(sizes, seed=0, dropout=dropout, device=device, device_index=device_index, threads=threads,
                 precision=precision)
     trainer = Trainer(model, loss="mse", optimizer=optimizer, lr=1e-3, momentum=0.9, process_group=pg, timed=True,
-                      graph=graph)
+                      graph=graph, accumulate=accumulate, grad_dtype=grad_dtype)
     part = local_slice(batch, pg.rank, pg.size)
     rng = np.random.default_rng(pg.rank)
     rows = part.stop - part.start
@@ -111,7 +113,8 @@ def measure(pg, sizes, dropout: float, batch: int, *, optimizer: str, warmup: in
             "step": stats, "samples_per_sec": batch / stats["median"],
             "breakdown_ms": {k: float(np.median(v)) * 1e3 for k, v in phases.items()},
             "peak_memory_bytes": peak, "params": model.num_params, "overlap": trainer._step.overlaps,
-            "precision": precision, "cuda_graph": trainer._step.uses_graphs,
+            "precision": precision, "accumulate": accumulate, "grad_dtype": grad_dtype,
+            "cuda_graph": trainer._step.uses_graphs,
             "graph_fallback": trainer._step.graph_fallback or None}
 
 
@@ -121,7 +124,8 @@ def count_emulated_work(model, timed_trainer, pg, data, batch: int, first_sample
     steps of an untimed trainer (the timed one adds a synchronisation per phase)."""
     from .trainer import Trainer
     trainer = Trainer(model, loss="mse", optimizer=timed_trainer.optimizer_name, lr=1e-3, momentum=0.9,
-                      process_group=pg, graph="on" if timed_trainer._step.uses_graphs else "off")
+                      process_group=pg, graph="on" if timed_trainer._step.uses_graphs else "off",
+                      accumulate=timed_trainer.accumulate, grad_dtype=timed_trainer.grad_dtype)
     for i in range(2):  # first appearance and capture of the shape
         trainer.step(*data[i % 4], global_batch=batch, first_sample=first_sample)
     model._backend.synchronize()
@@ -164,7 +168,7 @@ def run_worker(pg, a) -> list:
             raise ConfigError(f"batch size {batch} is smaller than the number of ranks ({pg.size})")
         row = measure(pg, sizes, dropout, batch, optimizer=a.optimizer, warmup=a.warmup, steps=a.steps,
                       repeats=a.repeats, device=device, device_index=device_index, threads=threads,
-                      precision=a.precision, graph=a.cuda_graph)
+                      precision=a.precision, graph=a.cuda_graph, accumulate=a.accumulate, grad_dtype=a.grad_dtype)
         local = -(-batch // pg.size)
         rate = gemm_rate(device, device_index, threads, sizes, local, a.precision)
         row["gemm_flops"] = pg.allreduce(rate, op="min")
@@ -382,6 +386,11 @@ def cmd_bench(a, pg) -> int:
         raise ConfigError(f"threads must be >= 1, got {a.threads}")
     if a.precision != "fp32" and a.device == "cpu":
         raise ConfigError(f"--precision {a.precision} needs a GPU; the CPU backend computes in fp32")
+    if a.accumulate < 1:
+        raise ConfigError(f"--accumulate must be >= 1, got {a.accumulate}")
+    if a.compare == "torch" and (a.accumulate != 1 or a.grad_dtype != "fp32"):
+        raise ConfigError("--compare torch runs the peer without accumulation and with fp32 gradients: "
+                          "leave --accumulate and --grad-dtype at their defaults")
     if a.layers is not None and (len(a.layers) < 2 or min(a.layers) < 1):
         raise ConfigError(f"layers must be at least two positive sizes, got {a.layers}")
     for path, what in ((a.json, "--json"), (a.csv, "--csv")):
@@ -405,7 +414,7 @@ def cmd_bench(a, pg) -> int:
         passthrough = [f"--batch-sizes={','.join(map(str, a.batch_sizes))}", f"--warmup={a.warmup}",
                        f"--steps={a.steps}", f"--repeats={a.repeats}", f"--optimizer={a.optimizer}",
                        f"--device={a.device}", f"--precision={a.precision}", f"--cuda-graph={a.cuda_graph}",
-                       "--no-progress"]
+                       f"--accumulate={a.accumulate}", f"--grad-dtype={a.grad_dtype}", "--no-progress"]
         passthrough += [f"--layers={','.join(map(str, a.layers))}"] if a.layers else [f"--model={a.model or 'large'}"]
         if a.threads:
             passthrough.append(f"--threads={a.threads}")
@@ -477,6 +486,10 @@ def add_parser(sub) -> None:
                    help="GEMM precision (GPUs): fp32, tf32, bf16, fp16; the PyTorch peer uses the same")
     b.add_argument("--cuda-graph", choices=GRAPH_MODES, default="auto",
                    help="replay steps as CUDA graphs: auto (small models on GPUs), on, off")
+    b.add_argument("--accumulate", type=int, default=1,
+                   help="micro-batches per step: each rank's share of the batch in K parts (default 1)")
+    b.add_argument("--grad-dtype", choices=GRAD_DTYPES, default="fp32",
+                   help="type the gradients are allreduced in (bf16/fp16: NCCL between GPUs)")
     b.add_argument("--compare", choices=("torch",), default=None, help="run the same workload in PyTorch (DDP)")
     b.add_argument("--validate-selector", action="store_true",
                    help="predicted vs measured speedup per cell (needs `mgpu topo` first)")

@@ -73,6 +73,7 @@ class Trainer:
             split_counts(self.pg.size, self.pg.size, batch_shares)  # validates
         self.batch_shares = batch_shares
         self.accumulate = accumulate
+        self.grad_dtype = grad_dtype
         self.schedule = schedule or LRSchedule(float(lr))
         self.max_bad_steps = max_bad_steps
         self.pg.timeout = timeout

@@ -88,8 +88,8 @@ def test_emulated_devices_say_so():
         assert "emulat" in d["name"].lower() and "not a real GPU" in d["name"]
 
 
-@pytest.mark.parametrize("graph", ["on", "off"])
-def test_bench_reports_the_cuda_work_of_a_step(tmp_path, graph):
+@pytest.mark.parametrize("graph, accumulate", [("on", 1), ("off", 1), ("on", 4)])
+def test_bench_reports_the_cuda_work_of_a_step(tmp_path, graph, accumulate):
     # The emulation's counters are the only performance signal without a GPU:
     # `mgpu bench` reports them per steady-state step: no allocation, and one
     # host synchronisation (the read-back of the loss and the gradient norm).
@@ -101,7 +101,8 @@ def test_bench_reports_the_cuda_work_of_a_step(tmp_path, graph):
     out = tmp_path / "bench.json"
     r = subprocess.run([sys.executable, "-m", "mgpu", "bench", "--device", "cuda", "--model", "medium",
                         "--batch-sizes", "64", "--ranks", "1", "--steps", "2", "--repeats", "1", "--warmup", "1",
-                        "--cuda-graph", graph, "--no-progress", "--json", str(out)], capture_output=True, text=True,
+                        "--cuda-graph", graph, "--accumulate", str(accumulate), "--no-progress", "--json", str(out)],
+                       capture_output=True, text=True,
                        timeout=600, env=mpi_env())
     assert r.returncode == 0, r.stdout + r.stderr
     assert "GPU EMULATION" in r.stdout and "per step:" in r.stdout
@@ -109,8 +110,9 @@ def test_bench_reports_the_cuda_work_of_a_step(tmp_path, graph):
     counted = row["emulation_counters_per_step"]
     assert counted["allocations"] == 0 and counted["kernels_executed"] > 0
     assert counted["host_syncs"] == 1, counted
-    # medium at batch 64: one replayed graph per step, or every kernel launched
-    assert counted["graph_launches"] == (1 if graph == "on" else 0), counted
+    # medium at batch 64: one replayed graph per micro-batch, or every kernel launched
+    assert counted["graph_launches"] == (accumulate if graph == "on" else 0), counted
+    assert row["accumulate"] == accumulate
 
 
 def test_stress_defaults_scale_down_on_the_emulation(tmp_path):
