@@ -89,6 +89,29 @@ class Communicator {
   uint64_t current_step_ = 0;
 };
 
+// The words of Communicator::diagnose_stall, shared by the transports: ranks
+// that have not reached the current step, ranks that reached it but went
+// silent; none: the collective itself is stuck (every_rank_watched), or only
+// rank 0 can tell.
+inline std::string describe_stall(const std::vector<int>& missing, const std::vector<int>& silent,
+                                  bool every_rank_watched) {
+  auto join = [](const std::vector<int>& ranks) {
+    std::string s;
+    for (size_t i = 0; i < ranks.size(); ++i) s += (i ? ", " : "") + std::to_string(ranks[i]);
+    return s;
+  };
+  std::string msg;
+  if (!missing.empty())
+    msg += std::string("rank") + (missing.size() > 1 ? "s " : " ") + join(missing) +
+           (missing.size() > 1 ? " have" : " has") + " not reached this step";
+  if (!silent.empty())
+    msg += std::string(missing.empty() ? "" : "; ") + "rank" + (silent.size() > 1 ? "s " : " ") + join(silent) +
+           " stopped responding during it";
+  if (!missing.empty() || !silent.empty()) return msg + " (stopped, hung or dead)";
+  return every_rank_watched ? "every rank reached this step and is responding, but the collective is stuck"
+                            : "rank 0 reached this step; it names the missing rank";
+}
+
 // A world of one: every collective is the identity.
 class LocalCommunicator final : public Communicator {
  public:

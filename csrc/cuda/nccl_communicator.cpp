@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "../core/errors.h"
+#include "../core/thread_sidecar.h"
 #include "cuda_backend.h"
 #include "cuda_check.h"
 
@@ -451,6 +452,7 @@ std::vector<std::shared_ptr<NcclCommunicator>> NcclCommunicator::init_all(const 
   std::vector<ncclComm_t> comms(n, nullptr);
   MGPU_NCCL_CHECK(nullptr, ncclCommInitAll(comms.data(), n, devices.data()));
   std::vector<std::unique_ptr<Impl>> impls;
+  auto heartbeats = std::make_shared<ThreadHeartbeats>(n);  // the threads' sidecars: timeouts name the missing one
   try {
     for (int i = 0; i < n; ++i) {
       impls.push_back(std::make_unique<Impl>());
@@ -458,6 +460,7 @@ std::vector<std::shared_ptr<NcclCommunicator>> NcclCommunicator::init_all(const 
       impl.rank = i;
       impl.size = n;
       impl.device = devices[i];
+      impl.sidecar = std::make_shared<ThreadSidecar>(heartbeats, i);
       impl.comm = comms[i];  // owned by impl from here: ~Impl aborts it on failure
       comms[i] = nullptr;
       impl.create_streams();

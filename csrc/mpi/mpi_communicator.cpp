@@ -31,12 +31,6 @@ constexpr int kHeartbeatTag = 7;
 double now_seconds() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
-
-std::string join(const std::vector<int>& ranks) {
-  std::ostringstream out;
-  for (size_t i = 0; i < ranks.size(); ++i) out << (i ? ", " : "") << ranks[i];
-  return out.str();
-}
 }  // namespace
 
 MpiCommunicator::MpiCommunicator(uintptr_t handle) {
@@ -147,21 +141,7 @@ void MpiCommunicator::heartbeat() {
 std::string MpiCommunicator::diagnose_stall(double silence) {
   const std::vector<int> missing = missing_peers();
   const std::vector<int> silent = silent_peers(silence);
-  std::ostringstream msg;
-  if (!missing.empty())
-    msg << "rank" << (missing.size() > 1 ? "s " : " ") << join(missing)
-        << (missing.size() > 1 ? " have" : " has") << " not reached this step";
-  if (!silent.empty())
-    msg << (missing.empty() ? "" : "; ") << "rank" << (silent.size() > 1 ? "s " : " ") << join(silent)
-        << " stopped responding during it";
-  if (!missing.empty() || !silent.empty()) {
-    msg << " (stopped, hung or dead)";
-  } else if (static_cast<int>(watched_.size()) == size_ - 1) {
-    msg << "every rank reached this step and is responding, but the collective is stuck";
-  } else {
-    msg << "rank 0 reached this step; it names the missing rank";
-  }
-  return msg.str();
+  return describe_stall(missing, silent, static_cast<int>(watched_.size()) == size_ - 1);
 }
 
 std::vector<int> MpiCommunicator::silent_peers(double silence) {

@@ -125,3 +125,30 @@ def test_a_launch_failure_mid_backward_aborts_the_buckets_in_flight(emulated_fau
     errors.clear()
     gc.collect()
     assert _core.emulation.violations() == []
+
+
+def test_a_stalled_thread_of_run_on_gpus_is_named_by_the_others_watchdog(two_gpus):
+    # Threads of one process watch each other through shared heartbeats (no MPI):
+    # thread 1 stops before step 2 for longer than the timeout.
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((64, 20)).astype(np.float32)
+    y = rng.standard_normal((64, 3)).astype(np.float32)
+    errors = {0: [], 1: []}
+
+    def train(tg):
+        model = MLP([20, 16, 3], device="cuda", device_index=tg.rank, seed=1)
+        trainer = Trainer(model, process_group=tg, timeout=1.5, graph="off")
+        rows = slice(32 * tg.rank, 32 * tg.rank + 32)
+        for step in range(3):
+            if tg.rank == 1 and step == 2:
+                time.sleep(4)
+            try:
+                trainer.step(x[rows], y[rows], global_batch=64, first_sample=32 * tg.rank)
+            except _core.CommError as e:
+                errors[tg.rank].append(str(e))
+                return
+
+    run_on_gpus(train, gpus=2)
+    assert errors[0], errors
+    assert re.search(r"at step 2 on rank 0 \(GPU \d\): did not complete within 1.5 s: rank 1 has not reached "
+                     r"this step \(stopped, hung or dead\)", errors[0][0]), errors
