@@ -13,17 +13,20 @@ namespace kernels {
 
 namespace {
 
+// grad_scale (gs) is applied as the gradient is read, with __fmul_rn so that
+// nvcc cannot fuse it into a following FMA: the update then equals a separate
+// scale pass followed by the unscaled update, as the CPU backend computes it.
 __global__ void sgd_kernel(float* __restrict__ param, const float* __restrict__ grad, size_t n, float lr,
-                           float wd) {
+                           float wd, float gs) {
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
-    param[i] -= lr * (grad[i] + wd * param[i]);
+    param[i] -= lr * (__fmul_rn(grad[i], gs) + wd * param[i]);
 }
 
 __global__ void sgd_momentum_kernel(float* __restrict__ param, const float* __restrict__ grad,
                                     float* __restrict__ buf, size_t n, float lr, float wd, float mom,
-                                    bool first) {
+                                    bool first, float gs) {
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
-    const float g = grad[i] + wd * param[i];
+    const float g = __fmul_rn(grad[i], gs) + wd * param[i];
     const float b = first ? g : mom * buf[i] + g;
     buf[i] = b;
     param[i] -= lr * b;
@@ -31,13 +34,13 @@ __global__ void sgd_momentum_kernel(float* __restrict__ param, const float* __re
 }
 
 struct AdamWConsts {
-  float step_size, inv_sqrt_bc2, decay, one_minus_b1, one_minus_b2, b2, eps;
+  float step_size, inv_sqrt_bc2, decay, one_minus_b1, one_minus_b2, b2, eps, grad_scale;
 };
 
 __global__ void adamw_kernel(float* __restrict__ param, const float* __restrict__ grad, float* __restrict__ m,
                              float* __restrict__ v, size_t n, AdamWConsts c) {
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
-    const float g = grad[i];
+    const float g = __fmul_rn(grad[i], c.grad_scale);
     const float mi = m[i] + c.one_minus_b1 * (g - m[i]);
     const float vi = c.b2 * v[i] + c.one_minus_b2 * g * g;
     m[i] = mi;
@@ -54,10 +57,12 @@ void sgd_update(float* param, const float* grad, float* momentum_buf, size_t n, 
   if (n == 0) return;
   if (hp.momentum > 0.0f) {
     MGPU_LAUNCH(sgd_momentum_kernel, grid_for(n), kThreads, 0, stream)(param, grad, momentum_buf, n, hp.lr,
-                                                              hp.weight_decay, hp.momentum, hp.first_step);
+                                                              hp.weight_decay, hp.momentum, hp.first_step,
+                                                              hp.grad_scale);
     MGPU_CUDA_CHECK_LAUNCH("sgd_momentum_kernel");
   } else {
-    MGPU_LAUNCH(sgd_kernel, grid_for(n), kThreads, 0, stream)(param, grad, n, hp.lr, hp.weight_decay);
+    MGPU_LAUNCH(sgd_kernel, grid_for(n), kThreads, 0, stream)(param, grad, n, hp.lr, hp.weight_decay,
+                                                     hp.grad_scale);
     MGPU_CUDA_CHECK_LAUNCH("sgd_kernel");
   }
 }
@@ -75,6 +80,7 @@ void adamw_update(float* param, const float* grad, float* exp_avg, float* exp_av
   c.one_minus_b2 = 1.0f - hp.beta2;
   c.b2 = hp.beta2;
   c.eps = hp.eps;
+  c.grad_scale = hp.grad_scale;
   MGPU_LAUNCH(adamw_kernel, grid_for(n), kThreads, 0, stream)(param, grad, exp_avg, exp_avg_sq, n, c);
   MGPU_CUDA_CHECK_LAUNCH("adamw_kernel");
 }

@@ -176,31 +176,32 @@ void bind_probe(py::module_& parent) {
      py::arg("with_grad") = true, py::arg("with_correct") = true, "-> (loss, dlogits or None, correct or None)");
 
   m.def("sgd_update", [](BE be, F32 param, F32 grad, F32 buf, float lr, float momentum, float weight_decay,
-                         bool first_step) {
+                         bool first_step, float grad_scale) {
     const size_t n = size_t(param.size());
     expect_size(grad, n, "grad");
     expect_size(buf, n, "momentum_buf");
     auto dp = upload(*be, param), dg = upload(*be, grad), db = upload(*be, buf);
-    be->sgd_update(dp.data(), dg.data(), db.data(), n, SgdParams{lr, momentum, weight_decay, first_step});
+    be->sgd_update(dp.data(), dg.data(), db.data(), n, SgdParams{lr, momentum, weight_decay, first_step, grad_scale});
     return py::make_tuple(download(*be, dp, shape_of(param)), download(*be, db, shape_of(param)));
   }, py::arg("backend"), py::arg("param"), py::arg("grad"), py::arg("momentum_buf"), py::arg("lr"),
      py::arg("momentum") = 0.0f, py::arg("weight_decay") = 0.0f, py::arg("first_step") = true,
-     "-> (param, momentum_buf)");
+     py::arg("grad_scale") = 1.0f, "-> (param, momentum_buf); the update of grad_scale * grad");
 
   m.def("adamw_update", [](BE be, F32 param, F32 grad, F32 m1, F32 m2, float lr, float beta1, float beta2,
-                           float eps, float weight_decay, int64_t step) {
+                           float eps, float weight_decay, int64_t step, float grad_scale) {
     const size_t n = size_t(param.size());
     expect_size(grad, n, "grad");
     expect_size(m1, n, "exp_avg");
     expect_size(m2, n, "exp_avg_sq");
     auto dp = upload(*be, param), dg = upload(*be, grad), d1 = upload(*be, m1), d2 = upload(*be, m2);
     be->adamw_update(dp.data(), dg.data(), d1.data(), d2.data(), n,
-                     AdamWParams{lr, beta1, beta2, eps, weight_decay, step});
+                     AdamWParams{lr, beta1, beta2, eps, weight_decay, step, grad_scale});
     return py::make_tuple(download(*be, dp, shape_of(param)), download(*be, d1, shape_of(param)),
                           download(*be, d2, shape_of(param)));
   }, py::arg("backend"), py::arg("param"), py::arg("grad"), py::arg("exp_avg"), py::arg("exp_avg_sq"),
      py::arg("lr"), py::arg("beta1") = 0.9f, py::arg("beta2") = 0.999f, py::arg("eps") = 1e-8f,
-     py::arg("weight_decay") = 0.01f, py::arg("step") = 1, "-> (param, exp_avg, exp_avg_sq)");
+     py::arg("weight_decay") = 0.01f, py::arg("step") = 1, py::arg("grad_scale") = 1.0f,
+     "-> (param, exp_avg, exp_avg_sq); the update of grad_scale * grad");
 
   m.def("sum_squares", [](BE be, F32 x) {
     auto d = upload(*be, x);

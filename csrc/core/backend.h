@@ -49,6 +49,9 @@ struct SgdParams {
   float momentum = 0.0f;
   float weight_decay = 0.0f;
   bool first_step = true;  // PyTorch initialises the momentum buffer to the first gradient
+  // Applied to each gradient as it is read (fp32, before weight decay): the
+  // step's unscale and clip factor, which would otherwise cost a pass of its own.
+  float grad_scale = 1.0f;
 };
 
 struct AdamWParams {
@@ -58,6 +61,7 @@ struct AdamWParams {
   float eps = 1e-8f;
   float weight_decay = 0.01f;
   int64_t step = 1;  // 1-based, for bias correction
+  float grad_scale = 1.0f;  // as SgdParams::grad_scale
 };
 
 class Backend {

@@ -35,14 +35,15 @@ Optimizer::Optimizer(std::shared_ptr<Backend> backend, size_t num_params, const 
   }
 }
 
-void Optimizer::step(float* params, const float* grads, float lr) {
+void Optimizer::step(float* params, const float* grads, float lr, float grad_scale) {
   MGPU_CHECK(lr >= 0.0f && std::isfinite(lr), ConfigError, "learning rate must be a finite number >= 0, got ", lr);
+  MGPU_CHECK(std::isfinite(grad_scale), ConfigError, "gradient scale must be finite, got ", grad_scale);
   ++steps_;
   if (config_.kind == OptimizerKind::kSGD) {
-    SgdParams hp{lr, config_.momentum, config_.weight_decay, steps_ == 1};
+    SgdParams hp{lr, config_.momentum, config_.weight_decay, steps_ == 1, grad_scale};
     backend_->sgd_update(params, grads, state0_.data(), n_, hp);
   } else {
-    AdamWParams hp{lr, config_.beta1, config_.beta2, config_.eps, config_.weight_decay, steps_};
+    AdamWParams hp{lr, config_.beta1, config_.beta2, config_.eps, config_.weight_decay, steps_, grad_scale};
     backend_->adamw_update(params, grads, state0_.data(), state1_.data(), n_, hp);
   }
 }

@@ -24,8 +24,10 @@ struct OptimizerConfig {
 class Optimizer {
  public:
   Optimizer(std::shared_ptr<Backend> backend, size_t num_params, const OptimizerConfig& config);
-  // params -= update(grads) at learning rate lr; identical on every rank.
-  void step(float* params, const float* grads, float lr);
+  // params -= update(grad_scale * grads) at learning rate lr; identical on every
+  // rank. The scale is applied as the update reads each gradient (grads are left
+  // as they are): the step's unscale and clip cost no pass of their own.
+  void step(float* params, const float* grads, float lr, float grad_scale = 1.0f);
 
   const OptimizerConfig& config() const { return config_; }
   int64_t steps_taken() const { return steps_; }

@@ -273,13 +273,14 @@ StepResult DataParallelStep::step(const std::vector<MicroShard>& shards, int64_t
     result.timings.total = seconds(t_start, now());
     return result;
   }
-  // 7. Unscale and clip in one pass: g *= (1/scale) * min(1, max_norm / (norm + 1e-6)).
+  // 7-8. Unscale and clip, g *= (1/scale) * min(1, max_norm / (norm + 1e-6)),
+  // applied by the update as it reads each gradient (no pass of their own; the
+  // gradient buffer keeps the reduced, still loss-scaled and unclipped values).
+  // The update is identical on every rank.
   double factor = 1.0 / loss_scale_;
   if (options_.max_grad_norm > 0.0f && result.grad_norm > options_.max_grad_norm)
     factor *= options_.max_grad_norm / (result.grad_norm + 1e-6);
-  if (factor != 1.0) be.scale(m.grads(), m.num_params(), static_cast<float>(factor));
-  // 8. The update, identical on every rank.
-  optimizer_->step(m.params(), m.grads(), lr);
+  optimizer_->step(m.params(), m.grads(), lr, static_cast<float>(factor));
   result.applied = true;
   if (options_.dynamic_loss_scale && ++good_steps_ >= options_.loss_scale_window) {
     loss_scale_ = std::min(loss_scale_ * 2.0f, 3.0e38f);

@@ -296,22 +296,41 @@ void CpuBackend::cross_entropy_forward_backward(float* loss_out, float* dlogits,
   if (bad) throw ConfigError(label_range_error(first_bad, labels[first_bad], C, static_cast<unsigned long long>(bad)));
 }
 
+namespace {
+// g + w * p as this build computes it without a scaled g (one FMA where the
+// hardware has one, else two roundings), spelled out: left to GCC's contraction
+// (-ffp-contract=fast with -march=native), g = grad * grad_scale would be the
+// product fused into the FMA instead, and the fused update would no longer equal
+// a separate scale pass followed by the update.
+inline float plus_product(float g, float w, float p) {
+#ifdef FP_FAST_FMAF
+  return std::fma(w, p, g);
+#else
+  return g + w * p;
+#endif
+}
+}  // namespace
+
 void CpuBackend::sgd_update(float* param, const float* grad, float* buf, size_t n, const SgdParams& hp) {
   if (record([=] { sgd_update(param, grad, buf, n, hp); })) return;
   const long len = static_cast<long>(n);
-  const float lr = hp.lr, wd = hp.weight_decay, mom = hp.momentum;
+  const float lr = hp.lr, wd = hp.weight_decay, mom = hp.momentum, gs = hp.grad_scale;
   if (mom > 0.0f) {
     const bool first = hp.first_step;
 #pragma omp parallel for simd num_threads(threads_) if (len > kParallelMin) schedule(static)
     for (long i = 0; i < len; ++i) {
-      const float g = grad[i] + wd * param[i];
+      const float gi = grad[i] * gs;
+      const float g = plus_product(gi, wd, param[i]);
       const float b = first ? g : mom * buf[i] + g;
       buf[i] = b;
       param[i] -= lr * b;
     }
   } else {
 #pragma omp parallel for simd num_threads(threads_) if (len > kParallelMin) schedule(static)
-    for (long i = 0; i < len; ++i) param[i] -= lr * (grad[i] + wd * param[i]);
+    for (long i = 0; i < len; ++i) {
+      const float gi = grad[i] * gs;
+      param[i] -= lr * plus_product(gi, wd, param[i]);
+    }
   }
 }
 
@@ -324,10 +343,13 @@ void CpuBackend::adamw_update(float* param, const float* grad, float* m, float* 
   const float inv_sqrt_bc2 = static_cast<float>(1.0 / std::sqrt(1.0 - std::pow(double(hp.beta2), t)));
   const float decay = 1.0f - hp.lr * hp.weight_decay;
   const float one_minus_b1 = 1.0f - hp.beta1, one_minus_b2 = 1.0f - hp.beta2;
-  const float b2 = hp.beta2, eps = hp.eps;
+  const float b2 = hp.beta2, eps = hp.eps, gs = hp.grad_scale;
 #pragma omp parallel for simd num_threads(threads_) if (len > kParallelMin) schedule(static)
   for (long i = 0; i < len; ++i) {
-    const float g = grad[i];
+    // Not contracted into g - m[i]: g also feeds a product (g * g), and GCC only
+    // fuses a product all of whose uses are additions. The bit-identity test
+    // (test_backend_ops_cpu.py) guards this.
+    const float g = grad[i] * gs;
     const float mi = m[i] + one_minus_b1 * (g - m[i]);
     const float vi = b2 * v[i] + one_minus_b2 * g * g;
     m[i] = mi;

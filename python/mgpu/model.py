@@ -83,6 +83,11 @@ class MLP:
         self._core.set_parameters(np.concatenate([np.asarray(p, np.float32).ravel() for p in params]))
 
     def get_gradients(self) -> list:
+        """The gradient buffer, per parameter. After loss_and_grad(): that batch's gradient.
+        After a Trainer step: the global mean gradient as reduced, before unscaling and
+        clipping (both are applied inside the optimizer update), so multiplied by the loss
+        scale when one is active; the step's unscaled, unclipped norm is in
+        Trainer.last_result.grad_norm."""
         return self._split(self._core.get_gradients())
 
     def forward(self, x: np.ndarray) -> np.ndarray:

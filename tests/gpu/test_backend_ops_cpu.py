@@ -136,6 +136,36 @@ def test_adamw(cpu_backend, step):
     close(new_p, p * (1 - 0.01 * 0.1) - 0.01 / (1 - 0.9 ** step) * rm / denom)
 
 
+@pytest.mark.parametrize("grad_scale", [0.37, 1.0 / 1024.0, 3.0])
+@pytest.mark.parametrize("optimizer", ["sgd", "sgd_momentum", "sgd_momentum_first", "adamw"])
+def test_update_with_grad_scale_is_the_update_of_the_scaled_gradient(cpu_backend, optimizer, grad_scale):
+    """The step's unscale/clip factor fused into the update: the float64 update of
+    grad_scale * grad, and bit for bit the separate scale pass followed by the update."""
+    n = 10_007  # above the OpenMP threshold, with a vector tail
+    p, g, s0, s1 = rand(n), rand(n), rand(n), np.abs(rand(n))
+    scaled = ops.scale(cpu_backend, g, grad_scale)
+    if optimizer == "adamw":
+        kw = dict(lr=0.01, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1, step=3)
+        fused = ops.adamw_update(cpu_backend, p, g, s0, s1, grad_scale=grad_scale, **kw)
+        two_pass = ops.adamw_update(cpu_backend, p, scaled, s0, s1, **kw)
+        g64 = grad_scale * g.astype(np.float64)
+        rm, rv = 0.9 * s0 + 0.1 * g64, 0.99 * s1 + 0.01 * g64 ** 2
+        ref = (p * (1 - 0.01 * 0.1) - 0.01 / (1 - 0.9 ** 3) * rm / (np.sqrt(rv) / np.sqrt(1 - 0.99 ** 3) + 1e-8),
+               rm, rv)
+    else:
+        momentum = 0.0 if optimizer == "sgd" else 0.9
+        kw = dict(lr=0.1, momentum=momentum, weight_decay=0.3, first_step=optimizer == "sgd_momentum_first")
+        fused = ops.sgd_update(cpu_backend, p, g, s0, grad_scale=grad_scale, **kw)
+        two_pass = ops.sgd_update(cpu_backend, p, scaled, s0, **kw)
+        d = grad_scale * g.astype(np.float64) + 0.3 * p
+        if momentum > 0 and optimizer != "sgd_momentum_first":
+            d = momentum * s0 + d
+        ref = (p - 0.1 * d, d if momentum > 0 else s0)
+    for got, exact, r in zip(fused, two_pass, ref):
+        assert np.array_equal(got, exact), f"{np.count_nonzero(got != exact)} of {n} differ from scale-then-update"
+        close(got, r)
+
+
 def test_sum_squares_scale_axpy_zero(cpu_backend):
     x, y = rand(1000), rand(1000)
     assert ops.sum_squares(cpu_backend, x) == pytest.approx((x.astype(np.float64) ** 2).sum(), rel=1e-12)

@@ -163,6 +163,28 @@ def test_adamw(cuda_backend, cpu_backend, step):
         close(a, b, 1e-6)
 
 
+@pytest.mark.parametrize("optimizer", ["sgd", "sgd_momentum", "adamw"])
+def test_update_with_grad_scale(cuda_backend, cpu_backend, optimizer):
+    """The fused unscale/clip factor: the CUDA update equals the CPU one, and bit
+    for bit its own scale pass followed by the update (__fmul_rn keeps the product
+    out of any FMA)."""
+    rng = np.random.default_rng(4)
+    n, gs = 10001, 0.37
+    p, g, m, v = rand(rng, n), rand(rng, n), rand(rng, n), np.abs(rand(rng, n))
+    if optimizer == "adamw":
+        kw = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, step=2)
+        update = lambda be, grad, **extra: ops.adamw_update(be, p, grad, m, v, **kw, **extra)  # noqa: E731
+    else:
+        kw = dict(lr=0.05, momentum=0.0 if optimizer == "sgd" else 0.9, weight_decay=0.3, first_step=False)
+        update = lambda be, grad, **extra: ops.sgd_update(be, p, grad, m, **kw, **extra)  # noqa: E731
+    fused = update(cuda_backend, g, grad_scale=gs)
+    two_pass = update(cuda_backend, ops.scale(cuda_backend, g, gs))
+    for a, b, c in zip(fused, two_pass, update(cpu_backend, g, grad_scale=gs)):
+        assert np.array_equal(a, b)
+        close(a, c, 1e-6)
+    assert not np.array_equal(fused[0], update(cuda_backend, g)[0]), "grad_scale was ignored"
+
+
 @pytest.mark.parametrize("n", [0, 1, 1000, 3_000_001])
 def test_sum_squares_scale_axpy(cuda_backend, cpu_backend, n):
     rng = np.random.default_rng(n)

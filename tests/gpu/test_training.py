@@ -206,3 +206,64 @@ def test_precision_change_recaptures_after_an_uncaptured_run(gpu):
     assert out["on"][2] == ""
     assert out["on"][1] == out["off"][1]
     assert np.array_equal(out["on"][0], out["off"][0])
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_unscale_and_clip_fused_into_the_update_equal_a_scale_pass_then_the_update(request, device, optimizer):
+    """Loss scale and clipping both active: each step's parameters and optimizer
+    state are, bit for bit, the backend's scale pass over the reduced gradients
+    followed by the update (the step before the two were fused). The step leaves
+    the gradient buffer as reduced (loss-scaled, unclipped): that is what gets scaled."""
+    if device == "cuda":
+        request.getfixturevalue("gpu")
+    sizes = [10, 32, 3]
+    be = _core.make_backend(device, 0, 1)
+    model = _core.MLP(be, sizes, 0.0, 3)
+    opt = (_core.Optimizer(model, "sgd", momentum=0.9, weight_decay=0.01) if optimizer == "sgd"
+           else _core.Optimizer(model, "adamw", weight_decay=0.01))
+    step = _core.DataParallelStep(model, opt, _core.LocalCommunicator(), "mse", bucket_elems=500,
+                                  max_grad_norm=0.05, loss_scale=1000.0)
+    names = opt.state_names()
+    for t, (x, y) in enumerate(batches(sizes, "mse", 3, 16)):
+        params = model.get_parameters()
+        state = {k: opt.get_state(k, model.num_params) for k in names}
+        r = step.step([(x, y, 0)], 16, t, 0.1)
+        assert r.applied and r.grad_norm > 0.05, "clipping is active"
+        # the step's own arithmetic: double, with max_grad_norm the float32 it stores
+        factor = np.float32(1.0 / 1000.0 * (float(np.float32(0.05)) / (r.grad_norm + 1e-6)))
+        scaled = _core.backend_ops.scale(be, model.get_gradients(), factor)
+        if optimizer == "sgd":
+            buf = state["momentum_buffer"]
+            want = _core.backend_ops.sgd_update(be, params, scaled, buf, lr=0.1, momentum=0.9, weight_decay=0.01,
+                                                first_step=t == 0)
+        else:
+            want = _core.backend_ops.adamw_update(be, params, scaled, state["exp_avg"], state["exp_avg_sq"], lr=0.1, beta1=0.9, beta2=0.999,
+                                                  eps=1e-8, weight_decay=0.01, step=t + 1)
+        assert np.array_equal(model.get_parameters(), want[0]), f"step {t}"
+        for k, w in zip(names, want[1:]):
+            assert np.array_equal(opt.get_state(k, model.num_params), w), (t, k)
+
+
+def test_clipping_and_loss_scaling_launch_no_kernel_of_their_own(gpu):
+    """Unscale and clip ride in the optimizer's kernel: a step with both active
+    executes as many kernels as one with neither (the emulation counts them)."""
+    if not EMULATED:
+        pytest.skip("kernel counters exist only on the GPU emulation")
+    sizes = [10, 32, 3]
+    data = list(batches(sizes, "mse", 3, 16))
+    per_step = {}
+    for name, opts in (("plain", {}), ("clip", dict(max_grad_norm=0.05)), ("scale", dict(loss_scale=1000.0)),
+                       ("both", dict(max_grad_norm=0.05, loss_scale=1000.0))):
+        model, step = make("cuda", sizes, optimizer="adamw", graph="off", **opts)
+        x, y = data[0]
+        step.step([(x, y, 0)], 16, 0, 0.1)  # warm-up
+        model.backend.synchronize()
+        before = _core.emulation.counters()["kernels_executed"]
+        for t, (x, y) in enumerate(data[1:], 1):
+            r = step.step([(x, y, 0)], 16, t, 0.1)
+            assert r.applied and (r.grad_norm > 0.05 or "max_grad_norm" not in opts)
+        model.backend.synchronize()
+        per_step[name] = (_core.emulation.counters()["kernels_executed"] - before) / (len(data) - 1)
+    assert per_step["plain"] > 0
+    assert per_step["clip"] == per_step["scale"] == per_step["both"] == per_step["plain"], per_step

@@ -112,6 +112,11 @@ inline T atomicCAS(T* address, T compare, T val) {
 inline void __threadfence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
 inline void __threadfence_block() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
 
+// Rounded float product that nvcc never contracts into an FMA. The emulated
+// kernels are built without -march (no FMA instructions, so g++ cannot contract
+// either): the plain product is the same single rounding.
+inline float __fmul_rn(float a, float b) { return a * b; }
+
 // Bit casts and integer intrinsics.
 inline unsigned __float_as_uint(float x) {
   unsigned u;
