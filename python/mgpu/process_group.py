@@ -113,7 +113,6 @@ class ProcessGroup:
         seen = self.allgather((host, bus), what="NCCL setup")
         raise_if_gpu_shared(seen)
 
-
     def default_threads(self) -> int:
         """CPU threads per rank when the user gives none: the node's cores shared evenly."""
         cores = _core.build_info()["cpu_threads_available"]
