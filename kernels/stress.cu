@@ -22,6 +22,7 @@
 #include "../csrc/core/stress_math.h"
 #include "../csrc/cuda/cuda_check.h"
 #include "common.cuh"
+#include "kernels.cuh"
 
 namespace mgpu {
 namespace {
@@ -59,11 +60,6 @@ __global__ void gemm_inputs_kernel(float* __restrict__ a, float* __restrict__ b,
     a[i] = stress_start(seed, i) - 0.5f;
     b[i] = stress_start(seed + 1, i) - 0.5f;
   }
-}
-
-__global__ void to_bf16_kernel(__nv_bfloat16* __restrict__ out, const float* __restrict__ in, size_t n) {
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
-    out[i] = __float2bfloat16(in[i]);
 }
 
 __global__ void gemm_check_kernel(unsigned long long* __restrict__ counts, const float* __restrict__ got,
@@ -210,10 +206,8 @@ class CudaStress final : public StressDevice {
       if (precision == "bf16") {
         a16_.resize(nn);
         b16_.resize(nn);
-        MGPU_LAUNCH(to_bf16_kernel, grid_for(nn), kThreads, 0, stream_)(a16_.ptr, a_.ptr, nn);
-        MGPU_CUDA_CHECK_LAUNCH("to_bf16_kernel");
-        MGPU_LAUNCH(to_bf16_kernel, grid_for(nn), kThreads, 0, stream_)(b16_.ptr, b_.ptr, nn);
-        MGPU_CUDA_CHECK_LAUNCH("to_bf16_kernel");
+        kernels::cast_to_bf16(a16_.ptr, a_.ptr, nn, stream_);
+        kernels::cast_to_bf16(b16_.ptr, b_.ptr, nn, stream_);
       }
       // Pedantic only for fp32 (no TF32 sneaking in); bf16 needs the default
       // mode for its tensor-core paths, which stay bit-reproducible run to run.
@@ -280,10 +274,8 @@ class CudaStress final : public StressDevice {
     DeviceBuffer<__nv_bfloat16> a16, b16;
     a16.resize(nn);
     b16.resize(nn);
-    MGPU_LAUNCH(to_bf16_kernel, grid_for(nn), kThreads, 0, stream_)(a16.ptr, da.ptr, nn);
-    MGPU_CUDA_CHECK_LAUNCH("to_bf16_kernel");
-    MGPU_LAUNCH(to_bf16_kernel, grid_for(nn), kThreads, 0, stream_)(b16.ptr, db.ptr, nn);
-    MGPU_CUDA_CHECK_LAUNCH("to_bf16_kernel");
+    kernels::cast_to_bf16(a16.ptr, da.ptr, nn, stream_);
+    kernels::cast_to_bf16(b16.ptr, db.ptr, nn, stream_);
     return reference_check(dc.ptr, a16.ptr, b16.ptr, n, checks, input_error);
   }
 

@@ -175,7 +175,7 @@ struct NcclCommunicator::Impl {
     }
   }
 
-  void launch(const std::vector<Pending>& ops) {
+  void launch(const std::vector<Pending>& ops, double timeout_seconds) {
     if (ops.empty()) return;
     order_after_compute();
     MGPU_NCCL_CHECK(comm, ncclGroupStart());
@@ -192,10 +192,8 @@ struct NcclCommunicator::Impl {
       MGPU_NCCL_CHECK(comm, ncclAllReduce(op.data, op.data, op.count, op.type, ncclSum, comm, comm_stream));
     group_end.armed = false;
     MGPU_NCCL_CHECK(comm, ncclGroupEnd());
-    settle("allreduce", timeout);
+    settle("allreduce", timeout_seconds);
   }
-
-  double timeout = 0.0;  // the communicator's, for the waits inside NCCL calls
 
   // A non-blocking comm's calls may return before NCCL finished them
   // (ncclInProgress: connecting at the first collective, initialising,
@@ -234,10 +232,10 @@ struct NcclCommunicator::Impl {
   // The queue is emptied before launching, and `outstanding` set before the
   // group closes: a failure half-way neither relaunches ops later (counts
   // would no longer match the peers') nor leaves launched ops unwaited.
-  void flush() {
+  void flush(double timeout_seconds) {
     std::vector<Pending> ops;
     ops.swap(queued);
-    launch(ops);
+    launch(ops, timeout_seconds);
   }
 
   uint64_t step = 0;  // of the last begin_step
@@ -350,7 +348,7 @@ struct NcclCommunicator::Impl {
   // Completes everything launched; the compute stream waits for it. With
   // timeout_seconds > 0 the host waits too, against the deadline.
   void wait(const char* what, double timeout_seconds, bool host_wait) {
-    flush();
+    flush(timeout_seconds);
     if (!outstanding) return;
     MGPU_CUDA_CHECK(cudaEventRecord(comm_done, comm_stream));
     if (compute) MGPU_CUDA_CHECK(cudaStreamWaitEvent(compute, comm_done, 0));
@@ -432,7 +430,7 @@ NcclCommunicator::NcclCommunicator(const std::string& unique_id, int rank, int s
   s.device = device_index;
   s.sidecar = std::move(sidecar);
   s.watchdog_may_beat = !s.sidecar || s.sidecar->heartbeat_from_any_thread();
-  s.timeout = timeout_seconds_ = setup_timeout;
+  timeout_seconds_ = setup_timeout;
   s.create_streams();
   ncclUniqueId id;
   std::copy(unique_id.begin(), unique_id.end(), id.internal);
@@ -499,12 +497,6 @@ void NcclCommunicator::close() {
   MGPU_NCCL_CHECK(s.comm, ncclCommDestroy(s.comm));
   s.comm = nullptr;
   s.closed = true;
-}
-
-void NcclCommunicator::set_timeout(double seconds) {
-  Communicator::set_timeout(seconds);
-  std::lock_guard<std::mutex> lock(impl_->m);
-  impl_->timeout = seconds;
 }
 
 int NcclCommunicator::rank() const { return impl_->rank; }
@@ -581,7 +573,7 @@ void NcclCommunicator::progress() {
   std::lock_guard<std::mutex> lock(s.m);
   if (s.broken || s.closed || s.queued.empty()) return;
   s.activate();
-  s.flush();
+  s.flush(timeout_seconds_);
 }
 
 void NcclCommunicator::wait_all() {
@@ -593,7 +585,7 @@ void NcclCommunicator::wait_all() {
     s.wait("allreduce", timeout_seconds_, false);  // no deadline, or one this thread keeps
     return;
   }
-  s.flush();
+  s.flush(timeout_seconds_);
   if (!s.outstanding) return;
   MGPU_CUDA_CHECK(cudaEventRecord(s.comm_done, s.comm_stream));
   MGPU_CUDA_CHECK(cudaStreamWaitEvent(s.compute, s.comm_done, 0));
@@ -642,7 +634,7 @@ void NcclCommunicator::broadcast(float* data, size_t count, int root) {
   s.activate();
   const bool device = is_device_pointer(data);
   if (device)
-    s.flush();
+    s.flush(timeout_seconds_);
   else
     s.wait("broadcast", timeout_seconds_, true);  // as in allreduce_sum: no pageable copy behind them
   float* buf = data;
@@ -664,7 +656,7 @@ void NcclCommunicator::barrier() {
   std::lock_guard<std::mutex> lock(s.m);
   s.ensure_usable();
   s.activate();
-  s.flush();
+  s.flush(timeout_seconds_);
   // NCCL has no barrier: a one-element allreduce every rank must join, waited on from the host.
   float* one = s.stage(1);
   MGPU_CUDA_CHECK(cudaMemsetAsync(one, 0, sizeof(float), s.comm_stream));

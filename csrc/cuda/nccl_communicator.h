@@ -81,7 +81,6 @@ class NcclCommunicator final : public Communicator {
   void allreduce_sum_bf16_async(void* data, size_t count) override;
   void allreduce_sum_fp16_async(void* data, size_t count) override;
 
-  void set_timeout(double seconds) override;
   void begin_step(uint64_t step) override;
   std::vector<int> missing_peers() override;
   void heartbeat() override;
