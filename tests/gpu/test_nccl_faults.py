@@ -34,16 +34,12 @@ def two_gpus(gpu):
 @pytest.mark.parametrize("frozen", [0, 1])
 def test_frozen_rank_in_an_nccl_collective_is_named(two_gpus, tmp_path, frozen):
     timeout = 3
-    job, rc, elapsed, ckpt = freeze_a_rank(RUN, tmp_path, frozen, timeout)
-    assert rc != 0 and elapsed < timeout + 30, (rc, elapsed, job.stderr[-2000:])
+    stderr, elapsed = freeze_a_rank(RUN, tmp_path, frozen, timeout)
     survivor = 1 - frozen
-    named = re.search(rf"[^\n]*on rank {survivor} \(GPU \d\): [^\n]*rank {frozen}[^\n]*", job.stderr)
-    assert named, job.stderr[-3000:]
+    named = re.search(rf"[^\n]*on rank {survivor} \(GPU \d\): [^\n]*rank {frozen}[^\n]*", stderr)
+    assert named, stderr[-3000:]
     print(f"SIGSTOP of rank {frozen}: ended in {elapsed:.1f} s: {named.group(0)}")
-    assert f"did not complete within {timeout} s" in job.stderr, job.stderr[-3000:]
-    assert "Traceback" not in job.stderr
-    for path in list_checkpoints(str(ckpt)):
-        load_checkpoint(path)
+    assert f"did not complete within {timeout} s" in stderr, stderr[-3000:]
 
 
 def test_killed_rank_ends_an_nccl_job(two_gpus, tmp_path):
@@ -85,35 +81,45 @@ def test_an_injected_nccl_fault_ends_the_job_within_the_timeout(emulated_faults,
     assert "Traceback" not in r.stderr
 
 
+def train_two_threads(layers, steps, errors_per_thread, before_step=lambda rank, step: None, **trainer_args):
+    """run_on_gpus on 2 GPUs, each thread training on its half of a 64-row batch
+    for `steps` steps; the exceptions of each thread's steps, in order (a thread
+    stops at its errors_per_thread-th)."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((64, layers[0])).astype(np.float32)
+    y = rng.standard_normal((64, layers[-1])).astype(np.float32)
+    errors = {0: [], 1: []}
+
+    def train(tg):
+        model = MLP(layers, device="cuda", device_index=tg.rank, seed=1)
+        trainer = Trainer(model, process_group=tg, graph="off", **trainer_args)
+        rows = slice(32 * tg.rank, 32 * tg.rank + 32)
+        for step in range(steps):
+            before_step(tg.rank, step)
+            try:
+                trainer.step(x[rows], y[rows], global_batch=64, first_sample=32 * tg.rank)
+            except Exception as e:  # noqa: BLE001 - recorded and checked by the caller
+                errors[tg.rank].append(e)
+                if len(errors[tg.rank]) == errors_per_thread:
+                    return
+
+    run_on_gpus(train, gpus=2)
+    return errors
+
+
 def test_a_launch_failure_mid_backward_aborts_the_buckets_in_flight(emulated_faults):
     # Thread 1's backward fails after its last layer's buckets were launched.
     # Its step aborts them: its communicator refuses any further step (which
     # would otherwise pair its buckets with thread 0's of another step), the
     # memory they used is free to go, and thread 0, whose collective now never
     # completes, is freed by its watchdog.
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((64, 20)).astype(np.float32)
-    y = rng.standard_normal((64, 3)).astype(np.float32)
-    errors = {0: [], 1: []}
-
-    def train(tg):
-        model = MLP([20, 64, 64, 3], device="cuda", device_index=tg.rank, seed=1)
-        trainer = Trainer(model, process_group=tg, bucket_elems=64, timeout=2, graph="off")
-        rows = slice(32 * tg.rank, 32 * tg.rank + 32)
-        for _ in range(4):
-            try:
-                trainer.step(x[rows], y[rows], global_batch=64, first_sample=32 * tg.rank)
-            except Exception as e:  # noqa: BLE001 - recorded and checked below
-                errors[tg.rank].append(e)
-                if len(errors[tg.rank]) == 2:
-                    return
-
+    #
     # Backward of layer l: its GEMMs, the ReLU backward of layer l-1, then its
     # buckets launch. Two ReLU backward launches a step: the 4th comes after
     # the last-layer buckets of step 1 (the second; steps count from 0).
     _core.emulation.inject_launch_failure("relu_dropout_backward", device=1, nth=4)
     try:
-        run_on_gpus(train, gpus=2)
+        errors = train_two_threads([20, 64, 64, 3], 4, 2, bucket_elems=64, timeout=2)
     finally:
         _core.emulation.inject_launch_failure("", nth=0)
     first, then = errors[1][:2]
@@ -130,25 +136,11 @@ def test_a_launch_failure_mid_backward_aborts_the_buckets_in_flight(emulated_fau
 def test_a_stalled_thread_of_run_on_gpus_is_named_by_the_others_watchdog(two_gpus):
     # Threads of one process watch each other through shared heartbeats (no MPI):
     # thread 1 stops before step 2 for longer than the timeout.
-    rng = np.random.default_rng(1)
-    x = rng.standard_normal((64, 20)).astype(np.float32)
-    y = rng.standard_normal((64, 3)).astype(np.float32)
-    errors = {0: [], 1: []}
+    def stall(rank, step):
+        if rank == 1 and step == 2:
+            time.sleep(4)
 
-    def train(tg):
-        model = MLP([20, 16, 3], device="cuda", device_index=tg.rank, seed=1)
-        trainer = Trainer(model, process_group=tg, timeout=1.5, graph="off")
-        rows = slice(32 * tg.rank, 32 * tg.rank + 32)
-        for step in range(3):
-            if tg.rank == 1 and step == 2:
-                time.sleep(4)
-            try:
-                trainer.step(x[rows], y[rows], global_batch=64, first_sample=32 * tg.rank)
-            except _core.CommError as e:
-                errors[tg.rank].append(str(e))
-                return
-
-    run_on_gpus(train, gpus=2)
-    assert errors[0], errors
+    errors = train_two_threads([20, 16, 3], 3, 1, before_step=stall, timeout=1.5)
+    assert errors[0] and isinstance(errors[0][0], _core.CommError), errors
     assert re.search(r"at step 2 on rank 0 \(GPU \d\): did not complete within 1.5 s: rank 1 has not reached "
-                     r"this step \(stopped, hung or dead\)", errors[0][0]), errors
+                     r"this step \(stopped, hung or dead\)", str(errors[0][0])), errors
