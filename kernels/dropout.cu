@@ -64,9 +64,9 @@ __host__ __device__ __forceinline__ float keep_factor(const MaskParams& m, uint3
   return uniform01(bits) >= m.p ? m.keep_scale : 0.0f;
 }
 
-// The step comes in the launch's arguments, which CUDA copies when the launch
-// is enqueued (CPU reference: CpuBackend::replay's step).
-__global__ void set_step_kernel(uint64_t* step_dev, uint64_t step) { *step_dev = step; }
+// The values come in the launch's arguments, which CUDA copies when the launch
+// is enqueued (CPU reference: CpuBackend::replay's args).
+__global__ void set_replay_args_kernel(ReplayArgs* dst, ReplayArgs args) { *dst = args; }
 
 __global__ void relu_kernel(float* __restrict__ h, size_t n) {
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
@@ -75,9 +75,12 @@ __global__ void relu_kernel(float* __restrict__ h, size_t n) {
 
 // One thread per (row, counter): one Philox call serves the row's four units
 // g, g + G, g + 2G, g + 3G; neighbouring threads touch neighbouring units.
-// step_dev (nullable): the step to use instead of m.step (captured graphs; see Backend).
-__global__ void relu_dropout_kernel(float* __restrict__ h, int B, MaskParams m, const uint64_t* step_dev) {
-  if (step_dev) m.step = static_cast<uint32_t>(*step_dev);
+// replay (nullable): the step and first sample to use instead of m's (captured graphs; see Backend).
+__global__ void relu_dropout_kernel(float* __restrict__ h, int B, MaskParams m, const ReplayArgs* replay) {
+  if (replay) {
+    m.step = static_cast<uint32_t>(replay->step);
+    m.first_sample = replay->first_sample;
+  }
   const size_t total = size_t(B) * m.groups;
   for (size_t t = blockIdx.x * size_t(blockDim.x) + threadIdx.x; t < total; t += size_t(gridDim.x) * blockDim.x) {
     const int b = static_cast<int>(t / m.groups), g = static_cast<int>(t % m.groups);
@@ -103,7 +106,7 @@ __global__ void relu_dropout_backward_kernel(float* __restrict__ dh, const float
 }  // namespace
 
 void relu_dropout_forward(float* h, int B, int C, float p, const DropoutKey& key, cudaStream_t stream,
-                          const uint64_t* step_dev) {
+                          const ReplayArgs* replay) {
   const size_t n = size_t(B) * C;
   if (n == 0) return;
   if (p <= 0.0f) {
@@ -112,13 +115,13 @@ void relu_dropout_forward(float* h, int B, int C, float p, const DropoutKey& key
     return;
   }
   const MaskParams m = mask_params(C, p, key);
-  MGPU_LAUNCH(relu_dropout_kernel, grid_for(size_t(B) * m.groups), kThreads, 0, stream)(h, B, m, step_dev);
+  MGPU_LAUNCH(relu_dropout_kernel, grid_for(size_t(B) * m.groups), kThreads, 0, stream)(h, B, m, replay);
   MGPU_CUDA_CHECK_LAUNCH("relu_dropout_kernel");
 }
 
-void set_dropout_step(uint64_t* step_dev, uint64_t step, cudaStream_t stream) {
-  MGPU_LAUNCH(set_step_kernel, 1, 1, 0, stream)(step_dev, step);
-  MGPU_CUDA_CHECK_LAUNCH("set_step_kernel");
+void set_replay_args(ReplayArgs* dst, const ReplayArgs& args, cudaStream_t stream) {
+  MGPU_LAUNCH(set_replay_args_kernel, 1, 1, 0, stream)(dst, args);
+  MGPU_CUDA_CHECK_LAUNCH("set_replay_args_kernel");
 }
 
 void relu_dropout_backward(float* dh, const float* h, size_t n, float p, cudaStream_t stream) {

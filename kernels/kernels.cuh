@@ -34,13 +34,13 @@ void widen_from_fp16(float* out, const void* in, size_t n, cudaStream_t stream);
 
 // dropout.cu
 // h (B, C) in place: relu, then inverted dropout with the DropoutKey mask;
-// step_dev (device, nullable) overrides key.step, read when the kernel runs.
+// replay (device, nullable) overrides key.step and key.first_sample, read when the kernel runs.
 void relu_dropout_forward(float* h, int B, int C, float p, const DropoutKey& key, cudaStream_t stream,
-                          const uint64_t* step_dev = nullptr);
-// *step_dev = step on the stream (the step of captured dropout kernels): the
-// value is the launch's argument, fixed when enqueued, so consecutive calls
-// never see each other's value.
-void set_dropout_step(uint64_t* step_dev, uint64_t step, cudaStream_t stream);
+                          const ReplayArgs* replay = nullptr);
+// *dst = args on the stream (what captured dropout and loss kernels read): the
+// values are the launch's argument, fixed when enqueued, so consecutive calls
+// never see each other's values.
+void set_replay_args(ReplayArgs* dst, const ReplayArgs& args, cudaStream_t stream);
 // dh (n) *= [h > 0] / (1 - p)
 void relu_dropout_backward(float* dh, const float* h, size_t n, float p, cudaStream_t stream);
 // Host execution of the exact per-element code the forward kernel runs
@@ -50,9 +50,11 @@ void dropout_mask_on_host(float* mask, int B, int C, float p, const DropoutKey& 
 void curand_philox_on_host(const uint32_t counter[4], const uint32_t key[2], uint32_t out[4]);
 
 // losses.cu (partials: kPartialsSize doubles of device scratch)
-// pred (B, D), target (B, D) -> *loss_out = grad_scale * sum (pred - target)^2, dpred (nullable)
+// pred (B, D), target (B, D) -> *loss_out = grad_scale * sum (pred - target)^2, dpred (nullable);
+// replay (device, nullable) overrides grad_scale, read when the kernels run (as in cross entropy).
 void mse_forward_backward(float* loss_out, float* dpred, const float* pred, const float* target, int B,
-                          int D, float grad_scale, double* partials, cudaStream_t stream);
+                          int D, float grad_scale, double* partials, cudaStream_t stream,
+                          const ReplayArgs* replay = nullptr);
 // Labels outside [0, C) that cross_entropy_forward_backward met, for the host
 // to report (Backend::cross_entropy_forward_backward). `device` (2 values,
 // device memory) collects a launch's: count and the smallest (row << 32 | label
@@ -70,7 +72,7 @@ constexpr unsigned long long kNoLabelError = ~0ull;
 void cross_entropy_forward_backward(float* loss_out, float* dlogits, float* correct_out,
                                     const float* logits, const int32_t* labels, int B, int C,
                                     float grad_scale, double* partials, const LabelErrors& errors,
-                                    cudaStream_t stream);
+                                    cudaStream_t stream, const ReplayArgs* replay = nullptr);
 
 // optimizers.cu
 void sgd_update(float* param, const float* grad, float* momentum_buf, size_t n, const SgdParams& hp,
@@ -92,6 +94,7 @@ struct FinalizeArgs {
   int nseries = 1;
   float* out_f[2] = {nullptr, nullptr};
   float scale[2] = {1.0f, 1.0f};
+  const ReplayArgs* replay = nullptr;  // (device) its grad_scale replaces scale[0] when set
   double* out_d = nullptr;
   LabelErrors label_errors;  // folded device -> host when both are set (cross entropy)
   int classes = 0;           // C of those labels

@@ -19,11 +19,13 @@ namespace {
 constexpr int kWarpsPerBlock = kThreads / 32;
 
 // pred (B, D), target (B, D): partials[block] = sum (pred - target)^2 over the
-// block's elements; dpred = 2 grad_scale (pred - target).
+// block's elements; dpred = 2 grad_scale (pred - target), grad_scale from
+// replay (nullable, device) when set.
 __global__ void mse_kernel(double* __restrict__ partials, float* __restrict__ dpred,
                            const float* __restrict__ pred, const float* __restrict__ target, size_t n,
-                           float two_scale) {
+                           float two_scale, const ReplayArgs* replay) {
   __shared__ double smem[kThreads];
+  if (replay) two_scale = 2.0f * replay->grad_scale;
   double sum = 0.0;
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
     const float diff = pred[i] - target[i];
@@ -39,8 +41,10 @@ __global__ void mse_kernel(double* __restrict__ partials, float* __restrict__ dp
 // LabelErrors::device.
 __global__ void cross_entropy_kernel(double* __restrict__ partials, float* __restrict__ dlogits,
                                      const float* __restrict__ logits, const int32_t* __restrict__ labels,
-                                     int B, int C, float grad_scale, unsigned long long* bad_labels) {
+                                     int B, int C, float grad_scale, unsigned long long* bad_labels,
+                                     const ReplayArgs* replay) {
   __shared__ double warp_loss[kWarpsPerBlock];
+  if (replay) grad_scale = replay->grad_scale;
   __shared__ int warp_hits[kWarpsPerBlock];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   double loss_sum = 0.0;
@@ -110,26 +114,29 @@ __global__ void cross_entropy_kernel(double* __restrict__ partials, float* __res
 }  // namespace
 
 void mse_forward_backward(float* loss_out, float* dpred, const float* pred, const float* target, int B,
-                          int D, float grad_scale, double* partials, cudaStream_t stream) {
+                          int D, float grad_scale, double* partials, cudaStream_t stream,
+                          const ReplayArgs* replay) {
   const size_t n = size_t(B) * D;
   const int blocks = reduce_blocks(n, size_t(kThreads) * 8);
-  MGPU_LAUNCH(mse_kernel, blocks, kThreads, 0, stream)(partials, dpred, pred, target, n, 2.0f * grad_scale);
+  MGPU_LAUNCH(mse_kernel, blocks, kThreads, 0, stream)(partials, dpred, pred, target, n, 2.0f * grad_scale,
+                                                          replay);
   MGPU_CUDA_CHECK_LAUNCH("mse_kernel");
   FinalizeArgs f;
   f.partials = partials;
   f.nblocks = blocks;
   f.out_f[0] = loss_out;
   f.scale[0] = grad_scale;
+  f.replay = replay;
   finalize_partials(f, stream);
 }
 
 void cross_entropy_forward_backward(float* loss_out, float* dlogits, float* correct_out,
                                     const float* logits, const int32_t* labels, int B, int C,
                                     float grad_scale, double* partials, const LabelErrors& errors,
-                                    cudaStream_t stream) {
+                                    cudaStream_t stream, const ReplayArgs* replay) {
   const int blocks = reduce_blocks(size_t(B), kWarpsPerBlock);
   MGPU_LAUNCH(cross_entropy_kernel, blocks, kThreads, 0, stream)(partials, dlogits, logits, labels, B, C, grad_scale,
-                                                                 errors.device);
+                                                                 errors.device, replay);
   MGPU_CUDA_CHECK_LAUNCH("cross_entropy_kernel");
   FinalizeArgs f;
   f.partials = partials;
@@ -137,6 +144,7 @@ void cross_entropy_forward_backward(float* loss_out, float* dlogits, float* corr
   f.nseries = 2;
   f.out_f[0] = loss_out;
   f.scale[0] = grad_scale;
+  f.replay = replay;
   f.out_f[1] = correct_out;
   f.scale[1] = 1.0f;
   f.label_errors = errors;

@@ -31,7 +31,8 @@ __global__ void finalize_kernel(FinalizeArgs a) {
     for (int i = threadIdx.x; i < a.nblocks; i += kThreads) v += p[i];
     v = block_sum(v, smem);
     if (threadIdx.x == 0) {
-      if (a.out_f[s]) *a.out_f[s] = static_cast<float>(v * a.scale[s]);
+      const float scale = s == 0 && a.replay ? a.replay->grad_scale : a.scale[s];
+      if (a.out_f[s]) *a.out_f[s] = static_cast<float>(v * scale);
       if (s == 0 && a.out_d) *a.out_d = v;
     }
   }

@@ -129,7 +129,7 @@ void bind_probe(py::module_& parent) {
     }
     const int graph = be->end_capture();
     if (busy) be->scale(spin.data(), busy, 0.5f);
-    for (uint64_t step : steps) be->replay(graph, step);
+    for (uint64_t step : steps) be->replay(graph, ReplayArgs{step, 0, 1.0f});
     auto result = download(*be, out, {B, C});
     be->release_captures();
     return result;

@@ -34,6 +34,15 @@ struct DropoutKey {
   int64_t first_sample = 0;  // global index of row 0 of this rank's shard
 };
 
+// What a replayed capture reads from backend memory instead of the arguments
+// it was captured with (see Backend::replay): the dropout key's step and first
+// sample, and the losses' grad_scale (loss scale / global normaliser).
+struct ReplayArgs {
+  uint64_t step = 0;
+  int64_t first_sample = 0;
+  float grad_scale = 1.0f;
+};
+
 // Philox counters per row of C units: each counter yields 4 words.
 inline int dropout_groups(int C) { return (C + 3) / 4; }
 
@@ -154,10 +163,12 @@ class Backend {
 
   // Step capture (CUDA graphs), for small models whose step is bound by kernel
   // launches. The work issued between begin_capture() and end_capture() is
-  // recorded instead of run; replay(graph, step) runs it again with one launch.
+  // recorded instead of run; replay(graph, args) runs it again with one launch.
   // While capturing nothing may synchronise, allocate or copy to or from the
-  // host, and the dropout kernels take the step from backend memory (written by
-  // replay) instead of their DropoutKey, so one graph serves every step. A
+  // host, and the captured dropout and loss kernels read ReplayArgs from backend
+  // memory (written by replay) instead of their DropoutKey's step and first
+  // sample and their grad_scale, so one graph serves every step, every
+  // micro-batch of a shape and every loss scale. A
   // backend releases its graphs (capture_generation() changes) whenever memory
   // they use may move: scratch growth, precision changes, release_captures().
   virtual bool supports_capture() const { return false; }
@@ -167,9 +178,9 @@ class Backend {
   virtual int end_capture() { throw ConfigError("no capture in progress"); }
   // Ends a capture that failed half-way; the stream is usable again afterwards.
   virtual void abort_capture() noexcept {}
-  virtual void replay(int graph, uint64_t step) {
+  virtual void replay(int graph, const ReplayArgs& args) {
     (void)graph;
-    (void)step;
+    (void)args;
     throw ConfigError("the " + name() + " backend has no captured steps");
   }
   virtual void release_captures() {}

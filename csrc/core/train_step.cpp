@@ -108,15 +108,19 @@ void DataParallelStep::forward_backward_graph(int rows, const DropoutKey& key, f
     seen_shapes_.clear();
     graph_generation_ = be.capture_generation();
   }
-  const ShapeKey shape{rows, key.first_sample, accumulate, grad_scale};
+  // Keyed by what the graph bakes in: sizes and the accumulate branch. The
+  // step, the rows' first sample and grad_scale (which holds the loss scale)
+  // are the replay's arguments: every step, micro-batch and loss scale of a
+  // shape replays the same graph.
+  const ShapeKey shape{rows, accumulate};
+  const ReplayArgs args{key.step, key.first_sample, grad_scale};
   const auto found = graphs_.find(shape);
   if (found != graphs_.end()) {
-    be.replay(found->second, key.step);
+    be.replay(found->second, args);
     ++graph_replays_;
     return;
   }
-  // Bounded: shapes that keep changing (a dynamic loss scale, ragged batches)
-  // would otherwise pile up graphs.
+  // Bounded: shapes that keep changing (ragged batches) would otherwise pile up graphs.
   constexpr size_t kMaxGraphs = 16, kMaxSeen = 256;
   if (graphs_.size() >= kMaxGraphs || seen_shapes_.size() >= kMaxSeen) {
     be.release_captures();
@@ -133,7 +137,7 @@ void DataParallelStep::forward_backward_graph(int rows, const DropoutKey& key, f
     forward_backward(rows, key, grad_scale, accumulate, nullptr);
     const int graph = be.end_capture();
     graphs_[shape] = graph;
-    be.replay(graph, key.step);  // captured work is recorded, not run: run it now
+    be.replay(graph, args);  // captured work is recorded, not run: run it now
     ++graph_replays_;
   } catch (const Error& e) {
     be.abort_capture();

@@ -52,8 +52,9 @@ struct StepOptions {
   bool dynamic_loss_scale = false;
   int loss_scale_window = 2000;
   // Capture each micro-batch's forward, loss and backward in a graph per shard
-  // shape (rows, first sample, accumulation, gradient scale) and replay it on
-  // later steps: one launch instead of dozens (CUDA graphs; see Backend). A
+  // shape (rows, and whether it adds to the gradients) and replay it on later
+  // steps and micro-batches, whatever their first sample and loss scale: one
+  // launch instead of dozens (CUDA graphs; see Backend and ReplayArgs). A
   // shape is captured the second time it appears, so the first, uncaptured run
   // has sized every buffer. With graphs the allreduce follows backward instead
   // of overlapping it. kAuto: on for device backends that capture and models of
@@ -155,7 +156,7 @@ class DataParallelStep {
   BackendArray<uint16_t> half_grads_;  // grad_dtype's copy of the parameters' gradients (compression)
   float loss_scale_ = 1.0f;
   int good_steps_ = 0;
-  using ShapeKey = std::tuple<int, int64_t, bool, float>;  // rows, first sample, accumulate, grad scale
+  using ShapeKey = std::tuple<int, bool>;  // rows, accumulate (what a graph bakes in)
   bool graphs_enabled_ = false;
   std::map<ShapeKey, int> graphs_;   // captured shapes -> the backend's graph id
   std::set<ShapeKey> seen_shapes_;   // shapes run once uncaptured

@@ -143,9 +143,9 @@ void CpuBackend::abort_capture() noexcept {
   recording_.clear();
 }
 
-void CpuBackend::replay(int graph, uint64_t step) {
+void CpuBackend::replay(int graph, const ReplayArgs& args) {
   const auto& calls = captures_.get(graph);
-  replay_step_ = step;
+  replay_args_ = args;
   for (const auto& call : calls) call();
 }
 
@@ -194,10 +194,11 @@ void CpuBackend::linear_backward(float* dinp, float* dweight, float* dbias, cons
 }
 
 void CpuBackend::relu_dropout_forward(float* h, int B, int C, float p, const DropoutKey& key) {
-  // Replays draw the mask of the replayed step (as the CUDA graph reads it from device memory).
+  // Replays draw the mask of the replayed step and rows (as the CUDA graph reads them from device memory).
   if (record([=] {
         DropoutKey replayed = key;
-        replayed.step = replay_step_;
+        replayed.step = replay_args_.step;
+        replayed.first_sample = replay_args_.first_sample;
         relu_dropout_forward(h, B, C, p, replayed);
       }))
     return;
@@ -244,7 +245,7 @@ void CpuBackend::relu_dropout_backward(float* dh, const float* h, size_t n, floa
 // pred (B, D), target (B, D) -> loss_out = grad_scale * sum (pred - target)^2, dpred
 void CpuBackend::mse_forward_backward(float* loss_out, float* dpred, const float* pred,
                                       const float* target, int B, int D, float grad_scale) {
-  if (record([=] { mse_forward_backward(loss_out, dpred, pred, target, B, D, grad_scale); })) return;
+  if (record([=] { mse_forward_backward(loss_out, dpred, pred, target, B, D, replay_args_.grad_scale); })) return;
   const long n = long(B) * D;
   double sum = 0.0;
   const float two_scale = 2.0f * grad_scale;
@@ -261,7 +262,9 @@ void CpuBackend::mse_forward_backward(float* loss_out, float* dpred, const float
 void CpuBackend::cross_entropy_forward_backward(float* loss_out, float* dlogits, float* correct_out,
                                                 const float* logits, const int32_t* labels, int B,
                                                 int C, float grad_scale) {
-  if (record([=] { cross_entropy_forward_backward(loss_out, dlogits, correct_out, logits, labels, B, C, grad_scale); }))
+  if (record([=] {
+        cross_entropy_forward_backward(loss_out, dlogits, correct_out, logits, labels, B, C, replay_args_.grad_scale);
+      }))
     return;
   double sum = 0.0;
   long hits = 0, bad = 0, first_bad = B;  // rows whose label is outside [0, C): left out, then reported

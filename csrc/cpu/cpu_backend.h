@@ -55,7 +55,7 @@ class CpuBackend final : public Backend {
   void begin_capture() override;
   int end_capture() override;
   void abort_capture() noexcept override;
-  void replay(int graph, uint64_t step) override;
+  void replay(int graph, const ReplayArgs& args) override;
   void release_captures() override;
   uint64_t capture_generation() const override { return captures_.generation(); }
 
@@ -67,7 +67,7 @@ class CpuBackend final : public Backend {
   int threads_ = 1;
   CaptureRegistry<std::vector<std::function<void()>>> captures_;
   std::vector<std::function<void()>> recording_;  // of the capture in progress
-  uint64_t replay_step_ = 0;  // the dropout step of the replay in progress
+  ReplayArgs replay_args_;  // those of the replay in progress (read by the recorded calls)
 };
 
 // Number of hardware threads this process may use (affinity-aware).

@@ -42,7 +42,7 @@ CudaBackend::CudaBackend(int device_index) : device_(device_index) {
     MGPU_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&partials_), kernels::kPartialsSize * sizeof(double)));
     MGPU_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&sum_out_), sizeof(double)));
     MGPU_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&sum_host_), sizeof(double)));
-    MGPU_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&step_dev_), sizeof(uint64_t)));
+    MGPU_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&replay_dev_), sizeof(ReplayArgs)));
     MGPU_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&label_errors_.device), 2 * sizeof(unsigned long long)));
     MGPU_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&label_errors_.host), 3 * sizeof(unsigned long long)));
     const unsigned long long none[3] = {0, kernels::kNoLabelError, 0};
@@ -68,8 +68,8 @@ void CudaBackend::release() noexcept {
   cudaFree(partials_);
   cudaFree(sum_out_);
   if (sum_host_) cudaFreeHost(sum_host_);
-  cudaFree(step_dev_);
-  step_dev_ = nullptr;
+  cudaFree(replay_dev_);
+  replay_dev_ = nullptr;
   cudaFree(label_errors_.device);
   if (label_errors_.host) cudaFreeHost(label_errors_.host);
   label_errors_ = kernels::LabelErrors();
@@ -260,7 +260,7 @@ void CudaBackend::linear_backward(float* dinp, float* dweight, float* dbias, con
 
 void CudaBackend::relu_dropout_forward(float* h, int B, int C, float p, const DropoutKey& key) {
   activate();
-  kernels::relu_dropout_forward(h, B, C, p, key, stream_, captures_.capturing() ? step_dev_ : nullptr);
+  kernels::relu_dropout_forward(h, B, C, p, key, stream_, captured_args());
 }
 
 void CudaBackend::relu_dropout_backward(float* dh, const float* h, size_t n, float p) {
@@ -271,7 +271,7 @@ void CudaBackend::relu_dropout_backward(float* dh, const float* h, size_t n, flo
 void CudaBackend::mse_forward_backward(float* loss_out, float* dpred, const float* pred, const float* target,
                                        int B, int D, float grad_scale) {
   activate();
-  kernels::mse_forward_backward(loss_out, dpred, pred, target, B, D, grad_scale, partials_, stream_);
+  kernels::mse_forward_backward(loss_out, dpred, pred, target, B, D, grad_scale, partials_, stream_, captured_args());
 }
 
 void CudaBackend::cross_entropy_forward_backward(float* loss_out, float* dlogits, float* correct_out,
@@ -279,7 +279,7 @@ void CudaBackend::cross_entropy_forward_backward(float* loss_out, float* dlogits
                                                  float grad_scale) {
   activate();
   kernels::cross_entropy_forward_backward(loss_out, dlogits, correct_out, logits, labels, B, C, grad_scale,
-                                          partials_, label_errors_, stream_);
+                                          partials_, label_errors_, stream_, captured_args());
 }
 
 void CudaBackend::sgd_update(float* param, const float* grad, float* momentum_buf, size_t n,
@@ -368,13 +368,13 @@ void CudaBackend::abort_capture() noexcept {
   cudaGetLastError();  // capture errors are not sticky; leave none behind
 }
 
-void CudaBackend::replay(int graph, uint64_t step) {
+void CudaBackend::replay(int graph, const ReplayArgs& args) {
   activate();
   cudaGraphExec_t exec = captures_.get(graph);
   // A kernel argument, not a copy from one pinned slot: a slot rewritten by the
   // next replay before this one's copy ran would give this graph the next
-  // step (back-to-back replays, the host running ahead of the stream).
-  kernels::set_dropout_step(step_dev_, step, stream_);
+  // one's values (back-to-back replays, the host running ahead of the stream).
+  kernels::set_replay_args(replay_dev_, args, stream_);
   MGPU_CUDA_CHECK(cudaGraphLaunch(exec, stream_));
 }
 

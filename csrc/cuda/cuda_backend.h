@@ -65,12 +65,12 @@ class CudaBackend final : public Backend {
   Precision precision() const override { return precision_; }
 
   // CUDA graphs of the backend's stream (see Backend): instantiated once,
-  // replayed with the dropout step stored to step_dev_ ahead of each launch.
+  // replayed with their ReplayArgs stored to replay_dev_ ahead of each launch.
   bool supports_capture() const override { return true; }
   void begin_capture() override;
   int end_capture() override;
   void abort_capture() noexcept override;
-  void replay(int graph, uint64_t step) override;
+  void replay(int graph, const ReplayArgs& args) override;
   void release_captures() override;
   uint64_t capture_generation() const override { return captures_.generation(); }
 
@@ -92,6 +92,8 @@ class CudaBackend final : public Backend {
   // recorded (kernels::LabelErrors) since the last check; call after a
   // synchronisation of the stream.
   void raise_label_errors();
+  // Where kernels being captured read their ReplayArgs; null outside a capture.
+  const ReplayArgs* captured_args() const { return captures_.capturing() ? replay_dev_ : nullptr; }
 
   int device_ = 0;
   int threads_ = 1;
@@ -106,7 +108,7 @@ class CudaBackend final : public Backend {
   void* half_[2] = {nullptr, nullptr};
   size_t half_capacity_[2] = {0, 0};  // elements
   CaptureRegistry<cudaGraphExec_t> captures_;
-  uint64_t* step_dev_ = nullptr;  // the dropout step captured kernels read (set by each replay)
+  ReplayArgs* replay_dev_ = nullptr;  // what captured kernels read (set by each replay)
   kernels::LabelErrors label_errors_;  // device: 2 values, host: 3 pinned values
 };
 

@@ -177,7 +177,7 @@ def step_ops(w: Workload) -> List[Op]:
         ops.append(Op("input copy", "h2d", bytes=r * s[0] * 4))
         ops.append(Op("input copy", "h2d", bytes=r * s[-1] * 4 if w.loss == "mse" else r * 4))
         if g:
-            ops.append(Op("graph replay", "kernel", bytes=8))     # set_dropout_step
+            ops.append(Op("graph replay", "kernel", bytes=8))     # set_replay_args
             ops.append(Op("graph replay", "graph"))
         for l in range(L):   # forward: inp (r, IN), w (OUT, IN) -> out (r, OUT)
             IN, OUT = s[l], s[l + 1]

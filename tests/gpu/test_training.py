@@ -166,6 +166,32 @@ def test_graph_step_equals_uncaptured_step(capture_device, precision, micro):
     assert np.array_equal(params_on, params_off)
 
 
+@pytest.mark.parametrize("loss", ["mse", "cross_entropy"])
+def test_one_graph_serves_every_micro_batch_step_and_loss_scale(capture_device, loss):
+    # The step, the rows' first sample (dropout masks) and grad_scale (loss scale /
+    # global batch) are the replay's arguments, read from device memory: 20
+    # micro-batches of a step and a loss scale that doubles every other step still
+    # replay the two graphs of the shape (first micro-batch, and those adding to
+    # it). Before, each (first sample, loss scale) was a graph of its own, and
+    # more than 16 of them were released and recaptured over and over.
+    sizes = [16, 64, 48, 4]
+    micro, steps = [4] * 20, 6
+    out = {}
+    for graph in ("off", "on"):
+        model, step = make(capture_device, sizes, dropout=0.2, optimizer="sgd", loss=loss, graph=graph,
+                           loss_scale=8.0, dynamic_loss_scale=True, loss_scale_window=2)
+        losses = run_steps(step, sizes, loss, [micro] * steps, lr=0.01)
+        out[graph] = (model.get_parameters(), losses, step.graph_replays, step.loss_scale)
+    params_off, losses_off, _, scale_off = out["off"]
+    params_on, losses_on, replays, scale_on = out["on"]
+    assert scale_on == scale_off == 8.0 * 2 ** (steps // 2)   # the scale changed under the graphs
+    # step 0: the first (4, fresh) and (4, adding) are uncaptured, the second (4, adding) is
+    # captured and replayed; step 1 captures (4, fresh). Everything else replays.
+    assert replays == steps * len(micro) - 2, replays
+    assert losses_on == losses_off
+    assert np.array_equal(params_on, params_off)
+
+
 def test_graphs_follow_changing_shapes_and_growing_buffers(capture_device):
     # A larger batch regrows the activations (every graph is released and
     # recaptured); a ragged last batch is a shape of its own.
