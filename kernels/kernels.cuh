@@ -75,10 +75,16 @@ void cross_entropy_forward_backward(float* loss_out, float* dlogits, float* corr
                                     cudaStream_t stream, const ReplayArgs* replay = nullptr);
 
 // optimizers.cu
+// Where an update also writes each new parameter rounded to the GEMMs' half
+// type (the backend's persistent half weights); out == nullptr: nowhere.
+struct HalfShadow {
+  void* out = nullptr;
+  bool bf16 = true;  // else fp16
+};
 void sgd_update(float* param, const float* grad, float* momentum_buf, size_t n, const SgdParams& hp,
-                cudaStream_t stream);
+                cudaStream_t stream, HalfShadow shadow = {});
 void adamw_update(float* param, const float* grad, float* exp_avg, float* exp_avg_sq, size_t n,
-                  const AdamWParams& hp, cudaStream_t stream);
+                  const AdamWParams& hp, cudaStream_t stream, HalfShadow shadow = {});
 
 // reduce.cu
 // *out (device double) = sum x^2 (NaN/Inf propagate); partials: kPartialsSize doubles.

@@ -152,6 +152,17 @@ class Backend {
   }
   virtual void axpy(float* y, const float* x, size_t n, float alpha) = 0;  // y += alpha x
 
+  // The model's parameters (fp32 master weights, n values). A backend whose
+  // GEMMs read half-precision operands keeps a half copy of them, which the
+  // optimizer update refreshes as it writes each parameter, instead of casting
+  // every weight at every GEMM. Writes to the parameters by anything but this
+  // backend (a communicator's broadcast) must be announced: parameters_changed().
+  virtual void set_master_weights(const float* params, size_t n) {
+    (void)params;
+    (void)n;
+  }
+  virtual void parameters_changed() {}
+
   // Arithmetic of the linear layers. Parameters, gradients and optimizer state
   // stay fp32 (master weights) whatever the precision; backends that cannot
   // honour a precision throw ConfigError.

@@ -33,6 +33,7 @@ MLP::MLP(std::shared_ptr<Backend> backend, std::vector<int> sizes, float dropout
   }
   num_params_ = offsets_.back();
   params_ = BackendArray<float>(backend_.get(), num_params_);
+  backend_->set_master_weights(params_.data(), num_params_);
   grads_ = BackendArray<float>(backend_.get(), grad_buffer_size());
   scratch_ = BackendArray<float>(backend_.get(), 2);
   backend_->zero(grads_.data(), grads_.size());

@@ -326,6 +326,7 @@ void DataParallelStep::launch_bucket(const Bucket& b) {
 
 void DataParallelStep::broadcast_parameters(int root) {
   comm_->broadcast(model_->params(), model_->num_params(), root);
+  model_->backend().parameters_changed();  // written by the communicator, not the backend
 }
 
 }  // namespace mgpu

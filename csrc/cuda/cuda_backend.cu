@@ -70,6 +70,8 @@ void CudaBackend::release() noexcept {
   if (sum_host_) cudaFreeHost(sum_host_);
   cudaFree(replay_dev_);
   replay_dev_ = nullptr;
+  cudaFree(master_half_);
+  master_half_ = nullptr;
   cudaFree(label_errors_.device);
   if (label_errors_.host) cudaFreeHost(label_errors_.host);
   label_errors_ = kernels::LabelErrors();
@@ -115,6 +117,13 @@ void* CudaBackend::allocate_bytes(size_t bytes) {
 void CudaBackend::free_bytes(void* ptr) noexcept {
   if (!ptr) return;
   cudaSetDevice(device_);
+  if (ptr == master_) {  // the model is going: its half copy too, before the memory is reused
+    master_ = nullptr;
+    master_n_ = 0;
+    if (master_half_) cudaFreeAsync(master_half_, stream_);
+    master_half_ = nullptr;
+    master_half_fresh_ = false;
+  }
   // After everything queued on the compute stream; a collective on the array
   // was ordered before it (wait_all), or aborted when the step failed.
   cudaFreeAsync(ptr, stream_);
@@ -124,6 +133,7 @@ void CudaBackend::free_bytes(void* ptr) noexcept {
 void CudaBackend::copy_to_backend(void* dst, const void* host_src, size_t bytes) {
   if (!bytes) return;
   activate();
+  writes(dst, bytes);
   MGPU_CHECK(!captures_.capturing(), DeviceError, "copy_to_backend synchronises: not allowed in a capture");
   MGPU_CUDA_CHECK(cudaMemcpyAsync(dst, host_src, bytes, cudaMemcpyHostToDevice, stream_));
   // The caller may reuse host_src on return: pinned memory is read by the DMA later.
@@ -143,6 +153,7 @@ void CudaBackend::copy_to_host(void* host_dst, const void* src, size_t bytes) {
 void CudaBackend::zero(float* x, size_t n) {
   if (!n) return;
   activate();
+  writes(x, n * sizeof(float));
   MGPU_CUDA_CHECK(cudaMemsetAsync(x, 0, n * sizeof(float), stream_));
 }
 
@@ -175,10 +186,12 @@ void CudaBackend::set_precision(Precision precision) {
   MGPU_CUBLAS_CHECK(cublasSetMathMode(
       cublas_, precision == Precision::kTF32 ? CUBLAS_TF32_TENSOR_OP_MATH : CUBLAS_DEFAULT_MATH));
   precision_ = precision;
+  size_master_half();
 }
 
 const void* CudaBackend::gemm_input(int slot, const float* src, size_t n) {
   if (precision_ == Precision::kFP32 || precision_ == Precision::kTF32) return src;
+  if (const void* weights = master_half_view(src, n)) return weights;
   if (half_capacity_[slot] < n) {
     // Grows only while shapes grow (the first steps).
     MGPU_CHECK(!captures_.capturing(), DeviceError, "a GEMM operand outgrew its buffer during a capture "
@@ -218,6 +231,62 @@ void CudaBackend::gemm(cublasOperation_t ta, cublasOperation_t tb, int m, int n,
   const cudaDataType_t in_type = precision_ == Precision::kBF16 ? CUDA_R_16BF : CUDA_R_16F;
   MGPU_CUBLAS_CHECK(cublasGemmEx(cublas_, ta, tb, m, n, k, &alpha, A, in_type, lda, B, in_type, ldb, &beta, C,
                                  CUDA_R_32F, ldc, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+}
+
+// --- persistent half weights ------------------------------------------------
+void CudaBackend::set_master_weights(const float* params, size_t n) {
+  activate();
+  master_ = params;
+  master_n_ = n;
+  size_master_half();
+}
+
+void CudaBackend::size_master_half() {
+  master_half_fresh_ = false;
+  const bool half = precision_ == Precision::kBF16 || precision_ == Precision::kFP16;
+  if (half && !master_half_ && master_n_) {
+    // Stream-ordered, as the other scratch (see gemm_input).
+    const cudaError_t rc = cudaMallocAsync(&master_half_, master_n_ * 2, stream_);
+    if (rc != cudaSuccess) {
+      cudaGetLastError();
+      master_half_ = nullptr;
+      throw DeviceError(detail::concat("cudaMallocAsync of ", master_n_ * 2, " bytes (half weights) on GPU ",
+                                       device_, " failed: ", cudaGetErrorString(rc)));
+    }
+  } else if (!half && master_half_) {
+    MGPU_CUDA_CHECK(cudaFreeAsync(master_half_, stream_));
+    master_half_ = nullptr;
+  }
+}
+
+const void* CudaBackend::master_half_view(const float* src, size_t n) {
+  if (!master_half_ || src < master_ || src + n > master_ + master_n_) return nullptr;
+  refresh_master_half();
+  return static_cast<const uint16_t*>(master_half_) + (src - master_);
+}
+
+void CudaBackend::refresh_master_half() {
+  if (!master_half_ || master_half_fresh_) return;
+  MGPU_CHECK(!captures_.capturing(), DeviceError, "stale half weights during a capture (the parameters "
+             "changed after begin_capture)");
+  (precision_ == Precision::kBF16 ? kernels::cast_to_bf16 : kernels::cast_to_fp16)(master_half_, master_,
+                                                                                  master_n_, stream_);
+  master_half_fresh_ = true;
+}
+
+void CudaBackend::writes(const void* dst, size_t bytes) {
+  const char* d = static_cast<const char*>(dst);
+  const char* m = reinterpret_cast<const char*>(master_);
+  if (master_ && d < m + master_n_ * sizeof(float) && m < d + bytes) master_half_fresh_ = false;
+}
+
+kernels::HalfShadow CudaBackend::shadow_for_update(const float* param, size_t n) {
+  if (master_half_ && param == master_ && n == master_n_) {
+    master_half_fresh_ = true;  // the update writes every value of the copy as it writes the parameter
+    return kernels::HalfShadow{master_half_, precision_ == Precision::kBF16};
+  }
+  writes(param, n * sizeof(float));
+  return {};
 }
 
 // inp (B, IN), weight (OUT, IN), bias (OUT) -> out (B, OUT)
@@ -285,13 +354,13 @@ void CudaBackend::cross_entropy_forward_backward(float* loss_out, float* dlogits
 void CudaBackend::sgd_update(float* param, const float* grad, float* momentum_buf, size_t n,
                              const SgdParams& hp) {
   activate();
-  kernels::sgd_update(param, grad, momentum_buf, n, hp, stream_);
+  kernels::sgd_update(param, grad, momentum_buf, n, hp, stream_, shadow_for_update(param, n));
 }
 
 void CudaBackend::adamw_update(float* param, const float* grad, float* exp_avg, float* exp_avg_sq, size_t n,
                                const AdamWParams& hp) {
   activate();
-  kernels::adamw_update(param, grad, exp_avg, exp_avg_sq, n, hp, stream_);
+  kernels::adamw_update(param, grad, exp_avg, exp_avg_sq, n, hp, stream_, shadow_for_update(param, n));
 }
 
 double CudaBackend::sum_squares(const float* x, size_t n) {
@@ -316,6 +385,7 @@ double CudaBackend::sum_squares_result() {
 
 void CudaBackend::scale(float* x, size_t n, float alpha) {
   activate();
+  writes(x, n * sizeof(float));
   kernels::scale(x, n, alpha, stream_);
 }
 
@@ -328,11 +398,13 @@ void CudaBackend::narrow(void* half, const float* x, size_t n, Precision dtype) 
 void CudaBackend::widen(float* x, const void* half, size_t n, Precision dtype) {
   const bool bf16 = is_bf16_not_fp16(dtype, "widen");
   activate();
+  writes(x, n * sizeof(float));
   (bf16 ? kernels::widen_from_bf16 : kernels::widen_from_fp16)(x, half, n, stream_);
 }
 
 void CudaBackend::axpy(float* y, const float* x, size_t n, float alpha) {
   activate();
+  writes(y, n * sizeof(float));
   kernels::axpy(y, x, n, alpha, stream_);
 }
 
@@ -341,6 +413,7 @@ void CudaBackend::axpy(float* y, const float* x, size_t n, float alpha) {
 // capture, so a communicator's watchdog thread may go on querying events.
 void CudaBackend::begin_capture() {
   activate();
+  refresh_master_half();  // now, not as a node of the graph
   captures_.begin();
   const cudaError_t rc = cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal);
   if (rc != cudaSuccess) captures_.abort();
@@ -374,6 +447,7 @@ void CudaBackend::replay(int graph, const ReplayArgs& args) {
   // A kernel argument, not a copy from one pinned slot: a slot rewritten by the
   // next replay before this one's copy ran would give this graph the next
   // one's values (back-to-back replays, the host running ahead of the stream).
+  refresh_master_half();  // the parameters changed since the graph last ran (a checkpoint loaded)
   kernels::set_replay_args(replay_dev_, args, stream_);
   MGPU_CUDA_CHECK(cudaGraphLaunch(exec, stream_));
 }

@@ -63,6 +63,8 @@ class CudaBackend final : public Backend {
 
   void set_precision(Precision precision) override;
   Precision precision() const override { return precision_; }
+  void set_master_weights(const float* params, size_t n) override;
+  void parameters_changed() override { master_half_fresh_ = false; }
 
   // CUDA graphs of the backend's stream (see Backend): instantiated once,
   // replayed with their ReplayArgs stored to replay_dev_ ahead of each launch.
@@ -92,6 +94,14 @@ class CudaBackend final : public Backend {
   // recorded (kernels::LabelErrors) since the last check; call after a
   // synchronisation of the stream.
   void raise_label_errors();
+  // The persistent half copy of the master weights (see Backend::set_master_weights):
+  // allocated while the precision is bf16/fp16, fresh once a cast or a full
+  // update has written it since the parameters last changed.
+  void size_master_half();                        // allocate or free it for the precision
+  const void* master_half_view(const float* src, size_t n);  // src's part of it, or null
+  void refresh_master_half();                     // cast when stale (never inside a capture)
+  void writes(const void* dst, size_t bytes);     // dst in the parameters: the copy goes stale
+  kernels::HalfShadow shadow_for_update(const float* param, size_t n);
   // Where kernels being captured read their ReplayArgs; null outside a capture.
   const ReplayArgs* captured_args() const { return captures_.capturing() ? replay_dev_ : nullptr; }
 
@@ -109,6 +119,10 @@ class CudaBackend final : public Backend {
   size_t half_capacity_[2] = {0, 0};  // elements
   CaptureRegistry<cudaGraphExec_t> captures_;
   ReplayArgs* replay_dev_ = nullptr;  // what captured kernels read (set by each replay)
+  const float* master_ = nullptr;      // the model's parameters (master_n_ floats)
+  size_t master_n_ = 0;
+  void* master_half_ = nullptr;        // master_n_ two-byte values of the precision
+  bool master_half_fresh_ = false;
   kernels::LabelErrors label_errors_;  // device: 2 values, host: 3 pinned values
 };
 

@@ -70,8 +70,9 @@ GPUS = {"h100-sxm": H100_SXM}
 REMEDIES = {
     "input copy": "pageable H2D on the compute stream; pinned, double-buffered staging on a copy stream "
                   "would hide it behind the previous step",
-    "operand casts": "fp32 -> half copies of weights and activations at every GEMM use; persistent half weights "
-                     "written by the optimizer and casts fused into the producing kernels would remove them",
+    "operand casts": "fp32 -> half copies of the activations and output gradients at every GEMM use (the "
+                     "weights' copy is the optimizer's); casts fused into the kernels producing them would "
+                     "remove them",
     "optimizer": "fp32 master weights and state read and written once per step, whatever the batch: its "
                  "share of the floor falls as the samples per step grow",
     "health check": "one read of every gradient for the norm and the NaN/Inf check",
@@ -182,8 +183,7 @@ def step_ops(w: Workload) -> List[Op]:
         for l in range(L):   # forward: inp (r, IN), w (OUT, IN) -> out (r, OUT)
             IN, OUT = s[l], s[l + 1]
             ops.append(Op("bias broadcast", "kernel", bytes=r * OUT * 4 + OUT * 4, in_graph=g))
-            if half:
-                ops.append(Op("operand casts", "kernel", bytes=OUT * IN * 6, in_graph=g))
+            if half:   # the weights' half copy is the optimizer's (persistent half weights)
                 ops.append(Op("operand casts", "kernel", bytes=r * IN * 6, in_graph=g))
             ops.append(Op("GEMM forward", "gemm", flops=2.0 * r * IN * OUT, in_graph=g, gemm_shape=(OUT, r, IN),
                           bytes=(OUT * IN + r * IN) * eb + 2 * r * OUT * 4))
@@ -201,8 +201,6 @@ def step_ops(w: Workload) -> List[Op]:
             if half:
                 ops.append(Op("operand casts", "kernel", bytes=r * OUT * 6, in_graph=g))
             if l > 0:
-                if half:
-                    ops.append(Op("operand casts", "kernel", bytes=OUT * IN * 6, in_graph=g))
                 ops.append(Op("GEMM backward", "gemm", flops=2.0 * r * IN * OUT, in_graph=g, gemm_shape=(IN, r, OUT),
                               bytes=(OUT * IN + r * OUT) * eb + r * IN * 4))
             if half:
@@ -220,7 +218,8 @@ def step_ops(w: Workload) -> List[Op]:
     ops.append(Op("loss read-back", "d2h", bytes=8))          # loss and stop slots
     ops.append(Op("host sync", "sync"))
     state = {"sgd": 2 if w.momentum else 1, "adamw": 3}[w.optimizer]   # arrays read and written
-    ops.append(Op("optimizer", "kernel", bytes=P * 4 * (2 * state + 1)))  # + the gradient, read
+    # + the gradient, read; + the parameters' half copy, written, for half-precision GEMMs
+    ops.append(Op("optimizer", "kernel", bytes=P * 4 * (2 * state + 1) + (P * 2 if half else 0)))
     return ops
 
 

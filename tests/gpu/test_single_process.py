@@ -103,3 +103,30 @@ def test_more_threads_than_gpus_is_a_clear_error(gpu):
     assert r.returncode == 2, r.stdout + r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "GPU(s) visible" in lines[0], r.stderr
+
+
+@needs_nccl
+def test_broadcast_weights_reach_the_half_precision_gemms(gpu):
+    # Rank 1 starts from other weights; the Trainer broadcasts rank 0's. The
+    # communicator writes the parameters behind the backend's back, so the
+    # backend's persistent bf16 copy must be recast (parameters_changed), or
+    # rank 1's GEMMs keep using its own weights and the run departs from one GPU's.
+    if _core.cuda_device_count() < 2:
+        pytest.skip("needs 2 GPUs (MGPU_EMULATE_GPU=2 on the emulation)")
+    import mgpu
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((32, 12)).astype(np.float32)
+    y = rng.standard_normal((32, 3)).astype(np.float32)
+
+    def run(pg):
+        model = mgpu.MLP([12, 32, 3], seed=pg.rank, device="cuda", device_index=pg.local_rank, precision="bf16")
+        model.forward(x[:2])  # the bf16 copy is now made, from this rank's own weights
+        trainer = mgpu.Trainer(model, lr=0.05, process_group=pg, graph="off")
+        part = slice(16 * pg.rank, 16 * pg.rank + 16) if pg.size == 2 else slice(0, 32)
+        losses = [trainer.step(x[part], y[part], global_batch=32, first_sample=part.start) for _ in range(4)]
+        return losses, np.concatenate([a.ravel() for a in model.get_parameters()])
+
+    (two_losses, two_params), _ = mgpu.run_on_gpus(run, gpus=2)
+    ((one_losses, one_params),) = mgpu.run_on_gpus(run, gpus=1)
+    np.testing.assert_allclose(two_losses, one_losses, rtol=1e-5)
+    np.testing.assert_allclose(two_params, one_params, rtol=1e-5, atol=1e-6)

@@ -293,3 +293,62 @@ def test_clipping_and_loss_scaling_launch_no_kernel_of_their_own(gpu):
         per_step[name] = (_core.emulation.counters()["kernels_executed"] - before) / (len(data) - 1)
     assert per_step["plain"] > 0
     assert per_step["clip"] == per_step["scale"] == per_step["both"] == per_step["plain"], per_step
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_persistent_half_weights_equal_a_cast_at_every_use(gpu, precision):
+    # The optimizer writes the GEMMs' half copy of each parameter as it updates
+    # it; nothing else casts the weights. A run whose copy is made stale after
+    # every step (set_parameters with the same values: recast from fp32) must
+    # give the same bits, and new values must reach the very next forward.
+    sizes = [24, 64, 48, 6]
+    data = list(batches(sizes, "mse", 8, 32, seed=5))
+    runs = []
+    for restale in (False, True):
+        model, step = make("cuda", sizes, dropout=0.1, precision=precision, optimizer="adamw", graph="on")
+        losses = []
+        for t, (x, y) in enumerate(data):
+            losses.append(step.step([(x, y, 0)], 32, t, 1e-3).loss)
+            if restale:
+                model.set_parameters(model.get_parameters())
+        runs.append((model.get_parameters(), losses))
+    assert runs[0][1] == runs[1][1]
+    assert np.array_equal(runs[0][0], runs[1][0])
+    # New parameters: the next step's loss is that of a fresh model holding them.
+    model, step = make("cuda", sizes, precision=precision, optimizer="sgd", graph="on")
+    for t, (x, y) in enumerate(data[:3]):
+        step.step([(x, y, 0)], 32, t, 1e-2)
+    other = np.random.default_rng(9).standard_normal(model.num_params).astype(np.float32) * 0.1
+    model.set_parameters(other)
+    x, y = data[3]
+    loss = step.step([(x, y, 0)], 32, 3, 1e-2).loss
+    fresh, fresh_step = make("cuda", sizes, precision=precision, optimizer="sgd")
+    fresh.set_parameters(other)
+    assert loss == fresh_step.step([(x, y, 0)], 32, 0, 1e-2).loss
+
+
+def test_persistent_half_weights_save_the_weight_casts(gpu):
+    # On the emulation's counters: a bf16 step casts activations and output
+    # gradients only (casting the weights at every use would add one per layer
+    # in forward and one per layer passing a gradient on), as the cost sheet
+    # (bench --explain) counts.
+    if not EMULATED:
+        pytest.skip("counts kernels on the GPU emulation")
+    sizes = [24, 64, 48, 6]
+    model, step = make("cuda", sizes, precision="bf16", optimizer="sgd")
+    x, y = next(batches(sizes, "mse", 1, 32))
+    for t in range(2):
+        step.step([(x, y, 0)], 32, t, 1e-2)
+    model.backend.synchronize()
+    before = _core.emulation.counters()["kernels_executed"]
+    step.step([(x, y, 0)], 32, 2, 1e-2)
+    model.backend.synchronize()
+    per_step = _core.emulation.counters()["kernels_executed"] - before
+    from mgpu import costsheet
+    sheet = costsheet.counts(costsheet.step_ops(costsheet.Workload(sizes=sizes, batch=32, precision="bf16",
+                                                                   momentum=False)))
+    assert per_step == sheet["kernels_executed"]
+    layers = len(sizes) - 1
+    casts = layers + 2 * layers   # forward: the input; backward: dOut and the input; never a weight
+    assert per_step == costsheet.counts(costsheet.step_ops(costsheet.Workload(sizes=sizes, batch=32)))[
+        "kernels_executed"] + casts
