@@ -159,7 +159,7 @@ def freeze_a_rank(run, tmp_path, frozen, timeout):
     first_checkpoint(ckpt, job)
     os.kill(job.ranks()[frozen], signal.SIGSTOP)
     t0 = time.monotonic()
-    rc = job.wait(120)
+    rc = job.wait(timeout + 30)
     elapsed = time.monotonic() - t0
     assert rc != 0 and elapsed < timeout + 30, (rc, elapsed, job.stderr[-2000:])
     assert "Traceback" not in job.stderr
@@ -177,6 +177,44 @@ def test_frozen_rank_is_named_by_the_watchdog(tmp_path, frozen):
     assert message, stderr[-3000:]
     assert re.search(r"at step \d+ did not complete within 3 s", stderr)
     print(f"SIGSTOP of rank {frozen}: job ended in {elapsed:.2f} s (watchdog {timeout} s)")
+
+
+# Rank 1 skips a step (alive, not in any collective): rank 0's step must fail within the
+# 1 s deadline, naming rank 1. Rank 1 gives up after GRACE s, so a watchdog that never
+# fires fails this test in seconds, not at a subprocess timeout.
+SKIPPED_STEP = """
+import sys, time
+from mpi4py import MPI
+import numpy as np
+import mgpu
+GRACE = float(sys.argv[1])
+comm = MPI.COMM_WORLD
+model = mgpu.MLP([4, 8, 2], seed=0, threads=1)
+trainer = mgpu.Trainer(model, process_group=mgpu.ProcessGroup(), timeout=1.0)
+comm.Barrier()
+if comm.rank == 1:
+    time.sleep(GRACE)
+    print(f"rank 1: rank 0 was not stopped within {GRACE} s", flush=True)
+    comm.Abort(7)
+x, y = np.ones((2, 4), np.float32), np.zeros((2, 2), np.float32)
+t0 = time.monotonic()
+try:
+    trainer.step(x, y, global_batch=4, first_sample=0)
+    print("rank 0: the step completed without rank 1", flush=True)
+except mgpu.CommError as e:
+    print(f"rank 0: CommError after {time.monotonic() - t0:.2f} s: {e}", flush=True)
+comm.Abort(3)
+"""
+
+
+def test_a_rank_that_skips_a_step_is_named_within_the_watchdog_timeout(tmp_path):
+    grace = 20
+    script = tmp_path / "skip.py"
+    script.write_text(SKIPPED_STEP)
+    r = mpirun(2, [PYTHON, script, grace], timeout=120)
+    named = re.search(r"rank 0: CommError after [\d.]+ s: allreduce at step 0 did not complete within 1 s "
+                      r"on rank 0: rank 1 has not reached this step \(stopped, hung or dead\)", r.stdout)
+    assert named, r.stdout[-2000:] + r.stderr[-2000:]
 
 
 def test_diverging_run_stops_on_every_rank_without_a_bad_checkpoint(tmp_path):

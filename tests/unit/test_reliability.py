@@ -4,6 +4,7 @@ import errno
 import json
 import math
 import os
+import re
 
 import numpy as np
 import pytest
@@ -76,6 +77,24 @@ def test_clipping_scales_to_the_global_norm(max_norm):
         assert rel_err(p0 - p1, lr * factor * g) < 1e-4
 
 
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_clipping_above_every_norm_changes_nothing(optimizer):
+    # min(1, max_norm / norm): a limit no step reaches leaves a whole run bit-identical
+    # to one without clipping (the factor is exactly 1, not max_norm / norm).
+    data = load_dataset("synthetic", samples=200)
+    runs = []
+    for max_norm in (0.0, 1e9):
+        m = mgpu.MLP([50, 16, 3], seed=6, threads=1)
+        t = mgpu.Trainer(m, optimizer=optimizer, lr=0.01, momentum=0.9, process_group=local_group(),
+                         max_grad_norm=max_norm)
+        history = t.fit(data, batch_size=32, steps=8, progress=False)
+        assert 0 < t.last_result.grad_norm < 1e9
+        runs.append((m.get_parameters(), [e["train_loss"] for e in history]))
+    (p0, l0), (p1, l1) = runs
+    assert l0 == l1
+    assert all(np.array_equal(a, b) for a, b in zip(p0, p1))
+
+
 def test_bad_step_options_are_rejected():
     m = mgpu.MLP([2, 2])
     for kwargs in (dict(accumulate=0), dict(max_bad_steps=0), dict(timeout=-1), dict(lr=float("nan"))):
@@ -122,6 +141,24 @@ def test_trainer_uses_the_schedule_per_step():
         t.step(x, y)
         for p0, p1, g in zip(before, m.get_parameters(), grads):
             assert rel_err(p0 - p1, 0.2 * 0.5 ** s * g) < 1e-4
+
+
+@pytest.mark.parametrize("kind", ["constant", "cosine"])
+def test_trainer_applies_the_warm_up_rate_from_step_0(kind):
+    # Linear warm-up from lr/warmup: the update of step s (0-based) is lr * (s + 1) / warmup
+    # times the gradient, checked on the parameters the trainer actually changes.
+    x, y = regression(8)
+    lr, warmup = 0.2, 4
+    sched = LRSchedule(lr, kind, warmup_steps=warmup, total_steps=1000 if kind == "cosine" else None)
+    m = mgpu.MLP([5, 3], seed=0, threads=1)
+    t = mgpu.Trainer(m, lr=lr, process_group=local_group(), schedule=sched)
+    for s in range(warmup + 1):
+        before = m.get_parameters()
+        _, grads = loss_and_grad([p.astype(np.float64) for p in before], x, y, "mse")
+        t.step(x, y)
+        rate = lr * min(s + 1, warmup) / warmup
+        for p0, p1, g in zip(before, m.get_parameters(), grads):
+            assert rel_err(p0 - p1, rate * g) < 1e-4, f"step {s}: expected rate {rate}"
 
 
 # --- loss scaling ------------------------------------------------------------------
@@ -188,7 +225,8 @@ def test_corrupt_truncated_and_foreign_files_are_refused(tmp_path):
     with pytest.raises(CheckpointError, match="corrupt or truncated"):
         load_checkpoint(str(truncated))
     flipped = bytearray(raw)
-    # flip a bit inside the params payload (stored uncompressed): zip CRC or our checksum catches it
+    # flip a bit inside the params payload (stored uncompressed): the zip's CRC-32 catches it
+    # (an archive rewritten whole passes it: the test below)
     i = raw.index(np.arange(1000, dtype=np.float32)[500:502].tobytes())
     flipped[i] ^= 0x10
     bad = tmp_path / "flipped.npz"
@@ -202,6 +240,21 @@ def test_corrupt_truncated_and_foreign_files_are_refused(tmp_path):
     with pytest.raises(CheckpointError, match="cannot read"):
         load_checkpoint(str(tmp_path / "missing.npz"))
     assert open(good, "rb").read() == raw  # reading never modifies
+
+
+@pytest.mark.parametrize("changed", ["params", "opt.exp_avg"])
+def test_a_rewritten_archive_with_a_changed_array_fails_its_checksum(tmp_path, changed):
+    # A valid zip with one array replaced (the metadata, and its checksums, copied as
+    # they were) passes every zip CRC-32: only the per-array SHA-256 can refuse it.
+    good = save_checkpoint(str(tmp_path), 1, _arrays(), {"compat": {}}, keep=5)
+    with np.load(good, allow_pickle=False) as z:
+        arrays = {k: z[k] for k in z.files}
+    arrays[changed] = arrays[changed].copy()
+    arrays[changed][3] += 1.0
+    forged = tmp_path / "rewritten.npz"
+    np.savez(forged, **arrays)
+    with pytest.raises(CheckpointError, match=rf"corrupt \(checksum mismatch in '{re.escape(changed)}'\)"):
+        load_checkpoint(str(forged))
 
 
 def test_failed_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):

@@ -39,24 +39,27 @@ def test_optimizer_steps_match_reference(opt, kwargs, ref, loss):
         assert rel_err(p, r) < 1e-5
 
 
-def test_uneven_shards_average_exactly():
+@pytest.mark.parametrize("loss", ["mse", "cross_entropy"])
+def test_uneven_shards_average_exactly(loss):
     """Two shards of 3 and 8 rows stepped by hand give the same gradient as 11 rows at once."""
-    layers = [4, 7, 2]
+    layers = [4, 7, 3]
     rng = np.random.default_rng(0)
     x = rng.standard_normal((11, 4)).astype(np.float32)
-    y = rng.standard_normal((11, 2)).astype(np.float32)
+    y = (rng.standard_normal((11, 3)).astype(np.float32) if loss == "mse"
+         else rng.integers(0, 3, 11).astype(np.int64))
     whole = mgpu.MLP(layers, seed=2)
-    whole.loss_and_grad(x, y, "mse")
+    whole.loss_and_grad(x, y, loss)
     # sum-then-divide: shard gradients of the mean weighted by shard size
     a, b = mgpu.MLP(layers, seed=2), mgpu.MLP(layers, seed=2)
-    a.loss_and_grad(x[:3], y[:3], "mse")
-    b.loss_and_grad(x[3:], y[3:], "mse")
+    a.loss_and_grad(x[:3], y[:3], loss)
+    b.loss_and_grad(x[3:], y[3:], loss)
     for g, ga, gb in zip(whole.get_gradients(), a.get_gradients(), b.get_gradients()):
         assert rel_err(g, (3 * ga + 8 * gb) / 11) < 1e-5
     # and the core step uses exactly that: shard of 3 rows of a global batch of 11,
-    # with the other 8 rows missing, gives 3/11 of the shard's mean gradient
+    # with the other 8 rows missing, gives 3/11 of the shard's mean gradient (each
+    # loss divides by the global batch, not by the rows this rank holds)
     m = mgpu.MLP(layers, seed=2)
-    step = _core.DataParallelStep(m._core, _core.Optimizer(m._core, "sgd"), _core.LocalCommunicator(), "mse")
+    step = _core.DataParallelStep(m._core, _core.Optimizer(m._core, "sgd"), _core.LocalCommunicator(), loss)
     before = m.get_parameters()
     step.step([(x[:3], y[:3], 0)], 11, 0, 1.0)
     for p0, p1, ga in zip(before, m.get_parameters(), a.get_gradients()):
