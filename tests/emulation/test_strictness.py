@@ -88,6 +88,15 @@ def test_emulated_devices_say_so():
         assert "emulat" in d["name"].lower() and "not a real GPU" in d["name"]
 
 
+def test_info_says_the_gpus_are_emulated():
+    from conftest import run_cli  # tests/conftest.py
+    r = run_cli(["info"])
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith("GPU EMULATION") and "not real GPUs" in lines[0]
+    assert all("EMULATED" in line for line in lines if line.startswith(("CUDA:", "NCCL:", "GPUs:")))
+
+
 @pytest.mark.parametrize("graph, accumulate", [("on", 1), ("off", 1), ("on", 4)])
 def test_bench_reports_the_cuda_work_of_a_step(tmp_path, graph, accumulate):
     # The emulation's counters are the only performance signal without a GPU:
