@@ -60,7 +60,7 @@ for stage in "${stages[@]}"; do
         echo NCCL_DIR=$NCCL_DIR; ls $NCCL_DIR/lib; pkg-config --modversion openblas; nproc; lscpu | grep 'Model name'" ;;
     build)
       TAIL=40 run build "$PY" -m pip install -v --no-build-isolation --no-deps . || exit 1
-      (cd /tmp && run info "$PY" -m mgpu info) ;;
+      (cd /tmp && run info "$PY" -m mgpu info --json) ;;
     tests)
       timeout_flag=""  # pytest-timeout is in the image's list, but do not depend on it
       "$PY" -c "import pytest_timeout" 2>/dev/null && timeout_flag="--timeout=300"

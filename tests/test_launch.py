@@ -64,7 +64,10 @@ BAD_ARGS = [
     (["--batch-size", "0"], "batch size"),
     (["--batch-size", "1"], "smaller than the number of ranks"),
     (["--layers", ""], "layers"),
-    (["--layers", "50,x,3"], "comma-separated integers"),
+    (["--layers", "50,x,3"], "'x' is not an integer"),
+    (["--layers", "50,,3"], "empty value"),
+    (["--layers", "50,3000000000,3"], "at most 2147483647"),
+    (["--batch-shares", "0.5,,0.5"], "empty value"),
     (["--model", "huge"], "invalid choice"),
     (["--lr", "-1"], "learning rate"),
     (["--optimizer", "lbfgs"], "invalid choice"),
@@ -84,10 +87,8 @@ def test_bad_cli_input_one_line_on_every_rank(args, message):
     t0 = time.monotonic()
     r = mpirun(2, [*MGPU, "train", "--no-progress", *args], timeout=120)
     assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
-    # one line from each rank (mpirun may interleave the two ranks' output)
-    errors = [part.splitlines()[0] for part in re.split(r"(?=mgpu(?: train)?: error)", r.stderr)
-              if part.startswith("mgpu")]
-    assert len(errors) == 2, r.stderr
+    errors = [line for line in r.stderr.splitlines() if "error" in line and line.startswith("mgpu")]
+    assert len(errors) == 2 and all(line.count("error") == 1 for line in errors), r.stderr
     assert all(re.search(message, text) for text in errors), errors
     assert "Traceback" not in r.stderr
     assert time.monotonic() - t0 < 60
@@ -126,8 +127,30 @@ def test_save_does_not_clobber_on_bad_input(tmp_path):
 
 
 def test_info_reports_the_build():
-    r = run_cli(["info"])
+    r = run_cli(["info", "--json"])
     assert r.returncode == 0
     info = json.loads(r.stdout)
     assert info["version"] and "cpu" in info["backends"] and info["mpi"]["enabled"] is True
     assert {"toolkit_found", "nccl_found", "backend"} <= set(info["cuda"])
+
+
+def test_info_prints_a_summary_once_under_mpirun():
+    import mgpu
+    r = mpirun(2, [*MGPU, "info"])
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.count(f"mgpu {mgpu.__version__} (") == 1 and r.stdout.count("BLAS:") == 1
+    assert "rank 0 of 2" in r.stdout and not r.stdout.lstrip().startswith("{")
+    build = mgpu.build_info()
+    assert build["blas"]["library"] in r.stdout and build["mpi"]["library"] in r.stdout
+
+
+def test_errors_of_ranks_failing_together_stay_on_their_own_lines():
+    """Every rank fails at the same moment: each rank's line must arrive whole (one write
+    with its newline), never glued to another rank's. Repeated: the race is not every time."""
+    for _ in range(3):
+        r = mpirun(4, [*MGPU, "train", "--lr", "0", "--no-progress"], timeout=120)
+        assert r.returncode == 2, r.stderr[-2000:]
+        lines = [line for line in r.stderr.splitlines() if "mgpu" in line]
+        ranks = sorted(int(m.group(1)) for line in lines
+                       if (m := re.fullmatch(r"mgpu: error \(rank (\d)\): learning rate must be \S.*got 0\.0", line)))
+        assert ranks == [0, 1, 2, 3], r.stderr

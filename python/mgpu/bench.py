@@ -329,53 +329,149 @@ def write_csv(path: str, rows: list) -> None:
     os.replace(tmp, path)
 
 
-def write_plots(directory: str, rows: list) -> list:
+def _plot_subtitle(rows: list, meta: dict) -> str:
+    """Model, batch split and machine of a benchmark, for every plot's title."""
+    r = rows[0]
+    model = f"{meta['model']} " if meta.get("model") else ""
+    threads = {x["ranks"]: x["threads"] for x in rows}  # each rank count splits the cores its own way
+    threads = (f"{r['threads']} thread(s) per rank" if len(set(threads.values())) == 1 else
+               ", ".join(f"{t} thread(s) per rank at {n} rank(s)" for n, t in sorted(threads.items())))
+    where = f"{r['device']}, {threads}" + (f" on {meta['host']}" if meta.get("host") else "")
+    if meta.get("gpu_emulation"):
+        where = f"EMULATED GPUs (the CPU; not GPU speeds), {where}"
+    return (f"model {model}{'-'.join(map(str, r['layers']))} ({r['params']:,} params), "
+            f"{meta.get('optimizer', r.get('optimizer', 'sgd'))}, {r.get('precision', 'fp32')}\n{where}")
+
+
+def _rate_interval(batch: int, step: dict) -> tuple:
+    """samples/s at the median step and the error bar of the step's 95% interval, (below, above)."""
+    rate = batch / step["median"]
+    low_s, high_s = step["ci95"]
+    slowest = batch / high_s if high_s > 0 else rate
+    fastest = batch / low_s if low_s > 0 else rate
+    return rate, (max(rate - slowest, 0.0), max(fastest - rate, 0.0))
+
+
+def throughput_figure(rows: list, meta: dict):
+    """samples/s against the global batch, one line per rank count with 95% bars; the PyTorch peer dashed."""
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import FixedLocator, NullLocator
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, n in enumerate(sorted({r["ranks"] for r in rows})):
+        cells = sorted((r for r in rows if r["ranks"] == n), key=lambda r: r["batch_size"])
+        for who, key, style in (("mgpu", None, dict(marker="o", linestyle="-")),
+                                ("PyTorch DDP", "torch", dict(marker="s", linestyle="--", mfc="white"))):
+            pts = [(r["batch_size"], *_rate_interval(r["batch_size"], (r[key] if key else r)["step"]))
+                   for r in cells if key is None or key in r]
+            if not pts:
+                continue
+            batches, rates, bars = zip(*pts)
+            ax.errorbar(batches, rates, yerr=np.array(bars).T, capsize=4, color=colors[i % len(colors)],
+                        label=f"{who}, {n} rank{'s' if n > 1 else ''}", **style)
+    batches = sorted({r["batch_size"] for r in rows})
+    ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_locator(FixedLocator(batches))
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.set_xticklabels([str(b) for b in batches])
+    ax.set_ylim(bottom=0)
+    ax.yaxis.set_major_formatter(lambda v, _: f"{v:,.0f}")
+    ax.set(xlabel="global batch size (samples per step)", ylabel="samples/s (median step)")
+    ax.set_title(f"Throughput; bars: 95% interval of the mean step time\n{_plot_subtitle(rows, meta)}", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def speedup_figure(rows: list, meta: dict):
+    """Measured speedup against 1 rank per batch, the selector's predicted speedup dotted, and the ideal line."""
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    ranks = sorted({r["ranks"] for r in rows})
+    ax.plot(ranks, ranks, color="0.5", linestyle="--", label="ideal (linear)")
+    predicted_any = False
+    for i, b in enumerate(sorted({r["batch_size"] for r in rows})):
+        cells = sorted((r for r in rows if r["batch_size"] == b and "speedup" in r), key=lambda r: r["ranks"])
+        base = next((r for r in rows if r["batch_size"] == b and r["ranks"] == 1), None)
+        if not cells or base is None:
+            continue
+        color = colors[i % len(colors)]
+        _, (b_lo, b_hi) = _rate_interval(b, base["step"])
+        base_rate = b / base["step"]["median"]
+        bars = []
+        for r in cells:  # the speedup's interval from both ends' intervals
+            rate, (lo, hi) = _rate_interval(b, r["step"])
+            bars.append((max(r["speedup"] - (rate - lo) / (base_rate + b_hi), 0.0),
+                         max((rate + hi) / max(base_rate - b_lo, 1e-30) - r["speedup"], 0.0)))
+        ax.errorbar([r["ranks"] for r in cells], [r["speedup"] for r in cells], yerr=np.array(bars).T, capsize=4,
+                    marker="o", color=color, label=f"measured, batch {b}")
+        pred = [(r["ranks"], r["predicted_speedup"]) for r in cells if r.get("predicted_speedup") is not None]
+        if pred:
+            predicted_any = True
+            ax.plot(*zip(*pred), marker="x", linestyle=":", color=color, label=f"selector's prediction, batch {b}")
+    if not predicted_any:
+        ax.text(0.02, 0.97, "no prediction: give --profile or --validate-selector", transform=ax.transAxes,
+                va="top", fontsize=8, color="0.4")
+    ax.set_xticks(ranks)
+    ax.set_ylim(bottom=0)
+    handles, labels = ax.get_legend_handles_labels()
+    order = sorted(range(len(labels)), key=lambda i: (0, 0) if labels[i].startswith("ideal") else
+                   (int(labels[i].rsplit(" ", 1)[-1]), "prediction" in labels[i]))  # per batch: measured, predicted
+    ax.set(xlabel="ranks", ylabel="speedup over 1 rank (same global batch)")
+    ax.set_title(f"Speedup over 1 rank; bars: 95% interval\n{_plot_subtitle(rows, meta)}", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend([handles[i] for i in order], [labels[i] for i in order], fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def breakdown_figure(rows: list, meta: dict):
+    """Each cell's median step split into forward, backward, exposed allreduce and optimizer, beside
+    the measured step and the compute floor."""
+    import matplotlib.pyplot as plt
+    cells = sorted(rows, key=lambda r: (r["batch_size"], r["ranks"]))
+    fig, ax = plt.subplots(figsize=(max(7.5, 2.0 + len(cells) * 1.25), 5.4))
+    x = np.arange(len(cells))
+    bottom = np.zeros(len(cells))
+    for k, name in (("forward", "forward"), ("backward", "backward"), ("comm_wait", "allreduce (exposed)"),
+                    ("optimizer", "optimizer")):
+        vals = np.array([r["breakdown_ms"][k] for r in cells])
+        ax.bar(x, vals, bottom=bottom, width=0.6, label=name)
+        bottom += vals
+    ax.hlines([r["step"]["median"] * 1e3 for r in cells], x - 0.4, x + 0.4, color="black", linewidth=2, zorder=3,
+              label="measured step (median)")
+    ax.hlines([r["compute_floor_ms"] for r in cells], x - 0.4, x + 0.4, color="red", linewidth=1.5,
+              linestyles="--", zorder=3, label="compute floor (GEMMs at the measured rate)")
+    ax.set_xticks(x, [f"batch {r['batch_size']}\n{r['ranks']} rank{'s' if r['ranks'] > 1 else ''}" for r in cells])
+    ax.set(ylabel="ms per step (median of each phase)")
+    ax.set_title(f"Step breakdown\n{_plot_subtitle(rows, meta)}", fontsize=9)
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=3)
+    fig.tight_layout()
+    return fig
+
+
+def write_plots(directory: str, rows: list, meta: Optional[dict] = None) -> list:
+    """throughput_vs_batch.png, speedup_vs_ranks.png and breakdown.png; `meta` (the result
+    dict: model, host, optimizer, emulation) labels them."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     os.makedirs(directory, exist_ok=True)
-    ranks = sorted({r["ranks"] for r in rows})
-    batches = sorted({r["batch_size"] for r in rows})
     paths = []
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for n in ranks:
-        pts = sorted((r["batch_size"], r["samples_per_sec"]) for r in rows if r["ranks"] == n)
-        ax.plot(*zip(*pts), marker="o", label=f"{n} rank(s)")
-    ax.set(xscale="log", xlabel="global batch size", ylabel="samples/s", title="Throughput vs batch size")
-    ax.legend()
-    paths.append(os.path.join(directory, "throughput_vs_batch.png"))
-    fig.tight_layout()
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(ranks, ranks, "k--", label="ideal")
-    for b in batches:
-        pts = sorted((r["ranks"], r.get("speedup", np.nan)) for r in rows if r["batch_size"] == b)
-        ax.plot(*zip(*pts), marker="o", label=f"batch {b}")
-    ax.set(xlabel="ranks", ylabel="speedup vs 1 rank", title="Speedup vs ranks")
-    ax.legend()
-    paths.append(os.path.join(directory, "speedup_vs_ranks.png"))
-    fig.tight_layout()
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
-    fig, ax = plt.subplots(figsize=(max(6, len(rows) * 0.8), 4))
-    labels = [f"b{r['batch_size']}\nn{r['ranks']}" for r in rows]
-    bottom = np.zeros(len(rows))
-    for k in ("forward", "backward", "comm_wait", "optimizer"):
-        vals = np.array([r["breakdown_ms"][k] for r in rows])
-        ax.bar(labels, vals, bottom=bottom, label=k.replace("_", " "))
-        bottom += vals
-    ax.set(ylabel="ms per step", title="Step breakdown")
-    ax.legend()
-    paths.append(os.path.join(directory, "breakdown.png"))
-    fig.tight_layout()
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
+    for name, make in (("throughput_vs_batch", throughput_figure), ("speedup_vs_ranks", speedup_figure),
+                       ("breakdown", breakdown_figure)):
+        fig = make(rows, meta or {})
+        paths.append(os.path.join(directory, f"{name}.png"))
+        fig.savefig(paths[-1], dpi=120)
+        plt.close(fig)
     return paths
 
 
 def cmd_bench(a, pg) -> int:
-    from .cli import _check_output_path, _write_json_atomic
+    from .cliutil import check_output_dir, check_output_path, write_json_atomic
     from . import perf
     for name in ("warmup", "steps", "repeats"):
         if getattr(a, name) < (0 if name == "warmup" else 1):
@@ -395,13 +491,15 @@ def cmd_bench(a, pg) -> int:
         raise ConfigError(f"layers must be at least two positive sizes, got {a.layers}")
     for path, what in ((a.json, "--json"), (a.csv, "--csv")):
         if path:
-            _check_output_path(path, what)
+            check_output_path(path, what)
     if a.explain:
         return explain_step(a, pg)
+    if a.plots:
+        check_output_dir(a.plots, "--plots")
     if a.worker_out:  # launched by a driver: measure this world, hand the rows back
         rows = run_worker(pg, a)
         if pg.is_root:
-            _write_json_atomic(a.worker_out, rows)
+            write_json_atomic(a.worker_out, rows)
         return 0
     profile = None
     if a.validate_selector or a.profile:
@@ -458,11 +556,11 @@ def cmd_bench(a, pg) -> int:
         result["validation"] = validate_selector(rows, profile, a)
         print(format_validation(result["validation"]))
     if a.json:
-        _write_json_atomic(a.json, result)
+        write_json_atomic(a.json, result)
     if a.csv:
         write_csv(a.csv, rows)
     if a.plots:
-        for path in write_plots(a.plots, rows):
+        for path in write_plots(a.plots, rows, result):
             print(f"plot written to {path}")
     return 0
 
@@ -470,7 +568,7 @@ def cmd_bench(a, pg) -> int:
 def explain_step(a, pg) -> int:
     """--explain: the analytic cost sheet of the CUDA step (costsheet.py) for each batch
     size and rank count; prints and writes it, runs nothing."""
-    from .cli import _write_json_atomic
+    from .cliutil import write_json_atomic
     from . import costsheet
     if a.device == "cpu":
         raise ConfigError("--explain prices the CUDA step on a GPU's published figures: use --device cuda")
@@ -498,20 +596,21 @@ def explain_step(a, pg) -> int:
                 print("  (per GPU, without the gradient allreduce: `mgpu recommend` models it)")
         print("sources: " + "; ".join(costsheet.GPUS[a.gpu].sources))
         if a.json:
-            _write_json_atomic(a.json, {"version": __version__, "cost_sheets": [s.as_dict() for s in sheets]})
+            write_json_atomic(a.json, {"version": __version__, "cost_sheets": [s.as_dict() for s in sheets]})
     return 0
 
 
 def add_parser(sub) -> None:
-    from .cli import _int_list
+    from .cliutil import int_list
     b = sub.add_parser("bench", help="training throughput by batch and ranks, with floors and the PyTorch peer",
                        description=__doc__.splitlines()[0])
     m = b.add_mutually_exclusive_group()
     m.add_argument("--model", choices=sorted(PRESETS), default=None, help="model preset (default: large)")
-    m.add_argument("--layers", type=_int_list, help="in,h1,...,out")
-    b.add_argument("--batch-sizes", type=_int_list, default=[1024], help="global batch sizes (default 1024)")
-    b.add_argument("--ranks", type=_int_list, default=None,
-                   help="rank counts to launch with mpirun (default: this world)")
+    m.add_argument("--layers", type=int_list("layer sizes"), help="in,h1,...,out")
+    b.add_argument("--batch-sizes", type=int_list("batch sizes", distinct=True), default=[1024],
+                   help="global batch sizes, each once (default 1024)")
+    b.add_argument("--ranks", type=int_list("rank counts", distinct=True), default=None,
+                   help="rank counts to launch with mpirun, each once (default: this world)")
     b.add_argument("--warmup", type=int, default=10)
     b.add_argument("--steps", type=int, default=100)
     b.add_argument("--repeats", type=int, default=3)

@@ -17,54 +17,28 @@ import traceback
 
 from . import __version__, build_info
 from .config import COMMS, DEVICES, GRAD_DTYPES, GRAPH_MODES, LOSSES, OPTIMIZERS, PRECISIONS, PRESETS, TrainConfig
+from .cliutil import (EXIT_USAGE, Parser, UsageError, check_output_path, float_list, int_list, write_json_atomic,
+                      write_line)
 from .errors import CommError, ConfigError, DataError, NumericsError
 from .schedule import SCHEDULES
 
-EXIT_USAGE = 2
-
-
-class UsageError(Exception):
-    pass
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse with one-line errors (no usage dump) so every rank prints one clear line."""
-
-    def error(self, message):
-        raise UsageError(f"{self.prog}: error: {message}")
-
-
-def _int_list(text: str) -> list:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got '{text}'") from None
-    if not values:
-        raise argparse.ArgumentTypeError("expected at least one integer")
-    return values
+_SHARES = float_list("batch shares")
 
 
 def _shares(text: str):
-    return "auto" if text.strip() == "auto" else _float_list(text)
-
-
-def _float_list(text: str) -> list:
-    try:
-        return [float(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got '{text}'") from None
+    return "auto" if text.strip() == "auto" else _SHARES(text)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="mgpu", description="Data-parallel MLP training on GPUs (NCCL) or CPUs (MPI).")
+    p = Parser(prog="mgpu", description="Data-parallel MLP training on GPUs (NCCL) or CPUs (MPI).")
     p.add_argument("--version", action="version", version=f"mgpu {__version__}")
-    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    sub = p.add_subparsers(dest="command", required=True, parser_class=Parser)
 
     t = sub.add_parser("train", help="train an MLP (run under mpirun -np N for N ranks)",
                        description="Train an MLP data-parallel across the ranks of this MPI job.")
     m = t.add_mutually_exclusive_group()
     m.add_argument("--model", choices=sorted(PRESETS), default=None, help="model preset (default: medium)")
-    m.add_argument("--layers", type=_int_list, help="layer sizes in,h1,...,out (e.g. 50,256,3)")
+    m.add_argument("--layers", type=int_list("layer sizes"), help="layer sizes in,h1,...,out (e.g. 50,256,3)")
     t.add_argument("--dataset", default="synthetic", help="synthetic | digits | PATH.npz (arrays x, y)")
     t.add_argument("--batch-size", type=int, default=256, help="global batch size across all ranks")
     n = t.add_mutually_exclusive_group()
@@ -121,7 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--save", metavar="PATH", help="write final parameters as .npz (layers.{i}.weight/bias)")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
 
-    sub.add_parser("info", help="what this build contains and what this process sees")
+    i = sub.add_parser("info", help="what this build contains and what this process sees")
+    i.add_argument("--json", action="store_true", help="everything, as JSON (default: a short summary)")
     from . import bench, perf, stress, topo
     topo.add_parser(sub)
     perf.add_parser(sub)
@@ -144,25 +119,6 @@ def _config_from_args(a) -> TrainConfig:
                        keep_checkpoints=a.keep_checkpoints, watchdog_timeout=a.watchdog_timeout,
                        max_bad_steps=a.max_bad_steps, precision=a.precision, comm=a.comm,
                        cuda_graph=a.cuda_graph, grad_dtype=a.grad_dtype)
-
-
-def _check_output_path(path: str, what: str) -> None:
-    directory = os.path.dirname(os.path.abspath(path)) or "."
-    if not os.path.isdir(directory):
-        raise ConfigError(f"{what} '{path}': directory '{directory}' does not exist")
-    if not os.access(directory, os.W_OK):
-        raise ConfigError(f"{what} '{path}': directory '{directory}' is not writable")
-    if os.path.isdir(path):
-        raise ConfigError(f"{what} '{path}' is a directory")
-
-
-def _write_json_atomic(path: str, obj) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _auto_batch_shares(cfg, pg, sizes) -> list:
@@ -209,8 +165,7 @@ class _StopOnSignals:
         if self.trainer._stop_request is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt
         self.trainer.request_stop(name)
-        print(f"mgpu: {name} on rank {self.pg.rank}: stopping at the next step boundary", file=sys.stderr,
-              flush=True)
+        write_line(f"mgpu: {name} on rank {self.pg.rank}: stopping at the next step boundary")
 
     def __enter__(self):
         if threading.current_thread() is not threading.main_thread():
@@ -262,7 +217,7 @@ def cmd_train(a, pg) -> int:
             raise DataError(f"dataset has {len(data.x_train)} training samples, fewer than the {pg.size} ranks")
         for path, what in ((a.json, "--json"), (a.save, "--save")):
             if path:
-                _check_output_path(path, what)
+                check_output_path(path, what)
         if a.resume is not None and pg.is_root:
             resume = _resolve_resume(a, cfg)
     except ConfigError as e:
@@ -342,7 +297,7 @@ def cmd_train(a, pg) -> int:
             f"{' on the GPU emulation' if emulated else ''}; final train loss {final['train_loss']:.5f}, val loss {final['val_loss']:.5f}{acc}")
     if pg.is_root:
         if a.json:
-            _write_json_atomic(a.json, result)
+            write_json_atomic(a.json, result)
             say(f"results written to {a.json}")
         if a.save:
             model.save(a.save)
@@ -366,12 +321,79 @@ def _train_single_process(a, pg) -> int:
     return max(codes)
 
 
+def _emulation_banner() -> str:
+    return (f"GPU EMULATION (MGPU_EMULATE_GPU={os.environ.get('MGPU_EMULATE_GPU', '')}): the GPUs below are "
+            "the CPU running mgpu's CUDA code, not real GPUs")
+
+
+# The build options openblas_get_config() lists before the kernel's name (driver/others/openblas_get_config.c).
+_OPENBLAS_FLAGS = {"USE64BITINT", "NO_CBLAS", "NO_LAPACK", "NO_LAPACKE", "DYNAMIC_ARCH", "DYNAMIC_OLDER",
+                   "NO_AFFINITY", "USE_OPENMP", "USE_TLS"}
+
+
+def _blas_kernel(config: str) -> str:
+    """The kernel OpenBLAS runs, from openblas_get_config(): the word after the build options and
+    before MAX_THREADS=N or SINGLE_THREADED (with DYNAMIC_ARCH the one picked for this CPU at load)."""
+    words = config.split()[2:]  # "OpenBLAS 0.3.21 ..."
+    words = [w for w in words if not w.startswith("MAX_THREADS=") and w != "SINGLE_THREADED"]
+    return words[-1] if words and words[-1] not in _OPENBLAS_FLAGS else ""
+
+
+def format_info(info: dict) -> str:
+    """`mgpu info` for people: one line per component (the JSON has every field)."""
+    lines = []
+    emulated = info.get("gpu_emulation", False)
+    if emulated:
+        lines.append(_emulation_banner())
+    lines.append(f"mgpu {info['version']} ({info['build_type']} build, {info['compiler']})")
+    blas = info["blas"]
+    kernel = _blas_kernel(blas.get("config", ""))
+    coretype = os.environ.get("OPENBLAS_CORETYPE")
+    kernel = (f", kernel {kernel}" if kernel else "") + (f" (OPENBLAS_CORETYPE={coretype})" if coretype else "")
+    lines.append(f"BLAS:     {blas['library']}{kernel}; OpenMP {'on' if info['openmp'] else 'off'}, "
+                 f"{info['cpu_threads_available']} CPU threads available")
+    mpi = info["mpi"]
+    lines.append(f"MPI:      {mpi.get('library', '') or 'yes'} (built with {mpi['compiled_with']})" if mpi["enabled"]
+                 else "MPI:      not built in (one rank only)")
+    cuda = info["cuda"]
+    fake = " [EMULATED: mgpu's own, on the CPU]" if emulated else ""
+
+    def loaded(name):  # the library this process loaded, and what it was built with when that differs
+        built, now = cuda.get(f"{name}_compiled", ""), cuda.get(f"{name}_loaded", "")
+        return now if built == now else f"{now or 'not loaded'} (built with {built or '-'})"
+    if cuda["compiled"]:
+        lines.append(f"CUDA:     loaded runtime {loaded('runtime')}, cuBLAS {loaded('cublas')}, cuRAND {loaded('curand')}; "
+                     f"driver {cuda.get('driver') or 'none'}; toolkit {cuda['toolkit_version']} at build{fake}")
+    else:
+        lines.append(f"CUDA:     not built in (toolkit {'found' if cuda['toolkit_found'] else 'not found'} at build time)")
+    if cuda["nccl_communicator"]:
+        lines.append(f"NCCL:     loaded {loaded('nccl')}{fake}")
+    else:
+        lines.append(f"NCCL:     not built in ({'found ' + cuda['nccl_version'] if cuda['nccl_found'] else 'not found'} "
+                     "at build time); GPU ranks use MPI through host memory")
+    gpus = cuda.get("devices", [])
+    if gpus:
+        what = "EMULATED GPU(s), the CPU, not real GPUs" if emulated else "GPU(s)"
+        lines.append(f"GPUs:     {len(gpus)} {what}")
+        lines += [f"  {d['index']}: {d['name']}, {d['total_memory_mib'] / 1024:.1f} GiB, {d['multiprocessors']} SMs, "
+                  f"compute capability {d['compute_capability']}, PCI {d['pci_bus_id']}" for d in gpus]
+    elif cuda["compiled"]:
+        lines.append(f"GPUs:     none visible: {cuda.get('no_device_reason') or 'no CUDA device'}")
+    else:
+        lines.append("GPUs:     not usable (this build has no CUDA backend)")
+    lines.append(f"backends: {', '.join(info['backends'])}")
+    p = info["process"]
+    lines.append(f"process:  rank {p['rank']} of {p['size']} (local {p['local_rank']} of {p['local_size']}); "
+                 "everything, as JSON: mgpu info --json")
+    return "\n".join(lines)
+
+
 def cmd_info(a, pg) -> int:
     info = build_info()
     info["process"] = {"rank": pg.rank, "size": pg.size, "local_rank": pg.local_rank,
                        "local_size": pg.local_size}
     if pg.is_root:
-        print(json.dumps(info, indent=2))
+        print(json.dumps(info, indent=2) if a.json else format_info(info))
     return 0
 
 
@@ -390,35 +412,33 @@ def main(argv=None) -> int:
         if pg.is_root and build_info().get("gpu_emulation", False) and args.command in ("bench", "topo"):
             # Their tables are timings: say first that these GPUs are the CPU emulating them
             # (train says it in its header line, stress and info in the device names).
-            print(f"GPU EMULATION (MGPU_EMULATE_GPU={os.environ.get('MGPU_EMULATE_GPU', '')}): the GPUs below are "
-                  "the CPU running mgpu's CUDA code, not real GPUs; their timings are not GPU timings", flush=True)
+            print(_emulation_banner() + "; their timings are not GPU timings", flush=True)
         if getattr(args, "gpus", None) is not None:
             return _train_single_process(args, pg)
         return _commands()[args.command](args, pg)
     except UsageError as e:
-        print(str(e), file=sys.stderr, flush=True)
+        write_line(str(e))
         return EXIT_USAGE
     except ConfigError as e:
-        prefix = "mgpu: error: " if pg is None or pg.size == 1 else f"mgpu: error (rank {pg.rank}): "
-        print(prefix + str(e).replace("\n", " "), file=sys.stderr, flush=True)
+        write_line(("mgpu: error: " if pg is None or pg.size == 1 else f"mgpu: error (rank {pg.rank}): ") + str(e))
         return EXIT_USAGE
     except NumericsError as e:  # decided identically on every rank: no one is left waiting
-        print(f"mgpu: error: {e}", file=sys.stderr, flush=True)
+        write_line(f"mgpu: error: {e}")
         return 1
     except CommError as e:  # a peer is gone or stuck: end the whole job
-        print(f"mgpu: error: {e}", file=sys.stderr, flush=True)
+        write_line(f"mgpu: error: {e}")
         if pg is not None:
             pg.abort(1)
         return 1
     except KeyboardInterrupt:
-        print("mgpu: interrupted", file=sys.stderr, flush=True)
+        write_line("mgpu: interrupted")
         if pg is not None:
             pg.abort(130)
         return 130
     except Exception as e:  # noqa: BLE001 - last line of defence: never leave peers hanging
         from .errors import MgpuError
         if isinstance(e, MgpuError):
-            print(f"mgpu: error: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+            write_line(f"mgpu: error: {type(e).__name__}: {e}")
         else:
             traceback.print_exc()
         if pg is not None:

@@ -322,16 +322,17 @@ def format_recommendation(r: dict) -> str:
 
 # --- CLI: python -m mgpu recommend ----------------------------------------------------
 def add_parser(sub) -> None:
-    from .cli import _float_list, _int_list
+    from .cliutil import int_list
     r = sub.add_parser("recommend", help="single or multi-GPU? how many, and why (the performance model)",
                        description="Predict step time on 1..N devices from a hardware profile and recommend a "
                                    "strategy, with reasons.")
     m = r.add_mutually_exclusive_group(required=True)
     m.add_argument("--model", choices=sorted(PRESETS))
-    m.add_argument("--layers", type=_int_list, help="in,h1,...,out")
+    m.add_argument("--layers", type=int_list("layer sizes"), help="in,h1,...,out")
     m.add_argument("--params", type=float, help="only a parameter count (e.g. 7e6)")
     r.add_argument("--batch-size", type=int, required=True, help="global batch size")
-    r.add_argument("--devices", type=_int_list, default=[1, 2], help="candidate device counts (default 1,2)")
+    r.add_argument("--devices", type=int_list("device counts", distinct=True), default=[1, 2],
+                   help="candidate device counts, each once (default 1,2)")
     r.add_argument("--profile", default="auto",
                    help=f"auto | calibrated | {' | '.join(NAMED_PROFILES)} | PATH.json (default auto: the calibration "
                         "from `mgpu topo`, else the visible GPUs, else seed 001's thresholds)")
@@ -348,9 +349,9 @@ def add_parser(sub) -> None:
 
 
 def cmd_recommend(a, pg) -> int:
-    from .cli import _check_output_path, _write_json_atomic
+    from .cliutil import check_output_path, write_json_atomic
     if a.json:
-        _check_output_path(a.json, "--json")
+        check_output_path(a.json, "--json")
     if not (0 < a.memory_margin <= 1):
         raise ConfigError(f"--memory-margin must be in (0, 1], got {a.memory_margin}")
     if a.price < 0:
@@ -367,5 +368,5 @@ def cmd_recommend(a, pg) -> int:
     if pg.is_root:
         print(format_recommendation(result))
         if a.json:
-            _write_json_atomic(a.json, {"request": {k: v for k, v in vars(a).items() if k != "command"}, **result})
+            write_json_atomic(a.json, {"request": {k: v for k, v in vars(a).items() if k != "command"}, **result})
     return 0

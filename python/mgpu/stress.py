@@ -210,7 +210,7 @@ def run_device(pg, *, device: str, device_index: int, threads: int, duration: fl
 
 
 def cmd_stress(a, pg) -> int:
-    from .cli import _check_output_path, _write_json_atomic
+    from .cliutil import check_output_path, write_json_atomic
     device, index = pg.resolve_device(a.device)
     scaled = resolve_defaults(a, device)
     if scaled and pg.is_root:
@@ -232,7 +232,7 @@ def cmd_stress(a, pg) -> int:
         raise ConfigError(f"--threads must be >= 1, got {a.threads}")
     for path, what in ((a.json, "--json"), (a.telemetry and f"{a.telemetry}.csv", "--telemetry")):
         if path:
-            _check_output_path(path, what)
+            check_output_path(path, what)
     kernels = KERNELS if a.kernel == "all" else (a.kernel,)
     if a.gemm_precision != "fp32" and device != "cuda":
         raise ConfigError(f"--gemm-precision {a.gemm_precision} needs a GPU; the CPU GEMM burn runs in fp32")
@@ -273,10 +273,14 @@ def cmd_stress(a, pg) -> int:
         print(f"rank {d['rank']} {d['name']} on {d['host']}: {d['verdict']}; errors {d['errors']}, "
               f"non-finite {d['nonfinite']}; {rates}")
     if a.json:
-        _write_json_atomic(a.json, report)
+        write_json_atomic(a.json, report)
     if a.telemetry:
-        series = {f"rank{r['rank']}:{r['name']}": s for r, s in results}
-        for path in write_series(a.telemetry, series):
+        series = {f"rank {r['rank']}: {r['name']}": s for r, s in results}
+        verdicts = ", ".join(sorted({d["verdict"] for d in devices}))
+        title = (f"mgpu stress, {a.duration:g} s of {', '.join(kernels)} on {len(devices)} device(s) "
+                 f"({', '.join(sorted({d['host'] for d in devices}))}): {verdicts}")
+        limits = {"temperature_c": a.max_temp, "memory_used_pct": a.max_memory_percent, "power_w": a.power_limit}
+        for path in write_series(a.telemetry, series, title, limits, report["events"]):
             print(f"telemetry written to {path}")
     faulty = [d["rank"] for d in devices if d["verdict"] != "OK"]
     return 1 if faulty else 0

@@ -170,8 +170,17 @@ def summarize(samples: list) -> dict:
     return out
 
 
-def write_series(path_prefix: str, series: dict) -> list:
-    """series: {device label: [samples]} -> PREFIX.csv, PREFIX.json, PREFIX.png; returns the paths."""
+# Each plotted metric: its axis label, and the metric drawn dashed on the same axis (the device's own limit).
+PLOTTED = {"temperature_c": ("temperature (C)", None), "power_w": ("power (W)", "power_limit_w"),
+           "utilization_pct": ("utilisation (%)", None), "sm_clock_mhz": ("SM clock (MHz)", None),
+           "mem_clock_mhz": ("memory clock (MHz)", None), "memory_used_pct": ("memory used (%)", None)}
+
+
+def write_series(path_prefix: str, series: dict, title: str = "", limits: Optional[dict] = None,
+                 events: Optional[list] = None) -> list:
+    """series: {device label: [samples]} -> PREFIX.csv, PREFIX.json, PREFIX.png; returns the paths.
+    The plot draws `limits` ({metric: value}, the monitor's thresholds) as red lines and
+    `events` (the monitor's actions: dicts with t and action) as vertical lines."""
     rows = [{"device": label, **{k: s.get(k) for k in ("t", *METRICS)}} for label, samples in series.items()
             for s in samples]
     with open(f"{path_prefix}.csv", "w", newline="") as f:
@@ -180,21 +189,48 @@ def write_series(path_prefix: str, series: dict) -> list:
         w.writerows(rows)
     with open(f"{path_prefix}.json", "w") as f:
         json.dump(series, f)
+    figure(series, title, limits or {}, events or []).savefig(f"{path_prefix}.png", dpi=100)
+    import matplotlib.pyplot as plt
+    plt.close("all")
+    return [f"{path_prefix}.csv", f"{path_prefix}.json", f"{path_prefix}.png"]
+
+
+def figure(series: dict, title: str, limits: dict, events: list):
+    """One panel per metric some source gave, every device a line; percentages on 0-100."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    shown = [m for m in METRICS if any(s.get(m) is not None for ss in series.values() for s in ss)]
-    fig, axes = plt.subplots(max(len(shown), 1), 1, figsize=(8, 2.2 * max(len(shown), 1)), sharex=True, squeeze=False)
+    shown = [m for m in PLOTTED if any(s.get(m) is not None for ss in series.values() for s in ss)]
+    fig, axes = plt.subplots(max(len(shown), 1), 1, figsize=(8, 1.0 + 2.0 * max(len(shown), 1)), sharex=True,
+                             squeeze=False)
     for ax, metric in zip(axes[:, 0], shown):
-        for label, samples in series.items():
+        label, beside = PLOTTED[metric]
+        for i, (device, samples) in enumerate(series.items()):
+            color = f"C{i % 10}"
             pts = [(s["t"], s[metric]) for s in samples if s.get(metric) is not None]
             if pts:
-                ax.plot(*zip(*pts), label=label)
-        ax.set_ylabel(metric)
-    axes[-1, 0].set_xlabel("seconds")
-    if shown:
-        axes[0, 0].legend(fontsize=8)
+                ax.plot(*zip(*pts), color=color, label=device)
+            limit = [(s["t"], s[beside]) for s in samples if beside and s.get(beside) is not None]
+            if limit:
+                ax.plot(*zip(*limit), color=color, linestyle="--", linewidth=1, label=f"{device}: power limit")
+        if metric in limits and limits[metric] is not None:
+            ax.axhline(limits[metric], color="red", linestyle=":", linewidth=1.2,
+                       label=f"monitor threshold {limits[metric]:g}")
+        ax.margins(y=0.12)
+        top = max(ax.get_ylim()[1], 1.1 * (limits.get(metric) or 0))  # the threshold in view, not on the edge
+        ax.set_ylim(0, 105 if metric.endswith("_pct") else top)
+        ax.set_ylabel(label, fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="best")
+    for e in events:
+        if e.get("t") is not None:
+            for ax in axes[:, 0]:
+                ax.axvline(e["t"], color="red", alpha=0.4, linewidth=1)
+            axes[0, 0].annotate(e["action"], (e["t"], 1.0), xycoords=("data", "axes fraction"), fontsize=7,
+                                color="red", rotation=90, va="top", ha="right")
+    if not shown:
+        axes[0, 0].text(0.5, 0.5, "no telemetry source gave a reading", ha="center", transform=axes[0, 0].transAxes)
+    axes[-1, 0].set_xlabel("seconds since the start")
+    fig.suptitle(title or "telemetry", fontsize=9)
     fig.tight_layout()
-    fig.savefig(f"{path_prefix}.png", dpi=100)
-    plt.close(fig)
-    return [f"{path_prefix}.csv", f"{path_prefix}.json", f"{path_prefix}.png"]
+    return fig

@@ -338,22 +338,119 @@ def format_topo(profile: dict) -> str:
     return "\n".join(lines)
 
 
+def _plot_title(what: str, profile: dict) -> str:
+    emulated = any("emulat" in d["name"].lower() for d in profile["devices"])
+    return (f"{what}\n{profile['name']}, mgpu {profile['mgpu_version']}"
+            + ("\nEMULATED GPUs: the CPU running mgpu's CUDA code, not GPU speeds" if emulated else ""))
+
+
+def gemm_figure(profile: dict):
+    """Each rank's measured GEMM rate by work and precision, with the fitted peak w / (w + h) the model uses."""
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    seen = {}
+    for d in profile["devices"]:
+        for p in PRECISIONS:
+            if p not in d or (d["name"], p) in seen:  # identical devices were given the same fit
+                continue
+            color = colors[len(seen) % len(colors)]
+            seen[(d["name"], p)] = True
+            work, rate = np.array(d[p]["measured"], float).T
+            same = [e["rank"] for e in profile["devices"] if e["name"] == d["name"]]  # homogenize() merged them
+            label = f"rank {same[0]}" if len(same) == 1 else f"ranks {', '.join(map(str, same))} (one fit)"
+            if len({e["name"] for e in profile["devices"]}) > 1:
+                label = f"{d['name']}, {label}"
+            ax.plot(work, rate / 1e9, "o", color=color, label=f"{label}, {p}: measured")
+            w = np.geomspace(work.min(), work.max(), 100)
+            fit = d[p]["peak_flops"] * w / (w + d[p]["half_work_flops"])
+            ax.plot(w, fit / 1e9, "-", color=color, alpha=0.7,
+                    label=f"fit: peak {d[p]['peak_flops'] / 1e9:,.0f} GFLOP/s, half at "
+                          f"{d[p]['half_work_flops'] / 1e6:,.1f} MFLOP")
+    ax.set_xscale("log")
+    ax.set_ylim(bottom=0)
+    ax.set(xlabel="work of one Linear GEMM (FLOP = 2 x batch x in x out)", ylabel="GFLOP/s")
+    ax.set_title(_plot_title("GEMM rate by size", profile), fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def allreduce_figure(profile: dict):
+    """The allreduce sweep's bus bandwidth by message size, the alpha-beta fit, and bare MPI where measured."""
+    import matplotlib.pyplot as plt
+    rows, link = profile["allreduce"], profile["link"]
+    n = profile["environment"]["world_size"]
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    size = np.array([r["bytes"] for r in rows], float)
+    ax.plot(size, [r["busbw_GBps"] for r in rows], "o-", label=f"{link['name']}: measured busbw")
+    raw = [(r["bytes"], r["raw_mpi_busbw_GBps"]) for r in rows if "raw_mpi_busbw_GBps" in r]
+    if raw:
+        ax.plot(*zip(*raw), "s--", mfc="white", label="bare MPI_Allreduce (mpi4py): busbw")
+    steps = 2.0 * (n - 1)
+    model = steps * link["alpha_s"] + steps / n * size / link["bus_bandwidth"]
+    ax.plot(size, size / model / 1e9 * steps / n, ":", color="black",
+            label=f"alpha-beta fit: alpha {link['alpha_s'] * 1e6:.2f} us, busbw {link['bus_bandwidth'] / 1e9:.2f} GB/s")
+    lo, hi = link.get("fit_bytes", (size.min(), size.max()))
+    ax.axvspan(lo, hi, color="0.9", zorder=0, label="sizes the fit uses (gradient buckets)")
+    if any(r["wrong"] for r in rows):
+        ax.text(0.02, 0.97, "SOME RESULTS WERE NOT BIT-EXACT", transform=ax.transAxes, va="top", color="red")
+    ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_formatter(lambda v, _: _bytes_label(v))
+    ax.set_ylim(bottom=0)
+    ax.set(xlabel="message size (float32 sum, in place)", ylabel="bus bandwidth, GB/s (algbw x 2(n-1)/n)")
+    ax.set_title(_plot_title(f"Allreduce on {n} ranks", profile), fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left")
+    fig.tight_layout()
+    return fig
+
+
+def _bytes_label(v: float) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if v >= scale:
+            return f"{v / scale:g} {unit}"
+    return f"{v:g} B"
+
+
+def write_plots(directory: str, profile: dict) -> list:
+    """gemm.png, and allreduce.png when the profile has a sweep (more than one rank)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    os.makedirs(directory, exist_ok=True)
+    figures = [("gemm", gemm_figure)] + ([("allreduce", allreduce_figure)] if profile["allreduce"] else [])
+    paths = []
+    for name, make in figures:
+        fig = make(profile)
+        paths.append(os.path.join(directory, f"{name}.png"))
+        fig.savefig(paths[-1], dpi=120)
+        plt.close(fig)
+    return paths
+
+
 def cmd_topo(a, pg) -> int:
-    from .cli import _check_output_path, _write_json_atomic
+    from .cliutil import check_output_dir, check_output_path, write_json_atomic
     if a.max_bytes < 4:
         raise ConfigError(f"--max-mb must be at least 4 bytes, got {a.max_bytes} bytes")
     if a.out:
-        _check_output_path(a.out, "--out")
+        check_output_path(a.out, "--out")
     if a.json:
-        _check_output_path(a.json, "--json")
+        check_output_path(a.json, "--json")
+    if a.plots:
+        check_output_dir(a.plots, "--plots")
     profile = run_topo(pg, device=a.device, threads=a.threads, max_bytes=a.max_bytes, quick=a.quick)
     if pg.is_root:
         print(format_topo(profile))
         if a.json:
-            _write_json_atomic(a.json, profile)
+            write_json_atomic(a.json, profile)
         if not a.no_save:
             path = save_profile(profile, a.out or default_profile_path())
             print(f"profile written to {path}")
+        if a.plots:
+            for path in write_plots(a.plots, profile):
+                print(f"plot written to {path}")
         bad = sum(r["wrong"] for r in profile["allreduce"])
         if bad:
             print(f"mgpu: error: {bad} allreduce results were not bit-exact", flush=True)
@@ -363,15 +460,28 @@ def cmd_topo(a, pg) -> int:
     return 0
 
 
+def _mebibytes(text: str) -> int:
+    """argparse type of --max-mb: MiB (a number) -> bytes; a one-line error for nan and inf."""
+    import argparse
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of MiB, got '{text}'") from None
+    if not 0 <= value <= 1 << 20:
+        raise argparse.ArgumentTypeError(f"expected MiB between 0 and {1 << 20}, got '{text}'")
+    return int(value * MiB)
+
+
 def add_parser(sub) -> None:
     t = sub.add_parser("topo", help="measure devices, GEMM rates and the allreduce; write the calibration profile",
                        description="Measure this machine (under mpirun: every rank's device and the communicator) "
                                    "and save the calibration profile the strategy selector uses.")
     t.add_argument("--device", choices=("cpu", "cuda", "auto"), default="auto")
     t.add_argument("--threads", type=int, default=None, help="CPU threads per rank (default: cores / ranks per node)")
-    t.add_argument("--max-mb", dest="max_bytes", type=lambda v: int(float(v) * MiB), default=256 * MiB,
+    t.add_argument("--max-mb", dest="max_bytes", type=_mebibytes, default=256 * MiB,
                    help="largest allreduce in MiB (default 256)")
     t.add_argument("--quick", action="store_true", help="fewer sizes and repeats (seconds, not minutes)")
     t.add_argument("--out", metavar="PATH", help=f"profile path (default {default_profile_path()})")
     t.add_argument("--no-save", action="store_true", help="measure and print only")
     t.add_argument("--json", metavar="PATH", help="also write the profile here")
+    t.add_argument("--plots", metavar="DIR", help="write PNG plots here: GEMM rate by size, the allreduce sweep")

@@ -88,6 +88,15 @@ def test_emulated_devices_say_so():
         assert "emulat" in d["name"].lower() and "not a real GPU" in d["name"]
 
 
+def test_info_says_the_gpus_are_emulated():
+    from conftest import run_cli  # tests/conftest.py
+    r = run_cli(["info"])
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith("GPU EMULATION") and "not real GPUs" in lines[0]
+    assert all("EMULATED" in line for line in lines if line.startswith(("CUDA:", "NCCL:", "GPUs:")))
+
+
 @pytest.mark.parametrize("graph, accumulate, precision, layers", [
     ("on", 1, "fp32", None), ("off", 1, "fp32", None), ("on", 4, "fp32", None),
     ("on", 1, "bf16", None), ("off", 3, "bf16", "7,5,9,3")])

@@ -1,0 +1,138 @@
+"""What every command module (cli, bench, perf, stress, topo) shares: the argparse
+parser with one-line errors, the value types of the list options, the error line
+each rank writes, and the checks and atomic writes of output files.
+
+It imports nothing of mgpu but errors, so the command modules import it and cli.py
+imports them: the imports run one way, from the CLI down.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from collections import Counter
+
+from .errors import ConfigError
+
+EXIT_USAGE = 2
+INT32_MAX = 2**31 - 1  # the C++ core takes sizes and counts as int
+
+
+class UsageError(Exception):
+    pass
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (no usage dump) so every rank prints one clear line."""
+
+    def error(self, message):
+        raise UsageError(f"{self.prog}: error: {message}")
+
+
+def write_line(text: str) -> None:
+    """Write `text` and its newline to stderr in one write: lines of ranks that fail
+    together then reach mpirun whole, never glued into one line."""
+    data = (text.replace("\n", " ") + "\n").encode("utf-8", "replace")
+    tqdm = sys.modules.get("tqdm")
+    if tqdm is not None:  # a progress bar's line ends first (closing it writes its newline)
+        for bar in list(getattr(tqdm.tqdm, "_instances", ())):
+            bar.close()
+    try:
+        fd = sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):  # a stream without a descriptor (captured)
+        sys.stderr.write(data.decode("utf-8"))
+        sys.stderr.flush()
+        return
+    sys.stderr.flush()
+    os.write(fd, data)
+
+
+def _items(text: str, what: str, convert, kind: str) -> list:
+    """(item, convert(item)) for each comma-separated item of a list option; none may be empty."""
+    items = [v.strip() for v in text.split(",")]
+    if items == [""]:
+        raise argparse.ArgumentTypeError(f"expected comma-separated {what}, got nothing")
+    if "" in items:
+        raise argparse.ArgumentTypeError(f"empty value in '{text}' (a doubled or stray comma)")
+    pairs = []
+    for item in items:
+        try:
+            pairs.append((item, convert(item)))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"'{item}' is not {kind} (in '{text}')") from None
+    return pairs
+
+
+def int_list(what: str, distinct: bool = False):
+    """argparse type: comma-separated positive integers that fit the core's int, e.g.
+    `int_list("layer sizes")`. No empty items (`50,,3`), signs, nothing below 1 or above
+    INT32_MAX; with `distinct`, no value twice (a sweep's `2,2` is a typo for
+    something else: refusing it beats measuring the wrong thing in silence)."""
+
+    def parse(text: str) -> list:
+        values = []
+        for item, value in _items(text, what, int, "an integer"):
+            if value < 1:
+                raise argparse.ArgumentTypeError(f"{what} must be >= 1, got {item} (in '{text}')")
+            if not (item.isascii() and item.isdigit()):  # int() also takes '+3', '1_000'
+                raise argparse.ArgumentTypeError(f"write {what} as plain digits, got '{item}' (in '{text}')")
+            if value > INT32_MAX:
+                raise argparse.ArgumentTypeError(f"{what} must be at most {INT32_MAX}, got {item}")
+            values.append(value)
+        repeated = [v for v, n in Counter(values).items() if n > 1]
+        if distinct and repeated:
+            raise argparse.ArgumentTypeError(f"{what} must be distinct: {repeated[0]} appears "
+                                             f"{values.count(repeated[0])} times in '{text}'")
+        return values
+
+    parse.__name__ = what  # argparse names the type by it in its own messages
+    return parse
+
+
+def float_list(what: str):
+    """argparse type: comma-separated finite numbers >= 0 (shares, fractions); no empty items."""
+
+    def parse(text: str) -> list:
+        values = []
+        for item, value in _items(text, what, float, "a number"):
+            if not math.isfinite(value) or value < 0:
+                raise argparse.ArgumentTypeError(f"{what} must be finite numbers >= 0, got {item} (in '{text}')")
+            values.append(value)
+        return values
+
+    parse.__name__ = what
+    return parse
+
+
+def check_output_path(path: str, what: str) -> None:
+    """ConfigError unless `path` can be written (before any work whose result would go there)."""
+    directory = os.path.dirname(os.path.abspath(path)) or "."
+    if not os.path.isdir(directory):
+        raise ConfigError(f"{what} '{path}': directory '{directory}' does not exist")
+    if not os.access(directory, os.W_OK):
+        raise ConfigError(f"{what} '{path}': directory '{directory}' is not writable")
+    if os.path.isdir(path):
+        raise ConfigError(f"{what} '{path}' is a directory")
+
+
+def check_output_dir(path: str, what: str) -> None:
+    """ConfigError unless `path` is a writable directory or can be made one, parents and all
+    (plots go there)."""
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise ConfigError(f"{what} '{path}': '{existing}' is not a directory")
+    if not os.access(existing, os.W_OK):
+        raise ConfigError(f"{what} '{path}': directory '{existing}' is not writable")
+
+
+def write_json_atomic(path: str, obj) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)

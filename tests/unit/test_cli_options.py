@@ -1,0 +1,152 @@
+"""The CLI's shared pieces (mgpu.cliutil) in one process: list options refuse empty
+items, signs, overflow and (for sweeps) duplicates; an error line is one write; the
+`mgpu info` summary; the command modules never import cli.py."""
+import argparse
+import ast
+import copy
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+import mgpu
+from mgpu import cli
+from mgpu.cliutil import INT32_MAX, float_list, int_list
+
+PACKAGE = Path(mgpu.__file__).parent
+
+
+@pytest.mark.parametrize("text, message", [
+    ("50,,3", "empty value"),
+    ("50,3,", "empty value"),
+    (",50,3", "empty value"),
+    ("", "got nothing"),
+    ("50,abc,3", "'abc' is not an integer"),
+    ("50,2.5,3", "not an integer"),
+    ("50,-3,3", ">= 1, got -3"),
+    ("50,0,3", ">= 1, got 0"),
+    ("50,+3,3", "plain digits"),
+    ("50,1_000,3", "plain digits"),
+    (f"50,{INT32_MAX + 1},3", f"at most {INT32_MAX}"),
+    ("50," + "9" * 30 + ",3", f"at most {INT32_MAX}"),
+])
+def test_int_list_refuses_what_the_core_cannot_take(text, message):
+    with pytest.raises(argparse.ArgumentTypeError, match=message):
+        int_list("layer sizes")(text)
+
+
+def test_int_list_takes_plain_positive_integers():
+    assert int_list("layer sizes")(f" 50, 256,256 ,{INT32_MAX}") == [50, 256, 256, INT32_MAX]
+    with pytest.raises(argparse.ArgumentTypeError, match="distinct: 2 appears 2 times"):
+        int_list("rank counts", distinct=True)("1,2,2")
+    assert int_list("rank counts", distinct=True)("4,1,2") == [4, 1, 2]
+
+
+@pytest.mark.parametrize("text, message", [
+    ("0.5,,0.5", "empty value"), ("0.5,", "empty value"), ("-1,2", ">= 0"), ("nan,1", "finite"),
+    ("inf,1", "finite"), ("1e400,1", "finite"), ("a,1", "not a number"),
+])
+def test_float_list_refuses_empty_negative_and_non_finite(text, message):
+    with pytest.raises(argparse.ArgumentTypeError, match=message):
+        float_list("batch shares")(text)
+
+
+@pytest.mark.parametrize("argv, option", [
+    (["train", "--layers", "50,,3"], "--layers"),
+    (["train", "--batch-shares", "0.7,,0.3"], "--batch-shares"),
+    (["bench", "--layers", "4,0,4"], "--layers"),
+    (["bench", "--batch-sizes", "64,64"], "--batch-sizes"),
+    (["bench", "--ranks", "2,2"], "--ranks"),
+    (["bench", "--ranks", f"1,{INT32_MAX + 1}"], "--ranks"),
+    (["recommend", "--model", "large", "--batch-size", "8", "--devices", "1,1"], "--devices"),
+    (["recommend", "--layers", f"50,{2**40},3", "--batch-size", "8"], "--layers"),
+])
+def test_every_list_option_is_checked_by_the_parser(argv, option):
+    with pytest.raises(cli.UsageError, match=f"argument {option}: "):
+        cli.build_parser().parse_args(argv)
+
+
+def test_an_error_is_one_write_with_its_newline(monkeypatch, capfd):
+    """Ranks failing together must not glue their lines: each line leaves in one write."""
+    writes = []
+    real = os.write
+    monkeypatch.setattr(os, "write", lambda fd, data: writes.append((fd, data)) or real(fd, data))
+    assert cli.main(["train", "--layers", "50,,3"]) == 2
+    assert [(data.count(b"\n"), data.endswith(b"\n")) for _, data in writes] == [(1, True)]
+    assert b"empty value" in writes[0][1]
+    assert capfd.readouterr().err.count("\n") == 1
+
+
+def test_an_error_line_starts_after_an_open_progress_bar(capfd):
+    import sys
+
+    from tqdm.auto import tqdm
+
+    from mgpu.cliutil import write_line
+    bar = tqdm(total=4, desc="bench", file=sys.stderr)
+    bar.update(1)
+    write_line("mgpu: error: something")
+    assert "\nmgpu: error: something\n" in capfd.readouterr().err
+
+
+def test_blas_kernel_from_the_openblas_config():
+    assert cli._blas_kernel("OpenBLAS 0.3.21 NO_LAPACKE DYNAMIC_ARCH NO_AFFINITY Zen MAX_THREADS=64") == "Zen"
+    assert cli._blas_kernel("OpenBLAS 0.3.26 USE_OPENMP HASWELL SINGLE_THREADED") == "HASWELL"
+    assert cli._blas_kernel("OpenBLAS 0.3.26 DYNAMIC_ARCH NO_AFFINITY MAX_THREADS=8") == ""
+    assert cli._blas_kernel("") == ""
+
+
+def _info(**cuda):
+    info = copy.deepcopy(mgpu.build_info())
+    info["process"] = {"rank": 0, "size": 2, "local_rank": 0, "local_size": 2}
+    info["cuda"].update(cuda)
+    return info
+
+
+def test_info_summary_names_each_component():
+    text = cli.format_info(_info())
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(text)
+    heads = [line.split(":")[0] for line in text.splitlines() if not line.startswith(" ")]
+    for head in ("BLAS", "MPI", "CUDA", "NCCL", "GPUs", "backends", "process"):
+        assert head in heads, text
+    assert mgpu.__version__ in text and "rank 0 of 2" in text and "--json" in text
+
+
+def test_info_summary_without_cuda_and_with_mismatched_libraries():
+    no_cuda = _info(compiled=False, backend=False, nccl_communicator=False, devices=[], device_count=0,
+                    nccl_found=False)
+    text = cli.format_info(no_cuda)
+    assert "CUDA:     not built in" in text and "NCCL:     not built in" in text and "no CUDA backend" in text
+    mixed = _info(compiled=True, runtime_compiled="12.4", runtime_loaded="12.8", nccl_communicator=True,
+                  nccl_compiled="2.21.5", nccl_loaded="2.26.2", devices=[], no_device_reason="no driver")
+    text = cli.format_info(mixed)
+    assert "12.8 (built with 12.4)" in text and "2.26.2 (built with 2.21.5)" in text
+    assert "none visible: no driver" in text
+
+
+def test_info_summary_says_when_gpus_are_emulated():
+    gpu = {"index": 0, "name": "Emulated GPU 0", "total_memory_mib": 2048, "multiprocessors": 132,
+           "compute_capability": "9.0", "pci_bus_id": "0000:E0:00.0"}
+    info = _info(compiled=True, devices=[gpu], device_count=1, nccl_communicator=True)
+    info["gpu_emulation"] = True
+    text = cli.format_info(info)
+    assert text.startswith("GPU EMULATION") and "1 EMULATED GPU(s)" in text
+    assert all("EMULATED" in line for line in text.splitlines() if line.startswith(("CUDA:", "NCCL:")))
+    info["gpu_emulation"] = False
+    assert "EMULAT" not in cli.format_info(info)
+
+
+def test_command_modules_never_import_the_cli():
+    """cli.py imports the command modules; they take shared helpers from cliutil, never from cli."""
+    offenders = []
+    for path in PACKAGE.rglob("*.py"):
+        if path.name in ("cli.py", "__main__.py"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module == "cli" and node.level >= 1
+                                                     or node.module == "mgpu.cli"
+                                                     or node.module is None and any(a.name == "cli" for a in node.names)):
+                offenders.append(f"{path.name}:{node.lineno}")
+    assert not offenders
