@@ -32,6 +32,7 @@ void bind_emulation(py::module_& m) {
     d["d2d_bytes"] = c.d2d_bytes.load();
     d["blas_calls"] = c.blas_calls.load();
     d["collectives"] = c.collectives.load();
+    d["pageable_h2d_copies"] = c.pageable_h2d_copies.load();
     return d;
   }, "Totals since the process started of the CUDA work issued (see emulation/README.md).");
   e.def("violations", &mgpu_emu::violations, "Rule violations found so far, one line each.");

@@ -89,6 +89,13 @@ class Backend {
   virtual void free_bytes(void* ptr) noexcept = 0;
   virtual void copy_to_backend(void* dst, const void* host_src, size_t bytes) = 0;
   virtual void copy_to_host(void* host_dst, const void* src, size_t bytes) = 0;
+  // copy_to_backend for the step's inputs, which must never wait for queued
+  // work, not even inside the driver (which may, for pageable sources): a device
+  // backend copies host_src into pinned staging memory of its own and queues the
+  // copy from there.
+  virtual void stage_to_backend(void* dst, const void* host_src, size_t bytes) {
+    copy_to_backend(dst, host_src, bytes);
+  }
   virtual void zero(float* x, size_t n) = 0;
   virtual void synchronize() = 0;
 

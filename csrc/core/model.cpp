@@ -111,17 +111,17 @@ void MLP::stage(const HostBatch& batch, LossKind loss, bool own_copy) {
   }
   ensure_staging();
   const size_t rows = static_cast<size_t>(batch.rows);
-  backend_->copy_to_backend(staged_x_.data(), batch.x, rows * in_features() * sizeof(float));
+  backend_->stage_to_backend(staged_x_.data(), batch.x, rows * in_features() * sizeof(float));
   input_ = staged_x_.data();
   targets_ = nullptr;
   labels_ = nullptr;
   if (batch.targets) {
-    backend_->copy_to_backend(staged_targets_.data(), batch.targets,
-                              rows * out_features() * sizeof(float));
+    backend_->stage_to_backend(staged_targets_.data(), batch.targets,
+                               rows * out_features() * sizeof(float));
     targets_ = staged_targets_.data();
   }
   if (batch.labels) {
-    backend_->copy_to_backend(staged_labels_.data(), batch.labels, rows * sizeof(int32_t));
+    backend_->stage_to_backend(staged_labels_.data(), batch.labels, rows * sizeof(int32_t));
     labels_ = staged_labels_.data();
   }
 }

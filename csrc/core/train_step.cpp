@@ -211,7 +211,7 @@ StepResult DataParallelStep::step(const std::vector<MicroShard>& shards, int64_t
   // The stop slot travels in the first bucket, which overlap launches during
   // the last backward: write it before any backward runs.
   const float stop_flag = request_stop ? 1.0f : 0.0f;
-  be.copy_to_backend(m.stop_slot(), &stop_flag, sizeof(float));
+  be.stage_to_backend(m.stop_slot(), &stop_flag, sizeof(float));
   // An error once buckets are in flight (a failed allocation or launch in
   // backward) aborts them: they use the gradient buffer, which may be freed
   // next, and the peers wait for the buckets this rank will never launch.

@@ -5,6 +5,7 @@
 #include "cuda_backend.h"
 
 #include <algorithm>
+#include <cstring>
 #include <memory>
 
 #include "../../kernels/kernels.cuh"
@@ -72,6 +73,11 @@ void CudaBackend::release() noexcept {
   replay_dev_ = nullptr;
   cudaFree(master_half_);
   master_half_ = nullptr;
+  for (char* chunk : staging_outgrown_) cudaFreeHost(chunk);
+  staging_outgrown_.clear();
+  if (staging_) cudaFreeHost(staging_);
+  staging_ = nullptr;
+  staging_capacity_ = staging_used_ = 0;
   cudaFree(label_errors_.device);
   if (label_errors_.host) cudaFreeHost(label_errors_.host);
   label_errors_ = kernels::LabelErrors();
@@ -137,7 +143,10 @@ void CudaBackend::copy_to_backend(void* dst, const void* host_src, size_t bytes)
   MGPU_CHECK(!captures_.capturing(), DeviceError, "copy_to_backend synchronises: not allowed in a capture");
   MGPU_CUDA_CHECK(cudaMemcpyAsync(dst, host_src, bytes, cudaMemcpyHostToDevice, stream_));
   // The caller may reuse host_src on return: pinned memory is read by the DMA later.
-  if (!pageable(host_src)) MGPU_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  if (!pageable(host_src)) {
+    MGPU_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    drained();
+  }
 }
 
 void CudaBackend::copy_to_host(void* host_dst, const void* src, size_t bytes) {
@@ -146,8 +155,39 @@ void CudaBackend::copy_to_host(void* host_dst, const void* src, size_t bytes) {
   MGPU_CHECK(!captures_.capturing(), DeviceError, "copy_to_host synchronises: not allowed in a capture");
   MGPU_CUDA_CHECK(cudaMemcpyAsync(host_dst, src, bytes, cudaMemcpyDeviceToHost, stream_));
   if (!pageable(host_dst)) MGPU_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  drained();  // a copy to pageable memory returns when done, so everything before it is done too
   sum_started_ = false;  // the stream's work up to here has run: a started sum_squares has landed too
   raise_label_errors();
+}
+
+void CudaBackend::stage_to_backend(void* dst, const void* host_src, size_t bytes) {
+  if (!bytes) return;
+  activate();
+  MGPU_CHECK(!captures_.capturing(), DeviceError, "stage_to_backend reads host memory: not allowed in a capture");
+  writes(dst, bytes);
+  constexpr size_t kAlign = 256;
+  const size_t need = (bytes + kAlign - 1) / kAlign * kAlign;
+  if (staging_used_ + need > staging_capacity_) {
+    // Grows while the bytes staged between two synchronisations grow (the
+    // first steps); the old chunk may still feed a queued copy: keep it.
+    const size_t capacity = std::max({need, 2 * staging_capacity_, size_t{1} << 20});
+    void* fresh = nullptr;
+    const cudaError_t rc = cudaMallocHost(&fresh, capacity);
+    if (rc != cudaSuccess) {
+      cudaGetLastError();
+      throw DeviceError(detail::concat("cudaMallocHost of ", capacity, " bytes (input staging) for GPU ", device_,
+                                       " failed: ", cudaGetErrorString(rc)));
+    }
+    if (staging_) staging_outgrown_.push_back(staging_);
+    staging_ = static_cast<char*>(fresh);
+    staging_capacity_ = capacity;
+    staging_used_ = 0;
+  }
+  char* slot = staging_ + staging_used_;
+  std::memcpy(slot, host_src, bytes);
+  // Pinned source: queued, never a wait (a pageable one may make the driver wait for the stream).
+  MGPU_CUDA_CHECK(cudaMemcpyAsync(dst, slot, bytes, cudaMemcpyHostToDevice, stream_));
+  staging_used_ += need;
 }
 
 void CudaBackend::zero(float* x, size_t n) {
@@ -162,6 +202,7 @@ void CudaBackend::synchronize() {
   MGPU_CHECK(!captures_.capturing(), DeviceError, "synchronize() is not allowed in a capture");
   MGPU_CUDA_CHECK(cudaStreamSynchronize(stream_));
   sum_started_ = false;
+  drained();
   raise_label_errors();
 }
 
@@ -456,6 +497,7 @@ void CudaBackend::release_captures() {
   if (captures_.empty()) return;
   activate();
   MGPU_CUDA_CHECK(cudaStreamSynchronize(stream_));  // no replay may still be running
+  drained();
   captures_.release([](cudaGraphExec_t g) { cudaGraphExecDestroy(g); });
 }
 

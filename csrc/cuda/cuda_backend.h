@@ -9,6 +9,8 @@
 #include <cublas_v2.h>
 #include <cuda_runtime_api.h>
 
+#include <vector>
+
 #include "../../kernels/kernels.cuh"
 #include "../core/backend.h"
 #include "../core/capture_registry.h"
@@ -34,6 +36,7 @@ class CudaBackend final : public Backend {
   // stream), so host buffers may be reused or read at once.
   void copy_to_backend(void* dst, const void* host_src, size_t bytes) override;
   void copy_to_host(void* host_dst, const void* src, size_t bytes) override;
+  void stage_to_backend(void* dst, const void* host_src, size_t bytes) override;
   void zero(float* x, size_t n) override;
   void synchronize() override;
 
@@ -101,6 +104,7 @@ class CudaBackend final : public Backend {
   const void* master_half_view(const float* src, size_t n);  // src's part of it, or null
   void refresh_master_half();                     // cast when stale (never inside a capture)
   void writes(const void* dst, size_t bytes);     // dst in the parameters: the copy goes stale
+  void drained() { staging_used_ = 0; }          // the stream ran dry: its staged copies are done
   kernels::HalfShadow shadow_for_update(const float* param, size_t n);
   // Where kernels being captured read their ReplayArgs; null outside a capture.
   const ReplayArgs* captured_args() const { return captures_.capturing() ? replay_dev_ : nullptr; }
@@ -123,6 +127,13 @@ class CudaBackend final : public Backend {
   size_t master_n_ = 0;
   void* master_half_ = nullptr;        // master_n_ two-byte values of the precision
   bool master_half_fresh_ = false;
+  // Pinned staging of stage_to_backend: filled from the start after each point
+  // where the stream has run dry (a synchronisation), so a region is never
+  // rewritten under a pending copy; a chunk outgrown while copies may be pending
+  // is kept until the backend goes (cudaFreeHost can synchronise the device).
+  char* staging_ = nullptr;
+  size_t staging_capacity_ = 0, staging_used_ = 0;
+  std::vector<char*> staging_outgrown_;
   kernels::LabelErrors label_errors_;  // device: 2 values, host: 3 pinned values
 };
 

@@ -1281,6 +1281,7 @@ cudaError_t memcpy_impl(void* dst, const void* src, size_t count, cudaMemcpyKind
   std::shared_ptr<std::vector<char>> staged;
   const void* from = src;
   if (s_src == Space::kPageable && !sync_api) {
+    if (dst_dev) c.pageable_h2d_copies++;
     // The driver stages pageable sources at the call: the caller may reuse its buffer at once.
     staged = std::make_shared<std::vector<char>>(static_cast<const char*>(src), static_cast<const char*>(src) + count);
     from = staged->data();

@@ -42,7 +42,7 @@ def test_ops_of_a_two_layer_fp32_step_counted_by_hand():
     c = cs.counts(cs.step_ops(w))
     assert c == {"kernel_launches": 2 + 1 + 2 + 2 + 1 + 2 + 1, "kernels_executed": 11, "graph_launches": 0,
                  "blas_calls": 2 + 3, "host_syncs": 1,
-                 "h2d_bytes": 4 + 16 * 4 * 4 + 16 * 2 * 4, "d2h_bytes": 16}
+                 "h2d_bytes": 4 + 16 * 4 * 4 + 16 * 2 * 4, "d2h_bytes": 16, "pageable_h2d_copies": 0}
     ops = cs.step_ops(w)
     gemm_flops = sum(o.count * o.flops for o in ops if o.kind == "gemm")
     assert gemm_flops == 2 * 16 * (4 * 8 * 2 + 8 * 2 * 3)   # the first layer has no input gradient

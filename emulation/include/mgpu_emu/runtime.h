@@ -53,7 +53,11 @@ bool stream_is_capturing(cudaStream_t stream);
 
 struct Counters {
   std::atomic<uint64_t> kernel_launches{0}, graph_launches{0}, host_syncs{0}, allocations{0}, frees{0},
-      h2d_bytes{0}, d2h_bytes{0}, d2d_bytes{0}, blas_calls{0}, collectives{0}, kernels_executed{0};
+      h2d_bytes{0}, d2h_bytes{0}, d2d_bytes{0}, blas_calls{0}, collectives{0}, kernels_executed{0},
+      // cudaMemcpyAsync host -> device from pageable memory: "the driver may synchronize
+      // with the stream" to stage it (CUDA runtime API, API synchronization behavior),
+      // so each is a possible host synchronisation that host_syncs cannot count.
+      pageable_h2d_copies{0};
 };
 Counters& counters();
 // Rule violations seen so far (races, out-of-bounds, use after free, divergence, mismatched collectives).
