@@ -137,8 +137,9 @@ static_assert(kColumnPartialsSize >= 2 * kReduceBlocks * kColTile, "see kColumnP
 
 // in (rows, OUT), split y = blockIdx.y = rows [y r, min(rows, (y + 1) r)) with
 // r = rows_per_split. Thread (tx, ty) sums column tile * kColTile + tx over the
-// split's rows ty, ty + kColRows, ... (kColUnroll loads issued before any add),
-// then ty = 0 adds the kColRows sums in order. One split (gridDim.y == 1):
+// split's rows ty, ty + kColRows, ... (kColUnroll independent loads a round,
+// each into its own accumulator, so none waits for another), then ty = 0 adds
+// the kColRows sums in order. One split (gridDim.y == 1):
 // out (OUT) = the sums (added to out when accumulate); several: out
 // (gridDim.y, OUT), row y the split's sums, for a second pass over them.
 __global__ void column_sums_kernel(float* __restrict__ out, const float* __restrict__ in, int rows, int OUT,

@@ -248,6 +248,7 @@ class CudaStress final : public StressDevice {
     // at the CLI's repeats): the GPU never idles on the host between GEMMs, and
     // each GEMM's time is its own, without the host's launch latency in it.
     const size_t checks = std::min<size_t>(kStressGemmChecks, nn);
+    const double input_error = stress_gemm_input_error(precision);
     bool reference_checked = false;
     StressCheck c;
     zero_counts(4);
@@ -263,9 +264,9 @@ class CudaStress final : public StressDevice {
           have_first_ = true;
           // Every later result is held against this one: check it on its own.
           if (precision == "bf16")
-            enqueue_reference_check(counts_.ptr + 2, first_.ptr, a16_.ptr, b16_.ptr, n, checks, precision);
+            enqueue_reference_check(counts_.ptr + 2, first_.ptr, a16_.ptr, b16_.ptr, n, checks, input_error);
           else
-            enqueue_reference_check(counts_.ptr + 2, first_.ptr, a_.ptr, b_.ptr, n, checks, precision);
+            enqueue_reference_check(counts_.ptr + 2, first_.ptr, a_.ptr, b_.ptr, n, checks, input_error);
           reference_checked = true;
           continue;
         }
@@ -292,7 +293,7 @@ class CudaStress final : public StressDevice {
 
   StressCheck gemm_verify(int n, const float* a, const float* b, const float* c, const std::string& precision,
                           size_t samples) override {
-    stress_gemm_input_error(precision);  // throws ConfigError for an unknown precision, before any work
+    const double input_error = stress_gemm_input_error(precision);
     MGPU_CHECK(n >= 1, ConfigError, "GEMM check needs n >= 1");
     MGPU_CUDA_CHECK(cudaSetDevice(device_));
     const size_t nn = size_t(n) * n;
@@ -304,13 +305,13 @@ class CudaStress final : public StressDevice {
     MGPU_CUDA_CHECK(cudaMemcpyAsync(db.ptr, b, nn * sizeof(float), cudaMemcpyHostToDevice, stream_));
     MGPU_CUDA_CHECK(cudaMemcpyAsync(dc.ptr, c, nn * sizeof(float), cudaMemcpyHostToDevice, stream_));
     const size_t checks = std::min(std::max<size_t>(samples, 1), nn);
-    if (precision != "bf16") return reference_check(dc.ptr, da.ptr, db.ptr, n, checks, precision);
+    if (precision != "bf16") return reference_check(dc.ptr, da.ptr, db.ptr, n, checks, input_error);
     DeviceBuffer<__nv_bfloat16> a16, b16;
     a16.resize(nn);
     b16.resize(nn);
     kernels::cast_to_bf16(a16.ptr, da.ptr, nn, stream_);
     kernels::cast_to_bf16(b16.ptr, db.ptr, nn, stream_);
-    return reference_check(dc.ptr, a16.ptr, b16.ptr, n, checks, precision);
+    return reference_check(dc.ptr, a16.ptr, b16.ptr, n, checks, input_error);
   }
 
   double copy_bandwidth(size_t bytes) override {
@@ -383,11 +384,6 @@ class CudaStress final : public StressDevice {
     start_ = stop_ = nullptr;
     stream_ = nullptr;
   }
-  static void add(StressCheck& total, const StressCheck& part) {
-    total.checked += part.checked;
-    total.mismatches += part.mismatches;
-    total.nonfinite += part.nonfinite;
-  }
   // row-major C = A B is column-major C^T = B^T A^T: swap the operands
   void enqueue_gemm(int n, const std::string& precision) {
     const float one = 1.0f, zero = 0.0f;
@@ -402,17 +398,16 @@ class CudaStress final : public StressDevice {
   // gemm_reference_kernel over c (n, n) = a b, adding to counts (mismatches, nonfinite).
   template <typename T>
   void enqueue_reference_check(unsigned long long* counts, const float* c, const T* a, const T* b, int n,
-                               size_t checks, const std::string& precision) {
-    MGPU_LAUNCH(gemm_reference_kernel<T>, grid_for(checks), kThreads, 0, stream_)(
-        counts, c, a, b, n, checks, stress_gemm_input_error(precision));
+                               size_t checks, double input_error) {
+    MGPU_LAUNCH(gemm_reference_kernel<T>, grid_for(checks), kThreads, 0, stream_)(counts, c, a, b, n, checks,
+                                                                                 input_error);
     MGPU_CUDA_CHECK_LAUNCH("gemm_reference_kernel");
   }
   // The same check on its own; synchronises (reads the counts).
   template <typename T>
-  StressCheck reference_check(const float* c, const T* a, const T* b, int n, size_t checks,
-                              const std::string& precision) {
+  StressCheck reference_check(const float* c, const T* a, const T* b, int n, size_t checks, double input_error) {
     zero_counts();
-    enqueue_reference_check(counts_.ptr, c, a, b, n, checks, precision);
+    enqueue_reference_check(counts_.ptr, c, a, b, n, checks, input_error);
     const auto counts = read_counts();
     StressCheck r;
     r.checked = static_cast<int64_t>(checks);
