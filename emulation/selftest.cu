@@ -64,6 +64,11 @@ __global__ void dynamic_shared_kernel(float* out) {
 
 __global__ void atomic_kernel(unsigned long long* count) { atomicAdd(count, 1ull); }
 
+// 16-byte loads through a float pointer: legal only where src is 16-byte aligned.
+__global__ void float4_copy_kernel(float4* dst, const float* src) {
+  dst[threadIdx.x] = reinterpret_cast<const float4*>(src)[threadIdx.x];
+}
+
 std::string error_text(cudaError_t e) { return e == cudaSuccess ? "" : cudaGetErrorString(e); }
 
 // Runs fn, synchronises, returns the first error seen ("" for none).
@@ -185,6 +190,12 @@ std::string run_scenario(const std::string& name) {
     });
     return err.empty() ? std::to_string(b.read(b.e)) : err;
   }
+  if (name == "misaligned_vector_load" || name == "aligned_vector_load")  // src one float past alignment
+    return run([&] {
+      MGPU_LAUNCH(float4_copy_kernel, 1, 8, 0, b.s1)(reinterpret_cast<float4*>(b.e),
+                                                     b.d + (name == "misaligned_vector_load" ? 1 : 0));
+      return cudaSuccess;
+    });
   if (name == "atomics") {
     unsigned long long* count = nullptr;
     cudaMalloc(reinterpret_cast<void**>(&count), sizeof(*count));

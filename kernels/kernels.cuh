@@ -15,10 +15,14 @@ namespace kernels {
 
 // Deterministic reductions write one partial per block (at most this many
 // blocks, a function of the problem size only) and a single block sums them in
-// a fixed order: same input, same bits, on any GPU.
-constexpr int kReduceBlocks = 256;
+// a fixed order: same input, same bits, on any GPU. 528 = 4 blocks of 256
+// threads on each of an H100 SXM's 132 SMs (one wave; reduce.cu says why).
+constexpr int kReduceBlocks = 528;
 // Doubles of scratch a backend must hand to the reducing launchers.
 constexpr int kPartialsSize = 2 * kReduceBlocks + 8;
+// Floats of scratch column_sums needs: its row splits' partial sums (splits x
+// OUT; column_splits in reduce.cu keeps that below 2 * kReduceBlocks * 32).
+constexpr int kColumnPartialsSize = 2 * kReduceBlocks * 32;
 
 // elementwise.cu
 // bias (C) -> out (B, C), every row a copy of bias (seeds out for a beta=1 GEMM).
@@ -89,8 +93,10 @@ void adamw_update(float* param, const float* grad, float* exp_avg, float* exp_av
 // reduce.cu
 // *out (device double) = sum x^2 (NaN/Inf propagate); partials: kPartialsSize doubles.
 void sum_squares(double* out, const float* x, size_t n, double* partials, cudaStream_t stream);
-// dout (B, OUT) -> dbias (OUT) = column sums (+= when accumulate).
-void column_sums(float* dbias, const float* dout, int B, int OUT, bool accumulate, cudaStream_t stream);
+// dout (B, OUT) -> dbias (OUT) = column sums (+= when accumulate); scratch:
+// kColumnPartialsSize floats.
+void column_sums(float* dbias, const float* dout, int B, int OUT, bool accumulate, float* scratch,
+                 cudaStream_t stream);
 // Sums series s = 0..nseries-1 of `nblocks` partials each (series s at
 // partials + s * kReduceBlocks) in a fixed order; writes out_f[s] = sum * scale[s]
 // where out_f[s] is set, and *out_d = series 0 where out_d is set.

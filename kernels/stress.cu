@@ -5,7 +5,9 @@
 // compared element by element with the first, and the first checked at samples
 // against fp64 dot products (gemm_reference_check in cpu_stress.cpp); memory
 // patterns written and read back with a mismatch counter. Times come from CUDA
-// events.
+// events; the GEMM repeats are enqueued back to back, each between its own pair
+// of events, with one host wait at the end (the host's launch latency is not GEMM
+// time). The random memory pattern draws two words per Philox call.
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -100,17 +102,37 @@ __global__ void gemm_reference_kernel(unsigned long long* __restrict__ counts, c
   }
 }
 
+// One thread per pair of words (stress_word_pair: one Philox call gives both
+// random words), written and read as one 16-byte access: buf is cudaMalloc'd
+// (256-byte aligned), and a warp covers 512 contiguous bytes. An odd last word
+// is accessed alone.
 __global__ void memory_write_kernel(uint64_t* __restrict__ buf, size_t words, StressPattern p, uint64_t seed,
                                     int pass) {
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < words; i += size_t(gridDim.x) * blockDim.x)
-    buf[i] = stress_word(p, seed, pass, i);
+  const size_t pairs = (words + 1) / 2;
+  for (size_t k = blockIdx.x * size_t(blockDim.x) + threadIdx.x; k < pairs; k += size_t(gridDim.x) * blockDim.x) {
+    uint64_t w[2];
+    stress_word_pair(p, seed, pass, k, w);
+    if (2 * k + 1 < words)
+      reinterpret_cast<ulonglong2*>(buf)[k] = make_ulonglong2(w[0], w[1]);
+    else
+      buf[2 * k] = w[0];
+  }
 }
 
 __global__ void memory_check_kernel(unsigned long long* __restrict__ counts, const uint64_t* __restrict__ buf,
                                     size_t words, StressPattern p, uint64_t seed, int pass) {
+  const size_t pairs = (words + 1) / 2;
   unsigned long long wrong = 0;
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < words; i += size_t(gridDim.x) * blockDim.x)
-    wrong += buf[i] != stress_word(p, seed, pass, i);
+  for (size_t k = blockIdx.x * size_t(blockDim.x) + threadIdx.x; k < pairs; k += size_t(gridDim.x) * blockDim.x) {
+    uint64_t w[2];
+    stress_word_pair(p, seed, pass, k, w);
+    if (2 * k + 1 < words) {
+      const ulonglong2 got = reinterpret_cast<const ulonglong2*>(buf)[k];
+      wrong += (got.x != w[0]) + (got.y != w[1]);
+    } else {
+      wrong += buf[2 * k] != w[0];
+    }
+  }
   if (wrong) atomicAdd(&counts[0], wrong);
 }
 
@@ -148,10 +170,12 @@ class CudaStress final : public StressDevice {
       MGPU_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
       MGPU_CUDA_CHECK(cudaEventCreate(&start_));
       MGPU_CUDA_CHECK(cudaEventCreate(&stop_));
+      for (cudaEvent_t& e : ring_) MGPU_CUDA_CHECK(cudaEventCreate(&e));
       MGPU_CUBLAS_CHECK(cublasCreate(&blas_));
       MGPU_CUBLAS_CHECK(cublasSetStream(blas_, stream_));
       MGPU_CUBLAS_CHECK(cublasSetMathMode(blas_, CUBLAS_PEDANTIC_MATH));  // FP32, no TF32
-      counts_.resize(2);
+      MGPU_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&counts_host_), 4 * sizeof(unsigned long long)));
+      counts_.resize(4);  // [0, 1]: a check's (mismatches, nonfinite); [2, 3]: the GEMM reference check's
     } catch (...) {
       release();
       throw;
@@ -219,40 +243,51 @@ class CudaStress final : public StressDevice {
       gemm_seed_ = seed;
       gemm_precision_ = precision;
     }
-    const float one = 1.0f, zero = 0.0f;
+    // Every repeat is enqueued between its own pair of ring events, its check
+    // behind it, and the host waits once per kRingRepeats repeats (once per call
+    // at the CLI's repeats): the GPU never idles on the host between GEMMs, and
+    // each GEMM's time is its own, without the host's launch latency in it.
+    const size_t checks = std::min<size_t>(kStressGemmChecks, nn);
+    const double input_error = stress_gemm_input_error(precision);
+    bool reference_checked = false;
     StressCheck c;
-    for (int r = 0; r < repeats; ++r) {
-      begin();
-      // row-major C = A B is column-major C^T = B^T A^T: swap the operands
-      if (precision == "bf16")
-        MGPU_CUBLAS_CHECK(cublasGemmEx(blas_, CUBLAS_OP_N, CUBLAS_OP_N, n, n, n, &one, b16_.ptr, CUDA_R_16BF, n,
-                                       a16_.ptr, CUDA_R_16BF, n, &zero, c_.ptr, CUDA_R_32F, n, CUBLAS_COMPUTE_32F,
-                                       CUBLAS_GEMM_DEFAULT));
-      else
-        MGPU_CUBLAS_CHECK(cublasSgemm(blas_, CUBLAS_OP_N, CUBLAS_OP_N, n, n, n, &one, b_.ptr, n, a_.ptr, n, &zero,
-                                      c_.ptr, n));
-      c.seconds += end();
-      c.work += 2.0 * n * double(n) * n;
-      if (!have_first_) {
-        MGPU_CUDA_CHECK(cudaMemcpyAsync(first_.ptr, c_.ptr, nn * sizeof(float), cudaMemcpyDeviceToDevice, stream_));
-        have_first_ = true;
-        // Every later result is held against this one: check it on its own.
-        const size_t checks = std::min<size_t>(kStressGemmChecks, nn);
-        if (precision == "bf16")
-          add(c, reference_check(first_.ptr, a16_.ptr, b16_.ptr, n, checks, stress_gemm_input_error(precision)));
-        else
-          add(c, reference_check(first_.ptr, a_.ptr, b_.ptr, n, checks, stress_gemm_input_error(precision)));
-        continue;
+    zero_counts(4);
+    for (int r0 = 0; r0 < repeats; r0 += kRingRepeats) {
+      const int chunk = std::min(kRingRepeats, repeats - r0);
+      for (int i = 0; i < chunk; ++i) {
+        MGPU_CUDA_CHECK(cudaEventRecord(ring_[2 * i], stream_));
+        enqueue_gemm(n, precision);
+        MGPU_CUDA_CHECK(cudaEventRecord(ring_[2 * i + 1], stream_));
+        if (!have_first_) {
+          MGPU_CUDA_CHECK(
+              cudaMemcpyAsync(first_.ptr, c_.ptr, nn * sizeof(float), cudaMemcpyDeviceToDevice, stream_));
+          have_first_ = true;
+          // Every later result is held against this one: check it on its own.
+          if (precision == "bf16")
+            enqueue_reference_check(counts_.ptr + 2, first_.ptr, a16_.ptr, b16_.ptr, n, checks, input_error);
+          else
+            enqueue_reference_check(counts_.ptr + 2, first_.ptr, a_.ptr, b_.ptr, n, checks, input_error);
+          reference_checked = true;
+          continue;
+        }
+        if (inject_fault && r0 + i == repeats - 1) flip_bit(c_.ptr + nn / 3);
+        MGPU_LAUNCH(gemm_check_kernel, grid_for(nn), kThreads, 0, stream_)(counts_.ptr, c_.ptr, first_.ptr, nn, tol);
+        MGPU_CUDA_CHECK_LAUNCH("gemm_check_kernel");
+        c.checked += static_cast<int64_t>(nn);
       }
-      if (inject_fault && r == repeats - 1) flip_bit(c_.ptr + nn / 3);
-      zero_counts();
-      MGPU_LAUNCH(gemm_check_kernel, grid_for(nn), kThreads, 0, stream_)(counts_.ptr, c_.ptr, first_.ptr, nn, tol);
-      MGPU_CUDA_CHECK_LAUNCH("gemm_check_kernel");
-      const auto counts = read_counts();
-      c.checked += static_cast<int64_t>(nn);
-      c.mismatches += static_cast<int64_t>(counts[0]);
-      c.nonfinite += static_cast<int64_t>(counts[1]);
+      // The ring is reused by the next chunk: read its times first.
+      if (r0 + chunk == repeats) {
+        read_counts_async(4);
+        MGPU_CUDA_CHECK(cudaStreamSynchronize(stream_));
+      } else {
+        MGPU_CUDA_CHECK(cudaEventSynchronize(ring_[2 * chunk - 1]));
+      }
+      for (int i = 0; i < chunk; ++i) c.seconds += elapsed(ring_[2 * i], ring_[2 * i + 1]);
+      c.work += chunk * 2.0 * n * double(n) * n;
     }
+    c.mismatches = static_cast<int64_t>(counts_host_[0] + counts_host_[2]);
+    c.nonfinite = static_cast<int64_t>(counts_host_[1] + counts_host_[3]);
+    if (reference_checked) c.checked += static_cast<int64_t>(checks);
     return c;
   }
 
@@ -306,7 +341,8 @@ class CudaStress final : public StressDevice {
     MGPU_CUDA_CHECK(cudaSetDevice(device_));
     StressCheck c;
     begin();
-    MGPU_LAUNCH(memory_write_kernel, grid_for(buffer_.count), kThreads, 0, stream_)(buffer_.ptr, buffer_.count, p, seed, pass);
+    const size_t pairs = (buffer_.count + 1) / 2;
+    MGPU_LAUNCH(memory_write_kernel, grid_for(pairs), kThreads, 0, stream_)(buffer_.ptr, buffer_.count, p, seed, pass);
     MGPU_CUDA_CHECK_LAUNCH("memory_write_kernel");
     c.seconds = end();
     if (inject_fault) {
@@ -320,8 +356,8 @@ class CudaStress final : public StressDevice {
     }
     zero_counts();
     begin();
-    MGPU_LAUNCH(memory_check_kernel, grid_for(buffer_.count), kThreads, 0, stream_)(counts_.ptr, buffer_.ptr, buffer_.count,
-                                                                            p, seed, pass);
+    MGPU_LAUNCH(memory_check_kernel, grid_for(pairs), kThreads, 0, stream_)(counts_.ptr, buffer_.ptr, buffer_.count, p,
+                                                                    seed, pass);
     MGPU_CUDA_CHECK_LAUNCH("memory_check_kernel");
     c.seconds += end();
     c.work = 2.0 * buffer_bytes();
@@ -337,23 +373,41 @@ class CudaStress final : public StressDevice {
     if (blas_) cublasDestroy(blas_);
     if (start_) cudaEventDestroy(start_);
     if (stop_) cudaEventDestroy(stop_);
+    for (cudaEvent_t& e : ring_) {
+      if (e) cudaEventDestroy(e);
+      e = nullptr;
+    }
+    if (counts_host_) cudaFreeHost(counts_host_);
+    counts_host_ = nullptr;
     if (stream_) cudaStreamDestroy(stream_);
     blas_ = nullptr;
     start_ = stop_ = nullptr;
     stream_ = nullptr;
   }
-  static void add(StressCheck& total, const StressCheck& part) {
-    total.checked += part.checked;
-    total.mismatches += part.mismatches;
-    total.nonfinite += part.nonfinite;
+  // row-major C = A B is column-major C^T = B^T A^T: swap the operands
+  void enqueue_gemm(int n, const std::string& precision) {
+    const float one = 1.0f, zero = 0.0f;
+    if (precision == "bf16")
+      MGPU_CUBLAS_CHECK(cublasGemmEx(blas_, CUBLAS_OP_N, CUBLAS_OP_N, n, n, n, &one, b16_.ptr, CUDA_R_16BF, n,
+                                     a16_.ptr, CUDA_R_16BF, n, &zero, c_.ptr, CUDA_R_32F, n, CUBLAS_COMPUTE_32F,
+                                     CUBLAS_GEMM_DEFAULT));
+    else
+      MGPU_CUBLAS_CHECK(cublasSgemm(blas_, CUBLAS_OP_N, CUBLAS_OP_N, n, n, n, &one, b_.ptr, n, a_.ptr, n, &zero,
+                                    c_.ptr, n));
   }
-  // gemm_reference_kernel over c (n, n) = a b; synchronises (reads the counts).
+  // gemm_reference_kernel over c (n, n) = a b, adding to counts (mismatches, nonfinite).
+  template <typename T>
+  void enqueue_reference_check(unsigned long long* counts, const float* c, const T* a, const T* b, int n,
+                               size_t checks, double input_error) {
+    MGPU_LAUNCH(gemm_reference_kernel<T>, grid_for(checks), kThreads, 0, stream_)(counts, c, a, b, n, checks,
+                                                                                 input_error);
+    MGPU_CUDA_CHECK_LAUNCH("gemm_reference_kernel");
+  }
+  // The same check on its own; synchronises (reads the counts).
   template <typename T>
   StressCheck reference_check(const float* c, const T* a, const T* b, int n, size_t checks, double input_error) {
     zero_counts();
-    MGPU_LAUNCH(gemm_reference_kernel<T>, grid_for(checks), kThreads, 0, stream_)(counts_.ptr, c, a, b, n, checks,
-                                                                                 input_error);
-    MGPU_CUDA_CHECK_LAUNCH("gemm_reference_kernel");
+    enqueue_reference_check(counts_.ptr, c, a, b, n, checks, input_error);
     const auto counts = read_counts();
     StressCheck r;
     r.checked = static_cast<int64_t>(checks);
@@ -365,18 +419,26 @@ class CudaStress final : public StressDevice {
   double end() {
     MGPU_CUDA_CHECK(cudaEventRecord(stop_, stream_));
     MGPU_CUDA_CHECK(cudaEventSynchronize(stop_));
+    return elapsed(start_, stop_);
+  }
+  // Seconds between two completed events.
+  static double elapsed(cudaEvent_t start, cudaEvent_t stop) {
     float ms = 0.0f;
-    MGPU_CUDA_CHECK(cudaEventElapsedTime(&ms, start_, stop_));
+    MGPU_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
     return ms * 1e-3;
   }
-  void zero_counts() {
-    MGPU_CUDA_CHECK(cudaMemsetAsync(counts_.ptr, 0, 2 * sizeof(unsigned long long), stream_));
+  void zero_counts(int count = 2) {
+    MGPU_CUDA_CHECK(cudaMemsetAsync(counts_.ptr, 0, count * sizeof(unsigned long long), stream_));
+  }
+  // counts_host_[0, count) = counts_ once the stream has reached this point.
+  void read_counts_async(int count) {
+    MGPU_CUDA_CHECK(cudaMemcpyAsync(counts_host_, counts_.ptr, count * sizeof(unsigned long long),
+                                    cudaMemcpyDeviceToHost, stream_));
   }
   std::array<unsigned long long, 2> read_counts() {
-    std::array<unsigned long long, 2> host{};
-    MGPU_CUDA_CHECK(cudaMemcpyAsync(host.data(), counts_.ptr, sizeof(host), cudaMemcpyDeviceToHost, stream_));
+    read_counts_async(2);
     MGPU_CUDA_CHECK(cudaStreamSynchronize(stream_));
-    return host;
+    return {counts_host_[0], counts_host_[1]};
   }
   // The test hook: the top mantissa bit of one float, a 25-50% error.
   void flip_bit(float* device_value) {
@@ -394,6 +456,10 @@ class CudaStress final : public StressDevice {
   int device_;
   cudaStream_t stream_ = nullptr;
   cudaEvent_t start_ = nullptr, stop_ = nullptr;
+  // The GEMM burn's (start, stop) event pairs, one per repeat of a chunk.
+  static constexpr int kRingRepeats = 64;
+  std::array<cudaEvent_t, 2 * kRingRepeats> ring_{};
+  unsigned long long* counts_host_ = nullptr;  // pinned: 4 counts, read without a pageable copy
   cublasHandle_t blas_ = nullptr;
   DeviceBuffer<float> values_, a_, b_, c_, first_;
   DeviceBuffer<__nv_bfloat16> a16_, b16_;

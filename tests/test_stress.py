@@ -48,6 +48,17 @@ def test_an_injected_bit_flip_makes_the_device_faulty(tmp_path, kernel):
     assert dev["verdict"] == "FAULTY" and dev["errors"][kernel] >= 1 and dev["injected_fault"] == [kernel]
 
 
+def test_random_pattern_uses_all_128_bits_of_each_philox_call():
+    seed, pass_index = 0x123456789, 3
+    key = [seed & 0xFFFFFFFF, (seed >> 32) ^ ((0x57E5 * 0x9E3779B9) & 0xFFFFFFFF)]  # philox_draw, kStress
+    for k in (0, 1, 2**32 + 5):
+        v = _core.philox4x32_10([k & 0xFFFFFFFF, k >> 32, pass_index, 1], key)
+        want = [(v[0] << 32) | v[1], (v[2] << 32) | v[3]]
+        assert [_core.stress_word("random", seed, pass_index, 2 * k + j) for j in (0, 1)] == want
+    assert _core.stress_word("address", 0, 1, 5) == ~5 & (2**64 - 1)
+    assert _core.stress_word("walking_ones", 0, 2, 63) == 2
+
+
 def test_verification_is_exact_without_faults():
     dev = _core.make_stress_device("cpu", 0, 1)
     c = dev.compute(1000, 5, 3, 1000, False)

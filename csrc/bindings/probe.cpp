@@ -203,10 +203,14 @@ void bind_probe(py::module_& parent) {
      py::arg("weight_decay") = 0.01f, py::arg("step") = 1, py::arg("grad_scale") = 1.0f,
      "-> (param, exp_avg, exp_avg_sq); the update of grad_scale * grad");
 
-  m.def("sum_squares", [](BE be, F32 x) {
-    auto d = upload(*be, x);
-    return be->sum_squares(d.data(), size_t(x.size()));
-  }, py::arg("backend"), py::arg("x"));
+  m.def("sum_squares", [](BE be, F32 x, size_t offset) {
+    // x lands `offset` floats into its buffer: a view that starts off the
+    // allocation's alignment, as a slice of a larger buffer would.
+    const size_t n = size_t(x.size());
+    BackendArray<float> d(be.get(), n + offset);
+    be->copy_to_backend(d.data() + offset, x.data(), n * sizeof(float));
+    return be->sum_squares(d.data() + offset, n);
+  }, py::arg("backend"), py::arg("x"), py::arg("offset") = 0, "-> sum of x^2 (double), x at `offset` floats");
 
   m.def("scale", [](BE be, F32 x, float alpha) {
     auto d = upload(*be, x);

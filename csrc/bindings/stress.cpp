@@ -53,6 +53,12 @@ void bind_stress(py::module_& m) {
            "Write a pattern over the buffer, read it back, count differing words.");
   m.def("stress_sample_index", &stress_sample_index, py::arg("k"), py::arg("n"), py::arg("checks"),
         "Index of the element that sample k of `checks` over n values verifies (stress_math.h).");
+  m.def("stress_word",
+        [](const std::string& pattern, uint64_t seed, int pass, uint64_t i) {
+          return stress_word(parse_stress_pattern(pattern), seed, pass, i);
+        },
+        py::arg("pattern"), py::arg("seed"), py::arg("pass_index"), py::arg("i"),
+        "Word i of a memory pattern, as every device writes and checks it (stress_math.h).");
   m.def("stress_gemm_bound", &stress_gemm_bound, py::arg("abs_sum"), py::arg("k"), py::arg("input_error"),
         "Largest accepted |C - fp64 reference| of a GEMM element (stress_math.h).");
   m.def("stress_gemm_input_error", &stress_gemm_input_error, py::arg("precision"));

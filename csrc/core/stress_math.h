@@ -53,6 +53,16 @@ inline StressPattern parse_stress_pattern(const std::string& name) {
   if (name == "random") return StressPattern::kRandom;
   throw ConfigError("unknown memory pattern '" + name + "' (expected walking_ones, address or random)");
 }
+// The random pattern's words 2k and 2k + 1: all 128 bits of one Philox4x32-10
+// call (a call per word would spend half of each on nothing, and Philox, not
+// memory, would bound the pass).
+MGPU_HD void stress_random_pair(uint64_t seed, int pass, uint64_t k, uint64_t w[2]) {
+  const Philox4 r = philox_draw(seed, RngStream::kStress, static_cast<uint32_t>(k), static_cast<uint32_t>(k >> 32),
+                                static_cast<uint32_t>(pass), 1);
+  w[0] = (static_cast<uint64_t>(r.v[0]) << 32) | r.v[1];
+  w[1] = (static_cast<uint64_t>(r.v[2]) << 32) | r.v[3];
+}
+
 MGPU_HD uint64_t stress_word(StressPattern p, uint64_t seed, int pass, uint64_t i) {
   switch (p) {
     case StressPattern::kWalkingOnes:
@@ -60,12 +70,23 @@ MGPU_HD uint64_t stress_word(StressPattern p, uint64_t seed, int pass, uint64_t 
     case StressPattern::kAddress:  // address-in-address, flipped every other pass
       return (pass & 1) ? ~i : i;
     case StressPattern::kRandom: {
-      const Philox4 r = philox_draw(seed, RngStream::kStress, static_cast<uint32_t>(i),
-                                    static_cast<uint32_t>(i >> 32), static_cast<uint32_t>(pass), 1);
-      return (static_cast<uint64_t>(r.v[0]) << 32) | r.v[1];
+      uint64_t w[2];
+      stress_random_pair(seed, pass, i / 2, w);
+      return w[i % 2];
     }
   }
   return 0;
+}
+
+// Words 2k and 2k + 1 of a pattern: the unit every memory kernel and reference
+// loops over (a buffer of odd length ignores the last pair's second word).
+MGPU_HD void stress_word_pair(StressPattern p, uint64_t seed, int pass, uint64_t k, uint64_t w[2]) {
+  if (p == StressPattern::kRandom) {
+    stress_random_pair(seed, pass, k, w);
+    return;
+  }
+  w[0] = stress_word(p, seed, pass, 2 * k);
+  w[1] = stress_word(p, seed, pass, 2 * k + 1);
 }
 
 // --- The GEMM burn's independent check ------------------------------------

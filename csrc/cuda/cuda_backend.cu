@@ -41,6 +41,8 @@ CudaBackend::CudaBackend(int device_index) : device_(device_index) {
     MGPU_CUBLAS_CHECK(cublasSetWorkspace(cublas_, cublas_workspace_, kCublasWorkspaceBytes));
     MGPU_CUBLAS_CHECK(cublasSetMathMode(cublas_, CUBLAS_DEFAULT_MATH));
     MGPU_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&partials_), kernels::kPartialsSize * sizeof(double)));
+    MGPU_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&column_partials_),
+                               kernels::kColumnPartialsSize * sizeof(float)));
     MGPU_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&sum_out_), sizeof(double)));
     MGPU_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&sum_host_), sizeof(double)));
     MGPU_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&replay_dev_), sizeof(ReplayArgs)));
@@ -67,6 +69,8 @@ void CudaBackend::release() noexcept {
   if (cublas_) cublasDestroy(cublas_);
   cudaFree(cublas_workspace_);
   cudaFree(partials_);
+  cudaFree(column_partials_);
+  column_partials_ = nullptr;
   cudaFree(sum_out_);
   if (sum_host_) cudaFreeHost(sum_host_);
   cudaFree(replay_dev_);
@@ -365,7 +369,7 @@ void CudaBackend::linear_backward(float* dinp, float* dweight, float* dbias, con
   // column-major dW^T (IN, OUT) = inp^T (IN, B) . dout (B, OUT)
   const void* x = gemm_input(0, inp, size_t(B) * IN);
   gemm(CUBLAS_OP_N, CUBLAS_OP_T, IN, OUT, B, x, IN, d, OUT, accumulate ? 1.0f : 0.0f, dweight, IN);
-  kernels::column_sums(dbias, dout, B, OUT, accumulate, stream_);
+  kernels::column_sums(dbias, dout, B, OUT, accumulate, column_partials_, stream_);
 }
 
 void CudaBackend::relu_dropout_forward(float* h, int B, int C, float p, const DropoutKey& key) {

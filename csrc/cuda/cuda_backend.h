@@ -116,6 +116,7 @@ class CudaBackend final : public Backend {
   cublasHandle_t cublas_ = nullptr;
   void* cublas_workspace_ = nullptr;
   double* partials_ = nullptr;    // kernels::kPartialsSize doubles
+  float* column_partials_ = nullptr;  // kernels::kColumnPartialsSize floats (column_sums)
   double* sum_out_ = nullptr;     // device result of sum_squares
   bool sum_started_ = false;      // sum_squares_start queued its copy to sum_host_; no sync since
   double* sum_host_ = nullptr;    // pinned landing place of that result

@@ -521,11 +521,26 @@ inline void on_access(const void* p, size_t n, bool write) {
   if (a >= t->stack_lo && a < t->stack_hi) return;  // the thread's own locals
   if (t->block->log) log_access(t->block->log, a, n, write, t->block->kernel->c_str());
 }
+
+// The compiler's aligned hooks: it knows the access's type is n-byte aligned
+// (a float4 is 16), as a GPU's vector load requires; one at an address that is
+// not (a float4 read through a float pointer offset by one float) faults there.
+inline void on_aligned_access(const void* p, size_t n, bool write) {
+  const EmuThread* t = tl_thread;
+  if (t && uintptr_t(p) % n != 0) {
+    std::ostringstream o;
+    o << *t->block->kernel << (write ? " writes " : " reads ") << n << " bytes at misaligned address 0x" << std::hex
+      << uintptr_t(p);
+    throw Fault(cudaErrorMisalignedAddress, o.str());
+  }
+  on_access(p, n, write);
+}
 }  // namespace
 
 }  // namespace mgpu_emu
 
 using mgpu_emu::on_access;
+using mgpu_emu::on_aligned_access;
 
 extern "C" {
 void __tsan_init() {}
@@ -534,8 +549,8 @@ void __tsan_func_exit() {}
 void __tsan_ignore_thread_begin() {}
 void __tsan_ignore_thread_end() {}
 #define MGPU_EMU_RW(n)                                                                \
-  void __tsan_read##n(void* p) { on_access(p, n, false); }                           \
-  void __tsan_write##n(void* p) { on_access(p, n, true); }                           \
+  void __tsan_read##n(void* p) { on_aligned_access(p, n, false); }                   \
+  void __tsan_write##n(void* p) { on_aligned_access(p, n, true); }                   \
   void __tsan_unaligned_read##n(void* p) { on_access(p, n, false); }                 \
   void __tsan_unaligned_write##n(void* p) { on_access(p, n, true); }                 \
   void __tsan_volatile_read##n(void* p) { on_access(p, n, false); }                  \

@@ -41,6 +41,7 @@ def test_atomics_from_every_thread_count_once():
     ("too_many_threads", ["write_kernel", "1024"]),
     ("dynamic_shared_over_default", ["dynamic_shared_kernel", "shared memory"]),
     ("race_between_streams", ["race", "write_kernel", "copy_kernel", "no ordering"]),
+    ("misaligned_vector_load", ["float4_copy_kernel", "16 bytes", "misaligned"]),
 ])
 def test_broken_rules_are_reported_by_name(name, words):
     said = scenario(name)
@@ -52,6 +53,7 @@ def test_broken_rules_are_reported_by_name(name, words):
 def test_right_mask_and_event_ordering_are_accepted():
     assert scenario("shuffle_half_warp") == ""
     assert scenario("ordered_by_event") == ""
+    assert scenario("aligned_vector_load") == ""
     assert _core.emulation.violations() == []
 
 

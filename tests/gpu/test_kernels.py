@@ -215,6 +215,79 @@ def test_sum_squares_propagates_nan_and_inf(cuda_backend):
         assert check(ops.sum_squares(cuda_backend, z))
 
 
+def exact_sum_squares(x):
+    """Float64 reference; squares of floats are exact in float64, so only the sum rounds."""
+    return float(np.sum(np.square(x.astype(np.float64))))
+
+
+# n: empty, the tail alone (n < 4), whole quads, quads + tail, one unrolled round
+# per thread and around it, several rounds (the grid is full from 2.16M on).
+@pytest.mark.parametrize("n", [0, 1, 3, 4, 5, 7, 4095, 4096, 4097, 65537, 1_000_003, 2_500_001])
+def test_sum_squares_alignment_and_tail(cuda_backend, cpu_backend, n):
+    rng = np.random.default_rng(n + 7)
+    x = rand(rng, n)
+    want = exact_sum_squares(x)
+    # (x at an offset of an empty buffer would point past its allocation)
+    offsets = (0,) if n == 0 else (0, 1, 2, 3) if n < 100_000 else (0, 3)
+    got = [ops.sum_squares(cuda_backend, x, offset=k) for k in offsets]
+    assert got[0] == pytest.approx(want, rel=1e-13, abs=0.0)
+    assert got[0] == pytest.approx(ops.sum_squares(cpu_backend, x), rel=1e-12, abs=0.0)
+    # Alignment picks the load width, never the summation order: the same bits.
+    assert got == [got[0]] * len(offsets)
+    assert ops.sum_squares(cuda_backend, x, offset=offsets[-1]) == got[0], "deterministic"
+
+
+@pytest.mark.parametrize("n", [5, 4099, 100_003])
+def test_sum_squares_propagates_nan_and_inf_from_every_part(cuda_backend, n):
+    # First element, middle, last (the tail when n % 4), at an aligned and a misaligned start.
+    x = np.full(n, 0.5, np.float32)
+    for where in (0, n // 2, n - 1):
+        for bad, check in ((np.nan, np.isnan), (np.inf, np.isinf), (-np.inf, np.isinf)):
+            z = x.copy()
+            z[where] = bad
+            for offset in (0, 1):
+                assert check(ops.sum_squares(cuda_backend, z, offset=offset)), (where, bad, offset)
+    big = np.full(n, np.finfo(np.float32).max, np.float32)  # squares overflow fp32, not fp64
+    assert ops.sum_squares(cuda_backend, big) == pytest.approx(n * float(big[0]) ** 2, rel=1e-12)
+
+
+# (B, OUT): one row; a column tile and a bit; small OUT with many rows (split
+# across blocks, then the second pass); OUT not a multiple of 32; more rows than
+# one round per split; a wide layer (splits = 5).
+COLUMN_SHAPES = [(1, 1), (1, 37), (3, 5), (64, 3), (4096, 3), (5000, 7), (257, 33), (300, 100), (1024, 4096)]
+
+
+@pytest.mark.parametrize("B, OUT", COLUMN_SHAPES)
+def test_bias_gradient_column_sums(cuda_backend, cpu_backend, B, OUT):
+    rng = np.random.default_rng(B * 7 + OUT)
+    dout, x, w = rand(rng, B, OUT), rand(rng, B, 1), rand(rng, OUT, 1)
+    gw0, gb0 = rand(rng, OUT, 1), rand(rng, OUT, scale=10.0)
+    sums = dout.astype(np.float64).sum(0)
+    bound = 1e-6 * np.abs(dout.astype(np.float64)).sum(0) + 1e-6 * np.abs(gb0)
+    for accumulate in (False, True):
+        want = sums + (gb0 if accumulate else 0.0)
+        got = ops.linear_backward(cuda_backend, dout, x, w, gw0, gb0, accumulate, with_dinp=False)[2]
+        assert np.all(np.abs(got - want) <= bound), np.max(np.abs(got - want) / bound)
+        cpu = ops.linear_backward(cpu_backend, dout, x, w, gw0, gb0, accumulate, with_dinp=False)[2]
+        assert np.all(np.abs(got - cpu) <= 2 * bound + 1e-6 * np.abs(cpu))
+        again = ops.linear_backward(cuda_backend, dout, x, w, gw0, gb0, accumulate, with_dinp=False)[2]
+        assert np.array_equal(got, again), "deterministic"
+
+
+def test_bias_gradient_overwrites_without_reading_and_propagates_nan(cuda_backend, cpu_backend):
+    rng = np.random.default_rng(3)
+    B, OUT = 4096, 3
+    dout, x, w, gw0 = rand(rng, B, OUT), rand(rng, B, 1), rand(rng, OUT, 1), rand(rng, OUT, 1)
+    stale = np.array([np.nan, np.inf, 1.0], np.float32)
+    for be in (cuda_backend, cpu_backend):  # accumulate=False ignores the old dbias, NaN or not
+        got = ops.linear_backward(be, dout, x, w, gw0, stale, False, with_dinp=False)[2]
+        assert np.all(np.isfinite(got)) and got == pytest.approx(dout.astype(np.float64).sum(0), rel=1e-4, abs=1e-3)
+    dout[B - 1, 1] = np.nan  # the last row: the last split, the last round
+    dout[B // 2, 2] = np.inf
+    got = ops.linear_backward(cuda_backend, dout, x, w, gw0, np.zeros(OUT, np.float32), True, with_dinp=False)[2]
+    assert np.isfinite(got[0]) and np.isnan(got[1]) and got[2] == np.inf
+
+
 def test_backend_properties_and_errors(gpu):
     be = _core.make_backend("cuda", gpu)
     assert be.name == "cuda" and be.precision == "fp32"

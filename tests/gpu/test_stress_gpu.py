@@ -8,6 +8,8 @@ import pytest
 
 from mgpu import _core
 
+EMULATED = bool(_core.build_info().get("gpu_emulation", False))
+
 
 @pytest.fixture
 def dev(gpu):
@@ -112,6 +114,39 @@ def test_memory_patterns_read_back_exactly(dev, pattern):
     m = dev.memory(pattern, 5, 2, False)
     assert m.checked == (64 << 20) // 8 and m.mismatches == 0
     assert dev.memory(pattern, 5, 3, True).mismatches == 1
+
+
+@pytest.mark.parametrize("words", [1, 2, 3, 6, 7, 1001])
+@pytest.mark.parametrize("pattern", ["walking_ones", "address", "random"])
+def test_memory_patterns_count_a_flip_in_either_word_of_a_pair(dev, pattern, words):
+    # Kernels and references handle words in pairs (one Philox call for two random
+    # words): the flipped word, words // 2, is the first or second of its pair or
+    # an odd buffer's last word alone, on the GPU and on the CPU reference.
+    cpu = _core.make_stress_device("cpu", 0, 1)
+    for d in (dev, cpu):
+        assert d.resize_buffer(8 * words) == 8 * words
+        m = d.memory(pattern, 9, 1, False)
+        assert m.checked == words and m.mismatches == 0
+        assert d.memory(pattern, 9, 1, True).mismatches == 1, (d.name, words // 2)
+
+
+def test_gemm_burn_waits_for_the_gpu_once_per_call(dev):
+    n, nn = 8, 64
+    syncs = lambda: _core.emulation.counters()["host_syncs"] if EMULATED else 0  # noqa: E731
+    before = syncs()
+    g = dev.gemm(n, 5, 4, 0.0, False)  # the first result, its fp64 check, 4 compared repeats
+    assert (g.checked, g.mismatches, g.nonfinite) == (4 * nn + nn, 0, 0)
+    assert g.work == 5 * 2 * n**3 and g.seconds > 0
+    if EMULATED:
+        assert syncs() - before == 1
+    # More repeats than the ring of event pairs holds: one wait per ring's worth,
+    # and a fault injected into the last repeat (in the second ring) still counts.
+    before = syncs()
+    g = dev.gemm(n, 70, 4, 0.0, False)
+    assert (g.checked, g.mismatches) == (70 * nn, 0) and g.work == 70 * 2 * n**3
+    if EMULATED:
+        assert syncs() - before == 2
+    assert dev.gemm(n, 70, 4, 0.0, True).mismatches == 1
 
 
 def test_cuda_and_cpu_burns_do_the_same_work(dev):
