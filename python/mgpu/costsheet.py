@@ -86,6 +86,19 @@ HALF_PRECISIONS = ("bf16", "fp16")
 GRAPH_AUTO_MAX_PARAMS = 1 << 24   # StepOptions::kGraphAutoMaxParams (csrc/core/train_step.h)
 
 
+# kernels/reduce.cu's column_splits: the bias gradient's row splits (one launch,
+# or two with a second pass over the splits' partials when there are several).
+REDUCE_BLOCKS, COL_TILE, COL_ROWS, COL_UNROLL = 528, 32, 8, 8
+COLUMN_PARTIALS = 2 * REDUCE_BLOCKS * COL_TILE
+
+
+def column_splits(B: int, OUT: int) -> int:
+    ceil = lambda a, b: -(-a // b)
+    splits = min(ceil(REDUCE_BLOCKS, ceil(OUT, COL_TILE)), ceil(B, COL_ROWS * COL_UNROLL), COL_ROWS * COL_UNROLL,
+                 COLUMN_PARTIALS // OUT)
+    return max(splits, 1)
+
+
 def uses_graph(mode: str, params: int) -> bool:
     """Whether a step of `params` parameters replays a CUDA graph under --cuda-graph `mode`."""
     return mode == "on" or (mode == "auto" and params <= GRAPH_AUTO_MAX_PARAMS)
@@ -207,7 +220,12 @@ def step_ops(w: Workload) -> List[Op]:
                 ops.append(Op("operand casts", "kernel", bytes=r * IN * 6, in_graph=g))
             ops.append(Op("GEMM backward", "gemm", flops=2.0 * r * IN * OUT, in_graph=g, gemm_shape=(IN, OUT, r),
                           bytes=(r * IN + r * OUT) * eb + acc * OUT * IN * 4))
-            ops.append(Op("bias gradient", "kernel", bytes=r * OUT * 4 + acc * OUT * 4, in_graph=g))
+            splits = column_splits(r, OUT)
+            if splits == 1:
+                ops.append(Op("bias gradient", "kernel", bytes=r * OUT * 4 + acc * OUT * 4, in_graph=g))
+            else:   # row splits into partials, then their fixed-order sum
+                ops.append(Op("bias gradient", "kernel", bytes=r * OUT * 4 + splits * OUT * 4, in_graph=g))
+                ops.append(Op("bias gradient", "kernel", bytes=splits * OUT * 4 + acc * OUT * 4, in_graph=g))
             if l > 0:
                 ops.append(Op("relu/dropout", "kernel", bytes=r * IN * 12, in_graph=g))
         written = True

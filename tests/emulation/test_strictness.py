@@ -99,10 +99,11 @@ def test_info_says_the_gpus_are_emulated():
     assert all("EMULATED" in line for line in lines if line.startswith(("CUDA:", "NCCL:", "GPUs:")))
 
 
-@pytest.mark.parametrize("graph, accumulate, precision, layers", [
-    ("on", 1, "fp32", None), ("off", 1, "fp32", None), ("on", 4, "fp32", None),
-    ("on", 1, "bf16", None), ("off", 3, "bf16", "7,5,9,3")])
-def test_bench_reports_the_cuda_work_of_a_step(tmp_path, graph, accumulate, precision, layers):
+@pytest.mark.parametrize("graph, accumulate, precision, layers, batch", [
+    ("on", 1, "fp32", None, 64), ("off", 1, "fp32", None, 64), ("on", 4, "fp32", None, 64),
+    ("on", 1, "bf16", None, 64), ("off", 3, "bf16", "7,5,9,3", 64),
+    ("on", 1, "fp32", "7,40,3", 512)])   # bias gradients in row splits (two launches each)
+def test_bench_reports_the_cuda_work_of_a_step(tmp_path, graph, accumulate, precision, layers, batch):
     # The emulation's counters are the only performance signal without a GPU:
     # `mgpu bench` reports them per steady-state step: no allocation, and one
     # host synchronisation (the read-back of the loss and the gradient norm).
@@ -118,7 +119,7 @@ def test_bench_reports_the_cuda_work_of_a_step(tmp_path, graph, accumulate, prec
     out = tmp_path / "bench.json"
     model = ["--layers", layers] if layers else ["--model", "medium"]
     r = subprocess.run([sys.executable, "-m", "mgpu", "bench", "--device", "cuda", *model,
-                        "--batch-sizes", "64", "--ranks", "1", "--steps", "2", "--repeats", "1", "--warmup", "1",
+                        "--batch-sizes", str(batch), "--ranks", "1", "--steps", "2", "--repeats", "1", "--warmup", "1",
                         "--cuda-graph", graph, "--accumulate", str(accumulate), "--precision", precision,
                         "--no-progress", "--json", str(out)],
                        capture_output=True, text=True,
@@ -129,12 +130,12 @@ def test_bench_reports_the_cuda_work_of_a_step(tmp_path, graph, accumulate, prec
     counted = row["emulation_counters_per_step"]
     assert counted["allocations"] == 0 and counted["kernels_executed"] > 0
     assert counted["host_syncs"] == 1, counted
-    # medium at batch 64: one replayed graph per micro-batch, or every kernel launched
+    # one replayed graph per micro-batch, or every kernel launched
     assert counted["graph_launches"] == (accumulate if graph == "on" else 0), counted
     assert row["accumulate"] == accumulate
     sizes, dropout = resolve_layers(None if layers else "medium", [int(v) for v in layers.split(",")] if layers else None)
     sheet = costsheet.counts(costsheet.step_ops(costsheet.Workload(
-        sizes=sizes, batch=64, precision=precision, dropout=dropout, accumulate=accumulate, graph=graph == "on")))
+        sizes=sizes, batch=batch, precision=precision, dropout=dropout, accumulate=accumulate, graph=graph == "on")))
     assert {k: counted[k] for k in sheet} == sheet
 
 

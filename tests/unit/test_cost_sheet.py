@@ -157,3 +157,13 @@ def test_gpu_report_sets_measured_steps_beside_the_sheet_and_leaves_out_the_emul
     assert f"| {predicted:.4g} |" in lines[0]
     assert "NVIDIA H100 80GB HBM3" in doc.read_text()
     assert (tmp_path / "gpu-results-section.md").read_text() == doc.read_text()
+
+
+def test_bias_gradients_split_rows_as_the_kernel_does():
+    # kernels/reduce.cu column_splits: about 528 blocks in all, >= 64 rows a split,
+    # at most 64 splits, within the partials' scratch; two launches when split.
+    assert cs.column_splits(64, 256) == 1 and cs.column_splits(1024, 4096) == 5
+    assert cs.column_splits(4096, 10) == 64 and cs.column_splits(1024, 8192) == 3
+    split = cs.counts(cs.step_ops(cs.Workload(sizes=[4, 8, 2], batch=512)))
+    whole = cs.counts(cs.step_ops(cs.Workload(sizes=[4, 8, 2], batch=64)))
+    assert split["kernel_launches"] == whole["kernel_launches"] + 2   # one more per layer
