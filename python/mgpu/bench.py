@@ -546,7 +546,8 @@ def cmd_bench(a, pg) -> int:
                   f"{c['kernel_launches']:g} kernel launches, {c['graph_launches']:g} graph launches, "
                   f"{c['kernels_executed']:g} kernels run, {c['host_syncs']:g} host syncs, "
                   f"{c['allocations']:g} allocations, {c['h2d_bytes']:,.0f} B to and {c['d2h_bytes']:,.0f} B "
-                  f"from the device, {c['collectives']:g} collectives")
+                  f"from the device ({c.get('pageable_h2d_copies', 0):g} from pageable memory), "
+                  f"{c['collectives']:g} collectives")
     result = {"version": __version__, "host": socket.gethostname(), "model": a.model, "layers": rows[0]["layers"],
               "optimizer": a.optimizer, "precision": a.precision, "warmup": a.warmup, "steps": a.steps, "repeats": a.repeats,
               "openblas_coretype": os.environ.get("OPENBLAS_CORETYPE"),
