@@ -385,7 +385,7 @@ class Trainer:
             return
         with self.observer.span("checkpoint", self.global_step - 1):
             path = self.save_checkpoint(policy, compat)
-        self.observer.log("checkpoint", step=self.global_step, path=path)
+        self.observer.log("checkpoint", step=self.global_step - 1, path=path)  # after that step
 
     def _report_straggler(self, found: dict, bar) -> None:
         """Rank 0: say which rank is slow, by how much and where (progress bar, history)."""
