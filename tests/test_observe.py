@@ -172,3 +172,16 @@ def test_find_straggler_names_the_slow_rank_and_phase():
     assert found["phase_excess_seconds"] == pytest.approx(0.03) and found["steps"] == [0, 9]
     assert find_straggler(np.concatenate([_rows(0, 0.02), _rows(1, 0.021)]), 2, 0.25) is None
     assert find_straggler(np.concatenate([_rows(0, 0.02, 3), _rows(1, 0.2, 3)]), 2, 0.25) is None  # too few steps
+
+
+def test_bench_observe_reports_the_overhead_of_every_output(tmp_path):
+    from conftest import run_cli
+    out = tmp_path / "bench.json"
+    r = run_cli(["bench", "--layers", "16,32,4", "--batch-sizes", "32", "--steps", "4", "--repeats", "2",
+                 "--warmup", "1", "--device", "cpu", "--observe", "--no-progress", "--json", out])
+    assert r.returncode == 0, r.stdout + r.stderr
+    o = json.loads(out.read_text())["rows"][0]["observe_overhead"]
+    assert o["off"]["n"] + o["off"]["outliers"] == 8 and o["on"]["n"] + o["on"]["outliers"] == 8
+    assert len(o["round_medians_ms"]["off"]) == len(o["round_medians_ms"]["on"]) == len(o["paired_round_pct"]) == 2
+    assert o["observer_ms_per_step"]["mean"] > 0 and "observe overhead" in r.stdout
+    assert not list(tmp_path.glob("mgpu-bench-observe-*"))

@@ -116,6 +116,7 @@ class Trainer:
         self.history: list = []
         self.stragglers: list = []    # rank 0: slow ranks found by the observer's check
         self._epoch_stragglers: list = []
+        self._straggler_note = ""
         self.last_result = None
         self.stop_reason: Optional[str] = None  # set once every rank agreed to stop early
         self._stop_request: Optional[str] = None
@@ -352,7 +353,8 @@ class Trainer:
                     self._epoch_samples += len(idx)
                     if bar is not None:
                         bar.update(1)
-                        bar.set_postfix(epoch=self.epoch + 1, loss=f"{loss:.4f}", refresh=False)
+                        slow = {"straggler": self._straggler_note} if self._straggler_note else {}
+                        bar.set_postfix(epoch=self.epoch + 1, loss=f"{loss:.4f}", **slow, refresh=False)
                     if self.global_step >= total or self.stop_reason is not None:
                         break
                     if (checkpoint is not None and checkpoint.every and self.global_step % checkpoint.every == 0
@@ -389,12 +391,15 @@ class Trainer:
 
     def _report_straggler(self, found: dict, bar) -> None:
         """Rank 0: say which rank is slow, by how much and where (progress bar, history)."""
+        if found is None:
+            self._straggler_note = ""
+            return
         self.stragglers.append(found)
         self._epoch_stragglers.append(found)
         text = (f"rank {found['rank']} {found['slower_by']:.0%} slower ({found['phase']} "
                 f"+{found['phase_excess_seconds'] * 1e3:.1f} ms/step)")
         if bar is not None:
-            bar.set_postfix_str(f"straggler: {text}", refresh=False)
+            self._straggler_note = f"rank {found['rank']} +{found['slower_by']:.0%} {found['phase']}"  # stays on the bar
             bar.write(f"straggler: {text} over steps {found['steps'][0]}-{found['steps'][1]}")
         else:
             print(f"mgpu: straggler: {text} over steps {found['steps'][0]}-{found['steps'][1]}",
