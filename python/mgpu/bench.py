@@ -73,9 +73,11 @@ def step_flops(sizes, batch: int) -> float:
 
 def measure(pg, sizes, dropout: float, batch: int, *, optimizer: str, warmup: int, steps: int, repeats: int,
             device: str, device_index: int, threads: int, precision: str = "fp32", graph: str = "auto",
-            accumulate: int = 1, grad_dtype: str = "fp32") -> dict:
+            accumulate: int = 1, grad_dtype: str = "fp32", observe: bool = False) -> dict:
     """Collective: time `repeats` x `steps` training steps at global batch `batch` on this world
-    (each rank's share in `accumulate` micro-batches; gradients allreduced in `grad_dtype`)."""
+    (each rank's share in `accumulate` micro-batches; gradients allreduced in `grad_dtype`).
+    observe: also time as many steps with every `train` observability output on, in rounds
+    interleaved with the plain ones (off, on, on, off, ...: drift falls on both alike)."""
     from .data import local_slice
     from .model import MLP
     from .trainer import Trainer
@@ -91,15 +93,44 @@ def measure(pg, sizes, dropout: float, batch: int, *, optimizer: str, warmup: in
     for i in range(warmup):
         trainer.step(*data[i % 4], global_batch=batch, first_sample=part.start)
     times, phases = [], {"forward": [], "backward": [], "comm_wait": [], "optimizer": []}
-    for _ in range(repeats):
-        pg.barrier()
-        for i in range(steps):
-            t0 = time.perf_counter()
-            trainer.step(*data[i % 4], global_batch=batch, first_sample=part.start)
-            times.append(time.perf_counter() - t0)
-            t = trainer.last_result.timings
-            for k in phases:
-                phases[k].append(getattr(t, k))
+    observer, scratch, observed, rounds, own = None, None, [], {"off": [], "on": []}, []
+    if observe:
+        from .observe import Observer
+        scratch = tempfile.mkdtemp(prefix="mgpu-bench-observe-")
+        observer = Observer(pg, trace=os.path.join(scratch, "trace.json"), trace_steps=(0, None),
+                            log_json=os.path.join(scratch, "log.jsonl"), tensorboard=os.path.join(scratch, "tb"),
+                            straggler_threshold=0.25)
+        observer.start(trainer)
+    for r in range(repeats):
+        for on in ((False, True) if r % 2 == 0 else (True, False)) if observe else (False,):
+            pg.barrier()
+            mine = observed if on else times
+            first = len(mine)
+            for i in range(steps):
+                t0 = time.perf_counter()
+                trainer.step(*data[i % 4], global_batch=batch, first_sample=part.start)
+                if on:  # the observer's own time too: a figure the machine's noise hides less
+                    t1 = time.perf_counter()
+                    observer.on_step(trainer, trainer.last_result, t0, rows)
+                    own.append(time.perf_counter() - t1)
+                mine.append(time.perf_counter() - t0)
+                if not on:
+                    t = trainer.last_result.timings
+                    for k in phases:
+                        phases[k].append(getattr(t, k))
+            rounds["on" if on else "off"].append(float(np.median(mine[first:])))
+    overhead = None
+    if observe:
+        observer.close()
+        shutil.rmtree(scratch, ignore_errors=True)
+        off, on = float(np.median(times)), float(np.median(observed))
+        paired = [(b / a - 1) * 100 for a, b in zip(rounds["off"], rounds["on"])]  # each repeat's two rounds
+        overhead = {"off": summarize(times), "on": summarize(observed), "overhead_pct": (on / off - 1) * 100,
+                    "paired_round_pct": paired,
+                    "round_medians_ms": {k: [v * 1e3 for v in vs] for k, vs in rounds.items()},
+                    "observer_ms_per_step": {"median": float(np.median(own)) * 1e3, "mean": float(np.mean(own)) * 1e3,
+                                             "max": float(np.max(own)) * 1e3},
+                    "observer_pct_of_step": float(np.mean(own)) / off * 100}
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0
     if device == "cuda":
         free, total = _core.cuda_memory_info(device_index)
@@ -108,7 +139,7 @@ def measure(pg, sizes, dropout: float, batch: int, *, optimizer: str, warmup: in
     stats = summarize(times)
     counted = (count_emulated_work(model, trainer, pg, data, batch, part.start)
                if device == "cuda" and _core.build_info().get("gpu_emulation", False) else None)
-    return {"emulation_counters_per_step": counted,
+    return {"emulation_counters_per_step": counted, "observe_overhead": overhead,
             "batch_size": batch, "ranks": pg.size, "threads": threads, "device": device,
             "step": stats, "samples_per_sec": batch / stats["median"],
             "breakdown_ms": {k: float(np.median(v)) * 1e3 for k, v in phases.items()},
@@ -168,7 +199,8 @@ def run_worker(pg, a) -> list:
             raise ConfigError(f"batch size {batch} is smaller than the number of ranks ({pg.size})")
         row = measure(pg, sizes, dropout, batch, optimizer=a.optimizer, warmup=a.warmup, steps=a.steps,
                       repeats=a.repeats, device=device, device_index=device_index, threads=threads,
-                      precision=a.precision, graph=a.cuda_graph, accumulate=a.accumulate, grad_dtype=a.grad_dtype)
+                      precision=a.precision, graph=a.cuda_graph, accumulate=a.accumulate, grad_dtype=a.grad_dtype,
+                      observe=a.observe)
         local = -(-batch // pg.size)
         rate = gemm_rate(device, device_index, threads, sizes, local, a.precision)
         row["gemm_flops"] = pg.allreduce(rate, op="min")
@@ -494,6 +526,9 @@ def cmd_bench(a, pg) -> int:
             check_output_path(path, what)
     if a.explain:
         return explain_step(a, pg)
+    if a.observe:
+        from .observe import import_summary_writer
+        import_summary_writer()  # --observe times the TensorBoard writer too
     if a.plots:
         check_output_dir(a.plots, "--plots")
     if a.worker_out:  # launched by a driver: measure this world, hand the rows back
@@ -515,6 +550,7 @@ def cmd_bench(a, pg) -> int:
                        f"--steps={a.steps}", f"--repeats={a.repeats}", f"--optimizer={a.optimizer}",
                        f"--device={a.device}", f"--precision={a.precision}", f"--cuda-graph={a.cuda_graph}",
                        f"--accumulate={a.accumulate}", f"--grad-dtype={a.grad_dtype}", "--no-progress"]
+        passthrough += ["--observe"] if a.observe else []
         passthrough += [f"--layers={','.join(map(str, a.layers))}"] if a.layers else [f"--model={a.model or 'large'}"]
         if a.threads:
             passthrough.append(f"--threads={a.threads}")
@@ -548,6 +584,18 @@ def cmd_bench(a, pg) -> int:
                   f"{c['allocations']:g} allocations, {c['h2d_bytes']:,.0f} B to and {c['d2h_bytes']:,.0f} B "
                   f"from the device ({c.get('pageable_h2d_copies', 0):g} from pageable memory), "
                   f"{c['collectives']:g} collectives")
+    for r in rows:
+        o = r.get("observe_overhead")
+        if o:
+            spread = {k: f"{min(v):.2f}-{max(v):.2f}" for k, v in o["round_medians_ms"].items()}
+            print(f"observe overhead, batch {r['batch_size']} x {r['ranks']} rank(s): {o['overhead_pct']:+.2f} % "
+                  f"(median step {o['off']['median'] * 1e3:.2f} ms off, {o['on']['median'] * 1e3:.2f} ms with "
+                  f"--trace, --log-json, --tensorboard and the straggler check; round medians {spread['off']} ms "
+                  f"off, {spread['on']} ms on, {len(o['round_medians_ms']['off'])} interleaved rounds each; "
+                  f"paired rounds median {np.median(o['paired_round_pct']):+.2f} %, "
+                  f"{min(o['paired_round_pct']):+.2f} to {max(o['paired_round_pct']):+.2f} %); the observer's own "
+                  f"time {o['observer_ms_per_step']['mean']:.3f} ms/step on average "
+                  f"({o['observer_pct_of_step']:.3f} % of the step; max {o['observer_ms_per_step']['max']:.2f} ms)")
     result = {"version": __version__, "host": socket.gethostname(), "model": a.model, "layers": rows[0]["layers"],
               "optimizer": a.optimizer, "precision": a.precision, "warmup": a.warmup, "steps": a.steps, "repeats": a.repeats,
               "openblas_coretype": os.environ.get("OPENBLAS_CORETYPE"),
@@ -573,8 +621,9 @@ def explain_step(a, pg) -> int:
     from . import costsheet
     if a.device == "cpu":
         raise ConfigError("--explain prices the CUDA step on a GPU's published figures: use --device cuda")
-    if a.compare or a.validate_selector or a.plots or a.csv:
-        raise ConfigError("--explain runs nothing: --compare, --validate-selector, --plots and --csv do not apply")
+    if a.compare or a.validate_selector or a.plots or a.csv or a.observe:
+        raise ConfigError("--explain runs nothing: --compare, --validate-selector, --observe, --plots and --csv "
+                          "do not apply")
     if a.grad_dtype != "fp32":
         raise ConfigError("--explain prices one GPU's step; --grad-dtype changes only the allreduce "
                           "(see `mgpu recommend --grad-dtype`)")
@@ -635,6 +684,9 @@ def add_parser(sub) -> None:
                    help="print the analytic cost sheet of the CUDA step (FLOPs, bytes, launches priced on "
                         "--gpu's published figures) and the floor 6 x params x batch / GEMM rate; runs nothing")
     b.add_argument("--gpu", choices=("h100-sxm",), default="h100-sxm", help="the GPU --explain prices on")
+    b.add_argument("--observe", action="store_true",
+                   help="also time steps with train's --trace, --log-json, --tensorboard and straggler check on, "
+                        "in rounds interleaved with plain ones, and report the overhead")
     b.add_argument("--json", metavar="PATH")
     b.add_argument("--csv", metavar="PATH")
     b.add_argument("--plots", metavar="DIR", help="write PNG plots here")

@@ -17,9 +17,10 @@ import traceback
 
 from . import __version__, build_info
 from .config import COMMS, DEVICES, GRAD_DTYPES, GRAPH_MODES, LOSSES, OPTIMIZERS, PRECISIONS, PRESETS, TrainConfig
-from .cliutil import (EXIT_USAGE, Parser, UsageError, check_output_path, float_list, int_list, write_json_atomic,
-                      write_line)
+from .cliutil import (EXIT_USAGE, Parser, UsageError, check_output_dir, check_output_path, float_list, int_list,
+                      write_json_atomic, write_line)
 from .errors import CommError, ConfigError, DataError, NumericsError
+from .observe import DEFAULT_TRACE_STEPS, Observer, import_summary_writer, parse_step_range
 from .schedule import SCHEDULES
 
 _SHARES = float_list("batch shares")
@@ -92,6 +93,26 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--max-bad-steps", type=int, default=3, metavar="N",
                    help="stop after N consecutive steps with non-finite loss or gradients (each is skipped)")
     t.add_argument("--json", metavar="PATH", help="write results (config, history, samples/s) as JSON")
+    o = t.add_argument_group("observability (observe.py)")
+    o.add_argument("--trace", metavar="PATH",
+                   help="write a timeline of the traced steps, one track per rank, as Chrome trace-event JSON "
+                        "(open in ui.perfetto.dev or chrome://tracing); on GPUs the phases are synchronized "
+                        "to separate them, which costs the overlap")
+    o.add_argument("--trace-steps", type=parse_step_range, default=None, metavar="A:B",
+                   help=f"trace the steps A <= step < B (0-based; 'A:' to the end; default "
+                        f"{DEFAULT_TRACE_STEPS[0]}:{DEFAULT_TRACE_STEPS[1]}), bounding the trace's size")
+    o.add_argument("--log-json", metavar="PATH",
+                   help="append one JSON object per line and event (run, step x rank with phase times, epoch, "
+                        "warning, checkpoint, straggler) to PATH")
+    o.add_argument("--tensorboard", metavar="DIR",
+                   help="write loss, validation metrics, learning rate, samples/s, gradient norm, loss scale "
+                        "and skipped steps as TensorBoard scalars to DIR (rank 0; needs tensorboardX)")
+    o.add_argument("--straggler-threshold", type=float, default=25.0, metavar="PCT",
+                   help="name a rank whose median step work is PCT%% above the median rank's, with the phase "
+                        "(progress bar, --json history, --log-json); 0: off (default 25)")
+    o.add_argument("--observe-every", type=int, default=50, metavar="N",
+                   help="steps between gathers of every rank's step times to rank 0 (the straggler check's "
+                        "window and --log-json's delay; default 50)")
     t.add_argument("--save", metavar="PATH", help="write final parameters as .npz (layers.{i}.weight/bias)")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -185,6 +206,27 @@ class _StopOnSignals:
         return False
 
 
+def _check_outputs(a) -> None:
+    """The output options: writable, distinct, consistent (before any training)."""
+    outputs = {"--json": a.json, "--save": a.save, "--trace": a.trace, "--log-json": a.log_json}
+    seen = {}
+    for what, path in outputs.items():
+        if path:
+            check_output_path(path, what)
+            other = seen.setdefault(os.path.realpath(path), what)
+            if other != what:
+                raise ConfigError(f"{other} and {what} name the same file '{path}': one would overwrite the other")
+    if a.trace_steps is not None and not a.trace:
+        raise ConfigError("--trace-steps chooses the steps of --trace: give --trace PATH too")
+    if a.tensorboard:
+        check_output_dir(a.tensorboard, "--tensorboard")
+        import_summary_writer()  # optional: say so before training, not after it
+    if not 0 <= a.straggler_threshold < 1e6:
+        raise ConfigError(f"--straggler-threshold must be a percentage >= 0, got {a.straggler_threshold}")
+    if a.observe_every < 1:
+        raise ConfigError(f"--observe-every must be >= 1, got {a.observe_every}")
+
+
 def cmd_train(a, pg) -> int:
     from .data import load_dataset, split_counts
     from .model import MLP
@@ -215,9 +257,7 @@ def cmd_train(a, pg) -> int:
             a.batch_shares = _auto_batch_shares(cfg, pg, sizes)
         if len(data.x_train) < pg.size:
             raise DataError(f"dataset has {len(data.x_train)} training samples, fewer than the {pg.size} ranks")
-        for path, what in ((a.json, "--json"), (a.save, "--save")):
-            if path:
-                check_output_path(path, what)
+        _check_outputs(a)
         if a.resume is not None and pg.is_root:
             resume = _resolve_resume(a, cfg)
     except ConfigError as e:
@@ -240,7 +280,8 @@ def cmd_train(a, pg) -> int:
                       overlap=cfg.overlap, batch_shares=a.batch_shares, accumulate=cfg.accumulate,
                       max_grad_norm=cfg.max_grad_norm, schedule=cfg.schedule(total_steps),
                       max_bad_steps=cfg.max_bad_steps, timeout=cfg.watchdog_timeout, communicator=cfg.comm,
-                      graph=cfg.cuda_graph, grad_dtype=cfg.grad_dtype)
+                      graph=cfg.cuda_graph, grad_dtype=cfg.grad_dtype,
+                      timed=device == "cuda" and bool(a.trace or a.log_json))
     policy = (CheckpointPolicy(cfg.checkpoint_dir, cfg.checkpoint_every, cfg.keep_checkpoints)
               if cfg.checkpoint_dir else None)
     say = print if pg.is_root else (lambda *x, **k: None)
@@ -267,10 +308,19 @@ def cmd_train(a, pg) -> int:
             tqdm.write(f"epoch {e['epoch']:3d}  train_loss {e['train_loss']:.5f}  val_loss {e['val_loss']:.5f}"
                        f"{acc}  {e['samples_per_sec']:,.0f} samples/s")
 
+    observer = None
+    if a.trace or a.log_json or a.tensorboard or a.straggler_threshold > 0:
+        run_info = {"version": __version__, "device": device, "threads_per_rank": threads, "layers": sizes,
+                    "params": model.num_params, "dataset": cfg.dataset, "batch_size": cfg.batch_size,
+                    "accumulate": cfg.accumulate, "resumed_from": resume}
+        observer = Observer(pg, trace=a.trace, trace_steps=a.trace_steps or DEFAULT_TRACE_STEPS,
+                            log_json=a.log_json, tensorboard=a.tensorboard, every=a.observe_every,
+                            straggler_threshold=a.straggler_threshold / 100, emulated=emulated, run_info=run_info)
     t0 = time.perf_counter()
     with _StopOnSignals(trainer, pg):
         history = trainer.fit(data, batch_size=cfg.batch_size, epochs=cfg.epochs, steps=cfg.steps, seed=cfg.seed,
-                              progress=not a.no_progress, on_epoch=on_epoch, checkpoint=policy, resume=resume)
+                              progress=not a.no_progress, on_epoch=on_epoch, checkpoint=policy, resume=resume,
+                              observer=observer)
     wall = time.perf_counter() - t0
     train_seconds = sum(e["seconds"] for e in history)
     samples = sum(e["samples"] for e in history)
@@ -285,7 +335,7 @@ def cmd_train(a, pg) -> int:
         "history": history, "steps": trainer.global_step,
         "samples_per_sec": samples / train_seconds if train_seconds > 0 else 0.0,
         "wall_seconds": wall, "resumed_from": resume, "stopped": trainer.stop_reason,
-        "checkpoint": trainer.last_checkpoint, "gpu_emulation": emulated,
+        "checkpoint": trainer.last_checkpoint, "gpu_emulation": emulated, "stragglers": trainer.stragglers,
     }
     if trainer.stop_reason:
         where = f"; checkpoint {trainer.last_checkpoint} (continue with --resume)" if trainer.last_checkpoint else ""
@@ -302,6 +352,9 @@ def cmd_train(a, pg) -> int:
         if a.save:
             model.save(a.save)
             say(f"parameters written to {a.save}")
+        for path, what in ((a.trace, "trace"), (a.log_json, "JSON log"), (a.tensorboard, "TensorBoard scalars")):
+            if path:
+                say(f"{what} written to {path}")
     pg.barrier()
     pg.close()  # the collective end of the communicator (NCCL: finalize, destroy)
     return 0

@@ -127,6 +127,11 @@ class ThreadGroup(ProcessGroup):
         return self._exchange(obj if self.rank == root else None, "broadcast",
                               lambda slots: slots[root] if self.rank == root else copy.deepcopy(slots[root]))
 
+    def allgather(self, obj, what: str = "allgather") -> list:
+        if self.size == 1:
+            return [obj]
+        return self._exchange(obj, what, copy.deepcopy)
+
     def barrier(self, what: str = "barrier") -> None:
         if self.size > 1:
             self._meet(what)

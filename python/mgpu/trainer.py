@@ -114,11 +114,16 @@ class Trainer:
         self._epoch_loss_sum, self._epoch_samples, self._epoch_seconds = 0.0, 0, 0.0
         self.bad_steps = 0            # consecutive steps with non-finite loss or gradients
         self.history: list = []
+        self.stragglers: list = []    # rank 0: slow ranks found by the observer's check
+        self._epoch_stragglers: list = []
+        self._straggler_note = ""
         self.last_result = None
         self.stop_reason: Optional[str] = None  # set once every rank agreed to stop early
         self._stop_request: Optional[str] = None
         self._last_checkpoint_step = -1
         self.last_checkpoint: Optional[str] = None
+        self.t_call = self.t_return = 0.0
+        self.observer = None  # an observe.Observer during fit(observer=...)
 
     @property
     def lr(self) -> float:
@@ -150,7 +155,9 @@ class Trainer:
         bounds = [rows * i // k for i in range(k + 1)]
         micro = [(x_local[a:b], y_local[a:b], first_sample + a) for a, b in zip(bounds, bounds[1:])]
         request = self._stop_request is not None
+        self.t_call = time.perf_counter()  # where the core's step sits on a trace (observe.py)
         result = self._step.step(micro, global_batch, self.global_step, self.lr, request)
+        self.t_return = time.perf_counter()
         self.last_result = result
         if not self._graph_fallback_reported and self._step.graph_fallback:
             self._graph_fallback_reported = True
@@ -283,7 +290,8 @@ class Trainer:
     # --- the loop --------------------------------------------------------------
     def fit(self, data: Dataset, *, batch_size: int, epochs: Optional[int] = None, steps: Optional[int] = None,
             seed: int = 0, progress: bool = True, on_epoch: Optional[Callable[[dict], None]] = None,
-            checkpoint: Optional[CheckpointPolicy] = None, resume: Optional[str] = None) -> list:
+            checkpoint: Optional[CheckpointPolicy] = None, resume: Optional[str] = None,
+            observer=None) -> list:
         """Train for `epochs` epochs (or `steps` steps) with global batch `batch_size`
         (per micro-batch; each step takes batch_size x accumulate samples).
 
@@ -294,6 +302,7 @@ class Trainer:
         classification), steps (cumulative), samples, seconds (training only)
         and samples_per_sec. Ends early, with a checkpoint when a policy is
         given, once every rank agreed on a stop request (see stop_reason).
+        observer: an observe.Observer (trace, JSON log, TensorBoard, straggler check).
         """
         if batch_size < self.pg.size:
             raise ConfigError(f"global batch size {batch_size} is smaller than the number of ranks ({self.pg.size})")
@@ -321,41 +330,80 @@ class Trainer:
             from tqdm.auto import tqdm
             bar = tqdm(total=total, initial=min(self.global_step, total), unit="step", dynamic_ncols=True,
                        desc="train")
+        obs = self.observer = observer
+        if obs is not None:
+            obs.start(self)
+            obs.on_straggler = lambda found: self._report_straggler(found, bar)
+        finished = False
         try:
             while self.global_step < total and self.stop_reason is None:
                 t0 = time.perf_counter()
                 for i, idx in enumerate(batches.epoch(self.epoch)):
                     if i < self.batch_in_epoch:
                         continue  # resumed mid-epoch: these batches were done before
+                    t_begin = time.perf_counter()
                     part = local_slice(len(idx), self.pg.rank, self.pg.size, self.batch_shares)
                     mine = idx[part]
                     loss = self.step(data.x_train[mine], data.y_train[mine], global_batch=len(idx),
                                      first_sample=part.start)
+                    if obs is not None:
+                        obs.on_step(self, self.last_result, t_begin, len(mine))
                     self.batch_in_epoch += 1
                     self._epoch_loss_sum += loss * len(idx)
                     self._epoch_samples += len(idx)
                     if bar is not None:
                         bar.update(1)
-                        bar.set_postfix(epoch=self.epoch + 1, loss=f"{loss:.4f}", refresh=False)
+                        slow = {"straggler": self._straggler_note} if self._straggler_note else {}
+                        bar.set_postfix(epoch=self.epoch + 1, loss=f"{loss:.4f}", **slow, refresh=False)
                     if self.global_step >= total or self.stop_reason is not None:
                         break
                     if (checkpoint is not None and checkpoint.every and self.global_step % checkpoint.every == 0
                             and self.bad_steps == 0):
                         self._epoch_seconds += time.perf_counter() - t0
                         t0 = time.perf_counter()
-                        self.save_checkpoint(checkpoint, compat)
+                        self._checkpoint(checkpoint, compat)
                 self._epoch_seconds += time.perf_counter() - t0
                 epoch_done = self.batch_in_epoch >= batches.steps_per_epoch
                 if epoch_done or (self.global_step >= total and self.stop_reason is None):
                     self._close_epoch(data, on_epoch)
                     if epoch_done:
                         self.epoch, self.batch_in_epoch = self.epoch + 1, 0
+            if checkpoint is not None and self._last_checkpoint_step != self.global_step and self.bad_steps == 0:
+                self._checkpoint(checkpoint, compat)
+            if obs is not None:
+                obs.close()
+            finished = True
         finally:
             if bar is not None:
                 bar.close()
-        if checkpoint is not None and self._last_checkpoint_step != self.global_step and self.bad_steps == 0:
-            self.save_checkpoint(checkpoint, compat)
+            if obs is not None and not finished:
+                obs.abandon()  # an error: no collective is safe here, rank 0 closes its files
+            self.observer = None
         return self.history
+
+    def _checkpoint(self, policy: CheckpointPolicy, compat: dict) -> None:
+        if self.observer is None:
+            self.save_checkpoint(policy, compat)
+            return
+        with self.observer.span("checkpoint", self.global_step - 1):
+            path = self.save_checkpoint(policy, compat)
+        self.observer.log("checkpoint", step=self.global_step - 1, path=path)  # after that step
+
+    def _report_straggler(self, found: dict, bar) -> None:
+        """Rank 0: say which rank is slow, by how much and where (progress bar, history)."""
+        if found is None:
+            self._straggler_note = ""
+            return
+        self.stragglers.append(found)
+        self._epoch_stragglers.append(found)
+        text = (f"rank {found['rank']} {found['slower_by']:.0%} slower ({found['phase']} "
+                f"+{found['phase_excess_seconds'] * 1e3:.1f} ms/step)")
+        if bar is not None:
+            self._straggler_note = f"rank {found['rank']} +{found['slower_by']:.0%} {found['phase']}"  # stays on the bar
+            bar.write(f"straggler: {text} over steps {found['steps'][0]}-{found['steps'][1]}")
+        else:
+            print(f"mgpu: straggler: {text} over steps {found['steps'][0]}-{found['steps'][1]}",
+                  file=sys.stderr, flush=True)
 
     def _close_epoch(self, data: Dataset, on_epoch) -> None:
         seconds, samples = self._epoch_seconds, self._epoch_samples
@@ -363,11 +411,19 @@ class Trainer:
                  "steps": self.global_step, "samples": samples, "seconds": seconds,
                  "samples_per_sec": samples / seconds if seconds > 0 else 0.0,
                  "lr": self.schedule.lr_at(max(self.global_step - 1, 0))}
-        val = self.evaluate(data.x_val, data.y_val)
+        if self.observer is not None:
+            with self.observer.span("validation", self.global_step - 1):
+                val = self.evaluate(data.x_val, data.y_val)
+        else:
+            val = self.evaluate(data.x_val, data.y_val)
         entry["val_loss"] = val["loss"]
         if "accuracy" in val:
             entry["val_accuracy"] = val["accuracy"]
+        if self._epoch_stragglers:
+            entry["stragglers"], self._epoch_stragglers = self._epoch_stragglers, []
         self.history.append(entry)
+        if self.observer is not None:
+            self.observer.on_epoch(entry)
         self._epoch_loss_sum, self._epoch_samples, self._epoch_seconds = 0.0, 0, 0.0
         if on_epoch is not None:
             on_epoch(entry)

@@ -54,3 +54,19 @@ def test_nccl_training_equals_the_cpu_backend(two_gpus, tmp_path, optimizer, lr)
     _, cpu = train(tmp_path, "cpu", 1, args=["--device", "cpu", *common])
     _, gpus = train(tmp_path, "gpus", 2, "--comm", "nccl", args=["--device", "cuda", *common])
     assert np.allclose(gpus, cpu, rtol=1e-4, atol=1e-6), np.max(np.abs(gpus - cpu))
+
+
+def test_trace_of_a_gpu_run_says_whether_the_gpus_are_emulated(two_gpus, tmp_path):
+    # --trace on GPUs synchronizes the phases (timed steps); on the emulation the trace
+    # must say its GPUs are the CPU, in its metadata and on every rank's track.
+    trace = tmp_path / "trace.json"
+    r = mpirun(2, [sys.executable, "-m", "mgpu", "train", *ARGS, "--steps", "4", "--comm", "nccl",
+                   "--trace", trace, "--trace-steps", "1:3"], timeout=600, env=mpi_env())
+    assert r.returncode == 0, r.stdout + r.stderr
+    doc = json.loads(trace.read_text())
+    emulated = bool(_core.build_info().get("gpu_emulation", False))
+    assert doc["otherData"]["gpu_emulation"] is emulated and ("warning" in doc["otherData"]) is emulated
+    names = [e["args"]["name"] for e in doc["traceEvents"] if e["name"] == "process_name"]
+    assert len(names) == 2 and all(("EMULATED" in n) is emulated for n in names)
+    steps = [e for e in doc["traceEvents"] if e.get("cat") == "step"]
+    assert sorted((e["pid"], e["args"]["step"]) for e in steps) == [(0, 1), (0, 2), (1, 1), (1, 2)]
