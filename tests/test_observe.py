@@ -61,14 +61,15 @@ def test_trace_has_one_track_per_rank_with_nested_phases(observed):
 
 def test_trace_clocks_are_comparable_across_ranks(observed):
     # An allreduce completes only once every rank has started it: with a common clock
-    # origin, no rank's wait ends before the last rank's wait began (within the
-    # barrier's exit skew).
+    # origin, no rank's wait ends before the last rank's wait began, within the
+    # barrier's exit skew: 3 ranks on 2 shared cores leave it late by milliseconds
+    # (3 ms seen), so 25 ms; an origin per rank (its own start) is off by far more.
     spans = [e for e in json.loads(observed["trace"].read_text())["traceEvents"]
              if e["ph"] == "X" and e["name"] == "allreduce wait"]
     for step in range(2, 6):
         waits = [e for e in spans if e["args"]["step"] == step]
         assert len(waits) == 3
-        assert max(e["ts"] for e in waits) <= min(e["ts"] + e["dur"] for e in waits) + 2000 * US
+        assert max(e["ts"] for e in waits) <= min(e["ts"] + e["dur"] for e in waits) + 25000 * US
 
 
 def test_log_json_has_every_step_of_every_rank_and_the_events(observed):
