@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import os
 import signal
 import sys
@@ -22,8 +23,13 @@ from .cliutil import (EXIT_USAGE, Parser, UsageError, check_output_dir, check_ou
 from .errors import CommError, ConfigError, DataError, NumericsError
 from .observe import DEFAULT_TRACE_STEPS, Observer, import_summary_writer, parse_step_range
 from .schedule import SCHEDULES
+from .train_telemetry import output_paths
 
 _SHARES = float_list("batch shares")
+# train's telemetry options, filled in when --telemetry is given (None until then: given
+# without it, they are refused rather than ignored)
+TELEMETRY_DEFAULTS = {"telemetry_interval": 1.0, "max_temp": 85.0, "max_memory_percent": 95.0,
+                      "power_limit": None, "stop_above_temp": False, "stop_above_memory": False}
 
 
 def _shares(text: str):
@@ -113,6 +119,23 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--observe-every", type=int, default=50, metavar="N",
                    help="steps between gathers of every rank's step times to rank 0 (the straggler check's "
                         "window and --log-json's delay; default 50)")
+    w = t.add_argument_group("telemetry and safety (train_telemetry.py; the thresholds of `mgpu stress`)")
+    w.add_argument("--telemetry", metavar="PREFIX",
+                   help="sample every rank's device (NVML on GPUs, /proc on CPUs) and its training samples/s "
+                        "while training; rank 0 writes PREFIX.csv, PREFIX.json and PREFIX.png at the end")
+    w.add_argument("--telemetry-interval", type=float, default=None, metavar="S",
+                   help=f"seconds between samples (default {TELEMETRY_DEFAULTS['telemetry_interval']:g})")
+    w.add_argument("--max-temp", type=float, default=None, metavar="C",
+                   help=f"warn above this device temperature (default {TELEMETRY_DEFAULTS['max_temp']:g})")
+    w.add_argument("--max-memory-percent", type=float, default=None, metavar="PCT",
+                   help=f"warn above this share of device memory used (default "
+                        f"{TELEMETRY_DEFAULTS['max_memory_percent']:g})")
+    w.add_argument("--power-limit", type=float, default=None, metavar="W",
+                   help="warn above this power draw (default: the device's enforced limit)")
+    w.add_argument("--stop-above-temp", action="store_true",
+                   help="above --max-temp, stop at the next step with a checkpoint instead of warning")
+    w.add_argument("--stop-above-memory", action="store_true",
+                   help="above --max-memory-percent, stop at the next step with a checkpoint instead of warning")
     t.add_argument("--save", metavar="PATH", help="write final parameters as .npz (layers.{i}.weight/bias)")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -209,6 +232,9 @@ class _StopOnSignals:
 def _check_outputs(a) -> None:
     """The output options: writable, distinct, consistent (before any training)."""
     outputs = {"--json": a.json, "--save": a.save, "--trace": a.trace, "--log-json": a.log_json}
+    _check_telemetry(a)
+    if a.telemetry:
+        outputs.update({f"--telemetry ({os.path.splitext(p)[1]})": p for p in output_paths(a.telemetry)})
     seen = {}
     for what, path in outputs.items():
         if path:
@@ -225,6 +251,20 @@ def _check_outputs(a) -> None:
         raise ConfigError(f"--straggler-threshold must be a percentage >= 0, got {a.straggler_threshold}")
     if a.observe_every < 1:
         raise ConfigError(f"--observe-every must be >= 1, got {a.observe_every}")
+
+
+def _check_telemetry(a) -> None:
+    """--telemetry's options: only with it, then their defaults; a finite interval > 0."""
+    given = [f"--{k.replace('_', '-')}" for k, v in TELEMETRY_DEFAULTS.items() if getattr(a, k) not in (None, False)]
+    if not a.telemetry:
+        if given:
+            raise ConfigError(f"{given[0]} belongs to the training telemetry: give --telemetry PREFIX too")
+        return
+    for k, v in TELEMETRY_DEFAULTS.items():
+        if getattr(a, k) is None:
+            setattr(a, k, v)
+    if not (math.isfinite(a.telemetry_interval) and a.telemetry_interval > 0):
+        raise ConfigError(f"--telemetry-interval must be a finite number of seconds > 0, got {a.telemetry_interval}")
 
 
 def cmd_train(a, pg) -> int:
@@ -308,14 +348,24 @@ def cmd_train(a, pg) -> int:
             tqdm.write(f"epoch {e['epoch']:3d}  train_loss {e['train_loss']:.5f}  val_loss {e['val_loss']:.5f}"
                        f"{acc}  {e['samples_per_sec']:,.0f} samples/s")
 
+    telemetry = None
+    if a.telemetry:
+        from .stress import Thresholds
+        from .train_telemetry import TrainTelemetry
+        stop_on = [m for m, flag in (("temperature_c", a.stop_above_temp), ("memory_used_pct", a.stop_above_memory))
+                   if flag]
+        telemetry = TrainTelemetry(pg, prefix=a.telemetry, interval=a.telemetry_interval, device=device,
+                                   device_index=device_index, stop_on=stop_on, emulated=emulated,
+                                   thresholds=Thresholds(a.max_temp, a.max_memory_percent, a.power_limit))
     observer = None
-    if a.trace or a.log_json or a.tensorboard or a.straggler_threshold > 0:
+    if a.trace or a.log_json or a.tensorboard or a.straggler_threshold > 0 or telemetry is not None:
         run_info = {"version": __version__, "device": device, "threads_per_rank": threads, "layers": sizes,
                     "params": model.num_params, "dataset": cfg.dataset, "batch_size": cfg.batch_size,
                     "accumulate": cfg.accumulate, "resumed_from": resume}
         observer = Observer(pg, trace=a.trace, trace_steps=a.trace_steps or DEFAULT_TRACE_STEPS,
                             log_json=a.log_json, tensorboard=a.tensorboard, every=a.observe_every,
-                            straggler_threshold=a.straggler_threshold / 100, emulated=emulated, run_info=run_info)
+                            straggler_threshold=a.straggler_threshold / 100, emulated=emulated, run_info=run_info,
+                            telemetry=telemetry)
     t0 = time.perf_counter()
     with _StopOnSignals(trainer, pg):
         history = trainer.fit(data, batch_size=cfg.batch_size, epochs=cfg.epochs, steps=cfg.steps, seed=cfg.seed,
@@ -337,6 +387,9 @@ def cmd_train(a, pg) -> int:
         "wall_seconds": wall, "resumed_from": resume, "stopped": trainer.stop_reason,
         "checkpoint": trainer.last_checkpoint, "gpu_emulation": emulated, "stragglers": trainer.stragglers,
     }
+    if telemetry is not None:
+        result["telemetry"] = {"files": observer.telemetry_files, "source": telemetry.source,
+                               "events": telemetry.events}
     if trainer.stop_reason:
         where = f"; checkpoint {trainer.last_checkpoint} (continue with --resume)" if trainer.last_checkpoint else ""
         say(f"stopped at step {trainer.global_step} ({trainer.stop_reason}){where}")
@@ -352,7 +405,8 @@ def cmd_train(a, pg) -> int:
         if a.save:
             model.save(a.save)
             say(f"parameters written to {a.save}")
-        for path, what in ((a.trace, "trace"), (a.log_json, "JSON log"), (a.tensorboard, "TensorBoard scalars")):
+        for path, what in ((a.trace, "trace"), (a.log_json, "JSON log"), (a.tensorboard, "TensorBoard scalars"),
+                           *((p, "telemetry") for p in (observer.telemetry_files if telemetry else []))):
             if path:
                 say(f"{what} written to {path}")
     pg.barrier()

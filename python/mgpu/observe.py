@@ -7,8 +7,10 @@ Every rank keeps its own records; every `every` steps one allgather brings them 
 rank 0, which writes the JSON log, keeps the trace events of the traced steps, checks
 for a straggler, and at the end writes the trace. TensorBoard scalars need nothing
 from other ranks (loss, learning rate, gradient norm, loss scale are agreed values),
-so rank 0 buffers them and hands them to the writer every `every` steps. With every
-output and the straggler check off, Trainer holds no Observer and pays nothing.
+so rank 0 buffers them and hands them to the writer every `every` steps. `train
+--telemetry` rides along (train_telemetry.py: started, told of each step and gathered
+here). With every output and the straggler check off, Trainer holds no Observer and
+pays nothing.
 
 Timestamps: after one barrier every rank reads its monotonic clock as its origin, so
 times on all ranks count from the same instant (to within the barrier's exit skew,
@@ -98,7 +100,8 @@ class Observer:
 
     def __init__(self, pg, *, trace: Optional[str] = None, trace_steps: tuple = (0, None),
                  log_json: Optional[str] = None, tensorboard: Optional[str] = None, every: int = 50,
-                 straggler_threshold: float = 0.0, emulated: bool = False, run_info: Optional[dict] = None):
+                 straggler_threshold: float = 0.0, emulated: bool = False, run_info: Optional[dict] = None,
+                 telemetry=None):
         if not isinstance(every, int) or every < 1:
             raise ConfigError(f"steps between gathers must be an integer >= 1, got {every}")
         self.pg = pg
@@ -115,6 +118,8 @@ class Observer:
         self.skipped_steps = 0
         self.origin = 0.0
         self.on_straggler = None          # rank 0: called with each window's finding or None (Trainer)
+        self.telemetry = telemetry        # a train_telemetry.TrainTelemetry (train --telemetry) or None
+        self.telemetry_files: list = []   # rank 0: what it wrote at close
 
     @property
     def gathers(self) -> bool:
@@ -130,6 +135,8 @@ class Observer:
         """Agree on the clock origin and open rank 0's outputs (before the first step)."""
         self.pg.barrier(what="observe start")
         self.origin = time.perf_counter()
+        if self.telemetry is not None:
+            self.telemetry.start()
         if not self.pg.is_root:
             return
         self.run_info.update(origin_unix_time=time.time(), world_size=self.pg.size, gpu_emulation=self.emulated,
@@ -178,6 +185,8 @@ class Observer:
     def close(self) -> None:
         """Last gather, then rank 0 writes the trace and closes the log and the writer."""
         self.flush()
+        if self.telemetry is not None:
+            self.telemetry_files = self.telemetry.close()
         if not self.pg.is_root:
             return
         if self.trace:
@@ -194,6 +203,8 @@ class Observer:
 
     def abandon(self) -> None:
         """After an error (no collective is safe): rank 0 closes what it has open, writes nothing more."""
+        if self.telemetry is not None:
+            self.telemetry.abandon()
         if self._writer is not None:
             self._publish()
             self._writer.close()
@@ -213,6 +224,8 @@ class Observer:
         """After each step (every rank): keep its record; rank 0 writes its scalars."""
         step = trainer.global_step - 1
         t = result.timings
+        if self.telemetry is not None:
+            self.telemetry.on_step(trainer, rows)
         if self.gathers and (self.log_json or self.straggler_threshold > 0 or self._traced(step)):
             self._rows.append((step, trainer.epoch, t_begin - self.origin, trainer.t_call - self.origin,
                                trainer.t_return - self.origin, t.forward, t.backward, t.comm_wait, t.optimizer,

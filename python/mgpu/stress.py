@@ -67,37 +67,48 @@ class Thresholds:
 
 class SafetyMonitor:
     """Turns readings into actions: throttle (fewer iterations a launch), stop growing
-    memory, warn about power. Every action is an event with a time and the reading."""
+    memory, warn about power. Every action is an event with a time and the reading.
+    `breaches` is the threshold test alone, which `train --telemetry` acts on its own way."""
 
-    def __init__(self, thresholds: Thresholds, rank: int = 0):
-        self.t, self.rank = thresholds, rank
+    def __init__(self, thresholds: Thresholds, rank: int = 0, command: str = "stress"):
+        self.t, self.rank, self.command = thresholds, rank, command
         self.events: list = []
         self.grow_memory = True
         self._last_power_warning = -1e9
 
-    def _event(self, kind: str, message: str, reading: dict) -> None:
+    def event(self, kind: str, message: str, reading: dict) -> None:
         self.events.append({"t": reading.get("t"), "rank": self.rank, "action": kind, "message": message})
-        print(f"mgpu stress (rank {self.rank}): {message}", file=sys.stderr, flush=True)
+        print(f"mgpu {self.command} (rank {self.rank}): {message}", file=sys.stderr, flush=True)
+
+    def breaches(self, reading: Optional[dict]) -> dict:
+        """{metric: text} for each threshold this reading is above (temperature_c,
+        memory_used_pct, power_w: the configured limit, else the device's enforced one)."""
+        out = {}
+        if not reading:
+            return out
+        temp = reading.get("temperature_c")
+        if temp is not None and temp > self.t.max_temp_c:
+            out["temperature_c"] = f"temperature {temp:.0f} C > {self.t.max_temp_c:g} C"
+        mem = reading.get("memory_used_pct")
+        if mem is not None and mem > self.t.max_memory_pct:
+            out["memory_used_pct"] = f"memory {mem:.1f}% used > {self.t.max_memory_pct:g}%"
+        power, limit = reading.get("power_w"), self.t.power_limit_w or reading.get("power_limit_w")
+        if power is not None and limit and power > limit:
+            out["power_w"] = f"power {power:.0f} W > limit {limit:.0f} W"
+        return out
 
     def check(self, reading: Optional[dict], iterations: int) -> int:
         """Apply the thresholds to a reading; returns the iterations per launch to use."""
-        if not reading:
-            return iterations
-        temp = reading.get("temperature_c")
-        if temp is not None and temp > self.t.max_temp_c:
-            if iterations > 1:
-                iterations = max(1, iterations // 2)
-                self._event("throttle", f"temperature {temp:.0f} C > {self.t.max_temp_c:.0f} C: "
-                                        f"{iterations} iterations a launch", reading)
-        mem = reading.get("memory_used_pct")
-        if mem is not None and mem > self.t.max_memory_pct and self.grow_memory:
+        found = self.breaches(reading)
+        if "temperature_c" in found and iterations > 1:
+            iterations = max(1, iterations // 2)
+            self.event("throttle", f"{found['temperature_c']}: {iterations} iterations a launch", reading)
+        if "memory_used_pct" in found and self.grow_memory:
             self.grow_memory = False
-            self._event("stop_growing_memory", f"memory {mem:.1f}% used > {self.t.max_memory_pct:.0f}%: "
-                                               "the buffer stops growing", reading)
-        power, limit = reading.get("power_w"), self.t.power_limit_w or reading.get("power_limit_w")
-        if power is not None and limit and power > limit and (reading.get("t", 0) - self._last_power_warning) > 10:
+            self.event("stop_growing_memory", f"{found['memory_used_pct']}: the buffer stops growing", reading)
+        if "power_w" in found and (reading.get("t", 0) - self._last_power_warning) > 10:
             self._last_power_warning = reading.get("t", 0)
-            self._event("power_warning", f"power {power:.0f} W > limit {limit:.0f} W", reading)
+            self.event("power_warning", found["power_w"], reading)
         return iterations
 
 

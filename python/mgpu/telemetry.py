@@ -149,7 +149,10 @@ class Sampler:
         with self._lock:
             return dict(self.samples[-1]) if self.samples else None
 
-    def start(self) -> "Sampler":
+    def start(self, t0: Optional[float] = None) -> "Sampler":
+        """t0: the time.monotonic() that times count from (ranks agree on one; default: construction)."""
+        if t0 is not None:
+            self._t0 = t0
         self._thread.start()
         return self
 
@@ -170,10 +173,14 @@ def summarize(samples: list) -> dict:
     return out
 
 
+# Not a device reading: training throughput, which `train --telemetry` adds to each sample.
+THROUGHPUT = "samples_per_s"
+
 # Each plotted metric: its axis label, and the metric drawn dashed on the same axis (the device's own limit).
 PLOTTED = {"temperature_c": ("temperature (C)", None), "power_w": ("power (W)", "power_limit_w"),
            "utilization_pct": ("utilisation (%)", None), "sm_clock_mhz": ("SM clock (MHz)", None),
-           "mem_clock_mhz": ("memory clock (MHz)", None), "memory_used_pct": ("memory used (%)", None)}
+           "mem_clock_mhz": ("memory clock (MHz)", None), "memory_used_pct": ("memory used (%)", None),
+           THROUGHPUT: ("training samples/s", None)}
 
 
 def write_series(path_prefix: str, series: dict, title: str = "", limits: Optional[dict] = None,
@@ -181,10 +188,12 @@ def write_series(path_prefix: str, series: dict, title: str = "", limits: Option
     """series: {device label: [samples]} -> PREFIX.csv, PREFIX.json, PREFIX.png; returns the paths.
     The plot draws `limits` ({metric: value}, the monitor's thresholds) as red lines and
     `events` (the monitor's actions: dicts with t and action) as vertical lines."""
-    rows = [{"device": label, **{k: s.get(k) for k in ("t", *METRICS)}} for label, samples in series.items()
+    # the throughput column only where a sampler added it (train), so stress files keep their columns
+    extra = [THROUGHPUT] if any(THROUGHPUT in s for ss in series.values() for s in ss) else []
+    rows = [{"device": label, **{k: s.get(k) for k in ("t", *METRICS, *extra)}} for label, samples in series.items()
             for s in samples]
     with open(f"{path_prefix}.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=["device", "t", *METRICS])
+        w = csv.DictWriter(f, fieldnames=["device", "t", *METRICS, *extra])
         w.writeheader()
         w.writerows(rows)
     with open(f"{path_prefix}.json", "w") as f:
