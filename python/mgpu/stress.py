@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from . import _core
+from .cliutil import write_line
 from .errors import ConfigError
 from .telemetry import METRICS, Sampler, reader_for, summarize, write_series
 
@@ -78,7 +79,7 @@ class SafetyMonitor:
 
     def event(self, kind: str, message: str, reading: dict) -> None:
         self.events.append({"t": reading.get("t"), "rank": self.rank, "action": kind, "message": message})
-        print(f"mgpu {self.command} (rank {self.rank}): {message}", file=sys.stderr, flush=True)
+        write_line(f"mgpu {self.command} (rank {self.rank}): {message}")  # one write: ranks' lines stay whole
 
     def breaches(self, reading: Optional[dict]) -> dict:
         """{metric: text} for each threshold this reading is above (temperature_c,

@@ -1,6 +1,7 @@
 """Telemetry: per-device temperature, power, utilisation, clocks and memory,
 sampled in a background thread, saved as a time series (CSV, JSON) and plotted.
 
+`train --telemetry` (train_telemetry.py) adds each rank's training samples/s to its samples.
 Sources, in order: NVML through pynvml when importable, `nvidia-smi
 --query-gpu` otherwise (GPUs); /proc/stat (busy share since the last sample),
 /proc/meminfo and /sys/class/thermal (the CPU). A reading a source cannot give is None.
@@ -198,7 +199,9 @@ def write_series(path_prefix: str, series: dict, title: str = "", limits: Option
         w.writerows(rows)
     with open(f"{path_prefix}.json", "w") as f:
         json.dump(series, f)
-    figure(series, title, limits or {}, events or []).savefig(f"{path_prefix}.png", dpi=100)
+    # the title also as the PNG's text metadata: what the picture shows (an emulated GPU, say) stays machine-readable
+    figure(series, title, limits or {}, events or []).savefig(f"{path_prefix}.png", dpi=100,
+                                                              metadata={"Title": title or "telemetry"})
     import matplotlib.pyplot as plt
     plt.close("all")
     return [f"{path_prefix}.csv", f"{path_prefix}.json", f"{path_prefix}.png"]

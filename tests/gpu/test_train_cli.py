@@ -70,3 +70,21 @@ def test_trace_of_a_gpu_run_says_whether_the_gpus_are_emulated(two_gpus, tmp_pat
     assert len(names) == 2 and all(("EMULATED" in n) is emulated for n in names)
     steps = [e for e in doc["traceEvents"] if e.get("cat") == "step"]
     assert sorted((e["pid"], e["args"]["step"]) for e in steps) == [(0, 1), (0, 2), (1, 1), (1, 2)]
+
+
+def test_training_telemetry_says_whether_the_gpus_are_emulated(two_gpus, tmp_path):
+    # On the emulation the readings are the host CPU's: every rank's series, the CSV's
+    # device column, the PNG's title and --json's source must say so, and a real GPU's
+    # telemetry must never carry the word.
+    prefix, out = tmp_path / "tel", tmp_path / "run.json"
+    r = mpirun(2, [sys.executable, "-m", "mgpu", "train", *ARGS, "--steps", "4", "--comm", "nccl",
+                   "--telemetry", prefix, "--telemetry-interval", "0.1", "--json", out],
+               timeout=600, env=mpi_env())
+    assert r.returncode == 0, r.stdout + r.stderr
+    emulated = bool(_core.build_info().get("gpu_emulation", False))
+    series = json.loads((tmp_path / "tel.json").read_text())
+    assert len(series) == 2 and all(("emulated GPU" in label) is emulated for label in series)
+    rows = (tmp_path / "tel.csv").read_text().splitlines()[1:]
+    assert rows and all(("emulated GPU" in row) is emulated for row in rows)
+    assert (b"EMULATED" in (tmp_path / "tel.png").read_bytes()) is emulated
+    assert ("emulated" in json.loads(out.read_text())["telemetry"]["source"]) is emulated
