@@ -220,8 +220,8 @@ def figure(series: dict, title: str, limits: dict, events: list):
         for i, (device, samples) in enumerate(series.items()):
             color = f"C{i % 10}"
             pts = [(s["t"], s[metric]) for s in samples if s.get(metric) is not None]
-            if pts:
-                ax.plot(*zip(*pts), color=color, label=device)
+            if pts:  # markers where a short run has too few points for a line to show
+                ax.plot(*zip(*pts), color=color, label=device, marker="o" if len(pts) < 10 else None, markersize=3)
             limit = [(s["t"], s[beside]) for s in samples if beside and s.get(beside) is not None]
             if limit:
                 ax.plot(*zip(*limit), color=color, linestyle="--", linewidth=1, label=f"{device}: power limit")

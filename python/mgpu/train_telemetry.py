@@ -84,14 +84,15 @@ class TrainTelemetry:
             return []
         series = {label: s for label, s, _ in everyone}
         self.events = [e for _, _, ev in everyone for e in ev]
-        kind = ("EMULATED GPUs (the CPU running mgpu's CUDA code): host CPU readings, not GPU readings"
-                if self.emulated else "host CPU from /proc, one host's for all its ranks" if self.source == "proc"
-                else self.source)
+        # Short lines: the figure is 8 inches wide and the title is not wrapped for us.
+        kind = ("EMULATED GPUs (the CPU running mgpu's CUDA code):\nhost CPU readings, not GPU readings"
+                if self.emulated else "host CPU readings from /proc (one per host, shared by its ranks)"
+                if self.source == "proc" else f"readings: {self.source}")
         missing = [name for metric, name in (("temperature_c", "temperature"), ("power_w", "power"))
                    if not any(x.get(metric) is not None for ss in series.values() for x in ss)]
-        title = (f"mgpu train on {self.pg.size} rank(s), readings: {kind}"
-                 + (f" (no {' or '.join(missing)} sensor readable)" if missing else "")
-                 + "\ntraining samples/s: each rank's shard of the global batch")
+        title = "\n".join([f"mgpu train on {self.pg.size} rank(s), {kind}",
+                           *([f"no {' or '.join(missing)} sensor readable"] if missing else []),
+                           "training samples/s: each rank's shard of the global batch"])
         t = self.thresholds
         limits = {"temperature_c": t.max_temp_c, "memory_used_pct": t.max_memory_pct, "power_w": t.power_limit_w}
         return write_series(self.prefix, series, title, limits, self.events)
