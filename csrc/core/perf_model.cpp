@@ -88,7 +88,8 @@ DeviceTimes device_times(const std::vector<int>& sizes, int64_t b, const DeviceP
   const double P = parameter_count(sizes);
   const double update_bytes = (w.optimizer == "sgd" ? 20.0 : 28.0) * P;
   const bool half = w.precision == "bf16" || w.precision == "fp16";
-  t.optimizer = pass(update_bytes) + pass(4.0 * P) /* health check */ + (half ? pass(6.0 * P) : 0.0);
+  // With half-precision GEMMs the update also writes the weights' half copy (2 B each).
+  t.optimizer = pass(update_bytes) + pass(4.0 * P) /* health check */ + (half ? pass(2.0 * P) : 0.0);
   if (w.grad_dtype != "fp32") t.optimizer += 2.0 * pass(6.0 * P);  // gradients narrowed, then the sum widened
   t.overhead = step_overhead;
   if (d.host_to_device_bandwidth > 0)
@@ -116,12 +117,15 @@ double memory_per_device(const std::vector<int>& sizes, int64_t b, const Workloa
                          const LinkProfile& link, int devices) {
   const double P = parameter_count(sizes), B = double(b);
   double mem = 4.0 * P + 4.0 * (P + MLP::kGradExtraSlots) + (w.optimizer == "sgd" ? 4.0 : 8.0) * P;
-  if (w.precision == "bf16" || w.precision == "fp16") mem += 2.0 * P;
   double activations = 0, widest = 0;
   for (size_t l = 1; l < sizes.size(); ++l) {
     activations += sizes[l];
     widest = std::max(widest, double(sizes[l]));
   }
+  // Half-precision GEMMs: the weights' persistent half copy, and two operand
+  // scratch buffers for activations and output gradients.
+  if (w.precision == "bf16" || w.precision == "fp16")
+    mem += 2.0 * P + 2.0 * 2.0 * B * std::max(widest, double(sizes.front()));
   mem += 4.0 * B * (activations + 2.0 * widest + sizes.front() + sizes.back());
   if (devices > 1) mem += link.buffer_bytes;
   return mem + d.context_bytes;

@@ -224,3 +224,17 @@ def test_large_models_on_fast_interconnects_go_multi_gpu(profile_name):
     speedups = {c["devices"]: c["predicted_speedup"] for c in r["candidates"]}
     assert 1.5 < speedups[2] < 2 and speedups[4] > speedups[2]
     assert r["devices"] == max(speedups, key=speedups.get)  # the fastest count is recommended
+
+
+def test_half_precision_gemms_hold_a_half_copy_of_the_weights_and_write_it_in_the_update():
+    # The CUDA backend keeps the weights' bf16/fp16 copy (2 B a parameter) that the
+    # optimizer update writes; the model charges those bytes in memory and update time.
+    layers, batch = [1024, 4096, 4096, 10], 256
+    params = sum(a * b + b for a, b in zip(layers, layers[1:]))
+    prof = perf.to_core(profile([device()], alpha=0.0, busbw=1e9))
+    fp32, bf16 = (P.predict(perf._workload(None, layers, None, batch, p, "sgd", 4.0), prof, 1, P.Options())
+                  for p in ("fp32", "bf16"))
+    assert bf16.memory_bytes - fp32.memory_bytes >= 2 * params
+    tf32 = P.predict(perf._workload(None, layers, None, batch, "tf32", "sgd", 4.0), prof, 1, P.Options())
+    assert tf32.memory_bytes == fp32.memory_bytes and tf32.optimizer_s == fp32.optimizer_s
+    assert bf16.optimizer_s > fp32.optimizer_s
