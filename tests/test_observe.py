@@ -59,6 +59,36 @@ def test_trace_has_one_track_per_rank_with_nested_phases(observed):
         assert [e["args"]["step"] for e in spans if e["pid"] == rank and e["name"] == "checkpoint"] == [3]
 
 
+def test_trace_has_each_ranks_bucket_allreduces_within_their_step(tmp_path):
+    from mgpu import _core
+    trace = tmp_path / "trace.json"
+    _run(2, "--steps", 4, "--trace", trace, "--trace-steps", "1:4", "--bucket-mb", 0.25)
+    doc = json.loads(trace.read_text())
+    plan = _core.plan_buckets(doc["otherData"]["layers"], int(0.25 * (1 << 20) / 4))
+    assert len(plan) > 1
+    events = doc["traceEvents"]
+    lanes = {(e["pid"], e["tid"]): e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    assert lanes == {(0, 0): "step", (0, 1): "allreduce", (1, 0): "step", (1, 1): "allreduce"}
+    spans = [e for e in events if e["ph"] == "X"]
+    for rank in range(2):
+        for step in (1, 2, 3):
+            (outer,) = [e for e in spans if e["pid"] == rank and e["cat"] == "step" and e["args"]["step"] == step]
+            (wait,) = [e for e in spans if e["pid"] == rank and e["name"] == "allreduce wait"
+                       and e["args"]["step"] == step]
+            buckets = sorted((e for e in spans if e["pid"] == rank and e["cat"] == "allreduce"
+                              and e["args"]["step"] == step), key=lambda e: e["args"]["bucket"])
+            assert all(e["tid"] == 1 for e in buckets)
+            assert [(e["args"]["offset"], e["args"]["count"]) for e in buckets] == [(o, n) for o, n, _ in plan]
+            assert all(e["args"]["bytes"] == 4 * e["args"]["count"] for e in buckets)
+            # CPU + MPI: blocking per-bucket allreduces after backward, so inside the
+            # step's exposed wait, one after another
+            for e, nxt in zip(buckets, buckets[1:] + [None]):
+                assert e["dur"] >= 0 and outer["ts"] - US <= e["ts"] and e["ts"] + e["dur"] <= outer["ts"] + outer["dur"] + US
+                assert wait["ts"] - US <= e["ts"] and e["ts"] + e["dur"] <= wait["ts"] + wait["dur"] + US
+                if nxt is not None:
+                    assert e["ts"] + e["dur"] <= nxt["ts"] + US
+
+
 def test_trace_clocks_are_comparable_across_ranks(observed):
     # An allreduce completes only once every rank has started it: with a common clock
     # origin, no rank's wait ends before the last rank's wait began, within the

@@ -219,6 +219,14 @@ PYBIND11_MODULE(MGPU_MODULE_NAME, m) {
   py::register_exception<NumericsError>(m, "NumericsError", base.ptr());
 
   m.def("build_info", &build_info, "What this build of the core contains (a dict).");
+  m.def("plan_buckets", [](const std::vector<int>& sizes, size_t bucket_elems) {
+    std::vector<std::tuple<size_t, size_t, int>> out;
+    for (const Bucket& b : plan_buckets(sizes, MLP::kGradExtraSlots, bucket_elems))
+      out.emplace_back(b.offset, b.count, b.ready_layer);
+    return out;
+  }, py::arg("sizes"), py::arg("bucket_elems"),
+        "The gradient bucket plan training uses for layer sizes [in, hidden..., out]: "
+        "(offset, count, ready_layer) of each bucket, in launch order.");
 
   py::class_<Backend, std::shared_ptr<Backend>>(m, "Backend")
       .def_property_readonly("name", &Backend::name)
@@ -471,8 +479,16 @@ PYBIND11_MODULE(MGPU_MODULE_NAME, m) {
       .def_readonly("comm_wait", &StepTimings::comm_wait)
       .def_readonly("optimizer", &StepTimings::optimizer)
       .def_readonly("total", &StepTimings::total);
+  py::class_<BucketTiming>(m, "BucketTiming")
+      .def_readonly("index", &BucketTiming::index)
+      .def_readonly("offset", &BucketTiming::offset)
+      .def_readonly("count", &BucketTiming::count)
+      .def_readonly("bytes", &BucketTiming::bytes)
+      .def_readonly("launch", &BucketTiming::launch)
+      .def_readonly("done", &BucketTiming::done);
   py::class_<StepResult>(m, "StepResult")
       .def_readonly("timings", &StepResult::timings)
+      .def_readonly("buckets", &StepResult::buckets)
       .def_readonly("loss", &StepResult::loss)
       .def_readonly("grad_norm", &StepResult::grad_norm)
       .def_readonly("applied", &StepResult::applied)

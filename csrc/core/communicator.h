@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "errors.h"
@@ -38,6 +39,14 @@ class Communicator {
   virtual bool progresses_independently() const { return false; }
   virtual void progress() {}
   virtual void wait_all() {}
+  // Per-bucket spans for traces (DataParallelStep with StepOptions::timed only,
+  // so untimed steps pay nothing): start_collective_timing() at the step's
+  // start; each *_async collective after it is stamped, and collective_times(),
+  // called once the step's results were read back, returns (launch, done) in
+  // seconds since that start, in launch order, and stops the stamping. Empty:
+  // the transport cannot tell, and the step falls back to its own clock.
+  virtual void start_collective_timing() {}
+  virtual std::vector<std::pair<double, double>> collective_times() { return {}; }
   // Throws CommError when a collective wait_all() left to complete in the
   // background (NCCL's watchdog) failed or timed out; call once its results
   // were read back (the read-back returns either way: the watchdog aborts).

@@ -66,6 +66,8 @@ class StagedCommunicator final : public Communicator {
   std::string diagnose_stall(double silence) override { return inner_->diagnose_stall(silence); }
   void abort(const std::string& why) override { inner_->abort(why); }
   void raise_if_failed() override { inner_->raise_if_failed(); }
+  void start_collective_timing() override { inner_->start_collective_timing(); }
+  std::vector<std::pair<double, double>> collective_times() override { return inner_->collective_times(); }
   bool heartbeat_from_any_thread() const override { return inner_->heartbeat_from_any_thread(); }
   void close() override { inner_->close(); }
 

@@ -181,6 +181,15 @@ StepResult DataParallelStep::step(const std::vector<MicroShard>& shards, int64_t
   StepResult result;
   const auto t_start = now();
   auto t_phase = t_start;
+  // Per-bucket spans (timed steps only): host clock reads around each launch,
+  // and the transport stamps what completes in the background.
+  const bool time_buckets = options_.timed;
+  std::vector<int> bucket_queued;  // queued collectives of each launched bucket
+  if (time_buckets) {
+    comm_->start_collective_timing();
+    result.buckets.reserve(buckets_.size());
+    bucket_queued.reserve(buckets_.size());
+  }
 
   size_t next_bucket = 0;
   // Launches the buckets whose layer's gradients are complete. The launches are
@@ -191,7 +200,15 @@ StepResult DataParallelStep::step(const std::vector<MicroShard>& shards, int64_t
     if (next_bucket == 0) comm_->begin_step(step_index);  // heartbeat, just before the first collective
     while (next_bucket < buckets_.size() && buckets_[next_bucket].ready_layer >= layer) {
       const Bucket& b = buckets_[next_bucket++];
-      launch_bucket(b);
+      const double launched = time_buckets ? seconds(t_start, Clock::now()) : 0.0;
+      const int queued = launch_bucket(b);
+      if (time_buckets) {
+        // A blocking allreduce completed when it returned; queued ones are stamped after the wait.
+        const double done = queued ? -1.0 : seconds(t_start, Clock::now());
+        result.buckets.push_back({static_cast<int>(next_bucket - 1), b.offset, b.count, bucket_bytes(b),
+                                  launched, done});
+        bucket_queued.push_back(queued);
+      }
       const bool layer_ends = next_bucket == buckets_.size() || buckets_[next_bucket].ready_layer != b.ready_layer;
       if (overlap_ && layer_ends) comm_->progress();
     }
@@ -212,6 +229,7 @@ StepResult DataParallelStep::step(const std::vector<MicroShard>& shards, int64_t
   // the last backward: write it before any backward runs.
   const float stop_flag = request_stop ? 1.0f : 0.0f;
   be.stage_to_backend(m.stop_slot(), &stop_flag, sizeof(float));
+  Clock::time_point t_waited{};
   // An error once buckets are in flight (a failed allocation or launch in
   // backward) aborts them: they use the gradient buffer, which may be freed
   // next, and the peers wait for the buckets this rank will never launch.
@@ -249,6 +267,7 @@ StepResult DataParallelStep::step(const std::vector<MicroShard>& shards, int64_t
     // 5. All gradients summed on every rank; from here on every rank computes
     // the same values and takes the same decisions.
     comm_->wait_all();
+    if (time_buckets) t_waited = Clock::now();
     if (half_grads_.size()) be.widen(m.grads(), half_grads_.data(), m.num_params(), options_.grad_dtype);
   } catch (const std::exception& e) {
     if (next_bucket > 0) comm_->abort(detail::concat("step ", step_index, " failed on this rank: ", e.what()));
@@ -263,6 +282,8 @@ StepResult DataParallelStep::step(const std::vector<MicroShard>& shards, int64_t
   float slots[MLP::kGradExtraSlots] = {};
   be.copy_to_host(slots, m.loss_slot(), sizeof(slots));  // after the allreduce (the compute stream waits for it)
   comm_->raise_if_failed();
+  // After the read-back: a device transport's completion events have all fired.
+  if (time_buckets) stamp_queued_buckets(result.buckets, bucket_queued, seconds(t_start, t_waited));
   const auto t_comm = now();
   result.timings.comm_wait = seconds(t_phase, t_comm);
   result.loss = static_cast<float>(slots[0] / loss_scale_);
@@ -296,19 +317,48 @@ StepResult DataParallelStep::step(const std::vector<MicroShard>& shards, int64_t
   return result;
 }
 
-void DataParallelStep::launch_bucket(const Bucket& b) {
+size_t DataParallelStep::bucket_bytes(const Bucket& b) const {
+  if (!half_grads_.size()) return b.count * sizeof(float);
+  const size_t params = model_->num_params(), end = b.offset + b.count;
+  const size_t half = b.offset < params ? std::min(end, params) - b.offset : 0;
+  return half * sizeof(uint16_t) + (b.count - half) * sizeof(float);
+}
+
+void DataParallelStep::stamp_queued_buckets(std::vector<BucketTiming>& spans, const std::vector<int>& queued,
+                                            double waited) {
+  const auto times = comm_->collective_times();  // always called: it also ends the stamping
+  size_t expected = 0;
+  for (int q : queued) expected += static_cast<size_t>(q);
+  const bool stamped = times.size() == expected;
+  size_t next = 0;
+  for (size_t i = 0; i < spans.size(); ++i) {
+    if (!queued[i]) continue;
+    // A compressed bucket is two collectives (half gradients, fp32 slots): done when both are.
+    double done = -1.0;
+    for (int k = 0; k < queued[i]; ++k, ++next)
+      if (stamped) done = std::max(done, times[next].second);
+    // Unstamped (the transport cannot tell): completion was observed when wait_all returned.
+    if (!stamped) done = waited;
+    // A device clock (CUDA events) may read slightly before the host's launch stamp.
+    spans[i].done = std::max(done, spans[i].launch);
+  }
+}
+
+int DataParallelStep::launch_bucket(const Bucket& b) {
   MLP& m = *model_;
   float* grads = m.grads();
   if (!half_grads_.size()) {
-    if (overlap_)
+    if (overlap_) {
       comm_->allreduce_sum_async(grads + b.offset, b.count);
-    else
-      comm_->allreduce_sum(grads + b.offset, b.count);
-    return;
+      return 1;
+    }
+    comm_->allreduce_sum(grads + b.offset, b.count);
+    return 0;
   }
   // Compressed: always queued (completed by wait_all) from the half copy,
   // rounded on the compute stream the collective is ordered after.
   const size_t params = m.num_params(), end = b.offset + b.count;
+  int queued = 0;
   if (b.offset < params) {
     const size_t n = std::min(end, params) - b.offset;
     uint16_t* half = half_grads_.data() + b.offset;
@@ -317,11 +367,14 @@ void DataParallelStep::launch_bucket(const Bucket& b) {
       comm_->allreduce_sum_bf16_async(half, n);
     else
       comm_->allreduce_sum_fp16_async(half, n);
+    ++queued;
   }
   if (end > params) {  // the loss and stop slots: fp32, exact
     const size_t first = std::max(b.offset, params);
     comm_->allreduce_sum_async(grads + first, end - first);
+    ++queued;
   }
+  return queued;
 }
 
 void DataParallelStep::broadcast_parameters(int root) {

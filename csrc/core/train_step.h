@@ -95,8 +95,22 @@ struct StepTimings {
   double total = 0;
 };
 
+// One gradient bucket's allreduce in a timed step (StepOptions::timed): from the
+// step launching it to its completion as observed (MPI: the wait that saw it
+// finish; NCCL: a CUDA event on the communication stream after its group),
+// seconds since the step began.
+struct BucketTiming {
+  int index = 0;       // in plan order (backward order: the last layer first)
+  size_t offset = 0;   // elements into the gradient buffer
+  size_t count = 0;    // elements
+  size_t bytes = 0;    // on the wire per rank (half types with gradient compression)
+  double launch = 0;
+  double done = 0;
+};
+
 struct StepResult {
   StepTimings timings;
+  std::vector<BucketTiming> buckets;  // timed steps only; empty otherwise
   float loss = 0.0f;          // global mean loss of the step's samples
   double grad_norm = 0.0;     // L2 norm of the averaged, unscaled gradient before clipping
   bool applied = false;       // false: non-finite loss or gradients; parameters untouched
@@ -144,7 +158,12 @@ class DataParallelStep {
   // The same through a captured graph (captured on the shape's second appearance).
   void forward_backward_graph(int rows, const DropoutKey& key, float grad_scale, bool accumulate);
   // Launches bucket b's allreduce (queued or blocking as overlap_ says; compressed with grad_dtype).
-  void launch_bucket(const Bucket& b);
+  // Returns how many queued collectives it issued (0: it completed before returning).
+  int launch_bucket(const Bucket& b);
+  size_t bucket_bytes(const Bucket& b) const;
+  // Fills in the completion of the buckets launch_bucket queued (done < 0), from
+  // the transport's stamps, or `waited` (when wait_all returned) without them.
+  void stamp_queued_buckets(std::vector<BucketTiming>& spans, const std::vector<int>& queued, double waited);
 
   std::shared_ptr<MLP> model_;
   std::shared_ptr<Optimizer> optimizer_;

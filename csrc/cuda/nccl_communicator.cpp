@@ -102,6 +102,17 @@ struct NcclCommunicator::Impl {
   std::string broken_why;       // what aborted it
   float* staging = nullptr;     // device copy of host buffers (grows, never shrinks)
   size_t staging_capacity = 0;
+  // Collective timing (start_collective_timing, timed steps only): an origin
+  // event, then one event per launched group on the communication stream,
+  // read after the step's own synchronisation (no wait of their own). A
+  // group's collectives share its event: NCCL runs a group as one launch.
+  bool timing = false;
+  std::chrono::steady_clock::time_point timing_start;
+  cudaEvent_t timing_origin = nullptr;
+  std::vector<cudaEvent_t> timing_events;  // pool: grows, reused step to step
+  size_t groups_timed = 0;
+  std::vector<double> queued_at;           // host seconds since the origin, per queued collective
+  std::vector<size_t> group_of;            // per launched collective: its group's event
 
   // The watchdog thread (watch()) shares this state: `m` guards the comm, the
   // broken/failure state and the watch. Public methods hold it while they use
@@ -139,11 +150,17 @@ struct NcclCommunicator::Impl {
     }
     if (compute_ready) cudaEventDestroy(compute_ready);
     if (comm_done) cudaEventDestroy(comm_done);
+    if (timing_origin) cudaEventDestroy(timing_origin);
+    for (cudaEvent_t e : timing_events) cudaEventDestroy(e);
     if (comm_stream) cudaStreamDestroy(comm_stream);
     cudaGetLastError();
   }
 
   void activate() const { MGPU_CUDA_CHECK(cudaSetDevice(device)); }
+  void note_queued() {
+    if (timing)
+      queued_at.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - timing_start).count());
+  }
 
   void ensure_usable() const {
     MGPU_CHECK(!closed, CommError, "the NCCL communicator of rank ", rank, " was closed");
@@ -192,6 +209,14 @@ struct NcclCommunicator::Impl {
       MGPU_NCCL_CHECK(comm, ncclAllReduce(op.data, op.data, op.count, op.type, ncclSum, comm, comm_stream));
     group_end.armed = false;
     MGPU_NCCL_CHECK(comm, ncclGroupEnd());
+    if (timing) {
+      if (groups_timed == timing_events.size()) {
+        timing_events.push_back(nullptr);
+        MGPU_CUDA_CHECK(cudaEventCreate(&timing_events.back()));  // timing: no DisableTiming flag
+      }
+      MGPU_CUDA_CHECK(cudaEventRecord(timing_events[groups_timed], comm_stream));
+      group_of.insert(group_of.end(), ops.size(), groups_timed++);
+    }
     settle("allreduce", timeout_seconds);
   }
 
@@ -549,7 +574,10 @@ void NcclCommunicator::allreduce_sum_async(float* data, size_t count) {
   }
   std::lock_guard<std::mutex> lock(s.m);
   s.ensure_usable();
-  if (count) s.queued.push_back({data, count, ncclFloat32});
+  if (count) {
+    s.queued.push_back({data, count, ncclFloat32});
+    s.note_queued();
+  }
 }
 
 void NcclCommunicator::allreduce_sum_bf16_async(void* data, size_t count) {
@@ -557,7 +585,10 @@ void NcclCommunicator::allreduce_sum_bf16_async(void* data, size_t count) {
   std::lock_guard<std::mutex> lock(s.m);
   s.ensure_usable();
   MGPU_CHECK(!count || is_device_pointer(data), ConfigError, "bf16 allreduce needs device memory");
-  if (count) s.queued.push_back({data, count, ncclBfloat16});
+  if (count) {
+    s.queued.push_back({data, count, ncclBfloat16});
+    s.note_queued();
+  }
 }
 
 void NcclCommunicator::allreduce_sum_fp16_async(void* data, size_t count) {
@@ -565,7 +596,10 @@ void NcclCommunicator::allreduce_sum_fp16_async(void* data, size_t count) {
   std::lock_guard<std::mutex> lock(s.m);
   s.ensure_usable();
   MGPU_CHECK(!count || is_device_pointer(data), ConfigError, "fp16 allreduce needs device memory");
-  if (count) s.queued.push_back({data, count, ncclFloat16});
+  if (count) {
+    s.queued.push_back({data, count, ncclFloat16});
+    s.note_queued();
+  }
 }
 
 void NcclCommunicator::progress() {
@@ -591,6 +625,43 @@ void NcclCommunicator::wait_all() {
   MGPU_CUDA_CHECK(cudaStreamWaitEvent(s.compute, s.comm_done, 0));
   s.outstanding = false;
   s.watch(timeout_seconds_);
+}
+
+void NcclCommunicator::start_collective_timing() {
+  Impl& s = *impl_;
+  std::lock_guard<std::mutex> lock(s.m);
+  if (s.broken || s.closed) return;
+  s.activate();
+  if (!s.timing_origin) MGPU_CUDA_CHECK(cudaEventCreate(&s.timing_origin));
+  // Recorded on the communication stream, idle at a timed step's start (the
+  // previous step synchronised): the event's time is the host's start, nearly.
+  MGPU_CUDA_CHECK(cudaEventRecord(s.timing_origin, s.comm_stream));
+  s.timing_start = std::chrono::steady_clock::now();
+  s.timing = true;
+  s.groups_timed = 0;
+  s.queued_at.clear();
+  s.group_of.clear();
+}
+
+std::vector<std::pair<double, double>> NcclCommunicator::collective_times() {
+  Impl& s = *impl_;
+  std::lock_guard<std::mutex> lock(s.m);
+  if (!s.timing) return {};
+  s.timing = false;
+  // Collectives of host memory ran staged and synchronously, without events: unknown.
+  if (s.broken || s.group_of.size() != s.queued_at.size()) return {};
+  s.activate();
+  std::vector<double> group_done(s.groups_timed);
+  for (size_t g = 0; g < s.groups_timed; ++g) {
+    float ms = 0.0f;
+    // Complete by now: the caller read the step's results back after the compute stream waited for them.
+    MGPU_CUDA_CHECK(cudaEventElapsedTime(&ms, s.timing_origin, s.timing_events[g]));
+    group_done[g] = ms * 1e-3;
+  }
+  std::vector<std::pair<double, double>> out;
+  out.reserve(s.queued_at.size());
+  for (size_t i = 0; i < s.queued_at.size(); ++i) out.emplace_back(s.queued_at[i], group_done[s.group_of[i]]);
+  return out;
 }
 
 void NcclCommunicator::raise_if_failed() {

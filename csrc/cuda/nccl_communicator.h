@@ -72,6 +72,8 @@ class NcclCommunicator final : public Communicator {
   // read-back throws what the watchdog found.
   void wait_all() override;
   void raise_if_failed() override;
+  void start_collective_timing() override;
+  std::vector<std::pair<double, double>> collective_times() override;
   void abort(const std::string& why) override;
   void close() override;
 

@@ -321,7 +321,9 @@ def cmd_train(a, pg) -> int:
                       max_grad_norm=cfg.max_grad_norm, schedule=cfg.schedule(total_steps),
                       max_bad_steps=cfg.max_bad_steps, timeout=cfg.watchdog_timeout, communicator=cfg.comm,
                       graph=cfg.cuda_graph, grad_dtype=cfg.grad_dtype,
-                      timed=device == "cuda" and bool(a.trace or a.log_json))
+                      # timed: a device backend's phases are synchronised apart (trace, log), and
+                      # the core times each gradient bucket's allreduce (the trace's lane)
+                      timed=bool(a.trace) or (device == "cuda" and bool(a.log_json)))
     policy = (CheckpointPolicy(cfg.checkpoint_dir, cfg.checkpoint_every, cfg.keep_checkpoints)
               if cfg.checkpoint_dir else None)
     say = print if pg.is_root else (lambda *x, **k: None)

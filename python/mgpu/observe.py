@@ -34,6 +34,7 @@ _COL = {name: i for i, name in enumerate(FIELDS)}
 # The phases a step's time is split into, in the order they run, as the trace names them.
 PHASES = (("forward", "forward"), ("backward", "backward"), ("comm_wait", "allreduce wait"),
           ("optimizer", "health check + optimizer"))
+ALLREDUCE_TID = 1  # each rank's second lane: its gradient buckets' allreduces
 DEFAULT_TRACE_STEPS = (0, 200)  # --trace without --trace-steps: a bounded file
 STRAGGLER_MIN_STEPS = 5  # fewer steps than this in a window: too few to call anyone slow
 
@@ -110,6 +111,7 @@ class Observer:
         self.run_info = dict(run_info or {})
         self._rows: list = []             # this rank's step records since the last gather
         self._spans: list = []            # this rank's other spans (validation, checkpoints) since then
+        self._buckets: list = []          # this rank's bucket allreduces of traced steps since then
         self._trace_events: list = []     # rank 0: every rank's events of the traced steps
         self._log = None
         self._writer = None
@@ -155,12 +157,12 @@ class Observer:
         if not self.gathers:
             return
         rows = np.array(self._rows, dtype=np.float64).reshape(-1, len(FIELDS))
-        mine = (rows, self._spans)
-        self._rows, self._spans = [], []
+        mine = (rows, self._spans, self._buckets)
+        self._rows, self._spans, self._buckets = [], [], []
         everyone = self.pg.allgather(mine, what="observe gather")
         if not self.pg.is_root:
             return
-        tagged = [np.column_stack([r, np.full(len(r), rank)]) for rank, (r, _) in enumerate(everyone)]
+        tagged = [np.column_stack([r, np.full(len(r), rank)]) for rank, (r, _, _) in enumerate(everyone)]
         table = np.concatenate(tagged) if tagged else np.empty((0, len(FIELDS) + 1))
         if self._log is not None:
             for row in table[np.lexsort((table[:, -1], table[:, 0]))]:
@@ -170,10 +172,11 @@ class Observer:
                          times={"data": rec["t_call"] - rec["t_begin"],
                                 **{k: rec[k] for k, _ in PHASES}, "step": rec["t_end"] - rec["t_begin"]})
         if self.trace:
-            for rank, (r, spans) in enumerate(everyone):
+            for rank, (r, spans, buckets) in enumerate(everyone):
                 self._trace_events += [e for row in r if self._traced(int(row[0]))
                                        for e in _step_events(row, rank)]
                 self._trace_events += [_span_event(rank, *s) for s in spans]
+                self._trace_events += [_bucket_event(rank, *b) for b in buckets]
         if self.straggler_threshold > 0 and len(table):
             found = find_straggler(table, self.pg.size, self.straggler_threshold)
             if found is not None:
@@ -231,6 +234,11 @@ class Observer:
                                trainer.t_return - self.origin, t.forward, t.backward, t.comm_wait, t.optimizer,
                                t.total, result.loss, result.grad_norm, result.loss_scale, float(result.applied),
                                rows))
+        if self.trace and self._traced(step):
+            # The core times buckets from its own start, t_end - total on the trace's clock.
+            core_start = trainer.t_return - self.origin - t.total
+            self._buckets += [(step, b.index, b.offset, b.count, b.bytes, core_start + b.launch, core_start + b.done)
+                              for b in result.buckets]
         if not result.applied:
             self.skipped_steps += 1
             self.log("warning", step=step, rank=self.pg.rank, message="non-finite loss or gradients; step skipped",
@@ -288,11 +296,19 @@ class Observer:
         for rank in range(self.pg.size):
             meta.append({"name": "process_name", "ph": "M", "pid": rank, "tid": 0, "args": {"name": f"rank {rank}{tag}"}})
             meta.append({"name": "process_sort_index", "ph": "M", "pid": rank, "tid": 0, "args": {"sort_index": rank}})
+            meta.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": 0, "args": {"name": "step"}})
+            meta.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": ALLREDUCE_TID,
+                         "args": {"name": "allreduce"}})
         a, b = self.trace_steps
         other = {**self.run_info, "trace_steps": [a, b],
                  "clock": "seconds from a barrier all ranks left together (per-rank monotonic clocks)",
                  "phases": "the core's StepTimings; 'allreduce wait' is the allreduce time not hidden "
-                           "behind backward (per-bucket timings are not reported by the core)"}
+                           "behind backward",
+                 "allreduce": "lane 'allreduce': each gradient bucket's allreduce from its launch to its "
+                              "completion as observed: MPI: when the blocking per-bucket allreduce returned "
+                              "(queued ones beside a GPU backend: when the step's wait returned); NCCL: a CUDA "
+                              "event after the bucket's group on the communication stream (a group's buckets "
+                              "end together)"}
         if self.emulated:
             other["warning"] = "EMULATED GPUs: the CPU running mgpu's CUDA code; timings are not GPU timings"
         return {"traceEvents": meta + self._trace_events, "displayTimeUnit": "ms", "otherData": other}
@@ -319,6 +335,13 @@ def _step_events(row: np.ndarray, rank: int) -> list:
         events.append({**base, "name": name, "cat": "phase", "ts": _us(t), "dur": _us(r[key]), "args": {"step": step}})
         t += r[key]
     return events
+
+
+def _bucket_event(rank: int, step: int, index: int, offset: int, count: int, nbytes: int, t0: float,
+                  t1: float) -> dict:
+    return {"pid": rank, "tid": ALLREDUCE_TID, "ph": "X", "name": f"bucket {index}", "cat": "allreduce",
+            "ts": _us(t0), "dur": _us(t1 - t0),
+            "args": {"step": step, "bucket": index, "offset": offset, "count": count, "bytes": nbytes}}
 
 
 def _span_event(rank: int, name: str, t0: float, t1: float, args: dict) -> dict:

@@ -61,7 +61,7 @@ def test_trace_of_a_gpu_run_says_whether_the_gpus_are_emulated(two_gpus, tmp_pat
     # must say its GPUs are the CPU, in its metadata and on every rank's track.
     trace = tmp_path / "trace.json"
     r = mpirun(2, [sys.executable, "-m", "mgpu", "train", *ARGS, "--steps", "4", "--comm", "nccl",
-                   "--trace", trace, "--trace-steps", "1:3"], timeout=600, env=mpi_env())
+                   "--trace", trace, "--trace-steps", "1:3", "--bucket-mb", "0.002"], timeout=600, env=mpi_env())
     assert r.returncode == 0, r.stdout + r.stderr
     doc = json.loads(trace.read_text())
     emulated = bool(_core.build_info().get("gpu_emulation", False))
@@ -70,6 +70,17 @@ def test_trace_of_a_gpu_run_says_whether_the_gpus_are_emulated(two_gpus, tmp_pat
     assert len(names) == 2 and all(("EMULATED" in n) is emulated for n in names)
     steps = [e for e in doc["traceEvents"] if e.get("cat") == "step"]
     assert sorted((e["pid"], e["args"]["step"]) for e in steps) == [(0, 1), (0, 2), (1, 1), (1, 2)]
+    # Each bucket's allreduce on the rank's "allreduce" lane, timed by CUDA events
+    # on the communication stream, within its step.
+    plan = _core.plan_buckets(doc["otherData"]["layers"], int(0.002 * (1 << 20) / 4))
+    assert len(plan) > 1
+    for outer in steps:
+        buckets = sorted((e for e in doc["traceEvents"] if e.get("cat") == "allreduce" and e["pid"] == outer["pid"]
+                          and e["args"]["step"] == outer["args"]["step"]), key=lambda e: e["args"]["bucket"])
+        assert [(e["args"]["offset"], e["args"]["count"]) for e in buckets] == [(o, n) for o, n, _ in plan]
+        for e in buckets:
+            assert e["tid"] == 1 and e["args"]["bytes"] == 4 * e["args"]["count"] and e["dur"] >= 0
+            assert outer["ts"] - 1 <= e["ts"] and e["ts"] + e["dur"] <= outer["ts"] + outer["dur"] + 1
 
 
 def test_training_telemetry_says_whether_the_gpus_are_emulated(two_gpus, tmp_path):

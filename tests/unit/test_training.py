@@ -73,6 +73,7 @@ def test_bucket_plan_covers_the_gradient_buffer_once_in_backward_order(layers, b
     step = _core.DataParallelStep(m._core, _core.Optimizer(m._core, "sgd"), _core.LocalCommunicator(), "mse",
                                   bucket_elems)
     buckets = step.buckets()
+    assert _core.plan_buckets(layers, bucket_elems) == buckets  # what the performance model and traces use
     covered = sorted((off, off + n) for off, n, _ in buckets)
     assert covered[0][0] == 0 and covered[-1][1] == m.num_params + 2  # + the loss and stop slots
     assert all(a[1] == b[0] for a, b in zip(covered, covered[1:]))
@@ -86,6 +87,28 @@ def test_bucket_plan_covers_the_gradient_buffer_once_in_backward_order(layers, b
         assert off >= starts[r]
     if bucket_elems >= 4:  # collectives read 16-byte aligned vectors whatever the layer sizes
         assert all(off % 4 == 0 for off in offsets), offsets
+
+
+def test_timed_steps_report_each_buckets_allreduce_and_untimed_steps_nothing():
+    m = mgpu.MLP([8, 16, 4], seed=1)
+    x = np.random.default_rng(0).standard_normal((6, 8)).astype(np.float32)
+    y = np.zeros((6, 4), np.float32)
+
+    def run(timed):
+        step = _core.DataParallelStep(m._core, _core.Optimizer(m._core, "sgd"), _core.LocalCommunicator(), "mse",
+                                      40, timed=timed)
+        return step, step.step([(x, y, 0)], 6, 0, 0.1)
+    _, untimed = run(False)
+    assert untimed.buckets == []  # the untimed path records nothing
+    step, r = run(True)
+    plan = step.buckets()
+    assert len(plan) > 1
+    assert [(b.index, b.offset, b.count) for b in r.buckets] == [(i, off, n) for i, (off, n, _) in enumerate(plan)]
+    assert all(b.bytes == 4 * b.count for b in r.buckets)  # fp32 on the wire
+    for b, nxt in zip(r.buckets, r.buckets[1:] + [None]):
+        assert 0 <= b.launch <= b.done <= r.timings.total
+        if nxt is not None:  # the CPU backend's blocking allreduces run one after another
+            assert b.done <= nxt.launch
 
 
 def test_cpu_backend_does_not_overlap_host_driven_collectives():
