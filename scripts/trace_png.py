@@ -1,5 +1,6 @@
 """Render a `mgpu train --trace` JSON (Chrome trace events) as a PNG with matplotlib: one
-horizontal lane per rank, each step's phases coloured, steps labelled. For pictures in
+horizontal lane per rank, each step's phases coloured, steps labelled, and under them the
+rank's gradient buckets from launch to completion (its "allreduce" lane). For pictures in
 docs (README "Watching a run"); to explore a trace, open it in ui.perfetto.dev instead.
 
     python scripts/trace_png.py out/trace.json docs/trace.png [--steps A:B]
@@ -36,20 +37,27 @@ def render(doc: dict, out: str, steps=None, title: str = "") -> None:
     fig, ax = plt.subplots(figsize=(10, 0.9 + 0.75 * len(ranks)))
     for e in spans:
         y = ranks.index(e["pid"])
-        if e.get("cat") == "step":  # the step's outline, its number above it
+        if e.get("cat") == "allreduce":  # a bucket, under the phases; neighbours in two shades
+            shade = ("#7a1f23", "#e3868a")[e["args"].get("bucket", 0) % 2]
+            ax.broken_barh([(ms(e["ts"]), max(e["dur"], 1) / 1000.0)], (y + 0.2, 0.14), facecolors=shade,
+                           linewidth=0)
+        elif e.get("cat") == "step":  # the step's outline, its number above it
             ax.broken_barh([(ms(e["ts"]), e["dur"] / 1000.0)], (y - 0.38, 0.76), facecolors="none",
                            edgecolors="black", linewidth=0.8)
             ax.text(ms(e["ts"]) + e["dur"] / 2000.0, y - 0.42, e["name"], ha="center", va="bottom", fontsize=7)
         else:
-            ax.broken_barh([(ms(e["ts"]), e["dur"] / 1000.0)], (y - 0.3, 0.6),
+            ax.broken_barh([(ms(e["ts"]), e["dur"] / 1000.0)], (y - 0.3, 0.46),
                            facecolors=COLOURS.get(e["name"], "#999999"), linewidth=0)
     ax.set_yticks(range(len(ranks)), [names[r] for r in ranks])
     ax.set_ylim(len(ranks) - 0.4, -0.65)  # rank 0 on top, room for the step labels
     ax.set_xlabel("ms (from the first step shown; all ranks on one clock)")
-    present = {e["name"] for e in spans if e.get("cat") != "step"}
+    present = {e["name"] for e in spans if e.get("cat") not in ("step", "allreduce")}
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for n, c in COLOURS.items() if n in present]
-    fig.legend(handles, [n for n in COLOURS if n in present], ncol=len(handles), fontsize=7, loc="lower center",
-               frameon=False)
+    labels = [n for n in COLOURS if n in present]
+    if any(e.get("cat") == "allreduce" for e in spans):
+        handles.append(plt.Rectangle((0, 0), 1, 1, color="#7a1f23"))
+        labels.append("bucket allreduce (launch to done)")
+    fig.legend(handles, labels, ncol=len(handles), fontsize=7, loc="lower center", frameon=False)
     ax.grid(axis="x", alpha=0.3)
     info = doc.get("otherData", {})
     run = ", ".join(x for x in (f"{info['world_size']} rank(s)" if "world_size" in info else "",
