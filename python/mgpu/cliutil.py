@@ -11,6 +11,7 @@ import argparse
 import json
 import math
 import os
+import re
 import sys
 from collections import Counter
 
@@ -28,6 +29,11 @@ class Parser(argparse.ArgumentParser):
     """argparse with one-line errors (no usage dump) so every rank prints one clear line."""
 
     def error(self, message):
+        # argparse reads a value such as "-1,2" as an option and reports a missing
+        # value; say why, and how to pass it.
+        missing = re.fullmatch(r"argument (--[\w-]+): expected one argument", message)
+        if missing:
+            message += f" (a value starting with '-' reads as an option: write {missing.group(1)}=VALUE)"
         raise UsageError(f"{self.prog}: error: {message}")
 
 

@@ -67,6 +67,16 @@ def test_every_list_option_is_checked_by_the_parser(argv, option):
         cli.build_parser().parse_args(argv)
 
 
+def test_a_list_value_that_starts_with_a_minus_says_how_to_pass_it():
+    # argparse reads "-1,2" as an option, not as --batch-shares' value: the error says
+    # so and how to pass it, and that form reaches the list check.
+    with pytest.raises(cli.UsageError, match=r"expected one argument \(a value starting with '-' reads as an "
+                                             r"option: write --batch-shares=VALUE\)"):
+        cli.build_parser().parse_args(["train", "--batch-shares", "-1,2"])
+    with pytest.raises(cli.UsageError, match="argument --batch-shares: .*"):
+        cli.build_parser().parse_args(["train", "--batch-shares=-1,2"])
+
+
 def test_an_error_is_one_write_with_its_newline(monkeypatch, capfd):
     """Ranks failing together must not glue their lines: each line leaves in one write."""
     writes = []
