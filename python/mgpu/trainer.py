@@ -165,7 +165,11 @@ class Trainer:
                 print(f"mgpu: warning: CUDA graph capture failed, steps run uncaptured from here on: "
                       f"{self._step.graph_fallback}", file=sys.stderr, flush=True)
         if result.stop_requested and self.stop_reason is None:
-            self.stop_reason = self._stop_request or "a stop requested on another rank"
+            # Every rank sees the agreed stop at this same step: the reasons can be gathered.
+            reasons = self.pg.allgather(self._stop_request, what="stop reasons")
+            asked = [(r, why) for r, why in enumerate(reasons) if why]
+            self.stop_reason = self._stop_request or (
+                f"{asked[0][1]} (on rank {asked[0][0]})" if asked else "a stop requested on another rank")
         self.global_step += 1
         if result.applied:
             self.bad_steps = 0
