@@ -1,6 +1,9 @@
-// Device helpers shared by the kernel files: launch geometry and the
-// fixed-order block reductions that keep every reduction deterministic.
+// Device helpers shared by the kernel files: launch geometry, the fixed-order
+// block reductions that keep every reduction deterministic, and the fp32 <->
+// bf16/fp16 conversions.
 #pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -17,6 +20,30 @@ namespace mgpu {
 namespace kernels {
 
 constexpr int kThreads = 256;
+
+// Element-wise type conversions, one functor each (a kernel templated on one
+// names it): fp32 -> bf16 / fp16 round to nearest even (beyond fp16's range
+// +-Inf, which the loss scaler sees and skips), and back exactly.
+struct ToBf16 {
+  using In = float;
+  using Out = __nv_bfloat16;
+  __device__ Out operator()(In x) const { return __float2bfloat16_rn(x); }
+};
+struct ToFp16 {
+  using In = float;
+  using Out = __half;
+  __device__ Out operator()(In x) const { return __float2half_rn(x); }
+};
+struct FromBf16 {
+  using In = __nv_bfloat16;
+  using Out = float;
+  __device__ Out operator()(In x) const { return __bfloat162float(x); }
+};
+struct FromFp16 {
+  using In = __half;
+  using Out = float;
+  __device__ Out operator()(In x) const { return __half2float(x); }
+};
 
 // Grid for a grid-stride loop over n elements (capped: the loop covers the rest).
 inline unsigned grid_for(size_t n, int threads = kThreads) {

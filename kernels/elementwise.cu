@@ -31,30 +31,6 @@ __global__ void axpy_kernel(float* __restrict__ y, const float* __restrict__ x, 
     y[i] += alpha * x[i];
 }
 
-// Element-wise type conversions, one functor each (its kernel name says which):
-// fp32 -> bf16 / fp16 round to nearest even (beyond fp16's range +-Inf, which the
-// loss scaler sees and skips), and back exactly.
-struct ToBf16 {
-  using In = float;
-  using Out = __nv_bfloat16;
-  __device__ Out operator()(In x) const { return __float2bfloat16_rn(x); }
-};
-struct ToFp16 {
-  using In = float;
-  using Out = __half;
-  __device__ Out operator()(In x) const { return __float2half_rn(x); }
-};
-struct FromBf16 {
-  using In = __nv_bfloat16;
-  using Out = float;
-  __device__ Out operator()(In x) const { return __bfloat162float(x); }
-};
-struct FromFp16 {
-  using In = __half;
-  using Out = float;
-  __device__ Out operator()(In x) const { return __half2float(x); }
-};
-
 template <typename Convert>
 __global__ void convert_kernel(typename Convert::Out* __restrict__ out, const typename Convert::In* __restrict__ in,
                                size_t n) {

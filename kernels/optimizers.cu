@@ -2,12 +2,9 @@
 // CpuBackend::sgd_update and CpuBackend::adamw_update (PyTorch's rules: SGD
 // adds weight decay to the gradient and initialises the momentum buffer to the
 // first gradient; AdamW decays the weights decoupled from the gradient). Each
-// update can also write the new parameter in the GEMMs' half type (HalfShadow),
-// the same value cast_to_bf16 / cast_to_fp16 would give, for 2 bytes a parameter
-// instead of a cast pass that reads it again.
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-
+// update can also write the new parameter in the GEMMs' half type (HalfShadow)
+// through the functors cast_to_bf16 / cast_to_fp16 use (common.cuh), for 2 bytes
+// a parameter instead of a cast pass that reads it again.
 #include <cmath>
 
 #include "../csrc/cuda/cuda_check.h"
@@ -22,9 +19,9 @@ namespace {
 __device__ __forceinline__ void write_shadow(const HalfShadow& s, size_t i, float p) {
   if (!s.out) return;
   if (s.bf16)
-    static_cast<__nv_bfloat16*>(s.out)[i] = __float2bfloat16_rn(p);
+    static_cast<ToBf16::Out*>(s.out)[i] = ToBf16()(p);
   else
-    static_cast<__half*>(s.out)[i] = __float2half_rn(p);
+    static_cast<ToFp16::Out*>(s.out)[i] = ToFp16()(p);
 }
 
 // grad_scale (gs) is applied as the gradient is read, with __fmul_rn so that

@@ -633,11 +633,10 @@ def explain_step(a, pg) -> int:
         for batch in a.batch_sizes:
             if batch < ranks:
                 raise ConfigError(f"batch {batch} is smaller than {ranks} ranks: every rank needs a sample")
-            params = sum(sizes[l] * sizes[l + 1] + sizes[l + 1] for l in range(len(sizes) - 1))
             w = costsheet.Workload(sizes=list(sizes), batch=batch, precision=a.precision, optimizer=a.optimizer,
                                    dropout=a.dropout if a.dropout is not None else dropout,
-                                   accumulate=a.accumulate, ranks=ranks,
-                                   graph=costsheet.uses_graph(a.cuda_graph, params))
+                                   accumulate=a.accumulate, ranks=ranks)
+            w.graph = costsheet.uses_graph(a.cuda_graph, w.params)
             sheets.append(costsheet.explain(w, costsheet.GPUS[a.gpu]))
     if pg.is_root:
         for sheet in sheets:

@@ -284,10 +284,12 @@ def explain(w: Workload, gpu: GpuSpec = H100_SXM) -> Sheet:
     costs, the step, the floor and the gaps between them."""
     ops = step_ops(w)
     sheet = Sheet(w, gpu)
-    device = 0.0
+    device = in_graph = 0.0
     for o in ops:
         row = sheet.rows.setdefault(o.family, {"launches": 0, "gemms": 0, "gflop": 0.0, "mbytes": 0.0, "ms": 0.0})
         t = o.count * o.seconds(gpu, w.precision)
+        if o.in_graph:
+            in_graph += t + o.count * gpu.graph_node_s
         row["launches"] += o.count if o.kind in ("kernel", "graph") else 0
         row["gemms"] += o.count if o.kind == "gemm" else 0
         row["gflop"] += o.count * o.flops / 1e9
@@ -299,7 +301,6 @@ def explain(w: Workload, gpu: GpuSpec = H100_SXM) -> Sheet:
     # host is slower than the device, the device waits for it. A synchronisation drains
     # the queue, so its latency adds to the step.
     issued = [o for o in ops if o.kind in ("kernel", "gemm", "h2d", "d2h", "graph")]
-    in_graph = sum(o.count * (o.seconds(gpu, w.precision) + gpu.graph_node_s) for o in issued if o.in_graph)
     gaps = sum(o.count * (gpu.graph_node_s if o.in_graph else gpu.stream_gap_s)
                for o in issued if o.kind != "graph")
     host = sum(o.count * gpu.launch_s for o in issued if not o.in_graph)
