@@ -9,7 +9,12 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 APT_PACKAGES=(build-essential cmake ninja-build pkg-config openmpi-bin libopenmpi-dev
               libopenblas-dev python3 python3-venv python3-dev python3-pip
+              libdnnl-dev  # oneDNN: the CPU backend's sgemm for small products
               libboost-context-dev)  # fibers of the GPU emulation (emulation/README.md)
+# MGPU_SETUP_TORCH_PEER=1 (scripts/test.sh): Debian's PyTorch, the peer of `bench --compare torch`
+if [ "${MGPU_SETUP_TORCH_PEER:-0}" = 1 ]; then
+  APT_PACKAGES+=(python3-torch)
+fi
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -7,7 +7,7 @@
 #       (e.g. MGPU_EMULATE_GPU=1 bash scripts/test.sh tests/gpu)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-bash scripts/setup.sh
+MGPU_SETUP_TORCH_PEER=1 bash scripts/setup.sh  # the tests run the PyTorch peer too
 source scripts/mpi_env.sh
 for arg in "$@"; do
   # A path (file, directory or node id) among the arguments: run just that.

@@ -127,11 +127,18 @@ def _torch_available():
 @pytest.mark.skipif(not _torch_available(), reason="no interpreter with torch (the peer is optional)")
 def test_bench_compares_with_pytorch_in_the_same_run(tmp_path):
     r = run_cli(["bench", "--layers", "50,128,3", "--batch-sizes", "64", "--ranks", "1,2", "--warmup", "2",
-                 "--steps", "5", "--repeats", "1", "--threads", "1", "--compare", "torch", "--json",
+                 "--steps", "5", "--repeats", "2", "--threads", "1", "--compare", "torch", "--json",
                  tmp_path / "t.json", "--no-progress"], timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    for x in json.loads((tmp_path / "t.json").read_text())["rows"]:
+    rows = json.loads((tmp_path / "t.json").read_text())["rows"]
+    assert sorted(x["ranks"] for x in rows) == [1, 2]
+    for x in rows:
         assert x["torch"]["samples_per_sec"] > 0 and x["torch"]["version"]
+        # two alternating rounds of 5 steps each side, merged; the ratio per round pair
+        assert len(x["step_seconds"]) == 10 and len(x["torch"]["step_seconds"]) == 10
+        ratio = x["torch_ratio"]
+        assert len(ratio["rounds"]) == 2 and ratio["min"] <= ratio["median"] <= ratio["max"]
+        assert "median of 2 alternating rounds" in r.stdout
 
 
 @pytest.mark.parametrize("args, message", [
@@ -144,6 +151,7 @@ def test_bench_compares_with_pytorch_in_the_same_run(tmp_path):
     (["topo", "--max-mb", "0"], "--max-mb"),
     (["topo", "--max-mb", "1e400"], "--max-mb"),
     (["bench", "--ranks", "2,2"], "rank counts must be distinct"),
+    (["bench", "--compare", "torch"], "alternates launches"),
     (["bench", "--plots", "/proc/version/plots"], "is not a directory"),
 ])
 def test_tool_bad_input_one_line_on_every_rank(args, message):

@@ -124,6 +124,8 @@ py::dict build_info() {
 #ifdef MGPU_HAVE_OPENBLAS
   blas["config"] = std::string(openblas_get_config());
 #endif
+  blas["onednn"] = onednn_version();  // "" when this build has none
+  blas["onednn_max_work"] = kOneDnnMaxWork;  // CpuGemm::kAuto's rule
   info["blas"] = blas;
 #ifdef _OPENMP
   info["openmp"] = true;
@@ -239,6 +241,20 @@ PYBIND11_MODULE(MGPU_MODULE_NAME, m) {
       .def("synchronize", &Backend::synchronize, py::call_guard<py::gil_scoped_release>());
   m.def("make_backend", &make_backend, py::arg("device") = "cpu", py::arg("device_index") = 0,
         py::arg("threads") = 0, "A backend for 'cpu' or 'cuda'; threads=0 uses every available core.");
+  auto cpu_backend = [](Backend& b) -> CpuBackend& {
+    auto* cpu = dynamic_cast<CpuBackend*>(&b);
+    if (!cpu) throw ConfigError("the GEMM library choice applies to the CPU backend, not '" + b.name() + "'");
+    return *cpu;
+  };
+  m.def("set_cpu_gemm", [cpu_backend](Backend& b, const std::string& name) {
+    cpu_backend(b).set_gemm(parse_cpu_gemm(name));
+  }, py::arg("backend"), py::arg("library"),
+        "Pick the CPU backend's GEMM library: 'auto' (by product size), 'openblas' or 'onednn' "
+        "(as MGPU_CPU_GEMM does at creation).");
+  m.def("cpu_gemm_library", [cpu_backend](Backend& b, int M, int N, int K) {
+    return std::string(cpu_gemm_name(cpu_backend(b).gemm_library(M, N, K)));
+  }, py::arg("backend"), py::arg("M"), py::arg("N"), py::arg("K"),
+        "The library that computes an (M, N, K) product on this CPU backend now.");
 
   py::class_<Communicator, std::shared_ptr<Communicator>>(m, "Communicator")
       .def_property_readonly("name", &Communicator::name)

@@ -49,6 +49,19 @@ std::vector<double> time_linear(Backend& be, int B, int IN, int OUT, int repeats
   return time_calls(be, repeats, [&] { be.linear_forward(out.data(), inp.data(), w.data(), bias.data(), B, IN, OUT); });
 }
 
+// linear_backward: dinp and dweight GEMMs (and the bias column sums), as training calls it.
+std::vector<double> time_linear_backward(Backend& be, int B, int IN, int OUT, int repeats) {
+  MGPU_CHECK(B >= 1 && IN >= 1 && OUT >= 1, ConfigError, "GEMM sizes must be >= 1");
+  BackendArray<float> inp(&be, size_t(B) * IN), w(&be, size_t(OUT) * IN), dout(&be, size_t(B) * OUT),
+      dinp(&be, size_t(B) * IN), dw(&be, size_t(OUT) * IN), db(&be, OUT);
+  be.zero(inp.data(), inp.size());
+  be.zero(w.data(), w.size());
+  be.zero(dout.data(), dout.size());
+  return time_calls(be, repeats, [&] {
+    be.linear_backward(dinp.data(), dw.data(), db.data(), dout.data(), inp.data(), w.data(), B, IN, OUT, false);
+  });
+}
+
 // y += a x over n floats: 12 bytes of traffic per element.
 std::vector<double> time_axpy(Backend& be, size_t n, int repeats) {
   MGPU_CHECK(n >= 1, ConfigError, "n must be >= 1");
@@ -122,6 +135,10 @@ void bind_perf(py::module_& m) {
       .def("run", &AllreduceProbe::run, py::arg("count"), py::arg("iters"), py::arg("warmup") = 2,
            py::call_guard<py::gil_scoped_release>(),
            "(seconds per allreduce of `count` floats on this rank, elements not bit-exact).");
+  m.def("time_linear_backward", &time_linear_backward, py::arg("backend"), py::arg("batch"),
+        py::arg("in_features"), py::arg("out_features"), py::arg("repeats") = 5,
+        py::call_guard<py::gil_scoped_release>(),
+        "Seconds of each timed linear_backward (input and weight gradients, bias sums) of this shape.");
   m.def("time_linear", &time_linear, py::arg("backend"), py::arg("batch"), py::arg("in_features"),
         py::arg("out_features"), py::arg("repeats") = 5, py::call_guard<py::gil_scoped_release>(),
         "Seconds of each timed Linear forward GEMM (work 2 x batch x in x out FLOP) on the backend.");

@@ -5,6 +5,11 @@
 
 #include <cblas.h>
 #include <sched.h>
+#include <sys/mman.h>
+
+#ifdef MGPU_HAVE_ONEDNN
+#include <dnnl.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -29,7 +34,10 @@ namespace mgpu {
 
 namespace {
 constexpr size_t kAlign = 64;
-// Below this many elements a parallel region costs more than it saves.
+constexpr size_t kHugePage = size_t(2) << 20;  // x86-64's transparent huge page
+// Below this many elements a parallel region costs more than it saves. The loops say
+// `if (parallel: ...)`: a bare if clause on `parallel for simd` also governs the simd
+// part (OpenMP 5.0), and GCC then runs every loop under the limit scalar.
 constexpr long kParallelMin = 1 << 15;
 
 // philox_draw (philox.h) for counters {g, sample, layer, step}, g = 0..groups-1,
@@ -68,6 +76,13 @@ void philox_lanes(const DropoutKey& key, uint32_t sample, int groups, uint32_t* 
       k1 += kWeyl1;
     }
     const int n = std::min(kLanes, groups - g0);
+    if (n == kLanes) {  // fixed-size copies compile to vector stores
+      std::memcpy(w0 + g0, c0, sizeof(c0));
+      std::memcpy(w1 + g0, c1, sizeof(c1));
+      std::memcpy(w2 + g0, c2, sizeof(c2));
+      std::memcpy(w3 + g0, c3, sizeof(c3));
+      continue;
+    }
     for (int l = 0; l < n; ++l) {
       w0[g0 + l] = c0[l];
       w1[g0 + l] = c1[l];
@@ -84,7 +99,81 @@ int available_cpu_threads() {
   return std::max(1u, std::thread::hardware_concurrency());
 }
 
-CpuBackend::CpuBackend(int threads) { set_threads(threads); }
+bool onednn_available() {
+#ifdef MGPU_HAVE_ONEDNN
+  return true;
+#else
+  return false;
+#endif
+}
+
+std::string onednn_version() {
+#ifdef MGPU_HAVE_ONEDNN
+  const dnnl_version_t* v = dnnl_version();
+  return std::to_string(v->major) + "." + std::to_string(v->minor) + "." + std::to_string(v->patch);
+#else
+  return "";
+#endif
+}
+
+CpuGemm parse_cpu_gemm(const std::string& name) {
+  if (name == "auto") return CpuGemm::kAuto;
+  if (name == "openblas") return CpuGemm::kOpenBlas;
+  if (name == "onednn") return CpuGemm::kOneDnn;
+  throw ConfigError("CPU GEMM library must be 'auto', 'openblas' or 'onednn', got '" + name + "'");
+}
+
+const char* cpu_gemm_name(CpuGemm gemm) {
+  switch (gemm) {
+    case CpuGemm::kOpenBlas: return "openblas";
+    case CpuGemm::kOneDnn: return "onednn";
+    default: return "auto";
+  }
+}
+
+CpuBackend::CpuBackend(int threads) {
+  set_threads(threads);
+  if (const char* env = std::getenv("MGPU_CPU_GEMM"); env && *env) {
+    try {
+      set_gemm(parse_cpu_gemm(env));
+    } catch (const ConfigError& e) {
+      throw ConfigError(std::string("MGPU_CPU_GEMM: ") + e.what());
+    }
+  }
+}
+
+void CpuBackend::set_gemm(CpuGemm gemm) {
+  MGPU_CHECK(gemm != CpuGemm::kOneDnn || onednn_available(), ConfigError,
+             "this build of mgpu has no oneDNN (install libdnnl-dev and rebuild), so the CPU GEMM "
+             "cannot be 'onednn'");
+  gemm_ = gemm;
+}
+
+CpuGemm CpuBackend::gemm_library(int M, int N, int K) const {
+  if (gemm_ != CpuGemm::kAuto) return gemm_;
+  if (!onednn_available() || M == 0 || N == 0 || K == 0) return CpuGemm::kOpenBlas;
+  return double(M) * N * K <= kOneDnnMaxWork ? CpuGemm::kOneDnn : CpuGemm::kOpenBlas;
+}
+
+void CpuBackend::sgemm(bool trans_a, bool trans_b, int M, int N, int K, const float* A, int lda,
+                       const float* B, int ldb, float beta, float* C, int ldc) {
+#ifdef MGPU_HAVE_ONEDNN
+  if (gemm_library(M, N, K) == CpuGemm::kOneDnn) {
+    // oneDNN threads with OpenMP: this thread's team size is its ICV, set per call
+    // because ranks-as-threads (thread_group.py) call from several threads.
+#ifdef _OPENMP
+    omp_set_num_threads(threads_);
+#endif
+    const dnnl_status_t status = dnnl_sgemm(trans_a ? 'T' : 'N', trans_b ? 'T' : 'N', M, N, K, 1.0f, A, lda,
+                                            B, ldb, beta, C, ldc);
+    MGPU_CHECK(status == dnnl_success, DeviceError, "oneDNN sgemm (", M, " x ", N, " x ", K,
+               ") failed with status ", int(status));
+    return;
+  }
+#endif
+  cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans, M, N,
+              K, 1.0f, A, lda, B, ldb, beta, C, ldc);
+}
 
 void CpuBackend::set_threads(int threads) {
   MGPU_CHECK(threads >= 1, ConfigError, "threads must be >= 1, got ", threads);
@@ -95,9 +184,16 @@ void CpuBackend::set_threads(int threads) {
 }
 
 void* CpuBackend::allocate_bytes(size_t bytes) {
-  const size_t rounded = (bytes + kAlign - 1) / kAlign * kAlign;
-  void* p = std::aligned_alloc(kAlign, std::max(rounded, kAlign));
+  // Buffers of a huge page or more are huge-page aligned and ask for transparent huge
+  // pages (Debian's default THP mode serves only regions that ask): MPI's shared-memory
+  // allreduce over 4 KiB pages ran at 40-60 % of the same call on huge pages
+  // (docs/benchmarks.md), and GEMMs walk fewer TLB entries. Best effort: without THP
+  // the memory is simply 4 KiB pages.
+  const size_t align = bytes >= kHugePage ? kHugePage : kAlign;
+  const size_t rounded = std::max((bytes + align - 1) / align * align, align);
+  void* p = std::aligned_alloc(align, rounded);
   MGPU_CHECK(p, DeviceError, "out of host memory allocating ", bytes, " bytes");
+  if (align == kHugePage) madvise(p, rounded, MADV_HUGEPAGE);
   return p;
 }
 void CpuBackend::free_bytes(void* ptr) noexcept { std::free(ptr); }
@@ -161,8 +257,7 @@ void CpuBackend::linear_forward(float* out, const float* inp, const float* weigh
   // Seed the output with the bias so the GEMM adds onto it (beta = 1): no extra pass.
 #pragma omp parallel for num_threads(threads_) if (long(B) * OUT > kParallelMin) schedule(static)
   for (int b = 0; b < B; ++b) std::memcpy(out + size_t(b) * OUT, bias, size_t(OUT) * sizeof(float));
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, B, OUT, IN, 1.0f, inp, IN, weight, IN, 1.0f,
-              out, OUT);
+  sgemm(false, true, B, OUT, IN, inp, IN, weight, IN, 1.0f, out, OUT);
 }
 
 // dout (B, OUT), inp (B, IN), weight (OUT, IN) -> dweight (OUT, IN), dbias (OUT), dinp (B, IN)
@@ -171,11 +266,8 @@ void CpuBackend::linear_backward(float* dinp, float* dweight, float* dbias, cons
                                  bool accumulate) {
   if (record([=] { linear_backward(dinp, dweight, dbias, dout, inp, weight, B, IN, OUT, accumulate); })) return;
   const float beta = accumulate ? 1.0f : 0.0f;
-  if (dinp)
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, B, IN, OUT, 1.0f, dout, OUT, weight, IN,
-                0.0f, dinp, IN);
-  cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, OUT, IN, B, 1.0f, dout, OUT, inp, IN, beta,
-              dweight, IN);
+  if (dinp) sgemm(false, false, B, IN, OUT, dout, OUT, weight, IN, 0.0f, dinp, IN);
+  sgemm(true, false, OUT, IN, B, dout, OUT, inp, IN, beta, dweight, IN);
   // Column sums, split by columns so each thread owns its outputs (deterministic).
   constexpr int kCols = 256;
   const int blocks = (OUT + kCols - 1) / kCols;
@@ -204,7 +296,7 @@ void CpuBackend::relu_dropout_forward(float* h, int B, int C, float p, const Dro
     return;
   if (p <= 0.0f) {
     const long n = long(B) * C;
-#pragma omp parallel for simd num_threads(threads_) if (n > kParallelMin) schedule(static)
+#pragma omp parallel for simd num_threads(threads_) if (parallel: n > kParallelMin) schedule(static)
     for (long i = 0; i < n; ++i) h[i] = h[i] > 0.0f ? h[i] : 0.0f;
     return;
   }
@@ -238,8 +330,13 @@ void CpuBackend::relu_dropout_backward(float* dh, const float* h, size_t n, floa
   if (record([=] { relu_dropout_backward(dh, h, n, p); })) return;
   const float keep_scale = p > 0.0f ? 1.0f / (1.0f - p) : 1.0f;
   const long len = static_cast<long>(n);
-#pragma omp parallel for simd num_threads(threads_) if (len > kParallelMin) schedule(static)
-  for (long i = 0; i < len; ++i) dh[i] = h[i] > 0.0f ? dh[i] * keep_scale : 0.0f;
+#pragma omp parallel for simd num_threads(threads_) if (parallel: len > kParallelMin) schedule(static)
+  for (long i = 0; i < len; ++i) {
+    // The product computed on both paths: GCC does not speculate a (possibly trapping)
+    // FP multiply, and a branch on a random mask is mispredicted half the time.
+    const float scaled = dh[i] * keep_scale;
+    dh[i] = h[i] > 0.0f ? scaled : 0.0f;
+  }
 }
 
 // pred (B, D), target (B, D) -> loss_out = grad_scale * sum (pred - target)^2, dpred
@@ -249,7 +346,7 @@ void CpuBackend::mse_forward_backward(float* loss_out, float* dpred, const float
   const long n = long(B) * D;
   double sum = 0.0;
   const float two_scale = 2.0f * grad_scale;
-#pragma omp parallel for simd num_threads(threads_) if (n > kParallelMin) reduction(+ : sum) schedule(static)
+#pragma omp parallel for simd num_threads(threads_) if (parallel: n > kParallelMin) reduction(+ : sum) schedule(static)
   for (long i = 0; i < n; ++i) {
     const float diff = pred[i] - target[i];
     sum += double(diff) * diff;
@@ -318,18 +415,23 @@ void CpuBackend::sgd_update(float* param, const float* grad, float* buf, size_t 
   if (record([=] { sgd_update(param, grad, buf, n, hp); })) return;
   const long len = static_cast<long>(n);
   const float lr = hp.lr, wd = hp.weight_decay, mom = hp.momentum, gs = hp.grad_scale;
-  if (mom > 0.0f) {
-    const bool first = hp.first_step;
-#pragma omp parallel for simd num_threads(threads_) if (len > kParallelMin) schedule(static)
+  if (mom > 0.0f && hp.first_step) {  // the buffer starts as the first gradient
+#pragma omp parallel for simd num_threads(threads_) if (parallel: len > kParallelMin) schedule(static)
     for (long i = 0; i < len; ++i) {
-      const float gi = grad[i] * gs;
-      const float g = plus_product(gi, wd, param[i]);
-      const float b = first ? g : mom * buf[i] + g;
+      const float g = plus_product(grad[i] * gs, wd, param[i]);
+      buf[i] = g;
+      param[i] -= lr * g;
+    }
+  } else if (mom > 0.0f) {
+#pragma omp parallel for simd num_threads(threads_) if (parallel: len > kParallelMin) schedule(static)
+    for (long i = 0; i < len; ++i) {
+      const float g = plus_product(grad[i] * gs, wd, param[i]);
+      const float b = mom * buf[i] + g;
       buf[i] = b;
       param[i] -= lr * b;
     }
   } else {
-#pragma omp parallel for simd num_threads(threads_) if (len > kParallelMin) schedule(static)
+#pragma omp parallel for simd num_threads(threads_) if (parallel: len > kParallelMin) schedule(static)
     for (long i = 0; i < len; ++i) {
       const float gi = grad[i] * gs;
       param[i] -= lr * plus_product(gi, wd, param[i]);
@@ -347,7 +449,7 @@ void CpuBackend::adamw_update(float* param, const float* grad, float* m, float* 
   const float decay = 1.0f - hp.lr * hp.weight_decay;
   const float one_minus_b1 = 1.0f - hp.beta1, one_minus_b2 = 1.0f - hp.beta2;
   const float b2 = hp.beta2, eps = hp.eps, gs = hp.grad_scale;
-#pragma omp parallel for simd num_threads(threads_) if (len > kParallelMin) schedule(static)
+#pragma omp parallel for simd num_threads(threads_) if (parallel: len > kParallelMin) schedule(static)
   for (long i = 0; i < len; ++i) {
     // Not contracted into g - m[i]: g also feeds a product (g * g), and GCC only
     // fuses a product all of whose uses are additions. The bit-identity test
@@ -366,7 +468,7 @@ double CpuBackend::sum_squares(const float* x, size_t n) {
   refuse_in_capture("sum_squares (it reads back)");
   const long len = static_cast<long>(n);
   double sum = 0.0;
-#pragma omp parallel for simd num_threads(threads_) if (len > kParallelMin) reduction(+ : sum) schedule(static)
+#pragma omp parallel for simd num_threads(threads_) if (parallel: len > kParallelMin) reduction(+ : sum) schedule(static)
   for (long i = 0; i < len; ++i) sum += double(x[i]) * x[i];
   return sum;
 }
@@ -374,7 +476,7 @@ double CpuBackend::sum_squares(const float* x, size_t n) {
 void CpuBackend::scale(float* x, size_t n, float alpha) {
   if (record([=] { scale(x, n, alpha); })) return;
   const long len = static_cast<long>(n);
-#pragma omp parallel for simd num_threads(threads_) if (len > kParallelMin) schedule(static)
+#pragma omp parallel for simd num_threads(threads_) if (parallel: len > kParallelMin) schedule(static)
   for (long i = 0; i < len; ++i) x[i] *= alpha;
 }
 
@@ -424,7 +526,7 @@ void CpuBackend::widen(float* x, const void* half, size_t n, Precision dtype) {
 void CpuBackend::axpy(float* y, const float* x, size_t n, float alpha) {
   if (record([=] { axpy(y, x, n, alpha); })) return;
   const long len = static_cast<long>(n);
-#pragma omp parallel for simd num_threads(threads_) if (len > kParallelMin) schedule(static)
+#pragma omp parallel for simd num_threads(threads_) if (parallel: len > kParallelMin) schedule(static)
   for (long i = 0; i < len; ++i) y[i] += alpha * x[i];
 }
 

@@ -1,14 +1,28 @@
-// CPU backend: BLAS sgemm (OpenBLAS) for the linear layers, OpenMP-parallel
-// vectorisable loops for everything elementwise. The reference every other
-// backend's kernels are tested against.
+// CPU backend: sgemm for the linear layers (OpenBLAS, or oneDNN's JIT sgemm for
+// small products where it is faster: see CpuGemm), OpenMP-parallel vectorisable
+// loops for everything elementwise. The reference every other backend's kernels
+// are tested against.
 #pragma once
 #include <functional>
+#include <string>
 #include <vector>
 
 #include "../core/backend.h"
 #include "../core/capture_registry.h"
 
 namespace mgpu {
+
+// Which library computes a GEMM. kAuto: oneDNN for products of at most
+// kOneDnnMaxWork multiply-adds (its JIT kernels win there, 1.2-5x per shape
+// on our Zen 3 machines: docs/benchmarks.md), OpenBLAS above (equal or better).
+// A rule of the shape alone, not a timing, so a run's results never depend on
+// the machine's load. MGPU_CPU_GEMM=auto|openblas|onednn picks for the process.
+enum class CpuGemm { kAuto, kOpenBlas, kOneDnn };
+constexpr double kOneDnnMaxWork = double(1 << 22);
+bool onednn_available();
+std::string onednn_version();  // "" without oneDNN
+CpuGemm parse_cpu_gemm(const std::string& name);  // throws ConfigError
+const char* cpu_gemm_name(CpuGemm gemm);
 
 class CpuBackend final : public Backend {
  public:
@@ -17,6 +31,10 @@ class CpuBackend final : public Backend {
   bool host_accessible() const override { return true; }
   void set_threads(int threads) override;
   int threads() const override { return threads_; }
+  void set_gemm(CpuGemm gemm);  // throws ConfigError for oneDNN in a build without it
+  CpuGemm gemm() const { return gemm_; }
+  // The library that computes an (M, N, K) product under the current setting.
+  CpuGemm gemm_library(int M, int N, int K) const;
 
   void* allocate_bytes(size_t bytes) override;
   void free_bytes(void* ptr) noexcept override;
@@ -63,8 +81,12 @@ class CpuBackend final : public Backend {
   // While capturing: record `call` and return true (the caller returns at once).
   bool record(std::function<void()> call);
   void refuse_in_capture(const char* what) const;
+  // Row-major C (M, N) = op(A) op(B) + beta C, op = transpose where asked.
+  void sgemm(bool trans_a, bool trans_b, int M, int N, int K, const float* A, int lda, const float* B,
+             int ldb, float beta, float* C, int ldc);
 
   int threads_ = 1;
+  CpuGemm gemm_ = CpuGemm::kAuto;
   CaptureRegistry<std::vector<std::function<void()>>> captures_;
   std::vector<std::function<void()>> recording_;  // of the capture in progress
   ReplayArgs replay_args_;  // those of the replay in progress (read by the recorded calls)

@@ -9,8 +9,9 @@ efficiency against 1 rank; peak memory; the compute floor (model FLOPs at the
 measured GEMM rate) and the allreduce floor (the calibrated alpha-beta model).
 `--ranks 1,2,...` launches mpirun itself, once per rank count; under mpirun it
 measures the running world. `--compare torch` runs the same workload in PyTorch
-(DDP) in the same run; `--validate-selector` sets the selector's predictions
-beside the measurements.
+(DDP) in the same run, in rounds alternating with mgpu's (mgpu, torch, mgpu, ...:
+the machine's drift falls on both), and reports the ratio per round; `--validate-selector`
+sets the selector's predictions beside the measurements.
 """
 from __future__ import annotations
 
@@ -141,7 +142,7 @@ def measure(pg, sizes, dropout: float, batch: int, *, optimizer: str, warmup: in
                if device == "cuda" and _core.build_info().get("gpu_emulation", False) else None)
     return {"emulation_counters_per_step": counted, "observe_overhead": overhead,
             "batch_size": batch, "ranks": pg.size, "threads": threads, "device": device,
-            "step": stats, "samples_per_sec": batch / stats["median"],
+            "step": stats, "samples_per_sec": batch / stats["median"], "step_seconds": times,
             "breakdown_ms": {k: float(np.median(v)) * 1e3 for k, v in phases.items()},
             "peak_memory_bytes": peak, "params": model.num_params, "overlap": trainer._step.overlaps,
             "precision": precision, "accumulate": accumulate, "grad_dtype": grad_dtype,
@@ -182,7 +183,7 @@ def gemm_rate(device: str, device_index: int, threads: int, sizes, local_batch: 
 
 
 # --- worker and driver ---------------------------------------------------------------------
-def run_worker(pg, a) -> list:
+def run_worker(pg, a, repeats: Optional[int] = None) -> list:
     """Every batch size at this world size; rows on rank 0."""
     sizes, dropout = resolve_layers(a.model, a.layers)
     if a.dropout is not None:
@@ -198,7 +199,7 @@ def run_worker(pg, a) -> list:
         if batch < pg.size:
             raise ConfigError(f"batch size {batch} is smaller than the number of ranks ({pg.size})")
         row = measure(pg, sizes, dropout, batch, optimizer=a.optimizer, warmup=a.warmup, steps=a.steps,
-                      repeats=a.repeats, device=device, device_index=device_index, threads=threads,
+                      repeats=repeats or a.repeats, device=device, device_index=device_index, threads=threads,
                       precision=a.precision, graph=a.cuda_graph, accumulate=a.accumulate, grad_dtype=a.grad_dtype,
                       observe=a.observe)
         local = -(-batch // pg.size)
@@ -246,17 +247,48 @@ def torch_python() -> Optional[str]:
 
 
 def run_torch(py: str, ranks: int, sizes, dropout, batch, a, device: str, threads: int) -> dict:
+    """One round of the PyTorch peer (warm-up, then --steps timed steps) at this cell."""
     cmd = ["mpirun", "-np", str(ranks), "--oversubscribe", "--bind-to", "none", py, PEER,
            "--layers", ",".join(map(str, sizes)), "--dropout", str(dropout), "--batch-size", str(batch),
            "--optimizer", a.optimizer, "--warmup", str(a.warmup), "--steps", str(a.steps),
-           "--repeats", str(a.repeats), "--threads", str(threads), "--device", device, "--precision", a.precision,
+           "--repeats", "1", "--threads", str(threads), "--device", device, "--precision", a.precision,
            "--port", str(29500 + (os.getpid() + ranks + batch) % 400)]
-    r = subprocess.run(cmd, capture_output=True, text=True, env=_mpi_env())
+    limit = 120 + 10 * (a.warmup + a.steps)  # generous: a hung peer must not hang the benchmark
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, env=_mpi_env(), timeout=limit)
+    except subprocess.TimeoutExpired:
+        raise ConfigError(f"the PyTorch peer did not finish within {limit} s at {ranks} rank(s)") from None
     if r.returncode != 0:
         raise ConfigError(f"the PyTorch peer failed at {ranks} rank(s): {r.stderr.strip().splitlines()[-1:]}")
     result = json.loads(r.stdout.strip().splitlines()[-1])
     stats = summarize(result["step_seconds"])
-    return {"version": result["version"], "step": stats, "samples_per_sec": batch / stats["median"]}
+    return {"version": result["version"], "step": stats, "samples_per_sec": batch / stats["median"],
+            "step_seconds": result["step_seconds"]}
+
+
+def merge_rounds(rounds: list) -> list:
+    """One row per (batch, ranks) from alternating rounds of both sides: each round's
+    rows (mgpu's, with the peer's under "torch") -> all steps' statistics, and the
+    per-round throughput ratio (a pair measured back to back, so drift cancels)."""
+    merged = []
+    for cells in zip(*rounds):
+        row = dict(cells[0])
+        times = [t for c in cells for t in c["step_seconds"]]
+        row["step"] = summarize(times)
+        row["samples_per_sec"] = row["batch_size"] / row["step"]["median"]
+        row["step_seconds"] = times
+        row["breakdown_ms"] = {k: float(np.median([c["breakdown_ms"][k] for c in cells])) for k in row["breakdown_ms"]}
+        row["peak_memory_bytes"] = max(c["peak_memory_bytes"] for c in cells)
+        if "torch" in row:
+            peer = [t for c in cells for t in c["torch"]["step_seconds"]]
+            stats = summarize(peer)
+            row["torch"] = {"version": row["torch"]["version"], "step": stats, "step_seconds": peer,
+                            "samples_per_sec": row["batch_size"] / stats["median"]}
+            ratios = [float(np.median(c["torch"]["step_seconds"]) / np.median(c["step_seconds"])) for c in cells]
+            row["torch_ratio"] = {"median": float(np.median(ratios)), "min": min(ratios), "max": max(ratios),
+                                  "rounds": ratios}
+        merged.append(row)
+    return merged
 
 
 def add_derived(rows: list, profile: Optional[dict]) -> None:
@@ -342,7 +374,7 @@ def write_csv(path: str, rows: list) -> None:
     fields = ["batch_size", "ranks", "threads", "device", "samples_per_sec", "step_median_ms", "step_mean_ms",
               "ci95_low_ms", "ci95_high_ms", "forward_ms", "backward_ms", "comm_wait_ms", "optimizer_ms", "speedup",
               "efficiency", "peak_memory_bytes", "compute_floor_ms", "allreduce_floor_ms", "predicted_step_ms",
-              "torch_samples_per_sec"]
+              "torch_samples_per_sec", "torch_ratio_median", "torch_ratio_min", "torch_ratio_max"]
     tmp = f"{path}.tmp-{os.getpid()}"
     with open(tmp, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=fields)
@@ -357,7 +389,8 @@ def write_csv(path: str, rows: list) -> None:
                         "speedup": r.get("speedup"), "efficiency": r.get("efficiency"),
                         "peak_memory_bytes": r["peak_memory_bytes"], "compute_floor_ms": r["compute_floor_ms"],
                         "allreduce_floor_ms": r.get("allreduce_floor_ms"), "predicted_step_ms": r.get("predicted_step_ms"),
-                        "torch_samples_per_sec": r.get("torch", {}).get("samples_per_sec")})
+                        "torch_samples_per_sec": r.get("torch", {}).get("samples_per_sec"),
+                        **{f"torch_ratio_{k}": r.get("torch_ratio", {}).get(k) for k in ("median", "min", "max")}})
     os.replace(tmp, path)
 
 
@@ -541,40 +574,66 @@ def cmd_bench(a, pg) -> int:
         profile = perf.resolve_profile(a.profile or "calibrated", max(a.ranks or [pg.size]))
         if profile is None:
             raise ConfigError("--validate-selector needs a calibration: run `python -m mgpu topo` under mpirun first")
-    if pg.size > 1 or not a.ranks:
-        rows = run_worker(pg, a)
-    else:
-        if shutil.which("mpirun") is None:
-            raise ConfigError("--ranks needs mpirun on PATH")
-        passthrough = [f"--batch-sizes={','.join(map(str, a.batch_sizes))}", f"--warmup={a.warmup}",
-                       f"--steps={a.steps}", f"--repeats={a.repeats}", f"--optimizer={a.optimizer}",
-                       f"--device={a.device}", f"--precision={a.precision}", f"--cuda-graph={a.cuda_graph}",
-                       f"--accumulate={a.accumulate}", f"--grad-dtype={a.grad_dtype}", "--no-progress"]
-        passthrough += ["--observe"] if a.observe else []
-        passthrough += [f"--layers={','.join(map(str, a.layers))}"] if a.layers else [f"--model={a.model or 'large'}"]
-        if a.threads:
-            passthrough.append(f"--threads={a.threads}")
-        if a.dropout is not None:
-            passthrough.append(f"--dropout={a.dropout}")
-        rows = []
-        for n in a.ranks:
-            if not a.no_progress:
-                print(f"bench: {n} rank(s)...", file=sys.stderr, flush=True)
-            rows += _launch(n, passthrough, _mpi_env())
-    if not pg.is_root:
-        return 0
-    for r in rows:
-        r["optimizer"] = a.optimizer
+    if a.compare == "torch" and pg.size > 1:
+        raise ConfigError("--compare torch alternates launches of mgpu and PyTorch: run it from one process "
+                          "with --ranks N instead of under mpirun")
+    py = None
     if a.compare == "torch":
         py = torch_python()
         if py is None:
             raise ConfigError("--compare torch: no interpreter here can import torch "
                               "(pip install torch, or apt-get install python3-torch)")
-        for r in rows:
-            r["torch"] = run_torch(py, r["ranks"], r["layers"], r["dropout"], r["batch_size"], a,
-                                   r["device"], r["threads"])
+    rounds = []
+    for _ in range(a.repeats if py else 1):  # with the peer: one repeat per round, the sides alternating
+        rows = measure_world(pg, a, repeats=1 if py else a.repeats)
+        if pg.is_root and py:
+            for r in rows:
+                r["torch"] = run_torch(py, r["ranks"], r["layers"], r["dropout"], r["batch_size"], a,
+                                       r["device"], r["threads"])
+        rounds.append(rows)
+    if not pg.is_root:
+        return 0
+    rows = merge_rounds(rounds) if py else rounds[0]
+    for r in rows:
+        r["optimizer"] = a.optimizer
     add_derived(rows, profile)
     print(format_table(rows))
+    for r in rows:
+        t = r.get("torch_ratio")
+        if t:
+            print(f"mgpu / PyTorch {r['torch']['version']}, batch {r['batch_size']} x {r['ranks']} rank(s): "
+                  f"{t['median']:.2f}x median of {len(t['rounds'])} alternating rounds "
+                  f"(range {t['min']:.2f}-{t['max']:.2f}x)")
+    return report(a, pg, rows, profile)
+
+
+def measure_world(pg, a, repeats: int) -> list:
+    """mgpu's rows: this world in-process, or one mpirun launch per --ranks count."""
+    if pg.size > 1 or not a.ranks:
+        return run_worker(pg, a, repeats)
+    if shutil.which("mpirun") is None:
+        raise ConfigError("--ranks needs mpirun on PATH")
+    passthrough = [f"--batch-sizes={','.join(map(str, a.batch_sizes))}", f"--warmup={a.warmup}",
+                   f"--steps={a.steps}", f"--repeats={repeats}", f"--optimizer={a.optimizer}",
+                   f"--device={a.device}", f"--precision={a.precision}", f"--cuda-graph={a.cuda_graph}",
+                   f"--accumulate={a.accumulate}", f"--grad-dtype={a.grad_dtype}", "--no-progress"]
+    passthrough += ["--observe"] if a.observe else []
+    passthrough += [f"--layers={','.join(map(str, a.layers))}"] if a.layers else [f"--model={a.model or 'large'}"]
+    if a.threads:
+        passthrough.append(f"--threads={a.threads}")
+    if a.dropout is not None:
+        passthrough.append(f"--dropout={a.dropout}")
+    rows = []
+    for n in a.ranks:
+        if not a.no_progress:
+            print(f"bench: {n} rank(s)...", file=sys.stderr, flush=True)
+        rows += _launch(n, passthrough, _mpi_env())
+    return rows
+
+
+def report(a, pg, rows: list, profile) -> int:
+    """Rank 0: the counters, the observability overhead, validation, JSON, CSV and plots."""
+    from .cliutil import write_json_atomic
     for r in rows:
         c = r.get("emulation_counters_per_step")
         if c:

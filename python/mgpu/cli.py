@@ -461,6 +461,14 @@ def format_info(info: dict) -> str:
     kernel = (f", kernel {kernel}" if kernel else "") + (f" (OPENBLAS_CORETYPE={coretype})" if coretype else "")
     lines.append(f"BLAS:     {blas['library']}{kernel}; OpenMP {'on' if info['openmp'] else 'off'}, "
                  f"{info['cpu_threads_available']} CPU threads available")
+    choice = os.environ.get("MGPU_CPU_GEMM") or "auto"
+    if blas.get("onednn"):
+        rule = (f"oneDNN {blas['onednn']} for products of <= {blas['onednn_max_work'] / 1e6:.1f}M multiply-adds, "
+                "OpenBLAS above" if choice == "auto" else {"openblas": "OpenBLAS", "onednn": f"oneDNN {blas['onednn']}"}
+                .get(choice, "invalid: expected auto, openblas or onednn"))
+        lines.append(f"CPU GEMM: {rule} (MGPU_CPU_GEMM={choice})")
+    else:
+        lines.append("CPU GEMM: OpenBLAS (this build has no oneDNN)")
     mpi = info["mpi"]
     lines.append(f"MPI:      {mpi.get('library', '') or 'yes'} (built with {mpi['compiled_with']})" if mpi["enabled"]
                  else "MPI:      not built in (one rank only)")
