@@ -9,7 +9,8 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 APT_PACKAGES=(build-essential cmake ninja-build pkg-config openmpi-bin libopenmpi-dev
               libopenblas-dev python3 python3-venv python3-dev python3-pip
-              libboost-context-dev)  # fibers of the GPU emulation (emulation/README.md)
+              libboost-context-dev   # fibers of the GPU emulation (emulation/README.md)
+              iproute2 util-linux nftables)  # the virtual cluster of tests/cluster (vcluster.py)
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -14,12 +14,12 @@ EXPORT = ("PYTHONPATH", "PYTHONUNBUFFERED", "OMP_NUM_THREADS", "OPENBLAS_NUM_THR
 class ClusterRun:
     """An mgpu command under mpirun across the cluster (mpirun on host 0)."""
 
-    def __init__(self, cluster, np, args, tmp_path, name="job", emulate_gpu=None):
+    def __init__(self, cluster, np, args, tmp_path, name="job", emulate_gpu=None, per_host=None):
         extra = {"MGPU_EMULATE_GPU": str(emulate_gpu)} if emulate_gpu else {}
         env = mpi_env(**extra)
         if not emulate_gpu:
             env.pop("MGPU_EMULATE_GPU", None)
-        cmd = [*cluster.mpirun_args(np, [e for e in EXPORT if e in env]), PYTHON, *map(str, args)]
+        cmd = [*cluster.mpirun_args(np, [e for e in EXPORT if e in env], per_host=per_host), PYTHON, *map(str, args)]
         self.cluster = cluster
         self.job = cluster.start(cmd, env=env, cwd=ROOT, stdout=str(tmp_path / f"{name}.out"),
                                  stderr=str(tmp_path / f"{name}.err"))

@@ -216,10 +216,13 @@ exec ip netns exec {self.prefix}-h$i unshare --uts --mount --propagation private
                 "sh", "-c", f'hostname "$1" && mount --bind "$2" "$3" && shift 3 && exec {clean}"$@"',
                 "sh", self.hostname(i), str(self.host_disk(i)), str(self.disk)]
 
-    def mpirun_args(self, np: int, export=(), extra_mca=None) -> list:
-        """`mpirun` over every host (np ranks, filled host by host), exporting the names in `export`."""
+    def mpirun_args(self, np: int, export=(), extra_mca=None, per_host=None) -> list:
+        """`mpirun` over every host (np ranks, filled host by host, or per_host on each),
+        exporting the names in `export`."""
         mca = dict(MCA, plm_rsh_agent=str(self.agent), **(extra_mca or {}))
         args = ["mpirun", "-np", str(np), "--hostfile", str(self.hostfile), "--bind-to", "none"]
+        if per_host:
+            args += ["--npernode", str(per_host)]
         for k, v in mca.items():
             args += ["--mca", k, v]
         for name in export:
@@ -270,6 +273,31 @@ exec ip netns exec {self.prefix}-h$i unshare --uts --mount --propagation private
     def netem_peer(self, i: int, spec: str) -> None:
         """The same on the switch's end of host i's link (its incoming traffic)."""
         _run("tc", "-n", f"{self.prefix}-sw", "qdisc", "replace", "dev", f"p{i}", "root", "netem", *spec.split())
+
+    def slow_lossy_link(self, i: int):
+        """Make host i's link slow and lossy both ways. With netem (most kernels, module
+        sch_netem): 200 ms delay and 5 % loss; returns (description, None). Kernels built
+        without netem get what they have: a 1 Mbit/s token bucket (tbf) and 5 % of
+        packets dropped by nftables; returns (description, rate in bytes/s)."""
+        try:
+            self.netem(i, "delay 200ms loss 5%")
+            self.netem_peer(i, "delay 200ms loss 5%")
+            return "netem delay 200ms loss 5% both ways", None
+        except ClusterError as e:
+            if "qdisc kind is unknown" not in str(e):
+                raise
+        if shutil.which("nft") is None:
+            raise ClusterError("this kernel has no netem and `nft` is missing for the fallback "
+                               "(apt-get install nftables)")
+        for ns, dev in ((self.ns(i), self.link(i)), (f"{self.prefix}-sw", f"p{i}")):
+            _run("tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", "1mbit", "burst", "4kb",
+                 "latency", "2s")
+        _run("ip", "netns", "exec", self.ns(i), "nft",
+             "add table inet mgpu; add chain inet mgpu out { type filter hook output priority 0; }; "
+             f"add rule inet mgpu out oifname {self.link(i)} numgen random mod 100 < 5 drop; "
+             "add chain inet mgpu in { type filter hook input priority 0; }; "
+             f"add rule inet mgpu in iifname {self.link(i)} numgen random mod 100 < 5 drop")
+        return "no netem in this kernel: tbf 1mbit + nftables 5% loss both ways", 1e6 / 8
 
     def signal_host(self, i: int, sig) -> int:
         """Send sig to every process on host i (its daemon and ranks); returns how many."""
