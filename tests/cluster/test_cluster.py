@@ -43,11 +43,13 @@ def assert_close(a, b, rel=1e-5):
 PROBE = """
 import json, socket
 from mpi4py import MPI
+import mgpu
 from mgpu.process_group import ProcessGroup
 pg = ProcessGroup()
 dev = pg.resolve_device("auto")
 print("PROBE " + json.dumps({"rank": pg.rank, "host": socket.gethostname(), "processor": MPI.Get_processor_name(),
       "local_rank": pg.local_rank, "local_size": pg.local_size, "device": dev, "threads": pg.default_threads(),
+      "cores": mgpu.build_info()["cpu_threads_available"],
       "hosts": pg.hosts}), flush=True)
 """
 
@@ -69,8 +71,7 @@ def test_node_local_rank_and_device_on_each_host(cluster, tmp_path, gpus_per_hos
     assert [(p["local_rank"], p["local_size"]) for p in seen] == [(0, 2), (1, 2), (0, 2), (1, 2)]
     expected = [["cuda", r] for r in (0, 1, 0, 1)] if gpus_per_host else [["cpu", 0]] * 4
     assert [p["device"] for p in seen] == expected
-    cores = seen[0]["threads"] * 2  # the node's cores shared by its 2 ranks
-    assert all(p["threads"] == max(1, cores // 2) for p in seen)
+    assert all(p["threads"] == max(1, p["cores"] // 2) for p in seen)  # the node's cores shared by its 2 ranks
 
 
 def test_two_hosts_equal_one_rank_and_only_rank_0_touches_checkpoints(cluster, tmp_path):

@@ -360,7 +360,8 @@ def main(argv=None) -> int:
                     "runs a 2-rank-per-host training demo.")
     p.add_argument("--hosts", type=int, default=2, help="virtual hosts (default 2)")
     p.add_argument("--slots", type=int, default=2, help="ranks per host in the hostfile (default 2)")
-    p.add_argument("--netem", metavar="SPEC", help="tc netem on host 1's link, e.g. 'delay 200ms loss 5%%'")
+    p.add_argument("--slow-link", action="store_true",
+                   help="make host 1's link slow and lossy (netem 200 ms + 5%% loss, or tbf + nftables loss)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND... (run on host 0)")
     a = p.parse_args(argv)
     cmd = a.command[1:] if a.command[:1] == ["--"] else a.command
@@ -368,8 +369,9 @@ def main(argv=None) -> int:
               "MGPU_EMULATE_GPU"]
     try:
         with Cluster(a.hosts, a.slots) as c:
-            if a.netem:
-                c.netem(1 % a.hosts, a.netem)
+            if a.slow_link:
+                print(f"cluster: {c.hostname(1 % a.hosts)}'s link: {c.slow_lossy_link(1 % a.hosts)[0]}",
+                      file=sys.stderr)
             env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
                        OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
                        PYTHONPATH=os.environ.get("PYTHONPATH", str(Path(__file__).resolve().parents[2] / "python")))
