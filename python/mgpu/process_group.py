@@ -270,9 +270,9 @@ _RANKS = re.compile(r"\b(ranks?) (\d+(?:, \d+)*)")
 
 def name_hosts(message: str, hosts: list) -> str:
     """Annotate every rank named in `message` with its host (hosts[rank]) when `hosts`
-    holds more than one name; then, if every rank of some host is named and one of them
-    went silent, say that host (or its link) is the one to suspect: a rank merely behind
-    another still answers heartbeats, a frozen, dead or cut-off host answers none."""
+    holds more than one name; then name each host all of whose ranks are named (none of
+    them reached the step or answered in it) as the one to suspect. A heuristic: the
+    heartbeats cannot yet tell a rank stuck behind another from a frozen one."""
     if len(set(hosts)) < 2:
         return message
     named: set = set()
@@ -288,15 +288,9 @@ def name_hosts(message: str, hosts: list) -> str:
     out = _RANKS.sub(annotate, head) + sep
     named.clear()  # the reporting rank is not a suspect
     out += _RANKS.sub(annotate, diagnosis)
-    silent = set()
-    for m in re.finditer(r"(ranks? [^;]*?) stopped responding", diagnosis):
-        silent.update(int(r) for r in re.findall(r"\d+", m.group(1)))
-    suspects = [h for h in dict.fromkeys(hosts)
-                if all(r in named for r, x in enumerate(hosts) if x == h)
-                and any(r in silent for r, x in enumerate(hosts) if x == h)]
+    suspects = [h for h in dict.fromkeys(hosts) if all(r in named for r, x in enumerate(hosts) if x == h)]
     if suspects:
-        out += (f"; no rank on {', '.join(suspects)} answers: that host is unreachable "
-                "(link down, frozen or dead)")
+        out += f"; every rank on {', '.join(suspects)} is named: suspect that host or its link (down, frozen or dead)"
     return out
 
 

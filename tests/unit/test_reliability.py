@@ -374,8 +374,8 @@ def test_watchdog_errors_name_the_hosts_of_the_ranks_they_name():
            "rank 2 stopped responding during it (stopped, hung or dead)")
     assert name_hosts(cut, hosts) == (
         "allreduce at step 15 did not complete within 3 s on rank 0 (h0): ranks 1 (h0), 3 (h1) have not reached "
-        "this step; rank 2 (h1) stopped responding during it (stopped, hung or dead); no rank on h1 answers: that "
-        "host is unreachable (link down, frozen or dead)")
+        "this step; rank 2 (h1) stopped responding during it (stopped, hung or dead); every rank on h1 is named: "
+        "suspect that host or its link (down, frozen or dead)")
     behind = "barrier did not complete within 3 s on rank 0: rank 3 has not reached this step (stopped, hung or dead)"
     # rank 2 on h1 was not named: h1 may just be slow, so no host is blamed
     assert name_hosts(behind, hosts).endswith("rank 3 (h1) has not reached this step (stopped, hung or dead)")
