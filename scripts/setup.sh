@@ -10,7 +10,8 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 APT_PACKAGES=(build-essential cmake ninja-build pkg-config openmpi-bin libopenmpi-dev
               libopenblas-dev python3 python3-venv python3-dev python3-pip
               libdnnl-dev  # oneDNN: the CPU backend's sgemm for small products
-              libboost-context-dev)  # fibers of the GPU emulation (emulation/README.md)
+              libboost-context-dev   # fibers of the GPU emulation (emulation/README.md)
+              iproute2 util-linux nftables)  # the virtual cluster of tests/cluster (vcluster.py)
 # MGPU_SETUP_TORCH_PEER=1 (scripts/test.sh): Debian's PyTorch, the peer of `bench --compare torch`
 if [ "${MGPU_SETUP_TORCH_PEER:-0}" = 1 ]; then
   APT_PACKAGES+=(python3-torch)

@@ -543,7 +543,7 @@ def main(argv=None) -> int:
         write_line(f"mgpu: error: {e}")
         return 1
     except CommError as e:  # a peer is gone or stuck: end the whole job
-        write_line(f"mgpu: error: {e}")
+        write_line(f"mgpu: error: {pg.name_hosts(str(e)) if pg is not None else e}")
         if pg is not None:
             pg.abort(1)
         return 1

@@ -2,12 +2,16 @@
 
 World rank and size come from mpi4py (COMM_WORLD by default), the node-local
 rank from a shared-memory split (so it is right across nodes), and the device
-from the local rank. Without mpi4py or mpirun it is a world of one.
+from the local rank. Without mpi4py or mpirun it is a world of one. Every rank's
+host name is gathered at start, so a watchdog error can name the hosts of the
+ranks it names (name_hosts) when the job spans several.
 """
 from __future__ import annotations
 
 import os
 import pickle
+import re
+import socket
 import time
 from typing import Any, Optional
 
@@ -36,11 +40,14 @@ class ProcessGroup:
         self.comm = comm if comm is not None else (MPI.COMM_WORLD if MPI is not None else None)
         if self.comm is None:
             self.rank, self.size, self.local_rank, self.local_size = 0, 1, 0, 1
+            self.hosts = [socket.gethostname()]
         else:
             self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
             node = self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
             self.local_rank, self.local_size = node.Get_rank(), node.Get_size()
             node.Free()
+            # Gathered now: once a peer is gone, nothing can be gathered any more.
+            self.hosts = self.comm.allgather(MPI.Get_processor_name())
         self._core_comm: Optional[_core.Communicator] = None
         self._core_comm_kind: Optional[str] = None
         self._gpu: Optional[int] = None  # this rank's GPU once NCCL binds one; named in stall errors
@@ -225,6 +232,11 @@ class ProcessGroup:
         reports = self.allgather(error_report(error), what)  # every rank is here: the flag arrived from all
         raise_agreed(error, reports)
 
+    def name_hosts(self, message: str) -> str:
+        """`message` (a watchdog CommError's text) with each rank it names followed by its
+        host, when this job spans several hosts; unchanged on one host."""
+        return name_hosts(message, self.hosts)
+
     def abort(self, code: int = 1) -> None:
         """End every rank of the job (after an unexpected error on this one)."""
         if self.comm is not None and self.size > 1:
@@ -250,6 +262,36 @@ def raise_agreed(error: Optional[BaseException], reports: list) -> None:
             user = report[0] in ("ConfigError", "DataError", "CheckpointError")
             cls = ConfigError if user else RuntimeError
             raise cls(f"rank {rank}: {report[1]}")
+
+
+# The rank lists of describe_stall (csrc/core/communicator.h) and of "on rank N".
+_RANKS = re.compile(r"\b(ranks?) (\d+(?:, \d+)*)")
+
+
+def name_hosts(message: str, hosts: list) -> str:
+    """Annotate every rank named in `message` with its host (hosts[rank]) when `hosts`
+    holds more than one name; then name each host all of whose ranks are named (none of
+    them reached the step or answered in it) as the one to suspect. A heuristic: the
+    heartbeats cannot yet tell a rank stuck behind another from a frozen one."""
+    if len(set(hosts)) < 2:
+        return message
+    named: set = set()
+
+    def annotate(m) -> str:
+        ranks = [int(r) for r in m.group(2).split(", ")]
+        if any(r >= len(hosts) for r in ranks):
+            return m.group(0)
+        named.update(ranks)
+        return f"{m.group(1)} " + ", ".join(f"{r} ({hosts[r]})" for r in ranks)
+
+    head, sep, diagnosis = message.partition(": ")
+    out = _RANKS.sub(annotate, head) + sep
+    named.clear()  # the reporting rank is not a suspect
+    out += _RANKS.sub(annotate, diagnosis)
+    suspects = [h for h in dict.fromkeys(hosts) if all(r in named for r, x in enumerate(hosts) if x == h)]
+    if suspects:
+        out += f"; every rank on {', '.join(suspects)} is named: suspect that host or its link (down, frozen or dead)"
+    return out
 
 
 def cuda_device_count() -> int:

@@ -365,3 +365,18 @@ def test_fit_again_trains_more_and_continues_the_sampler():
     assert t.global_step == 24 and [e["epoch"] for e in history] == [1, 2, 3]
     t.fit(data, batch_size=32, steps=3, progress=False)
     assert t.global_step == 27
+
+
+def test_watchdog_errors_name_the_hosts_of_the_ranks_they_name():
+    from mgpu.process_group import name_hosts
+    hosts = ["h0", "h0", "h1", "h1"]
+    cut = ("allreduce at step 15 did not complete within 3 s on rank 0: ranks 1, 3 have not reached this step; "
+           "rank 2 stopped responding during it (stopped, hung or dead)")
+    assert name_hosts(cut, hosts) == (
+        "allreduce at step 15 did not complete within 3 s on rank 0 (h0): ranks 1 (h0), 3 (h1) have not reached "
+        "this step; rank 2 (h1) stopped responding during it (stopped, hung or dead); every rank on h1 is named: "
+        "suspect that host or its link (down, frozen or dead)")
+    behind = "barrier did not complete within 3 s on rank 0: rank 3 has not reached this step (stopped, hung or dead)"
+    # rank 2 on h1 was not named: h1 may just be slow, so no host is blamed
+    assert name_hosts(behind, hosts).endswith("rank 3 (h1) has not reached this step (stopped, hung or dead)")
+    assert name_hosts(cut, ["h0"] * 4) == cut  # one host: nothing to add
