@@ -170,6 +170,17 @@ void bind_perf(py::module_& m) {
       .def_readwrite("launch_overhead_s", &DeviceProfile::launch_overhead_s)
       .def_readwrite("context_bytes", &DeviceProfile::context_bytes)
       .def_readwrite("dropout_s_per_unit", &DeviceProfile::dropout_s_per_unit);
+  py::class_<CollectiveModel>(pm, "CollectiveModel")
+      .def(py::init<>())
+      .def_readwrite("latency_s", &CollectiveModel::latency_s)
+      .def_readwrite("hop_s", &CollectiveModel::hop_s)
+      .def_readwrite("bw_fraction", &CollectiveModel::bw_fraction)
+      .def_readwrite("ring_busbw", &CollectiveModel::ring_busbw)
+      .def_readwrite("tree_busbw", &CollectiveModel::tree_busbw)
+      .def_readwrite("nvls_busbw", &CollectiveModel::nvls_busbw)
+      .def("enabled", &CollectiveModel::enabled)
+      .def("seconds", &CollectiveModel::seconds, py::arg("ranks"), py::arg("bytes"))
+      .def("choice", &CollectiveModel::choice, py::arg("ranks"), py::arg("bytes"));
   py::class_<LinkProfile>(pm, "LinkProfile")
       .def(py::init<>())
       .def_readwrite("name", &LinkProfile::name)
@@ -180,7 +191,11 @@ void bind_perf(py::module_& m) {
       .def_readwrite("step_sync_s", &LinkProfile::step_sync_s)
       .def_readwrite("measured", &LinkProfile::measured)
       .def_readwrite("measured_devices", &LinkProfile::measured_devices)
-      .def("allreduce_seconds", &LinkProfile::allreduce_seconds, py::arg("devices"), py::arg("bytes"));
+      .def_readwrite("intra", &LinkProfile::intra)
+      .def_readwrite("inter", &LinkProfile::inter)
+      .def_readwrite("gpus_per_node", &LinkProfile::gpus_per_node)
+      .def("allreduce_seconds", &LinkProfile::allreduce_seconds, py::arg("devices"), py::arg("bytes"))
+      .def("allreduce_choice", &LinkProfile::allreduce_choice, py::arg("devices"), py::arg("bytes"));
   py::class_<HardwareProfile>(pm, "HardwareProfile")
       .def(py::init<>())
       .def_readwrite("name", &HardwareProfile::name)
@@ -235,6 +250,15 @@ void bind_perf(py::module_& m) {
       .def_readonly("profile", &Recommendation::profile)
       .def_readonly("profile_source", &Recommendation::profile_source)
       .def_readonly("params", &Recommendation::params);
+  py::class_<BucketChoice>(pm, "BucketChoice")
+      .def_readonly("bucket_elems", &BucketChoice::bucket_elems)
+      .def_readonly("exposed_comm_s", &BucketChoice::exposed_comm_s)
+      .def_readonly("comm_s", &BucketChoice::comm_s)
+      .def_readonly("step_s", &BucketChoice::step_s)
+      .def_readonly("tried", &BucketChoice::tried)
+      .def_readonly("reason", &BucketChoice::reason);
+  pm.def("choose_bucket", &choose_bucket, py::arg("workload"), py::arg("hardware"), py::arg("devices"),
+         py::arg("options"), py::arg("max_bucket_bytes") = 0.0);
   pm.def("predict", &predict, py::arg("workload"), py::arg("hardware"), py::arg("devices"), py::arg("options"));
   pm.def("recommend", &recommend, py::arg("workload"), py::arg("hardware"), py::arg("options"));
   pm.def("recommend_by_thresholds", &recommend_by_thresholds, py::arg("workload"), py::arg("options"));

@@ -176,8 +176,73 @@ const GemmRate& DeviceProfile::gemm(const std::string& precision) const {
   return r->peak_flops > 0 ? *r : fp32;
 }
 
+namespace {
+
+// Every (algorithm, protocol) pair of the model: fn(name, latency seconds, bandwidth seconds).
+template <typename Fn>
+void for_each_pair(const CollectiveModel& m, int ranks, double bytes, Fn fn) {
+  static const char* kProto[3] = {"LL", "LL128", "Simple"};
+  const double n = ranks, factor = 2.0 * (n - 1) / n;
+  const double tree_steps = 2.0 * std::ceil(std::log2(n));
+  for (int p = 0; p < 3; ++p) {
+    if (m.bw_fraction[p] <= 0) continue;
+    if (m.ring_busbw > 0)
+      fn(std::string("ring/") + kProto[p], m.latency_s[p] + 2.0 * (n - 1) * m.hop_s[p],
+         bytes * factor / (m.ring_busbw * m.bw_fraction[p]));
+    if (m.tree_busbw > 0 && ranks > 2)
+      fn(std::string("tree/") + kProto[p], m.latency_s[p] + tree_steps * m.hop_s[p],
+         bytes * factor / (m.tree_busbw * m.bw_fraction[p]));
+  }
+  if (m.nvls_busbw > 0 && ranks > 2)
+    fn("nvls/Simple", m.latency_s[CollectiveModel::kSimple] + 2.0 * m.hop_s[CollectiveModel::kSimple],
+       bytes * factor / m.nvls_busbw);
+}
+
+struct Pick {
+  std::string name;
+  double latency = 0, transfer = 0;
+};
+
+// The fastest pair, as NCCL's tuner picks it.
+Pick fastest(const CollectiveModel& m, int ranks, double bytes) {
+  MGPU_CHECK(m.enabled(), ConfigError, "the collective model has no algorithm with a bandwidth");
+  Pick best;
+  bool any = false;
+  for_each_pair(m, ranks, bytes, [&](const std::string& name, double lat, double transfer) {
+    if (!any || lat + transfer < best.latency + best.transfer) best = {name, lat, transfer};
+    any = true;
+  });
+  MGPU_CHECK(any, ConfigError, "the collective model has no usable protocol (every bw_fraction is 0)");
+  return best;
+}
+
+}  // namespace
+
+double CollectiveModel::seconds(int ranks, double bytes) const {
+  if (ranks <= 1 || bytes <= 0) return 0.0;
+  const Pick p = fastest(*this, ranks, bytes);
+  return p.latency + p.transfer;
+}
+
+std::string CollectiveModel::choice(int ranks, double bytes) const {
+  if (ranks <= 1 || bytes <= 0 || !enabled()) return "";
+  return fastest(*this, ranks, bytes).name;
+}
+
 double LinkProfile::allreduce_seconds(int devices, double bytes) const {
   if (devices <= 1 || bytes <= 0) return 0.0;
+  if (intra.enabled()) {
+    const int per_node = gpus_per_node > 0 ? gpus_per_node : devices;
+    if (devices <= per_node) return intra.seconds(devices, bytes);
+    MGPU_CHECK(inter.enabled(), ConfigError, "link '", name, "' has no inter-node model; cannot predict ", devices,
+               " devices over ", per_node, " per node");
+    const int nodes = (devices + per_node - 1) / per_node;
+    // Latencies add up along the path; the transfers pipeline (NCCL splits the
+    // bytes into chunks that move over NVLink and the network at once), so the
+    // slower level's transfer sets the pace.
+    const Pick in = fastest(intra, per_node, bytes), out = fastest(inter, nodes, bytes / per_node);
+    return in.latency + out.latency + std::max(in.transfer, out.transfer);
+  }
   MGPU_CHECK(bus_bandwidth > 0, ConfigError, "link '", name, "' has no bandwidth in its profile");
   const double steps = 2.0 * (devices - 1);
   const double model = steps * alpha_s + steps / devices * bytes / bus_bandwidth;
@@ -198,6 +263,15 @@ double LinkProfile::allreduce_seconds(int devices, double bytes) const {
   const double m_steps = 2.0 * (measured_devices - 1);
   const double model_at_measured = m_steps * alpha_s + m_steps / measured_devices * bytes / bus_bandwidth;
   return model_at_measured > 0 ? at_measured * model / model_at_measured : model;
+}
+
+std::string LinkProfile::allreduce_choice(int devices, double bytes) const {
+  if (!intra.enabled() || devices <= 1) return "";
+  const int per_node = gpus_per_node > 0 ? gpus_per_node : devices;
+  if (devices <= per_node) return intra.choice(devices, bytes);
+  const int nodes = (devices + per_node - 1) / per_node;
+  return intra.choice(per_node, bytes) + " in each node + " + inter.choice(nodes, bytes / per_node) +
+         " across " + std::to_string(nodes) + " nodes";
 }
 
 std::vector<int> Workload::resolved_layers() const {
@@ -360,17 +434,22 @@ Recommendation recommend(const Workload& w, const HardwareProfile& hw, const Opt
     r.strategy = "single_gpu";
     r.devices = 1;
     r.reasons.push_back("no multi-device candidate to compare with");
-  } else if (best_multi->speedup > 1.0 + err) {
+  } else if (best_multi->speedup * (1.0 - err) > 1.0) {
+    // model_error is relative: the band of a predicted speedup s is s(1 -+ err).
     r.strategy = "multi_gpu";
     r.devices = best_multi->devices;
-  } else if (best_multi->speedup < 1.0 - err) {
+  } else if (best_multi->speedup * (1.0 + err) < 1.0) {
     r.strategy = "single_gpu";
     r.devices = 1;
+    r.reasons.push_back(fmt("%.2fx", best_multi->speedup) + fmt(" with the model's +-%.0f%%", err * 100) +
+                        fmt(" is at most %.2fx: one device is faster", best_multi->speedup * (1.0 + err)));
   } else {
     r.strategy = "benchmark_required";
     r.devices = best->devices;
     r.reasons.push_back(fmt("the predicted gain (%.2fx) is within the model's error", best_multi->speedup) +
-                        fmt(" (+-%.0f%%): measure it with `mgpu bench`", err * 100));
+                        fmt(" (+-%.0f%%", err * 100) +
+                        fmt(": %.2fx", best_multi->speedup * (1.0 - err)) +
+                        fmt("-%.2fx): measure it with `mgpu bench`", best_multi->speedup * (1.0 + err)));
   }
 
   // Why, in numbers.
@@ -388,13 +467,32 @@ Recommendation recommend(const Workload& w, const HardwareProfile& hw, const Opt
     if (p.comm_s > 0) line += fmt("; communication/computation %.2f", p.comm_s / std::max(p.forward_s + p.backward_s, 1e-30));
     r.reasons.push_back(line);
   }
-  if (best_multi && best_multi->batch_shares.size() > 1) {
-    const auto& s = best_multi->batch_shares;
-    if (std::adjacent_find(s.begin(), s.end(), [](int64_t a, int64_t b) { return std::llabs(a - b) > 1; }) != s.end()) {
-      std::string shares;
-      for (size_t i = 0; i < s.size(); ++i) shares += (i ? ", " : "") + std::to_string(s[i]);
-      r.reasons.push_back("unequal devices: batch shares " + shares + " (by device speed) balance the step");
+  for (const Prediction& p : r.candidates) {
+    // Unequal devices: say what the slower ones add over the first (fastest) alone, and the shares.
+    bool mixed = false;
+    for (int i = 1; i < p.devices; ++i) mixed |= hw.devices[i].name != hw.devices[0].name;
+    if (!mixed || !one) continue;
+    std::string names, shares, flag;
+    for (int i = 0; i < p.devices; ++i) {
+      names += (i ? " + " : "") + hw.devices[i].name;
+      shares += (i ? ", " : "") + std::to_string(p.batch_shares[i]);
+      flag += (i ? "," : "") + std::to_string(p.batch_shares[i]);
     }
+    const double gain = p.speedup - 1.0;
+    r.reasons.push_back("unequal devices (" + names + "): batch shares " + shares + " by device speed; " +
+                        (gain > 0 ? fmt("adding the slower device helps: %.2fx", p.speedup) +
+                                        fmt(" (%+.0f%%) over ", gain * 100) + hw.devices[0].name + " alone"
+                                  : fmt("adding the slower device does not help: %.2fx", p.speedup) +
+                                        fmt(" (%+.0f%%) of ", gain * 100) + hw.devices[0].name + " alone") +
+                        "; train with --batch-shares " + flag);
+  }
+  if (best_multi) {
+    const std::string how = hw.link.allreduce_choice(best_multi->devices,
+                                                     4.0 * std::min<double>(double(w.bucket_elems), r.params));
+    if (!how.empty())
+      r.reasons.push_back("allreduce of one " + bytes_text(4.0 * std::min<double>(double(w.bucket_elems), r.params)) +
+                          " bucket on " + device_word(hw, best_multi->devices) + ": " + how +
+                          " (NCCL-shaped model, fitted to published nccl-tests tables)");
   }
   r.break_even_batch = break_even_batch(w, hw, o, o.candidates);
   if (r.break_even_batch > 0)
@@ -410,7 +508,8 @@ Recommendation recommend(const Workload& w, const HardwareProfile& hw, const Opt
 
   // How sure: the source of the numbers, and how far the decision is from the error band.
   const double base = hw.source == "calibrated" ? 0.9 : hw.source == "detected" ? 0.7 : 0.6;
-  const double margin = best_multi ? std::fabs(best_multi->speedup - 1.0) / err : 2.0;
+  // How many error bands the predicted speedup lies from 1.0x (in log space, as the band is relative).
+  const double margin = best_multi ? std::fabs(std::log(best_multi->speedup)) / std::log1p(err) : 2.0;
   r.confidence = std::clamp(base * std::min(1.0, 0.5 + 0.25 * margin), 0.05, 0.99);
 
   if (o.price_per_device_hour > 0 && one) {
@@ -423,6 +522,48 @@ Recommendation recommend(const Workload& w, const HardwareProfile& hw, const Opt
                fmt(" for %.2fx the speed)", pick.speedup);
   }
   return r;
+}
+
+BucketChoice choose_bucket(const Workload& workload, const HardwareProfile& hw, int devices, const Options& o,
+                           double max_bucket_bytes) {
+  MGPU_CHECK(max_bucket_bytes >= 0, ConfigError, "the bucket cap must be >= 0 bytes");
+  Workload w = workload;
+  const double params = parameter_count(w.resolved_layers()) + MLP::kGradExtraSlots;
+  BucketChoice best;
+  if (devices <= 1) {
+    best.bucket_elems = w.bucket_elems;
+    best.reason = "one device: no allreduce, the bucket size does not matter";
+    return best;
+  }
+  // Powers of two from 256 KiB of fp32 up to the whole gradient in one bucket.
+  std::vector<int64_t> sizes;
+  for (int64_t e = int64_t{1} << 16; e < 2 * int64_t(params); e *= 2) sizes.push_back(e);
+  const int64_t whole = static_cast<int64_t>(params);
+  if (sizes.empty() || sizes.back() < whole) sizes.push_back(whole);
+  bool capped = false;
+  for (int64_t e : sizes) {
+    if (max_bucket_bytes > 0 && 4.0 * e > max_bucket_bytes && !best.tried.empty()) {
+      capped = true;
+      break;
+    }
+    w.bucket_elems = e;
+    const Prediction p = predict(w, hw, devices, o);
+    best.tried.push_back({e, p.exposed_comm_s});
+    // Larger buckets come later: take one only if it exposes clearly less (1 %) or the same at a faster step.
+    if (best.bucket_elems == 0 || p.exposed_comm_s < best.exposed_comm_s * 0.99 - 1e-9 ||
+        (p.exposed_comm_s <= best.exposed_comm_s * 1.01 + 1e-9 && p.step_s < best.step_s * 0.999)) {
+      best.bucket_elems = e;
+      best.exposed_comm_s = p.exposed_comm_s;
+      best.comm_s = p.comm_s;
+      best.step_s = p.step_s;
+    }
+  }
+  best.reason = "bucket of " + bytes_text(4.0 * best.bucket_elems) + " exposes " + ms(best.exposed_comm_s) +
+                " of a " + ms(best.comm_s) + " allreduce on " + device_word(hw, devices) + " (step " +
+                ms(best.step_s) + "; tried " + std::to_string(best.tried.size()) + " sizes from " +
+                bytes_text(4.0 * best.tried.front().first) + ")" +
+                (capped ? "; capped at " + bytes_text(max_bucket_bytes) : "");
+  return best;
 }
 
 Recommendation recommend_by_thresholds(const Workload& w, const Options& o) {

@@ -8,9 +8,12 @@
 // GEMMs: work / rate(work), with rate(w) = peak * w / (w + half_work) (small
 // GEMMs reach a fraction of the peak); elementwise kernels: bytes / bandwidth;
 // plus a launch overhead per kernel. Allreduce of each gradient bucket (the
-// plan of train_step.h): ring alpha-beta, 2(n-1) alpha + 2(n-1)/n bytes / busbw,
-// overlapped with backward where the transport runs beside compute.
+// plan of train_step.h): NCCL-shaped (CollectiveModel: the fastest algorithm x
+// protocol, hierarchical over nodes) where the profile has it, else ring
+// alpha-beta, 2(n-1) alpha + 2(n-1)/n bytes / busbw; overlapped with backward
+// where the transport runs beside compute.
 #pragma once
+#include <array>
 #include <cstdint>
 #include <string>
 #include <utility>
@@ -42,6 +45,26 @@ struct DeviceProfile {
   const GemmRate& gemm(const std::string& precision) const;  // falls back to fp32
 };
 
+// The allreduce as NCCL's tuner sees it (src/graph/tuning.cc): for every
+// algorithm (ring, tree, NVLS) and protocol (LL, LL128, Simple) a latency
+// plus bytes over a bandwidth, and the fastest pair wins for each size.
+//   ring:  lat[p] + 2(n-1) hop[p]         + bytes 2(n-1)/n / (ring_busbw frac[p])
+//   tree:  lat[p] + 2 ceil(log2 n) hop[p] + bytes 2(n-1)/n / (tree_busbw frac[p])
+//   nvls:  lat[Simple] + 2 hop[Simple]    + bytes 2(n-1)/n / nvls_busbw   (Simple only)
+// Bandwidths are nccl-tests' busbw; a zero bandwidth leaves the algorithm out.
+// The parameters are fitted to published nccl-tests tables (mgpu.allreduce_fit).
+struct CollectiveModel {
+  static constexpr int kLL = 0, kLL128 = 1, kSimple = 2;
+  std::array<double, 3> latency_s{{0, 0, 0}};   // per protocol
+  std::array<double, 3> hop_s{{0, 0, 0}};       // per protocol, per step
+  std::array<double, 3> bw_fraction{{0, 0, 1}}; // of the algorithm's busbw (0: protocol unused)
+  double ring_busbw = 0, tree_busbw = 0, nvls_busbw = 0;  // bytes/s
+  bool enabled() const { return ring_busbw > 0 || tree_busbw > 0 || nvls_busbw > 0; }
+  double seconds(int ranks, double bytes) const;
+  // "ring/LL128" etc.: the pair NCCL would pick for this size (by the model).
+  std::string choice(int ranks, double bytes) const;
+};
+
 // The interconnect between the devices, as the allreduce sees it.
 struct LinkProfile {
   std::string name;
@@ -55,7 +78,16 @@ struct LinkProfile {
   // the ring's factor; alpha and bus_bandwidth extrapolate beyond them.
   std::vector<std::pair<double, double>> measured;
   int measured_devices = 0;
+  // NCCL-shaped model: within a node (intra), and between nodes (inter) for
+  // gpus_per_node > 0 and more devices than that: hierarchical, each node
+  // reduces inside (the bytes of one intra-node allreduce) and each GPU
+  // allreduces its 1/gpus_per_node shard across the nodes over its own NIC:
+  // the two latencies add, the two transfers pipeline (the slower one counts).
+  // When intra is set it replaces alpha/bus_bandwidth.
+  CollectiveModel intra, inter;
+  int gpus_per_node = 0;         // 0: one node holds every device
   double allreduce_seconds(int devices, double bytes) const;
+  std::string allreduce_choice(int devices, double bytes) const;  // "" without the NCCL-shaped model
 };
 
 struct HardwareProfile {
@@ -114,6 +146,18 @@ struct Recommendation {
   std::string profile, profile_source;
   double params = 0;
 };
+
+// The bucket size that minimises the exposed allreduce of one step on
+// `devices` (ties within 1 %: the fewer buckets, which cost fewer launches),
+// capped at max_bucket_bytes (0: no cap).
+struct BucketChoice {
+  int64_t bucket_elems = 0;
+  double exposed_comm_s = 0, comm_s = 0, step_s = 0;
+  std::vector<std::pair<int64_t, double>> tried;  // (bucket elements, exposed seconds)
+  std::string reason;
+};
+BucketChoice choose_bucket(const Workload& workload, const HardwareProfile& hw, int devices, const Options& options,
+                           double max_bucket_bytes = 0.0);
 
 // Step time and memory of one candidate device count.
 Prediction predict(const Workload& workload, const HardwareProfile& hw, int devices, const Options& options);

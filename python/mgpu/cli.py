@@ -73,7 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--cuda-graph", choices=GRAPH_MODES, default="auto",
                    help="replay each step's forward and backward as a CUDA graph: auto (GPUs, models up to "
                         "16M parameters, where kernel launches dominate), on, off")
-    t.add_argument("--bucket-mb", type=float, default=4.0, help="gradient allreduce bucket size")
+    t.add_argument("--bucket-mb", type=_bucket_mb_arg, default=None,
+                   help="gradient allreduce bucket size in MB, or 'auto': the size the performance model prefers "
+                        "for this model on the calibration (`mgpu topo`; CPUs stay below 32 MB). Default: auto "
+                        "when a calibration exists, else 4")
     t.add_argument("--no-overlap", action="store_true", help="allreduce after backward instead of during it")
     t.add_argument("--batch-shares", type=_shares, default=None,
                    help="per-rank shares of the global batch, e.g. 0.7,0.3, or 'auto': by each rank's device "
@@ -149,6 +152,27 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _bucket_mb_arg(text: str):
+    from .perf import _bucket_mb
+    return _bucket_mb(text)
+
+
+def _auto_bucket_mb(cfg, pg, sizes) -> tuple:
+    """(MB, note): the model's bucket for this model and rank count on this machine's calibration."""
+    from . import perf
+    path = perf.default_profile_path()
+    if pg.size < 2:
+        return 4.0, "bucket 4 MB (one rank: no allreduce)"
+    if not os.path.exists(path):
+        return 4.0, "bucket 4 MB: --bucket-mb auto found no calibration (run `mgpu topo`)"
+    profile = perf.load_profile(path)
+    if len(profile["devices"]) < pg.size:
+        return 4.0, f"bucket 4 MB: the calibration has {len(profile['devices'])} device(s), this job {pg.size} ranks"
+    w = perf._workload(None, sizes, None, cfg.batch_size, "fp32", cfg.optimizer, 4.0, cfg.effective_dropout())
+    b = perf.auto_bucket(profile, w, pg.size)
+    return b["bucket_mb"], f"bucket {b['bucket_mb']:g} MiB (auto): {b['reason']}"
+
+
 def _config_from_args(a) -> TrainConfig:
     lr = a.lr if a.lr is not None else (0.001 if a.optimizer == "adamw" else 0.01)
     return TrainConfig(model=a.model or ("medium" if a.layers is None else None), layers=a.layers,
@@ -156,7 +180,8 @@ def _config_from_args(a) -> TrainConfig:
                        epochs=None if a.steps is not None else (a.epochs if a.epochs is not None else 5),
                        steps=a.steps, lr=lr, optimizer=a.optimizer, momentum=a.momentum,
                        weight_decay=a.weight_decay, loss=a.loss, dropout=a.dropout, seed=a.seed,
-                       device=a.device, threads=a.threads, bucket_mb=a.bucket_mb, overlap=not a.no_overlap,
+                       device=a.device, threads=a.threads,
+                       bucket_mb=a.bucket_mb if isinstance(a.bucket_mb, float) else 4.0, overlap=not a.no_overlap,
                        accumulate=a.accumulate, max_grad_norm=a.max_grad_norm, lr_schedule=a.lr_schedule,
                        warmup_steps=a.warmup_steps, lr_step_size=a.lr_step_size, lr_gamma=a.lr_gamma,
                        min_lr=a.min_lr, checkpoint_dir=a.checkpoint_dir, checkpoint_every=a.checkpoint_every,
@@ -295,6 +320,13 @@ def cmd_train(a, pg) -> int:
         sizes = cfg.layer_sizes(data.in_features, data.out_features)
         if a.batch_shares == "auto":  # the model as built for this dataset
             a.batch_shares = _auto_batch_shares(cfg, pg, sizes)
+        if a.bucket_mb is None:  # auto where this machine is calibrated, else the safe 4 MB
+            from .perf import default_profile_path
+            a.bucket_mb = "auto" if os.path.exists(default_profile_path()) else 4.0
+        if a.bucket_mb == "auto":
+            a.bucket_mb, bucket_note = _auto_bucket_mb(cfg, pg, sizes)
+            if pg.is_root:
+                print(bucket_note, flush=True)
         if len(data.x_train) < pg.size:
             raise DataError(f"dataset has {len(data.x_train)} training samples, fewer than the {pg.size} ranks")
         _check_outputs(a)
@@ -305,6 +337,7 @@ def cmd_train(a, pg) -> int:
     pg.agree(error)
     resume = pg.bcast(resume)
     a.batch_shares = pg.bcast(a.batch_shares)  # rank 0's reading of the calibration for 'auto'
+    cfg.bucket_mb = float(pg.bcast(a.bucket_mb if isinstance(a.bucket_mb, float) else cfg.bucket_mb))
 
 
     if cfg.precision != "fp32" and device != "cuda":

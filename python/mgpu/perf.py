@@ -5,8 +5,10 @@ bandwidth, launch overhead), how much memory it has, and how fast the
 allreduce between devices is (alpha-beta). It comes from one of:
   calibrated  `python -m mgpu topo` measured this machine (JSON in the cache dir)
   detected    GPUs visible but not calibrated: estimated from their properties
-  named       pcie-host-bridge, pcie-p2p, nvlink, h100-nvswitch, cpu: nominal
-              figures of typical machines (assumptions, not measurements)
+  named       real systems (`mgpu recommend --list-profiles`): each names its
+              sources; the allreduce is NCCL-shaped and fitted to published
+              nccl-tests tables (mgpu.allreduce_fit, data/); GEMM and memory
+              figures are vendor specs derated, or published measurements
 With none of them (no calibration, no GPU) the selector falls back to seed
 001's parameter/batch threshold table, and says so. The model itself is C++
 (csrc/core/perf_model.cpp); this file builds its inputs and formats its answer.
@@ -29,24 +31,97 @@ PROFILE_FORMAT = "mgpu-hardware-profile"
 PROFILE_VERSION = 1
 PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
 
-# Nominal figures (vendor specs, derated to what GEMMs and NCCL typically reach).
-# They are assumptions for machines we have not measured: calibrate with `mgpu topo`.
+# Device figures: vendor specs derated to what GEMMs reach (about 0.7 of the
+# dense peak, 0.85 of the memory bandwidth), unless a published measurement is
+# named. Half precisions absent from an entry fall back to fp32 (conservative).
 _GPU_TYPES = {
-    "rtx-4070-ti-super": dict(name="RTX 4070 Ti SUPER (nominal)", fp32=30e12, tf32=40e12, bf16=80e12, fp16=80e12,
+    "rtx-4070-ti-super": dict(name="RTX 4070 Ti SUPER", fp32=30e12, tf32=40e12, bf16=80e12, fp16=80e12,
                               half=3e8, memory=16e9, bandwidth=600e9, h2d=12e9, launch=5e-6, context=0.5e9),
-    "a100-40gb": dict(name="A100 40GB (nominal)", fp32=18e12, tf32=100e12, bf16=220e12, fp16=220e12, half=1e9,
+    # NVIDIA RTX 5080 spec: 56.3 TFLOPS FP32, 960 GB/s GDDR7, 16 GB
+    "rtx-5080": dict(name="RTX 5080", fp32=39e12, half=3e8, memory=16e9, bandwidth=816e9, h2d=24e9,
+                     launch=5e-6, context=0.5e9),
+    # NVIDIA RTX 4060 spec: 15.1 TFLOPS FP32, 272 GB/s GDDR6, 8 GB (PCIe 4.0 x8)
+    "rtx-4060": dict(name="RTX 4060", fp32=10.6e12, half=3e8, memory=8e9, bandwidth=230e9, h2d=12e9,
+                     launch=5e-6, context=0.5e9),
+    # A100 SXM4 80GB: FP16 GEMM 256.5 TFLOPS at 16384^3 and 119.4 at 1024^3, HBM copy 1.61 TB/s (Azure
+    # ND A100 v4 measurements); FP32 19.5 / TF32 156 TFLOPS spec
+    "a100-80gb": dict(name="A100 SXM4 80GB", fp32=18e12, tf32=100e12, bf16=256.5e12, fp16=256.5e12, half=2.47e9,
+                      memory=80e9, bandwidth=1.61e12, h2d=24e9, launch=5e-6, context=0.6e9),
+    "a100-40gb": dict(name="A100 40GB", fp32=18e12, tf32=100e12, bf16=220e12, fp16=220e12, half=1e9,
                       memory=40e9, bandwidth=1.4e12, h2d=24e9, launch=5e-6, context=0.6e9),
-    "h100-sxm": dict(name="H100 SXM 80GB (nominal)", fp32=50e12, tf32=300e12, bf16=650e12, fp16=650e12, half=2e9,
-                     memory=80e9, bandwidth=2.8e12, h2d=50e9, launch=4e-6, context=0.6e9),
+    # H100 SXM 80GB: HBM copy 2.90 TB/s, host<->device 51 GB/s (Azure ND H100 v5); 67 / 494 / 989 TFLOPS
+    # FP32 / TF32 / BF16 dense spec
+    "h100-sxm": dict(name="H100 SXM 80GB", fp32=50e12, tf32=300e12, bf16=650e12, fp16=650e12, half=2e9,
+                     memory=80e9, bandwidth=2.9e12, h2d=50e9, launch=4e-6, context=0.6e9),
+    # H100 PCIe 80GB spec: 51 / 378 / 756 TFLOPS FP32 / TF32 / BF16 dense, 2.0 TB/s
+    "h100-pcie": dict(name="H100 PCIe 80GB", fp32=36e12, tf32=260e12, bf16=530e12, fp16=530e12, half=2e9,
+                      memory=80e9, bandwidth=1.7e12, h2d=25e9, launch=4e-6, context=0.6e9),
 }
+_AZURE = "https://github.com/Azure/AI-benchmarking-guide/blob/main/Azure_Results/"
+_SPEC = {
+    "h100-sxm": {"url": "https://www.nvidia.com/en-us/data-center/h100/", "figure": "H100 SXM peak FP32/TF32/BF16"},
+    "h100-sxm-azure": {"url": _AZURE + "ND_H100_v5_results.md", "figure": "H100 HBM bandwidth 2.90 TB/s, host-device 51 GB/s"},
+    "a100-azure": {"url": _AZURE + "ND_A100_v4_results.md",
+                   "figure": "A100 FP16 GEMM 256.5/119.4 TFLOPS (16384^3/1024^3), HBM 1.61 TB/s"},
+    "h100-pcie": {"url": "https://www.nvidia.com/en-us/data-center/h100/", "figure": "H100 PCIe peak FP32/TF32/BF16, 2.0 TB/s"},
+    "rtx-5080": {"url": "https://www.nvidia.com/en-us/geforce/graphics-cards/50-series/rtx-5080/",
+                 "figure": "RTX 5080: 56.3 TFLOPS FP32, 960 GB/s, 16 GB"},
+    "rtx-4060": {"url": "https://www.nvidia.com/en-us/geforce/graphics-cards/40-series/rtx-4060-4060ti/",
+                 "figure": "RTX 4060: 15.1 TFLOPS FP32, 272 GB/s, 8 GB"},
+}
+
+
+def _link_sources(link: str) -> list:
+    """The published tables and anchors behind a fitted link (data/nccl_published.json)."""
+    from .allreduce_fit import load_published
+    doc = load_published()
+    chain = {"h100-ib-2x8": "h100-sxm-8", "h100-ethernet-2x8": "h100-sxm-8", "a100-ib-2x8": "a100-sxm-8",
+             "pcie-pair-p2p": "pcie-pair-no-p2p"}
+    names = {link, chain.get(link, link)}
+    out = [{"url": t["source"], "figure": f"allreduce table ({t['role']}): {t['system']}"}
+           for t in doc["tables"] if t["profile"] in names]
+    out += [{"url": a["source"], "figure": a["what"]} for a in doc["anchors"] if a["profile"] in names]
+    return out
+
+
+# Named profiles of real systems. 'link' names a fitted link in data/allreduce_fit.json.
 NAMED_PROFILES = {
-    # seed 001's machine: two PCIe GPUs whose traffic crosses the host bridge (no P2P)
-    "pcie-host-bridge": dict(gpu="rtx-4070-ti-super", link="PCIe through the host bridge", alpha=20e-6, busbw=5e9),
-    "pcie-p2p": dict(gpu="rtx-4070-ti-super", link="PCIe peer-to-peer", alpha=10e-6, busbw=20e9),
-    "nvlink": dict(gpu="a100-40gb", link="NVLink", alpha=8e-6, busbw=150e9),
-    "h100-nvswitch": dict(gpu="h100-sxm", link="NVLink 4 + NVSwitch", alpha=10e-6, busbw=380e9),
-    "cpu": dict(gpu=None, link="MPI over shared memory", alpha=5e-6, busbw=5e9),
+    "h100-sxm-8": dict(title="8x H100 SXM, NVLink 4 + NVSwitch (one node)", devices=["h100-sxm"] * 8,
+                       link="h100-sxm-8", gpus_per_node=8, specs=["h100-sxm", "h100-sxm-azure"]),
+    "a100-sxm-8": dict(title="8x A100 SXM4 80GB, NVLink 3 + NVSwitch (one node)", devices=["a100-80gb"] * 8,
+                       link="a100-sxm-8", gpus_per_node=8, specs=["a100-azure"]),
+    "h100-pcie-nvlink-2": dict(title="2x H100 PCIe with an NVLink bridge", devices=["h100-pcie"] * 2,
+                               link="h100-pcie-nvlink-2", gpus_per_node=2, specs=["h100-pcie"]),
+    "pcie-pair-no-p2p": dict(title="2 consumer GPUs on PCIe without peer-to-peer (RTX 4070 Ti SUPER pair)",
+                             devices=["rtx-4070-ti-super"] * 2, link="pcie-pair-no-p2p", gpus_per_node=2, specs=[]),
+    "pcie-pair-p2p": dict(title="2 consumer GPUs on PCIe with peer-to-peer (RTX 4070 Ti SUPER pair; link ASSUMED)",
+                          devices=["rtx-4070-ti-super"] * 2, link="pcie-pair-p2p", gpus_per_node=2, specs=[]),
+    "rtx5080-rtx4060": dict(title="the seeds' mixed pair: RTX 5080 + RTX 4060 on PCIe without peer-to-peer",
+                            devices=["rtx-5080", "rtx-4060"], link="pcie-pair-no-p2p", gpus_per_node=2,
+                            specs=["rtx-5080", "rtx-4060"]),
+    "h100-ib-2x8": dict(title="2 nodes x 8 H100 SXM, InfiniBand NDR (one 400G NIC per GPU)", devices=["h100-sxm"] * 16,
+                        link="h100-ib-2x8", gpus_per_node=8, specs=["h100-sxm", "h100-sxm-azure"]),
+    "a100-ib-2x8": dict(title="2 nodes x 8 A100 SXM4, InfiniBand HDR (8x 200G per node)", devices=["a100-80gb"] * 16,
+                        link="a100-ib-2x8", gpus_per_node=8, specs=["a100-azure"]),
+    "h100-ethernet-2x8": dict(title="2 nodes x 8 H100, Ethernet (GCP A3 Mega, GPUDirect-TCPXO)",
+                              devices=["h100-sxm"] * 16, link="h100-ethernet-2x8", gpus_per_node=8,
+                              specs=["h100-sxm", "h100-sxm-azure"]),
+    "cpu": dict(title="CPU ranks, MPI over shared memory (nominal)", devices=None, link=None, gpus_per_node=0, specs=[]),
 }
+# Names of v1 (round-number profiles) that keep working.
+PROFILE_ALIASES = {"pcie-host-bridge": "pcie-pair-no-p2p", "pcie-p2p": "pcie-pair-p2p", "nvlink": "a100-sxm-8",
+                   "h100-nvswitch": "h100-sxm-8"}
+
+
+def list_profiles() -> str:
+    lines = []
+    for name, spec in NAMED_PROFILES.items():
+        lines.append(f"{name:20s} {spec['title']}")
+        if spec["link"]:
+            for src in _link_sources(spec["link"]) + [_SPEC[k] for k in spec["specs"]]:
+                lines.append(f"{'':22s}- {src['figure']}: {src['url']}")
+    lines.append("aliases: " + ", ".join(f"{a} -> {b}" for a, b in PROFILE_ALIASES.items()))
+    return "\n".join(lines)
 
 
 def cache_dir() -> str:
@@ -63,27 +138,50 @@ def _gemm_dict(peak: float, half: float, measured=None) -> dict:
     return {"peak_flops": float(peak), "half_work_flops": float(half), "measured": measured or []}
 
 
-def named_profile(name: str, devices: int = 8) -> dict:
+def _fitted_link(link: str) -> dict:
+    from .allreduce_fit import load_fitted
+    links = load_fitted()["links"]
+    if link not in links:
+        raise ConfigError(f"no fitted allreduce parameters for link '{link}': run `python -m mgpu.allreduce_fit --refit`")
+    return links[link]
+
+
+def named_profile(name: str, devices: Optional[int] = None) -> dict:
+    name = PROFILE_ALIASES.get(name, name)
     if name not in NAMED_PROFILES:
-        raise ConfigError(f"unknown hardware profile '{name}' (expected one of {', '.join(NAMED_PROFILES)}, "
-                          "'calibrated', or a profile JSON path)")
+        raise ConfigError(f"unknown hardware profile '{name}' (expected one of {', '.join(NAMED_PROFILES)}, an alias "
+                          f"({', '.join(PROFILE_ALIASES)}), 'calibrated', or a profile JSON path; "
+                          "`mgpu recommend --list-profiles` lists them)")
     spec = NAMED_PROFILES[name]
-    if spec["gpu"] is None:
+    if spec["devices"] is None:
         device = {"name": "CPU core (AVX2/FMA, nominal)", "kind": "cpu", "fp32": _gemm_dict(90e9, 5e6),
                   "memory_bytes": 8e9, "memory_bandwidth": 15e9, "host_to_device_bandwidth": 0.0,
                   "launch_overhead_s": 1e-6, "context_bytes": 0.1e9}
-        overlap, buffers, overhead = False, 0.0, 2e-4
-    else:
-        g = _GPU_TYPES[spec["gpu"]]
-        device = {"name": g["name"], "kind": "cuda", "memory_bytes": g["memory"], "memory_bandwidth": g["bandwidth"],
-                  "host_to_device_bandwidth": g["h2d"], "launch_overhead_s": g["launch"], "context_bytes": g["context"],
-                  **{p: _gemm_dict(g[p], g["half"]) for p in PRECISIONS}}
-        overlap, buffers, overhead = True, 64e6, 1e-4
+        return {"format": PROFILE_FORMAT, "version": PROFILE_VERSION, "name": name, "source": "named",
+                "title": spec["title"], "sources": [],
+                "devices": [dict(device) for _ in range(max(1, devices or 8))],
+                "link": {"name": "MPI over shared memory (nominal)", "alpha_s": 5e-6, "bus_bandwidth": 5e9,
+                         "overlaps_compute": False, "buffer_bytes": 0.0},
+                "step_overhead_s": 2e-4, "model_error": 0.3}
+    entries = []
+    for key in spec["devices"]:
+        g = _GPU_TYPES[key]
+        entries.append({"name": g["name"], "kind": "cuda", "memory_bytes": g["memory"], "memory_bandwidth": g["bandwidth"],
+                        "host_to_device_bandwidth": g["h2d"], "launch_overhead_s": g["launch"],
+                        "context_bytes": g["context"],
+                        **{p: _gemm_dict(g[p], g["half"]) for p in PRECISIONS if p in g}})
+    fit = _fitted_link(spec["link"])
+    nccl = {"intra": fit["intra"], "gpus_per_node": spec["gpus_per_node"]}
+    if fit.get("inter"):
+        nccl["inter"] = fit["inter"]
+    ring = fit["intra"].get("ring_busbw") or fit["intra"].get("nvls_busbw")
     return {"format": PROFILE_FORMAT, "version": PROFILE_VERSION, "name": name, "source": "named",
-            "devices": [dict(device) for _ in range(max(1, devices))],
-            "link": {"name": spec["link"], "alpha_s": spec["alpha"], "bus_bandwidth": spec["busbw"],
-                     "overlaps_compute": overlap, "buffer_bytes": buffers},
-            "step_overhead_s": overhead, "model_error": 0.3}
+            "title": spec["title"], "gpus_per_node": spec["gpus_per_node"],
+            "sources": _link_sources(spec["link"]) + [_SPEC[k] for k in spec["specs"]],
+            "devices": entries,
+            "link": {"name": spec["title"], "alpha_s": 0.0, "bus_bandwidth": ring, "overlaps_compute": True,
+                     "buffer_bytes": 64e6, "nccl": nccl},
+            "step_overhead_s": 1e-4, "model_error": 0.3}
 
 
 def detected_profile(devices: Optional[int] = None) -> Optional[dict]:
@@ -146,7 +244,7 @@ def load_profile(path: str) -> dict:
     return profile
 
 
-def resolve_profile(spec: Optional[str], devices: int = 8) -> Optional[dict]:
+def resolve_profile(spec: Optional[str], devices: Optional[int] = None) -> Optional[dict]:
     """'auto' (calibrated, else detected, else None), 'calibrated', a named profile, or a path."""
     spec = spec or "auto"
     if spec == "auto":
@@ -157,7 +255,7 @@ def resolve_profile(spec: Optional[str], devices: int = 8) -> Optional[dict]:
         if not os.path.exists(default_profile_path()):
             raise ConfigError(f"no calibration at {default_profile_path()}: run `python -m mgpu topo` first")
         return load_profile(default_profile_path())
-    if spec in NAMED_PROFILES:
+    if spec in NAMED_PROFILES or spec in PROFILE_ALIASES:
         return named_profile(spec, devices)
     if spec.endswith(".json") or os.path.sep in spec:
         return load_profile(spec)
@@ -208,6 +306,11 @@ def to_core(profile: dict, devices: Optional[int] = None):
         link.step_sync_s = float(l.get("step_sync_s", 0.0))
         link.measured = sorted((float(b), float(t)) for b, t in l.get("measured", []) if b > 0 and t > 0)
         link.measured_devices = int(l.get("fitted_at_ranks", 0)) if link.measured else 0
+        if l.get("nccl"):
+            from .allreduce_fit import model_from_dict
+            link.intra = model_from_dict(l["nccl"]["intra"])
+            link.inter = model_from_dict(l["nccl"].get("inter"))
+            link.gpus_per_node = int(l["nccl"].get("gpus_per_node", 0))
         hw.link = link
         hw.step_overhead_s = float(profile.get("step_overhead_s", 0.0))
         hw.model_error = float(profile.get("model_error", 0.25))
@@ -271,34 +374,92 @@ def _as_dict(rec) -> dict:
             "params": int(rec.params)}
 
 
+# OpenMPI's allreduce collapses from >= 32 MB buffers on our CPU VMs (docs/benchmarks.md):
+# CPU buckets stay below that whatever the model prefers.
+CPU_MAX_BUCKET_BYTES = 16 * 2 ** 20
+
+
+def _candidate_counts(prof: Optional[dict], devices: Optional[Sequence[int]], nodes: Optional[int]) -> list:
+    """The device counts to compare: given, or 1 / one node / K nodes from the profile."""
+    per_node = int((prof or {}).get("gpus_per_node") or 0)
+    if nodes is not None:
+        if not isinstance(nodes, int) or nodes < 1:
+            raise ConfigError(f"--nodes must be an integer >= 1, got {nodes}")
+        if not per_node:
+            raise ConfigError("--nodes needs a profile that says how many GPUs a node holds "
+                              "(a named profile: `mgpu recommend --list-profiles`)")
+        if nodes > 1 and not (prof.get("link", {}).get("nccl") or {}).get("inter"):
+            multi = [n for n, s in NAMED_PROFILES.items() if s["link"] and "2x8" in n]
+            raise ConfigError(f"profile '{prof['name']}' has no inter-node link; for {nodes} nodes use one of "
+                              f"{', '.join(multi)}")
+        if devices is None:
+            return sorted({1, per_node, nodes * per_node})
+    if devices is None:
+        return [1, per_node] if per_node > 1 else [1, 2]
+    return sorted({int(n) for n in devices})
+
+
+def auto_bucket(prof: dict, w, devices: int, options=None) -> dict:
+    """The bucket size the model prefers on `devices` of the profile (capped on CPUs)."""
+    hw = to_core(prof, devices)
+    cpu = hw.devices[0].kind == "cpu"
+    choice = P.choose_bucket(w, hw, devices, options or P.Options(), CPU_MAX_BUCKET_BYTES if cpu else 0.0)
+    return {"bucket_mb": choice.bucket_elems * 4 / 2 ** 20, "exposed_allreduce_ms": choice.exposed_comm_s * 1e3,
+            "allreduce_ms": choice.comm_s * 1e3, "reason": choice.reason + (
+                f" (CPU: capped below OpenMPI's >= 32 MB slow path)" if cpu else "")}
+
+
 def recommend(*, model: Optional[str] = None, layers: Optional[Sequence[int]] = None, params: Optional[int] = None,
-              batch_size: int, devices: Sequence[int] = (1, 2), profile=None, precision: str = "fp32",
-              optimizer: str = "adamw", bucket_mb: float = 4.0, memory_margin: float = 0.8,
-              price_per_device_hour: float = 0.0, dropout: Optional[float] = None, grad_dtype: str = "fp32") -> dict:
+              batch_size: int, devices: Optional[Sequence[int]] = None, profile=None, precision: str = "fp32",
+              optimizer: str = "adamw", bucket_mb=4.0, memory_margin: float = 0.8,
+              price_per_device_hour: float = 0.0, dropout: Optional[float] = None, grad_dtype: str = "fp32",
+              nodes: Optional[int] = None) -> dict:
     """Single device or several, how many, and why, for a model and global batch.
 
     profile: None/'auto', 'calibrated', a named profile, a JSON path, or a
-    profile dict. Returns a dict: strategy (single_gpu | multi_gpu |
+    profile dict. devices: candidate counts (default: 1 and the profile's GPUs
+    per node, plus nodes x that with `nodes`). bucket_mb: MB or 'auto' (the
+    model's choice). Returns a dict: strategy (single_gpu | multi_gpu |
     benchmark_required | does_not_fit), devices, candidates (per count:
     predicted_step_ms, predicted_speedup, efficiency, memory_fits, ...),
-    break_even_batch, reasons, confidence, roi, fallback, profile.
+    break_even_batch, reasons, confidence, roi, fallback, profile, bucket.
     """
-    counts = sorted({int(n) for n in devices})
-    if not counts or counts[0] < 1:
-        raise ConfigError(f"device counts must be integers >= 1, got {list(devices)}")
+    if devices is not None:
+        counts = sorted({int(n) for n in devices})
+        if not counts or counts[0] < 1:
+            raise ConfigError(f"device counts must be integers >= 1, got {list(devices)}")
     if optimizer not in ("sgd", "adamw"):
         raise ConfigError(f"unknown optimizer '{optimizer}' (expected sgd or adamw)")
-    w = _workload(model, layers, params, batch_size, precision, optimizer, bucket_mb, dropout, grad_dtype)
+    auto = bucket_mb == "auto"
+    w = _workload(model, layers, params, batch_size, precision, optimizer, 4.0 if auto else bucket_mb, dropout,
+                  grad_dtype)
+    prof = profile if isinstance(profile, dict) else resolve_profile(profile, None)
+    counts = _candidate_counts(prof, devices, nodes)
+    if counts[0] < 1:
+        raise ConfigError(f"device counts must be integers >= 1, got {counts}")
     options = P.Options()
     options.candidates, options.memory_margin = counts, memory_margin
     options.price_per_device_hour = price_per_device_hour
-    prof = profile if isinstance(profile, dict) else resolve_profile(profile, counts[-1])
     if prof is None:
-        return _as_dict(P.recommend_by_thresholds(w, options))
+        return {**_as_dict(P.recommend_by_thresholds(w, options)), "bucket": None}
+    if not isinstance(profile, dict) and (profile in NAMED_PROFILES or profile in PROFILE_ALIASES):
+        prof = named_profile(profile, counts[-1])
     hw = to_core(prof, counts[-1])
     if len(hw.devices) < counts[-1]:
         raise ConfigError(f"profile '{hw.name}' has {len(hw.devices)} device(s); cannot predict {counts[-1]}")
-    return _as_dict(P.recommend(w, hw, options))
+    rec = P.recommend(w, hw, options)
+    bucket = None
+    multi = [c for c in rec.candidates if c.devices > 1 and c.memory_fits]
+    if multi:  # the bucket for the fastest multi-device candidate
+        bucket = auto_bucket(prof, w, min(multi, key=lambda c: c.step_s).devices, options)
+        if auto:
+            w.bucket_elems = max(1, int(bucket["bucket_mb"] * 2 ** 20 / 4))
+            rec = P.recommend(w, hw, options)
+    result = _as_dict(rec)
+    result["bucket"] = bucket
+    result["bucket_mb_used"] = w.bucket_elems * 4 / 2 ** 20
+    result["sources"] = prof.get("sources", [])
+    return result
 
 
 def format_recommendation(r: dict) -> str:
@@ -317,6 +478,10 @@ def format_recommendation(r: dict) -> str:
     lines += [f"- {reason}" for reason in r["reasons"]]
     if r.get("roi"):
         lines.append(f"ROI: {r['roi']}")
+    if r.get("bucket"):
+        b = r["bucket"]
+        lines.append(f"bucket: {b['bucket_mb']:g} MiB minimises the exposed allreduce ({b['reason']}); "
+                     f"`train --bucket-mb auto` uses it")
     return "\n".join(lines)
 
 
@@ -327,20 +492,25 @@ def add_parser(sub) -> None:
                        description="Predict step time on 1..N devices from a hardware profile and recommend a "
                                    "strategy, with reasons.")
     m = r.add_mutually_exclusive_group(required=True)
+    m.add_argument("--list-profiles", action="store_true", help="list the named profiles with their sources")
     m.add_argument("--model", choices=sorted(PRESETS))
     m.add_argument("--layers", type=int_list("layer sizes"), help="in,h1,...,out")
     m.add_argument("--params", type=float, help="only a parameter count (e.g. 7e6)")
-    r.add_argument("--batch-size", type=int, required=True, help="global batch size")
-    r.add_argument("--devices", type=int_list("device counts", distinct=True), default=[1, 2],
-                   help="candidate device counts, each once (default 1,2)")
+    r.add_argument("--batch-size", type=int, default=None, help="global batch size (required with a model)")
+    r.add_argument("--devices", type=int_list("device counts", distinct=True), default=None,
+                   help="candidate device counts, each once (default: 1 and the profile's GPUs per node, else 1,2)")
+    r.add_argument("--nodes", type=int, default=None,
+                   help="also predict this many nodes of the profile's GPUs per node (candidates 1 GPU, 1 node, "
+                        "K nodes)")
     r.add_argument("--profile", default="auto",
-                   help=f"auto | calibrated | {' | '.join(NAMED_PROFILES)} | PATH.json (default auto: the calibration "
+                   help=f"auto | calibrated | NAME (--list-profiles) | PATH.json (default auto: the calibration "
                         "from `mgpu topo`, else the visible GPUs, else seed 001's thresholds)")
     r.add_argument("--precision", choices=PRECISIONS, default="fp32")
     r.add_argument("--optimizer", choices=("sgd", "adamw"), default="adamw")
     r.add_argument("--grad-dtype", choices=GRAD_DTYPES, default="fp32",
                    help="type the gradients travel in: bf16/fp16 halve the allreduce (NCCL; default fp32)")
-    r.add_argument("--bucket-mb", type=float, default=4.0)
+    r.add_argument("--bucket-mb", type=_bucket_mb, default=4.0,
+                   help="gradient bucket size in MB, or 'auto' (the model's choice; printed either way)")
     r.add_argument("--dropout", type=float, default=None, help="default: the preset's, 0 otherwise")
     r.add_argument("--memory-margin", type=float, default=0.8, help="usable fraction of device memory")
     r.add_argument("--price", type=float, default=0.0, metavar="PER_DEVICE_HOUR",
@@ -348,8 +518,28 @@ def add_parser(sub) -> None:
     r.add_argument("--json", metavar="PATH", help="write the recommendation as JSON")
 
 
+def _bucket_mb(text: str):
+    """--bucket-mb: 'auto' or a positive number of MB."""
+    import argparse
+    if text == "auto":
+        return "auto"
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of MB or 'auto', got '{text}'") from None
+    if not (v > 0 and v < float("inf")):
+        raise argparse.ArgumentTypeError(f"bucket size must be > 0 MB, got {text}")
+    return v
+
+
 def cmd_recommend(a, pg) -> int:
     from .cliutil import check_output_path, write_json_atomic
+    if a.list_profiles:
+        if pg.is_root:
+            print(list_profiles())
+        return 0
+    if a.batch_size is None:
+        raise ConfigError("recommend needs --batch-size (the global batch)")
     if a.json:
         check_output_path(a.json, "--json")
     if not (0 < a.memory_margin <= 1):
@@ -364,7 +554,7 @@ def cmd_recommend(a, pg) -> int:
     result = recommend(model=a.model, layers=a.layers, params=params, batch_size=a.batch_size, devices=a.devices,
                        profile=a.profile, precision=a.precision, optimizer=a.optimizer, bucket_mb=a.bucket_mb,
                        memory_margin=a.memory_margin, price_per_device_hour=a.price, dropout=a.dropout,
-                       grad_dtype=a.grad_dtype)
+                       grad_dtype=a.grad_dtype, nodes=a.nodes)
     if pg.is_root:
         print(format_recommendation(result))
         if a.json:

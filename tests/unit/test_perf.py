@@ -92,15 +92,28 @@ def test_overlap_hides_allreduce_behind_backward():
 
 
 def test_gain_within_the_model_error_asks_for_a_benchmark():
-    # pick a link speed at which two devices are predicted within +-10% of one
+    # pick a link speed at which two devices are predicted within the relative +-10% band of 1.0x
     for busbw in [10 ** (k / 4) for k in range(28, 48)]:
         r = perf.recommend(layers=[512, 2048, 2048, 10], batch_size=512, devices=[1, 2],
                            profile=profile([device()] * 2, alpha=1e-5, busbw=busbw, error=0.1))
-        if 0.9 <= r["candidates"][1]["predicted_speedup"] <= 1.1:
+        if 1 / 1.1 < r["candidates"][1]["predicted_speedup"] < 1 / 0.9:
             assert r["strategy"] == "benchmark_required"
             assert any("within the model's error" in reason for reason in r["reasons"])
             return
     pytest.fail("no link speed gave a marginal gain")
+
+
+def test_a_slowdown_whose_whole_error_band_is_below_one_is_a_clear_single():
+    # issue 13 item 6: 0.81x with +-20% tops out at 0.97x: one device, not benchmark_required
+    for busbw in [10 ** (k / 16) for k in range(112, 192)]:
+        r = perf.recommend(layers=[512, 2048, 2048, 10], batch_size=512, devices=[1, 2],
+                           profile=profile([device()] * 2, alpha=1e-5, busbw=busbw, error=0.2))
+        s = r["candidates"][1]["predicted_speedup"]
+        if 0.75 < s < 0.82:
+            assert s * 1.2 < 1.0 and r["strategy"] == "single_gpu" and r["devices"] == 1
+            assert any("one device is faster" in reason for reason in r["reasons"])
+            return
+    pytest.fail("no link speed gave a 0.75-0.82x slowdown")
 
 
 def test_memory_decides_when_one_device_cannot_hold_the_batch():
@@ -162,16 +175,17 @@ def test_without_any_profile_the_seed_thresholds_answer(params, batch, strategy,
 
 @pytest.mark.parametrize("name", sorted(perf.NAMED_PROFILES))
 def test_named_profiles_predict_every_preset(name):
+    per_node = perf.NAMED_PROFILES[name]["gpus_per_node"]
     for model, batch in (("medium", 256), ("large", 1024), ("xl", 2048)):
-        r = perf.recommend(model=model, batch_size=batch, devices=[1, 2, 4], profile=name)
+        r = perf.recommend(model=model, batch_size=batch, profile=name)
         assert r["strategy"] in ("single_gpu", "multi_gpu", "benchmark_required", "does_not_fit")
-        assert [c["devices"] for c in r["candidates"]] == [1, 2, 4]
+        assert [c["devices"] for c in r["candidates"]] == [1, per_node if per_node > 1 else 2]
         assert all(c["predicted_step_ms"] > 0 and math.isfinite(c["predicted_speedup"]) for c in r["candidates"])
         assert r["profile_source"] == "named"
 
 
 def test_faster_interconnects_never_predict_slower_steps():
-    steps = {n: perf.recommend(model="xl", batch_size=2048, devices=[1, 4], profile=n)["candidates"][1]
+    steps = {n: perf.recommend(model="xl", batch_size=2048, devices=[1, 2], profile=n)["candidates"][1]
              for n in ("pcie-host-bridge", "pcie-p2p")}
     assert steps["pcie-p2p"]["allreduce_ms"] < steps["pcie-host-bridge"]["allreduce_ms"]
     assert steps["pcie-p2p"]["predicted_step_ms"] <= steps["pcie-host-bridge"]["predicted_step_ms"]
