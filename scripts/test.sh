@@ -9,6 +9,8 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 MGPU_SETUP_TORCH_PEER=1 bash scripts/setup.sh  # the tests run the PyTorch peer too
 source scripts/mpi_env.sh
+# The slower multi-host fault cases too (tests/cluster, ~1 min more); MGPU_CLUSTER_SLOW=0 leaves them out.
+export MGPU_CLUSTER_SLOW="${MGPU_CLUSTER_SLOW:-1}"
 for arg in "$@"; do
   # A path (file, directory or node id) among the arguments: run just that.
   if [[ "$arg" != -* && -e "${arg%%::*}" ]]; then

@@ -150,7 +150,7 @@ void bind_perf(py::module_& m) {
   using namespace perf;
   auto pm = m.def_submodule("perf", "The performance model and strategy selector.");
   py::class_<GemmRate>(pm, "GemmRate")
-      .def(py::init([](double peak, double half) { return GemmRate{peak, half}; }), py::arg("peak_flops") = 0.0,
+      .def(py::init([](double peak, double half) { return GemmRate{peak, half, {}}; }), py::arg("peak_flops") = 0.0,
            py::arg("half_work_flops") = 0.0)
       .def_readwrite("peak_flops", &GemmRate::peak_flops)
       .def_readwrite("half_work_flops", &GemmRate::half_work_flops)

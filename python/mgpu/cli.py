@@ -158,11 +158,11 @@ def _bucket_mb_arg(text: str):
 
 
 def _auto_bucket_mb(cfg, pg, sizes) -> tuple:
-    """(MB, note): the model's bucket for this model and rank count on this machine's calibration."""
+    """(MB, note or None): the model's bucket for this model and rank count on this machine's calibration."""
     from . import perf
     path = perf.default_profile_path()
     if pg.size < 2:
-        return 4.0, "bucket 4 MB (one rank: no allreduce)"
+        return 4.0, None  # one rank: no allreduce, nothing to say
     if not os.path.exists(path):
         return 4.0, "bucket 4 MB: --bucket-mb auto found no calibration (run `mgpu topo`)"
     profile = perf.load_profile(path)
@@ -325,7 +325,7 @@ def cmd_train(a, pg) -> int:
             a.bucket_mb = "auto" if os.path.exists(default_profile_path()) else 4.0
         if a.bucket_mb == "auto":
             a.bucket_mb, bucket_note = _auto_bucket_mb(cfg, pg, sizes)
-            if pg.is_root:
+            if pg.is_root and bucket_note:
                 print(bucket_note, flush=True)
         if len(data.x_train) < pg.size:
             raise DataError(f"dataset has {len(data.x_train)} training samples, fewer than the {pg.size} ranks")
