@@ -47,6 +47,8 @@ MpiCommunicator::MpiCommunicator(uintptr_t handle) {
   check(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler");
   check(MPI_Comm_set_errhandler(heartbeat_comm_, MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler");
   check(MPI_Comm_rank(comm_, &rank_), "MPI_Comm_rank");
+  int level = MPI_THREAD_SINGLE;
+  thread_multiple_ = MPI_Query_thread(&level) == MPI_SUCCESS && level == MPI_THREAD_MULTIPLE;
   check(MPI_Comm_size(comm_, &size_), "MPI_Comm_size");
 
   for (int r = 0; r < size_; ++r)
@@ -64,6 +66,18 @@ MpiCommunicator::MpiCommunicator(uintptr_t handle) {
 MpiCommunicator::~MpiCommunicator() {
   int finalized = 0;
   MPI_Finalized(&finalized);
+  if (worker_.joinable()) {
+    if (broken_) {
+      worker_.detach();  // it may wait in MPI_Allreduce forever: the job is ending
+    } else {
+      {
+        std::lock_guard<std::mutex> lock(worker_mutex_);
+        worker_stop_ = true;
+      }
+      worker_cv_.notify_all();
+      worker_.join();
+    }
+  }
   // After a timeout, collectives may never complete: leave them (the job is ending).
   if (finalized || broken_) return;
   if (!pending_.empty()) MPI_Waitall(static_cast<int>(pending_.size()), pending_.data(), MPI_STATUSES_IGNORE);
@@ -128,10 +142,7 @@ void MpiCommunicator::fail_timeout(const char* what, double silence) {
   throw CommError(msg.str());
 }
 
-bool MpiCommunicator::heartbeat_from_any_thread() const {
-  int level = MPI_THREAD_SINGLE;
-  return MPI_Query_thread(&level) == MPI_SUCCESS && level == MPI_THREAD_MULTIPLE;
-}
+bool MpiCommunicator::heartbeat_from_any_thread() const { return thread_multiple_; }
 
 void MpiCommunicator::heartbeat() {
   send_heartbeat();
@@ -203,6 +214,10 @@ void MpiCommunicator::send_heartbeat() {
 
 void MpiCommunicator::allreduce_sum(float* data, size_t count) {
   ensure_usable();
+  if (timeout_seconds_ > 0.0 && thread_multiple_) {
+    allreduce_on_worker(data, count);
+    return;
+  }
   if (timeout_seconds_ <= 0.0) {
     for (size_t done = 0; done < count; done += kMaxChunk) {
       const int n = static_cast<int>(std::min(kMaxChunk, count - done));
@@ -218,6 +233,58 @@ void MpiCommunicator::allreduce_sum(float* data, size_t count) {
           "MPI_Iallreduce");
   }
   wait(requests, "allreduce");
+}
+
+void MpiCommunicator::worker_loop() {
+  std::unique_lock<std::mutex> lock(worker_mutex_);
+  for (;;) {
+    worker_cv_.wait(lock, [this] { return job_pending_ || worker_stop_; });
+    if (worker_stop_) return;
+    job_pending_ = false;
+    float* data = job_data_;
+    const size_t count = job_count_;
+    lock.unlock();
+    int rc = MPI_SUCCESS;
+    for (size_t done = 0; done < count && rc == MPI_SUCCESS; done += kMaxChunk) {
+      const int n = static_cast<int>(std::min(kMaxChunk, count - done));
+      rc = MPI_Allreduce(MPI_IN_PLACE, data + done, n, MPI_FLOAT, MPI_SUM, comm_);
+    }
+    lock.lock();
+    job_rc_ = rc;
+    job_done_ = true;
+    worker_cv_.notify_all();
+  }
+}
+
+void MpiCommunicator::allreduce_on_worker(float* data, size_t count) {
+  std::unique_lock<std::mutex> lock(worker_mutex_);
+  if (!worker_.joinable()) worker_ = std::thread([this] { worker_loop(); });
+  job_data_ = data;
+  job_count_ = count;
+  job_done_ = false;
+  job_pending_ = true;
+  worker_cv_.notify_all();
+  // Blocked, not spinning: the worker (and a peer rank on the same cores) needs the CPU.
+  const double beat_interval = std::min(1.0, timeout_seconds_ / 4);
+  const double deadline = now_seconds() + timeout_seconds_;
+  while (!job_done_) {
+    const double now = now_seconds();
+    if (now > deadline) {
+      lock.unlock();
+      fail_timeout("allreduce", 2.5 * beat_interval);
+    }
+    const double wake = std::min(deadline, now + beat_interval);
+    worker_cv_.wait_for(lock, std::chrono::duration<double>(wake - now), [this] { return job_done_; });
+    if (!job_done_) {  // still waiting: tell the peers this rank is alive, read theirs
+      lock.unlock();
+      send_heartbeat();
+      drain_heartbeats();
+      lock.lock();
+    }
+  }
+  const int rc = job_rc_;
+  lock.unlock();
+  check(rc, "MPI_Allreduce");
 }
 
 void MpiCommunicator::broadcast(float* data, size_t count, int root) {

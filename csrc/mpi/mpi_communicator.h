@@ -13,8 +13,11 @@
 #pragma once
 #include <mpi.h>
 
+#include <condition_variable>
 #include <cstdint>
+#include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "../core/communicator.h"
@@ -46,6 +49,13 @@ class MpiCommunicator final : public Communicator {
 
  private:
   void ensure_usable() const;
+  // allreduce_sum under a deadline: the blocking MPI_Allreduce runs on worker_ while
+  // this thread waits for it against the deadline, sending heartbeats. OpenMPI 4.1's
+  // MPI_Iallreduce (libnbc) ran 2.2-3.7x slower than MPI_Allreduce at 1-8 MB on our
+  // machines (docs/benchmarks.md), whether tested in a loop or waited on. Needs
+  // MPI_THREAD_MULTIPLE; the caller waits, so comm_ never sees two collectives at once.
+  void allreduce_on_worker(float* data, size_t count);
+  void worker_loop();
   // Completes `requests` (cleared on return) or throws CommError after the timeout.
   void wait(std::vector<MPI_Request>& requests, const char* what);
   [[noreturn]] void fail_timeout(const char* what, double silence);
@@ -59,6 +69,15 @@ class MpiCommunicator final : public Communicator {
   int rank_ = 0, size_ = 1;
   bool broken_ = false;  // a wait timed out: requests may still be in flight
   std::vector<MPI_Request> pending_;
+  bool thread_multiple_ = false;
+
+  std::thread worker_;  // started on first use
+  std::mutex worker_mutex_;
+  std::condition_variable worker_cv_;
+  float* job_data_ = nullptr;  // the job handed to worker_ (guarded by worker_mutex_)
+  size_t job_count_ = 0;
+  bool job_pending_ = false, job_done_ = false, worker_stop_ = false;
+  int job_rc_ = MPI_SUCCESS;
 
   std::vector<int> watched_;                 // peers exchanging heartbeats with this rank
   std::vector<uint64_t> heard_;              // last sequence number heard from watched_[i]

@@ -6,6 +6,12 @@ drives training, benchmarks and the CLI (``python -m mgpu --help``).
 import os as _os
 import sys as _sys
 
+# libgomp reads its wait policy once, when it loads (with the core, below). Its default
+# spins idle OpenMP workers for milliseconds, on the very cores OpenBLAS's own threads
+# then compute on: a 2-thread step ran at 1.2x one thread instead of 1.9x
+# (docs/benchmarks.md). A setting of the user's stands.
+_os.environ.setdefault("OMP_WAIT_POLICY", "passive")
+
 if _os.environ.get("MGPU_EMULATE_GPU", "").strip() not in ("", "0"):
     # MGPU_EMULATE_GPU=N: the CUDA code runs on N emulated GPUs on the CPU
     # (emulation/README.md). The emulation build of the core replaces _core for
