@@ -34,6 +34,10 @@ def test_topo_measures_devices_and_a_bit_exact_allreduce_sweep(calibration):
     assert rows[0]["bytes"] == 4 and rows[-1]["bytes"] == 1 << 20
     assert all(row["wrong"] == 0 for row in rows)
     assert rows[-1]["raw_mpi_busbw_GBps"] > 0 and rows[-1]["vs_raw_mpi"] > 0  # held against bare MPI_Allreduce
+    assert rows[-1]["deadline_busbw_GBps"] > 0  # and timed as training calls it (with a watchdog deadline)
+    # one node: one link; tests/cluster measures two hosts' links apart
+    assert profile["nodes"] is None and profile["gpus_per_node"] == 0 and "nccl" not in profile["link"]
+    assert "one node: no inter-node link to measure" in r.stdout
     for row in rows:  # busbw = algbw x 2(n-1)/n with n = 2
         assert row["busbw_GBps"] == pytest.approx(row["algbw_GBps"])
         assert row["algbw_GBps"] == pytest.approx(row["bytes"] / (row["time_us"] * 1e-6) / 1e9, rel=1e-6)

@@ -18,6 +18,8 @@ import platform
 import socket
 import time
 
+from typing import Optional
+
 import numpy as np
 
 from . import __version__, _core
@@ -223,6 +225,63 @@ def fit_link(rows: list, n: int) -> dict:
             "measured": [[r["bytes"], r["time_us"] * 1e-6] for r in rows]}
 
 
+def ring_model(fit: dict) -> dict:
+    """An alpha-beta fit (fit_link) as the selector's NCCL-shaped CollectiveModel
+    (perf_model.h): one algorithm, the ring, with one protocol."""
+    return {"latency_s": [0.0, 0.0, 0.0], "hop_s": [0.0, 0.0, fit["alpha_s"]], "bw_fraction": [0.0, 0.0, 1.0],
+            "ring_busbw": fit["bus_bandwidth"]}
+
+
+def hierarchical_link(intra: dict, inter: dict, per_node: int) -> dict:
+    """The selector's two-level link (perf_model.h LinkProfile: intra and inter) from the
+    fits of the within-node and between-node sweeps."""
+    return {"intra": ring_model(intra), "inter": ring_model(inter), "gpus_per_node": per_node}
+
+
+def node_sweeps(pg, backend, max_bytes: int, quick: bool) -> Optional[dict]:
+    """Collective. On several nodes: the allreduce within each node (every node at once; the
+    slowest counts) and between the nodes (one rank each), swept and fitted apart, since
+    they are different links; None on one node. Ranks left out of the between-node
+    sweep wait sleeping, so they do not take the cores of the ranks that measure."""
+    from .process_group import ProcessGroup
+    MPI = pg._mpi
+    nodes = len(dict.fromkeys(pg.hosts))
+    if nodes < 2 or MPI is None:
+        return None
+    sizes = pg.comm.allgather(pg.local_size)
+    if len(set(sizes)) != 1:
+        raise ConfigError(f"topo across nodes needs the same number of ranks on every node, got {sizes} "
+                          "(by rank): use --map-by ppr:N:node or a hostfile with equal slots")
+    node_pg = ProcessGroup(comm=pg.comm.Split_type(MPI.COMM_TYPE_SHARED, key=pg.rank))
+    intra_rows = allreduce_sweep(node_pg, node_pg.communicator(), backend, max_bytes, quick) \
+        if node_pg.size > 1 else []
+    n = node_pg.size
+    for r in intra_rows:  # the slowest node's time (and any node's wrong elements) count
+        r["time_us"] = pg.allreduce(r["time_us"], op="max")
+        r["wrong"] = pg.allreduce(r["wrong"], op="max")
+        r["algbw_GBps"] = r["bytes"] / (r["time_us"] * 1e-6) / 1e9
+        r["busbw_GBps"] = r["algbw_GBps"] * 2 * (n - 1) / n
+    leaders = pg.comm.Split(0 if pg.local_rank == 0 else MPI.UNDEFINED, key=pg.rank)
+    inter_rows = []
+    if leaders != MPI.COMM_NULL:
+        lead_pg = ProcessGroup(comm=leaders)
+        inter_rows = allreduce_sweep(lead_pg, lead_pg.communicator(), backend, max_bytes, quick)
+        lead_pg.close()
+    done = pg.comm.Ibarrier()
+    while not done.Test():
+        time.sleep(0.002)
+    inter_rows = pg.bcast(inter_rows)
+    node_pg.close()
+    node_pg.comm.Free()
+    if leaders != MPI.COMM_NULL:
+        leaders.Free()
+    per_node = sizes[0]
+    intra = fit_link(intra_rows, per_node) if intra_rows else None
+    inter = fit_link(inter_rows, nodes)
+    return {"nodes": nodes, "ranks_per_node": per_node, "intra": intra, "inter": inter,
+            "intra_allreduce": intra_rows, "inter_allreduce": inter_rows}
+
+
 def _step_seconds(pg, sizes, dropout, batch, device, device_index, threads, steps) -> float:
     """Median wall time of a training step of an MLP on this process group."""
     from .data import local_slice
@@ -292,7 +351,7 @@ def run_topo(pg, *, device: str = "auto", threads=None, max_bytes: int = 256 * M
     entry["step_overhead_s"] = measure_step_overhead(device, device_index, threads)
     entry["dropout_s_per_unit"] = measure_dropout_cost(device, device_index, threads, quick)
     kind = comm_kind if comm_kind != "auto" else ("nccl" if device == "cuda" and pg.size > 1 else "mpi")
-    rows, link = [], None
+    rows, link, levels = [], None, None
     if pg.size > 1:
         comm = pg.communicator(kind, device_index) if kind == "nccl" else pg.communicator()
         rows = allreduce_sweep(pg, comm, backend, max_bytes, quick)
@@ -300,6 +359,10 @@ def run_topo(pg, *, device: str = "auto", threads=None, max_bytes: int = 256 * M
         link.update(name=f"{comm.name} ({pg.size} ranks)", overlaps_compute=(kind == "nccl"),
                     buffer_bytes=64e6 if kind == "nccl" else 0.0,
                     step_sync_s=measure_step_sync(pg, device, device_index, threads))
+        if kind == "mpi":  # (NCCL between nodes: not measurable here, and not modelled from a sweep)
+            levels = node_sweeps(pg, backend, max_bytes, quick)
+        if levels is not None and levels["intra"] is not None:
+            link["nccl"] = hierarchical_link(levels["intra"], levels["inter"], levels["ranks_per_node"])
         pg.close()
     entries = pg.comm.gather(entry, root=0) if pg.comm is not None else [entry]
     if not pg.is_root:
@@ -312,7 +375,8 @@ def run_topo(pg, *, device: str = "auto", threads=None, max_bytes: int = 256 * M
         "format": PROFILE_FORMAT, "version": PROFILE_VERSION, "source": "calibrated",
         "name": f"calibrated: {socket.gethostname()} ({pg.size} x {device})",
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "mgpu_version": __version__,
-        "devices": entries, "link": link, "allreduce": rows,
+        "devices": entries, "link": link, "allreduce": rows, "nodes": levels,
+        "gpus_per_node": levels["ranks_per_node"] if levels else 0,
         "step_overhead_s": max(e["step_overhead_s"] for e in entries),
         "model_error": 0.15,
         "environment": {"openblas_coretype": os.environ.get("OPENBLAS_CORETYPE"), "world_size": pg.size,
@@ -349,6 +413,23 @@ def format_topo(profile: dict) -> str:
                      f"per ring step, busbw {link['bus_bandwidth'] / 1e9:.2f} GB/s "
                      f"(median error {link['fit_median_rel_error']:.0%}); a step on {profile['environment']['world_size']} "
                      f"ranks costs {link['step_sync_s'] * 1e6:.0f} us more than alone (latency, skew)")
+        levels = profile.get("nodes")
+        if levels:
+            for level, ranks in (("intra", levels["ranks_per_node"]), ("inter", levels["nodes"])):
+                fit = levels[level]
+                if fit is None:
+                    lines.append("  within a node: 1 rank per node, nothing to measure")
+                    continue
+                what = "within each node" if level == "intra" else "between the nodes (one rank each)"
+                lines.append(f"  {what}, {ranks} ranks: alpha {fit['alpha_s'] * 1e6:.2f} us per ring step, busbw "
+                             f"{fit['bus_bandwidth'] / 1e9:.2f} GB/s (fit over {fit['fit_bytes'][0]:,}-"
+                             f"{fit['fit_bytes'][1]:,} B, median error {fit['fit_median_rel_error']:.0%})")
+            if "nccl" in link:
+                lines.append(f"  the selector models {levels['nodes']} nodes x {levels['ranks_per_node']} ranks from "
+                             "these two links (recommend --nodes)")
+        elif link.get("measured") and profile["environment"].get("communicator") == "mpi":
+            lines.append("  one node: no inter-node link to measure (run topo under mpirun across hosts "
+                         "with a hostfile)")
     else:
         lines.append("  allreduce: 1 rank, nothing to measure (run under mpirun -np N)")
     return "\n".join(lines)

@@ -97,6 +97,32 @@ def test_two_hosts_equal_one_rank_and_only_rank_0_touches_checkpoints(cluster, t
     assert_close(params_of(tmp_path / "one.npz"), params_of(tmp_path / "resumed.npz"))
 
 
+def test_topo_measures_the_links_within_and_between_hosts_apart(cluster, tmp_path):
+    """topo on 2 hosts x 2 ranks: besides the whole world's sweep, one within each host
+    (both hosts at once) and one between the hosts (a rank each), both bit exact, fitted
+    apart and handed to the selector as its two-level link (recommend --nodes)."""
+    out = tmp_path / "profile.json"
+    run = ClusterRun(cluster, 4, [*MGPU, "topo", "--quick", "--max-mb", "1", "--out", out], tmp_path, "topo")
+    assert run.wait(300) == 0, run.stderr[-3000:]
+    profile = json.loads(out.read_text())
+    levels = profile["nodes"]
+    assert levels["nodes"] == 2 and levels["ranks_per_node"] == 2 and profile["gpus_per_node"] == 2
+    for level in ("intra", "inter"):
+        rows = levels[f"{level}_allreduce"]
+        assert rows and rows[-1]["bytes"] == 1 << 20 and all(r["wrong"] == 0 for r in rows)
+        assert levels[level]["bus_bandwidth"] > 0 and levels[level]["alpha_s"] >= 0
+    # (no claim on which level is faster: 4 ranks on this machine's 2 cores time the
+    # within-host sweep oversubscribed, the between-host one with the other ranks asleep)
+    nccl = profile["link"]["nccl"]
+    assert nccl["gpus_per_node"] == 2
+    assert nccl["intra"]["ring_busbw"] == levels["intra"]["bus_bandwidth"]
+    assert nccl["inter"]["ring_busbw"] == levels["inter"]["bus_bandwidth"]
+    assert "between the nodes (one rank each)" in run.stdout and "within each node" in run.stdout
+    r = run_cli(["recommend", "--layers", "50,256,256,3", "--batch-size", "256", "--profile", out, "--nodes", "2"])
+    assert r.returncode == 0, r.stderr
+    assert "4" in r.stdout  # 2 nodes x 2 ranks among the candidates
+
+
 # --- faults -------------------------------------------------------------------------------
 class Fault:
     """A long 2x2 run checkpointing every 10 steps to host 0's disk; `inject` happens after
