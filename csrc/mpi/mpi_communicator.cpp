@@ -67,16 +67,15 @@ MpiCommunicator::~MpiCommunicator() {
   int finalized = 0;
   MPI_Finalized(&finalized);
   if (worker_.joinable()) {
-    if (broken_) {
-      worker_.detach();  // it may wait in MPI_Allreduce forever: the job is ending
-    } else {
-      {
-        std::lock_guard<std::mutex> lock(worker_mutex_);
-        worker_stop_ = true;
-      }
-      worker_cv_.notify_all();
-      worker_.join();
+    {
+      std::lock_guard<std::mutex> lock(worker_state_->m);
+      worker_state_->stop = true;
     }
+    worker_state_->cv.notify_all();
+    if (broken_)
+      worker_.detach();  // it may wait in MPI_Allreduce forever (comm_ is never freed then)
+    else
+      worker_.join();
   }
   // After a timeout, collectives may never complete: leave them (the job is ending).
   if (finalized || broken_) return;
@@ -235,54 +234,60 @@ void MpiCommunicator::allreduce_sum(float* data, size_t count) {
   wait(requests, "allreduce");
 }
 
-void MpiCommunicator::worker_loop() {
-  std::unique_lock<std::mutex> lock(worker_mutex_);
+namespace {
+// The worker: one blocking MPI_Allreduce per job, on `comm`, until told to stop.
+// It holds only the shared state and the handle, never the communicator object.
+template <typename State>
+void allreduce_worker(std::shared_ptr<State> w, MPI_Comm comm) {
+  std::unique_lock<std::mutex> lock(w->m);
   for (;;) {
-    worker_cv_.wait(lock, [this] { return job_pending_ || worker_stop_; });
-    if (worker_stop_) return;
-    job_pending_ = false;
-    float* data = job_data_;
-    const size_t count = job_count_;
+    w->cv.wait(lock, [&] { return w->pending || w->stop; });
+    if (w->stop) return;
+    w->pending = false;
+    float* data = w->data;
+    const size_t count = w->count;
     lock.unlock();
     int rc = MPI_SUCCESS;
     for (size_t done = 0; done < count && rc == MPI_SUCCESS; done += kMaxChunk) {
       const int n = static_cast<int>(std::min(kMaxChunk, count - done));
-      rc = MPI_Allreduce(MPI_IN_PLACE, data + done, n, MPI_FLOAT, MPI_SUM, comm_);
+      rc = MPI_Allreduce(MPI_IN_PLACE, data + done, n, MPI_FLOAT, MPI_SUM, comm);
     }
     lock.lock();
-    job_rc_ = rc;
-    job_done_ = true;
-    worker_cv_.notify_all();
+    w->rc = rc;
+    w->done = true;
+    w->cv.notify_all();
   }
 }
+}  // namespace
 
 void MpiCommunicator::allreduce_on_worker(float* data, size_t count) {
-  std::unique_lock<std::mutex> lock(worker_mutex_);
-  if (!worker_.joinable()) worker_ = std::thread([this] { worker_loop(); });
-  job_data_ = data;
-  job_count_ = count;
-  job_done_ = false;
-  job_pending_ = true;
-  worker_cv_.notify_all();
+  Worker& w = *worker_state_;
+  std::unique_lock<std::mutex> lock(w.m);
+  if (!worker_.joinable()) worker_ = std::thread(allreduce_worker<Worker>, worker_state_, comm_);
+  w.data = data;
+  w.count = count;
+  w.done = false;
+  w.pending = true;
+  w.cv.notify_all();
   // Blocked, not spinning: the worker (and a peer rank on the same cores) needs the CPU.
   const double beat_interval = std::min(1.0, timeout_seconds_ / 4);
   const double deadline = now_seconds() + timeout_seconds_;
-  while (!job_done_) {
+  while (!w.done) {
     const double now = now_seconds();
     if (now > deadline) {
       lock.unlock();
       fail_timeout("allreduce", 2.5 * beat_interval);
     }
     const double wake = std::min(deadline, now + beat_interval);
-    worker_cv_.wait_for(lock, std::chrono::duration<double>(wake - now), [this] { return job_done_; });
-    if (!job_done_) {  // still waiting: tell the peers this rank is alive, read theirs
+    w.cv.wait_for(lock, std::chrono::duration<double>(wake - now), [&] { return w.done; });
+    if (!w.done) {  // still waiting: tell the peers this rank is alive, read theirs
       lock.unlock();
       send_heartbeat();
       drain_heartbeats();
       lock.lock();
     }
   }
-  const int rc = job_rc_;
+  const int rc = w.rc;
   lock.unlock();
   check(rc, "MPI_Allreduce");
 }

@@ -15,6 +15,7 @@
 
 #include <condition_variable>
 #include <cstdint>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -55,7 +56,6 @@ class MpiCommunicator final : public Communicator {
   // machines (docs/benchmarks.md), whether tested in a loop or waited on. Needs
   // MPI_THREAD_MULTIPLE; the caller waits, so comm_ never sees two collectives at once.
   void allreduce_on_worker(float* data, size_t count);
-  void worker_loop();
   // Completes `requests` (cleared on return) or throws CommError after the timeout.
   void wait(std::vector<MPI_Request>& requests, const char* what);
   [[noreturn]] void fail_timeout(const char* what, double silence);
@@ -71,13 +71,18 @@ class MpiCommunicator final : public Communicator {
   std::vector<MPI_Request> pending_;
   bool thread_multiple_ = false;
 
+  // What the worker shares with this object. Held by both: after a timeout the worker
+  // is detached (it may never return from MPI), and must not outlive what it touches.
+  struct Worker {
+    std::mutex m;
+    std::condition_variable cv;
+    float* data = nullptr;  // the job (guarded by m)
+    size_t count = 0;
+    bool pending = false, done = false, stop = false;
+    int rc = MPI_SUCCESS;
+  };
+  std::shared_ptr<Worker> worker_state_ = std::make_shared<Worker>();
   std::thread worker_;  // started on first use
-  std::mutex worker_mutex_;
-  std::condition_variable worker_cv_;
-  float* job_data_ = nullptr;  // the job handed to worker_ (guarded by worker_mutex_)
-  size_t job_count_ = 0;
-  bool job_pending_ = false, job_done_ = false, worker_stop_ = false;
-  int job_rc_ = MPI_SUCCESS;
 
   std::vector<int> watched_;                 // peers exchanging heartbeats with this rank
   std::vector<uint64_t> heard_;              // last sequence number heard from watched_[i]
