@@ -390,7 +390,8 @@ def _candidate_counts(prof: Optional[dict], devices: Optional[Sequence[int]], no
                               "(a named profile: `mgpu recommend --list-profiles`)")
         if nodes > 1 and not (prof.get("link", {}).get("nccl") or {}).get("inter"):
             multi = [n for n, s in NAMED_PROFILES.items() if s["link"] and "2x8" in n]
-            raise ConfigError(f"profile '{prof['name']}' has no inter-node link; for {nodes} nodes use one of "
+            raise ConfigError(f"profile '{prof['name']}' has no inter-node link; for {nodes} nodes calibrate "
+                              f"across hosts (mpirun --hostfile FILE python -m mgpu topo) or use one of "
                               f"{', '.join(multi)}")
         if devices is None:
             return sorted({1, per_node, nodes * per_node})
