@@ -386,8 +386,9 @@ def _candidate_counts(prof: Optional[dict], devices: Optional[Sequence[int]], no
         if not isinstance(nodes, int) or nodes < 1:
             raise ConfigError(f"--nodes must be an integer >= 1, got {nodes}")
         if not per_node:
-            raise ConfigError("--nodes needs a profile that says how many GPUs a node holds "
-                              "(a named profile: `mgpu recommend --list-profiles`)")
+            raise ConfigError("--nodes needs a profile that says how many devices a node holds: a named "
+                              "one (`mgpu recommend --list-profiles`) or a calibration across hosts "
+                              "(mpirun --hostfile FILE python -m mgpu topo)")
         if nodes > 1 and not (prof.get("link", {}).get("nccl") or {}).get("inter"):
             multi = [n for n, s in NAMED_PROFILES.items() if s["link"] and "2x8" in n]
             raise ConfigError(f"profile '{prof['name']}' has no inter-node link; for {nodes} nodes calibrate "
