@@ -17,23 +17,13 @@ import numpy as np
 from mgpu import _core, build_info
 from mgpu.bench import resolve_layers
 from mgpu.config import PRESETS
+from mgpu.topo import _cpu_description
 
 
 def cpu_name() -> str:
-    """CPU model and the vector extensions that matter for SGEMM, from /proc/cpuinfo."""
-    model, flags = "unknown CPU", set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() == "model name" and model == "unknown CPU":
-                    model = value.strip()
-                elif key.strip() == "flags" and not flags:
-                    flags = set(value.split())
-    except OSError:
-        pass
-    isa = [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile") if f in flags]
-    return f"{model} ({', '.join(isa) or 'no AVX2'})"
+    """CPU model and vector extensions, as `mgpu topo` reports them."""
+    cpu = _cpu_description()
+    return f"{cpu['model']} ({', '.join(cpu['isa']) or 'no SSE4.2/AVX'})"
 
 
 def main() -> int:

@@ -14,6 +14,7 @@ import pytest
 
 from conftest import PYTHON, ROOT, mpi_env, mpirun
 from mgpu.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
+from procs import mpi_ranks, wait_for  # tests/procs.py
 
 MGPU = [PYTHON, "-m", "mgpu"]
 # ~2-3 ms a step at 2 ranks here: long enough to be signalled mid-run
@@ -33,17 +34,8 @@ class Job:
 
     def ranks(self) -> dict:
         """rank -> pid of the mpirun's rank processes."""
-        found = {}
         children = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True).stdout
-        for pid in map(int, children.split()):
-            try:
-                env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
-            except OSError:
-                continue
-            for var in env:
-                if var.startswith(b"OMPI_COMM_WORLD_RANK="):
-                    found[int(var.split(b"=")[1])] = pid
-        return found
+        return mpi_ranks(map(int, children.split()))
 
     def wait(self, timeout):
         try:
@@ -71,17 +63,9 @@ class Job:
         return self.err.read_text()
 
 
-def wait_for(condition, timeout, what):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def first_checkpoint(directory, job):
-    wait_for(lambda: list_checkpoints(str(directory)) or job.proc.poll() is not None, 120, "a first checkpoint")
+    wait_for(lambda: list_checkpoints(str(directory)) or job.proc.poll() is not None, 120, "a first checkpoint",
+             poll=0.05)
     assert job.proc.poll() is None, job.stderr[-2000:]
 
 

@@ -1,7 +1,6 @@
 """Running mgpu across a virtual cluster from a test: mpirun on host 0 with what a remote
-rank needs exported, and the waits the fault tests measure with."""
-import os
-import time
+rank needs exported, and whether a rank has ended (the fault tests' clock stops there;
+their polling is tests/procs.py's wait_for)."""
 from pathlib import Path
 
 from conftest import PYTHON, ROOT, mpi_env  # tests/conftest.py
@@ -36,15 +35,6 @@ class ClusterRun:
     @property
     def stderr(self):
         return self.job.stderr
-
-
-def wait_for(condition, timeout, what):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def ended(pid: int) -> bool:

@@ -15,8 +15,9 @@ import time
 import numpy as np
 import pytest
 
-from clusterrun import ClusterRun, ended, wait_for
+from clusterrun import ClusterRun, ended
 from conftest import run_cli  # tests/conftest.py
+from procs import wait_for  # tests/procs.py
 from mgpu.checkpoint import list_checkpoints, load_checkpoint
 
 MGPU = ["-m", "mgpu"]

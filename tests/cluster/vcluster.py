@@ -29,6 +29,9 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/procs.py, also when run as a script
+from procs import mpi_ranks  # noqa: E402
+
 PREFIX = "mgpuc"  # namespace names: mgpuc<owner pid>-h<i>, mgpuc<owner pid>-sw
 SUBNET = "10.213.0"
 NETMASK = 24
@@ -248,16 +251,7 @@ exec ip netns exec {self.prefix}-h$i unshare --uts --mount --propagation private
 
     def rank_pids(self, i: int) -> dict:
         """rank -> pid of the MPI ranks running on host i."""
-        found = {}
-        for pid in self.pids(i):
-            try:
-                env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            for var in env:
-                if var.startswith(b"OMPI_COMM_WORLD_RANK="):
-                    found[int(var.split(b"=")[1])] = pid
-        return found
+        return mpi_ranks(self.pids(i))
 
     # --- faults ------------------------------------------------------------------------
     def link_down(self, i: int) -> None:
