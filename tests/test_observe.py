@@ -15,7 +15,8 @@ from mgpu.observe import FIELDS, find_straggler, parse_step_range
 
 TRAIN = [sys.executable, "-m", "mgpu", "train", "--model", "medium", "--batch-size", "96", "--no-progress",
          "--watchdog-timeout", "120"]
-PHASES = ["data", "forward", "backward", "allreduce wait", "health check + optimizer"]
+PHASES = ["data", "stage", "forward", "loss", "backward", "allreduce wait", "health check", "optimizer"]
+LAYERS = 4  # the medium model's linear layers
 US = 1.0  # one microsecond: the trace's timestamps are floats of microseconds
 
 
@@ -50,11 +51,23 @@ def test_trace_has_one_track_per_rank_with_nested_phases(observed):
             phases = sorted((e for e in spans if e["pid"] == rank and e["cat"] == "phase"
                              and e["args"]["step"] == step["args"]["step"]), key=lambda e: e["ts"])
             assert [p["name"] for p in phases] == PHASES
+            assert all(p["tid"] == 0 for p in phases)  # the CPU's spans: on its step lane, nested in the step
             end = step["ts"] + step["dur"]
             for p, nxt in zip(phases, phases[1:] + [None]):
                 assert p["dur"] >= 0 and step["ts"] - US <= p["ts"] and p["ts"] + p["dur"] <= end + US
                 if nxt is not None:  # back to back, in the order they run
                     assert p["ts"] + p["dur"] <= nxt["ts"] + US
+            # each layer's forward and backward, in the order they run, tiling their phase
+            for phase, order in (("forward", range(LAYERS)), ("backward", reversed(range(LAYERS)))):
+                (outer,) = [p for p in phases if p["name"] == phase]
+                layers = sorted((e for e in spans if e["pid"] == rank and e["cat"] == "layer"
+                                 and e["args"]["step"] == step["args"]["step"] and e["name"].startswith(phase)),
+                                key=lambda e: e["ts"])
+                assert [e["name"] for e in layers] == [f"{phase} layer {i}" for i in order]
+                assert layers[0]["ts"] == pytest.approx(outer["ts"], abs=US)
+                assert layers[-1]["ts"] + layers[-1]["dur"] == pytest.approx(outer["ts"] + outer["dur"], abs=US)
+                for e, nxt in zip(layers, layers[1:]):
+                    assert e["dur"] >= 0 and e["ts"] + e["dur"] == pytest.approx(nxt["ts"], abs=US)
         # the checkpoint after step 3 (the 4th step) is on every rank's track
         assert [e["args"]["step"] for e in spans if e["pid"] == rank and e["name"] == "checkpoint"] == [3]
 
@@ -90,16 +103,40 @@ def test_trace_has_each_ranks_bucket_allreduces_within_their_step(tmp_path):
 
 
 def test_trace_clocks_are_comparable_across_ranks(observed):
-    # An allreduce completes only once every rank has started it: with a common clock
-    # origin, no rank's wait ends before the last rank's wait began, within the
-    # barrier's exit skew: 3 ranks on 2 shared cores leave it late by milliseconds
-    # (3 ms seen), so 25 ms; an origin per rank (its own start) is off by far more.
-    spans = [e for e in json.loads(observed["trace"].read_text())["traceEvents"]
-             if e["ph"] == "X" and e["name"] == "allreduce wait"]
+    # An allreduce completes only once every rank has started it: on one clock, no
+    # rank's wait ends before the last rank's wait began. The trace moves each rank
+    # onto rank 0's clock by the offset measured at the start and end, to within its
+    # uncertainty (half the best ping-pong: microseconds, a few milliseconds when 3
+    # ranks share 2 cores), so the margin is that plus 1 ms; per-rank origins alone
+    # (each rank's own start) are off by far more.
+    doc = json.loads(observed["trace"].read_text())
+    offsets = doc["otherData"]["clock_offsets"]
+    assert len(offsets) == 3 and offsets[0] == [[0.0, 0.0, offsets[0][0][2]], [0.0, 0.0, offsets[0][1][2]]]
+    margin = 1e-3 + max(min(start[1], end[1]) for start, end in offsets)
+    spans = [e for e in doc["traceEvents"] if e["ph"] == "X" and e["name"] == "allreduce wait"]
     for step in range(2, 6):
         waits = [e for e in spans if e["args"]["step"] == step]
         assert len(waits) == 3
-        assert max(e["ts"] for e in waits) <= min(e["ts"] + e["dur"] for e in waits) + 25000 * US
+        assert max(e["ts"] for e in waits) <= min(e["ts"] + e["dur"] for e in waits) + margin * 1e6 * US
+
+
+def test_clock_offsets_find_a_shifted_clock(tmp_path):
+    # rank r's clock runs r x 5 s ahead of rank 0's: rank 0 measures each offset to
+    # within the uncertainty it reports (half the shortest of 8 round trips)
+    script = tmp_path / "offsets.py"
+    script.write_text(
+        "import json, sys, time\n"
+        "from mgpu.process_group import ProcessGroup\n"
+        "pg = ProcessGroup()\n"
+        "out = pg.clock_offsets(lambda: time.perf_counter() + 5.0 * pg.rank)\n"
+        "if pg.is_root:\n"
+        "    json.dump(out, open(sys.argv[1], 'w'))\n")
+    r = mpirun(3, [sys.executable, str(script), str(tmp_path / "out.json")], timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = json.loads((tmp_path / "out.json").read_text())
+    assert out[0] == [0.0, 0.0] and len(out) == 3
+    for rank, (offset, uncertainty) in enumerate(out):
+        assert 0 <= uncertainty < 0.05 and abs(offset - 5.0 * rank) <= uncertainty + 1e-6
 
 
 def test_log_json_has_every_step_of_every_rank_and_the_events(observed):

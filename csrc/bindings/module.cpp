@@ -7,8 +7,10 @@
 
 #include <algorithm>
 #include <array>
+#include <chrono>
 #include <cstdint>
 #include <limits>
+#include <map>
 #include <vector>
 
 #include "../core/backend.h"
@@ -204,6 +206,13 @@ py::dict build_info() {
   return info;
 }
 
+// The arrays each communicator's async sums write until wait_all: held here so
+// Python cannot free them under MPI (the GIL guards this map).
+std::map<const Communicator*, std::vector<py::object>>& in_flight_buffers() {
+  static auto* buffers = new std::map<const Communicator*, std::vector<py::object>>();
+  return *buffers;
+}
+
 }  // namespace
 
 #ifdef MGPU_GPU_EMULATION
@@ -302,6 +311,31 @@ PYBIND11_MODULE(MGPU_MODULE_NAME, m) {
           },
           py::arg("buffer"), py::arg("bucket_elems"),
           "In-place sum as asynchronous per-bucket allreduces (the overlapping path), then wait.")
+      .def(
+          "allreduce_sum_async",
+          [](Communicator& c, py::array a) {
+            auto buf = writable_float_array(a, "allreduce buffer");
+            in_flight_buffers()[&c].push_back(buf);  // MPI writes it until wait_all returns
+            py::gil_scoped_release nogil;
+            c.allreduce_sum_async(buf.mutable_data(), static_cast<size_t>(buf.size()));
+          },
+          py::arg("buffer"),
+          "Starts an in-place sum across ranks of a float32 array; complete once wait_all() returns "
+          "(the communicator holds the array until then).")
+      .def("progress", &Communicator::progress, py::call_guard<py::gil_scoped_release>(),
+           "Lets a host-driven transport (MPI) advance the sums in flight.")
+      .def("wait_all", [](Communicator& c) {
+        {
+          py::gil_scoped_release nogil;
+          c.wait_all();
+        }
+        in_flight_buffers().erase(&c);  // not after a failure: a timed-out sum may still write them
+      }, "Completes every sum allreduce_sum_async started.")
+      .def("start_collective_timing", &Communicator::start_collective_timing,
+           "Stamps the async sums started from now on (see collective_times).")
+      .def("collective_times", &Communicator::collective_times,
+           "(launch, done) in seconds since start_collective_timing of each async sum since, once "
+           "wait_all returned ([] when the transport cannot tell); ends the stamping.")
       .def(
           "broadcast",
           [](Communicator& c, py::array a, int root) {
@@ -502,9 +536,25 @@ PYBIND11_MODULE(MGPU_MODULE_NAME, m) {
       .def_readonly("bytes", &BucketTiming::bytes)
       .def_readonly("launch", &BucketTiming::launch)
       .def_readonly("done", &BucketTiming::done);
+  py::class_<TraceSpan>(m, "TraceSpan")
+      .def_readonly("name", &TraceSpan::name)
+      .def_readonly("category", &TraceSpan::category)
+      .def_readonly("step", &TraceSpan::step)
+      .def_readonly("micro", &TraceSpan::micro)
+      .def_readonly("begin", &TraceSpan::begin)
+      .def_readonly("end", &TraceSpan::end)
+      .def("__repr__", [](const TraceSpan& t) {
+        return detail::concat("TraceSpan(", t.name, ", step ", t.step, ", micro ", t.micro, ", ",
+                              (t.end - t.begin) * 1e3, " ms)");
+      });
+  m.def("steady_seconds", [] {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+  }, "The core's clock (C++ steady_clock), in seconds: what TraceSpan.begin and .end count in.");
   py::class_<StepResult>(m, "StepResult")
       .def_readonly("timings", &StepResult::timings)
       .def_readonly("buckets", &StepResult::buckets)
+      .def_readonly("spans", &StepResult::spans)
+      .def_readonly("started", &StepResult::started)
       .def_readonly("loss", &StepResult::loss)
       .def_readonly("grad_norm", &StepResult::grad_norm)
       .def_readonly("applied", &StepResult::applied)
@@ -544,7 +594,7 @@ PYBIND11_MODULE(MGPU_MODULE_NAME, m) {
       .def(
           "step",
           [](DataParallelStep& s, py::list micro_batches, int64_t global_batch, uint64_t step_index,
-             float lr, bool request_stop) {
+             float lr, bool request_stop, bool trace) {
             // Keep the converted arrays alive while the core reads them.
             std::vector<BatchArgs> args;
             std::vector<MicroShard> shards;
@@ -558,12 +608,17 @@ PYBIND11_MODULE(MGPU_MODULE_NAME, m) {
               shards.push_back({args.back().view, t[2].cast<int64_t>()});
             }
             py::gil_scoped_release nogil;
-            return s.step(shards, global_batch, step_index, lr, request_stop);
+            return s.step(shards, global_batch, step_index, lr, request_stop, trace);
           },
           py::arg("micro_batches"), py::arg("global_batch"), py::arg("step"), py::arg("lr"),
-          py::arg("request_stop") = false,
+          py::arg("request_stop") = false, py::arg("trace") = false,
           "One optimizer step over this rank's micro-batches [(x, y, first_sample), ...] of a "
-          "global batch of global_batch rows; returns a StepResult.")
+          "global batch of global_batch rows; returns a StepResult. trace: record its spans "
+          "(StepResult.spans, now or in a later step's result) and bucket allreduces.")
+      .def("drain_trace", [](DataParallelStep& s) {
+        py::gil_scoped_release nogil;
+        return s.drain_trace();
+      }, "The traced spans no step has handed over yet, after waiting for the device.")
       .def_property("loss_scale", &DataParallelStep::loss_scale, &DataParallelStep::set_loss_scale)
       .def_property("good_steps_in_a_row", &DataParallelStep::good_steps_in_a_row,
                     &DataParallelStep::set_good_steps_in_a_row)

@@ -4,8 +4,12 @@
 // CUDA: csrc/cuda. All pointers passed to a backend are its own memory
 // ("device" memory; host memory for the CPU backend). Matrices are row-major.
 #pragma once
+#include <chrono>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <deque>
+#include <limits>
 #include <memory>
 #include <string>
 #include <utility>
@@ -204,8 +208,39 @@ class Backend {
   virtual void release_captures() {}
   virtual uint64_t capture_generation() const { return 0; }
 
+  // Trace marks (train --trace): timestamps in order with the backend's work,
+  // so a step's phases are timed without synchronising anything. trace_mark()
+  // stands for the moment the work queued before it has run (a host backend:
+  // now; CUDA: an event on the compute stream). trace_clock_mark() stands for
+  // "now" even while queued work still runs (CUDA: an event on an idle stream
+  // of its own); read the host clock beside it to place the other marks on
+  // the host's timeline. trace_elapsed(from, to): seconds from one mark to the
+  // other, NaN while either has not happened yet (never waits). Marks are
+  // numbered in the order they were taken; trace_forget(before) lets the
+  // backend reuse those numbered below `before`. Never while capturing.
+  virtual uint64_t trace_mark() { return host_mark(); }
+  virtual uint64_t trace_clock_mark() { return host_mark(); }
+  virtual double trace_elapsed(uint64_t from, uint64_t to) {
+    if (from < host_marks_base_ || to < host_marks_base_ || from - host_marks_base_ >= host_marks_.size() ||
+        to - host_marks_base_ >= host_marks_.size())
+      return std::numeric_limits<double>::quiet_NaN();
+    return host_marks_[to - host_marks_base_] - host_marks_[from - host_marks_base_];
+  }
+  virtual void trace_forget(uint64_t before) {
+    while (host_marks_base_ < before && !host_marks_.empty()) {
+      host_marks_.pop_front();
+      ++host_marks_base_;
+    }
+  }
+
  private:
+  uint64_t host_mark() {
+    host_marks_.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count());
+    return host_marks_base_ + host_marks_.size() - 1;
+  }
   double started_sum_ = 0.0;  // the default sum_squares_start's result
+  std::deque<double> host_marks_;  // the default trace marks: host clock readings
+  uint64_t host_marks_base_ = 0;   // the number of host_marks_.front()
 };
 
 // Owning, move-only array in a backend's memory.

@@ -39,8 +39,8 @@ class Communicator {
   virtual bool progresses_independently() const { return false; }
   virtual void progress() {}
   virtual void wait_all() {}
-  // Per-bucket spans for traces (DataParallelStep with StepOptions::timed only,
-  // so untimed steps pay nothing): start_collective_timing() at the step's
+  // Per-bucket spans for traces (DataParallelStep's timed and traced steps only,
+  // so other steps pay nothing): start_collective_timing() at the step's
   // start; each *_async collective after it is stamped, and collective_times(),
   // called once the step's results were read back, returns (launch, done) in
   // seconds since that start, in launch order, and stops the stamping. Empty:

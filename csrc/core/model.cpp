@@ -126,7 +126,7 @@ void MLP::stage(const HostBatch& batch, LossKind loss, bool own_copy) {
   }
 }
 
-const float* MLP::forward(int rows, const DropoutKey* dropout) {
+const float* MLP::forward(int rows, const DropoutKey* dropout, const std::function<void(int)>& layer_done) {
   const float* inp = input_;
   for (int l = 0; l < num_layers(); ++l) {
     float* out = activations_[l].data();
@@ -140,6 +140,7 @@ const float* MLP::forward(int rows, const DropoutKey* dropout) {
       backend_->relu_dropout_forward(out, rows, sizes_[l + 1], dropout ? layer_dropout(l) : 0.0f,
                                      key);
     }
+    if (layer_done) layer_done(l);
     inp = out;
   }
   return output();

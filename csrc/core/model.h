@@ -68,8 +68,10 @@ class MLP {
   // (a captured step replays with the addresses it was captured with).
   void stage(const HostBatch& batch, LossKind loss, bool own_copy = false);
   // Forward pass over the staged rows; dropout is active iff `dropout` is set.
-  // Returns the output (rows, out_features) in backend memory.
-  const float* forward(int rows, const DropoutKey* dropout);
+  // Returns the output (rows, out_features) in backend memory. layer_done(l),
+  // when given, is called once layer l's output is written (a trace marks it).
+  const float* forward(int rows, const DropoutKey* dropout,
+                       const std::function<void(int)>& layer_done = nullptr);
   // Writes the loss contribution to loss_slot() (adds to it when accumulating)
   // and its gradient to the head of the backward chain (see Backend loss
   // semantics for grad_scale).

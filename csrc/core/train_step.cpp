@@ -81,6 +81,7 @@ DataParallelStep::DataParallelStep(std::shared_ptr<MLP> model, std::shared_ptr<O
                " communicator reduces fp32 gradients (use grad dtype fp32)");
     half_grads_ = BackendArray<uint16_t>(&model_->backend(), model_->num_params());
   }
+  trace_ = std::make_unique<StepTrace>(model_->backend());
   const Backend& be = model_->backend();
   MGPU_CHECK(options_.graph != StepOptions::Graph::kOn || be.supports_capture(), ConfigError,
              "captured steps (CUDA graphs) need a backend that captures; the ", be.name(), " backend does not");
@@ -100,8 +101,8 @@ void DataParallelStep::forward_backward(int rows, const DropoutKey& key, float g
   m.backward(rows, layer_done, accumulate);
 }
 
-void DataParallelStep::forward_backward_graph(int rows, const DropoutKey& key, float grad_scale,
-                                              bool accumulate) {
+const char* DataParallelStep::forward_backward_graph(int rows, const DropoutKey& key, float grad_scale,
+                                                     bool accumulate) {
   Backend& be = model_->backend();
   if (be.capture_generation() != graph_generation_) {  // the backend released our graphs
     graphs_.clear();
@@ -118,7 +119,7 @@ void DataParallelStep::forward_backward_graph(int rows, const DropoutKey& key, f
   if (found != graphs_.end()) {
     be.replay(found->second, args);
     ++graph_replays_;
-    return;
+    return "graph replay";
   }
   // Bounded: shapes that keep changing (ragged batches) would otherwise pile up graphs.
   constexpr size_t kMaxGraphs = 16, kMaxSeen = 256;
@@ -130,7 +131,7 @@ void DataParallelStep::forward_backward_graph(int rows, const DropoutKey& key, f
   }
   if (seen_shapes_.insert(shape).second) {  // first appearance: run uncaptured, sizing every buffer
     forward_backward(rows, key, grad_scale, accumulate, nullptr);
-    return;
+    return "uncaptured";
   }
   try {
     be.begin_capture();
@@ -139,12 +140,14 @@ void DataParallelStep::forward_backward_graph(int rows, const DropoutKey& key, f
     graphs_[shape] = graph;
     be.replay(graph, args);  // captured work is recorded, not run: run it now
     ++graph_replays_;
+    return "graph capture + replay";
   } catch (const Error& e) {
     be.abort_capture();
     if (options_.graph == StepOptions::Graph::kOn) throw;
     graphs_enabled_ = false;  // kAuto: uncaptured from here on
     graph_fallback_ = e.what();
     forward_backward(rows, key, grad_scale, accumulate, nullptr);
+    return "uncaptured";
   }
 }
 
@@ -155,7 +158,7 @@ void DataParallelStep::set_loss_scale(float scale) {
 }
 
 StepResult DataParallelStep::step(const std::vector<MicroShard>& shards, int64_t global_batch,
-                                  uint64_t step_index, float lr, bool request_stop) {
+                                  uint64_t step_index, float lr, bool request_stop, bool trace) {
   MLP& m = *model_;
   Backend& be = m.backend();
   MGPU_CHECK(!shards.empty(), ConfigError, "a step needs at least one micro-batch");
@@ -180,10 +183,18 @@ StepResult DataParallelStep::step(const std::vector<MicroShard>& shards, int64_t
   auto seconds = [](Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); };
   StepResult result;
   const auto t_start = now();
+  result.started = std::chrono::duration<double>(t_start.time_since_epoch()).count();
   auto t_phase = t_start;
-  // Per-bucket spans (timed steps only): host clock reads around each launch,
-  // and the transport stamps what completes in the background.
-  const bool time_buckets = options_.timed;
+  // Traced: spans between trace marks, which the backend takes in order with its work.
+  StepTrace& tr = *trace_;
+  if (trace) tr.begin_step(step_index);
+  // Spans of this step whose marks have happened, and those an earlier traced step left.
+  auto hand_over_spans = [&] {
+    if (tr.pending()) result.spans = tr.take_ready();
+  };
+  // Per-bucket spans (timed and traced steps): host clock reads around each
+  // launch, and the transport stamps what completes in the background.
+  const bool time_buckets = options_.timed || trace;
   std::vector<int> bucket_queued;  // queued collectives of each launched bucket
   if (time_buckets) {
     comm_->start_collective_timing();
@@ -239,24 +250,44 @@ StepResult DataParallelStep::step(const std::vector<MicroShard>& shards, int64_t
       const MicroShard& s = shards[k];
       const bool last = k + 1 == shards.size();
       if (s.batch.rows == 0) continue;
+      const int micro = shards.size() > 1 ? static_cast<int>(k) : -1;  // spans name micro-batches when several
       m.stage(s.batch, loss_, /*own_copy=*/graphs_enabled_);
+      if (trace) tr.end("stage", "phase", micro);
       const DropoutKey key{m.seed(), step_index, 0, s.first_sample};
       if (graphs_enabled_) {
         // One replay runs forward, loss and backward; the buckets go after it.
         const auto t_staged = now();
         result.timings.forward += seconds(t_phase, t_staged);
-        forward_backward_graph(s.batch.rows, key, grad_scale, written);
+        const char* how = forward_backward_graph(s.batch.rows, key, grad_scale, written);
+        if (trace) tr.end(detail::concat("forward + loss + backward (", how, ")"), "phase", micro);
         t_phase = now();
         result.timings.backward += seconds(t_staged, t_phase);
         written = true;
         continue;
       }
-      m.forward(s.batch.rows, &key);
+      const uint64_t forward_from = tr.here();
+      m.forward(s.batch.rows, &key,
+                trace ? std::function<void(int)>([&](int l) {
+                  tr.end(detail::concat("forward layer ", l), "layer", micro);
+                })
+                      : nullptr);
+      if (trace) tr.close("forward", "phase", micro, forward_from);
       m.loss_forward_backward(loss_, s.batch.rows, grad_scale, nullptr, written);
+      if (trace) tr.end("loss", "phase", micro);
       const auto t_forward = now();
       result.timings.forward += seconds(t_phase, t_forward);
-      m.backward(s.batch.rows, last && overlap_ ? std::function<void(int)>(launch_ready) : nullptr,
-                 written);
+      const bool launches = last && overlap_;
+      std::function<void(int)> layer_done;
+      if (trace)
+        layer_done = [&](int l) {
+          tr.end(detail::concat("backward layer ", l), "layer", micro);  // before its buckets launch
+          if (launches) launch_ready(l);
+        };
+      else if (launches)
+        layer_done = launch_ready;
+      const uint64_t backward_from = tr.here();
+      m.backward(s.batch.rows, layer_done, written);
+      if (trace) tr.close("backward", "phase", micro, backward_from);
       t_phase = now();
       result.timings.backward += seconds(t_forward, t_phase);
       written = true;
@@ -269,6 +300,7 @@ StepResult DataParallelStep::step(const std::vector<MicroShard>& shards, int64_t
     comm_->wait_all();
     if (time_buckets) t_waited = Clock::now();
     if (half_grads_.size()) be.widen(m.grads(), half_grads_.data(), m.num_params(), options_.grad_dtype);
+    if (trace) tr.end("allreduce wait", "phase", -1);
   } catch (const std::exception& e) {
     if (next_bucket > 0) comm_->abort(detail::concat("step ", step_index, " failed on this rank: ", e.what()));
     throw;
@@ -279,6 +311,7 @@ StepResult DataParallelStep::step(const std::vector<MicroShard>& shards, int64_t
   // clipping and detects NaN/Inf (which make it non-finite). Queued before the
   // loss read-back, so that one wait serves both: the step's only one.
   be.sum_squares_start(m.grads(), m.num_params());
+  if (trace) tr.end("health check", "phase", -1);
   float slots[MLP::kGradExtraSlots] = {};
   be.copy_to_host(slots, m.loss_slot(), sizeof(slots));  // after the allreduce (the compute stream waits for it)
   comm_->raise_if_failed();
@@ -296,6 +329,7 @@ StepResult DataParallelStep::step(const std::vector<MicroShard>& shards, int64_t
     if (options_.dynamic_loss_scale) loss_scale_ = std::max(loss_scale_ * 0.5f, 1e-30f);
     good_steps_ = 0;
     result.timings.total = seconds(t_start, now());
+    hand_over_spans();
     return result;
   }
   // 7-8. Unscale and clip, g *= (1/scale) * min(1, max_norm / (norm + 1e-6)),
@@ -306,6 +340,7 @@ StepResult DataParallelStep::step(const std::vector<MicroShard>& shards, int64_t
   if (options_.max_grad_norm > 0.0f && result.grad_norm > options_.max_grad_norm)
     factor *= options_.max_grad_norm / (result.grad_norm + 1e-6);
   optimizer_->step(m.params(), m.grads(), lr, static_cast<float>(factor));
+  if (trace) tr.end("optimizer", "phase", -1);
   result.applied = true;
   if (options_.dynamic_loss_scale && ++good_steps_ >= options_.loss_scale_window) {
     loss_scale_ = std::min(loss_scale_ * 2.0f, 3.0e38f);
@@ -314,6 +349,7 @@ StepResult DataParallelStep::step(const std::vector<MicroShard>& shards, int64_t
   const auto t_end = now();
   result.timings.optimizer = seconds(t_comm, t_end);
   result.timings.total = seconds(t_start, t_end);
+  hand_over_spans();
   return result;
 }
 

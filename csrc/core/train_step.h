@@ -17,6 +17,7 @@
 #include "communicator.h"
 #include "model.h"
 #include "optimizer.h"
+#include "step_trace.h"
 
 namespace mgpu {
 
@@ -95,10 +96,10 @@ struct StepTimings {
   double total = 0;
 };
 
-// One gradient bucket's allreduce in a timed step (StepOptions::timed): from the
-// step launching it to its completion as observed (MPI: the wait that saw it
-// finish; NCCL: a CUDA event on the communication stream after its group),
-// seconds since the step began.
+// One gradient bucket's allreduce in a timed or traced step: from the step
+// launching it to its completion as observed (MPI: the blocking call's return,
+// or the test or wait that saw a queued one finish; NCCL: a CUDA event on the
+// communication stream after its group), seconds since the step began.
 struct BucketTiming {
   int index = 0;       // in plan order (backward order: the last layer first)
   size_t offset = 0;   // elements into the gradient buffer
@@ -110,7 +111,12 @@ struct BucketTiming {
 
 struct StepResult {
   StepTimings timings;
-  std::vector<BucketTiming> buckets;  // timed steps only; empty otherwise
+  double started = 0.0;  // when the step began, on the host's steady clock (seconds; as TraceSpan)
+  std::vector<BucketTiming> buckets;  // timed and traced steps only; empty otherwise
+  // Traced steps' spans whose marks have happened (see StepTrace): this step's,
+  // and on a device the end of an earlier traced step's (its optimizer ran on
+  // after that step returned); each names its step.
+  std::vector<TraceSpan> spans;
   float loss = 0.0f;          // global mean loss of the step's samples
   double grad_norm = 0.0;     // L2 norm of the averaged, unscaled gradient before clipping
   bool applied = false;       // false: non-finite loss or gradients; parameters untouched
@@ -127,9 +133,15 @@ class DataParallelStep {
   // this rank's shards (any may have 0 rows) of a global batch of global_batch
   // rows in all. Gradients accumulate locally; the allreduce runs once, during
   // the last micro-batch's backward. request_stop: this rank wants the run to
-  // end at this step (agreed through the same allreduce).
+  // end at this step (agreed through the same allreduce). trace: record this
+  // step's spans (stage, forward and backward layer by layer, loss, allreduce
+  // wait, health check, optimizer) and its buckets' allreduces, on the
+  // backend's clock and without synchronising anything.
   StepResult step(const std::vector<MicroShard>& shards, int64_t global_batch, uint64_t step_index,
-                  float lr, bool request_stop = false);
+                  float lr, bool request_stop = false, bool trace = false);
+  // The traced spans not handed over yet (a device's last optimizer runs on
+  // after its step returned), after waiting for the backend: call at the end of a run.
+  std::vector<TraceSpan> drain_trace() { return trace_->drain(); }
   // Make every rank's parameters equal to root's.
   void broadcast_parameters(int root);
 
@@ -156,7 +168,8 @@ class DataParallelStep {
   void forward_backward(int rows, const DropoutKey& key, float grad_scale, bool accumulate,
                         const std::function<void(int)>& layer_done);
   // The same through a captured graph (captured on the shape's second appearance).
-  void forward_backward_graph(int rows, const DropoutKey& key, float grad_scale, bool accumulate);
+  // Returns how it ran: "graph replay", "graph capture + replay" or "uncaptured".
+  const char* forward_backward_graph(int rows, const DropoutKey& key, float grad_scale, bool accumulate);
   // Launches bucket b's allreduce (queued or blocking as overlap_ says; compressed with grad_dtype).
   // Returns how many queued collectives it issued (0: it completed before returning).
   int launch_bucket(const Bucket& b);
@@ -182,6 +195,7 @@ class DataParallelStep {
   uint64_t graph_generation_ = 0;    // backend's capture_generation() the ids belong to
   int64_t graph_replays_ = 0;
   std::string graph_fallback_;
+  std::unique_ptr<StepTrace> trace_;
 };
 
 }  // namespace mgpu

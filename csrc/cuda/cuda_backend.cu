@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 #include <memory>
 
 #include "../../kernels/kernels.cuh"
@@ -65,6 +66,12 @@ void CudaBackend::release() noexcept {
   cudaSetDevice(device_);
   abort_capture();
   if (stream_) cudaStreamSynchronize(stream_);
+  for (cudaEvent_t e : marks_) cudaEventDestroy(e);
+  for (cudaEvent_t e : spare_marks_) cudaEventDestroy(e);
+  marks_.clear();
+  spare_marks_.clear();
+  if (clock_stream_) cudaStreamDestroy(clock_stream_);
+  clock_stream_ = nullptr;
   captures_.release([](cudaGraphExec_t g) { cudaGraphExecDestroy(g); });
   if (cublas_) cublasDestroy(cublas_);
   cudaFree(cublas_workspace_);
@@ -199,6 +206,51 @@ void CudaBackend::zero(float* x, size_t n) {
   activate();
   writes(x, n * sizeof(float));
   MGPU_CUDA_CHECK(cudaMemsetAsync(x, 0, n * sizeof(float), stream_));
+}
+
+uint64_t CudaBackend::record_mark(cudaStream_t stream) {
+  activate();
+  MGPU_CHECK(!captures_.capturing(), DeviceError, "trace marks are not allowed in a capture");
+  cudaEvent_t event = nullptr;
+  if (!spare_marks_.empty()) {
+    event = spare_marks_.back();
+    spare_marks_.pop_back();
+  } else {
+    MGPU_CUDA_CHECK(cudaEventCreate(&event));  // timing: no DisableTiming flag
+  }
+  marks_.push_back(event);
+  MGPU_CUDA_CHECK(cudaEventRecord(event, stream));
+  return marks_base_ + marks_.size() - 1;
+}
+
+uint64_t CudaBackend::trace_clock_mark() {
+  activate();
+  if (!clock_stream_) MGPU_CUDA_CHECK(cudaStreamCreateWithFlags(&clock_stream_, cudaStreamNonBlocking));
+  return record_mark(clock_stream_);
+}
+
+double CudaBackend::trace_elapsed(uint64_t from, uint64_t to) {
+  const double unknown = std::numeric_limits<double>::quiet_NaN();
+  if (from < marks_base_ || to < marks_base_ || from - marks_base_ >= marks_.size() ||
+      to - marks_base_ >= marks_.size())
+    return unknown;
+  activate();
+  float ms = 0.0f;
+  const cudaError_t rc = cudaEventElapsedTime(&ms, marks_[from - marks_base_], marks_[to - marks_base_]);
+  if (rc == cudaErrorNotReady) {
+    cudaGetLastError();  // not a failure: the work before the mark has not run yet
+    return unknown;
+  }
+  MGPU_CUDA_CHECK(rc);
+  return ms * 1e-3;
+}
+
+void CudaBackend::trace_forget(uint64_t before) {
+  while (marks_base_ < before && !marks_.empty()) {
+    spare_marks_.push_back(marks_.front());  // re-recording an event is safe even if it is pending
+    marks_.pop_front();
+    ++marks_base_;
+  }
 }
 
 void CudaBackend::synchronize() {

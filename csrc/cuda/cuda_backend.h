@@ -9,6 +9,7 @@
 #include <cublas_v2.h>
 #include <cuda_runtime_api.h>
 
+#include <deque>
 #include <vector>
 
 #include "../../kernels/kernels.cuh"
@@ -79,6 +80,13 @@ class CudaBackend final : public Backend {
   void release_captures() override;
   uint64_t capture_generation() const override { return captures_.generation(); }
 
+  // Trace marks (see Backend): timing events on the compute stream, and the
+  // clock mark on an idle stream of the backend's own, so it fires at once.
+  uint64_t trace_mark() override { return record_mark(stream_); }
+  uint64_t trace_clock_mark() override;
+  double trace_elapsed(uint64_t from, uint64_t to) override;
+  void trace_forget(uint64_t before) override;
+
   int device() const { return device_; }
   // The stream every kernel and GEMM of this backend runs on; a communicator
   // orders its collectives after it with events.
@@ -104,7 +112,8 @@ class CudaBackend final : public Backend {
   const void* master_half_view(const float* src, size_t n);  // src's part of it, or null
   void refresh_master_half();                     // cast when stale (never inside a capture)
   void writes(const void* dst, size_t bytes);     // dst in the parameters: the copy goes stale
-  void drained() { staging_used_ = 0; }          // the stream ran dry: its staged copies are done
+  void drained() { staging_used_ = 0; }
+  uint64_t record_mark(cudaStream_t stream);          // the stream ran dry: its staged copies are done
   kernels::HalfShadow shadow_for_update(const float* param, size_t n);
   // Where kernels being captured read their ReplayArgs; null outside a capture.
   const ReplayArgs* captured_args() const { return captures_.capturing() ? replay_dev_ : nullptr; }
@@ -135,6 +144,11 @@ class CudaBackend final : public Backend {
   char* staging_ = nullptr;
   size_t staging_capacity_ = 0, staging_used_ = 0;
   std::vector<char*> staging_outgrown_;
+  // Trace marks: marks_[i] is mark number marks_base_ + i; forgotten events are reused.
+  std::deque<cudaEvent_t> marks_;
+  uint64_t marks_base_ = 0;
+  std::vector<cudaEvent_t> spare_marks_;
+  cudaStream_t clock_stream_ = nullptr;  // trace_clock_mark's: nothing else runs on it
   kernels::LabelErrors label_errors_;  // device: 2 values, host: 3 pinned values
 };
 

@@ -633,8 +633,9 @@ void NcclCommunicator::start_collective_timing() {
   if (s.broken || s.closed) return;
   s.activate();
   if (!s.timing_origin) MGPU_CUDA_CHECK(cudaEventCreate(&s.timing_origin));
-  // Recorded on the communication stream, idle at a timed step's start (the
-  // previous step synchronised): the event's time is the host's start, nearly.
+  // Recorded on the communication stream, idle at a step's start (the previous
+  // step's read-back waited for its collectives): the event's time is the host's
+  // start, nearly.
   MGPU_CUDA_CHECK(cudaEventRecord(s.timing_origin, s.comm_stream));
   s.timing_start = std::chrono::steady_clock::now();
   s.timing = true;

@@ -95,8 +95,36 @@ void MpiCommunicator::ensure_usable() const {
   MGPU_CHECK(!broken_, CommError, "the MPI communicator is unusable after an earlier timeout");
 }
 
+bool MpiCommunicator::test_stamped(bool block) {
+  std::vector<int> done(pending_.size());
+  int count = 0;
+  const int n = static_cast<int>(pending_.size());
+  const int rc = block ? MPI_Waitsome(n, pending_.data(), &count, done.data(), MPI_STATUSES_IGNORE)
+                       : MPI_Testsome(n, pending_.data(), &count, done.data(), MPI_STATUSES_IGNORE);
+  if (rc != MPI_SUCCESS) {
+    clear_pending();
+    check(rc, block ? "MPI_Waitsome" : "MPI_Testsome");
+  }
+  if (count == MPI_UNDEFINED) return true;  // no active request left
+  const double t = now_seconds() - timing_start_;
+  for (int i = 0; i < count; ++i) {
+    const int c = owner_[done[i]];
+    if (--open_requests_[c] == 0) timed_[c].second = t;
+  }
+  for (const MPI_Request& r : pending_)
+    if (r != MPI_REQUEST_NULL) return false;
+  return true;
+}
+
 void MpiCommunicator::wait(std::vector<MPI_Request>& requests, const char* what) {
   if (requests.empty()) return;
+  const bool stamped = &requests == &pending_ && stamping();
+  if (timeout_seconds_ <= 0.0 && stamped) {
+    while (!test_stamped(/*block=*/true)) {
+    }
+    clear_pending();
+    return;
+  }
   if (timeout_seconds_ <= 0.0) {
     const int rc = MPI_Waitall(static_cast<int>(requests.size()), requests.data(), MPI_STATUSES_IGNORE);
     requests.clear();
@@ -110,13 +138,18 @@ void MpiCommunicator::wait(std::vector<MPI_Request>& requests, const char* what)
   double next_beat = start + beat_interval;
   for (unsigned spins = 0;; ++spins) {
     int done = 0;
-    const int rc = MPI_Testall(static_cast<int>(requests.size()), requests.data(), &done,
-                               MPI_STATUSES_IGNORE);
-    if (rc != MPI_SUCCESS) {
-      requests.clear();
-      check(rc, what);
+    if (stamped) {
+      done = test_stamped(/*block=*/false);
+    } else {
+      const int rc = MPI_Testall(static_cast<int>(requests.size()), requests.data(), &done,
+                                 MPI_STATUSES_IGNORE);
+      if (rc != MPI_SUCCESS) {
+        requests.clear();
+        check(rc, what);
+      }
     }
     if (done) {
+      if (stamped) owner_.clear();
       requests.clear();
       return;
     }
@@ -321,17 +354,49 @@ void MpiCommunicator::barrier() {
 
 void MpiCommunicator::allreduce_sum_async(float* data, size_t count) {
   ensure_usable();
+  const bool stamp = stamping();
+  if (stamp) {
+    timed_.emplace_back(now_seconds() - timing_start_, -1.0);
+    open_requests_.push_back(0);
+  }
   for (size_t done = 0; done < count; done += kMaxChunk) {
     const int n = static_cast<int>(std::min(kMaxChunk, count - done));
     MPI_Request req;
     check(MPI_Iallreduce(MPI_IN_PLACE, data + done, n, MPI_FLOAT, MPI_SUM, comm_, &req),
           "MPI_Iallreduce");
     pending_.push_back(req);
+    if (stamp) {
+      owner_.push_back(static_cast<int>(timed_.size()) - 1);
+      ++open_requests_.back();
+    }
   }
+  if (stamp && count == 0) timed_.back().second = timed_.back().first;  // nothing to wait for
+}
+
+void MpiCommunicator::start_collective_timing() {
+  timing_ = pending_.empty();  // requests launched before would have no stamp: then none
+  timing_start_ = now_seconds();
+  timed_.clear();
+  open_requests_.clear();
+  owner_.clear();
+}
+
+std::vector<std::pair<double, double>> MpiCommunicator::collective_times() {
+  const bool was = timing_;
+  timing_ = false;
+  owner_.clear();
+  if (!was) return {};
+  for (const auto& t : timed_)
+    if (t.second < 0) return {};  // not seen complete (still in flight, or a wait failed)
+  return std::move(timed_);
 }
 
 void MpiCommunicator::progress() {
   if (pending_.empty() || broken_) return;
+  if (stamping()) {
+    if (test_stamped(/*block=*/false)) clear_pending();
+    return;
+  }
   int flag = 0;
   // Testing drives OpenMPI's progress engine for the outstanding collectives.
   check(MPI_Testall(static_cast<int>(pending_.size()), pending_.data(), &flag, MPI_STATUSES_IGNORE),

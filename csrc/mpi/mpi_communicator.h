@@ -40,6 +40,10 @@ class MpiCommunicator final : public Communicator {
   void progress() override;
   void wait_all() override;
   void begin_step(uint64_t step) override;
+  // Each async allreduce is stamped done when a test or wait here sees its last
+  // request complete (MPI progresses only in such calls: that is when it ends).
+  void start_collective_timing() override;
+  std::vector<std::pair<double, double>> collective_times() override;
 
   // Ranks whose heartbeats show they have not reached this rank's current
   // step (only ranks this rank watches; see the file comment).
@@ -58,6 +62,14 @@ class MpiCommunicator final : public Communicator {
   void allreduce_on_worker(float* data, size_t count);
   // Completes `requests` (cleared on return) or throws CommError after the timeout.
   void wait(std::vector<MPI_Request>& requests, const char* what);
+  // Tests (block: waits for some of) the async allreduces' requests, stamping
+  // the collectives whose last request completed; true once all have.
+  bool test_stamped(bool block);
+  bool stamping() const { return timing_ && owner_.size() == pending_.size(); }
+  void clear_pending() {
+    pending_.clear();
+    owner_.clear();
+  }
   [[noreturn]] void fail_timeout(const char* what, double silence);
   void drain_heartbeats();
   void send_heartbeat();
@@ -70,6 +82,14 @@ class MpiCommunicator final : public Communicator {
   bool broken_ = false;  // a wait timed out: requests may still be in flight
   std::vector<MPI_Request> pending_;
   bool thread_multiple_ = false;
+  // Collective timing: (launch, done) of each async allreduce since
+  // start_collective_timing (seconds since it; done < 0 while open), the
+  // requests each has open, and the collective each request of pending_ belongs to.
+  bool timing_ = false;
+  double timing_start_ = 0.0;
+  std::vector<std::pair<double, double>> timed_;
+  std::vector<int> open_requests_;
+  std::vector<int> owner_;
 
   // What the worker shares with this object. Held by both: after a timeout the worker
   // is detached (it may never return from MPI), and must not outlive what it touches.

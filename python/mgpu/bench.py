@@ -100,7 +100,7 @@ def measure(pg, sizes, dropout: float, batch: int, *, optimizer: str, warmup: in
         scratch = tempfile.mkdtemp(prefix="mgpu-bench-observe-")
         observer = Observer(pg, trace=os.path.join(scratch, "trace.json"), trace_steps=(0, None),
                             log_json=os.path.join(scratch, "log.jsonl"), tensorboard=os.path.join(scratch, "tb"),
-                            straggler_threshold=0.25)
+                            straggler_threshold=0.25, device_clock=device == "cuda")
         observer.start(trainer)
     for r in range(repeats):
         for on in ((False, True) if r % 2 == 0 else (True, False)) if observe else (False,):
@@ -109,7 +109,7 @@ def measure(pg, sizes, dropout: float, batch: int, *, optimizer: str, warmup: in
             first = len(mine)
             for i in range(steps):
                 t0 = time.perf_counter()
-                trainer.step(*data[i % 4], global_batch=batch, first_sample=part.start)
+                trainer.step(*data[i % 4], global_batch=batch, first_sample=part.start, trace=on)
                 if on:  # the observer's own time too: a figure the machine's noise hides less
                     t1 = time.perf_counter()
                     observer.on_step(trainer, trainer.last_result, t0, rows)
@@ -122,7 +122,7 @@ def measure(pg, sizes, dropout: float, batch: int, *, optimizer: str, warmup: in
             rounds["on" if on else "off"].append(float(np.median(mine[first:])))
     overhead = None
     if observe:
-        observer.close()
+        observer.close(trainer)
         shutil.rmtree(scratch, ignore_errors=True)
         off, on = float(np.median(times)), float(np.median(observed))
         paired = [(b / a - 1) * 100 for a, b in zip(rounds["off"], rounds["on"])]  # each repeat's two rounds

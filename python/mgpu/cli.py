@@ -354,9 +354,9 @@ def cmd_train(a, pg) -> int:
                       max_grad_norm=cfg.max_grad_norm, schedule=cfg.schedule(total_steps),
                       max_bad_steps=cfg.max_bad_steps, timeout=cfg.watchdog_timeout, communicator=cfg.comm,
                       graph=cfg.cuda_graph, grad_dtype=cfg.grad_dtype,
-                      # timed: a device backend's phases are synchronised apart (trace, log), and
-                      # the core times each gradient bucket's allreduce (the trace's lane)
-                      timed=bool(a.trace) or (device == "cuda" and bool(a.log_json)))
+                      # timed: a device backend's phases are synchronised apart for the JSON log's
+                      # phase times (the trace needs no such thing: its spans are CUDA events)
+                      timed=device == "cuda" and bool(a.log_json))
     policy = (CheckpointPolicy(cfg.checkpoint_dir, cfg.checkpoint_every, cfg.keep_checkpoints)
               if cfg.checkpoint_dir else None)
     say = print if pg.is_root else (lambda *x, **k: None)
@@ -400,7 +400,7 @@ def cmd_train(a, pg) -> int:
         observer = Observer(pg, trace=a.trace, trace_steps=a.trace_steps or DEFAULT_TRACE_STEPS,
                             log_json=a.log_json, tensorboard=a.tensorboard, every=a.observe_every,
                             straggler_threshold=a.straggler_threshold / 100, emulated=emulated, run_info=run_info,
-                            telemetry=telemetry)
+                            telemetry=telemetry, device_clock=device == "cuda")
     t0 = time.perf_counter()
     with _StopOnSignals(trainer, pg):
         history = trainer.fit(data, batch_size=cfg.batch_size, epochs=cfg.epochs, steps=cfg.steps, seed=cfg.seed,

@@ -136,7 +136,7 @@ class Trainer:
         self._stop_request = reason
 
     def step(self, x_local: np.ndarray, y_local: np.ndarray, *, global_batch: Optional[int] = None,
-             first_sample: Optional[int] = None) -> float:
+             first_sample: Optional[int] = None, trace: bool = False) -> float:
         """One data-parallel step on this rank's shard; returns the global mean loss.
 
         With accumulate=K the shard is processed as K consecutive micro-batches
@@ -145,6 +145,9 @@ class Trainer:
         global batch) are computed with a collective when not given. A step with
         a non-finite loss or gradient leaves the parameters untouched (see
         last_result.applied); max_bad_steps of them in a row raise NumericsError.
+        trace: the core records the step's spans and bucket allreduces
+        (last_result.spans, .buckets; a GPU hands the last ones over in a later
+        step's result or drain_trace()).
         """
         rows = len(x_local)
         if global_batch is None:
@@ -156,7 +159,7 @@ class Trainer:
         micro = [(x_local[a:b], y_local[a:b], first_sample + a) for a, b in zip(bounds, bounds[1:])]
         request = self._stop_request is not None
         self.t_call = time.perf_counter()  # where the core's step sits on a trace (observe.py)
-        result = self._step.step(micro, global_batch, self.global_step, self.lr, request)
+        result = self._step.step(micro, global_batch, self.global_step, self.lr, request, trace)
         self.t_return = time.perf_counter()
         self.last_result = result
         if not self._graph_fallback_reported and self._step.graph_fallback:
@@ -186,6 +189,10 @@ class Trainer:
                     f"{self.global_step - 1}); stopping. Parameters are those of the last good step; "
                     f"lower the learning rate or set a gradient-norm limit")
         return result.loss
+
+    def drain_trace(self) -> list:
+        """The traced spans (TraceSpan) no step has handed over yet, after waiting for the device."""
+        return self._step.drain_trace()
 
     # --- evaluation ------------------------------------------------------------
     def evaluate(self, x: np.ndarray, y: np.ndarray) -> dict:
@@ -349,7 +356,8 @@ class Trainer:
                     part = local_slice(len(idx), self.pg.rank, self.pg.size, self.batch_shares)
                     mine = idx[part]
                     loss = self.step(data.x_train[mine], data.y_train[mine], global_batch=len(idx),
-                                     first_sample=part.start)
+                                     first_sample=part.start,
+                                     trace=obs is not None and obs.wants_trace(self.global_step))
                     if obs is not None:
                         obs.on_step(self, self.last_result, t_begin, len(mine))
                     self.batch_in_epoch += 1
@@ -375,7 +383,7 @@ class Trainer:
             if checkpoint is not None and self._last_checkpoint_step != self.global_step and self.bad_steps == 0:
                 self._checkpoint(checkpoint, compat)
             if obs is not None:
-                obs.close()
+                obs.close(self)
             finished = True
         finally:
             if bar is not None:

@@ -94,6 +94,36 @@ def test_collectives_of_the_core_communicator():
     comm.barrier()
 
 
+@pytest.mark.parametrize("timeout", [0.0, 60.0])  # MPI_Waitsome, or tests against a deadline
+def test_async_allreduces_are_stamped_as_each_completes(timeout):
+    # The last rank launches the second sum 0.3 s after the first (progressing the
+    # first meanwhile): every rank stamps the first done well before the second.
+    import time
+    pg = mgpu.ProcessGroup()
+    comm = pg.communicator()
+    comm.timeout = timeout
+    a, b = np.full(1000, pg.rank + 1, np.float32), np.full(5000, 2 * (pg.rank + 1), np.float32)
+    pg.barrier()
+    comm.start_collective_timing()
+    comm.allreduce_sum_async(a)
+    if pg.rank == pg.size - 1:
+        late = time.monotonic() + 0.3
+        while time.monotonic() < late:
+            comm.progress()
+    comm.allreduce_sum_async(b)
+    comm.wait_all()
+    times = comm.collective_times()
+    total = pg.size * (pg.size + 1) / 2
+    assert np.all(a == total) and np.all(b == 2 * total)
+    if pg.size == 1:  # no MPI at all: the local communicator's sums are done at once, unstamped
+        assert comm.name == "local" and times == []
+        return
+    assert len(times) == 2 and all(0 <= launch <= done for launch, done in times)
+    assert times[1][1] - times[0][1] > 0.2, times
+    assert comm.collective_times() == []  # the stamping ended
+    comm.timeout = 0.0
+
+
 def test_distributed_evaluate_matches_local():
     pg = mgpu.ProcessGroup()
     rng = np.random.default_rng(9)

@@ -57,8 +57,9 @@ def test_nccl_training_equals_the_cpu_backend(two_gpus, tmp_path, optimizer, lr)
 
 
 def test_trace_of_a_gpu_run_says_whether_the_gpus_are_emulated(two_gpus, tmp_path):
-    # --trace on GPUs synchronizes the phases (timed steps); on the emulation the trace
-    # must say its GPUs are the CPU, in its metadata and on every rank's track.
+    # On the emulation the trace must say its GPUs are the CPU, in its metadata and on
+    # every rank's tracks; the core's spans come from CUDA events on each rank's compute
+    # stream (nothing synchronised to time them), on a lane of their own.
     trace = tmp_path / "trace.json"
     r = mpirun(2, [sys.executable, "-m", "mgpu", "train", *ARGS, "--steps", "4", "--comm", "nccl",
                    "--trace", trace, "--trace-steps", "1:3", "--bucket-mb", "0.002"], timeout=600, env=mpi_env())
@@ -81,6 +82,21 @@ def test_trace_of_a_gpu_run_says_whether_the_gpus_are_emulated(two_gpus, tmp_pat
         for e in buckets:
             assert e["tid"] == 1 and e["args"]["bytes"] == 4 * e["args"]["count"] and e["dur"] >= 0
             assert outer["ts"] - 1 <= e["ts"] and e["ts"] + e["dur"] <= outer["ts"] + outer["dur"] + 1
+    lanes = {(e["pid"], e["tid"]): e["args"]["name"] for e in doc["traceEvents"] if e["name"] == "thread_name"}
+    assert all(("EMULATED" in lanes[(rank, 2)]) is emulated and "CUDA events" in lanes[(rank, 2)]
+               for rank in (0, 1))
+    for outer in steps:  # the step's work on its GPU: after the host began it, in the order it runs
+        spans = sorted((e for e in doc["traceEvents"] if e.get("ph") == "X" and e["tid"] == 2
+                        and e["pid"] == outer["pid"] and e["args"]["step"] == outer["args"]["step"]),
+                       key=lambda e: (e["ts"], -e["dur"]))
+        names = [e["name"] for e in spans]
+        # small model: CUDA graphs (auto), captured at step 1, replayed at step 2
+        how = {1: "graph capture + replay", 2: "graph replay"}[outer["args"]["step"]]
+        assert names == ["stage", f"forward + loss + backward ({how})", "allreduce wait", "health check",
+                         "optimizer"], names
+        assert spans[0]["ts"] >= outer["ts"] - 1 and all(e["dur"] >= 0 for e in spans)
+        for e, nxt in zip(spans, spans[1:]):
+            assert e["ts"] + e["dur"] == pytest.approx(nxt["ts"], abs=1)
 
 
 def test_training_telemetry_says_whether_the_gpus_are_emulated(two_gpus, tmp_path):
