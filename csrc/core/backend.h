@@ -103,6 +103,28 @@ class Backend {
   virtual void zero(float* x, size_t n) = 0;
   virtual void synchronize() = 0;
 
+  // Host staging that never waits for the device (StagedCommunicator: MPI
+  // beside a GPU). allocate_host: host memory a device copies to and from
+  // while the host runs on (CUDA: pinned). The _async copies are queued in
+  // order with the backend's work and return at once (a host backend copies
+  // at once); the host memory must stay untouched until a fence queued after
+  // the copy has passed. fence() marks the work queued so far; fence_passed
+  // says, without waiting, whether it has all run; wait_fence waits for it.
+  virtual void* allocate_host(size_t bytes) { return ::operator new(bytes); }
+  virtual void free_host(void* ptr) noexcept { ::operator delete(ptr); }
+  virtual void copy_to_host_async(void* host_dst, const void* src, size_t bytes) {
+    copy_to_host(host_dst, src, bytes);
+  }
+  virtual void copy_to_backend_async(void* dst, const void* host_src, size_t bytes) {
+    copy_to_backend(dst, host_src, bytes);
+  }
+  virtual uint64_t fence() { return 0; }
+  virtual bool fence_passed(uint64_t fence) {
+    (void)fence;
+    return true;
+  }
+  virtual void wait_fence(uint64_t fence) { (void)fence; }
+
   // Linear layer. inp (B, IN), weight (OUT, IN), bias (OUT) -> out (B, OUT) = inp weight^T + bias
   virtual void linear_forward(float* out, const float* inp, const float* weight, const float* bias,
                               int B, int IN, int OUT) = 0;

@@ -1,12 +1,15 @@
 // StagedCommunicator: lets a host-memory transport (MPI) serve a device
-// backend (CUDA). Each collective copies its range of backend memory to a host
-// buffer, runs the wrapped communicator on it and copies the result back;
-// async ranges are copied out when launched (after the backward kernels that
-// wrote them, since copy_to_host synchronises the compute stream) and copied
-// back in wait_all(). Host buffers are kept per launch slot and only grow, so
-// steady-state steps allocate nothing. DataParallelStep wraps a communicator in
-// one when the backend is not host-accessible and the communicator does not
-// accept device memory.
+// backend (CUDA) without draining the device per bucket. An async range is
+// copied into pinned host memory on the backend's queue, behind the backward
+// kernels that wrote it, with a fence after the copy; the wrapped collective
+// starts once the host sees the fence passed (progress() polls; wait_all
+// waits for the rest), in launch order, so every rank issues the same
+// sequence. wait_all queues the copies back, which the next kernels on the
+// queue follow: a step waits for the device once for its buckets and once for
+// its read-back. Blocking collectives copy synchronously. Host buffers are
+// kept per launch slot and only grow, so steady-state steps allocate nothing.
+// DataParallelStep wraps a communicator in one when the backend is not
+// host-accessible and the communicator does not accept device memory.
 #pragma once
 #include <memory>
 #include <vector>
@@ -22,6 +25,15 @@ class StagedCommunicator final : public Communicator {
       : inner_(std::move(inner)), backend_(std::move(backend)) {
     timeout_seconds_ = inner_->timeout();
   }
+  ~StagedCommunicator() override {
+    try {
+      backend_->synchronize();  // nothing queued may still copy into or out of a slot
+    } catch (...) {
+    }
+    for (Slot& s : slots_) backend_->free_host(s.data);
+  }
+  StagedCommunicator(const StagedCommunicator&) = delete;
+  StagedCommunicator& operator=(const StagedCommunicator&) = delete;
   std::string name() const override { return inner_->name() + "+staged"; }
   int rank() const override { return inner_->rank(); }
   int size() const override { return inner_->size(); }
@@ -42,16 +54,22 @@ class StagedCommunicator final : public Communicator {
   void barrier() override { inner_->barrier(); }
   void allreduce_sum_async(float* data, size_t count) override {
     float* host = slot(pending_.size(), count);
-    backend_->copy_to_host(host, data, count * sizeof(float));
-    inner_->allreduce_sum_async(host, count);
-    pending_.push_back({data, host, count});
+    backend_->copy_to_host_async(host, data, count * sizeof(float));
+    pending_.push_back({data, host, count, backend_->fence()});
+    launch_copied();
   }
   bool progresses_independently() const override { return inner_->progresses_independently(); }
-  void progress() override { inner_->progress(); }
+  void progress() override {
+    launch_copied();
+    inner_->progress();
+  }
   void wait_all() override {
+    if (launched_ < pending_.size()) backend_->wait_fence(pending_.back().fence);
+    launch_copied();
     inner_->wait_all();
-    for (const Pending& p : pending_) backend_->copy_to_backend(p.device, p.host, p.count * sizeof(float));
+    for (const Pending& p : pending_) backend_->copy_to_backend_async(p.device, p.host, p.count * sizeof(float));
     pending_.clear();
+    launched_ = 0;
   }
   void set_timeout(double seconds) override {
     Communicator::set_timeout(seconds);
@@ -76,19 +94,40 @@ class StagedCommunicator final : public Communicator {
     float* device;
     float* host;
     size_t count;
+    uint64_t fence;  // passed: the copy into host has landed
   };
-  // Host buffer for the i-th collective in flight; a moved std::vector keeps
-  // its storage, so earlier slots stay valid while later ones are added.
+  struct Slot {
+    float* data = nullptr;
+    size_t capacity = 0;  // floats
+  };
+  // Starts, in launch order, the collectives whose copy to the host has landed.
+  void launch_copied() {
+    while (launched_ < pending_.size() && backend_->fence_passed(pending_[launched_].fence)) {
+      inner_->allreduce_sum_async(pending_[launched_].host, pending_[launched_].count);
+      ++launched_;
+    }
+  }
+  // Host buffer for the i-th collective in flight. Grown (the first steps) only
+  // after the backend ran dry: a queued copy of an earlier step may still use it.
   float* slot(size_t i, size_t count) {
     if (slots_.size() <= i) slots_.resize(i + 1);
-    if (slots_[i].size() < count) slots_[i].resize(count);
-    return slots_[i].data();
+    Slot& s = slots_[i];
+    if (s.capacity < count) {
+      backend_->synchronize();
+      backend_->free_host(s.data);
+      s.data = nullptr;
+      s.capacity = 0;
+      s.data = static_cast<float*>(backend_->allocate_host(count * sizeof(float)));
+      s.capacity = count;
+    }
+    return s.data;
   }
 
   std::shared_ptr<Communicator> inner_;
   std::shared_ptr<Backend> backend_;
-  std::vector<std::vector<float>> slots_;
+  std::vector<Slot> slots_;
   std::vector<Pending> pending_;
+  size_t launched_ = 0;  // pending_[0, launched_) were handed to inner_
 };
 
 }  // namespace mgpu

@@ -66,6 +66,10 @@ void CudaBackend::release() noexcept {
   cudaSetDevice(device_);
   abort_capture();
   if (stream_) cudaStreamSynchronize(stream_);
+  for (cudaEvent_t e : fences_) cudaEventDestroy(e);
+  for (cudaEvent_t e : spare_fences_) cudaEventDestroy(e);
+  fences_.clear();
+  spare_fences_.clear();
   for (cudaEvent_t e : marks_) cudaEventDestroy(e);
   for (cudaEvent_t e : spare_marks_) cudaEventDestroy(e);
   marks_.clear();
@@ -206,6 +210,85 @@ void CudaBackend::zero(float* x, size_t n) {
   activate();
   writes(x, n * sizeof(float));
   MGPU_CUDA_CHECK(cudaMemsetAsync(x, 0, n * sizeof(float), stream_));
+}
+
+void* CudaBackend::allocate_host(size_t bytes) {
+  activate();
+  void* ptr = nullptr;
+  const cudaError_t rc = cudaMallocHost(&ptr, std::max<size_t>(bytes, 1));
+  if (rc != cudaSuccess) {
+    cudaGetLastError();
+    throw DeviceError(detail::concat("cudaMallocHost of ", bytes, " bytes (host staging) for GPU ", device_,
+                                     " failed: ", cudaGetErrorString(rc)));
+  }
+  return ptr;
+}
+
+void CudaBackend::free_host(void* ptr) noexcept {
+  if (ptr) cudaFreeHost(ptr);  // waits for the device: nothing queued still reads or writes it
+}
+
+void CudaBackend::copy_to_host_async(void* host_dst, const void* src, size_t bytes) {
+  if (!bytes) return;
+  activate();
+  MGPU_CHECK(!captures_.capturing(), DeviceError, "copy_to_host_async: not allowed in a capture");
+  MGPU_CHECK(!pageable(host_dst), DeviceError, "copy_to_host_async needs pinned host memory (allocate_host)");
+  MGPU_CUDA_CHECK(cudaMemcpyAsync(host_dst, src, bytes, cudaMemcpyDeviceToHost, stream_));
+}
+
+void CudaBackend::copy_to_backend_async(void* dst, const void* host_src, size_t bytes) {
+  if (!bytes) return;
+  activate();
+  MGPU_CHECK(!captures_.capturing(), DeviceError, "copy_to_backend_async: not allowed in a capture");
+  MGPU_CHECK(!pageable(host_src), DeviceError, "copy_to_backend_async needs pinned host memory (allocate_host)");
+  writes(dst, bytes);
+  MGPU_CUDA_CHECK(cudaMemcpyAsync(dst, host_src, bytes, cudaMemcpyHostToDevice, stream_));
+}
+
+uint64_t CudaBackend::fence() {
+  activate();
+  MGPU_CHECK(!captures_.capturing(), DeviceError, "fences are not allowed in a capture");
+  cudaEvent_t event = nullptr;
+  if (!spare_fences_.empty()) {
+    event = spare_fences_.back();
+    spare_fences_.pop_back();
+  } else {
+    MGPU_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
+  }
+  fences_.push_back(event);
+  MGPU_CUDA_CHECK(cudaEventRecord(event, stream_));
+  return fences_base_ + fences_.size() - 1;
+}
+
+void CudaBackend::release_fences(uint64_t through) {
+  while (fences_base_ <= through && !fences_.empty()) {
+    spare_fences_.push_back(fences_.front());
+    fences_.pop_front();
+    ++fences_base_;
+  }
+}
+
+bool CudaBackend::fence_passed(uint64_t fence) {
+  if (fence < fences_base_) return true;  // seen passed before
+  MGPU_CHECK(fence - fences_base_ < fences_.size(), ConfigError, "unknown fence ", fence);
+  activate();
+  const cudaError_t rc = cudaEventQuery(fences_[fence - fences_base_]);
+  if (rc == cudaErrorNotReady) {
+    cudaGetLastError();  // not a failure: the work before it has not run yet
+    return false;
+  }
+  MGPU_CUDA_CHECK(rc);
+  release_fences(fence);  // the stream runs in order: every earlier fence has passed too
+  return true;
+}
+
+void CudaBackend::wait_fence(uint64_t fence) {
+  if (fence < fences_base_) return;
+  MGPU_CHECK(fence - fences_base_ < fences_.size(), ConfigError, "unknown fence ", fence);
+  activate();
+  MGPU_CUDA_CHECK(cudaEventSynchronize(fences_[fence - fences_base_]));
+  release_fences(fence);
+  raise_label_errors();
 }
 
 uint64_t CudaBackend::record_mark(cudaStream_t stream) {

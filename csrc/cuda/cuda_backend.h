@@ -40,6 +40,15 @@ class CudaBackend final : public Backend {
   void stage_to_backend(void* dst, const void* host_src, size_t bytes) override;
   void zero(float* x, size_t n) override;
   void synchronize() override;
+  // Pinned host memory, copies queued on the compute stream, and fences
+  // (events without timing) on it: see Backend.
+  void* allocate_host(size_t bytes) override;
+  void free_host(void* ptr) noexcept override;
+  void copy_to_host_async(void* host_dst, const void* src, size_t bytes) override;
+  void copy_to_backend_async(void* dst, const void* host_src, size_t bytes) override;
+  uint64_t fence() override;
+  bool fence_passed(uint64_t fence) override;
+  void wait_fence(uint64_t fence) override;
 
   void linear_forward(float* out, const float* inp, const float* weight, const float* bias, int B,
                       int IN, int OUT) override;
@@ -149,6 +158,12 @@ class CudaBackend final : public Backend {
   uint64_t marks_base_ = 0;
   std::vector<cudaEvent_t> spare_marks_;
   cudaStream_t clock_stream_ = nullptr;  // trace_clock_mark's: nothing else runs on it
+  // Fences: fences_[i] is fence number fences_base_ + i, not yet seen passed;
+  // passed ones go back to spare_fences_ (all earlier ones have passed too).
+  std::deque<cudaEvent_t> fences_;
+  uint64_t fences_base_ = 0;
+  std::vector<cudaEvent_t> spare_fences_;
+  void release_fences(uint64_t through);
   kernels::LabelErrors label_errors_;  // device: 2 values, host: 3 pinned values
 };
 

@@ -32,6 +32,19 @@ def train(comm, first, rows, gpu):
     return model.get_parameters(), losses
 
 
+def host_syncs_per_step(comm, gpu, steps=4):
+    """On the emulation: host synchronisations per steady-state step, and the buckets."""
+    model = _core.MLP(_core.make_backend("cuda", gpu), SIZES, 0.0, 11)
+    step = _core.DataParallelStep(model, _core.Optimizer(model, "sgd"), comm, "cross_entropy", bucket_elems=600)
+    x = np.random.default_rng(1).standard_normal((BATCH, SIZES[0])).astype(np.float32)
+    y = np.arange(BATCH) % SIZES[-1]
+    for t in range(2 + steps):
+        if t == 2:
+            before = _core.emulation.counters()["host_syncs"]
+        step.step([(x, y, 0)], BATCH * comm.size, t, 0.05)
+    return (_core.emulation.counters()["host_syncs"] - before) / steps, len(step.buckets())
+
+
 def main(mode):
     pg = mgpu.ProcessGroup()
     if mode == "nccl-expect-config-error":
@@ -53,6 +66,9 @@ def main(mode):
     ref_params, ref_losses = train(_core.LocalCommunicator(), 0, BATCH, gpu)
     assert rel_err(params, ref_params) < 1e-5, rel_err(params, ref_params)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    if mode == "mpi" and _core.build_info().get("gpu_emulation", False):
+        syncs, buckets = host_syncs_per_step(comm, gpu)
+        print(f"SYNCS {syncs} BUCKETS {buckets}", flush=True)
     x = np.full(10, pg.rank + 1, np.float32)
     comm.allreduce_sum(x)
     assert np.all(x == pg.size * (pg.size + 1) / 2)
