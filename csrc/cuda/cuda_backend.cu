@@ -66,14 +66,8 @@ void CudaBackend::release() noexcept {
   cudaSetDevice(device_);
   abort_capture();
   if (stream_) cudaStreamSynchronize(stream_);
-  for (cudaEvent_t e : fences_) cudaEventDestroy(e);
-  for (cudaEvent_t e : spare_fences_) cudaEventDestroy(e);
-  fences_.clear();
-  spare_fences_.clear();
-  for (cudaEvent_t e : marks_) cudaEventDestroy(e);
-  for (cudaEvent_t e : spare_marks_) cudaEventDestroy(e);
-  marks_.clear();
-  spare_marks_.clear();
+  fences_.destroy();
+  marks_.destroy();
   if (clock_stream_) cudaStreamDestroy(clock_stream_);
   clock_stream_ = nullptr;
   captures_.release([](cudaGraphExec_t g) { cudaGraphExecDestroy(g); });
@@ -245,65 +239,69 @@ void CudaBackend::copy_to_backend_async(void* dst, const void* host_src, size_t 
   MGPU_CUDA_CHECK(cudaMemcpyAsync(dst, host_src, bytes, cudaMemcpyHostToDevice, stream_));
 }
 
+uint64_t NumberedEvents::record(cudaStream_t stream) {
+  cudaEvent_t event = nullptr;
+  if (!spare_.empty()) {
+    event = spare_.back();
+    spare_.pop_back();
+  } else {
+    MGPU_CUDA_CHECK(cudaEventCreateWithFlags(&event, flags_));
+  }
+  events_.push_back(event);
+  MGPU_CUDA_CHECK(cudaEventRecord(event, stream));  // recording again is fine while a former record is pending
+  return base_ + events_.size() - 1;
+}
+
+void NumberedEvents::forget_before(uint64_t number) {
+  while (base_ < number && !events_.empty()) {
+    spare_.push_back(events_.front());
+    events_.pop_front();
+    ++base_;
+  }
+}
+
+void NumberedEvents::destroy() noexcept {
+  for (cudaEvent_t e : events_) cudaEventDestroy(e);
+  for (cudaEvent_t e : spare_) cudaEventDestroy(e);
+  events_.clear();
+  spare_.clear();
+}
+
 uint64_t CudaBackend::fence() {
   activate();
   MGPU_CHECK(!captures_.capturing(), DeviceError, "fences are not allowed in a capture");
-  cudaEvent_t event = nullptr;
-  if (!spare_fences_.empty()) {
-    event = spare_fences_.back();
-    spare_fences_.pop_back();
-  } else {
-    MGPU_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
-  }
-  fences_.push_back(event);
-  MGPU_CUDA_CHECK(cudaEventRecord(event, stream_));
-  return fences_base_ + fences_.size() - 1;
-}
-
-void CudaBackend::release_fences(uint64_t through) {
-  while (fences_base_ <= through && !fences_.empty()) {
-    spare_fences_.push_back(fences_.front());
-    fences_.pop_front();
-    ++fences_base_;
-  }
+  return fences_.record(stream_);
 }
 
 bool CudaBackend::fence_passed(uint64_t fence) {
-  if (fence < fences_base_) return true;  // seen passed before
-  MGPU_CHECK(fence - fences_base_ < fences_.size(), ConfigError, "unknown fence ", fence);
+  if (fences_.forgotten(fence)) return true;  // seen passed before
+  const cudaEvent_t event = fences_.find(fence);
+  MGPU_CHECK(event, ConfigError, "unknown fence ", fence);
   activate();
-  const cudaError_t rc = cudaEventQuery(fences_[fence - fences_base_]);
+  const cudaError_t rc = cudaEventQuery(event);
   if (rc == cudaErrorNotReady) {
     cudaGetLastError();  // not a failure: the work before it has not run yet
     return false;
   }
   MGPU_CUDA_CHECK(rc);
-  release_fences(fence);  // the stream runs in order: every earlier fence has passed too
+  fences_.forget_before(fence + 1);  // the stream runs in order: every earlier fence has passed too
   return true;
 }
 
 void CudaBackend::wait_fence(uint64_t fence) {
-  if (fence < fences_base_) return;
-  MGPU_CHECK(fence - fences_base_ < fences_.size(), ConfigError, "unknown fence ", fence);
+  if (fences_.forgotten(fence)) return;
+  const cudaEvent_t event = fences_.find(fence);
+  MGPU_CHECK(event, ConfigError, "unknown fence ", fence);
   activate();
-  MGPU_CUDA_CHECK(cudaEventSynchronize(fences_[fence - fences_base_]));
-  release_fences(fence);
+  MGPU_CUDA_CHECK(cudaEventSynchronize(event));
+  fences_.forget_before(fence + 1);
   raise_label_errors();
 }
 
 uint64_t CudaBackend::record_mark(cudaStream_t stream) {
   activate();
   MGPU_CHECK(!captures_.capturing(), DeviceError, "trace marks are not allowed in a capture");
-  cudaEvent_t event = nullptr;
-  if (!spare_marks_.empty()) {
-    event = spare_marks_.back();
-    spare_marks_.pop_back();
-  } else {
-    MGPU_CUDA_CHECK(cudaEventCreate(&event));  // timing: no DisableTiming flag
-  }
-  marks_.push_back(event);
-  MGPU_CUDA_CHECK(cudaEventRecord(event, stream));
-  return marks_base_ + marks_.size() - 1;
+  return marks_.record(stream);
 }
 
 uint64_t CudaBackend::trace_clock_mark() {
@@ -314,12 +312,11 @@ uint64_t CudaBackend::trace_clock_mark() {
 
 double CudaBackend::trace_elapsed(uint64_t from, uint64_t to) {
   const double unknown = std::numeric_limits<double>::quiet_NaN();
-  if (from < marks_base_ || to < marks_base_ || from - marks_base_ >= marks_.size() ||
-      to - marks_base_ >= marks_.size())
-    return unknown;
+  const cudaEvent_t a = marks_.find(from), b = marks_.find(to);
+  if (!a || !b) return unknown;
   activate();
   float ms = 0.0f;
-  const cudaError_t rc = cudaEventElapsedTime(&ms, marks_[from - marks_base_], marks_[to - marks_base_]);
+  const cudaError_t rc = cudaEventElapsedTime(&ms, a, b);
   if (rc == cudaErrorNotReady) {
     cudaGetLastError();  // not a failure: the work before the mark has not run yet
     return unknown;
@@ -328,13 +325,7 @@ double CudaBackend::trace_elapsed(uint64_t from, uint64_t to) {
   return ms * 1e-3;
 }
 
-void CudaBackend::trace_forget(uint64_t before) {
-  while (marks_base_ < before && !marks_.empty()) {
-    spare_marks_.push_back(marks_.front());  // re-recording an event is safe even if it is pending
-    marks_.pop_front();
-    ++marks_base_;
-  }
-}
+void CudaBackend::trace_forget(uint64_t before) { marks_.forget_before(before); }
 
 void CudaBackend::synchronize() {
   activate();

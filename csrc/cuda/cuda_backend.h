@@ -18,6 +18,26 @@
 
 namespace mgpu {
 
+// Events numbered in the order they were recorded (trace marks, fences): number
+// base() + i is the i-th kept; forgotten ones are recorded again later.
+class NumberedEvents {
+ public:
+  explicit NumberedEvents(unsigned flags) : flags_(flags) {}
+  uint64_t record(cudaStream_t stream);
+  cudaEvent_t find(uint64_t number) const {  // null once forgotten (or never recorded)
+    return number >= base_ && number - base_ < events_.size() ? events_[number - base_] : nullptr;
+  }
+  bool forgotten(uint64_t number) const { return number < base_; }
+  void forget_before(uint64_t number);
+  void destroy() noexcept;
+
+ private:
+  unsigned flags_;
+  std::deque<cudaEvent_t> events_;
+  uint64_t base_ = 0;
+  std::vector<cudaEvent_t> spare_;
+};
+
 class CudaBackend final : public Backend {
  public:
   explicit CudaBackend(int device_index);
@@ -153,17 +173,9 @@ class CudaBackend final : public Backend {
   char* staging_ = nullptr;
   size_t staging_capacity_ = 0, staging_used_ = 0;
   std::vector<char*> staging_outgrown_;
-  // Trace marks: marks_[i] is mark number marks_base_ + i; forgotten events are reused.
-  std::deque<cudaEvent_t> marks_;
-  uint64_t marks_base_ = 0;
-  std::vector<cudaEvent_t> spare_marks_;
+  NumberedEvents marks_{cudaEventDefault};         // trace marks: timing events
   cudaStream_t clock_stream_ = nullptr;  // trace_clock_mark's: nothing else runs on it
-  // Fences: fences_[i] is fence number fences_base_ + i, not yet seen passed;
-  // passed ones go back to spare_fences_ (all earlier ones have passed too).
-  std::deque<cudaEvent_t> fences_;
-  uint64_t fences_base_ = 0;
-  std::vector<cudaEvent_t> spare_fences_;
-  void release_fences(uint64_t through);
+  NumberedEvents fences_{cudaEventDisableTiming};  // fences not yet seen passed
   kernels::LabelErrors label_errors_;  // device: 2 values, host: 3 pinned values
 };
 
