@@ -39,13 +39,17 @@ class StagedCommunicator final : public Communicator {
   int size() const override { return inner_->size(); }
   bool accepts_device_memory() const override { return true; }
 
+  // The blocking collectives first let the device run dry: a copy back queued by
+  // the last wait_all may still read the slot they reuse.
   void allreduce_sum(float* data, size_t count) override {
+    backend_->synchronize();
     float* host = slot(pending_.size(), count);
     backend_->copy_to_host(host, data, count * sizeof(float));
     inner_->allreduce_sum(host, count);
     backend_->copy_to_backend(data, host, count * sizeof(float));
   }
   void broadcast(float* data, size_t count, int root) override {
+    backend_->synchronize();
     float* host = slot(pending_.size(), count);
     if (inner_->rank() == root) backend_->copy_to_host(host, data, count * sizeof(float));
     inner_->broadcast(host, count, root);
@@ -82,7 +86,18 @@ class StagedCommunicator final : public Communicator {
   std::vector<int> missing_peers() override { return inner_->missing_peers(); }
   void heartbeat() override { inner_->heartbeat(); }
   std::string diagnose_stall(double silence) override { return inner_->diagnose_stall(silence); }
-  void abort(const std::string& why) override { inner_->abort(why); }
+  // After an error mid-step: the collectives started so far are ended by the
+  // transport; what this rank had queued is forgotten, so a later step starts
+  // clean instead of launching a stale, rank-dependent remainder.
+  void abort(const std::string& why) override {
+    inner_->abort(why);
+    try {
+      backend_->synchronize();  // no queued copy still uses a slot
+    } catch (...) {
+    }
+    pending_.clear();
+    launched_ = 0;
+  }
   void raise_if_failed() override { inner_->raise_if_failed(); }
   void start_collective_timing() override { inner_->start_collective_timing(); }
   std::vector<std::pair<double, double>> collective_times() override { return inner_->collective_times(); }

@@ -53,8 +53,9 @@ class StepTrace {
   bool pending() const { return !pending_.empty(); }
 
   // The spans whose marks have happened, in the order they were opened; the
-  // rest stay for a later call.
-  std::vector<TraceSpan> take_ready() {
+  // rest stay for a later call (all_or_drop: none stay; a span whose marks
+  // read NaN is dropped and the later ones are still handed over).
+  std::vector<TraceSpan> take_ready(bool all_or_drop = false) {
     std::vector<TraceSpan> out;
     if (pending_.size() > kMaxPending)  // marks that never happen: keep the newest only
       pending_.erase(pending_.begin(), pending_.end() - static_cast<std::ptrdiff_t>(kMaxPending));
@@ -64,7 +65,10 @@ class StepTrace {
       StepMarks* sm = marks_of(p.from);
       if (!sm) continue;  // its step's marks are gone (dropped above): the span is lost
       const double b = be_.trace_elapsed(sm->anchor, p.from), e = be_.trace_elapsed(sm->anchor, p.to);
-      if (std::isnan(b) || std::isnan(e)) break;  // marks happen in order: so have none after it
+      if (std::isnan(b) || std::isnan(e)) {
+        if (all_or_drop) continue;
+        break;  // marks happen in order: so have none after it
+      }
       if (!sm->placed) place(*sm);
       out.push_back({p.name, p.category, p.step, p.micro, sm->offset + b, sm->offset + e});
     }
@@ -81,11 +85,11 @@ class StepTrace {
   }
   // Every span, after waiting for the backend's queued work. A span whose
   // marks still read NaN then never will (another trace on the same backend
-  // let them go): it is dropped, so nothing piles up.
+  // let them go: one backend serves one trace): it is dropped, so nothing piles up.
   std::vector<TraceSpan> drain() {
     if (pending_.empty()) return {};
     be_.synchronize();
-    std::vector<TraceSpan> out = take_ready();
+    std::vector<TraceSpan> out = take_ready(/*all_or_drop=*/true);
     pending_.clear();
     steps_.clear();
     be_.trace_forget(last_ + 1);

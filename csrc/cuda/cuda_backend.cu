@@ -279,10 +279,7 @@ bool CudaBackend::fence_passed(uint64_t fence) {
   MGPU_CHECK(event, ConfigError, "unknown fence ", fence);
   activate();
   const cudaError_t rc = cudaEventQuery(event);
-  if (rc == cudaErrorNotReady) {
-    cudaGetLastError();  // not a failure: the work before it has not run yet
-    return false;
-  }
+  if (rc == cudaErrorNotReady) return false;  // not a failure (nor recorded as one): not run yet
   MGPU_CUDA_CHECK(rc);
   fences_.forget_before(fence + 1);  // the stream runs in order: every earlier fence has passed too
   return true;
@@ -295,7 +292,8 @@ void CudaBackend::wait_fence(uint64_t fence) {
   activate();
   MGPU_CUDA_CHECK(cudaEventSynchronize(event));
   fences_.forget_before(fence + 1);
-  raise_label_errors();
+  // Label errors wait for the step's read-back: raised here, mid-collectives, they
+  // would leave the ranks with different numbers of collectives started.
 }
 
 uint64_t CudaBackend::record_mark(cudaStream_t stream) {
@@ -317,10 +315,7 @@ double CudaBackend::trace_elapsed(uint64_t from, uint64_t to) {
   activate();
   float ms = 0.0f;
   const cudaError_t rc = cudaEventElapsedTime(&ms, a, b);
-  if (rc == cudaErrorNotReady) {
-    cudaGetLastError();  // not a failure: the work before the mark has not run yet
-    return unknown;
-  }
+  if (rc == cudaErrorNotReady) return unknown;  // not a failure (nor recorded as one): not run yet
   MGPU_CUDA_CHECK(rc);
   return ms * 1e-3;
 }
@@ -331,6 +326,7 @@ void CudaBackend::synchronize() {
   activate();
   MGPU_CHECK(!captures_.capturing(), DeviceError, "synchronize() is not allowed in a capture");
   MGPU_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  if (clock_stream_) MGPU_CUDA_CHECK(cudaStreamSynchronize(clock_stream_));  // trace clock marks (event records only)
   sum_started_ = false;
   drained();
   raise_label_errors();

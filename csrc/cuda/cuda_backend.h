@@ -141,8 +141,8 @@ class CudaBackend final : public Backend {
   const void* master_half_view(const float* src, size_t n);  // src's part of it, or null
   void refresh_master_half();                     // cast when stale (never inside a capture)
   void writes(const void* dst, size_t bytes);     // dst in the parameters: the copy goes stale
-  void drained() { staging_used_ = 0; }
-  uint64_t record_mark(cudaStream_t stream);          // the stream ran dry: its staged copies are done
+  void drained() { staging_used_ = 0; }          // the stream ran dry: its staged copies are done
+  uint64_t record_mark(cudaStream_t stream);
   kernels::HalfShadow shadow_for_update(const float* param, size_t n);
   // Where kernels being captured read their ReplayArgs; null outside a capture.
   const ReplayArgs* captured_args() const { return captures_.capturing() ? replay_dev_ : nullptr; }

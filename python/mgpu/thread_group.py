@@ -21,6 +21,7 @@ import copy
 import os
 import signal
 import threading
+import time
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -135,6 +136,20 @@ class ThreadGroup(ProcessGroup):
     def barrier(self, what: str = "barrier") -> None:
         if self.size > 1:
             self._meet(what)
+
+    def clock_offsets(self, clock: Callable[[], float], rounds: int = 8, what: str = "clock offsets") -> list:
+        """ProcessGroup.clock_offsets for threads: one process, one perf_counter, so each
+        rank's clock against rank 0's follows from one reading of `clock` between two of
+        perf_counter, to within half their gap (rounds unused)."""
+        before = time.perf_counter()
+        reading = clock()
+        after = time.perf_counter()
+        mine = (reading - (before + after) / 2, (after - before) / 2)  # clock minus perf_counter
+        both = self._exchange(mine, what) if self.size > 1 else [mine]
+        if not self.is_root:
+            return []
+        d0, u0 = both[0]
+        return [(d - d0, u + u0) for d, u in both]
 
     def agree(self, error: Optional[BaseException], what: str = "agreement") -> None:
         raise_agreed(error, self._exchange(error_report(error), what) if self.size > 1 else [])

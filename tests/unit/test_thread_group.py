@@ -158,3 +158,20 @@ def test_cli_gpus_without_a_gpu_is_one_clear_line():
     assert r.returncode == 2, r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "drives GPUs" in lines[0], r.stderr
+
+
+@pytest.mark.parametrize("size", [1, 3])
+def test_clock_offsets_of_threads_are_exact(size):
+    # each thread's clock starts at its own origin (as the trace's does): rank 0 learns
+    # each origin's distance from its own, to within a clock read (one process, one perf_counter)
+    def fn(pg):
+        time.sleep(0.01 * pg.rank)
+        origin = time.perf_counter()
+        return origin, pg.clock_offsets(lambda: time.perf_counter() - origin)
+    results, errors = run_threads(fn, size)
+    assert errors == [None] * size
+    origins = [origin for origin, _ in results]
+    offsets = results[0][1]
+    assert all(r[1] == [] for r in results[1:]) and len(offsets) == size
+    for rank, (offset, uncertainty) in enumerate(offsets):
+        assert 0 <= uncertainty < 1e-3 and abs(offset - (origins[0] - origins[rank])) <= uncertainty + 1e-9
