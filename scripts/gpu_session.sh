@@ -99,8 +99,8 @@ for stage in "${stages[@]}"; do
       run trace-png "$PY" scripts/trace_png.py "$OUT/trace-gpu.json" "$OUT/trace-gpu.png" ;;
     report)  # a dated section for docs/gpu-results.md from this $OUT
       run report "$PY" scripts/gpu_report.py "$OUT" ;;
-    all)  # everything issue 12 needs, in about 20 minutes on an H100 (build ~4, tests ~6, the rest ~8)
-      bash "$0" env build tests explain sheet bench-medium report ;;
+    all)  # everything issues 12 and 17 need, in about 20 minutes on an H100 (build ~4, tests ~6, the rest ~9)
+      bash "$0" env build tests explain sheet bench-medium trace report ;;
     stress)
       run stress "$PY" -m mgpu stress --device cuda --duration 60 --json "$OUT/stress-gpu.json" \
           --telemetry "$OUT/telemetry-gpu" ;;
