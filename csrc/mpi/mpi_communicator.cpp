@@ -23,6 +23,12 @@ void check(int rc, const char* what) {
 }
 // MPI counts are int: larger buffers go in chunks.
 constexpr size_t kMaxChunk = static_cast<size_t>(INT_MAX);
+// Allreduces go in chunks of at most 8 MiB. On our 2-core VMs (OpenMPI 4.1, shared
+// memory) one MPI_Allreduce ran at 11-12 GB/s busbw up to 8 MiB and collapsed from
+// 16-32 MiB on (32 MiB: 14-19 ms, against 4 x 0.7 ms in 8 MiB pieces; docs/
+// benchmarks.md). Elsewhere a chunk adds one collective's latency (microseconds)
+// per 8 MiB moved: at most a few percent even over a slow network.
+constexpr size_t kAllreduceChunk = size_t{8} << 20 >> 2;
 // Up to this many ranks everyone watches everyone (size - 1 tiny messages per
 // rank and step); beyond it heartbeats go to rank 0 and back.
 constexpr int kAllToAllHeartbeats = 32;
@@ -251,15 +257,15 @@ void MpiCommunicator::allreduce_sum(float* data, size_t count) {
     return;
   }
   if (timeout_seconds_ <= 0.0) {
-    for (size_t done = 0; done < count; done += kMaxChunk) {
-      const int n = static_cast<int>(std::min(kMaxChunk, count - done));
+    for (size_t done = 0; done < count; done += kAllreduceChunk) {
+      const int n = static_cast<int>(std::min(kAllreduceChunk, count - done));
       check(MPI_Allreduce(MPI_IN_PLACE, data + done, n, MPI_FLOAT, MPI_SUM, comm_), "MPI_Allreduce");
     }
     return;
   }
   std::vector<MPI_Request> requests;
-  for (size_t done = 0; done < count; done += kMaxChunk) {
-    const int n = static_cast<int>(std::min(kMaxChunk, count - done));
+  for (size_t done = 0; done < count; done += kAllreduceChunk) {
+    const int n = static_cast<int>(std::min(kAllreduceChunk, count - done));
     requests.emplace_back();
     check(MPI_Iallreduce(MPI_IN_PLACE, data + done, n, MPI_FLOAT, MPI_SUM, comm_, &requests.back()),
           "MPI_Iallreduce");
@@ -281,8 +287,8 @@ void allreduce_worker(std::shared_ptr<State> w, MPI_Comm comm) {
     const size_t count = w->count;
     lock.unlock();
     int rc = MPI_SUCCESS;
-    for (size_t done = 0; done < count && rc == MPI_SUCCESS; done += kMaxChunk) {
-      const int n = static_cast<int>(std::min(kMaxChunk, count - done));
+    for (size_t done = 0; done < count && rc == MPI_SUCCESS; done += kAllreduceChunk) {
+      const int n = static_cast<int>(std::min(kAllreduceChunk, count - done));
       rc = MPI_Allreduce(MPI_IN_PLACE, data + done, n, MPI_FLOAT, MPI_SUM, comm);
     }
     lock.lock();
@@ -359,8 +365,8 @@ void MpiCommunicator::allreduce_sum_async(float* data, size_t count) {
     timed_.emplace_back(now_seconds() - timing_start_, -1.0);
     open_requests_.push_back(0);
   }
-  for (size_t done = 0; done < count; done += kMaxChunk) {
-    const int n = static_cast<int>(std::min(kMaxChunk, count - done));
+  for (size_t done = 0; done < count; done += kAllreduceChunk) {
+    const int n = static_cast<int>(std::min(kAllreduceChunk, count - done));
     MPI_Request req;
     check(MPI_Iallreduce(MPI_IN_PLACE, data + done, n, MPI_FLOAT, MPI_SUM, comm_, &req),
           "MPI_Iallreduce");
