@@ -8,13 +8,13 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
-#include <deque>
 #include <limits>
 #include <memory>
 #include <string>
 #include <utility>
 
 #include "errors.h"
+#include "numbered_queue.h"
 
 namespace mgpu {
 
@@ -243,26 +243,17 @@ class Backend {
   virtual uint64_t trace_mark() { return host_mark(); }
   virtual uint64_t trace_clock_mark() { return host_mark(); }
   virtual double trace_elapsed(uint64_t from, uint64_t to) {
-    if (from < host_marks_base_ || to < host_marks_base_ || from - host_marks_base_ >= host_marks_.size() ||
-        to - host_marks_base_ >= host_marks_.size())
-      return std::numeric_limits<double>::quiet_NaN();
-    return host_marks_[to - host_marks_base_] - host_marks_[from - host_marks_base_];
+    const double *a = host_marks_.find(from), *b = host_marks_.find(to);
+    return a && b ? *b - *a : std::numeric_limits<double>::quiet_NaN();
   }
-  virtual void trace_forget(uint64_t before) {
-    while (host_marks_base_ < before && !host_marks_.empty()) {
-      host_marks_.pop_front();
-      ++host_marks_base_;
-    }
-  }
+  virtual void trace_forget(uint64_t before) { host_marks_.drop_before(before); }
 
  private:
   uint64_t host_mark() {
-    host_marks_.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count());
-    return host_marks_base_ + host_marks_.size() - 1;
+    return host_marks_.push(std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count());
   }
   double started_sum_ = 0.0;  // the default sum_squares_start's result
-  std::deque<double> host_marks_;  // the default trace marks: host clock readings
-  uint64_t host_marks_base_ = 0;   // the number of host_marks_.front()
+  NumberedQueue<double> host_marks_;  // the default trace marks: host clock readings
 };
 
 // Owning, move-only array in a backend's memory.

@@ -39,19 +39,21 @@ class StagedCommunicator final : public Communicator {
   int size() const override { return inner_->size(); }
   bool accepts_device_memory() const override { return true; }
 
-  // The blocking collectives first let the device run dry: a copy back queued by
-  // the last wait_all may still read the slot they reuse.
+  // A copy back queued by the last wait_all may still read the slot these reuse:
+  // copy_to_host is queued behind it and waits for it; a broadcast's receivers
+  // write the slot from the host, so they first let the device run dry.
   void allreduce_sum(float* data, size_t count) override {
-    backend_->synchronize();
     float* host = slot(pending_.size(), count);
     backend_->copy_to_host(host, data, count * sizeof(float));
     inner_->allreduce_sum(host, count);
     backend_->copy_to_backend(data, host, count * sizeof(float));
   }
   void broadcast(float* data, size_t count, int root) override {
-    backend_->synchronize();
     float* host = slot(pending_.size(), count);
-    if (inner_->rank() == root) backend_->copy_to_host(host, data, count * sizeof(float));
+    if (inner_->rank() == root)
+      backend_->copy_to_host(host, data, count * sizeof(float));
+    else
+      backend_->synchronize();
     inner_->broadcast(host, count, root);
     backend_->copy_to_backend(data, host, count * sizeof(float));
   }

@@ -247,21 +247,15 @@ uint64_t NumberedEvents::record(cudaStream_t stream) {
   } else {
     MGPU_CUDA_CHECK(cudaEventCreateWithFlags(&event, flags_));
   }
-  events_.push_back(event);
-  MGPU_CUDA_CHECK(cudaEventRecord(event, stream));  // recording again is fine while a former record is pending
-  return base_ + events_.size() - 1;
-}
-
-void NumberedEvents::forget_before(uint64_t number) {
-  while (base_ < number && !events_.empty()) {
-    spare_.push_back(events_.front());
-    events_.pop_front();
-    ++base_;
-  }
+  // Recording again is fine while a former record is pending. Numbered first,
+  // so a failed record leaves the event owned (destroy() frees it).
+  const uint64_t number = events_.push(event);
+  MGPU_CUDA_CHECK(cudaEventRecord(event, stream));
+  return number;
 }
 
 void NumberedEvents::destroy() noexcept {
-  for (cudaEvent_t e : events_) cudaEventDestroy(e);
+  for (cudaEvent_t e : events_.items()) cudaEventDestroy(e);
   for (cudaEvent_t e : spare_) cudaEventDestroy(e);
   events_.clear();
   spare_.clear();

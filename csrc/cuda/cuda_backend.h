@@ -9,32 +9,34 @@
 #include <cublas_v2.h>
 #include <cuda_runtime_api.h>
 
-#include <deque>
 #include <vector>
 
 #include "../../kernels/kernels.cuh"
 #include "../core/backend.h"
 #include "../core/capture_registry.h"
+#include "../core/numbered_queue.h"
 
 namespace mgpu {
 
-// Events numbered in the order they were recorded (trace marks, fences): number
-// base() + i is the i-th kept; forgotten ones are recorded again later.
+// Events numbered in the order they were recorded (trace marks, fences);
+// forgotten ones are recorded again later.
 class NumberedEvents {
  public:
   explicit NumberedEvents(unsigned flags) : flags_(flags) {}
   uint64_t record(cudaStream_t stream);
   cudaEvent_t find(uint64_t number) const {  // null once forgotten (or never recorded)
-    return number >= base_ && number - base_ < events_.size() ? events_[number - base_] : nullptr;
+    const cudaEvent_t* e = events_.find(number);
+    return e ? *e : nullptr;
   }
-  bool forgotten(uint64_t number) const { return number < base_; }
-  void forget_before(uint64_t number);
+  bool forgotten(uint64_t number) const { return events_.dropped(number); }
+  void forget_before(uint64_t number) {
+    events_.drop_before(number, [this](cudaEvent_t e) { spare_.push_back(e); });
+  }
   void destroy() noexcept;
 
  private:
   unsigned flags_;
-  std::deque<cudaEvent_t> events_;
-  uint64_t base_ = 0;
+  NumberedQueue<cudaEvent_t> events_;
   std::vector<cudaEvent_t> spare_;
 };
 

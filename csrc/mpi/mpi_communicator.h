@@ -90,6 +90,7 @@ class MpiCommunicator final : public Communicator {
   std::vector<std::pair<double, double>> timed_;
   std::vector<int> open_requests_;
   std::vector<int> owner_;
+  std::vector<int> completed_;  // test_stamped's scratch: indices MPI_Testsome reports
 
   // What the worker shares with this object. Held by both: after a timeout the worker
   // is detached (it may never return from MPI), and must not outlive what it touches.

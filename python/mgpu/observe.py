@@ -208,9 +208,9 @@ class Observer:
             self.take_spans(trainer.drain_trace())
         self.flush()
         if self.trace:
-            self._offsets_at_end = self._measure_offsets()
+            at_end = self._measure_offsets()  # collective: every rank measures, rank 0 keeps
             if self.pg.is_root:
-                self.clock_offsets = list(zip(self._offsets_at_start, self._offsets_at_end))
+                self.clock_offsets = list(zip(self._offsets_at_start, at_end))
         if self.telemetry is not None:
             self.telemetry_files = self.telemetry.close()
         if not self.pg.is_root:
