@@ -114,8 +114,9 @@ def test_sigterm_stops_cleanly_with_a_report(tmp_path):
     time.sleep(3)
     t0 = time.monotonic()
     p.send_signal(signal.SIGTERM)
-    rc = p.wait(timeout=60)
-    assert rc == 0 and time.monotonic() - t0 < 20
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 0 and time.monotonic() - t0 < 20, err[-2000:]
+    assert "mgpu: SIGTERM on rank 0: stopping the stress run\n" in err, err[-2000:]
     report = json.loads(out.read_text())
     assert report["stopped_early"] is True and report["devices"][0]["seconds"] < 60
 

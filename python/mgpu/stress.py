@@ -147,8 +147,7 @@ def run_device(pg, *, device: str, device_index: int, threads: int, duration: fl
     def watchdog():  # a kernel that never returns cannot raise: end the job from here
         while not stop.wait(1.0):
             if time.monotonic() - last_progress[0] > hang_timeout:
-                print(f"mgpu: error: rank {pg.rank}: device hang: no stress kernel finished in {hang_timeout:g} s",
-                      file=sys.stderr, flush=True)
+                write_line(f"mgpu: error: rank {pg.rank}: device hang: no stress kernel finished in {hang_timeout:g} s")
                 if pg.size > 1:
                     pg.abort(3)
                 os._exit(3)
@@ -255,8 +254,7 @@ def cmd_stress(a, pg) -> int:
     previous = {}
 
     def on_signal(signum, frame):
-        print(f"mgpu: {signal.Signals(signum).name} on rank {pg.rank}: stopping the stress run", file=sys.stderr,
-              flush=True)
+        write_line(f"mgpu: {signal.Signals(signum).name} on rank {pg.rank}: stopping the stress run")
         stop.set()
     for sig in (signal.SIGTERM, signal.SIGINT):
         previous[sig] = signal.signal(sig, on_signal)

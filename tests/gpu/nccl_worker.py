@@ -68,7 +68,10 @@ def main(mode):
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     if mode == "mpi" and _core.build_info().get("gpu_emulation", False):
         syncs, buckets = host_syncs_per_step(comm, gpu)
-        print(f"SYNCS {syncs} BUCKETS {buckets}", flush=True)
+        # One write with its newline: under PYTHONUNBUFFERED print() writes the text and
+        # the newline apart, and the two ranks' lines then glue together.
+        sys.stdout.write(f"SYNCS {syncs} BUCKETS {buckets}\n")
+        sys.stdout.flush()
     x = np.full(10, pg.rank + 1, np.float32)
     comm.allreduce_sum(x)
     assert np.all(x == pg.size * (pg.size + 1) / 2)
