@@ -30,6 +30,26 @@ def test_topo_measures_devices_and_a_bit_exact_allreduce_sweep(calibration):
     for dev in profile["devices"]:
         assert dev["fp32"]["peak_flops"] > 1e9 and len(dev["fp32"]["measured"]) >= 4
         assert dev["memory_bandwidth"] > 1e8 and dev["cpu"]["cores"] >= 1
+        # CPU ranks share caches and memory: layer times and pass bandwidths with both
+        # ranks computing, and rank 0's alone (identical devices: it stands for both)
+        for key in ("layer_times", "layer_times_alone"):
+            grid = dev[key]
+            cells = len(grid["rows"]) * len(grid["widths"]) ** 2
+            assert cells >= 8 and all(len(grid[k]) == cells and min(grid[k]) > 0
+                                      for k in ("forward", "backward", "backward_weights"))
+            # more rows, more time; an input gradient costs a GEMM
+            assert grid["forward"][-1] > grid["forward"][0] and grid["backward"][-1] > grid["backward_weights"][-1]
+        for key in ("pass_bandwidth", "pass_bandwidth_alone"):
+            assert len(dev[key]) >= 3 and all(b > 0 and r > 1e8 for b, r in dev[key])
+        # real steps: the wait after backward holds the allreduce with 2 ranks, not alone
+        together, alone = dev["step_phases"], dev["step_phases_alone"]
+        assert together["ranks"] == 2 and alone["ranks"] == 1 and len(together["params"]) >= 2
+        assert min(together["update_s"] + alone["update_s"]) > 0 and min(together["wait_s"] + alone["wait_s"]) > 0
+        assert together["wait_s"][-1] > alone["wait_s"][-1]
+        assert all(len(t["wait_spread_s"]) == len(t["params"]) and min(t["wait_spread_s"]) >= 0
+                   for t in (together, alone))
+    for key in ("layer_times", "pass_bandwidth", "step_phases", "layer_times_alone", "step_phases_alone"):
+        assert profile["devices"][0][key] == profile["devices"][1][key], key  # identical devices: one table
     rows = profile["allreduce"]
     assert rows[0]["bytes"] == 4 and rows[-1]["bytes"] == 1 << 20
     assert all(row["wrong"] == 0 for row in rows)
@@ -102,9 +122,16 @@ def test_bench_launches_each_rank_count_and_validates_the_selector(calibration, 
         assert set(x["breakdown_ms"]) == {"forward", "backward", "comm_wait", "optimizer"}
         assert x["compute_floor_ms"] > 0 and x["peak_memory_bytes"] > 0
         assert "predicted_step_ms" in x and "allreduce_floor_ms" in x
+        assert len(x["round_step_medians"]) == 2  # rank counts in 2 alternating rounds, 8 steps each
         if x["ranks"] == 1:
             assert x["speedup"] == pytest.approx(1.0)
+    one = {x["batch_size"]: x for x in rows if x["ranks"] == 1}
+    for x in (x for x in rows if x["ranks"] == 2):  # a speedup pairs the rounds measured back to back
+        pairs = [b / t for b, t in zip(one[x["batch_size"]]["round_step_medians"], x["round_step_medians"])]
+        assert x["speedup_rounds"] == pytest.approx(pairs) and x["speedup"] == pytest.approx(sum(pairs) / 2)
     assert len(result["validation"]) == 2
+    assert all(len(v["measured_speedup_rounds"]) == 2 for v in result["validation"])
+    assert "; rounds " in r.stdout
     for v in result["validation"]:
         assert v["predicted_speedup"] > 0 and v["selector_strategy"] in (
             "single_gpu", "multi_gpu", "benchmark_required")

@@ -50,7 +50,7 @@ std::vector<double> time_linear(Backend& be, int B, int IN, int OUT, int repeats
 }
 
 // linear_backward: dinp and dweight GEMMs (and the bias column sums), as training calls it.
-std::vector<double> time_linear_backward(Backend& be, int B, int IN, int OUT, int repeats) {
+std::vector<double> time_linear_backward(Backend& be, int B, int IN, int OUT, int repeats, bool input_gradient) {
   MGPU_CHECK(B >= 1 && IN >= 1 && OUT >= 1, ConfigError, "GEMM sizes must be >= 1");
   BackendArray<float> inp(&be, size_t(B) * IN), w(&be, size_t(OUT) * IN), dout(&be, size_t(B) * OUT),
       dinp(&be, size_t(B) * IN), dw(&be, size_t(OUT) * IN), db(&be, OUT);
@@ -58,7 +58,8 @@ std::vector<double> time_linear_backward(Backend& be, int B, int IN, int OUT, in
   be.zero(w.data(), w.size());
   be.zero(dout.data(), dout.size());
   return time_calls(be, repeats, [&] {
-    be.linear_backward(dinp.data(), dw.data(), db.data(), dout.data(), inp.data(), w.data(), B, IN, OUT, false);
+    be.linear_backward(input_gradient ? dinp.data() : nullptr, dw.data(), db.data(), dout.data(), inp.data(), w.data(),
+                       B, IN, OUT, false);
   });
 }
 
@@ -136,9 +137,10 @@ void bind_perf(py::module_& m) {
            py::call_guard<py::gil_scoped_release>(),
            "(seconds per allreduce of `count` floats on this rank, elements not bit-exact).");
   m.def("time_linear_backward", &time_linear_backward, py::arg("backend"), py::arg("batch"),
-        py::arg("in_features"), py::arg("out_features"), py::arg("repeats") = 5,
+        py::arg("in_features"), py::arg("out_features"), py::arg("repeats") = 5, py::arg("input_gradient") = true,
         py::call_guard<py::gil_scoped_release>(),
-        "Seconds of each timed linear_backward (input and weight gradients, bias sums) of this shape.");
+        "Seconds of each timed linear_backward (input gradient unless input_gradient=False, weight gradients, "
+        "bias sums) of this shape.");
   m.def("time_linear", &time_linear, py::arg("backend"), py::arg("batch"), py::arg("in_features"),
         py::arg("out_features"), py::arg("repeats") = 5, py::call_guard<py::gil_scoped_release>(),
         "Seconds of each timed Linear forward GEMM (work 2 x batch x in x out FLOP) on the backend.");
@@ -156,6 +158,32 @@ void bind_perf(py::module_& m) {
       .def_readwrite("half_work_flops", &GemmRate::half_work_flops)
       .def_readwrite("measured", &GemmRate::measured)
       .def("at", &GemmRate::at, py::arg("work_flops"));
+  py::class_<LayerTimes>(pm, "LayerTimes")
+      .def(py::init<>())
+      .def_readwrite("rows", &LayerTimes::rows)
+      .def_readwrite("widths", &LayerTimes::widths)
+      .def_readwrite("forward", &LayerTimes::forward)
+      .def_readwrite("backward", &LayerTimes::backward)
+      .def_readwrite("backward_weights", &LayerTimes::backward_weights)
+      .def("enabled", &LayerTimes::enabled)
+      .def("check", &LayerTimes::check, py::arg("what") = "layer times")
+      .def("forward_s", [](const LayerTimes& t, double r, double i, double o) { return t.at(t.forward, r, i, o); },
+           py::arg("rows"), py::arg("in_features"), py::arg("out_features"))
+      .def("backward_s", [](const LayerTimes& t, double r, double i, double o, bool input_gradient) {
+        return t.at(input_gradient ? t.backward : t.backward_weights, r, i, o);
+      }, py::arg("rows"), py::arg("in_features"), py::arg("out_features"), py::arg("input_gradient") = true);
+  py::class_<StepPhases>(pm, "StepPhases")
+      .def(py::init<>())
+      .def_readwrite("params", &StepPhases::params)
+      .def_readwrite("update_s", &StepPhases::update_s)
+      .def_readwrite("wait_s", &StepPhases::wait_s)
+      .def_readwrite("wait_spread_s", &StepPhases::wait_spread_s)
+      .def_readwrite("ranks", &StepPhases::ranks)
+      .def("enabled", &StepPhases::enabled)
+      .def("check", &StepPhases::check, py::arg("what") = "step phases")
+      .def("update_at", &StepPhases::update_at, py::arg("params"))
+      .def("wait_at", &StepPhases::wait_at, py::arg("params"))
+      .def("wait_spread_at", &StepPhases::wait_spread_at, py::arg("params"));
   py::class_<DeviceProfile>(pm, "DeviceProfile")
       .def(py::init<>())
       .def_readwrite("name", &DeviceProfile::name)
@@ -169,7 +197,14 @@ void bind_perf(py::module_& m) {
       .def_readwrite("host_to_device_bandwidth", &DeviceProfile::host_to_device_bandwidth)
       .def_readwrite("launch_overhead_s", &DeviceProfile::launch_overhead_s)
       .def_readwrite("context_bytes", &DeviceProfile::context_bytes)
-      .def_readwrite("dropout_s_per_unit", &DeviceProfile::dropout_s_per_unit);
+      .def_readwrite("dropout_s_per_unit", &DeviceProfile::dropout_s_per_unit)
+      .def_readwrite("layers", &DeviceProfile::layers)
+      .def_readwrite("layers_alone", &DeviceProfile::layers_alone)
+      .def_readwrite("pass_bandwidth", &DeviceProfile::pass_bandwidth)
+      .def_readwrite("pass_bandwidth_alone", &DeviceProfile::pass_bandwidth_alone)
+      .def("bandwidth_at", &DeviceProfile::bandwidth_at, py::arg("bytes"), py::arg("alone") = false)
+      .def_readwrite("step_phases", &DeviceProfile::step_phases)
+      .def_readwrite("step_phases_alone", &DeviceProfile::step_phases_alone);
   py::class_<CollectiveModel>(pm, "CollectiveModel")
       .def(py::init<>())
       .def_readwrite("latency_s", &CollectiveModel::latency_s)
@@ -234,6 +269,7 @@ void bind_perf(py::module_& m) {
       .def_readonly("samples_per_s", &Prediction::samples_per_s)
       .def_readonly("speedup", &Prediction::speedup)
       .def_readonly("efficiency", &Prediction::efficiency)
+      .def_readonly("timing_spread_s", &Prediction::timing_spread_s)
       .def_readonly("memory_bytes", &Prediction::memory_bytes)
       .def_readonly("memory_usable_bytes", &Prediction::memory_usable_bytes)
       .def_readonly("memory_fits", &Prediction::memory_fits)

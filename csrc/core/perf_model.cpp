@@ -37,6 +37,19 @@ std::string device_word(const HardwareProfile& hw, int n) {
   return std::to_string(n) + (cpu ? (n == 1 ? " CPU rank" : " CPU ranks") : (n == 1 ? " GPU" : " GPUs"));
 }
 
+// y at x over measured points (ascending x): clamped at the ends, linear in log(x)
+// between them, and in log(y) too with log_y.
+double lookup_in_log_x(const std::vector<std::pair<double, double>>& points, double x, bool log_y) {
+  if (x <= points.front().first) return points.front().second;
+  if (x >= points.back().first) return points.back().second;
+  const auto hi = std::upper_bound(points.begin(), points.end(), x,
+                                   [](double v, const std::pair<double, double>& p) { return v < p.first; });
+  const auto& [x0, y0] = *(hi - 1);
+  const auto& [x1, y1] = *hi;
+  const double t = std::log(x / x0) / std::log(x1 / x0);
+  return log_y ? std::exp(std::log(y0) + t * std::log(y1 / y0)) : y0 + t * (y1 - y0);
+}
+
 double parameter_count(const std::vector<int>& sizes) {
   double p = 0;
   for (size_t l = 0; l + 1 < sizes.size(); ++l) p += double(sizes[l]) * sizes[l + 1] + sizes[l + 1];
@@ -47,27 +60,32 @@ double parameter_count(const std::vector<int>& sizes) {
 // broken down per layer for the overlap schedule.
 struct DeviceTimes {
   double forward = 0, backward = 0, optimizer = 0, overhead = 0;
+  const StepPhases* measured = nullptr;  // in-step phases from topo (then optimizer is the update alone)
   std::vector<double> backward_done;  // [l]: time from backward start until layer l's gradients exist
 };
 
 DeviceTimes device_times(const std::vector<int>& sizes, int64_t b, const DeviceProfile& d,
-                         const Workload& w, double step_overhead) {
+                         const Workload& w, double step_overhead, bool alone) {
   const GemmRate& rate = d.gemm(w.precision);
+  // Measured layer times, where topo took them, at the precision they were taken at.
+  const LayerTimes* measured = alone && d.layers_alone.enabled() ? &d.layers_alone : &d.layers;
+  if (w.precision != "fp32" || !measured->enabled()) measured = nullptr;
   MGPU_CHECK(rate.peak_flops > 0, ConfigError, "device '", d.name, "' has no GEMM rate in its profile");
   MGPU_CHECK(d.memory_bandwidth > 0, ConfigError, "device '", d.name, "' has no memory bandwidth in its profile");
-  const double L = d.launch_overhead_s, bw = d.memory_bandwidth, B = double(b);
+  const double L = d.launch_overhead_s, B = double(b);
   auto gemm = [&](double m, double n, double k) {
     const double work = 2.0 * m * n * k;
     return work > 0 ? work / rate.at(work) + L : 0.0;
   };
-  auto pass = [&](double bytes) { return bytes / bw + L; };
+  auto pass = [&](double bytes) { return bytes / d.bandwidth_at(bytes, alone) + L; };
   const int layers = static_cast<int>(sizes.size()) - 1;
   DeviceTimes t;
   t.backward_done.assign(layers, 0.0);
   if (b > 0) {
     for (int l = 0; l < layers; ++l) {
       const double in = sizes[l], out = sizes[l + 1];
-      t.forward += gemm(B, out, in) + pass(4.0 * B * out) /* bias */ +
+      t.forward += (measured ? measured->at(measured->forward, B, in, out)
+                             : gemm(B, out, in) + pass(4.0 * B * out) /* bias */) +
                    (l + 1 < layers ? pass(8.0 * B * out) : 0.0) /* relu, dropout */;
     }
     t.forward += pass(16.0 * B * sizes.back());  // loss and its gradient
@@ -79,8 +97,11 @@ DeviceTimes device_times(const std::vector<int>& sizes, int64_t b, const DeviceP
     double elapsed = 0;
     for (int l = layers - 1; l >= 0; --l) {
       const double in = sizes[l], out = sizes[l + 1];
-      elapsed += gemm(out, in, B) /* dW */ + pass(4.0 * B * out) /* db */;
-      if (l > 0) elapsed += gemm(B, in, out) /* dX */ + pass(12.0 * B * in) /* relu backward */;
+      if (measured)
+        elapsed += measured->at(l > 0 ? measured->backward : measured->backward_weights, B, in, out);
+      else
+        elapsed += gemm(out, in, B) /* dW */ + pass(4.0 * B * out) /* db */ + (l > 0 ? gemm(B, in, out) /* dX */ : 0.0);
+      if (l > 0) elapsed += pass(12.0 * B * in) /* relu backward */;
       t.backward_done[l] = elapsed;
     }
     t.backward = elapsed;
@@ -88,8 +109,17 @@ DeviceTimes device_times(const std::vector<int>& sizes, int64_t b, const DeviceP
   const double P = parameter_count(sizes);
   const double update_bytes = (w.optimizer == "sgd" ? 20.0 : 28.0) * P;
   const bool half = w.precision == "bf16" || w.precision == "fp16";
+  const StepPhases& phases = alone && d.step_phases_alone.enabled() ? d.step_phases_alone : d.step_phases;
+  if (phases.enabled()) {
+    // The update as measured in training, scaled by the bytes this optimizer moves;
+    // the health check is part of the measured wait (predict adds it).
+    t.measured = &phases;
+    t.optimizer = phases.update_at(P) * update_bytes / (StepPhases::kUpdateBytesPerParam * P);
+  } else {
+    t.optimizer = pass(update_bytes) + pass(4.0 * P) /* health check */;
+  }
   // With half-precision GEMMs the update also writes the weights' half copy (2 B each).
-  t.optimizer = pass(update_bytes) + pass(4.0 * P) /* health check */ + (half ? pass(2.0 * P) : 0.0);
+  if (half) t.optimizer += pass(2.0 * P);
   if (w.grad_dtype != "fp32") t.optimizer += 2.0 * pass(6.0 * P);  // gradients narrowed, then the sum widened
   t.overhead = step_overhead;
   if (d.host_to_device_bandwidth > 0)
@@ -144,6 +174,17 @@ void validate(const Workload& w, const HardwareProfile& hw, const Options& o) {
   MGPU_CHECK(w.grad_dtype == "fp32" || w.grad_dtype == "bf16" || w.grad_dtype == "fp16", ConfigError,
              "unknown gradient dtype '", w.grad_dtype, "' (expected fp32, bf16 or fp16)");
   MGPU_CHECK(w.dropout >= 0 && w.dropout < 1, ConfigError, "dropout must be in [0, 1), got ", w.dropout);
+  for (const DeviceProfile& d : hw.devices) {
+    d.layers.check("device '" + d.name + "' layer times");
+    d.layers_alone.check("device '" + d.name + "' layer times (alone)");
+    d.step_phases.check("device '" + d.name + "' step phases");
+    d.step_phases_alone.check("device '" + d.name + "' step phases (alone)");
+    for (const auto* table : {&d.pass_bandwidth, &d.pass_bandwidth_alone})
+      for (size_t i = 0; i < table->size(); ++i)
+        MGPU_CHECK((*table)[i].first > 0 && (*table)[i].second > 0 && std::isfinite((*table)[i].second) &&
+                       (i == 0 || (*table)[i].first > (*table)[i - 1].first),
+                   ConfigError, "device '", d.name, "' pass bandwidths must be positive, by ascending bytes");
+  }
   for (int n : o.candidates) {
     MGPU_CHECK(n >= 1, ConfigError, "device counts must be >= 1, got ", n);
     MGPU_CHECK(n <= static_cast<int>(hw.devices.size()), ConfigError, "profile '", hw.name, "' has ",
@@ -153,18 +194,78 @@ void validate(const Workload& w, const HardwareProfile& hw, const Options& o) {
 
 }  // namespace
 
-double GemmRate::at(double work_flops) const {
-  if (measured.size() >= 2) {
-    if (work_flops <= measured.front().first) return measured.front().second;
-    if (work_flops >= measured.back().first) return measured.back().second;
-    for (size_t i = 1; i < measured.size(); ++i) {
-      const auto& [w1, r1] = measured[i];
-      if (work_flops > w1) continue;
-      const auto& [w0, r0] = measured[i - 1];
-      const double t = std::log(work_flops / w0) / std::log(w1 / w0);
-      return r0 + t * (r1 - r0);
-    }
+void LayerTimes::check(const std::string& what) const {
+  if (!enabled() && widths.empty() && forward.empty() && backward.empty() && backward_weights.empty()) return;
+  auto ascending = [](const std::vector<double>& axis) {
+    if (axis.size() < 2 || !(axis[0] > 0)) return false;
+    for (size_t i = 1; i < axis.size(); ++i)
+      if (!(axis[i] > axis[i - 1])) return false;
+    return true;
+  };
+  MGPU_CHECK(ascending(rows) && ascending(widths), ConfigError, what,
+             ": rows and widths must each hold >= 2 positive ascending sizes");
+  const size_t cells = rows.size() * widths.size() * widths.size();
+  for (const auto* table : {&forward, &backward, &backward_weights}) {
+    MGPU_CHECK(table->size() == cells, ConfigError, what, ": a table holds ", table->size(), " times, the grid has ",
+               cells, " cells");
+    for (double t : *table) MGPU_CHECK(t > 0 && std::isfinite(t), ConfigError, what, ": times must be positive");
   }
+}
+
+double LayerTimes::at(const std::vector<double>& table, double r, double in, double out) const {
+  // Where x falls on an axis: the cell's lower index and fraction, and the
+  // factor that carries the edge's rate beyond the largest size.
+  struct Place { size_t i; double f, scale; };
+  auto place = [](const std::vector<double>& axis, double x) {
+    if (x <= axis.front()) return Place{0, 0.0, 1.0};
+    if (x >= axis.back()) return Place{axis.size() - 2, 1.0, x / axis.back()};
+    const size_t i = static_cast<size_t>(std::upper_bound(axis.begin(), axis.end(), x) - axis.begin()) - 1;
+    return Place{i, (x - axis[i]) / (axis[i + 1] - axis[i]), 1.0};
+  };
+  const Place pr = place(rows, r), pi = place(widths, in), po = place(widths, out);
+  const size_t W = widths.size();
+  double t = 0;
+  for (int a = 0; a < 2; ++a)
+    for (int b = 0; b < 2; ++b)
+      for (int c = 0; c < 2; ++c) {
+        const double weight = (a ? pr.f : 1 - pr.f) * (b ? pi.f : 1 - pi.f) * (c ? po.f : 1 - po.f);
+        if (weight > 0) t += weight * table[((pr.i + a) * W + pi.i + b) * W + po.i + c];
+      }
+  return t * pr.scale * pi.scale * po.scale;
+}
+
+void StepPhases::check(const std::string& what) const {
+  if (params.empty() && update_s.empty() && wait_s.empty()) return;
+  MGPU_CHECK(update_s.size() == params.size() && wait_s.size() == params.size() &&
+                 wait_spread_s.size() == params.size(),
+             ConfigError, what, ": params, update, wait and wait spread hold ", params.size(), ", ", update_s.size(),
+             ", ", wait_s.size(), " and ", wait_spread_s.size(), " values");
+  for (size_t i = 0; i < params.size(); ++i) {
+    MGPU_CHECK(params[i] > 0 && (i == 0 || params[i] > params[i - 1]), ConfigError, what,
+               ": params must be positive and ascending");
+    MGPU_CHECK(update_s[i] > 0 && std::isfinite(update_s[i]) && wait_s[i] >= 0 && std::isfinite(wait_s[i]) &&
+                   wait_spread_s[i] >= 0 && std::isfinite(wait_spread_s[i]),
+               ConfigError, what, ": update times must be positive, waits and their spreads >= 0");
+  }
+  MGPU_CHECK(ranks >= 1, ConfigError, what, ": ranks must be >= 1");
+}
+
+double StepPhases::per_param(const std::vector<double>& seconds, double n) const {
+  auto at = [&](size_t i) { return seconds[i] / params[i]; };
+  if (n <= params.front()) return at(0);
+  if (n >= params.back()) return at(params.size() - 1);
+  const size_t i = static_cast<size_t>(std::upper_bound(params.begin(), params.end(), n) - params.begin());
+  const double f = std::log(n / params[i - 1]) / std::log(params[i] / params[i - 1]);
+  return at(i - 1) + f * (at(i) - at(i - 1));
+}
+
+double DeviceProfile::bandwidth_at(double bytes, bool alone) const {
+  const auto& table = alone && !pass_bandwidth_alone.empty() ? pass_bandwidth_alone : pass_bandwidth;
+  return table.empty() ? memory_bandwidth : lookup_in_log_x(table, bytes, /*log_y=*/true);
+}
+
+double GemmRate::at(double work_flops) const {
+  if (measured.size() >= 2) return lookup_in_log_x(measured, work_flops, /*log_y=*/false);
   return peak_flops * work_flops / (work_flops + std::max(half_work_flops, 0.0));
 }
 
@@ -298,7 +399,7 @@ Prediction predict(const Workload& w, const HardwareProfile& hw, int devices, co
   std::vector<double> speed(devices);
   for (int i = 0; i < devices; ++i) {
     const int64_t b = std::max<int64_t>(1, batch / devices);
-    const DeviceTimes t = device_times(sizes, b, hw.devices[i], w, 0.0);
+    const DeviceTimes t = device_times(sizes, b, hw.devices[i], w, 0.0, devices == 1);
     speed[i] = b / std::max(t.forward + t.backward, 1e-30);
   }
   p.batch_shares = shares_by_weight(batch, o.equal_shares ? std::vector<double>(devices, 1.0) : speed);
@@ -306,7 +407,7 @@ Prediction predict(const Workload& w, const HardwareProfile& hw, int devices, co
   std::vector<DeviceTimes> times;
   double compute_end = 0, optimizer = 0, overhead = 0, memory = 0, usable = 1e300;
   for (int i = 0; i < devices; ++i) {
-    times.push_back(device_times(sizes, p.batch_shares[i], hw.devices[i], w, hw.step_overhead_s));
+    times.push_back(device_times(sizes, p.batch_shares[i], hw.devices[i], w, hw.step_overhead_s, devices == 1));
     const DeviceTimes& t = times.back();
     compute_end = std::max(compute_end, t.forward + t.backward);
     p.forward_s = std::max(p.forward_s, t.forward);
@@ -331,9 +432,31 @@ Prediction predict(const Workload& w, const HardwareProfile& hw, int devices, co
     }
     p.exposed_comm_s = std::max(0.0, channel_free - compute_end);
   }
+  // Measured in-step phases (CPU calibrations): the wait after backward as
+  // training met it at the calibration's world and bucket size, moved by what
+  // the link model says this world and bucket size change. It holds the health
+  // check, and with several ranks their skew and control messages.
+  double measured_wait = -1;
+  int measured_ranks = 0;
+  for (const DeviceTimes& t : times)
+    if (t.measured && t.measured->wait_at(parameter_count(sizes)) > measured_wait) {
+      measured_wait = t.measured->wait_at(parameter_count(sizes));
+      measured_ranks = t.measured->ranks;
+      p.timing_spread_s = t.measured->wait_spread_at(parameter_count(sizes));
+    }
+  if (measured_wait >= 0 && devices == 1) {
+    optimizer += measured_wait;
+  } else if (measured_wait >= 0) {
+    double reference = 0;  // what the measured wait already holds of the allreduce
+    if (measured_ranks > 1)
+      for (const Bucket& bucket : plan_buckets(sizes, MLP::kGradExtraSlots, size_t(StepPhases::kBucketElems)))
+        reference += hw.link.allreduce_seconds(measured_ranks, 4.0 * bucket.count);
+    p.exposed_comm_s = std::max(0.0, measured_wait + p.exposed_comm_s - reference);
+  }
   p.optimizer_s = optimizer;
   p.overhead_s = overhead;
-  if (devices > 1) overhead += hw.link.step_sync_s;
+  // The ranks' skew and control messages: in a wait measured with several ranks already.
+  if (devices > 1 && measured_ranks < 2) overhead += hw.link.step_sync_s;
   p.step_s = overhead + compute_end + p.exposed_comm_s + optimizer;
   p.samples_per_s = batch / p.step_s;
   p.memory_bytes = memory;
@@ -410,7 +533,12 @@ Recommendation recommend(const Workload& w, const HardwareProfile& hw, const Opt
     if (!best || p.step_s < best->step_s) best = &p;
     if (p.devices > 1 && (!best_multi || p.step_s < best_multi->step_s)) best_multi = &p;
   }
-  const double err = std::max(hw.model_error, 0.01);
+  // The model's relative error, widened where the calibration saw steps wander by
+  // an absolute amount (ranks' jitter), which weighs most on short steps.
+  const double err = std::max(hw.model_error, 0.01) +
+                     (one && best_multi ? one->timing_spread_s / std::max(one->step_s, 1e-30) +
+                                              best_multi->timing_spread_s / std::max(best_multi->step_s, 1e-30)
+                                        : 0.0);
   const std::string dev1 = device_word(hw, 1);
 
   // The decision.

@@ -32,6 +32,47 @@ struct GemmRate {
   double at(double work_flops) const;
 };
 
+// Measured seconds of one fp32 Linear layer as training calls it, on a grid of
+// rows (the local batch) x in x out features: forward (GEMM and bias), backward
+// (input and weight gradients, bias sums) and backward_weights (no input
+// gradient: the first layer). A GEMM's time is close to multilinear in its
+// three sizes (work r i o, weights i o, activations r i and r o), so a lookup
+// interpolates trilinearly inside the grid; beyond the largest size the edge's
+// rate holds (time in proportion), below the smallest the edge's time holds.
+// Unlike a rate by work, it tells a skinny GEMM from a square one of equal work.
+struct LayerTimes {
+  std::vector<double> rows, widths;  // ascending, >= 2 each; in and out share the widths
+  std::vector<double> forward, backward, backward_weights;  // [(r * W + i) * W + o] seconds
+  bool enabled() const { return !rows.empty(); }
+  void check(const std::string& what) const;  // throws ConfigError on a malformed grid
+  double at(const std::vector<double>& table, double rows, double in, double out) const;
+};
+
+// CPU: what a real training step spends beyond its layers, measured by topo
+// training small MLPs of several parameter counts (8 rows per rank, SGD with
+// momentum, fp32, 4 MiB buckets): the update, and the wait after backward (the
+// gradient allreduce as training meets it, with the ranks' skew, and the
+// health check). In a step these run on caches the layers just used and, with
+// several ranks, on a shared memory bus, which no isolated pass shows. The
+// wait's spread (90th percentile less the median over the steps) is how far a
+// step may wander from the prediction however good the model: the selector
+// widens its error band by it. Looked up as seconds per parameter, linear
+// between the measured counts in log(params), clamped at the ends.
+struct StepPhases {
+  static constexpr double kBucketElems = double(1 << 20);  // the bucket size they were measured with
+  static constexpr double kUpdateBytesPerParam = 20.0;     // SGD with momentum: read w, g, m; write w, m
+  std::vector<double> params, update_s, wait_s, wait_spread_s;  // ascending params
+  int ranks = 0;                                 // the world they were measured in (1: alone)
+  bool enabled() const { return !params.empty(); }
+  void check(const std::string& what) const;     // throws ConfigError on a malformed table
+  double update_at(double params) const { return per_param(update_s, params) * params; }
+  double wait_at(double params) const { return per_param(wait_s, params) * params; }
+  double wait_spread_at(double params) const { return per_param(wait_spread_s, params) * params; }
+
+ private:
+  double per_param(const std::vector<double>& seconds, double params) const;
+};
+
 struct DeviceProfile {
   std::string name;
   std::string kind = "cuda";     // "cuda" | "cpu"
@@ -42,6 +83,19 @@ struct DeviceProfile {
   double launch_overhead_s = 0.0;  // per kernel launch
   double context_bytes = 0.0;    // fixed per-process memory (CUDA context, libraries)
   double dropout_s_per_unit = 0.0;  // forward + backward cost of dropout per hidden unit and sample
+  // fp32 layer times measured by `mgpu topo` on CPU ranks, which share caches and
+  // memory: `layers` with every rank of the node computing at once (a rank of a
+  // multi-rank step), `layers_alone` with one rank computing (a 1-rank step).
+  // When present they replace the GEMM rate for fp32 layers.
+  LayerTimes layers, layers_alone;
+  // CPU: bytes/s of elementwise passes (y += a x) by the bytes a pass moves, as
+  // topo measured them; caches make small passes faster. With every rank of the
+  // node at once / one rank alone, as above; ascending bytes, interpolated in
+  // log(bytes), clamped at the ends. Empty: memory_bandwidth for every pass.
+  std::vector<std::pair<double, double>> pass_bandwidth, pass_bandwidth_alone;
+  double bandwidth_at(double bytes, bool alone) const;
+  // In-step update and wait: with every rank of the node training / one rank alone.
+  StepPhases step_phases, step_phases_alone;
   const GemmRate& gemm(const std::string& precision) const;  // falls back to fp32
 };
 
@@ -128,6 +182,7 @@ struct Prediction {
   double exposed_comm_s = 0;     // the part not hidden behind backward
   double step_s = 0;
   double samples_per_s = 0, speedup = 1, efficiency = 1;
+  double timing_spread_s = 0;    // how far a measured step may wander from step_s (calibrated CPUs: the ranks' jitter)
   double memory_bytes = 0;       // per device (the largest)
   double memory_usable_bytes = 0;  // capacity x margin of the smallest device
   bool memory_fits = true;

@@ -7,11 +7,14 @@ each step timed; outliers (modified z-score > 3.5) removed; median, mean and
 backward, exposed allreduce, optimizer) by the core's timers; speedup and
 efficiency against 1 rank; peak memory; the compute floor (model FLOPs at the
 measured GEMM rate) and the allreduce floor (the calibrated alpha-beta model).
-`--ranks 1,2,...` launches mpirun itself, once per rank count; under mpirun it
-measures the running world. `--compare torch` runs the same workload in PyTorch
-(DDP) in the same run, in rounds alternating with mgpu's (mgpu, torch, mgpu, ...:
-the machine's drift falls on both), and reports the ratio per round; `--validate-selector`
-sets the selector's predictions beside the measurements.
+`--ranks 1,2,...` launches mpirun itself; with several rank counts in rounds that
+alternate them (1, 2, 1, 2, ...: `--repeats` rounds, one repeat each), so the
+machine's drift falls on every count and a speedup is the median of the rounds'
+paired ratios; under mpirun it measures the running world. `--compare torch` runs
+the same workload in PyTorch (DDP) in the same run, in rounds alternating with
+mgpu's (mgpu, torch, mgpu, ...: the machine's drift falls on both), and reports the
+ratio per round; `--validate-selector` sets the selector's predictions beside the
+measurements.
 """
 from __future__ import annotations
 
@@ -279,6 +282,7 @@ def merge_rounds(rounds: list) -> list:
         row["step_seconds"] = times
         row["breakdown_ms"] = {k: float(np.median([c["breakdown_ms"][k] for c in cells])) for k in row["breakdown_ms"]}
         row["peak_memory_bytes"] = max(c["peak_memory_bytes"] for c in cells)
+        row["round_step_medians"] = [float(np.median(c["step_seconds"])) for c in cells]
         if "torch" in row:
             peer = [t for c in cells for t in c["torch"]["step_seconds"]]
             stats = summarize(peer)
@@ -301,6 +305,11 @@ def add_derived(rows: list, profile: Optional[dict]) -> None:
         base = by_batch[r["batch_size"]].get(1)
         if base:
             r["speedup"] = r["samples_per_sec"] / base["samples_per_sec"]
+            if "round_step_medians" in r and "round_step_medians" in base:
+                # rounds measured back to back: each round's pair shares the machine's state
+                ratios = [b / t for b, t in zip(base["round_step_medians"], r["round_step_medians"])]
+                r["speedup"] = float(np.median(ratios))
+                r["speedup_rounds"] = ratios
             r["efficiency"] = r["speedup"] / r["ranks"]
         if profile is not None:
             try:
@@ -352,6 +361,7 @@ def validate_selector(rows: list, profile: dict, a) -> list:
                 continue
             err = (c["predicted_speedup"] - c["speedup"]) / c["speedup"] if "predicted_speedup" in c else None
             out.append({"batch_size": batch, "ranks": n, "measured_speedup": c["speedup"],
+                        "measured_speedup_rounds": c.get("speedup_rounds"),
                         "predicted_speedup": c.get("predicted_speedup"), "relative_error": err,
                         "selector_strategy": rec["strategy"], "selector_devices": rec["devices"],
                         "measured_fastest": fastest,
@@ -365,8 +375,10 @@ def format_validation(rows: list) -> str:
         pred = f"{v['predicted_speedup']:.2f}x" if v["predicted_speedup"] is not None else "n/a"
         err = f"{v['relative_error']:+.0%}" if v["relative_error"] is not None else "n/a"
         verdict = {True: "right", False: "WRONG", None: "asks for a benchmark"}[v["picked_faster"]]
+        rounds = v.get("measured_speedup_rounds")
+        spread = (f"; rounds {min(rounds):.2f}-{max(rounds):.2f}x" if rounds and len(rounds) > 1 else "")
         out.append(f"{v['batch_size']:>6} {v['ranks']:>5} {v['measured_speedup']:>8.2f}x {pred:>9} {err:>7}  "
-                   f"{v['selector_strategy']} ({v['selector_devices']}) vs {v['measured_fastest']}: {verdict}")
+                   f"{v['selector_strategy']} ({v['selector_devices']}) vs {v['measured_fastest']}: {verdict}{spread}")
     return "\n".join(out)
 
 
@@ -583,9 +595,11 @@ def cmd_bench(a, pg) -> int:
         if py is None:
             raise ConfigError("--compare torch: no interpreter here can import torch "
                               "(pip install torch, or apt-get install python3-torch)")
+    # With the peer, or several rank counts to compare: one repeat per round, the sides alternating.
+    alternate = py is not None or (pg.size == 1 and a.ranks is not None and len(a.ranks) > 1)
     rounds = []
-    for _ in range(a.repeats if py else 1):  # with the peer: one repeat per round, the sides alternating
-        rows = measure_world(pg, a, repeats=1 if py else a.repeats)
+    for _ in range(a.repeats if alternate else 1):
+        rows = measure_world(pg, a, repeats=1 if alternate else a.repeats)
         if pg.is_root and py:
             for r in rows:
                 r["torch"] = run_torch(py, r["ranks"], r["layers"], r["dropout"], r["batch_size"], a,
@@ -593,7 +607,7 @@ def cmd_bench(a, pg) -> int:
         rounds.append(rows)
     if not pg.is_root:
         return 0
-    rows = merge_rounds(rounds) if py else rounds[0]
+    rows = merge_rounds(rounds) if alternate else rounds[0]
     for r in rows:
         r["optimizer"] = a.optimizer
     add_derived(rows, profile)
@@ -718,7 +732,7 @@ def add_parser(sub) -> None:
     b.add_argument("--batch-sizes", type=int_list("batch sizes", distinct=True), default=[1024],
                    help="global batch sizes, each once (default 1024)")
     b.add_argument("--ranks", type=int_list("rank counts", distinct=True), default=None,
-                   help="rank counts to launch with mpirun, each once (default: this world)")
+                   help="rank counts to launch with mpirun, several in alternating rounds (default: this world)")
     b.add_argument("--warmup", type=int, default=10)
     b.add_argument("--steps", type=int, default=100)
     b.add_argument("--repeats", type=int, default=3)

@@ -274,6 +274,31 @@ def _gemm_to_core(d: dict, what: str):
     return g
 
 
+def _layers_to_core(d: dict, what: str):
+    t = P.LayerTimes()
+    try:
+        t.rows, t.widths = [float(v) for v in d["rows"]], [float(v) for v in d["widths"]]
+        t.forward, t.backward = [float(v) for v in d["forward"]], [float(v) for v in d["backward"]]
+        t.backward_weights = [float(v) for v in d["backward_weights"]]
+    except (KeyError, TypeError, ValueError):
+        raise ConfigError(f"hardware profile: malformed {what}") from None
+    t.check(f"hardware profile: {what}")
+    return t
+
+
+def _phases_to_core(d: dict, what: str):
+    t = P.StepPhases()
+    try:
+        t.params = [float(v) for v in d["params"]]
+        t.update_s, t.wait_s = [float(v) for v in d["update_s"]], [float(v) for v in d["wait_s"]]
+        t.wait_spread_s = [float(v) for v in d["wait_spread_s"]]
+        t.ranks = int(d["ranks"])
+    except (KeyError, TypeError, ValueError):
+        raise ConfigError(f"hardware profile: malformed {what}") from None
+    t.check(f"hardware profile: {what}")
+    return t
+
+
 def to_core(profile: dict, devices: Optional[int] = None):
     """The C++ HardwareProfile of a profile dict (repeating the last device up to `devices`)."""
     try:
@@ -297,6 +322,16 @@ def to_core(profile: dict, devices: Optional[int] = None):
             d.launch_overhead_s = float(e.get("launch_overhead_s", 0.0))
             d.context_bytes = float(e.get("context_bytes", 0.0))
             d.dropout_s_per_unit = float(e.get("dropout_s_per_unit", 0.0))
+            if e.get("layer_times"):
+                d.layers = _layers_to_core(e["layer_times"], f"{d.name} layer times")
+            if e.get("layer_times_alone"):
+                d.layers_alone = _layers_to_core(e["layer_times_alone"], f"{d.name} layer times (alone)")
+            d.pass_bandwidth = [(float(b), float(r)) for b, r in e.get("pass_bandwidth", [])]
+            d.pass_bandwidth_alone = [(float(b), float(r)) for b, r in e.get("pass_bandwidth_alone", [])]
+            if e.get("step_phases"):
+                d.step_phases = _phases_to_core(e["step_phases"], f"{d.name} step phases")
+            if e.get("step_phases_alone"):
+                d.step_phases_alone = _phases_to_core(e["step_phases_alone"], f"{d.name} step phases (alone)")
             core_devices.append(d)
         hw.devices = core_devices
         link = P.LinkProfile()
@@ -363,7 +398,8 @@ def _as_dict(rec) -> dict:
               "predicted_samples_per_sec": c.samples_per_s, "batch_shares": list(c.batch_shares),
               "forward_ms": c.forward_s * 1e3, "backward_ms": c.backward_s * 1e3, "optimizer_ms": c.optimizer_s * 1e3,
               "overhead_ms": c.overhead_s * 1e3, "allreduce_ms": c.comm_s * 1e3,
-              "exposed_allreduce_ms": c.exposed_comm_s * 1e3, "memory_bytes": c.memory_bytes,
+              "exposed_allreduce_ms": c.exposed_comm_s * 1e3, "timing_spread_ms": c.timing_spread_s * 1e3,
+              "memory_bytes": c.memory_bytes,
               "memory_usable_bytes": c.memory_usable_bytes,
               **({"cost_per_million_samples": c.cost_per_million_samples} if c.cost_per_million_samples else {})}
              for c in rec.candidates]

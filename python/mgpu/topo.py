@@ -5,6 +5,10 @@ Runs as one process or under mpirun (each rank measures its own device; rank 0
 reports). Measures, on the backend and communicator training would use:
   - devices: CPU model, cores and ISA; GPUs (name, memory, SMs, capability);
   - GEMM rate by size (the Linear forward GEMM), per precision the device offers;
+  - CPU: fp32 Linear layer times (forward, backward) on a grid of rows x in x out,
+    elementwise pass bandwidth by size, and real training steps' update and wait
+    after backward by parameter count, once with every rank computing and once with
+    rank 0 alone (ranks share caches and memory bandwidth);
   - memory bandwidth (y += a x), per-kernel overhead, host-to-device bandwidth;
   - an allreduce sweep, 4 B to 256 MB, nccl-tests style: time, algbw, busbw =
     algbw x 2(n-1)/n, every result checked bit for bit;
@@ -27,6 +31,21 @@ from .errors import ConfigError
 from .perf import PRECISIONS, PROFILE_FORMAT, PROFILE_VERSION, default_profile_path, save_profile
 
 GEMM_SIZES = (32, 64, 128, 256, 512, 1024, 2048)
+# The layer-time grid (perf_model.h LayerTimes): rows are the local batch, widths
+# in and out features. The lookup is trilinear, exact for a multilinear time: a
+# GEMM's time is close to affine in its rows, so a factor of 4 serves there, but
+# the BLAS's blocking bends it in the widths (a factor of 4 put a 256 x 128 layer's
+# backward 15 % high), so a factor of 2 there. Beyond 1024 rows or 2048 features
+# the edge's rate holds.
+LAYER_ROWS, LAYER_WIDTHS = (1, 4, 16, 64, 256, 1024), (8, 16, 32, 64, 128, 256, 512, 1024, 2048)
+LAYER_ROWS_QUICK, LAYER_WIDTHS_QUICK = (1, 16, 256), (8, 128, 1024)
+# Elementwise passes (y += a x) of 2^15..2^25 floats: 0.4 MB to 400 MB moved, from
+# inside the caches to well beyond them.
+PASS_FLOATS, PASS_FLOATS_QUICK = tuple(1 << k for k in range(15, 26, 2)), (1 << 17, 1 << 21, 1 << 24)
+# In-step phases: MLPs [h, h, h] of 33K to 17M parameters (2 h^2), 8 rows per rank;
+# a factor of 2 in parameters between them, as the caches' edges make steep steps.
+STEP_WIDTHS = (128, 181, 256, 362, 512, 724, 1024, 1448, 2048, 2896)
+STEP_WIDTHS_QUICK, STEP_ROWS = (128, 724), 8
 MiB = 1 << 20
 
 
@@ -77,6 +96,90 @@ def measure_gemm(backend, precision: str, quick: bool) -> list:
     return [(w, float(np.median(rs))) for w, rs in sorted(merged.items())]
 
 
+def measure_layer_times(backend, quick: bool, before_each=None) -> dict:
+    """fp32 seconds of a Linear layer on the grid rows x in x out, as training calls it:
+    forward (GEMM and bias), backward (input and weight gradients, bias sums) and
+    backward without the input gradient (the first layer). before_each(), when given,
+    runs before each shape: ranks measuring together stay in step, shape by shape."""
+    rows, widths = (LAYER_ROWS_QUICK, LAYER_WIDTHS_QUICK) if quick else (LAYER_ROWS, LAYER_WIDTHS)
+    tables = {"forward": [], "backward": [], "backward_weights": []}
+    for r in rows:
+        for i in widths:
+            for o in widths:
+                if before_each is not None:
+                    before_each()
+                repeats = max(3, min(25, int(3e8 / (6.0 * r * i * o))))
+                tables["forward"].append(_median(_core.time_linear(backend, r, i, o, repeats)))
+                tables["backward"].append(_median(_core.time_linear_backward(backend, r, i, o, repeats)))
+                tables["backward_weights"].append(
+                    _median(_core.time_linear_backward(backend, r, i, o, repeats, input_gradient=False)))
+    return {"rows": list(rows), "widths": list(widths), **tables}
+
+
+def measure_pass_bandwidth(backend, quick: bool, before_each=None) -> list:
+    """[(bytes moved, bytes/s)] of y += a x at sizes from inside the caches to beyond
+    them (12 bytes per float moved); before_each() as for measure_layer_times."""
+    points = []
+    for n in PASS_FLOATS_QUICK if quick else PASS_FLOATS:
+        if before_each is not None:
+            before_each()
+        repeats = max(5, min(100, int(4e8 / (12.0 * n))))
+        points.append([12.0 * n, 12.0 * n / _median(_core.time_axpy(backend, n, repeats))])
+    return points
+
+
+def measure_step_phases(pg, backend_kind: str, threads: int, quick: bool) -> dict:
+    """Collective: medians of the update and of the wait after backward (allreduce,
+    skew, health check), and the wait's spread (90th percentile less the median), in
+    real training steps of [h, h, h] MLPs on this process group, as the perf model's
+    StepPhases holds them (SGD with momentum, default buckets)."""
+    from .model import MLP
+    from .trainer import Trainer
+    table = {"params": [], "update_s": [], "wait_s": [], "wait_spread_s": [], "ranks": pg.size}
+    for h in STEP_WIDTHS_QUICK if quick else STEP_WIDTHS:
+        model = MLP([h, h, h], seed=0, device=backend_kind, threads=threads)
+        trainer = Trainer(model, loss="mse", optimizer="sgd", lr=1e-3, momentum=0.9, process_group=pg)
+        x, y = np.zeros((STEP_ROWS, h), np.float32), np.zeros((STEP_ROWS, h), np.float32)
+        update, wait = [], []
+        for i in range(5 + (10 if quick else 30)):
+            trainer.step(x, y, global_batch=STEP_ROWS * pg.size, first_sample=STEP_ROWS * pg.rank)
+            if i >= 5:  # after the first steps' page faults and cache fills
+                update.append(trainer.last_result.timings.optimizer)
+                wait.append(trainer.last_result.timings.comm_wait)
+        table["params"].append(model.num_params)
+        table["update_s"].append(_median(update))
+        table["wait_s"].append(_median(wait))
+        table["wait_spread_s"].append(max(0.0, float(np.percentile(wait, 90)) - _median(wait)))
+    return table
+
+
+def _sleeping_barrier(pg) -> None:
+    """A barrier that waits asleep: a rank left out of a measurement keeps off the cores
+    (and the memory bus) of the ranks that measure."""
+    done = pg.comm.Ibarrier()
+    while not done.Test():
+        time.sleep(0.002)
+
+
+def measure_cpu_tables(pg, backend, threads: int, quick: bool) -> dict:
+    """Collective: the layer times, pass bandwidths and in-step phases of this rank with
+    every rank computing at once (a multi-rank step's view of the machine: the ranks
+    share caches and memory bandwidth), and rank 0's while every other rank sleeps (a
+    1-rank step's)."""
+    together = pg.barrier if pg.size > 1 and pg.comm is not None else None
+    tables = {"layer_times": measure_layer_times(backend, quick, together),
+              "pass_bandwidth": measure_pass_bandwidth(backend, quick, together),
+              "step_phases": measure_step_phases(pg, "cpu", threads, quick)}
+    if together is None:
+        return tables
+    if pg.is_root:
+        tables["layer_times_alone"] = measure_layer_times(backend, quick)
+        tables["pass_bandwidth_alone"] = measure_pass_bandwidth(backend, quick)
+        tables["step_phases_alone"] = measure_step_phases(_self_group(), "cpu", threads, quick)
+    _sleeping_barrier(pg)
+    return tables
+
+
 def homogenize(entries: list) -> None:
     """Ranks with the same device (name and kind) get the median of their measurements:
     identical hardware measured under noise must not look unequal to the selector."""
@@ -101,6 +204,27 @@ def homogenize(entries: list) -> None:
                 fitted = fit_gemm([(w, float(np.median(rs))) for w, rs in sorted(table.items())])
                 for e in same:
                     e[prec] = fitted
+        if all("layer_times" in e for e in same):
+            first = same[0]["layer_times"]
+            cells = {k: np.median([e["layer_times"][k] for e in same], axis=0).tolist()
+                     for k in ("forward", "backward", "backward_weights")}
+            for e in same:
+                e["layer_times"] = {"rows": first["rows"], "widths": first["widths"], **cells}
+        if all("pass_bandwidth" in e for e in same):
+            points = [p for p, _ in same[0]["pass_bandwidth"]]
+            rates = np.median([[r for _, r in e["pass_bandwidth"]] for e in same], axis=0)
+            for e in same:
+                e["pass_bandwidth"] = [[p, float(r)] for p, r in zip(points, rates)]
+        if all("step_phases" in e for e in same):
+            phases = {**same[0]["step_phases"], **{k: np.median([e["step_phases"][k] for e in same], axis=0).tolist()
+                                                   for k in ("update_s", "wait_s", "wait_spread_s")}}
+            for e in same:
+                e["step_phases"] = dict(phases)
+        for key in ("layer_times_alone", "pass_bandwidth_alone", "step_phases_alone"):
+            alone = next((e[key] for e in same if key in e), None)
+            if alone is not None:  # measured by one rank: it stands for its identical peers
+                for e in same:
+                    e[key] = alone
 
 
 def fit_gemm(points: list) -> dict:
@@ -267,9 +391,7 @@ def node_sweeps(pg, backend, max_bytes: int, quick: bool) -> Optional[dict]:
         lead_pg = ProcessGroup(comm=leaders)
         inter_rows = allreduce_sweep(lead_pg, lead_pg.communicator(), backend, max_bytes, quick)
         lead_pg.close()
-    done = pg.comm.Ibarrier()
-    while not done.Test():
-        time.sleep(0.002)
+    _sleeping_barrier(pg)
     inter_rows = pg.bcast(inter_rows)
     node_pg.close()
     node_pg.comm.Free()
@@ -346,6 +468,8 @@ def run_topo(pg, *, device: str = "auto", threads=None, max_bytes: int = 256 * M
     device, device_index = pg.resolve_device(device)
     threads = threads or pg.default_threads()
     entry, backend = measure_device(pg, device, device_index, threads, quick)
+    if device == "cpu":
+        entry.update(measure_cpu_tables(pg, backend, threads, quick))
     entry["host"] = socket.gethostname()
     entry["rank"] = pg.rank
     entry["step_overhead_s"] = measure_step_overhead(device, device_index, threads)
@@ -384,6 +508,19 @@ def run_topo(pg, *, device: str = "auto", threads=None, max_bytes: int = 256 * M
     }
 
 
+def _cpu_tables_line(d: dict) -> str:
+    """What a CPU rank's tables say at a glance: the largest measured model's update and
+    wait in a real step, with every rank busy against rank 0 alone."""
+    busy, alone = d["step_phases"], d.get("step_phases_alone", d["step_phases"])
+    grid = d["layer_times"]
+    text = (f"layer times on {len(grid['rows'])} rows x {len(grid['widths'])}x{len(grid['widths'])} widths; "
+            f"in training at {busy['params'][-1] / 1e6:.1f}M params: update {busy['update_s'][-1] * 1e3:.2f} ms, "
+            f"wait after backward {busy['wait_s'][-1] * 1e3:.2f} ms with {busy['ranks']} rank(s) busy")
+    if alone is not busy:
+        text += f"; {alone['update_s'][-1] * 1e3:.2f} and {alone['wait_s'][-1] * 1e3:.2f} ms alone"
+    return text
+
+
 def format_topo(profile: dict) -> str:
     lines = [f"{profile['name']}  (mgpu {profile['mgpu_version']})"]
     for d in profile["devices"]:
@@ -398,6 +535,8 @@ def format_topo(profile: dict) -> str:
                          f"OPENBLAS_CORETYPE={cpu['openblas_coretype'] or '(unset)'}")
         if d.get("host_to_device_bandwidth"):
             lines.append(f"    host-to-device {d['host_to_device_bandwidth'] / 1e9:.1f} GB/s")
+        if "step_phases" in d:
+            lines.append("    " + _cpu_tables_line(d))
     if profile["allreduce"]:
         lines.append(f"  allreduce ({profile['link']['name']}), float32 sum, in place:")
         lines.append(f"  {'bytes':>12} {'count':>10} {'time us':>10} {'algbw GB/s':>11} {'busbw GB/s':>11} {'wrong':>6}"

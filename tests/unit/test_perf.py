@@ -252,3 +252,175 @@ def test_half_precision_gemms_hold_a_half_copy_of_the_weights_and_write_it_in_th
     tf32 = P.predict(perf._workload(None, layers, None, batch, "tf32", "sgd", 4.0), prof, 1, P.Options())
     assert tf32.memory_bytes == fp32.memory_bytes and tf32.optimizer_s == fp32.optimizer_s
     assert bf16.optimizer_s > fp32.optimizer_s
+
+
+def layer_grid(time, rows=(1, 4, 16, 64), widths=(8, 32, 128)):
+    """A LayerTimes dict whose every table holds time(r, i, o) (and kind-scaled copies)."""
+    cells = [(r, i, o) for r in rows for i in widths for o in widths]
+    return {"rows": list(rows), "widths": list(widths), "forward": [time(*c) for c in cells],
+            "backward": [2 * time(*c) for c in cells], "backward_weights": [1.5 * time(*c) for c in cells]}
+
+
+def multilinear(r, i, o):  # the shape of a GEMM's time: work, weights, activations, a constant
+    return 1e-6 + 2e-12 * r * i * o + 3e-11 * i * o + 5e-11 * r * (i + o)
+
+
+def test_layer_times_interpolate_a_gemm_shaped_time_exactly_and_scale_beyond_the_grid():
+    t = perf._layers_to_core(layer_grid(multilinear), "test")
+    for r, i, o in [(3, 50, 100), (1, 8, 8), (40, 9, 127), (64, 128, 128), (2, 20, 64)]:
+        assert t.forward_s(r, i, o) == pytest.approx(multilinear(r, i, o), rel=1e-9), (r, i, o)
+        assert t.backward_s(r, i, o) == pytest.approx(2 * multilinear(r, i, o), rel=1e-9)
+        assert t.backward_s(r, i, o, input_gradient=False) == pytest.approx(1.5 * multilinear(r, i, o), rel=1e-9)
+    # beyond the largest size the edge's rate holds: time in proportion
+    assert t.forward_s(256, 128, 128) == pytest.approx(4 * multilinear(64, 128, 128), rel=1e-9)
+    assert t.forward_s(64, 512, 256) == pytest.approx(8 * multilinear(64, 128, 128), rel=1e-9)
+    # below the smallest, the edge's time
+    assert t.forward_s(1, 2, 3) == pytest.approx(multilinear(1, 8, 8), rel=1e-9)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda g: g.update(rows=[4, 1, 16, 64]), "ascending"),
+    (lambda g: g.update(widths=[8]), "ascending"),
+    (lambda g: g["forward"].pop(), "grid has"),
+    (lambda g: g["backward"].__setitem__(3, 0.0), "positive"),
+    (lambda g: g["backward_weights"].__setitem__(0, float("nan")), "positive"),
+    (lambda g: g.pop("forward"), "malformed"),
+])
+def test_malformed_layer_times_are_refused(change, message):
+    grid = layer_grid(multilinear)
+    change(grid)
+    prof = profile([{**device(kind="cpu"), "layer_times": grid}] * 2)
+    with pytest.raises(mgpu.ConfigError, match=message):
+        predict(prof, 2)
+
+
+def test_measured_layer_times_replace_the_gemm_rate_and_one_rank_uses_its_alone_table():
+    layers, batch = (32, 128, 128, 8), 64
+    base = device(flops=1e11, bandwidth=1e11, kind="cpu")
+    slow, fast = layer_grid(lambda r, i, o: 1e-3 * multilinear(r, i, o) / multilinear(1, 8, 8)), \
+        layer_grid(lambda r, i, o: 0.5e-3 * multilinear(r, i, o) / multilinear(1, 8, 8))
+    plain = profile([base] * 2)
+    tabled = profile([{**base, "layer_times": slow}] * 2)
+    both = profile([{**base, "layer_times": slow, "layer_times_alone": fast}] * 2)
+    p_plain, p_tab = predict(plain, 1, layers, batch), predict(tabled, 1, layers, batch)
+    w = perf._workload(None, list(layers), None, batch, "fp32", "sgd", 4.0)
+    t = perf._layers_to_core(slow, "t")
+    expected_forward = sum(t.forward_s(batch, layers[l], layers[l + 1]) for l in range(3))
+    relu_dropout, loss = 2 * (8.0 * batch * 128 / 1e11), 16.0 * batch * 8 / 1e11  # passes at 100 GB/s
+    assert p_tab.forward_s == pytest.approx(expected_forward + relu_dropout + loss, rel=1e-9)
+    assert p_tab.forward_s > 5 * p_plain.forward_s  # the table, not the 100 GFLOP/s rate, decided
+    # one rank alone reads the alone table; two ranks the table taken with both computing
+    one, two = predict(both, 1, layers, batch), predict(both, 2, layers, batch)
+    assert one.forward_s < 0.6 * p_tab.forward_s
+    assert two.forward_s == pytest.approx(predict(tabled, 2, layers, batch).forward_s)
+    assert two.speedup == pytest.approx(one.step_s / two.step_s)
+    # half precision has no measured table: the rate decides
+    w.precision = "bf16"
+    assert P.predict(w, perf.to_core(tabled), 1, P.Options()).forward_s < p_tab.forward_s
+
+
+def test_pass_bandwidth_by_size_prices_the_update_and_one_rank_uses_its_alone_table():
+    layers, batch = (256, 1024, 1024, 8), 64
+    params = 256 * 1024 + 1024 + 1024 * 1024 + 1024 + 1024 * 8 + 8
+    base = device(flops=1e11, bandwidth=10e9, kind="cpu")
+    cached = [[1e6, 80e9], [1e8, 10e9]]  # 80 GB/s in cache down to 10 GB/s beyond it
+    prof = profile([{**base, "pass_bandwidth": cached, "pass_bandwidth_alone": [[1e6, 160e9], [1e8, 20e9]]}] * 2)
+    update, health = 20.0 * params, 4.0 * params  # sgd: read w, g, m; write w, m
+    t = perf.to_core(prof).devices[0]
+
+    def rate(bytes_, points):  # log-log between the two points
+        (b0, r0), (b1, r1) = points
+        return math.exp(math.log(r0) + math.log(bytes_ / b0) / math.log(b1 / b0) * math.log(r1 / r0))
+    assert t.bandwidth_at(update) == pytest.approx(rate(update, cached), rel=1e-9)
+    assert t.bandwidth_at(1e3) == 80e9 and t.bandwidth_at(1e12) == 10e9 and t.bandwidth_at(1e3, alone=True) == 160e9
+    two = predict(prof, 2, layers, batch)
+    assert two.optimizer_s == pytest.approx(update / rate(update, cached) + health / rate(health, cached), rel=1e-9)
+    one = predict(prof, 1, layers, batch)
+    assert one.optimizer_s == pytest.approx(two.optimizer_s / 2, rel=1e-9)
+    flat = predict(profile([base] * 2), 2, layers, batch)
+    assert flat.optimizer_s == pytest.approx((update + health) / 10e9, rel=1e-9)
+    bad = profile([{**base, "pass_bandwidth": [[1e8, 10e9], [1e6, 80e9]]}] * 2)
+    with pytest.raises(mgpu.ConfigError, match="ascending"):
+        predict(bad, 2, layers, batch)
+
+
+def phases(ranks=2, scale=1.0):
+    """In-step phases of a CPU calibration: 1 ns (update) and 0.5 ns (wait) per parameter
+    at 1M parameters, per-parameter costs twice as high at 4M (beyond the caches)."""
+    return {"params": [1e6, 4e6], "update_s": [scale * 1e-3, scale * 8e-3], "wait_s": [scale * 0.5e-3, scale * 4e-3],
+            "wait_spread_s": [0.0, 0.0], "ranks": ranks}
+
+
+def test_step_phases_interpolate_per_parameter_cost_in_log_params_and_clamp():
+    # per-parameter seconds, linear between the counts in log(params)
+    t = perf._phases_to_core(phases(), "test")
+    assert t.update_at(1e6) == pytest.approx(1e-3) and t.wait_at(4e6) == pytest.approx(4e-3)
+    assert t.update_at(2e6) == pytest.approx(2e6 * 1.5e-9, rel=1e-9)  # halfway in log(params)
+    assert t.update_at(1e3) == pytest.approx(1e-6) and t.update_at(4e7) == pytest.approx(8e-2)  # per param held
+
+
+def test_measured_step_phases_replace_the_update_health_check_and_allreduce_models():
+    layers, batch = (1000, 1000, 1000), 64  # 2.002M parameters
+    n_params = 2 * (1000 * 1000 + 1000)
+    base = {**device(flops=1e12, bandwidth=50e9, kind="cpu")}
+    link = dict(alpha=1e-5, busbw=5e9, overlap=False, sync=1e-3)
+    prof = profile([{**base, "step_phases": phases(), "step_phases_alone": phases(1, 0.5)}] * 2, **link)
+    t, alone = perf._phases_to_core(phases(), "t"), perf._phases_to_core(phases(1, 0.5), "a")
+    one = predict(prof, 1, layers, batch)
+    assert one.optimizer_s == pytest.approx(alone.update_at(n_params) + alone.wait_at(n_params), rel=1e-9)
+    adamw = predict(prof, 1, layers, batch, optimizer="adamw")
+    assert adamw.optimizer_s == pytest.approx(alone.update_at(n_params) * 28 / 20 + alone.wait_at(n_params), rel=1e-9)
+    two = predict(prof, 2, layers, batch)
+    # at the calibration's world and bucket size the measured wait is the exposed allreduce, skew included
+    assert two.exposed_comm_s == pytest.approx(t.wait_at(n_params), rel=1e-9)
+    assert two.optimizer_s == pytest.approx(t.update_at(n_params), rel=1e-9)
+    assert two.step_s == pytest.approx(two.overhead_s + max(two.forward_s + two.backward_s, 0) + two.exposed_comm_s
+                                       + two.optimizer_s, rel=1e-9)  # no step_sync_s on top
+    # another bucket size moves the wait by what the link model says it changes
+    core = perf.to_core(prof)
+    w_small = perf._workload(None, list(layers), None, batch, "fp32", "sgd", 1.0)
+    small = P.predict(w_small, core, 2, P.Options())
+    assert small.exposed_comm_s == pytest.approx(t.wait_at(n_params) + small.comm_s - two.comm_s, rel=1e-9)
+    assert small.exposed_comm_s > two.exposed_comm_s  # four times the buckets, four times the latency
+    # a calibration on one rank measured no allreduce and no skew: the models add theirs
+    solo = profile([{**base, "step_phases": phases(1)}] * 2, **link)
+    s = predict(solo, 2, layers, batch)
+    assert s.exposed_comm_s == pytest.approx(t.wait_at(n_params) + s.comm_s, rel=1e-9)
+    assert s.step_s == pytest.approx(s.overhead_s + 1e-3 + s.forward_s + s.backward_s + s.exposed_comm_s
+                                     + s.optimizer_s, rel=1e-9)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda p: p.update(params=[4e6, 1e6]), "ascending"),
+    (lambda p: p["wait_s"].pop(), "hold"),
+    (lambda p: p["update_s"].__setitem__(0, 0.0), "positive"),
+    (lambda p: p.update(ranks=0), "ranks"),
+    (lambda p: p.pop("ranks"), "malformed"),
+])
+def test_malformed_step_phases_are_refused(change, message):
+    table = phases()
+    change(table)
+    with pytest.raises(mgpu.ConfigError, match=message):
+        predict(profile([{**device(kind="cpu"), "step_phases": table}] * 2), 2)
+
+
+def test_a_calibrated_wait_spread_widens_the_error_band_where_steps_are_short():
+    layers, batch = (64, 256, 256, 8), 16
+    base = device(flops=1e11, bandwidth=50e9, kind="cpu")
+
+    def rec(spread):
+        busy = {"params": [1e5, 1e6], "update_s": [1e-5, 1e-4], "wait_s": [5e-5, 5e-4],
+                "wait_spread_s": [spread / 10, spread], "ranks": 2}
+        alone = {**busy, "wait_spread_s": [0.0, 0.0], "ranks": 1}
+        prof = profile([{**base, "step_phases": busy, "step_phases_alone": alone}] * 2, alpha=1e-6, busbw=10e9,
+                       overlap=False)
+        return perf.recommend(layers=list(layers), batch_size=batch, devices=[1, 2], profile=prof)
+    steady, jittery = rec(0.0), rec(5e-4)
+    one, two = jittery["candidates"]
+    assert one["timing_spread_ms"] == 0.0 and two["timing_spread_ms"] > 0.2 * two["predicted_step_ms"]
+    # the same predicted gain, but steps that wander by a fifth of themselves cannot promise it
+    assert two["predicted_speedup"] == pytest.approx(steady["candidates"][1]["predicted_speedup"])
+    assert steady["strategy"] == "multi_gpu" and jittery["strategy"] == "benchmark_required"
+    widened = 0.1 + two["timing_spread_ms"] / two["predicted_step_ms"]
+    assert any(f"+-{widened:.0%}" in r for r in jittery["reasons"]), jittery["reasons"]
+    assert jittery["confidence"] < steady["confidence"]
