@@ -65,7 +65,7 @@ struct DeviceTimes {
 };
 
 DeviceTimes device_times(const std::vector<int>& sizes, int64_t b, const DeviceProfile& d,
-                         const Workload& w, double step_overhead, bool alone) {
+                         const Workload& w, double step_overhead, bool alone, bool use_phases) {
   const GemmRate& rate = d.gemm(w.precision);
   // Measured layer times, where topo took them, at the precision they were taken at.
   const LayerTimes* measured = alone && d.layers_alone.enabled() ? &d.layers_alone : &d.layers;
@@ -110,7 +110,7 @@ DeviceTimes device_times(const std::vector<int>& sizes, int64_t b, const DeviceP
   const double update_bytes = (w.optimizer == "sgd" ? 20.0 : 28.0) * P;
   const bool half = w.precision == "bf16" || w.precision == "fp16";
   const StepPhases& phases = alone && d.step_phases_alone.enabled() ? d.step_phases_alone : d.step_phases;
-  if (phases.enabled()) {
+  if (use_phases && phases.enabled()) {
     // The update as measured in training, scaled by the bytes this optimizer moves;
     // the health check is part of the measured wait (predict adds it).
     t.measured = &phases;
@@ -213,6 +213,9 @@ void LayerTimes::check(const std::string& what) const {
 }
 
 double LayerTimes::at(const std::vector<double>& table, double r, double in, double out) const {
+  MGPU_CHECK(rows.size() >= 2 && widths.size() >= 2 && table.size() == rows.size() * widths.size() * widths.size(),
+             ConfigError, "layer times: no table for a ", rows.size(), " x ", widths.size(), " x ", widths.size(),
+             " grid");
   // Where x falls on an axis: the cell's lower index and fraction, and the
   // factor that carries the edge's rate beyond the largest size.
   struct Place { size_t i; double f, scale; };
@@ -235,7 +238,7 @@ double LayerTimes::at(const std::vector<double>& table, double r, double in, dou
 }
 
 void StepPhases::check(const std::string& what) const {
-  if (params.empty() && update_s.empty() && wait_s.empty()) return;
+  if (params.empty() && update_s.empty() && wait_s.empty() && wait_spread_s.empty()) return;
   MGPU_CHECK(update_s.size() == params.size() && wait_s.size() == params.size() &&
                  wait_spread_s.size() == params.size(),
              ConfigError, what, ": params, update, wait and wait spread hold ", params.size(), ", ", update_s.size(),
@@ -251,6 +254,8 @@ void StepPhases::check(const std::string& what) const {
 }
 
 double StepPhases::per_param(const std::vector<double>& seconds, double n) const {
+  MGPU_CHECK(!params.empty() && seconds.size() == params.size(), ConfigError, "step phases: ", seconds.size(),
+             " times for ", params.size(), " parameter counts");
   auto at = [&](size_t i) { return seconds[i] / params[i]; };
   if (n <= params.front()) return at(0);
   if (n >= params.back()) return at(params.size() - 1);
@@ -396,10 +401,15 @@ Prediction predict(const Workload& w, const HardwareProfile& hw, int devices, co
   p.devices = devices;
   const int64_t batch = w.global_batch;
   // Shares: proportional to each device's throughput at an equal split.
+  // Measured in-step phases count only where every device has them: a device
+  // without would add its modelled health check beside the measured wait.
+  bool use_phases = true;
+  for (int i = 0; i < devices; ++i)
+    use_phases &= hw.devices[i].step_phases.enabled() || (devices == 1 && hw.devices[i].step_phases_alone.enabled());
   std::vector<double> speed(devices);
   for (int i = 0; i < devices; ++i) {
     const int64_t b = std::max<int64_t>(1, batch / devices);
-    const DeviceTimes t = device_times(sizes, b, hw.devices[i], w, 0.0, devices == 1);
+    const DeviceTimes t = device_times(sizes, b, hw.devices[i], w, 0.0, devices == 1, use_phases);
     speed[i] = b / std::max(t.forward + t.backward, 1e-30);
   }
   p.batch_shares = shares_by_weight(batch, o.equal_shares ? std::vector<double>(devices, 1.0) : speed);
@@ -407,7 +417,8 @@ Prediction predict(const Workload& w, const HardwareProfile& hw, int devices, co
   std::vector<DeviceTimes> times;
   double compute_end = 0, optimizer = 0, overhead = 0, memory = 0, usable = 1e300;
   for (int i = 0; i < devices; ++i) {
-    times.push_back(device_times(sizes, p.batch_shares[i], hw.devices[i], w, hw.step_overhead_s, devices == 1));
+    times.push_back(
+        device_times(sizes, p.batch_shares[i], hw.devices[i], w, hw.step_overhead_s, devices == 1, use_phases));
     const DeviceTimes& t = times.back();
     compute_end = std::max(compute_end, t.forward + t.backward);
     p.forward_s = std::max(p.forward_s, t.forward);
@@ -444,14 +455,15 @@ Prediction predict(const Workload& w, const HardwareProfile& hw, int devices, co
       measured_ranks = t.measured->ranks;
       p.timing_spread_s = t.measured->wait_spread_at(parameter_count(sizes));
     }
-  if (measured_wait >= 0 && devices == 1) {
-    optimizer += measured_wait;
-  } else if (measured_wait >= 0) {
+  if (measured_wait >= 0) {
     double reference = 0;  // what the measured wait already holds of the allreduce
     if (measured_ranks > 1)
       for (const Bucket& bucket : plan_buckets(sizes, MLP::kGradExtraSlots, size_t(StepPhases::kBucketElems)))
         reference += hw.link.allreduce_seconds(measured_ranks, 4.0 * bucket.count);
-    p.exposed_comm_s = std::max(0.0, measured_wait + p.exposed_comm_s - reference);
+    if (devices == 1)  // the health check and bookkeeping, without any allreduce
+      optimizer += std::max(0.0, measured_wait - reference);
+    else
+      p.exposed_comm_s = std::max(0.0, measured_wait + p.exposed_comm_s - reference);
   }
   p.optimizer_s = optimizer;
   p.overhead_s = overhead;
@@ -576,7 +588,7 @@ Recommendation recommend(const Workload& w, const HardwareProfile& hw, const Opt
     r.devices = best->devices;
     r.reasons.push_back(fmt("the predicted gain (%.2fx) is within the model's error", best_multi->speedup) +
                         fmt(" (+-%.0f%%", err * 100) +
-                        fmt(": %.2fx", best_multi->speedup * (1.0 - err)) +
+                        fmt(": %.2fx", std::max(0.0, best_multi->speedup * (1.0 - err))) +
                         fmt("-%.2fx): measure it with `mgpu bench`", best_multi->speedup * (1.0 + err)));
   }
 

@@ -11,7 +11,9 @@
 // plan of train_step.h): NCCL-shaped (CollectiveModel: the fastest algorithm x
 // protocol, hierarchical over nodes) where the profile has it, else ring
 // alpha-beta, 2(n-1) alpha + 2(n-1)/n bytes / busbw; overlapped with backward
-// where the transport runs beside compute.
+// where the transport runs beside compute. CPU calibrations measure instead of
+// model where microbenchmarks mislead: layer times (LayerTimes), pass bandwidth
+// by size, and the update and wait of real steps (StepPhases).
 #pragma once
 #include <array>
 #include <cstdint>

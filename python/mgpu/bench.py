@@ -8,9 +8,9 @@ backward, exposed allreduce, optimizer) by the core's timers; speedup and
 efficiency against 1 rank; peak memory; the compute floor (model FLOPs at the
 measured GEMM rate) and the allreduce floor (the calibrated alpha-beta model).
 `--ranks 1,2,...` launches mpirun itself; with several rank counts in rounds that
-alternate them (1, 2, 1, 2, ...: `--repeats` rounds, one repeat each), so the
-machine's drift falls on every count and a speedup is the median of the rounds'
-paired ratios; under mpirun it measures the running world. `--compare torch` runs
+alternate them (1 2, 2 1, 1 2, ...: `--repeats` rounds, one repeat each; not with
+`--observe`), so the machine's drift falls on every count and a speedup is the
+median of the rounds' paired ratios; under mpirun it measures the running world. `--compare torch` runs
 the same workload in PyTorch (DDP) in the same run, in rounds alternating with
 mgpu's (mgpu, torch, mgpu, ...: the machine's drift falls on both), and reports the
 ratio per round; `--validate-selector` sets the selector's predictions beside the
@@ -354,7 +354,9 @@ def validate_selector(rows: list, profile: dict, a) -> list:
         cells = {r["ranks"]: r for r in rows if r["batch_size"] == batch}
         rec = perf.recommend(layers=cells[ranks[0]]["layers"], batch_size=batch, devices=ranks, profile=profile,
                              optimizer=a.optimizer, dropout=cells[ranks[0]].get("dropout", 0.0))
-        fastest = max(cells.values(), key=lambda r: r["samples_per_sec"])["ranks"]
+        # by the same measure as the speedup printed (paired rounds when alternated)
+        measure = "speedup" if all("speedup" in c for c in cells.values()) else "samples_per_sec"
+        fastest = max(cells.values(), key=lambda r: r[measure])["ranks"]
         for n in ranks:
             c = cells[n]
             if n == 1 or "speedup" not in c:
@@ -595,11 +597,15 @@ def cmd_bench(a, pg) -> int:
         if py is None:
             raise ConfigError("--compare torch: no interpreter here can import torch "
                               "(pip install torch, or apt-get install python3-torch)")
-    # With the peer, or several rank counts to compare: one repeat per round, the sides alternating.
-    alternate = py is not None or (pg.size == 1 and a.ranks is not None and len(a.ranks) > 1)
+    # With the peer, or several rank counts to compare: one repeat per round, the sides
+    # alternating, in reverse order every other round (1 2, 2 1, ...) so neither side
+    # always runs first. --observe interleaves its own off/on rounds inside a launch.
+    alternate = py is not None or (pg.size == 1 and a.ranks is not None and len(a.ranks) > 1 and not a.observe)
     rounds = []
-    for _ in range(a.repeats if alternate else 1):
-        rows = measure_world(pg, a, repeats=1 if alternate else a.repeats)
+    for i in range(a.repeats if alternate else 1):
+        rows = measure_world(pg, a, repeats=1 if alternate else a.repeats, reverse=alternate and i % 2 == 1)
+        if alternate:  # merged cell by cell: the same order in every round
+            rows.sort(key=lambda r: (r["batch_size"], r["ranks"]))
         if pg.is_root and py:
             for r in rows:
                 r["torch"] = run_torch(py, r["ranks"], r["layers"], r["dropout"], r["batch_size"], a,
@@ -621,8 +627,9 @@ def cmd_bench(a, pg) -> int:
     return report(a, pg, rows, profile)
 
 
-def measure_world(pg, a, repeats: int) -> list:
-    """mgpu's rows: this world in-process, or one mpirun launch per --ranks count."""
+def measure_world(pg, a, repeats: int, reverse: bool = False) -> list:
+    """mgpu's rows: this world in-process, or one mpirun launch per --ranks count
+    (in reverse order with `reverse`)."""
     if pg.size > 1 or not a.ranks:
         return run_worker(pg, a, repeats)
     if shutil.which("mpirun") is None:
@@ -638,7 +645,7 @@ def measure_world(pg, a, repeats: int) -> list:
     if a.dropout is not None:
         passthrough.append(f"--dropout={a.dropout}")
     rows = []
-    for n in a.ranks:
+    for n in (list(reversed(a.ranks)) if reverse else a.ranks):
         if not a.no_progress:
             print(f"bench: {n} rank(s)...", file=sys.stderr, flush=True)
         rows += _launch(n, passthrough, _mpi_env())

@@ -262,7 +262,7 @@ def layer_grid(time, rows=(1, 4, 16, 64), widths=(8, 32, 128)):
 
 
 def multilinear(r, i, o):  # the shape of a GEMM's time: work, weights, activations, a constant
-    return 1e-6 + 2e-12 * r * i * o + 3e-11 * i * o + 5e-11 * r * (i + o)
+    return 1e-6 + 2e-12 * r * i * o + 3e-11 * i * o + 5e-11 * r * i + 9e-11 * r * o + 4e-9 * o  # in != out
 
 
 def test_layer_times_interpolate_a_gemm_shaped_time_exactly_and_scale_beyond_the_grid():
@@ -309,9 +309,14 @@ def test_measured_layer_times_replace_the_gemm_rate_and_one_rank_uses_its_alone_
     relu_dropout, loss = 2 * (8.0 * batch * 128 / 1e11), 16.0 * batch * 8 / 1e11  # passes at 100 GB/s
     assert p_tab.forward_s == pytest.approx(expected_forward + relu_dropout + loss, rel=1e-9)
     assert p_tab.forward_s > 5 * p_plain.forward_s  # the table, not the 100 GFLOP/s rate, decided
+    # backward: the first layer without its input gradient; relu backward passes beside
+    expected_backward = sum(t.backward_s(batch, layers[l], layers[l + 1], l > 0) for l in range(3))
+    relu_backward = sum(12.0 * batch * layers[l] / 1e11 for l in (1, 2))
+    assert p_tab.backward_s == pytest.approx(expected_backward + relu_backward, rel=1e-9)
+    assert t.backward_s(batch, 32, 128, False) < t.backward_s(batch, 32, 128, True)
     # one rank alone reads the alone table; two ranks the table taken with both computing
     one, two = predict(both, 1, layers, batch), predict(both, 2, layers, batch)
-    assert one.forward_s < 0.6 * p_tab.forward_s
+    assert one.forward_s < 0.6 * p_tab.forward_s and one.backward_s < 0.6 * p_tab.backward_s
     assert two.forward_s == pytest.approx(predict(tabled, 2, layers, batch).forward_s)
     assert two.speedup == pytest.approx(one.step_s / two.step_s)
     # half precision has no measured table: the rate decides
@@ -424,3 +429,36 @@ def test_a_calibrated_wait_spread_widens_the_error_band_where_steps_are_short():
     widened = 0.1 + two["timing_spread_ms"] / two["predicted_step_ms"]
     assert any(f"+-{widened:.0%}" in r for r in jittery["reasons"]), jittery["reasons"]
     assert jittery["confidence"] < steady["confidence"]
+
+
+def test_one_rank_read_from_a_multi_rank_wait_leaves_its_allreduce_out():
+    # no alone table (a hand-made or merged profile): the 2-rank wait holds an allreduce
+    layers, batch = (1000, 1000, 1000), 64
+    n_params = 2 * (1000 * 1000 + 1000)
+    base = device(flops=1e12, bandwidth=50e9, kind="cpu")
+    prof = profile([{**base, "step_phases": phases()}] * 2, alpha=1e-5, busbw=50e9, overlap=False)
+    t, two = perf._phases_to_core(phases(), "t"), predict(prof, 2, layers, batch)
+    reference = two.comm_s  # the same default buckets at the calibration's 2 ranks
+    assert 0 < reference < t.wait_at(n_params)
+    one = predict(prof, 1, layers, batch)
+    assert one.optimizer_s == pytest.approx(t.update_at(n_params) + t.wait_at(n_params) - reference, rel=1e-9)
+
+
+def test_step_phases_count_only_where_every_device_has_them():
+    # a device without them would add its modelled health check beside the measured wait
+    layers, batch = (1000, 1000, 1000), 64
+    base = device(flops=1e12, bandwidth=50e9, kind="cpu")
+    link = dict(alpha=1e-5, busbw=5e9, overlap=False, sync=1e-4)
+    mixed = profile([{**base, "step_phases": phases()}, {**base, "name": "other"}], **link)
+    plain = profile([base, {**base, "name": "other"}], **link)
+    got, want = predict(mixed, 2, layers, batch), predict(plain, 2, layers, batch)
+    assert got.step_s == pytest.approx(want.step_s, rel=1e-12) and got.exposed_comm_s == want.exposed_comm_s
+    assert got.optimizer_s == pytest.approx(want.optimizer_s, rel=1e-12)
+    assert predict(mixed, 1, layers, batch).optimizer_s != predict(plain, 1, layers, batch).optimizer_s  # alone: its own
+
+
+def test_layer_and_phase_lookups_without_a_table_are_errors_not_crashes():
+    with pytest.raises(mgpu.ConfigError, match="layer times"):
+        P.LayerTimes().forward_s(1, 1, 1)
+    with pytest.raises(mgpu.ConfigError, match="step phases"):
+        P.StepPhases().update_at(1.0)
