@@ -447,14 +447,17 @@ Prediction predict(const Workload& w, const HardwareProfile& hw, int devices, co
   // training met it at the calibration's world and bucket size, moved by what
   // the link model says this world and bucket size change. It holds the health
   // check, and with several ranks their skew and control messages.
+  const double params = parameter_count(sizes);
   double measured_wait = -1;
   int measured_ranks = 0;
-  for (const DeviceTimes& t : times)
-    if (t.measured && t.measured->wait_at(parameter_count(sizes)) > measured_wait) {
-      measured_wait = t.measured->wait_at(parameter_count(sizes));
+  for (const DeviceTimes& t : times) {
+    const double wait = t.measured ? t.measured->wait_at(params) : -1;
+    if (wait > measured_wait) {
+      measured_wait = wait;
       measured_ranks = t.measured->ranks;
-      p.timing_spread_s = t.measured->wait_spread_at(parameter_count(sizes));
+      p.timing_spread_s = t.measured->wait_spread_at(params);
     }
+  }
   if (measured_wait >= 0) {
     double reference = 0;  // what the measured wait already holds of the allreduce
     if (measured_ranks > 1)

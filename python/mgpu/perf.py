@@ -274,29 +274,26 @@ def _gemm_to_core(d: dict, what: str):
     return g
 
 
-def _layers_to_core(d: dict, what: str):
-    t = P.LayerTimes()
+def _table_to_core(table, d: dict, what: str, lists: tuple, ints: tuple = ()):
+    """A measured table of the C++ model (LayerTimes, StepPhases) from its profile dict,
+    whose keys are the table's fields; checked by the table itself."""
     try:
-        t.rows, t.widths = [float(v) for v in d["rows"]], [float(v) for v in d["widths"]]
-        t.forward, t.backward = [float(v) for v in d["forward"]], [float(v) for v in d["backward"]]
-        t.backward_weights = [float(v) for v in d["backward_weights"]]
+        for key in lists:
+            setattr(table, key, [float(v) for v in d[key]])
+        for key in ints:
+            setattr(table, key, int(d[key]))
     except (KeyError, TypeError, ValueError):
         raise ConfigError(f"hardware profile: malformed {what}") from None
-    t.check(f"hardware profile: {what}")
-    return t
+    table.check(f"hardware profile: {what}")
+    return table
+
+
+def _layers_to_core(d: dict, what: str):
+    return _table_to_core(P.LayerTimes(), d, what, ("rows", "widths", "forward", "backward", "backward_weights"))
 
 
 def _phases_to_core(d: dict, what: str):
-    t = P.StepPhases()
-    try:
-        t.params = [float(v) for v in d["params"]]
-        t.update_s, t.wait_s = [float(v) for v in d["update_s"]], [float(v) for v in d["wait_s"]]
-        t.wait_spread_s = [float(v) for v in d["wait_spread_s"]]
-        t.ranks = int(d["ranks"])
-    except (KeyError, TypeError, ValueError):
-        raise ConfigError(f"hardware profile: malformed {what}") from None
-    t.check(f"hardware profile: {what}")
-    return t
+    return _table_to_core(P.StepPhases(), d, what, ("params", "update_s", "wait_s", "wait_spread_s"), ("ranks",))
 
 
 def to_core(profile: dict, devices: Optional[int] = None):

@@ -166,16 +166,15 @@ def measure_cpu_tables(pg, backend, threads: int, quick: bool) -> dict:
     every rank computing at once (a multi-rank step's view of the machine: the ranks
     share caches and memory bandwidth), and rank 0's while every other rank sleeps (a
     1-rank step's)."""
-    together = pg.barrier if pg.size > 1 and pg.comm is not None else None
-    tables = {"layer_times": measure_layer_times(backend, quick, together),
-              "pass_bandwidth": measure_pass_bandwidth(backend, quick, together),
-              "step_phases": measure_step_phases(pg, "cpu", threads, quick)}
-    if together is None:
-        return tables
+    def measure(group, before_each) -> dict:
+        return {"layer_times": measure_layer_times(backend, quick, before_each),
+                "pass_bandwidth": measure_pass_bandwidth(backend, quick, before_each),
+                "step_phases": measure_step_phases(group, "cpu", threads, quick)}
+    if pg.size == 1 or pg.comm is None:
+        return measure(pg, None)
+    tables = measure(pg, pg.barrier)
     if pg.is_root:
-        tables["layer_times_alone"] = measure_layer_times(backend, quick)
-        tables["pass_bandwidth_alone"] = measure_pass_bandwidth(backend, quick)
-        tables["step_phases_alone"] = measure_step_phases(_self_group(), "cpu", threads, quick)
+        tables.update({f"{key}_alone": table for key, table in measure(_self_group(), None).items()})
     _sleeping_barrier(pg)
     return tables
 
@@ -204,22 +203,19 @@ def homogenize(entries: list) -> None:
                 fitted = fit_gemm([(w, float(np.median(rs))) for w, rs in sorted(table.items())])
                 for e in same:
                     e[prec] = fitted
-        if all("layer_times" in e for e in same):
-            first = same[0]["layer_times"]
-            cells = {k: np.median([e["layer_times"][k] for e in same], axis=0).tolist()
-                     for k in ("forward", "backward", "backward_weights")}
-            for e in same:
-                e["layer_times"] = {"rows": first["rows"], "widths": first["widths"], **cells}
+        # measured tables: the median cell by cell, on the first rank's axes
+        for key, measured in (("layer_times", ("forward", "backward", "backward_weights")),
+                              ("step_phases", ("update_s", "wait_s", "wait_spread_s"))):
+            if all(key in e for e in same):
+                table = {**same[0][key], **{k: np.median([e[key][k] for e in same], axis=0).tolist()
+                                            for k in measured}}
+                for e in same:
+                    e[key] = table
         if all("pass_bandwidth" in e for e in same):
             points = [p for p, _ in same[0]["pass_bandwidth"]]
             rates = np.median([[r for _, r in e["pass_bandwidth"]] for e in same], axis=0)
             for e in same:
                 e["pass_bandwidth"] = [[p, float(r)] for p, r in zip(points, rates)]
-        if all("step_phases" in e for e in same):
-            phases = {**same[0]["step_phases"], **{k: np.median([e["step_phases"][k] for e in same], axis=0).tolist()
-                                                   for k in ("update_s", "wait_s", "wait_spread_s")}}
-            for e in same:
-                e["step_phases"] = dict(phases)
         for key in ("layer_times_alone", "pass_bandwidth_alone", "step_phases_alone"):
             alone = next((e[key] for e in same if key in e), None)
             if alone is not None:  # measured by one rank: it stands for its identical peers
