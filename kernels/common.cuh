@@ -45,6 +45,17 @@ struct FromFp16 {
   __device__ Out operator()(In x) const { return __half2float(x); }
 };
 
+// Writes v's half-precision value at i where a kernel keeps a half copy of
+// what it writes (kernels::HalfShadow), with the casts' own rounding.
+template <class Shadow>
+__device__ __forceinline__ void write_shadow(const Shadow& s, size_t i, float v) {
+  if (!s.out) return;
+  if (s.bf16)
+    static_cast<ToBf16::Out*>(s.out)[i] = ToBf16()(v);
+  else
+    static_cast<ToFp16::Out*>(s.out)[i] = ToFp16()(v);
+}
+
 // Grid for a grid-stride loop over n elements (capped: the loop covers the rest).
 inline unsigned grid_for(size_t n, int threads = kThreads) {
   const size_t blocks = (n + threads - 1) / threads;

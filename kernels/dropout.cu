@@ -68,15 +68,21 @@ __host__ __device__ __forceinline__ float keep_factor(const MaskParams& m, uint3
 // is enqueued (CPU reference: CpuBackend::replay's args).
 __global__ void set_replay_args_kernel(ReplayArgs* dst, ReplayArgs args) { *dst = args; }
 
-__global__ void relu_kernel(float* __restrict__ h, size_t n) {
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
-    h[i] = h[i] > 0.0f ? h[i] : 0.0f;
+// shadow: the GEMMs' half copy of each value written (see HalfShadow), so the
+// next layer's GEMMs need no cast pass over the activations or their gradients.
+__global__ void relu_kernel(float* __restrict__ h, size_t n, HalfShadow shadow) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+    const float v = h[i] > 0.0f ? h[i] : 0.0f;
+    h[i] = v;
+    write_shadow(shadow, i, v);
+  }
 }
 
 // One thread per (row, counter): one Philox call serves the row's four units
 // g, g + G, g + 2G, g + 3G; neighbouring threads touch neighbouring units.
 // replay (nullable): the step and first sample to use instead of m's (captured graphs; see Backend).
-__global__ void relu_dropout_kernel(float* __restrict__ h, int B, MaskParams m, const ReplayArgs* replay) {
+__global__ void relu_dropout_kernel(float* __restrict__ h, int B, MaskParams m, const ReplayArgs* replay,
+                                    HalfShadow shadow) {
   if (replay) {
     m.step = static_cast<uint32_t>(replay->step);
     m.first_sample = replay->first_sample;
@@ -91,31 +97,36 @@ __global__ void relu_dropout_kernel(float* __restrict__ h, int B, MaskParams m, 
       const int j = k * m.groups + g;
       if (j < m.C) {
         const float v = row[j];
-        row[j] = (v > 0.0f ? v : 0.0f) * keep_factor(m, word(w, k));
+        const float out = (v > 0.0f ? v : 0.0f) * keep_factor(m, word(w, k));
+        row[j] = out;
+        write_shadow(shadow, size_t(b) * m.C + j, out);
       }
     }
   }
 }
 
 __global__ void relu_dropout_backward_kernel(float* __restrict__ dh, const float* __restrict__ h, size_t n,
-                                             float keep_scale) {
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
-    dh[i] = h[i] > 0.0f ? dh[i] * keep_scale : 0.0f;
+                                             float keep_scale, HalfShadow shadow) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+    const float v = h[i] > 0.0f ? dh[i] * keep_scale : 0.0f;
+    dh[i] = v;
+    write_shadow(shadow, i, v);
+  }
 }
 
 }  // namespace
 
 void relu_dropout_forward(float* h, int B, int C, float p, const DropoutKey& key, cudaStream_t stream,
-                          const ReplayArgs* replay) {
+                          const ReplayArgs* replay, HalfShadow shadow) {
   const size_t n = size_t(B) * C;
   if (n == 0) return;
   if (p <= 0.0f) {
-    MGPU_LAUNCH(relu_kernel, grid_for(n), kThreads, 0, stream)(h, n);
+    MGPU_LAUNCH(relu_kernel, grid_for(n), kThreads, 0, stream)(h, n, shadow);
     MGPU_CUDA_CHECK_LAUNCH("relu_kernel");
     return;
   }
   const MaskParams m = mask_params(C, p, key);
-  MGPU_LAUNCH(relu_dropout_kernel, grid_for(size_t(B) * m.groups), kThreads, 0, stream)(h, B, m, replay);
+  MGPU_LAUNCH(relu_dropout_kernel, grid_for(size_t(B) * m.groups), kThreads, 0, stream)(h, B, m, replay, shadow);
   MGPU_CUDA_CHECK_LAUNCH("relu_dropout_kernel");
 }
 
@@ -124,10 +135,10 @@ void set_replay_args(ReplayArgs* dst, const ReplayArgs& args, cudaStream_t strea
   MGPU_CUDA_CHECK_LAUNCH("set_replay_args_kernel");
 }
 
-void relu_dropout_backward(float* dh, const float* h, size_t n, float p, cudaStream_t stream) {
+void relu_dropout_backward(float* dh, const float* h, size_t n, float p, cudaStream_t stream, HalfShadow shadow) {
   if (n == 0) return;
   const float keep_scale = p > 0.0f ? 1.0f / (1.0f - p) : 1.0f;
-  MGPU_LAUNCH(relu_dropout_backward_kernel, grid_for(n), kThreads, 0, stream)(dh, h, n, keep_scale);
+  MGPU_LAUNCH(relu_dropout_backward_kernel, grid_for(n), kThreads, 0, stream)(dh, h, n, keep_scale, shadow);
   MGPU_CUDA_CHECK_LAUNCH("relu_dropout_backward_kernel");
 }
 

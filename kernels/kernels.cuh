@@ -36,17 +36,26 @@ void cast_to_fp16(void* out, const float* in, size_t n, cudaStream_t stream);
 void widen_from_bf16(float* out, const void* in, size_t n, cudaStream_t stream);
 void widen_from_fp16(float* out, const void* in, size_t n, cudaStream_t stream);
 
+// Where a kernel also writes each fp32 value it produces rounded to the GEMMs'
+// half type (the backend's persistent half weights, its half operands), at the
+// same index; out == nullptr: nowhere.
+struct HalfShadow {
+  void* out = nullptr;
+  bool bf16 = true;  // else fp16
+};
+
 // dropout.cu
 // h (B, C) in place: relu, then inverted dropout with the DropoutKey mask;
 // replay (device, nullable) overrides key.step and key.first_sample, read when the kernel runs.
 void relu_dropout_forward(float* h, int B, int C, float p, const DropoutKey& key, cudaStream_t stream,
-                          const ReplayArgs* replay = nullptr);
+                          const ReplayArgs* replay = nullptr, HalfShadow shadow = {});
 // *dst = args on the stream (what captured dropout and loss kernels read): the
 // values are the launch's argument, fixed when enqueued, so consecutive calls
 // never see each other's values.
 void set_replay_args(ReplayArgs* dst, const ReplayArgs& args, cudaStream_t stream);
 // dh (n) *= [h > 0] / (1 - p)
-void relu_dropout_backward(float* dh, const float* h, size_t n, float p, cudaStream_t stream);
+void relu_dropout_backward(float* dh, const float* h, size_t n, float p, cudaStream_t stream,
+                           HalfShadow shadow = {});
 // Host execution of the exact per-element code the forward kernel runs
 // (curand_Philox4x32_10 compiled for the host): mask (B, C) of 0 or 1/(1-p).
 void dropout_mask_on_host(float* mask, int B, int C, float p, const DropoutKey& key);
@@ -78,17 +87,19 @@ void cross_entropy_forward_backward(float* loss_out, float* dlogits, float* corr
                                     float grad_scale, double* partials, const LabelErrors& errors,
                                     cudaStream_t stream, const ReplayArgs* replay = nullptr);
 
-// optimizers.cu
-// Where an update also writes each new parameter rounded to the GEMMs' half
-// type (the backend's persistent half weights); out == nullptr: nowhere.
-struct HalfShadow {
-  void* out = nullptr;
-  bool bf16 = true;  // else fp16
-};
+// optimizers.cu (HalfShadow: the parameters' half copy, written with them)
+// replay (device, in a capture): the per-step values come from its `update`.
 void sgd_update(float* param, const float* grad, float* momentum_buf, size_t n, const SgdParams& hp,
-                cudaStream_t stream, HalfShadow shadow = {});
+                cudaStream_t stream, HalfShadow shadow = {}, const ReplayArgs* replay = nullptr);
 void adamw_update(float* param, const float* grad, float* exp_avg, float* exp_avg_sq, size_t n,
-                  const AdamWParams& hp, cudaStream_t stream, HalfShadow shadow = {});
+                  const AdamWParams& hp, cudaStream_t stream, HalfShadow shadow = {},
+                  const ReplayArgs* replay = nullptr);
+// decide_step on verdict (its sum_squares written before, in stream order);
+// pending_label_errors and comm_failed (host-pinned, nullable): nonzero
+// refuses the update; replay (device, in a capture): its loss_scale replaces loss_scale.
+void step_verdict(StepVerdict* verdict, const float* slots, float loss_scale, float max_norm,
+                  const unsigned long long* pending_label_errors, const int* comm_failed, cudaStream_t stream,
+                  const ReplayArgs* replay = nullptr);
 
 // reduce.cu
 // *out (device double) = sum x^2 (NaN/Inf propagate); partials: kPartialsSize doubles.

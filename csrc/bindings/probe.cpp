@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -129,7 +130,7 @@ void bind_probe(py::module_& parent) {
     }
     const int graph = be->end_capture();
     if (busy) be->scale(spin.data(), busy, 0.5f);
-    for (uint64_t step : steps) be->replay(graph, ReplayArgs{step, 0, 1.0f});
+    for (uint64_t step : steps) be->replay(graph, ReplayArgs{step, 0, 1.0f, 1.0f, UpdateScalars{}});
     auto result = download(*be, out, {B, C});
     be->release_captures();
     return result;
@@ -175,33 +176,75 @@ void bind_probe(py::module_& parent) {
   }, py::arg("backend"), py::arg("logits"), py::arg("labels"), py::arg("grad_scale") = 1.0f,
      py::arg("with_grad") = true, py::arg("with_correct") = true, "-> (loss, dlogits or None, correct or None)");
 
-  m.def("sgd_update", [](BE be, F32 param, F32 grad, F32 buf, float lr, float momentum, float weight_decay,
-                         bool first_step, float grad_scale) {
+  // verdict (apply, factor): the update reads them from a StepVerdict in backend memory instead.
+  using Verdict = std::optional<std::pair<bool, float>>;
+  auto upload_verdict = [](Backend& be, const Verdict& v) {
+    BackendArray<StepVerdict> d(&be, v ? 1 : 0);
+    if (v) {
+      StepVerdict host;
+      host.apply = v->first ? 1 : 0;
+      host.factor = v->second;
+      be.copy_to_backend(d.data(), &host, sizeof(host));
+    }
+    return d;
+  };
+
+  m.def("sgd_update", [upload_verdict](BE be, F32 param, F32 grad, F32 buf, float lr, float momentum,
+                                       float weight_decay, bool first_step, float grad_scale, Verdict verdict) {
     const size_t n = size_t(param.size());
     expect_size(grad, n, "grad");
     expect_size(buf, n, "momentum_buf");
     auto dp = upload(*be, param), dg = upload(*be, grad), db = upload(*be, buf);
-    be->sgd_update(dp.data(), dg.data(), db.data(), n, SgdParams{lr, momentum, weight_decay, first_step, grad_scale});
+    auto dv = upload_verdict(*be, verdict);
+    be->sgd_update(dp.data(), dg.data(), db.data(), n,
+                   SgdParams{lr, momentum, weight_decay, first_step, grad_scale, dv.data()});
     return py::make_tuple(download(*be, dp, shape_of(param)), download(*be, db, shape_of(param)));
   }, py::arg("backend"), py::arg("param"), py::arg("grad"), py::arg("momentum_buf"), py::arg("lr"),
      py::arg("momentum") = 0.0f, py::arg("weight_decay") = 0.0f, py::arg("first_step") = true,
-     py::arg("grad_scale") = 1.0f, "-> (param, momentum_buf); the update of grad_scale * grad");
+     py::arg("grad_scale") = 1.0f, py::arg("verdict") = py::none(),
+     "-> (param, momentum_buf); the update of grad_scale * grad (or of a verdict's factor, if it applies)");
 
-  m.def("adamw_update", [](BE be, F32 param, F32 grad, F32 m1, F32 m2, float lr, float beta1, float beta2,
-                           float eps, float weight_decay, int64_t step, float grad_scale) {
+  m.def("adamw_update", [upload_verdict](BE be, F32 param, F32 grad, F32 m1, F32 m2, float lr, float beta1,
+                                         float beta2, float eps, float weight_decay, int64_t step, float grad_scale,
+                                         Verdict verdict) {
     const size_t n = size_t(param.size());
     expect_size(grad, n, "grad");
     expect_size(m1, n, "exp_avg");
     expect_size(m2, n, "exp_avg_sq");
     auto dp = upload(*be, param), dg = upload(*be, grad), d1 = upload(*be, m1), d2 = upload(*be, m2);
+    auto dv = upload_verdict(*be, verdict);
     be->adamw_update(dp.data(), dg.data(), d1.data(), d2.data(), n,
-                     AdamWParams{lr, beta1, beta2, eps, weight_decay, step, grad_scale});
+                     AdamWParams{lr, beta1, beta2, eps, weight_decay, step, grad_scale, dv.data()});
     return py::make_tuple(download(*be, dp, shape_of(param)), download(*be, d1, shape_of(param)),
                           download(*be, d2, shape_of(param)));
   }, py::arg("backend"), py::arg("param"), py::arg("grad"), py::arg("exp_avg"), py::arg("exp_avg_sq"),
      py::arg("lr"), py::arg("beta1") = 0.9f, py::arg("beta2") = 0.999f, py::arg("eps") = 1e-8f,
      py::arg("weight_decay") = 0.01f, py::arg("step") = 1, py::arg("grad_scale") = 1.0f,
-     "-> (param, exp_avg, exp_avg_sq); the update of grad_scale * grad");
+     py::arg("verdict") = py::none(),
+     "-> (param, exp_avg, exp_avg_sq); the update of grad_scale * grad (or of a verdict's factor, if it applies)");
+
+  m.def("step_verdict", [](BE be, F32 grads, float loss_slot, float stop_slot, float loss_scale, float max_norm) {
+    // The gradients with the loss and stop slots after them, as in the step's buffer.
+    const size_t n = size_t(grads.size());
+    BackendArray<float> d(be.get(), n + 2);
+    be->copy_to_backend(d.data(), grads.data(), n * sizeof(float));
+    const float slots[2] = {loss_slot, stop_slot};
+    be->copy_to_backend(d.data() + n, slots, sizeof(slots));
+    BackendArray<StepVerdict> dv(be.get(), 1);
+    be->step_verdict(dv.data(), d.data(), n, d.data() + n, loss_scale, max_norm, nullptr);
+    StepVerdict v;
+    be->copy_to_host(&v, dv.data(), sizeof(v));
+    py::dict out;
+    out["sum_squares"] = v.sum_squares;
+    out["grad_norm"] = v.grad_norm;
+    out["loss"] = v.loss;
+    out["stop"] = v.stop;
+    out["factor"] = v.factor;
+    out["apply"] = v.apply != 0;
+    return out;
+  }, py::arg("backend"), py::arg("grads"), py::arg("loss_slot"), py::arg("stop_slot") = 0.0f,
+     py::arg("loss_scale") = 1.0f, py::arg("max_norm") = 0.0f,
+     "-> the step's verdict (dict) from gradients, the reduced loss and stop slots, loss scale and clip norm");
 
   m.def("sum_squares", [](BE be, F32 x, size_t offset) {
     // x lands `offset` floats into its buffer: a view that starts off the

@@ -15,6 +15,7 @@
 
 #include "errors.h"
 #include "numbered_queue.h"
+#include "step_verdict.h"
 
 namespace mgpu {
 
@@ -38,13 +39,29 @@ struct DropoutKey {
   int64_t first_sample = 0;  // global index of row 0 of this rank's shard
 };
 
+// An optimizer update's values that change from step to step (the rest of
+// its hyper-parameters never do): computed on the host by update_scalars()
+// from SgdParams / AdamWParams, and read by a replayed capture from backend
+// memory instead of those it was captured with.
+struct UpdateScalars {
+  float lr = 0.0f;
+  int32_t first_step = 0;     // SGD with momentum: the buffer starts as this step's gradient
+  float step_size = 0.0f;     // AdamW: lr / (1 - beta1^t)
+  float inv_sqrt_bc2 = 1.0f;  // AdamW: 1 / sqrt(1 - beta2^t)
+  float decay = 1.0f;         // AdamW: 1 - lr * weight_decay (decoupled decay)
+};
+
 // What a replayed capture reads from backend memory instead of the arguments
 // it was captured with (see Backend::replay): the dropout key's step and first
-// sample, and the losses' grad_scale (loss scale / global normaliser).
+// sample, the losses' grad_scale (loss scale / global normaliser), and, where
+// the capture holds the step's tail, the loss scale the verdict divides by
+// and the update's per-step values.
 struct ReplayArgs {
   uint64_t step = 0;
   int64_t first_sample = 0;
   float grad_scale = 1.0f;
+  float loss_scale = 1.0f;
+  UpdateScalars update;
 };
 
 // Philox counters per row of C units: each counter yields 4 words.
@@ -65,6 +82,9 @@ struct SgdParams {
   // Applied to each gradient as it is read (fp32, before weight decay): the
   // step's unscale and clip factor, which would otherwise cost a pass of its own.
   float grad_scale = 1.0f;
+  // (backend memory) When set, the update runs only where verdict->apply, and
+  // verdict->factor replaces grad_scale: decided on the backend, no host wait.
+  const StepVerdict* verdict = nullptr;
 };
 
 struct AdamWParams {
@@ -75,7 +95,26 @@ struct AdamWParams {
   float weight_decay = 0.01f;
   int64_t step = 1;  // 1-based, for bias correction
   float grad_scale = 1.0f;  // as SgdParams::grad_scale
+  const StepVerdict* verdict = nullptr;  // as SgdParams::verdict
 };
+
+// The per-step values, computed once on the host (bias corrections in double)
+// for every backend, captured or not, so their updates agree bit for bit.
+inline UpdateScalars update_scalars(const SgdParams& hp) {
+  UpdateScalars s;
+  s.lr = hp.lr;
+  s.first_step = hp.first_step ? 1 : 0;
+  return s;
+}
+inline UpdateScalars update_scalars(const AdamWParams& hp) {
+  const double t = static_cast<double>(hp.step);
+  UpdateScalars s;
+  s.lr = hp.lr;
+  s.step_size = static_cast<float>(hp.lr / (1.0 - std::pow(double(hp.beta1), t)));
+  s.inv_sqrt_bc2 = static_cast<float>(1.0 / std::sqrt(1.0 - std::pow(double(hp.beta2), t)));
+  s.decay = 1.0f - hp.lr * hp.weight_decay;
+  return s;
+}
 
 class Backend {
  public:
@@ -163,15 +202,19 @@ class Backend {
   virtual void adamw_update(float* param, const float* grad, float* exp_avg, float* exp_avg_sq,
                             size_t n, const AdamWParams& hp) = 0;
 
+  // The step's health check and its decision, on the backend (no host wait):
+  // verdict->sum_squares = sum of grads^2 (n), then decide_step() from the
+  // loss and stop slots (`slots`, 2 floats), loss_scale and max_norm. The
+  // update is refused when *comm_failed (Communicator::failure_flag, nullable)
+  // is nonzero as this runs, and on a device backend when a loss kernel of
+  // this step found invalid labels (it throws at its next synchronisation).
+  // Captured, it reads loss_scale from the replay's ReplayArgs.
+  virtual void step_verdict(StepVerdict* verdict, const float* grads, size_t n, const float* slots,
+                            float loss_scale, float max_norm, const int* comm_failed) = 0;
+
   // Helpers for accumulation, clipping, loss scaling and health checks.
   // sum_squares is NaN/Inf when any element is.
   virtual double sum_squares(const float* x, size_t n) = 0;
-  // The same in two halves around a read-back the caller makes anyway (the
-  // step's loss): start queues it, result returns it after the backend's next
-  // synchronising call, so one wait serves both (a host backend computes it at
-  // start). result without such a call in between waits itself.
-  virtual void sum_squares_start(const float* x, size_t n) { started_sum_ = sum_squares(x, n); }
-  virtual double sum_squares_result() { return started_sum_; }
   virtual void scale(float* x, size_t n, float alpha) = 0;
   // Gradient compression: x (n) fp32 -> half (n two-byte values of `dtype`,
   // kBF16 or kFP16; round to nearest even, beyond fp16's range +-Inf), and back (exact).
@@ -252,7 +295,6 @@ class Backend {
   uint64_t host_mark() {
     return host_marks_.push(std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count());
   }
-  double started_sum_ = 0.0;  // the default sum_squares_start's result
   NumberedQueue<double> host_marks_;  // the default trace marks: host clock readings
 };
 

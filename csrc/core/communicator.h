@@ -51,6 +51,12 @@ class Communicator {
   // background (NCCL's watchdog) failed or timed out; call once its results
   // were read back (the read-back returns either way: the watchdog aborts).
   virtual void raise_if_failed() {}
+  // Host-pinned memory a device backend can read, set nonzero before this
+  // communicator ends collectives it could not complete (NCCL's watchdog
+  // aborts them, and the compute stream then runs on over whatever they left):
+  // the step's verdict refuses the update on it. Null where a failure throws
+  // before wait_all() returns (nothing runs on over a failed collective).
+  virtual const int* failure_flag() const { return nullptr; }
   // After an error unwound a step with collectives in flight: end them without
   // the peers (NCCL: ncclCommAbort), so memory they use can be freed and
   // nothing waits on them; later calls throw CommError. Local, never blocks.

@@ -35,15 +35,29 @@ Optimizer::Optimizer(std::shared_ptr<Backend> backend, size_t num_params, const 
   }
 }
 
-void Optimizer::step(float* params, const float* grads, float lr, float grad_scale) {
+SgdParams Optimizer::sgd_params(float lr) const {
+  return SgdParams{lr, config_.momentum, config_.weight_decay, steps_ == 0, 1.0f};
+}
+
+AdamWParams Optimizer::adamw_params(float lr) const {
+  return AdamWParams{lr, config_.beta1, config_.beta2, config_.eps, config_.weight_decay, steps_ + 1, 1.0f};
+}
+
+UpdateScalars Optimizer::next_scalars(float lr) const {
   MGPU_CHECK(lr >= 0.0f && std::isfinite(lr), ConfigError, "learning rate must be a finite number >= 0, got ", lr);
-  MGPU_CHECK(std::isfinite(grad_scale), ConfigError, "gradient scale must be finite, got ", grad_scale);
-  ++steps_;
+  return config_.kind == OptimizerKind::kSGD ? update_scalars(sgd_params(lr)) : update_scalars(adamw_params(lr));
+}
+
+void Optimizer::step(float* params, const float* grads, float lr, const StepVerdict* verdict) {
+  MGPU_CHECK(lr >= 0.0f && std::isfinite(lr), ConfigError, "learning rate must be a finite number >= 0, got ", lr);
+  MGPU_CHECK(verdict, ConfigError, "an optimizer step needs the step's verdict");
   if (config_.kind == OptimizerKind::kSGD) {
-    SgdParams hp{lr, config_.momentum, config_.weight_decay, steps_ == 1, grad_scale};
+    SgdParams hp = sgd_params(lr);
+    hp.verdict = verdict;
     backend_->sgd_update(params, grads, state0_.data(), n_, hp);
   } else {
-    AdamWParams hp{lr, config_.beta1, config_.beta2, config_.eps, config_.weight_decay, steps_, grad_scale};
+    AdamWParams hp = adamw_params(lr);
+    hp.verdict = verdict;
     backend_->adamw_update(params, grads, state0_.data(), state1_.data(), n_, hp);
   }
 }

@@ -24,10 +24,17 @@ struct OptimizerConfig {
 class Optimizer {
  public:
   Optimizer(std::shared_ptr<Backend> backend, size_t num_params, const OptimizerConfig& config);
-  // params -= update(grad_scale * grads) at learning rate lr; identical on every
-  // rank. The scale is applied as the update reads each gradient (grads are left
-  // as they are): the step's unscale and clip cost no pass of their own.
-  void step(float* params, const float* grads, float lr, float grad_scale = 1.0f);
+  // Queues params -= update(verdict->factor * grads) at learning rate lr as
+  // step steps_taken() + 1, run on the backend only where verdict->apply
+  // (backend memory, written by Backend::step_verdict before it in stream
+  // order): no host wait. The factor is applied as the update reads each
+  // gradient (grads are left as they are): the step's unscale and clip cost no
+  // pass of their own. Identical on every rank.
+  void step(float* params, const float* grads, float lr, const StepVerdict* verdict);
+  // Once the caller has read the verdict back: the step count advances when the update ran.
+  void count_step(bool applied) { steps_ += applied ? 1 : 0; }
+  // The values step() would use at lr, for a replayed capture of it (ReplayArgs::update).
+  UpdateScalars next_scalars(float lr) const;
 
   const OptimizerConfig& config() const { return config_; }
   int64_t steps_taken() const { return steps_; }
@@ -41,6 +48,8 @@ class Optimizer {
 
  private:
   BackendArray<float>& state(const std::string& name);
+  SgdParams sgd_params(float lr) const;
+  AdamWParams adamw_params(float lr) const;
 
   std::shared_ptr<Backend> backend_;
   size_t n_;

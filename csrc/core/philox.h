@@ -4,11 +4,7 @@
 #pragma once
 #include <cstdint>
 
-#if defined(__CUDACC__)
-#define MGPU_HD __host__ __device__ __forceinline__
-#else
-#define MGPU_HD inline
-#endif
+#include "host_device.h"
 
 namespace mgpu {
 

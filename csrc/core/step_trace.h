@@ -50,6 +50,12 @@ class StepTrace {
   void close(std::string name, const char* category, int micro, uint64_t from) {
     pending_.push_back({std::move(name), category, steps_.back().step, micro, from, last_});
   }
+  // Adds to the name of the span ended last, once the host learned more about
+  // it (a step's update that its verdict skipped).
+  void annotate_last(const std::string& suffix) {
+    if (!pending_.empty() && !steps_.empty() && pending_.back().step == steps_.back().step)
+      pending_.back().name += suffix;
+  }
   bool pending() const { return !pending_.empty(); }
 
   // The spans whose marks have happened, in the order they were opened; the

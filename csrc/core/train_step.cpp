@@ -81,6 +81,7 @@ DataParallelStep::DataParallelStep(std::shared_ptr<MLP> model, std::shared_ptr<O
                " communicator reduces fp32 gradients (use grad dtype fp32)");
     half_grads_ = BackendArray<uint16_t>(&model_->backend(), model_->num_params());
   }
+  verdict_ = BackendArray<StepVerdict>(&model_->backend(), 1);
   trace_ = std::make_unique<StepTrace>(model_->backend());
   const Backend& be = model_->backend();
   MGPU_CHECK(options_.graph != StepOptions::Graph::kOn || be.supports_capture(), ConfigError,
@@ -101,21 +102,15 @@ void DataParallelStep::forward_backward(int rows, const DropoutKey& key, float g
   m.backward(rows, layer_done, accumulate);
 }
 
-const char* DataParallelStep::forward_backward_graph(int rows, const DropoutKey& key, float grad_scale,
-                                                     bool accumulate) {
+const char* DataParallelStep::run_captured(const GraphKey& key, const ReplayArgs& args,
+                                           const std::function<void()>& work) {
   Backend& be = model_->backend();
   if (be.capture_generation() != graph_generation_) {  // the backend released our graphs
     graphs_.clear();
     seen_shapes_.clear();
     graph_generation_ = be.capture_generation();
   }
-  // Keyed by what the graph bakes in: sizes and the accumulate branch. The
-  // step, the rows' first sample and grad_scale (which holds the loss scale)
-  // are the replay's arguments: every step, micro-batch and loss scale of a
-  // shape replays the same graph.
-  const ShapeKey shape{rows, accumulate};
-  const ReplayArgs args{key.step, key.first_sample, grad_scale};
-  const auto found = graphs_.find(shape);
+  const auto found = graphs_.find(key);
   if (found != graphs_.end()) {
     be.replay(found->second, args);
     ++graph_replays_;
@@ -129,15 +124,15 @@ const char* DataParallelStep::forward_backward_graph(int rows, const DropoutKey&
     seen_shapes_.clear();
     graph_generation_ = be.capture_generation();
   }
-  if (seen_shapes_.insert(shape).second) {  // first appearance: run uncaptured, sizing every buffer
-    forward_backward(rows, key, grad_scale, accumulate, nullptr);
+  if (seen_shapes_.insert(key).second) {  // first appearance: run uncaptured, sizing every buffer
+    work();
     return "uncaptured";
   }
   try {
     be.begin_capture();
-    forward_backward(rows, key, grad_scale, accumulate, nullptr);
+    work();
     const int graph = be.end_capture();
-    graphs_[shape] = graph;
+    graphs_[key] = graph;
     be.replay(graph, args);  // captured work is recorded, not run: run it now
     ++graph_replays_;
     return "graph capture + replay";
@@ -146,7 +141,7 @@ const char* DataParallelStep::forward_backward_graph(int rows, const DropoutKey&
     if (options_.graph == StepOptions::Graph::kOn) throw;
     graphs_enabled_ = false;  // kAuto: uncaptured from here on
     graph_fallback_ = e.what();
-    forward_backward(rows, key, grad_scale, accumulate, nullptr);
+    work();
     return "uncaptured";
   }
 }
@@ -236,6 +231,29 @@ StepResult DataParallelStep::step(const std::vector<MicroShard>& shards, int64_t
                                 ? static_cast<double>(global_batch) * m.out_features()
                                 : static_cast<double>(global_batch);
   const float grad_scale = static_cast<float>(loss_scale_ / normaliser);
+  const UpdateScalars update_args = optimizer_->next_scalars(lr);  // checks lr before anything is queued
+  auto replay_args = [&](const DropoutKey& key) {
+    return ReplayArgs{key.step, key.first_sample, grad_scale, loss_scale_, update_args};
+  };
+  // 6-8, the step's tail, on the backend with no host wait (see Backend::step_verdict):
+  // the health check's one reduction gives the gradient norm (non-finite when any
+  // gradient is) and, with the loss, the verdict: whether the update runs, and
+  // its unscale and clip factor g *= (1/scale) * min(1, max_norm / (norm + 1e-6)),
+  // which the identical update on every rank applies as it reads each gradient
+  // (no pass of its own; the gradient buffer keeps the reduced, still
+  // loss-scaled and unclipped values).
+  auto verdict = [&] {
+    be.step_verdict(verdict_.data(), m.grads(), m.num_params(), m.loss_slot(), loss_scale_, options_.max_grad_norm,
+                    comm_->failure_flag());
+  };
+  auto update = [&] { optimizer_->step(m.params(), m.grads(), lr, verdict_.data()); };
+  // One device with nothing to reduce: the last micro-batch's graph holds the
+  // tail too, and the whole step is one replay (with accumulation, K replays).
+  const bool whole_step_graph = graphs_enabled_ && comm_->size() == 1 && !half_grads_.size();
+  int last_with_rows = -1;
+  for (size_t k = 0; k < shards.size(); ++k)
+    if (shards[k].batch.rows > 0) last_with_rows = static_cast<int>(k);
+  bool tail_queued = false;
   // The stop slot travels in the first bucket, which overlap launches during
   // the last backward: write it before any backward runs.
   const float stop_flag = request_stop ? 1.0f : 0.0f;
@@ -255,14 +273,28 @@ StepResult DataParallelStep::step(const std::vector<MicroShard>& shards, int64_t
       if (trace) tr.end("stage", "phase", micro);
       const DropoutKey key{m.seed(), step_index, 0, s.first_sample};
       if (graphs_enabled_) {
-        // One replay runs forward, loss and backward; the buckets go after it.
+        // One replay runs forward, loss and backward (and on one device, with
+        // the last micro-batch, the tail); the buckets go after it.
         const auto t_staged = now();
         result.timings.forward += seconds(t_phase, t_staged);
-        const char* how = forward_backward_graph(s.batch.rows, key, grad_scale, written);
-        if (trace) tr.end(detail::concat("forward + loss + backward (", how, ")"), "phase", micro);
+        const int rows = s.batch.rows;
+        const bool accumulate = written;
+        const bool with_tail = whole_step_graph && static_cast<int>(k) == last_with_rows;
+        const char* how = run_captured({rows, accumulate, with_tail}, replay_args(key), [&] {
+          forward_backward(rows, key, grad_scale, accumulate, nullptr);
+          if (with_tail) {
+            verdict();
+            update();
+          }
+        });
+        if (trace)
+          tr.end(detail::concat("forward + loss + backward", with_tail ? " + health check + optimizer" : "", " (",
+                                how, ")"),
+                 "phase", micro);
         t_phase = now();
         result.timings.backward += seconds(t_staged, t_phase);
         written = true;
+        tail_queued = with_tail;
         continue;
       }
       const uint64_t forward_from = tr.here();
@@ -294,60 +326,62 @@ StepResult DataParallelStep::step(const std::vector<MicroShard>& shards, int64_t
     }
     // An empty share contributes zero gradient and zero loss.
     if (!written) be.zero(m.grads(), m.num_params() + 1);
-    launch_ready(-1);  // every bucket not yet launched
-    // 5. All gradients summed on every rank; from here on every rank computes
-    // the same values and takes the same decisions.
-    comm_->wait_all();
-    if (time_buckets) t_waited = Clock::now();
-    if (half_grads_.size()) be.widen(m.grads(), half_grads_.data(), m.num_params(), options_.grad_dtype);
-    if (trace) tr.end("allreduce wait", "phase", -1);
+    if (!whole_step_graph) {
+      launch_ready(-1);  // every bucket not yet launched
+      // 5. All gradients summed on every rank; from here on every rank computes
+      // the same values and takes the same decisions.
+      comm_->wait_all();
+      if (time_buckets) t_waited = Clock::now();
+      if (half_grads_.size()) be.widen(m.grads(), half_grads_.data(), m.num_params(), options_.grad_dtype);
+      if (trace) tr.end("allreduce wait", "phase", -1);
+    }
   } catch (const std::exception& e) {
     if (next_bucket > 0) comm_->abort(detail::concat("step ", step_index, " failed on this rank: ", e.what()));
     throw;
   }
 
   result.loss_scale = loss_scale_;
-  // 6. Health check: one reduction over the gradients yields the norm for
-  // clipping and detects NaN/Inf (which make it non-finite). Queued before the
-  // loss read-back, so that one wait serves both: the step's only one.
-  be.sum_squares_start(m.grads(), m.num_params());
-  if (trace) tr.end("health check", "phase", -1);
-  float slots[MLP::kGradExtraSlots] = {};
-  be.copy_to_host(slots, m.loss_slot(), sizeof(slots));  // after the allreduce (the compute stream waits for it)
+  auto t_comm = t_phase;
+  if (!tail_queued && graphs_enabled_) {
+    t_comm = now();
+    const DropoutKey none{m.seed(), step_index, 0, 0};
+    const char* how = run_captured({-1, false, true}, replay_args(none), [&] {
+      verdict();
+      update();
+    });
+    if (trace) tr.end(detail::concat("health check + optimizer (", how, ")"), "phase", -1);
+  } else if (!tail_queued) {
+    verdict();
+    if (trace) tr.end("health check", "phase", -1);
+    t_comm = now();
+    update();
+    if (trace) tr.end("optimizer", "phase", -1);
+  }
+  const auto t_queued = now();  // a host backend has run the tail; a device one has queued it
+  StepVerdict v;
+  be.copy_to_host(&v, verdict_.data(), sizeof(v));  // the step's one synchronisation
   comm_->raise_if_failed();
   // After the read-back: a device transport's completion events have all fired.
   if (time_buckets) stamp_queued_buckets(result.buckets, bucket_queued, seconds(t_start, t_waited));
-  const auto t_comm = now();
-  result.timings.comm_wait = seconds(t_phase, t_comm);
-  result.loss = static_cast<float>(slots[0] / loss_scale_);
-  result.stop_requested = slots[1] > 0.0f;
-  const double scaled_norm = std::sqrt(be.sum_squares_result());
-  result.grad_norm = scaled_norm / loss_scale_;
-  const bool finite = std::isfinite(result.loss) && std::isfinite(result.grad_norm);
-  if (!finite) {
-    // Skip: parameters and optimizer state stay as they were.
+  result.loss = v.loss;
+  result.stop_requested = v.stop > 0.0f;
+  result.grad_norm = v.grad_norm;
+  result.applied = v.apply != 0;
+  optimizer_->count_step(result.applied);
+  if (trace && !result.applied) tr.annotate_last(" [update skipped]");
+  if (!result.applied) {
+    // Skipped: parameters and optimizer state stay as they were.
     if (options_.dynamic_loss_scale) loss_scale_ = std::max(loss_scale_ * 0.5f, 1e-30f);
     good_steps_ = 0;
-    result.timings.total = seconds(t_start, now());
-    hand_over_spans();
-    return result;
-  }
-  // 7-8. Unscale and clip, g *= (1/scale) * min(1, max_norm / (norm + 1e-6)),
-  // applied by the update as it reads each gradient (no pass of their own; the
-  // gradient buffer keeps the reduced, still loss-scaled and unclipped values).
-  // The update is identical on every rank.
-  double factor = 1.0 / loss_scale_;
-  if (options_.max_grad_norm > 0.0f && result.grad_norm > options_.max_grad_norm)
-    factor *= options_.max_grad_norm / (result.grad_norm + 1e-6);
-  optimizer_->step(m.params(), m.grads(), lr, static_cast<float>(factor));
-  if (trace) tr.end("optimizer", "phase", -1);
-  result.applied = true;
-  if (options_.dynamic_loss_scale && ++good_steps_ >= options_.loss_scale_window) {
+  } else if (options_.dynamic_loss_scale && ++good_steps_ >= options_.loss_scale_window) {
     loss_scale_ = std::min(loss_scale_ * 2.0f, 3.0e38f);
     good_steps_ = 0;
   }
   const auto t_end = now();
-  result.timings.optimizer = seconds(t_comm, t_end);
+  // The read-back waits for whatever the device still runs, the peers' allreduce
+  // included: waiting, as the straggler check reads it, not this rank's update.
+  result.timings.comm_wait = seconds(t_phase, t_comm) + seconds(t_queued, t_end);
+  result.timings.optimizer = seconds(t_comm, t_queued);
   result.timings.total = seconds(t_start, t_end);
   hand_over_spans();
   return result;

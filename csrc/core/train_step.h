@@ -87,12 +87,12 @@ struct MicroShard {
 // Where a step's time went (seconds), from host timers; with a device backend
 // the phases are only separated when StepOptions::timed synchronizes them.
 // With a captured step, forward holds the staging and backward the replayed
-// forward, loss and backward.
+// forward, loss and backward (on one device, the health check and update too).
 struct StepTimings {
   double forward = 0;     // staging, forward, loss (every micro-batch)
   double backward = 0;    // backward, including allreduces launched during it
-  double comm_wait = 0;   // allreduce time not hidden behind backward
-  double optimizer = 0;   // health check, unscale/clip, update
+  double comm_wait = 0;   // allreduce time not hidden behind backward, the health check, the read-back's wait
+  double optimizer = 0;   // unscale/clip and update (a device backend: queueing them)
   double total = 0;
 };
 
@@ -167,9 +167,14 @@ class DataParallelStep {
   // Forward, loss and backward of the staged micro-batch (layer_done: see MLP::backward).
   void forward_backward(int rows, const DropoutKey& key, float grad_scale, bool accumulate,
                         const std::function<void(int)>& layer_done);
-  // The same through a captured graph (captured on the shape's second appearance).
+  // What a graph bakes in: rows (-1: no micro-batch), whether it adds to the
+  // gradients, and whether it holds the step's tail (verdict and update).
+  using GraphKey = std::tuple<int, bool, bool>;
+  // Runs `work` through the graph captured for `key` (captured on the key's
+  // second appearance, its first having run uncaptured and sized every buffer)
+  // with `args`; `work` must read nothing else that changes between steps.
   // Returns how it ran: "graph replay", "graph capture + replay" or "uncaptured".
-  const char* forward_backward_graph(int rows, const DropoutKey& key, float grad_scale, bool accumulate);
+  const char* run_captured(const GraphKey& key, const ReplayArgs& args, const std::function<void()>& work);
   // Launches bucket b's allreduce (queued or blocking as overlap_ says; compressed with grad_dtype).
   // Returns how many queued collectives it issued (0: it completed before returning).
   int launch_bucket(const Bucket& b);
@@ -188,10 +193,10 @@ class DataParallelStep {
   BackendArray<uint16_t> half_grads_;  // grad_dtype's copy of the parameters' gradients (compression)
   float loss_scale_ = 1.0f;
   int good_steps_ = 0;
-  using ShapeKey = std::tuple<int, bool>;  // rows, accumulate (what a graph bakes in)
+  BackendArray<StepVerdict> verdict_;  // the step's verdict, in backend memory (read back once a step)
   bool graphs_enabled_ = false;
-  std::map<ShapeKey, int> graphs_;   // captured shapes -> the backend's graph id
-  std::set<ShapeKey> seen_shapes_;   // shapes run once uncaptured
+  std::map<GraphKey, int> graphs_;   // captured keys -> the backend's graph id
+  std::set<GraphKey> seen_shapes_;   // keys run once uncaptured
   uint64_t graph_generation_ = 0;    // backend's capture_generation() the ids belong to
   int64_t graph_replays_ = 0;
   std::string graph_fallback_;

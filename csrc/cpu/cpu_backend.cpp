@@ -456,10 +456,18 @@ inline float plus_product(float g, float w, float p) {
 }  // namespace
 
 void CpuBackend::sgd_update(float* param, const float* grad, float* buf, size_t n, const SgdParams& hp) {
-  if (record([=] { sgd_update(param, grad, buf, n, hp); })) return;
+  // Replays take the replayed step's learning rate and first-step flag (as the CUDA graph reads them).
+  if (record([=] { sgd_apply(param, grad, buf, n, hp, replay_args_.update); })) return;
+  sgd_apply(param, grad, buf, n, hp, update_scalars(hp));
+}
+
+void CpuBackend::sgd_apply(float* param, const float* grad, float* buf, size_t n, const SgdParams& hp,
+                           const UpdateScalars& s) {
+  if (hp.verdict && !hp.verdict->apply) return;
   const long len = static_cast<long>(n);
-  const float lr = hp.lr, wd = hp.weight_decay, mom = hp.momentum, gs = hp.grad_scale;
-  if (mom > 0.0f && hp.first_step) {  // the buffer starts as the first gradient
+  const float lr = s.lr, wd = hp.weight_decay, mom = hp.momentum;
+  const float gs = hp.verdict ? hp.verdict->factor : hp.grad_scale;
+  if (mom > 0.0f && s.first_step) {  // the buffer starts as the first gradient
 #pragma omp parallel for simd num_threads(threads_) if (parallel: len > kParallelMin) schedule(static)
     for (long i = 0; i < len; ++i) {
       const float g = plus_product(grad[i] * gs, wd, param[i]);
@@ -485,14 +493,19 @@ void CpuBackend::sgd_update(float* param, const float* grad, float* buf, size_t 
 
 void CpuBackend::adamw_update(float* param, const float* grad, float* m, float* v, size_t n,
                               const AdamWParams& hp) {
-  if (record([=] { adamw_update(param, grad, m, v, n, hp); })) return;
+  // Replays take the replayed step's bias-corrected step size and decay.
+  if (record([=] { adamw_apply(param, grad, m, v, n, hp, replay_args_.update); })) return;
+  adamw_apply(param, grad, m, v, n, hp, update_scalars(hp));
+}
+
+void CpuBackend::adamw_apply(float* param, const float* grad, float* m, float* v, size_t n, const AdamWParams& hp,
+                             const UpdateScalars& s) {
+  if (hp.verdict && !hp.verdict->apply) return;
   const long len = static_cast<long>(n);
-  const double t = static_cast<double>(hp.step);
-  const float step_size = static_cast<float>(hp.lr / (1.0 - std::pow(double(hp.beta1), t)));
-  const float inv_sqrt_bc2 = static_cast<float>(1.0 / std::sqrt(1.0 - std::pow(double(hp.beta2), t)));
-  const float decay = 1.0f - hp.lr * hp.weight_decay;
+  const float step_size = s.step_size, inv_sqrt_bc2 = s.inv_sqrt_bc2, decay = s.decay;
   const float one_minus_b1 = 1.0f - hp.beta1, one_minus_b2 = 1.0f - hp.beta2;
-  const float b2 = hp.beta2, eps = hp.eps, gs = hp.grad_scale;
+  const float b2 = hp.beta2, eps = hp.eps;
+  const float gs = hp.verdict ? hp.verdict->factor : hp.grad_scale;
 #pragma omp parallel for simd num_threads(threads_) if (parallel: len > kParallelMin) schedule(static)
   for (long i = 0; i < len; ++i) {
     // Not contracted into g - m[i]: g also feeds a product (g * g), and GCC only
@@ -508,8 +521,26 @@ void CpuBackend::adamw_update(float* param, const float* grad, float* m, float* 
   }
 }
 
+void CpuBackend::step_verdict(StepVerdict* verdict, const float* grads, size_t n, const float* slots,
+                              float loss_scale, float max_norm, const int* comm_failed) {
+  // Replays divide by the replayed step's loss scale. Invalid labels threw at the loss already.
+  if (record([=] { decide(verdict, grads, n, slots, replay_args_.loss_scale, max_norm, comm_failed); })) return;
+  decide(verdict, grads, n, slots, loss_scale, max_norm, comm_failed);
+}
+
+void CpuBackend::decide(StepVerdict* verdict, const float* grads, size_t n, const float* slots, float loss_scale,
+                        float max_norm, const int* comm_failed) {
+  verdict->sum_squares = sum_of_squares(grads, n);
+  const bool usable = !(comm_failed && __atomic_load_n(comm_failed, __ATOMIC_ACQUIRE));
+  decide_step(*verdict, slots, loss_scale, max_norm, usable);
+}
+
 double CpuBackend::sum_squares(const float* x, size_t n) {
   refuse_in_capture("sum_squares (it reads back)");
+  return sum_of_squares(x, n);
+}
+
+double CpuBackend::sum_of_squares(const float* x, size_t n) const {
   const long len = static_cast<long>(n);
   double sum = 0.0;
 #pragma omp parallel for simd num_threads(threads_) if (parallel: len > kParallelMin) reduction(+ : sum) schedule(static)

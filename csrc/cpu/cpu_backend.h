@@ -59,6 +59,8 @@ class CpuBackend final : public Backend {
                   const SgdParams& hp) override;
   void adamw_update(float* param, const float* grad, float* exp_avg, float* exp_avg_sq, size_t n,
                     const AdamWParams& hp) override;
+  void step_verdict(StepVerdict* verdict, const float* grads, size_t n, const float* slots, float loss_scale,
+                    float max_norm, const int* comm_failed) override;
   double sum_squares(const float* x, size_t n) override;
   void scale(float* x, size_t n, float alpha) override;
   void narrow(void* half, const float* x, size_t n, Precision dtype) override;
@@ -81,6 +83,13 @@ class CpuBackend final : public Backend {
   // While capturing: record `call` and return true (the caller returns at once).
   bool record(std::function<void()> call);
   void refuse_in_capture(const char* what) const;
+  // The updates with their per-step values given (the host's, or a replay's).
+  void sgd_apply(float* param, const float* grad, float* buf, size_t n, const SgdParams& hp, const UpdateScalars& s);
+  void adamw_apply(float* param, const float* grad, float* m, float* v, size_t n, const AdamWParams& hp,
+                   const UpdateScalars& s);
+  double sum_of_squares(const float* x, size_t n) const;
+  void decide(StepVerdict* verdict, const float* grads, size_t n, const float* slots, float loss_scale,
+              float max_norm, const int* comm_failed);  // deterministic for a fixed thread count
   // Row-major C (M, N) = op(A) op(B) + beta C, op = transpose where asked.
   void sgemm(bool trans_a, bool trans_b, int M, int N, int K, const float* A, int lda, const float* B,
              int ldb, float beta, float* C, int ldc);

@@ -5,9 +5,11 @@
 #include "cuda_backend.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <string>
 
 #include "../../kernels/kernels.cuh"
 #include "cuda_check.h"
@@ -33,6 +35,8 @@ bool pageable(const void* p) {
 }  // namespace
 
 CudaBackend::CudaBackend(int device_index) : device_(device_index) {
+  const char* reuse = std::getenv("MGPU_CUDA_HALF_OPERANDS");
+  reuse_half_operands_ = !(reuse && std::string(reuse) == "0");
   try {
     activate();
     MGPU_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
@@ -45,7 +49,6 @@ CudaBackend::CudaBackend(int device_index) : device_(device_index) {
     MGPU_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&column_partials_),
                                kernels::kColumnPartialsSize * sizeof(float)));
     MGPU_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&sum_out_), sizeof(double)));
-    MGPU_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&sum_host_), sizeof(double)));
     MGPU_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&replay_dev_), sizeof(ReplayArgs)));
     MGPU_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&label_errors_.device), 2 * sizeof(unsigned long long)));
     MGPU_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&label_errors_.host), 3 * sizeof(unsigned long long)));
@@ -73,11 +76,13 @@ void CudaBackend::release() noexcept {
   captures_.release([](cudaGraphExec_t g) { cudaGraphExecDestroy(g); });
   if (cublas_) cublasDestroy(cublas_);
   cudaFree(cublas_workspace_);
+  for (HalfOperand& h : half_operands_)
+    if (h.half && stream_) cudaFreeAsync(h.half, stream_);
+  half_operands_.clear();
   cudaFree(partials_);
   cudaFree(column_partials_);
   column_partials_ = nullptr;
   cudaFree(sum_out_);
-  if (sum_host_) cudaFreeHost(sum_host_);
   cudaFree(replay_dev_);
   replay_dev_ = nullptr;
   cudaFree(master_half_);
@@ -97,7 +102,7 @@ void CudaBackend::release() noexcept {
   cublas_ = nullptr;
   stream_ = nullptr;
   cublas_workspace_ = nullptr;
-  partials_ = sum_out_ = sum_host_ = nullptr;
+  partials_ = sum_out_ = nullptr;
   half_[0] = half_[1] = nullptr;
   cudaGetLastError();  // leave no sticky error behind for the next user of the device
 }
@@ -126,6 +131,7 @@ void* CudaBackend::allocate_bytes(size_t bytes) {
                                      cudaGetErrorString(rc), " (", free_bytes >> 20, " MiB free of ",
                                      total >> 20, " MiB)"));
   }
+  allocation_bytes_[p] = bytes;
   return p;
 }
 
@@ -139,6 +145,7 @@ void CudaBackend::free_bytes(void* ptr) noexcept {
     master_half_ = nullptr;
     master_half_fresh_ = false;
   }
+  free_half_operands(ptr);  // before the memory is reused
   // After everything queued on the compute stream; a collective on the array
   // was ordered before it (wait_all), or aborted when the step failed.
   cudaFreeAsync(ptr, stream_);
@@ -165,7 +172,6 @@ void CudaBackend::copy_to_host(void* host_dst, const void* src, size_t bytes) {
   MGPU_CUDA_CHECK(cudaMemcpyAsync(host_dst, src, bytes, cudaMemcpyDeviceToHost, stream_));
   if (!pageable(host_dst)) MGPU_CUDA_CHECK(cudaStreamSynchronize(stream_));
   drained();  // a copy to pageable memory returns when done, so everything before it is done too
-  sum_started_ = false;  // the stream's work up to here has run: a started sum_squares has landed too
   raise_label_errors();
 }
 
@@ -321,7 +327,6 @@ void CudaBackend::synchronize() {
   MGPU_CHECK(!captures_.capturing(), DeviceError, "synchronize() is not allowed in a capture");
   MGPU_CUDA_CHECK(cudaStreamSynchronize(stream_));
   if (clock_stream_) MGPU_CUDA_CHECK(cudaStreamSynchronize(clock_stream_));  // trace clock marks (event records only)
-  sum_started_ = false;
   drained();
   raise_label_errors();
 }
@@ -347,12 +352,20 @@ void CudaBackend::set_precision(Precision precision) {
   MGPU_CUBLAS_CHECK(cublasSetMathMode(
       cublas_, precision == Precision::kTF32 ? CUBLAS_TF32_TENSOR_OP_MATH : CUBLAS_DEFAULT_MATH));
   precision_ = precision;
+  for (HalfOperand& h : half_operands_) h.valid = 0;  // of the old half type
   size_master_half();
 }
 
 const void* CudaBackend::gemm_input(int slot, const float* src, size_t n) {
   if (precision_ == Precision::kFP32 || precision_ == Precision::kTF32) return src;
   if (const void* weights = master_half_view(src, n)) return weights;
+  if (HalfOperand* h = reuse_half_operands_ ? half_operand(src, n) : nullptr) {
+    if (h->valid != n) {  // not produced with its values: cast once, for every GEMM that reads it
+      (precision_ == Precision::kBF16 ? kernels::cast_to_bf16 : kernels::cast_to_fp16)(h->half, src, n, stream_);
+      h->valid = n;
+    }
+    return h->half;
+  }
   if (half_capacity_[slot] < n) {
     // Grows only while shapes grow (the first steps).
     MGPU_CHECK(!captures_.capturing(), DeviceError, "a GEMM operand outgrew its buffer during a capture "
@@ -392,6 +405,71 @@ void CudaBackend::gemm(cublasOperation_t ta, cublasOperation_t tb, int m, int n,
   const cudaDataType_t in_type = precision_ == Precision::kBF16 ? CUDA_R_16BF : CUDA_R_16F;
   MGPU_CUBLAS_CHECK(cublasGemmEx(cublas_, ta, tb, m, n, k, &alpha, A, in_type, lda, B, in_type, ldb, &beta, C,
                                  CUDA_R_32F, ldc, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+}
+
+// --- half operands --------------------------------------------------------------
+CudaBackend::HalfOperand* CudaBackend::half_operand(const float* base, size_t n) {
+  if (precision_ != Precision::kBF16 && precision_ != Precision::kFP16) return nullptr;
+  HalfOperand* h = nullptr;
+  for (HalfOperand& e : half_operands_)
+    if (e.base == base) h = &e;
+  if (h && h->capacity >= n) return h;
+  if (captures_.capturing()) return nullptr;  // no allocation in a graph: the caller's scratch path
+  if (!h) {
+    half_operands_.push_back(HalfOperand{base, 0, 0, nullptr});
+    h = &half_operands_.back();
+  }
+  // Grows only while shapes grow (the first steps); stream-ordered, as every scratch.
+  release_captures();  // graphs point at the copy about to go
+  if (h->half) MGPU_CUDA_CHECK(cudaFreeAsync(h->half, stream_));
+  h->half = nullptr;
+  h->capacity = h->valid = 0;
+  const cudaError_t rc = cudaMallocAsync(&h->half, n * 2, stream_);  // 2-byte elements
+  if (rc != cudaSuccess) {
+    cudaGetLastError();
+    h->half = nullptr;
+    throw DeviceError(detail::concat("cudaMallocAsync of ", n * 2, " bytes on GPU ", device_,
+                                     " failed: ", cudaGetErrorString(rc)));
+  }
+  h->capacity = n;
+  return h;
+}
+
+kernels::HalfShadow CudaBackend::produce_half_operand(float* base, size_t n) {
+  writes(base, n * sizeof(float));
+  HalfOperand* h = reuse_half_operands_ && n ? half_operand(base, n) : nullptr;
+  if (!h) return {};
+  h->valid = n;  // the producing kernel, queued next, writes every value of it
+  return kernels::HalfShadow{h->half, precision_ == Precision::kBF16};
+}
+
+void CudaBackend::stale_half_operands(const void* dst, size_t bytes) {
+  const char* d = static_cast<const char*>(dst);
+  for (HalfOperand& h : half_operands_) {
+    const char* b = reinterpret_cast<const char*>(h.base);
+    if (h.valid && d < b + h.valid * sizeof(float) && b < d + bytes) h.valid = 0;
+  }
+}
+
+void CudaBackend::free_half_operands(const void* allocation) noexcept {
+  const auto found = allocation_bytes_.find(allocation);
+  const size_t bytes = found == allocation_bytes_.end() ? 1 : found->second;
+  if (found != allocation_bytes_.end()) allocation_bytes_.erase(found);
+  const char* a = static_cast<const char*>(allocation);
+  for (size_t i = 0; i < half_operands_.size();) {
+    HalfOperand& h = half_operands_[i];
+    const char* b = reinterpret_cast<const char*>(h.base);
+    if (b >= a && b < a + bytes) {
+      try {
+        release_captures();  // graphs may point at the copy
+      } catch (...) {
+      }
+      if (h.half) cudaFreeAsync(h.half, stream_);
+      half_operands_.erase(half_operands_.begin() + static_cast<std::ptrdiff_t>(i));
+    } else {
+      ++i;
+    }
+  }
 }
 
 // --- persistent half weights ------------------------------------------------
@@ -436,6 +514,7 @@ void CudaBackend::refresh_master_half() {
 }
 
 void CudaBackend::writes(const void* dst, size_t bytes) {
+  stale_half_operands(dst, bytes);
   const char* d = static_cast<const char*>(dst);
   const char* m = reinterpret_cast<const char*>(master_);
   if (master_ && d < m + master_n_ * sizeof(float) && m < d + bytes) master_half_fresh_ = false;
@@ -455,6 +534,7 @@ void CudaBackend::linear_forward(float* out, const float* inp, const float* weig
                                  int IN, int OUT) {
   if (B == 0) return;
   activate();
+  writes(out, size_t(B) * OUT * sizeof(float));
   // Seed out with the bias and let the GEMM add onto it (beta = 1), as the CPU backend does.
   kernels::broadcast_rows(out, bias, B, OUT, stream_);
   // column-major out^T (OUT, B) = W (IN, OUT)^T . inp^T (IN, B)
@@ -468,6 +548,9 @@ void CudaBackend::linear_backward(float* dinp, float* dweight, float* dbias, con
                                   const float* inp, const float* weight, int B, int IN, int OUT,
                                   bool accumulate) {
   activate();
+  if (dinp) writes(dinp, size_t(B) * IN * sizeof(float));
+  writes(dweight, size_t(OUT) * IN * sizeof(float));
+  writes(dbias, size_t(OUT) * sizeof(float));
   if (B == 0) {
     // The CPU's GEMM with k = 0 leaves beta * dweight: zero unless accumulating.
     if (!accumulate) {
@@ -488,19 +571,24 @@ void CudaBackend::linear_backward(float* dinp, float* dweight, float* dbias, con
   kernels::column_sums(dbias, dout, B, OUT, accumulate, column_partials_, stream_);
 }
 
+// Both write the GEMMs' half copy of what they produce (see HalfOperand).
 void CudaBackend::relu_dropout_forward(float* h, int B, int C, float p, const DropoutKey& key) {
   activate();
-  kernels::relu_dropout_forward(h, B, C, p, key, stream_, captured_args());
+  const kernels::HalfShadow shadow = produce_half_operand(h, size_t(B) * C);
+  kernels::relu_dropout_forward(h, B, C, p, key, stream_, captured_args(), shadow);
 }
 
 void CudaBackend::relu_dropout_backward(float* dh, const float* h, size_t n, float p) {
   activate();
-  kernels::relu_dropout_backward(dh, h, n, p, stream_);
+  const kernels::HalfShadow shadow = produce_half_operand(dh, n);
+  kernels::relu_dropout_backward(dh, h, n, p, stream_, shadow);
 }
 
 void CudaBackend::mse_forward_backward(float* loss_out, float* dpred, const float* pred, const float* target,
                                        int B, int D, float grad_scale) {
   activate();
+  writes(loss_out, sizeof(float));
+  if (dpred) writes(dpred, size_t(B) * D * sizeof(float));
   kernels::mse_forward_backward(loss_out, dpred, pred, target, B, D, grad_scale, partials_, stream_, captured_args());
 }
 
@@ -508,6 +596,9 @@ void CudaBackend::cross_entropy_forward_backward(float* loss_out, float* dlogits
                                                  const float* logits, const int32_t* labels, int B, int C,
                                                  float grad_scale) {
   activate();
+  writes(loss_out, sizeof(float));
+  if (dlogits) writes(dlogits, size_t(B) * C * sizeof(float));
+  if (correct_out) writes(correct_out, sizeof(float));
   kernels::cross_entropy_forward_backward(loss_out, dlogits, correct_out, logits, labels, B, C, grad_scale,
                                           partials_, label_errors_, stream_, captured_args());
 }
@@ -515,33 +606,38 @@ void CudaBackend::cross_entropy_forward_backward(float* loss_out, float* dlogits
 void CudaBackend::sgd_update(float* param, const float* grad, float* momentum_buf, size_t n,
                              const SgdParams& hp) {
   activate();
-  kernels::sgd_update(param, grad, momentum_buf, n, hp, stream_, shadow_for_update(param, n));
+  if (momentum_buf && hp.momentum > 0.0f) writes(momentum_buf, n * sizeof(float));
+  kernels::sgd_update(param, grad, momentum_buf, n, hp, stream_, shadow_for_update(param, n), captured_args());
 }
 
 void CudaBackend::adamw_update(float* param, const float* grad, float* exp_avg, float* exp_avg_sq, size_t n,
                                const AdamWParams& hp) {
   activate();
-  kernels::adamw_update(param, grad, exp_avg, exp_avg_sq, n, hp, stream_, shadow_for_update(param, n));
+  writes(exp_avg, n * sizeof(float));
+  writes(exp_avg_sq, n * sizeof(float));
+  kernels::adamw_update(param, grad, exp_avg, exp_avg_sq, n, hp, stream_, shadow_for_update(param, n),
+                        captured_args());
+}
+
+void CudaBackend::step_verdict(StepVerdict* verdict, const float* grads, size_t n, const float* slots,
+                               float loss_scale, float max_norm, const int* comm_failed) {
+  activate();
+  writes(verdict, sizeof(StepVerdict));
+  kernels::sum_squares(&verdict->sum_squares, grads, n, partials_, stream_);
+  // Labels a loss kernel found out of range are folded into pinned host memory
+  // in stream order: a nonzero count there refuses the update before the host
+  // learns of it (it throws at the read-back).
+  kernels::step_verdict(verdict, slots, loss_scale, max_norm, label_errors_.host, comm_failed, stream_,
+                        captured_args());
 }
 
 double CudaBackend::sum_squares(const float* x, size_t n) {
-  sum_squares_start(x, n);
-  return sum_squares_result();
-}
-
-// The result lands in pinned memory (sum_host_) in stream order; whichever
-// synchronisation comes next (copy_to_host, synchronize, or result) reads it.
-void CudaBackend::sum_squares_start(const float* x, size_t n) {
   activate();
   MGPU_CHECK(!captures_.capturing(), DeviceError, "sum_squares reads back to the host: not allowed in a capture");
   kernels::sum_squares(sum_out_, x, n, partials_, stream_);
-  MGPU_CUDA_CHECK(cudaMemcpyAsync(sum_host_, sum_out_, sizeof(double), cudaMemcpyDeviceToHost, stream_));
-  sum_started_ = true;
-}
-
-double CudaBackend::sum_squares_result() {
-  if (sum_started_) synchronize();
-  return *sum_host_;
+  double sum = 0.0;
+  copy_to_host(&sum, sum_out_, sizeof(double));
+  return sum;
 }
 
 void CudaBackend::scale(float* x, size_t n, float alpha) {
@@ -553,6 +649,7 @@ void CudaBackend::scale(float* x, size_t n, float alpha) {
 void CudaBackend::narrow(void* half, const float* x, size_t n, Precision dtype) {
   const bool bf16 = is_bf16_not_fp16(dtype, "narrow");
   activate();
+  writes(half, n * 2);
   (bf16 ? kernels::cast_to_bf16 : kernels::cast_to_fp16)(half, x, n, stream_);
 }
 
@@ -575,6 +672,7 @@ void CudaBackend::axpy(float* y, const float* x, size_t n, float alpha) {
 void CudaBackend::begin_capture() {
   activate();
   refresh_master_half();  // now, not as a node of the graph
+  for (HalfOperand& h : half_operands_) h.valid = 0;  // the graph makes its own half operands
   captures_.begin();
   const cudaError_t rc = cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal);
   if (rc != cudaSuccess) captures_.abort();
@@ -611,6 +709,8 @@ void CudaBackend::replay(int graph, const ReplayArgs& args) {
   refresh_master_half();  // the parameters changed since the graph last ran (a checkpoint loaded)
   kernels::set_replay_args(replay_dev_, args, stream_);
   MGPU_CUDA_CHECK(cudaGraphLaunch(exec, stream_));
+  // What the graph wrote is not tracked here: its half operands count as stale after it.
+  for (HalfOperand& h : half_operands_) h.valid = 0;
 }
 
 void CudaBackend::release_captures() {

@@ -9,6 +9,7 @@
 #include <cublas_v2.h>
 #include <cuda_runtime_api.h>
 
+#include <unordered_map>
 #include <vector>
 
 #include "../../kernels/kernels.cuh"
@@ -88,9 +89,9 @@ class CudaBackend final : public Backend {
                   const SgdParams& hp) override;
   void adamw_update(float* param, const float* grad, float* exp_avg, float* exp_avg_sq, size_t n,
                     const AdamWParams& hp) override;
+  void step_verdict(StepVerdict* verdict, const float* grads, size_t n, const float* slots, float loss_scale,
+                    float max_norm, const int* comm_failed) override;
   double sum_squares(const float* x, size_t n) override;
-  void sum_squares_start(const float* x, size_t n) override;
-  double sum_squares_result() override;
   void scale(float* x, size_t n, float alpha) override;
   void narrow(void* half, const float* x, size_t n, Precision dtype) override;
   void widen(float* x, const void* half, size_t n, Precision dtype) override;
@@ -126,8 +127,28 @@ class CudaBackend final : public Backend {
  private:
   void activate() const;
   // The GEMM operand `src` (n floats) in the precision's input type: src itself
-  // for fp32/tf32, else a bf16/fp16 copy in scratch `slot` (0 or 1).
+  // for fp32/tf32; else the weights' persistent half copy, src's half operand
+  // (see below: produced with it, or cast at its first use and kept), or a
+  // bf16/fp16 copy in scratch `slot` (0 or 1) when there can be none.
   const void* gemm_input(int slot, const float* src, size_t n);
+  // Half operands: bf16/fp16 copies of fp32 GEMM operands other than the
+  // weights (activations, their gradients, the inputs), keyed by the fp32
+  // array. The kernels producing activations and their gradients (ReLU and
+  // dropout, forward and backward) write the copy as they write each value;
+  // other operands are cast at their first use; every later GEMM reads the
+  // copy, until a write to the fp32 values (writes()) makes it stale. Before a
+  // capture and after a replay all are stale: a graph makes its own.
+  struct HalfOperand {
+    const float* base = nullptr;
+    size_t capacity = 0;  // elements of `half`
+    size_t valid = 0;     // elements from base the copy holds; 0: stale
+    void* half = nullptr;
+  };
+  // base's entry with room for n elements (grown outside captures), or null.
+  HalfOperand* half_operand(const float* base, size_t n);
+  kernels::HalfShadow produce_half_operand(float* base, size_t n);  // for a producing kernel; then mark it
+  void stale_half_operands(const void* dst, size_t bytes);  // those overlapping dst: stale
+  void free_half_operands(const void* allocation) noexcept;  // those within an allocation going
   // Column-major C (m, n) = op(A) op(B) + beta C, fp32 output, inputs from gemm_input.
   void gemm(cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k, const void* A, int lda,
             const void* B, int ldb, float beta, float* C, int ldc);
@@ -142,7 +163,7 @@ class CudaBackend final : public Backend {
   void size_master_half();                        // allocate or free it for the precision
   const void* master_half_view(const float* src, size_t n);  // src's part of it, or null
   void refresh_master_half();                     // cast when stale (never inside a capture)
-  void writes(const void* dst, size_t bytes);     // dst in the parameters: the copy goes stale
+  void writes(const void* dst, size_t bytes);     // the half copies of what dst overlaps go stale
   void drained() { staging_used_ = 0; }          // the stream ran dry: its staged copies are done
   uint64_t record_mark(cudaStream_t stream);
   kernels::HalfShadow shadow_for_update(const float* param, size_t n);
@@ -158,10 +179,11 @@ class CudaBackend final : public Backend {
   double* partials_ = nullptr;    // kernels::kPartialsSize doubles
   float* column_partials_ = nullptr;  // kernels::kColumnPartialsSize floats (column_sums)
   double* sum_out_ = nullptr;     // device result of sum_squares
-  bool sum_started_ = false;      // sum_squares_start queued its copy to sum_host_; no sync since
-  double* sum_host_ = nullptr;    // pinned landing place of that result
   void* half_[2] = {nullptr, nullptr};
   size_t half_capacity_[2] = {0, 0};  // elements
+  std::vector<HalfOperand> half_operands_;
+  bool reuse_half_operands_ = true;  // MGPU_CUDA_HALF_OPERANDS=0: a cast at every use (the reference)
+  std::unordered_map<const void*, size_t> allocation_bytes_;  // of allocate_bytes, until freed
   CaptureRegistry<cudaGraphExec_t> captures_;
   ReplayArgs* replay_dev_ = nullptr;  // what captured kernels read (set by each replay)
   const float* master_ = nullptr;      // the model's parameters (master_n_ floats)

@@ -126,6 +126,7 @@ struct NcclCommunicator::Impl {
   uint64_t watch_step = 0;
   double watch_timeout = 0.0;
   std::string failure;              // the watchdog's CommError, thrown by raise_if_failed()
+  int* failed_flag = nullptr;       // host-pinned, 1 from the first abort on (failure_flag())
   bool watchdog_may_beat = true;    // false: the sidecar's heartbeats must stay on the calling thread
 
   Impl() = default;
@@ -153,6 +154,7 @@ struct NcclCommunicator::Impl {
     if (timing_origin) cudaEventDestroy(timing_origin);
     for (cudaEvent_t e : timing_events) cudaEventDestroy(e);
     if (comm_stream) cudaStreamDestroy(comm_stream);
+    if (failed_flag) cudaFreeHost(failed_flag);
     cudaGetLastError();
   }
 
@@ -172,6 +174,7 @@ struct NcclCommunicator::Impl {
   // from here on the memory its collectives used may be freed or reused.
   void abort_comm(const std::string& why) {
     if (broken) return;
+    flag_failure();
     broken = true;
     broken_why = why;
     queued.clear();
@@ -353,6 +356,7 @@ struct NcclCommunicator::Impl {
   void watchdog_fail(const std::string& why) {  // m held
     failure = detail::concat("allreduce at step ", watch_step, " on rank ", rank, " (GPU ", device, "): ", why);
     watching = false;
+    flag_failure();  // before the abort lets the compute stream run on to the step's verdict
     broken = true;
     broken_why = failure;
     if (comm) ncclCommAbort(comm);  // ends its kernels: the streams waiting on them drain
@@ -414,8 +418,14 @@ struct NcclCommunicator::Impl {
   }
 
   // Streams and events of the comm (~Impl releases them if this fails half-way).
+  void flag_failure() {
+    if (failed_flag) __atomic_store_n(failed_flag, 1, __ATOMIC_RELEASE);
+  }
+
   void create_streams() {
     activate();
+    MGPU_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&failed_flag), sizeof(int), cudaHostAllocPortable));
+    *failed_flag = 0;
     int low = 0, high = 0;
     MGPU_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&low, &high));
     // Higher priority than compute: bucket reductions should not queue behind backward kernels.
@@ -664,6 +674,8 @@ std::vector<std::pair<double, double>> NcclCommunicator::collective_times() {
   for (size_t i = 0; i < s.queued_at.size(); ++i) out.emplace_back(s.queued_at[i], group_done[s.group_of[i]]);
   return out;
 }
+
+const int* NcclCommunicator::failure_flag() const { return impl_->failed_flag; }
 
 void NcclCommunicator::raise_if_failed() {
   Impl& s = *impl_;

@@ -72,6 +72,7 @@ class NcclCommunicator final : public Communicator {
   // read-back throws what the watchdog found.
   void wait_all() override;
   void raise_if_failed() override;
+  const int* failure_flag() const override;
   void start_collective_timing() override;
   std::vector<std::pair<double, double>> collective_times() override;
   void abort(const std::string& why) override;

@@ -70,9 +70,9 @@ GPUS = {"h100-sxm": H100_SXM}
 REMEDIES = {
     "input copy": "from pinned staging, but on the compute stream: a copy stream fed ahead by the data "
                   "loader would hide it behind the previous step",
-    "operand casts": "fp32 -> half copies of the activations and output gradients at every GEMM use (the "
-                     "weights' copy is the optimizer's); casts fused into the kernels producing them would "
-                     "remove them",
+    "operand casts": "fp32 -> half copies of the input and the loss gradient, once each (the weights' copy "
+                     "is the optimizer's, the activations' and their gradients' the ReLU kernels'); the loss "
+                     "kernel and the input staging could write them too",
     "optimizer": "fp32 master weights and state read and written once per step, whatever the batch: its "
                  "share of the floor falls as the samples per step grow",
     "health check": "one read of every gradient for the norm and the NaN/Inf check",
@@ -167,6 +167,10 @@ class Workload:
         return sum(self.sizes[l] * self.sizes[l + 1] + self.sizes[l + 1] for l in range(len(self.sizes) - 1))
 
 
+# sizeof(StepVerdict) (csrc/core/step_verdict.h): two doubles, two floats, a float and an int32.
+STEP_VERDICT_BYTES = 32
+
+
 def micro_batches(batch: int, ranks: int, accumulate: int, rank: int = 0) -> List[int]:
     """Rows of each micro-batch on `rank`, split as data.split_counts and Trainer.step split them."""
     local = batch // ranks + (1 if rank < batch % ranks else 0)
@@ -196,12 +200,14 @@ def step_ops(w: Workload) -> List[Op]:
         for l in range(L):   # forward: inp (r, IN), w (OUT, IN) -> out (r, OUT)
             IN, OUT = s[l], s[l + 1]
             ops.append(Op("bias broadcast", "kernel", bytes=r * OUT * 4 + OUT * 4, in_graph=g))
-            if half:   # the weights' half copy is the optimizer's (persistent half weights)
+            # Half operands: the weights' copy is the optimizer's, an activation's the ReLU's
+            # that produced it; only the input is cast (once: backward reads that copy too).
+            if half and l == 0:
                 ops.append(Op("operand casts", "kernel", bytes=r * IN * 6, in_graph=g))
             ops.append(Op("GEMM forward", "gemm", flops=2.0 * r * IN * OUT, in_graph=g, gemm_shape=(OUT, r, IN),
                           bytes=(OUT * IN + r * IN) * eb + 2 * r * OUT * 4))
-            if l + 1 < L:
-                ops.append(Op("relu/dropout", "kernel", bytes=r * OUT * 8, in_graph=g))
+            if l + 1 < L:   # + its half copy, written with it
+                ops.append(Op("relu/dropout", "kernel", bytes=r * OUT * (10 if half else 8), in_graph=g))
         C = s[-1]
         ops.append(Op("loss", "kernel", in_graph=g,
                       bytes=r * C * 12 if w.loss == "mse" else r * C * 8 + r * 4))
@@ -211,13 +217,11 @@ def step_ops(w: Workload) -> List[Op]:
         for l in reversed(range(L)):   # backward: dout (r, OUT) -> dW (OUT, IN), db (OUT), dinp (r, IN)
             IN, OUT = s[l], s[l + 1]
             acc = 2 if written else 1
-            if half:
+            if half and l == L - 1:   # the loss gradient, cast once for both GEMMs; later ones are the ReLU's
                 ops.append(Op("operand casts", "kernel", bytes=r * OUT * 6, in_graph=g))
             if l > 0:
                 ops.append(Op("GEMM backward", "gemm", flops=2.0 * r * IN * OUT, in_graph=g, gemm_shape=(IN, r, OUT),
                               bytes=(OUT * IN + r * OUT) * eb + r * IN * 4))
-            if half:
-                ops.append(Op("operand casts", "kernel", bytes=r * IN * 6, in_graph=g))
             ops.append(Op("GEMM backward", "gemm", flops=2.0 * r * IN * OUT, in_graph=g, gemm_shape=(IN, OUT, r),
                           bytes=(r * IN + r * OUT) * eb + acc * OUT * IN * 4))
             splits = column_splits(r, OUT)
@@ -226,18 +230,26 @@ def step_ops(w: Workload) -> List[Op]:
             else:   # row splits into partials, then their fixed-order sum
                 ops.append(Op("bias gradient", "kernel", bytes=r * OUT * 4 + splits * OUT * 4, in_graph=g))
                 ops.append(Op("bias gradient", "kernel", bytes=splits * OUT * 4 + acc * OUT * 4, in_graph=g))
-            if l > 0:
-                ops.append(Op("relu/dropout", "kernel", bytes=r * IN * 12, in_graph=g))
+            if l > 0:   # + the half copy of the gradient it passes on
+                ops.append(Op("relu/dropout", "kernel", bytes=r * IN * (14 if half else 12), in_graph=g))
         written = True
+    # The tail (health check, verdict, update) runs on the device with no host wait:
+    # inside the last micro-batch's graph on one GPU, as a graph of its own after
+    # the allreduce on several, launched kernel by kernel without graphs.
     P = w.params
-    ops.append(Op("health check", "kernel", bytes=P * 4))     # sum_squares
-    ops.append(Op("health check", "kernel", bytes=64))        # its finalize
-    ops.append(Op("health check", "d2h", bytes=8))            # the norm
-    ops.append(Op("loss read-back", "d2h", bytes=8))          # loss and stop slots
-    ops.append(Op("host sync", "sync"))
+    tail_graph = w.graph and w.ranks > 1
+    if tail_graph:
+        ops.append(Op("graph replay", "kernel", bytes=8))     # set_replay_args
+        ops.append(Op("graph replay", "graph"))
+    g = w.graph
+    ops.append(Op("health check", "kernel", bytes=P * 4, in_graph=g))     # sum_squares
+    ops.append(Op("health check", "kernel", bytes=64, in_graph=g))        # its finalize
+    ops.append(Op("health check", "kernel", bytes=64, in_graph=g))        # the verdict (decide_step)
     state = {"sgd": 2 if w.momentum else 1, "adamw": 3}[w.optimizer]   # arrays read and written
     # + the gradient, read; + the parameters' half copy, written, for half-precision GEMMs
-    ops.append(Op("optimizer", "kernel", bytes=P * 4 * (2 * state + 1) + (P * 2 if half else 0)))
+    ops.append(Op("optimizer", "kernel", bytes=P * 4 * (2 * state + 1) + (P * 2 if half else 0), in_graph=g))
+    ops.append(Op("verdict read-back", "d2h", bytes=STEP_VERDICT_BYTES))   # loss, stop, norm, applied
+    ops.append(Op("host sync", "sync"))
     return ops
 
 

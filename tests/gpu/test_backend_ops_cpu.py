@@ -166,6 +166,76 @@ def test_update_with_grad_scale_is_the_update_of_the_scaled_gradient(cpu_backend
         close(got, r)
 
 
+def verdict_reference(g, loss_slot, stop_slot, loss_scale, max_norm):
+    """The step's decision as float64 NumPy spells it (step_verdict.h): the unscaled
+    norm, finiteness, and the unscale/clip factor the update applies."""
+    sum_squares = float(np.sum(g.astype(np.float64) ** 2))
+    loss = float(np.float32(loss_slot) / np.float32(loss_scale))
+    norm = np.sqrt(sum_squares) / float(np.float32(loss_scale))
+    apply = bool(np.isfinite(loss) and np.isfinite(norm))
+    factor = 1.0 / float(np.float32(loss_scale))
+    if max_norm > 0 and norm > float(np.float32(max_norm)):
+        factor *= float(np.float32(max_norm)) / (norm + 1e-6)
+    return dict(sum_squares=sum_squares, grad_norm=norm, loss=loss, stop=stop_slot, apply=apply,
+                factor=float(np.float32(factor)) if apply else 0.0)
+
+
+@pytest.mark.parametrize("case", ["plain", "clipped", "under the clip", "loss scaled and clipped",
+                                  "nan gradient", "inf gradient", "inf loss", "stop asked"])
+def test_step_verdict_decides_like_the_step_did_on_the_host(cpu_backend, case):
+    """The health check's decision, now made where the gradients are: skip on a non-finite
+    loss or norm, otherwise unscale and clip as PyTorch's clip_grad_norm_ (max / (norm + 1e-6))."""
+    g = rand(5003)
+    loss_slot, stop_slot, loss_scale, max_norm = 2.5, 0.0, 1.0, 0.0
+    if case == "clipped":
+        max_norm = 1.0
+    elif case == "under the clip":
+        max_norm = 1e6
+    elif case == "loss scaled and clipped":
+        g, loss_slot, loss_scale, max_norm = g * 1024, 2.5 * 1024, 1024.0, 3.0
+    elif case == "nan gradient":
+        g[4000] = np.nan
+    elif case == "inf gradient":
+        g[7] = np.inf
+    elif case == "inf loss":
+        loss_slot = np.inf
+    elif case == "stop asked":
+        stop_slot = 2.0
+    got = ops.step_verdict(cpu_backend, g, loss_slot, stop_slot, loss_scale, max_norm)
+    want = verdict_reference(g, loss_slot, stop_slot, loss_scale, max_norm)
+    assert got["apply"] == want["apply"] == (case not in ("nan gradient", "inf gradient", "inf loss"))
+    assert got["stop"] == want["stop"] and got["loss"] == pytest.approx(want["loss"], rel=1e-7)
+    if want["apply"]:
+        assert got["sum_squares"] == pytest.approx(want["sum_squares"], rel=1e-12)
+        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-12)
+        assert got["factor"] == pytest.approx(want["factor"], rel=1e-6)
+        clipping = case in ("clipped", "loss scaled and clipped")
+        assert (got["factor"] < 1.0 / loss_scale) == clipping
+    else:
+        assert not np.isfinite(got["grad_norm"]) or not np.isfinite(got["loss"])
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "sgd_momentum", "adamw"])
+def test_an_update_runs_as_its_verdict_says(cpu_backend, optimizer):
+    """A verdict in backend memory: refused, nothing changes (parameters, momentum or
+    moments); applied, the update is that of its factor, bit for bit grad_scale's."""
+    n = 10_007
+    p, g, s0, s1 = rand(n), rand(n), rand(n), np.abs(rand(n))
+    if optimizer == "adamw":
+        kw = dict(lr=0.01, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1, step=3)
+        update = lambda **extra: ops.adamw_update(cpu_backend, p, g, s0, s1, **kw, **extra)  # noqa: E731
+    else:
+        kw = dict(lr=0.1, momentum=0.0 if optimizer == "sgd" else 0.9, weight_decay=0.3, first_step=False)
+        update = lambda **extra: ops.sgd_update(cpu_backend, p, g, s0, **kw, **extra)  # noqa: E731
+    refused = update(grad_scale=0.37, verdict=(False, 0.37))
+    for got, before in zip(refused, (p, s0, s1)):
+        assert np.array_equal(got, before)
+    applied = update(grad_scale=5.0, verdict=(True, 0.37))  # the verdict's factor wins
+    for got, want in zip(applied, update(grad_scale=0.37)):
+        assert np.array_equal(got, want)
+    assert not np.array_equal(applied[0], p)
+
+
 def test_sum_squares_scale_axpy_zero(cpu_backend):
     x, y = rand(1000), rand(1000)
     assert ops.sum_squares(cpu_backend, x) == pytest.approx((x.astype(np.float64) ** 2).sum(), rel=1e-12)

@@ -185,6 +185,52 @@ def test_update_with_grad_scale(cuda_backend, cpu_backend, optimizer):
     assert not np.array_equal(fused[0], update(cuda_backend, g)[0]), "grad_scale was ignored"
 
 
+@pytest.mark.parametrize("n, poison", [(1, None), (4099, None), (1_000_003, None), (4099, "nan"), (4099, "inf"),
+                                      (1_000_003, "loss")])
+@pytest.mark.parametrize("loss_scale, max_norm", [(1.0, 0.0), (1.0, 2.0), (4096.0, 2.0), (4096.0, 1e9)])
+def test_step_verdict_equals_the_cpu_bit_for_bit(cuda_backend, cpu_backend, n, poison, loss_scale, max_norm):
+    # One definition (decide_step) on both sides, and a sum of squares within
+    # rounding: the decision and the factor agree, so captured or not, CPU or GPU,
+    # the same steps are skipped and clipped.
+    rng = np.random.default_rng(n)
+    g = rand(rng, n, scale=loss_scale)
+    loss_slot = 3.25 * loss_scale
+    if poison == "nan":
+        g[n // 2] = np.nan
+    elif poison == "inf":
+        g[-1] = -np.inf
+    elif poison == "loss":
+        loss_slot = np.nan
+    gpu = ops.step_verdict(cuda_backend, g, loss_slot, 1.0, loss_scale, max_norm)
+    cpu = ops.step_verdict(cpu_backend, g, loss_slot, 1.0, loss_scale, max_norm)
+    assert gpu["apply"] == cpu["apply"] == (poison is None)
+    assert gpu["loss"] == cpu["loss"] or (np.isnan(gpu["loss"]) and np.isnan(cpu["loss"]))
+    assert gpu["stop"] == cpu["stop"] == 1.0
+    if poison is None:
+        assert gpu["sum_squares"] == pytest.approx(cpu["sum_squares"], rel=1e-12)
+        assert gpu["factor"] == pytest.approx(cpu["factor"], rel=1e-7)
+        assert (gpu["factor"] < 1.0 / loss_scale) == (max_norm > 0 and cpu["grad_norm"] > max_norm)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "sgd_momentum", "adamw"])
+def test_an_update_runs_as_its_verdict_says(cuda_backend, cpu_backend, optimizer):
+    rng = np.random.default_rng(5)
+    n = 10001
+    p, g, m, v = rand(rng, n), rand(rng, n), rand(rng, n), np.abs(rand(rng, n))
+    if optimizer == "adamw":
+        kw = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, step=2)
+        update = lambda be, **extra: ops.adamw_update(be, p, g, m, v, **kw, **extra)  # noqa: E731
+    else:
+        kw = dict(lr=0.05, momentum=0.0 if optimizer == "sgd" else 0.9, weight_decay=0.3, first_step=False)
+        update = lambda be, **extra: ops.sgd_update(be, p, g, m, **kw, **extra)  # noqa: E731
+    for got, before in zip(update(cuda_backend, verdict=(False, 0.37)), (p, m, v)):
+        assert np.array_equal(got, before)  # refused: nothing written
+    applied = update(cuda_backend, grad_scale=5.0, verdict=(True, 0.37))
+    for a, b, c in zip(applied, update(cuda_backend, grad_scale=0.37), update(cpu_backend, verdict=(True, 0.37))):
+        assert np.array_equal(a, b)
+        close(a, c, 1e-6)
+
+
 @pytest.mark.parametrize("n", [0, 1, 1000, 3_000_001])
 def test_sum_squares_scale_axpy(cuda_backend, cpu_backend, n):
     rng = np.random.default_rng(n)

@@ -82,10 +82,12 @@ def test_an_injected_nccl_fault_ends_the_job_within_the_timeout(emulated_faults,
     assert "Traceback" not in r.stderr
 
 
-def train_two_threads(layers, steps, errors_per_thread, before_step=lambda rank, step: None, **trainer_args):
+def train_two_threads(layers, steps, errors_per_thread, before_step=lambda rank, step: None, params=None,
+                      **trainer_args):
     """run_on_gpus on 2 GPUs, each thread training on its half of a 64-row batch
     for `steps` steps; the exceptions of each thread's steps, in order (a thread
-    stops at its errors_per_thread-th)."""
+    stops at its errors_per_thread-th). params (a dict): per rank, the parameters
+    before and after each failed step."""
     rng = np.random.default_rng(0)
     x = rng.standard_normal((64, layers[0])).astype(np.float32)
     y = rng.standard_normal((64, layers[-1])).astype(np.float32)
@@ -97,10 +99,13 @@ def train_two_threads(layers, steps, errors_per_thread, before_step=lambda rank,
         rows = slice(32 * tg.rank, 32 * tg.rank + 32)
         for step in range(steps):
             before_step(tg.rank, step)
+            before = model.get_parameters() if params is not None else None
             try:
                 trainer.step(x[rows], y[rows], global_batch=64, first_sample=32 * tg.rank)
             except Exception as e:  # noqa: BLE001 - recorded and checked by the caller
                 errors[tg.rank].append(e)
+                if params is not None:
+                    params.setdefault(tg.rank, []).append((before, model.get_parameters()))
                 if len(errors[tg.rank]) == errors_per_thread:
                     return
 
@@ -145,3 +150,29 @@ def test_a_stalled_thread_of_run_on_gpus_is_named_by_the_others_watchdog(two_gpu
     assert errors[0] and isinstance(errors[0][0], _core.CommError), errors
     assert re.search(r"at step 2 on rank 0 \(GPU \d\): did not complete within 1.5 s: rank 1 has not reached "
                      r"this step \(stopped, hung or dead\)", str(errors[0][0])), errors
+
+
+def test_a_failed_allreduce_leaves_the_parameters_as_they_were(emulated_faults):
+    # NCCL collectives complete on the device, and the step queues its tail
+    # (health check, verdict, update) behind them without waiting: when the
+    # watchdog aborts a collective that never completed, the compute stream runs
+    # on over whatever the gradient buffer holds. The communicator's failure
+    # flag, set before the abort, makes the verdict refuse the update: the
+    # surviving thread's parameters are those from before the failed step.
+    # (Thread 1's 4th ReLU backward launch fails: in step 1, after its last
+    # layer's buckets were launched, so thread 0's collective never completes.)
+    _core.emulation.inject_launch_failure("relu_dropout_backward", device=1, nth=4)
+    params = {}
+    try:
+        errors = train_two_threads([20, 64, 64, 3], 3, 1, params=params, optimizer="adamw", bucket_elems=64,
+                                   timeout=2)
+    finally:
+        _core.emulation.inject_launch_failure("", nth=0)
+    (error,), ((before, after),) = errors[0], params[0]
+    assert isinstance(error, _core.CommError) and "did not complete within 2 s" in str(error), error
+    for b, a in zip(before, after):
+        np.testing.assert_array_equal(a, b)
+    assert isinstance(errors[1][0], DeviceError), errors
+    errors.clear()
+    gc.collect()
+    assert _core.emulation.violations() == []

@@ -185,11 +185,55 @@ def test_one_graph_serves_every_micro_batch_step_and_loss_scale(capture_device, 
     params_off, losses_off, _, scale_off = out["off"]
     params_on, losses_on, replays, scale_on = out["on"]
     assert scale_on == scale_off == 8.0 * 2 ** (steps // 2)   # the scale changed under the graphs
-    # step 0: the first (4, fresh) and (4, adding) are uncaptured, the second (4, adding) is
-    # captured and replayed; step 1 captures (4, fresh). Everything else replays.
-    assert replays == steps * len(micro) - 2, replays
+    # One rank: the last micro-batch's graph also holds the step's tail (verdict and
+    # update), a key of its own. Step 0: the first (4, fresh), (4, adding) and
+    # (4, adding, tail) are uncaptured, the second (4, adding) is captured and replayed;
+    # step 1 captures (4, fresh) and (4, adding, tail). Everything else replays.
+    assert replays == steps * len(micro) - 3, replays
     assert losses_on == losses_off
     assert np.array_equal(params_on, params_off)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+@pytest.mark.parametrize("micro", [[32], [12, 20]])
+def test_a_whole_step_graph_skips_clips_and_scales_like_the_uncaptured_step(capture_device, optimizer, micro):
+    """One rank, nothing to reduce: a step is one replay (with accumulation, the last
+    micro-batch's) that holds the health check, the verdict and the update, with
+    their per-step values (learning rate, first step, AdamW's bias corrections, loss
+    scale) read from device memory. Clipping active, a dynamic loss scale, a learning
+    rate that changes every step and two non-finite steps that the verdict skips on
+    the device: the same results, step count, parameters and optimizer state, bit
+    for bit, as the uncaptured step."""
+    sizes = [16, 64, 48, 4]
+    batch, bad = sum(micro), {1: np.nan, 6: np.inf}   # step 1: before the graph is captured
+    out = {}
+    for graph in ("off", "on"):
+        be = _core.make_backend(capture_device, 0, 1)
+        model = _core.MLP(be, sizes, 0.1, 3)
+        opt = (_core.Optimizer(model, "sgd", momentum=0.9, weight_decay=0.01) if optimizer == "sgd"
+               else _core.Optimizer(model, "adamw", weight_decay=0.01))
+        step = _core.DataParallelStep(model, opt, _core.LocalCommunicator(), "mse", graph=graph, max_grad_norm=0.5,
+                                      loss_scale=64.0, dynamic_loss_scale=True, loss_scale_window=2)
+        results = []
+        for t, (x, y) in enumerate(batches(sizes, "mse", 12, batch, seed=4)):
+            if t in bad:
+                x = x.copy()
+                x[3, 2] = bad[t]
+            cut = np.concatenate([[0], np.cumsum(micro)])
+            r = step.step([(x[a:b], y[a:b], int(a)) for a, b in zip(cut[:-1], cut[1:])], batch, t, 0.05 / (1 + t))
+            results.append((r.loss, r.applied, r.grad_norm, r.loss_scale))
+        state = [opt.get_state(k, model.num_params) for k in opt.state_names()]
+        out[graph] = (model.get_parameters(), results, opt.steps_taken, state, step.graph_replays)
+    (p_off, r_off, n_off, s_off, _), (p_on, r_on, n_on, s_on, replays) = out["off"], out["on"]
+    assert [r[1] for r in r_on] == [t not in bad for t in range(12)]
+    assert any(r[2] > 0.5 for r in r_on if r[1]), "clipping was active"
+    assert len({r[3] for r in r_on}) > 2, "the loss scale moved under the graph"
+    assert replays >= 9 * len(micro)
+    assert r_on == r_off or np.array_equal(np.array(r_on, float), np.array(r_off, float), equal_nan=True)
+    assert n_on == n_off == 10
+    assert np.array_equal(p_on, p_off)
+    for a, b in zip(s_on, s_off):
+        assert np.array_equal(a, b)
 
 
 def test_graphs_follow_changing_shapes_and_growing_buffers(capture_device):
@@ -327,11 +371,40 @@ def test_persistent_half_weights_equal_a_cast_at_every_use(gpu, precision):
     assert loss == fresh_step.step([(x, y, 0)], 32, 0, 1e-2).loss
 
 
-def test_persistent_half_weights_save_the_weight_casts(gpu):
-    # On the emulation's counters: a bf16 step casts activations and output
-    # gradients only (casting the weights at every use would add one per layer
-    # in forward and one per layer passing a gradient on), as the cost sheet
-    # (bench --explain) counts.
+@pytest.mark.parametrize("precision, graph, micro", [("bf16", "off", [32]), ("bf16", "on", [12, 20]),
+                                                     ("fp16", "off", [12, 20]), ("fp16", "on", [32])])
+def test_half_operands_equal_a_cast_at_every_use(gpu, monkeypatch, precision, graph, micro):
+    # The ReLU kernels write the half copy of each activation and gradient they
+    # produce, the input and loss gradient are cast once; each is read by every
+    # GEMM until its fp32 values change. With dropout, accumulation (the input
+    # restaged between micro-batches) and graphs, the run equals bit for bit the
+    # one casting every operand at every use (MGPU_CUDA_HALF_OPERANDS=0).
+    sizes = [24, 64, 48, 6]
+    data = list(batches(sizes, "mse", 6, sum(micro), seed=8))
+    runs = []
+    for reuse in ("1", "0"):
+        monkeypatch.setenv("MGPU_CUDA_HALF_OPERANDS", reuse)
+        model, step = make("cuda", sizes, dropout=0.2, precision=precision, optimizer="adamw", graph=graph)
+        cut = np.concatenate([[0], np.cumsum(micro)])
+        kernels = _core.emulation.counters()["kernels_executed"] if EMULATED else 0
+        losses = [step.step([(x[a:b], y[a:b], int(a)) for a, b in zip(cut[:-1], cut[1:])], sum(micro), t, 1e-3).loss
+                  for t, (x, y) in enumerate(data)]
+        kernels = _core.emulation.counters()["kernels_executed"] - kernels if EMULATED else 0
+        # a forward outside the step (evaluation) reads copies made by the step's graph or kernels
+        runs.append((model.get_parameters(), losses, model.forward(data[0][0]), kernels))
+    if EMULATED:  # 3 layers: 2 casts a micro-batch instead of 9
+        assert runs[1][3] - runs[0][3] == 7 * len(micro) * len(data), (runs[0][3], runs[1][3])
+    assert runs[0][1] == runs[1][1]
+    assert np.array_equal(runs[0][0], runs[1][0])
+    assert np.array_equal(runs[0][2], runs[1][2])
+
+
+def test_half_operands_save_the_weight_and_activation_casts(gpu):
+    # On the emulation's counters: a bf16 step casts the input and the loss
+    # gradient once each, nothing else (casting the weights at every use would
+    # add one per layer in forward and one per layer passing a gradient on; the
+    # activations and their gradients, one per layer each way: the ReLU kernels
+    # write their half copies), as the cost sheet (bench --explain) counts.
     if not EMULATED:
         pytest.skip("counts kernels on the GPU emulation")
     sizes = [24, 64, 48, 6]
@@ -349,6 +422,7 @@ def test_persistent_half_weights_save_the_weight_casts(gpu):
                                                                    momentum=False)))
     assert per_step == sheet["kernels_executed"]
     layers = len(sizes) - 1
-    casts = layers + 2 * layers   # forward: the input; backward: dOut and the input; never a weight
+    casts = 2   # the input (forward; backward reads the same copy) and the loss gradient (backward)
+    assert layers > 2
     assert per_step == costsheet.counts(costsheet.step_ops(costsheet.Workload(sizes=sizes, batch=32)))[
         "kernels_executed"] + casts

@@ -37,12 +37,13 @@ def kinds(ops):
 def test_ops_of_a_two_layer_fp32_step_counted_by_hand():
     # 4 -> 8 -> 2, one micro-batch, no graph. Forward: 2 x (bias, GEMM), one ReLU;
     # loss kernel + finalize; backward: 2 x (dW GEMM, column sums), 1 x (dX GEMM, ReLU
-    # backward); health check: sum of squares + finalize; one optimizer kernel.
+    # backward); health check: sum of squares + finalize, the verdict; one optimizer
+    # kernel; the verdict read back (32 bytes).
     w = cs.Workload(sizes=[4, 8, 2], batch=16)
     c = cs.counts(cs.step_ops(w))
-    assert c == {"kernel_launches": 2 + 1 + 2 + 2 + 1 + 2 + 1, "kernels_executed": 11, "graph_launches": 0,
+    assert c == {"kernel_launches": 2 + 1 + 2 + 2 + 1 + 3 + 1, "kernels_executed": 12, "graph_launches": 0,
                  "blas_calls": 2 + 3, "host_syncs": 1,
-                 "h2d_bytes": 4 + 16 * 4 * 4 + 16 * 2 * 4, "d2h_bytes": 16, "pageable_h2d_copies": 0}
+                 "h2d_bytes": 4 + 16 * 4 * 4 + 16 * 2 * 4, "d2h_bytes": 32, "pageable_h2d_copies": 0}
     ops = cs.step_ops(w)
     gemm_flops = sum(o.count * o.flops for o in ops if o.kind == "gemm")
     assert gemm_flops == 2 * 16 * (4 * 8 * 2 + 8 * 2 * 3)   # the first layer has no input gradient
@@ -50,11 +51,14 @@ def test_ops_of_a_two_layer_fp32_step_counted_by_hand():
     assert opt.bytes == w.params * 4 * 5   # SGD with momentum: p, m read and written, g read
 
 
-def test_half_precision_casts_activations_at_every_use_and_weights_never():
-    # per layer: forward casts X, backward casts dOut and X; the weights' half copy
-    # is written by the optimizer (2 more bytes a parameter)
+def test_half_precision_casts_the_input_and_the_loss_gradient_only():
+    # the input and the loss gradient are cast once each; the activations' and their
+    # gradients' half copies are the ReLU kernels' (2 more bytes an element written),
+    # the weights' the optimizer's (2 more bytes a parameter)
     w = cs.Workload(sizes=[4, 8, 2], batch=16, precision="bf16")
-    assert kinds(cs.step_ops(w))["operand casts"] == 2 + 2 * 2
+    assert kinds(cs.step_ops(w))["operand casts"] == 2
+    relu = [o.bytes for o in cs.step_ops(w) if o.family == "relu/dropout"]
+    assert relu == [16 * 8 * 10, 16 * 8 * 14]   # forward, backward
     assert cs.counts(cs.step_ops(w))["blas_calls"] == 5
     (opt,) = [o for o in cs.step_ops(w) if o.family == "optimizer"]
     assert opt.bytes == w.params * (4 * 5 + 2)
@@ -71,10 +75,15 @@ def test_accumulation_repeats_the_micro_batch_and_adds_the_loss():
     assert cs.micro_batches(10, 3, 1) == [4] and cs.micro_batches(10, 3, 1, rank=2) == [3]
 
 
-def test_a_graph_replays_the_micro_batch_and_leaves_only_the_step_tail_outside():
+def test_a_graph_replays_the_micro_batch_and_on_one_gpu_the_step_tail_too():
     c = cs.counts(cs.step_ops(cs.Workload(sizes=[4, 8, 2], batch=16, graph=True, accumulate=2)))
-    # outside: per replay the dropout-step kernel; then health check (2) and optimizer (1)
-    assert c["kernel_launches"] == 2 + 3 and c["graph_launches"] == 2 and c["blas_calls"] == 0
+    # outside: per replay its arguments' kernel; the last replay holds the health check (2),
+    # the verdict and the optimizer
+    assert c["kernel_launches"] == 2 and c["graph_launches"] == 2 and c["blas_calls"] == 0
+    # several GPUs: the tail is a graph of its own after the allreduce
+    two = cs.counts(cs.step_ops(cs.Workload(sizes=[4, 8, 2], batch=32, graph=True, accumulate=2, ranks=2)))
+    assert two["kernel_launches"] == 3 and two["graph_launches"] == 3
+    assert two["kernels_executed"] == c["kernels_executed"] + 1   # the tail replay's arguments
     assert cs.uses_graph("auto", cs.GRAPH_AUTO_MAX_PARAMS) and not cs.uses_graph("auto", cs.GRAPH_AUTO_MAX_PARAMS + 1)
     assert cs.uses_graph("on", 1 << 30) and not cs.uses_graph("off", 10)
 
