@@ -113,13 +113,13 @@ struct StepResult {
   StepTimings timings;
   double started = 0.0;  // when the step began, on the host's steady clock (seconds; as TraceSpan)
   std::vector<BucketTiming> buckets;  // timed and traced steps only; empty otherwise
-  // Traced steps' spans whose marks have happened (see StepTrace): this step's,
-  // and on a device the end of an earlier traced step's (its optimizer ran on
-  // after that step returned); each names its step.
+  // Traced steps' spans whose marks have happened (see StepTrace): this step's
+  // (all of them: its read-back follows its update), and any an earlier step
+  // left; each names its step.
   std::vector<TraceSpan> spans;
   float loss = 0.0f;          // global mean loss of the step's samples
   double grad_norm = 0.0;     // L2 norm of the averaged, unscaled gradient before clipping
-  bool applied = false;       // false: non-finite loss or gradients; parameters untouched
+  bool applied = false;       // false: non-finite loss or gradients (the verdict); parameters untouched
   bool stop_requested = false;  // some rank asked to stop; every rank sees the same value
   float loss_scale = 1.0f;    // the scale this step used
 };
@@ -139,8 +139,7 @@ class DataParallelStep {
   // backend's clock and without synchronising anything.
   StepResult step(const std::vector<MicroShard>& shards, int64_t global_batch, uint64_t step_index,
                   float lr, bool request_stop = false, bool trace = false);
-  // The traced spans not handed over yet (a device's last optimizer runs on
-  // after its step returned), after waiting for the backend: call at the end of a run.
+  // The traced spans not handed over yet, after waiting for the backend: call at the end of a run.
   std::vector<TraceSpan> drain_trace() { return trace_->drain(); }
   // Make every rank's parameters equal to root's.
   void broadcast_parameters(int root);

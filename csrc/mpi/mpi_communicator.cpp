@@ -83,7 +83,7 @@ MpiCommunicator::~MpiCommunicator() {
       std::lock_guard<std::mutex> lock(worker_state_->m);
       worker_state_->stop = true;
     }
-    worker_state_->cv.notify_all();
+    worker_state_->work_cv.notify_all();
     if (broken_)
       worker_.detach();  // it may wait in MPI_Allreduce forever (comm_ is never freed then)
     else
@@ -285,7 +285,7 @@ template <typename State>
 void allreduce_worker(std::shared_ptr<State> w, MPI_Comm comm) {
   std::unique_lock<std::mutex> lock(w->m);
   for (;;) {
-    w->cv.wait(lock, [&] { return w->pending || w->stop; });
+    w->work_cv.wait(lock, [&] { return w->pending || w->stop; });
     if (w->stop) return;
     w->pending = false;
     float* data = w->data;
@@ -298,7 +298,9 @@ void allreduce_worker(std::shared_ptr<State> w, MPI_Comm comm) {
     lock.lock();
     w->rc = rc;
     w->done = true;
-    w->cv.notify_all();
+    lock.unlock();
+    w->done_cv.notify_one();
+    lock.lock();
   }
 }
 }  // namespace
@@ -311,7 +313,9 @@ void MpiCommunicator::allreduce_on_worker(float* data, size_t count) {
   w.count = count;
   w.done = false;
   w.pending = true;
-  w.cv.notify_all();
+  lock.unlock();
+  w.work_cv.notify_one();
+  lock.lock();
   // Blocked, not spinning: the worker (and a peer rank on the same cores) needs the CPU.
   const double beat_interval = std::min(1.0, timeout_seconds_ / 4);
   const double deadline = now_seconds() + timeout_seconds_;
@@ -322,7 +326,7 @@ void MpiCommunicator::allreduce_on_worker(float* data, size_t count) {
       fail_timeout("allreduce", 2.5 * beat_interval);
     }
     const double wake = std::min(deadline, now + beat_interval);
-    w.cv.wait_for(lock, std::chrono::duration<double>(wake - now), [&] { return w.done; });
+    w.done_cv.wait_for(lock, std::chrono::duration<double>(wake - now), [&] { return w.done; });
     if (!w.done) {  // still waiting: tell the peers this rank is alive, read theirs
       lock.unlock();
       send_heartbeat();

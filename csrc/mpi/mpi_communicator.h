@@ -96,7 +96,10 @@ class MpiCommunicator final : public Communicator {
   // is detached (it may never return from MPI), and must not outlive what it touches.
   struct Worker {
     std::mutex m;
-    std::condition_variable cv;
+    // One each way, each notified with m released: a thread woken while the
+    // notifier still holds m would only block on it again (two context
+    // switches a bucket instead of one, on cores the allreduce needs).
+    std::condition_variable work_cv, done_cv;
     float* data = nullptr;  // the job (guarded by m)
     size_t count = 0;
     bool pending = false, done = false, stop = false;

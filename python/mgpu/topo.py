@@ -284,9 +284,9 @@ def allreduce_sweep(pg, comm, backend, max_bytes: int, quick: bool) -> list:
             raw_seconds = pg.allreduce(raw.run(count, iters), op="max")
             row["raw_mpi_busbw_GBps"] = size / raw_seconds / 1e9 * 2 * (n - 1) / n
             row["vs_raw_mpi"] = raw_seconds / seconds
-            # As training calls it: with a watchdog deadline the call is nonblocking
-            # (MPI_Iallreduce, tested until done or late), which OpenMPI runs with
-            # other algorithms than the blocking call the sweep times.
+            # As training calls it: with a watchdog deadline the blocking call runs on
+            # a worker thread, which the caller waits for with heartbeats (a handoff
+            # each way per call, on the cores the allreduce uses).
             previous, comm.timeout = comm.timeout, TRAINING_DEADLINE_S
             try:
                 watched, _ = probe.run(count, iters, 2)

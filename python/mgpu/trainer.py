@@ -146,8 +146,7 @@ class Trainer:
         a non-finite loss or gradient leaves the parameters untouched (see
         last_result.applied); max_bad_steps of them in a row raise NumericsError.
         trace: the core records the step's spans and bucket allreduces
-        (last_result.spans, .buckets; a GPU hands the last ones over in a later
-        step's result or drain_trace()).
+        (last_result.spans, .buckets; drain_trace() returns any not handed over).
         """
         rows = len(x_local)
         if global_batch is None:

@@ -1,6 +1,9 @@
 """Worker for tests/gpu/test_nccl.py, run under mpirun: trains on the CUDA
 backend with the NCCL (or MPI) communicator and checks the result against a
-single-process run of the whole global batch; prints OK on success."""
+single-process run of the whole global batch; prints OK on success. A mode
+ending in "+graph" captures the steps (CUDA graphs): several ranks replay the
+micro-batch's graph, allreduce, then replay the tail's (verdict and update);
+the single-process reference replays one graph for the whole step."""
 import sys
 from pathlib import Path
 
@@ -17,10 +20,10 @@ from reference import rel_err  # noqa: E402
 SIZES, BATCH, STEPS = [12, 48, 48, 5], 30, 15
 
 
-def train(comm, first, rows, gpu):
+def train(comm, first, rows, gpu, graph="off"):
     model = _core.MLP(_core.make_backend("cuda", gpu), SIZES, 0.2, 11)
     step = _core.DataParallelStep(model, _core.Optimizer(model, "sgd", momentum=0.9), comm, "cross_entropy",
-                                  bucket_elems=600)
+                                  bucket_elems=600, graph=graph, max_grad_norm=0.5)
     step.broadcast_parameters(0)
     rng = np.random.default_rng(5)
     losses = []
@@ -29,6 +32,7 @@ def train(comm, first, rows, gpu):
         y = rng.integers(0, SIZES[-1], BATCH)
         r = step.step([(x[first:first + rows], y[first:first + rows], first)], BATCH, t, 0.05)
         losses.append(r.loss)
+    assert step.uses_graphs == (graph == "on") and step.graph_fallback == ""
     return model.get_parameters(), losses
 
 
@@ -46,6 +50,8 @@ def host_syncs_per_step(comm, gpu, steps=4):
 
 
 def main(mode):
+    mode, _, extra = mode.partition("+")
+    graph = "on" if extra == "graph" else "off"
     pg = mgpu.ProcessGroup()
     if mode == "nccl-expect-config-error":
         try:
@@ -62,8 +68,8 @@ def main(mode):
     if mode == "nccl-zero-rows":  # the last rank gets no rows: its buckets must group like the others'
         first, rows = (BATCH, 0) if pg.rank == pg.size - 1 else (0, BATCH) if pg.rank == 0 else (BATCH, 0)
     _, gpu = pg.resolve_device("cuda")
-    params, losses = train(comm, first, rows, gpu)
-    ref_params, ref_losses = train(_core.LocalCommunicator(), 0, BATCH, gpu)
+    params, losses = train(comm, first, rows, gpu, graph)
+    ref_params, ref_losses = train(_core.LocalCommunicator(), 0, BATCH, gpu, graph)
     assert rel_err(params, ref_params) < 1e-5, rel_err(params, ref_params)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     if mode == "mpi" and _core.build_info().get("gpu_emulation", False):

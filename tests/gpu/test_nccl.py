@@ -97,21 +97,24 @@ def test_sharing_a_gpu_without_support_is_a_config_error(gpu):
 
 
 @needs_nccl
-def test_a_rank_without_rows_groups_its_allreduces_like_the_others(gpu):
+@pytest.mark.parametrize("mode", ["nccl-zero-rows", "nccl-zero-rows+graph"])
+def test_a_rank_without_rows_groups_its_allreduces_like_the_others(gpu, mode):
     # A rank with 0 rows skips backward; its bucket allreduces must still form
     # the same NCCL groups as its peers' (real NCCL: hang or wrong sums otherwise;
     # the emulation compares every group across ranks).
     if _core.cuda_device_count() < 2 and NCCL_CODE < 23000:
         pytest.skip("needs 2 GPUs (or NCCL >= 2.30 to share one)")
-    r = launch(2, "nccl-zero-rows")
+    r = launch(2, mode)
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.count("OK") == 2, r.stdout + r.stderr
 
 
-def test_two_ranks_cuda_with_mpi_staging(gpu):
+# (ids without "mpi": pytest-mpi would skip a test with that keyword unless --with-mpi)
+@pytest.mark.parametrize("mode", ["mpi", "mpi+graph"], ids=["staged", "staged-graph"])
+def test_two_ranks_cuda_with_mpi_staging(gpu, mode):
     if not hasattr(_core, "MpiCommunicator"):
         pytest.skip("mgpu was built without MPI")
-    r = launch(2, "mpi", {"CUDA_VISIBLE_DEVICES": "0"})
+    r = launch(2, mode, {"CUDA_VISIBLE_DEVICES": "0"})
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.count("OK") == 2, r.stdout + r.stderr
     if _core.build_info().get("gpu_emulation", False):
