@@ -112,7 +112,9 @@ inline UpdateScalars update_scalars(const AdamWParams& hp) {
   s.lr = hp.lr;
   s.step_size = static_cast<float>(hp.lr / (1.0 - std::pow(double(hp.beta1), t)));
   s.inv_sqrt_bc2 = static_cast<float>(1.0 / std::sqrt(1.0 - std::pow(double(hp.beta2), t)));
-  s.decay = 1.0f - hp.lr * hp.weight_decay;
+  // In double: the product of two floats is exact there, so one rounding whatever
+  // the compiler contracts (nvcc's host pass and g++ -march=native differ).
+  s.decay = static_cast<float>(1.0 - double(hp.lr) * double(hp.weight_decay));
   return s;
 }
 

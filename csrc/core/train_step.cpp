@@ -326,7 +326,8 @@ StepResult DataParallelStep::step(const std::vector<MicroShard>& shards, int64_t
     }
     // An empty share contributes zero gradient and zero loss.
     if (!written) be.zero(m.grads(), m.num_params() + 1);
-    if (!whole_step_graph) {
+    // (Not whole_step_graph: a capture that failed under kAuto may have turned the graphs off.)
+    if (!tail_queued) {
       launch_ready(-1);  // every bucket not yet launched
       // 5. All gradients summed on every rank; from here on every rank computes
       // the same values and takes the same decisions.

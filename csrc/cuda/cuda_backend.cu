@@ -522,6 +522,9 @@ void CudaBackend::writes(const void* dst, size_t bytes) {
 
 kernels::HalfShadow CudaBackend::shadow_for_update(const float* param, size_t n) {
   if (master_half_ && param == master_ && n == master_n_) {
+    // A verdict may refuse the update, which then writes nothing: the copy must
+    // be current before it (a rank without rows ran no forward to refresh it).
+    refresh_master_half();
     master_half_fresh_ = true;  // the update writes every value of the copy as it writes the parameter
     return kernels::HalfShadow{master_half_, precision_ == Precision::kBF16};
   }
@@ -682,6 +685,7 @@ void CudaBackend::begin_capture() {
 int CudaBackend::end_capture() {
   activate();
   captures_.end();
+  for (HalfOperand& h : half_operands_) h.valid = 0;  // recorded, not run: nothing was written yet
   cudaGraph_t graph = nullptr;
   MGPU_CUDA_CHECK(cudaStreamEndCapture(stream_, &graph));
   cudaGraphExec_t exec = nullptr;
@@ -692,6 +696,8 @@ int CudaBackend::end_capture() {
 }
 
 void CudaBackend::abort_capture() noexcept {
+  // Copies the capture marked current were never written (also after a failed end_capture).
+  for (HalfOperand& h : half_operands_) h.valid = 0;
   if (!captures_.capturing()) return;
   captures_.abort();
   cudaSetDevice(device_);

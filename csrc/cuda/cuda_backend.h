@@ -137,7 +137,8 @@ class CudaBackend final : public Backend {
   // dropout, forward and backward) write the copy as they write each value;
   // other operands are cast at their first use; every later GEMM reads the
   // copy, until a write to the fp32 values (writes()) makes it stale. Before a
-  // capture and after a replay all are stale: a graph makes its own.
+  // capture, when it ends or fails (it recorded, ran nothing) and after a
+  // replay all are stale: a graph makes its own.
   struct HalfOperand {
     const float* base = nullptr;
     size_t capacity = 0;  // elements of `half`

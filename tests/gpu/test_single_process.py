@@ -130,3 +130,33 @@ def test_broadcast_weights_reach_the_half_precision_gemms(gpu):
     ((one_losses, one_params),) = mgpu.run_on_gpus(run, gpus=1)
     np.testing.assert_allclose(two_losses, one_losses, rtol=1e-5)
     np.testing.assert_allclose(two_params, one_params, rtol=1e-5, atol=1e-6)
+
+
+@needs_nccl
+def test_a_refused_update_leaves_the_half_weights_current(gpu):
+    # Rank 1 holds no rows, so it runs no forward: its first touch of the bf16
+    # weight copy after the broadcast is the update, which a non-finite step
+    # (rank 0's NaN) refuses on the device and which then writes nothing. The
+    # copy must have been made current before it, or rank 1's next forward reads
+    # a copy that was never written. Both ranks hold the same parameters: their
+    # forwards must agree.
+    if _core.cuda_device_count() < 2:
+        pytest.skip("needs 2 GPUs (MGPU_EMULATE_GPU=2 on the emulation)")
+    import mgpu
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((16, 12)).astype(np.float32)
+    y = rng.standard_normal((16, 3)).astype(np.float32)
+    bad = x.copy()
+    bad[0, 0] = np.nan
+
+    def run(pg):
+        model = mgpu.MLP([12, 32, 3], seed=pg.rank, device="cuda", device_index=pg.local_rank, precision="bf16")
+        trainer = mgpu.Trainer(model, lr=0.05, process_group=pg, graph="off")
+        rows = slice(0, 16) if pg.rank == 0 else slice(0, 0)
+        trainer.step(bad[rows], y[rows], global_batch=16, first_sample=0)
+        return trainer.last_result.applied, model.forward(x)
+
+    (applied0, out0), (applied1, out1) = mgpu.run_on_gpus(run, gpus=2)
+    assert not applied0 and not applied1
+    assert np.all(np.isfinite(out1))
+    np.testing.assert_array_equal(out1, out0)
