@@ -105,21 +105,30 @@ def test_more_threads_than_gpus_is_a_clear_error(gpu):
     assert len(lines) == 1 and "GPU(s) visible" in lines[0], r.stderr
 
 
+def two_gpu_bf16_setup(rows, seed):
+    """Skips without 2 GPUs; (x, y) of `rows` rows for a [12, 32, 3] model, and its maker."""
+    if _core.cuda_device_count() < 2:
+        pytest.skip("needs 2 GPUs (MGPU_EMULATE_GPU=2 on the emulation)")
+    import mgpu
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((rows, 12)).astype(np.float32)
+    y = rng.standard_normal((rows, 3)).astype(np.float32)
+    make = lambda pg: mgpu.MLP([12, 32, 3], seed=pg.rank, device="cuda", device_index=pg.local_rank,  # noqa: E731
+                               precision="bf16")
+    return x, y, make
+
+
 @needs_nccl
 def test_broadcast_weights_reach_the_half_precision_gemms(gpu):
     # Rank 1 starts from other weights; the Trainer broadcasts rank 0's. The
     # communicator writes the parameters behind the backend's back, so the
     # backend's persistent bf16 copy must be recast (parameters_changed), or
     # rank 1's GEMMs keep using its own weights and the run departs from one GPU's.
-    if _core.cuda_device_count() < 2:
-        pytest.skip("needs 2 GPUs (MGPU_EMULATE_GPU=2 on the emulation)")
     import mgpu
-    rng = np.random.default_rng(4)
-    x = rng.standard_normal((32, 12)).astype(np.float32)
-    y = rng.standard_normal((32, 3)).astype(np.float32)
+    x, y, make = two_gpu_bf16_setup(32, seed=4)
 
     def run(pg):
-        model = mgpu.MLP([12, 32, 3], seed=pg.rank, device="cuda", device_index=pg.local_rank, precision="bf16")
+        model = make(pg)
         model.forward(x[:2])  # the bf16 copy is now made, from this rank's own weights
         trainer = mgpu.Trainer(model, lr=0.05, process_group=pg, graph="off")
         part = slice(16 * pg.rank, 16 * pg.rank + 16) if pg.size == 2 else slice(0, 32)
@@ -140,17 +149,13 @@ def test_a_refused_update_leaves_the_half_weights_current(gpu):
     # copy must have been made current before it, or rank 1's next forward reads
     # a copy that was never written. Both ranks hold the same parameters: their
     # forwards must agree.
-    if _core.cuda_device_count() < 2:
-        pytest.skip("needs 2 GPUs (MGPU_EMULATE_GPU=2 on the emulation)")
     import mgpu
-    rng = np.random.default_rng(6)
-    x = rng.standard_normal((16, 12)).astype(np.float32)
-    y = rng.standard_normal((16, 3)).astype(np.float32)
+    x, y, make = two_gpu_bf16_setup(16, seed=6)
     bad = x.copy()
     bad[0, 0] = np.nan
 
     def run(pg):
-        model = mgpu.MLP([12, 32, 3], seed=pg.rank, device="cuda", device_index=pg.local_rank, precision="bf16")
+        model = make(pg)
         trainer = mgpu.Trainer(model, lr=0.05, process_group=pg, graph="off")
         rows = slice(0, 16) if pg.rank == 0 else slice(0, 0)
         trainer.step(bad[rows], y[rows], global_batch=16, first_sample=0)
