@@ -31,10 +31,7 @@ struct StepInputs {
 
 // False: this step's update does not run. Otherwise s and gs hold its values.
 __device__ __forceinline__ bool step_values(const StepInputs& in, UpdateScalars& s, float& gs) {
-  if (in.verdict) {
-    if (!in.verdict->apply) return false;
-    gs = in.verdict->factor;
-  }
+  if (!update_runs(in.verdict, gs, gs)) return false;
   if (in.replay) s = in.replay->update;
   return true;
 }

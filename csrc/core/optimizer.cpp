@@ -43,13 +43,17 @@ AdamWParams Optimizer::adamw_params(float lr) const {
   return AdamWParams{lr, config_.beta1, config_.beta2, config_.eps, config_.weight_decay, steps_ + 1, 1.0f};
 }
 
-UpdateScalars Optimizer::next_scalars(float lr) const {
+void Optimizer::check_lr(float lr) {
   MGPU_CHECK(lr >= 0.0f && std::isfinite(lr), ConfigError, "learning rate must be a finite number >= 0, got ", lr);
+}
+
+UpdateScalars Optimizer::next_scalars(float lr) const {
+  check_lr(lr);
   return config_.kind == OptimizerKind::kSGD ? update_scalars(sgd_params(lr)) : update_scalars(adamw_params(lr));
 }
 
 void Optimizer::step(float* params, const float* grads, float lr, const StepVerdict* verdict) {
-  MGPU_CHECK(lr >= 0.0f && std::isfinite(lr), ConfigError, "learning rate must be a finite number >= 0, got ", lr);
+  check_lr(lr);
   MGPU_CHECK(verdict, ConfigError, "an optimizer step needs the step's verdict");
   if (config_.kind == OptimizerKind::kSGD) {
     SgdParams hp = sgd_params(lr);

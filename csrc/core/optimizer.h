@@ -48,6 +48,7 @@ class Optimizer {
 
  private:
   BackendArray<float>& state(const std::string& name);
+  static void check_lr(float lr);  // ConfigError unless finite and >= 0
   SgdParams sgd_params(float lr) const;
   AdamWParams adamw_params(float lr) const;
 

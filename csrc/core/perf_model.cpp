@@ -256,12 +256,9 @@ void StepPhases::check(const std::string& what) const {
 double StepPhases::per_param(const std::vector<double>& seconds, double n) const {
   MGPU_CHECK(!params.empty() && seconds.size() == params.size(), ConfigError, "step phases: ", seconds.size(),
              " times for ", params.size(), " parameter counts");
-  auto at = [&](size_t i) { return seconds[i] / params[i]; };
-  if (n <= params.front()) return at(0);
-  if (n >= params.back()) return at(params.size() - 1);
-  const size_t i = static_cast<size_t>(std::upper_bound(params.begin(), params.end(), n) - params.begin());
-  const double f = std::log(n / params[i - 1]) / std::log(params[i] / params[i - 1]);
-  return at(i - 1) + f * (at(i) - at(i - 1));
+  std::vector<std::pair<double, double>> points(params.size());
+  for (size_t i = 0; i < params.size(); ++i) points[i] = {params[i], seconds[i] / params[i]};
+  return lookup_in_log_x(points, n, /*log_y=*/false);
 }
 
 double DeviceProfile::bandwidth_at(double bytes, bool alone) const {

@@ -39,4 +39,13 @@ MGPU_HD void decide_step(StepVerdict& v, const float* slots, float loss_scale, f
   v.factor = v.apply ? static_cast<float>(factor) : 0.0f;
 }
 
+// What an update does with a verdict (nullable: none, the update runs with
+// grad_scale): false when the verdict refuses it; otherwise `factor` is the one
+// it applies to each gradient. Every backend's update and kernel asks this.
+MGPU_HD bool update_runs(const StepVerdict* v, float grad_scale, float& factor) {
+  if (v && !v->apply) return false;
+  factor = v ? v->factor : grad_scale;
+  return true;
+}
+
 }  // namespace mgpu

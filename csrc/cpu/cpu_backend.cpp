@@ -463,10 +463,10 @@ void CpuBackend::sgd_update(float* param, const float* grad, float* buf, size_t 
 
 void CpuBackend::sgd_apply(float* param, const float* grad, float* buf, size_t n, const SgdParams& hp,
                            const UpdateScalars& s) {
-  if (hp.verdict && !hp.verdict->apply) return;
+  float gs = 1.0f;
+  if (!update_runs(hp.verdict, hp.grad_scale, gs)) return;
   const long len = static_cast<long>(n);
   const float lr = s.lr, wd = hp.weight_decay, mom = hp.momentum;
-  const float gs = hp.verdict ? hp.verdict->factor : hp.grad_scale;
   if (mom > 0.0f && s.first_step) {  // the buffer starts as the first gradient
 #pragma omp parallel for simd num_threads(threads_) if (parallel: len > kParallelMin) schedule(static)
     for (long i = 0; i < len; ++i) {
@@ -500,12 +500,12 @@ void CpuBackend::adamw_update(float* param, const float* grad, float* m, float* 
 
 void CpuBackend::adamw_apply(float* param, const float* grad, float* m, float* v, size_t n, const AdamWParams& hp,
                              const UpdateScalars& s) {
-  if (hp.verdict && !hp.verdict->apply) return;
+  float gs = 1.0f;
+  if (!update_runs(hp.verdict, hp.grad_scale, gs)) return;
   const long len = static_cast<long>(n);
   const float step_size = s.step_size, inv_sqrt_bc2 = s.inv_sqrt_bc2, decay = s.decay;
   const float one_minus_b1 = 1.0f - hp.beta1, one_minus_b2 = 1.0f - hp.beta2;
   const float b2 = hp.beta2, eps = hp.eps;
-  const float gs = hp.verdict ? hp.verdict->factor : hp.grad_scale;
 #pragma omp parallel for simd num_threads(threads_) if (parallel: len > kParallelMin) schedule(static)
   for (long i = 0; i < len; ++i) {
     // Not contracted into g - m[i]: g also feeds a product (g * g), and GCC only

@@ -87,9 +87,9 @@ class CpuBackend final : public Backend {
   void sgd_apply(float* param, const float* grad, float* buf, size_t n, const SgdParams& hp, const UpdateScalars& s);
   void adamw_apply(float* param, const float* grad, float* m, float* v, size_t n, const AdamWParams& hp,
                    const UpdateScalars& s);
-  double sum_of_squares(const float* x, size_t n) const;
+  double sum_of_squares(const float* x, size_t n) const;  // deterministic for a fixed thread count
   void decide(StepVerdict* verdict, const float* grads, size_t n, const float* slots, float loss_scale,
-              float max_norm, const int* comm_failed);  // deterministic for a fixed thread count
+              float max_norm, const int* comm_failed);
   // Row-major C (M, N) = op(A) op(B) + beta C, op = transpose where asked.
   void sgemm(bool trans_a, bool trans_b, int M, int N, int K, const float* A, int lda, const float* B,
              int ldb, float beta, float* C, int ldc);

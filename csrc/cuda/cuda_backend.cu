@@ -352,7 +352,7 @@ void CudaBackend::set_precision(Precision precision) {
   MGPU_CUBLAS_CHECK(cublasSetMathMode(
       cublas_, precision == Precision::kTF32 ? CUBLAS_TF32_TENSOR_OP_MATH : CUBLAS_DEFAULT_MATH));
   precision_ = precision;
-  for (HalfOperand& h : half_operands_) h.valid = 0;  // of the old half type
+  stale_all_half_operands();  // of the old half type
   size_master_half();
 }
 
@@ -361,7 +361,7 @@ const void* CudaBackend::gemm_input(int slot, const float* src, size_t n) {
   if (const void* weights = master_half_view(src, n)) return weights;
   if (HalfOperand* h = reuse_half_operands_ ? half_operand(src, n) : nullptr) {
     if (h->valid != n) {  // not produced with its values: cast once, for every GEMM that reads it
-      (precision_ == Precision::kBF16 ? kernels::cast_to_bf16 : kernels::cast_to_fp16)(h->half, src, n, stream_);
+      cast_half(h->half, src, n);
       h->valid = n;
     }
     return h->half;
@@ -371,26 +371,36 @@ const void* CudaBackend::gemm_input(int slot, const float* src, size_t n) {
     MGPU_CHECK(!captures_.capturing(), DeviceError, "a GEMM operand outgrew its buffer during a capture "
                "(run the shape uncaptured first)");
     const size_t cap = std::max(n, half_capacity_[slot] + half_capacity_[slot] / 2);
-    release_captures();  // graphs point at the buffer about to go
-    // Stream-ordered: no device-wide synchronisation (cudaFree's), which could
-    // wait forever on a collective of another rank sharing this GPU.
-    if (half_[slot]) MGPU_CUDA_CHECK(cudaFreeAsync(half_[slot], stream_));
-    half_[slot] = nullptr;
-    half_capacity_[slot] = 0;
-    const cudaError_t rc = cudaMallocAsync(&half_[slot], cap * 2, stream_);  // 2-byte elements
-    if (rc != cudaSuccess) {
-      cudaGetLastError();
-      half_[slot] = nullptr;
-      throw DeviceError(detail::concat("cudaMallocAsync of ", cap * 2, " bytes on GPU ", device_,
-                                       " failed: ", cudaGetErrorString(rc)));
-    }
-    half_capacity_[slot] = cap;
+    regrow_half(half_[slot], half_capacity_[slot], cap, "GEMM operand scratch");
   }
-  if (precision_ == Precision::kBF16)
-    kernels::cast_to_bf16(half_[slot], src, n, stream_);
-  else
-    kernels::cast_to_fp16(half_[slot], src, n, stream_);
+  cast_half(half_[slot], src, n);
   return half_[slot];
+}
+
+void CudaBackend::cast_half(void* dst, const float* src, size_t n) {
+  (precision_ == Precision::kBF16 ? kernels::cast_to_bf16 : kernels::cast_to_fp16)(dst, src, n, stream_);
+}
+
+void* CudaBackend::allocate_half(size_t n, const char* what) {
+  // Stream-ordered: no device-wide synchronisation (cudaFree's), which could
+  // wait forever on a collective of another rank sharing this GPU.
+  void* p = nullptr;
+  const cudaError_t rc = cudaMallocAsync(&p, n * 2, stream_);  // 2-byte elements
+  if (rc != cudaSuccess) {
+    cudaGetLastError();
+    throw DeviceError(detail::concat("cudaMallocAsync of ", n * 2, " bytes (", what, ") on GPU ", device_,
+                                     " failed: ", cudaGetErrorString(rc)));
+  }
+  return p;
+}
+
+void CudaBackend::regrow_half(void*& half, size_t& capacity, size_t n, const char* what) {
+  release_captures();  // graphs point at the buffer about to go
+  if (half) MGPU_CUDA_CHECK(cudaFreeAsync(half, stream_));
+  half = nullptr;
+  capacity = 0;
+  half = allocate_half(n, what);
+  capacity = n;
 }
 
 void CudaBackend::gemm(cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k, const void* A,
@@ -419,19 +429,8 @@ CudaBackend::HalfOperand* CudaBackend::half_operand(const float* base, size_t n)
     half_operands_.push_back(HalfOperand{base, 0, 0, nullptr});
     h = &half_operands_.back();
   }
-  // Grows only while shapes grow (the first steps); stream-ordered, as every scratch.
-  release_captures();  // graphs point at the copy about to go
-  if (h->half) MGPU_CUDA_CHECK(cudaFreeAsync(h->half, stream_));
-  h->half = nullptr;
-  h->capacity = h->valid = 0;
-  const cudaError_t rc = cudaMallocAsync(&h->half, n * 2, stream_);  // 2-byte elements
-  if (rc != cudaSuccess) {
-    cudaGetLastError();
-    h->half = nullptr;
-    throw DeviceError(detail::concat("cudaMallocAsync of ", n * 2, " bytes on GPU ", device_,
-                                     " failed: ", cudaGetErrorString(rc)));
-  }
-  h->capacity = n;
+  h->valid = 0;
+  regrow_half(h->half, h->capacity, n, "half operand");  // only while shapes grow (the first steps)
   return h;
 }
 
@@ -441,6 +440,10 @@ kernels::HalfShadow CudaBackend::produce_half_operand(float* base, size_t n) {
   if (!h) return {};
   h->valid = n;  // the producing kernel, queued next, writes every value of it
   return kernels::HalfShadow{h->half, precision_ == Precision::kBF16};
+}
+
+void CudaBackend::stale_all_half_operands() noexcept {
+  for (HalfOperand& h : half_operands_) h.valid = 0;
 }
 
 void CudaBackend::stale_half_operands(const void* dst, size_t bytes) {
@@ -484,14 +487,7 @@ void CudaBackend::size_master_half() {
   master_half_fresh_ = false;
   const bool half = precision_ == Precision::kBF16 || precision_ == Precision::kFP16;
   if (half && !master_half_ && master_n_) {
-    // Stream-ordered, as the other scratch (see gemm_input).
-    const cudaError_t rc = cudaMallocAsync(&master_half_, master_n_ * 2, stream_);
-    if (rc != cudaSuccess) {
-      cudaGetLastError();
-      master_half_ = nullptr;
-      throw DeviceError(detail::concat("cudaMallocAsync of ", master_n_ * 2, " bytes (half weights) on GPU ",
-                                       device_, " failed: ", cudaGetErrorString(rc)));
-    }
+    master_half_ = allocate_half(master_n_, "half weights");
   } else if (!half && master_half_) {
     MGPU_CUDA_CHECK(cudaFreeAsync(master_half_, stream_));
     master_half_ = nullptr;
@@ -508,8 +504,7 @@ void CudaBackend::refresh_master_half() {
   if (!master_half_ || master_half_fresh_) return;
   MGPU_CHECK(!captures_.capturing(), DeviceError, "stale half weights during a capture (the parameters "
              "changed after begin_capture)");
-  (precision_ == Precision::kBF16 ? kernels::cast_to_bf16 : kernels::cast_to_fp16)(master_half_, master_,
-                                                                                  master_n_, stream_);
+  cast_half(master_half_, master_, master_n_);
   master_half_fresh_ = true;
 }
 
@@ -675,7 +670,7 @@ void CudaBackend::axpy(float* y, const float* x, size_t n, float alpha) {
 void CudaBackend::begin_capture() {
   activate();
   refresh_master_half();  // now, not as a node of the graph
-  for (HalfOperand& h : half_operands_) h.valid = 0;  // the graph makes its own half operands
+  stale_all_half_operands();  // the graph makes its own half operands
   captures_.begin();
   const cudaError_t rc = cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal);
   if (rc != cudaSuccess) captures_.abort();
@@ -685,7 +680,7 @@ void CudaBackend::begin_capture() {
 int CudaBackend::end_capture() {
   activate();
   captures_.end();
-  for (HalfOperand& h : half_operands_) h.valid = 0;  // recorded, not run: nothing was written yet
+  stale_all_half_operands();  // recorded, not run: nothing was written yet
   cudaGraph_t graph = nullptr;
   MGPU_CUDA_CHECK(cudaStreamEndCapture(stream_, &graph));
   cudaGraphExec_t exec = nullptr;
@@ -697,7 +692,7 @@ int CudaBackend::end_capture() {
 
 void CudaBackend::abort_capture() noexcept {
   // Copies the capture marked current were never written (also after a failed end_capture).
-  for (HalfOperand& h : half_operands_) h.valid = 0;
+  stale_all_half_operands();
   if (!captures_.capturing()) return;
   captures_.abort();
   cudaSetDevice(device_);
@@ -716,7 +711,7 @@ void CudaBackend::replay(int graph, const ReplayArgs& args) {
   kernels::set_replay_args(replay_dev_, args, stream_);
   MGPU_CUDA_CHECK(cudaGraphLaunch(exec, stream_));
   // What the graph wrote is not tracked here: its half operands count as stale after it.
-  for (HalfOperand& h : half_operands_) h.valid = 0;
+  stale_all_half_operands();
 }
 
 void CudaBackend::release_captures() {

@@ -149,7 +149,14 @@ class CudaBackend final : public Backend {
   HalfOperand* half_operand(const float* base, size_t n);
   kernels::HalfShadow produce_half_operand(float* base, size_t n);  // for a producing kernel; then mark it
   void stale_half_operands(const void* dst, size_t bytes);  // those overlapping dst: stale
+  void stale_all_half_operands() noexcept;
   void free_half_operands(const void* allocation) noexcept;  // those within an allocation going
+  // The precision's half type (bf16 or fp16): dst (n two-byte values) = src cast on the stream;
+  // an array of n of them, stream-ordered (`what` names it in the error); `half`
+  // (of `capacity`) replaced by one of n, the graphs that use it released first.
+  void cast_half(void* dst, const float* src, size_t n);
+  void* allocate_half(size_t n, const char* what);
+  void regrow_half(void*& half, size_t& capacity, size_t n, const char* what);
   // Column-major C (m, n) = op(A) op(B) + beta C, fp32 output, inputs from gemm_input.
   void gemm(cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k, const void* A, int lda,
             const void* B, int ldb, float beta, float* C, int ldc);
