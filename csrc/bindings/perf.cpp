@@ -72,6 +72,18 @@ std::vector<double> time_axpy(Backend& be, size_t n, int repeats) {
   return time_calls(be, repeats, [&] { be.axpy(y.data(), x.data(), n, 0.5f); });
 }
 
+// h (B, C) -> h: the ReLU that follows each hidden layer's GEMM, with dropout p
+// (p = 0: the plain ReLU, whose cost the layer's pass already prices). Zeros stay
+// zeros, so every call does the same work on the same values.
+std::vector<double> time_relu_dropout(Backend& be, int B, int C, float p, int repeats) {
+  MGPU_CHECK(B >= 1 && C >= 1, ConfigError, "rows and columns must be >= 1");
+  MGPU_CHECK(p >= 0.0f && p < 1.0f, ConfigError, "dropout probability must be in [0, 1), got ", p);
+  BackendArray<float> h(&be, size_t(B) * C);
+  be.zero(h.data(), h.size());
+  const DropoutKey key{1, 0, 0, 0};
+  return time_calls(be, repeats, [&] { be.relu_dropout_forward(h.data(), B, C, p, key); });
+}
+
 // host -> backend copies of `bytes` (staging bandwidth; a memcpy on the CPU).
 std::vector<double> time_copy_to_backend(Backend& be, size_t bytes, int repeats) {
   MGPU_CHECK(bytes >= 1, ConfigError, "bytes must be >= 1");
@@ -144,6 +156,10 @@ void bind_perf(py::module_& m) {
   m.def("time_linear", &time_linear, py::arg("backend"), py::arg("batch"), py::arg("in_features"),
         py::arg("out_features"), py::arg("repeats") = 5, py::call_guard<py::gil_scoped_release>(),
         "Seconds of each timed Linear forward GEMM (work 2 x batch x in x out FLOP) on the backend.");
+  m.def("time_relu_dropout", &time_relu_dropout, py::arg("backend"), py::arg("batch"), py::arg("features"),
+        py::arg("p"), py::arg("repeats") = 5, py::call_guard<py::gil_scoped_release>(),
+        "Seconds of each timed in-place ReLU with dropout p (p = 0: plain ReLU) over a (batch, features) "
+        "activation, the mask drawn as training draws it.");
   m.def("time_axpy", &time_axpy, py::arg("backend"), py::arg("n"), py::arg("repeats") = 5,
         py::call_guard<py::gil_scoped_release>(),
         "Seconds of each timed y += a x over n floats (12 bytes per element): bandwidth and, for tiny n, "

@@ -84,7 +84,7 @@ struct DeviceProfile {
   double host_to_device_bandwidth = 0.0;  // bytes/s for staging batches (0: host memory)
   double launch_overhead_s = 0.0;  // per kernel launch
   double context_bytes = 0.0;    // fixed per-process memory (CUDA context, libraries)
-  double dropout_s_per_unit = 0.0;  // forward + backward cost of dropout per hidden unit and sample
+  double dropout_s_per_unit = 0.0;  // what dropout adds per hidden unit and sample: the forward's mask (the backward's ReLU costs the same)
   // fp32 layer times measured by `mgpu topo` on CPU ranks, which share caches and
   // memory: `layers` with every rank of the node computing at once (a rank of a
   // multi-rank step), `layers_alone` with one rank computing (a 1-rank step).

@@ -462,3 +462,15 @@ def test_layer_and_phase_lookups_without_a_table_are_errors_not_crashes():
         P.LayerTimes().forward_s(1, 1, 1)
     with pytest.raises(mgpu.ConfigError, match="step phases"):
         P.StepPhases().update_at(1.0)
+
+
+def test_dropout_timer_checks_its_input_and_times_the_training_kernel():
+    """topo's dropout cost: the binding refuses impossible shapes and probabilities with a
+    ConfigError, and times one call per repeat."""
+    from mgpu import _core
+    backend = _core.make_backend("cpu", 0, 1)
+    times = _core.time_relu_dropout(backend, 4, 16, 0.3, 3)
+    assert len(times) == 3 and all(t > 0 for t in times)
+    for rows, cols, p in ((0, 16, 0.3), (4, 0, 0.3), (4, 16, 1.0), (4, 16, -0.1)):
+        with pytest.raises(mgpu.ConfigError):
+            _core.time_relu_dropout(backend, rows, cols, p, 3)
