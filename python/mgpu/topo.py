@@ -440,9 +440,8 @@ def measure_dropout_cost(backend, quick: bool) -> float:
     """Seconds per hidden unit and sample that dropout adds to a step: the forward's ReLU
     with a dropout mask less the plain ReLU, on the backend's own kernel, the two timed
     in alternating rounds (the backward's ReLU costs the same with or without a mask).
-    The median over DROPOUT_WIDTHS. Before, this was the difference of two whole steps
-    timed one after the other: a 3 % difference inside the machine's noise, which read
-    1.3 ns a unit on our Zen 3 VMs where the kernel takes 0.8."""
+    The median over DROPOUT_WIDTHS. Not the difference of two whole steps: dropout is a
+    few percent of a step, inside the machine's noise."""
     rounds = 3 if quick else 7
     costs = []
     for width in DROPOUT_WIDTHS:
