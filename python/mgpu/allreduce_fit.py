@@ -38,11 +38,13 @@ NVLINK_HOP = [0.47e-6, 1.9e-6, 3.4e-6]
 # NCCL's base latencies of a ring, LL / LL128 / Simple (baseLat in tuning.cc):
 # Simple starts 4.8 us after LL, used where a table has no Simple-sized rows.
 RING_BASE_GAP_SIMPLE = 8.4e-6 - 3.6e-6
+RANDOM_STARTS = 16  # per link, on top of the scaled typical starts
 
 # Which parameters each named link fits, and to which tables. 'fit' lists the
 # free parameters of the level that is fitted; the rest are fixed or derived.
 LINKS = {
-    "h100-sxm-8": dict(level="intra", tables=["azure-nd-h100-v5"], ranks=8, algorithms=("ring", "nvls"),
+    "h100-sxm-8": dict(level="intra", tables=["azure-nd-h100-v5", "together-h100-nccl2.26-ring",
+                                              "together-h100-nccl2.26-nvls"], ranks=8, algorithms=("ring", "nvls"),
                        fixed={"ring_busbw": 370e9, "hop_s": NVLINK_HOP},
                        why_fixed="ring busbw 370 GB/s: NVIDIA's figure for NVLink 4 rings (NVIDIA/nccl-tests#212); "
                                  "NVLS carries the large sizes in the table"),
@@ -52,6 +54,8 @@ LINKS = {
                         algorithms=("ring",), fixed={"hop_s": [0.0, 0.0, 0.0]}),
     "h100-ethernet-2x8": dict(level="inter", intra="h100-sxm-8", tables=["gcp-a3-mega-2x8"], ranks=16, nodes=2,
                               algorithms=("ring",), fixed={"hop_s": [0.0, 0.0, 0.0]}),
+    "h100-efa-2x8": dict(level="inter", intra="h100-sxm-8", tables=["aws-p5-2x8-efa-nccl2.22"], ranks=16, nodes=2,
+                         algorithms=("ring",), fixed={"hop_s": [0.0, 0.0, 0.0]}),
     "h100-pcie-nvlink-2": dict(level="intra", tables=["nccl-1161-h100-pcie-nvlink"], ranks=2, algorithms=("ring",),
                                fit_only=("ring_busbw",),
                                fixed={"hop_s": NVLINK_HOP, "latency_s": [9.85e-6] * 3, "bw_fraction": [0.0, 0.0, 1.0]},
@@ -174,10 +178,19 @@ def fit_link(name: str, published: dict, fitted: Dict[str, dict]) -> dict:
         pred = np.array([link.allreduce_seconds(spec["ranks"], b) for b in sizes])
         return np.log(pred) - np.log(times)
 
-    # Several starts: the min over protocols makes the surface piecewise, so one start can stall.
+    # Several starts: the min over protocols makes the surface piecewise, so a start stays
+    # in the basin of the protocol order it began with (e.g. LL128 cheaper to start than
+    # LL, or Simple late). Scaled copies of the typical start plus seeded random ones
+    # spread over the plausible box cover those orders; the seed keeps a refit repeatable.
+    rng = np.random.default_rng(13)
+    box_lo = np.log([1e-6 if n.startswith("latency") else frac_lo[n] if n.startswith("fraction") else start[n] / 4
+                     for n in free])
+    box_hi = np.log([3e-4 if n.startswith("latency") else frac_hi[n] if n.startswith("fraction") else start[n] * 4
+                     for n in free])
+    starts = [x0 + scale for scale in (0.0, -0.5, 0.5, -1.5)] + [rng.uniform(box_lo, box_hi) for _ in range(RANDOM_STARTS)]
     best = None
-    for scale in (0.0, -0.5, 0.5, -1.5):
-        r = least_squares(residuals, np.clip(x0 + scale, lo, hi), bounds=(lo, hi), loss="soft_l1", f_scale=0.1)
+    for x in starts:
+        r = least_squares(residuals, np.clip(x, lo, hi), bounds=(lo, hi), loss="soft_l1", f_scale=0.1)
         if best is None or r.cost < best.cost:
             best = r
     model = _params_to_model(best.x, free, base)

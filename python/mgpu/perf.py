@@ -75,8 +75,8 @@ def _link_sources(link: str) -> list:
     """The published tables and anchors behind a fitted link (data/nccl_published.json)."""
     from .allreduce_fit import load_published
     doc = load_published()
-    chain = {"h100-ib-2x8": "h100-sxm-8", "h100-ethernet-2x8": "h100-sxm-8", "a100-ib-2x8": "a100-sxm-8",
-             "pcie-pair-p2p": "pcie-pair-no-p2p"}
+    chain = {"h100-ib-2x8": "h100-sxm-8", "h100-ethernet-2x8": "h100-sxm-8", "h100-efa-2x8": "h100-sxm-8",
+             "a100-ib-2x8": "a100-sxm-8", "pcie-pair-p2p": "pcie-pair-no-p2p"}
     names = {link, chain.get(link, link)}
     out = [{"url": t["source"], "figure": f"allreduce table ({t['role']}): {t['system']}"}
            for t in doc["tables"] if t["profile"] in names]
@@ -106,6 +106,9 @@ NAMED_PROFILES = {
     "h100-ethernet-2x8": dict(title="2 nodes x 8 H100, Ethernet (GCP A3 Mega, GPUDirect-TCPXO)",
                               devices=["h100-sxm"] * 16, link="h100-ethernet-2x8", gpus_per_node=8,
                               specs=["h100-sxm", "h100-sxm-azure"]),
+    "h100-efa-2x8": dict(title="2 nodes x 8 H100, AWS Elastic Fabric Adapter (p5.48xlarge, 32x 100G per node)",
+                         devices=["h100-sxm"] * 16, link="h100-efa-2x8", gpus_per_node=8,
+                         specs=["h100-sxm", "h100-sxm-azure"]),
     "cpu": dict(title="CPU ranks, MPI over shared memory (nominal)", devices=None, link=None, gpus_per_node=0, specs=[]),
 }
 # Names of v1 (round-number profiles) that keep working.
