@@ -668,18 +668,22 @@ BucketChoice choose_bucket(const Workload& workload, const HardwareProfile& hw, 
                            double max_bucket_bytes) {
   MGPU_CHECK(max_bucket_bytes >= 0, ConfigError, "the bucket cap must be >= 0 bytes");
   Workload w = workload;
-  const double params = parameter_count(w.resolved_layers()) + MLP::kGradExtraSlots;
   BucketChoice best;
   if (devices <= 1) {
     best.bucket_elems = w.bucket_elems;
     best.reason = "one device: no allreduce, the bucket size does not matter";
     return best;
   }
-  // Powers of two from 256 KiB of fp32 up to the whole gradient in one bucket.
+  // Powers of two from 256 KiB of fp32 up to the first that puts the whole gradient in
+  // one bucket. That can take up to twice the gradient: a bucket closes at a layer
+  // boundary once half full (plan_buckets), so a size just above the gradient still
+  // splits it in two; larger sizes plan the same single bucket.
   std::vector<int64_t> sizes;
-  for (int64_t e = int64_t{1} << 16; e < 2 * int64_t(params); e *= 2) sizes.push_back(e);
-  const int64_t whole = static_cast<int64_t>(params);
-  if (sizes.empty() || sizes.back() < whole) sizes.push_back(whole);
+  const std::vector<int> layers = w.resolved_layers();
+  for (int64_t e = int64_t{1} << 16;; e *= 2) {
+    sizes.push_back(e);
+    if (plan_buckets(layers, MLP::kGradExtraSlots, static_cast<size_t>(e)).size() == 1) break;
+  }
   bool capped = false;
   for (int64_t e : sizes) {
     if (max_bucket_bytes > 0 && 4.0 * e > max_bucket_bytes && !best.tried.empty()) {
@@ -698,8 +702,14 @@ BucketChoice choose_bucket(const Workload& workload, const HardwareProfile& hw, 
       best.step_s = p.step_s;
     }
   }
+  // Calibrated CPU steps add the measured wait after backward (the ranks' skew, the
+  // health check) to the exposed time, which can then exceed the allreduce itself.
+  const bool wait_beyond = best.exposed_comm_s > best.comm_s * 1.001;
   best.reason = "bucket of " + bytes_text(4.0 * best.bucket_elems) + " exposes " + ms(best.exposed_comm_s) +
-                " of a " + ms(best.comm_s) + " allreduce on " + device_word(hw, devices) + " (step " +
+                (wait_beyond ? " after backward: the " + ms(best.comm_s) + " allreduce plus the ranks' skew and "
+                               "the health check;"
+                             : " of a " + ms(best.comm_s) + " allreduce") +
+                " on " + device_word(hw, devices) + " (step " +
                 ms(best.step_s) + "; tried " + std::to_string(best.tried.size()) + " sizes from " +
                 bytes_text(4.0 * best.tried.front().first) + ")" +
                 (capped ? "; capped at " + bytes_text(max_bucket_bytes) : "");

@@ -147,3 +147,18 @@ def test_published_data_file_is_well_formed():
         sizes = [s for s, _ in t["points"]]
         assert sizes == sorted(sizes) and all(v > 0 for _, v in t["points"])
     json.dumps(doc)
+
+
+@pytest.mark.parametrize("profile,devices", [("h100-sxm-8", 8), ("pcie-pair-no-p2p", 2), ("cpu", 2)])
+@pytest.mark.parametrize("model", ["medium", "large", "xl"])
+def test_chosen_bucket_is_never_worse_than_4mb_and_tries_the_whole_gradient(model, profile, devices):
+    # A bucket closes at a layer boundary once half full, so a size just above the
+    # gradient still splits it: the sizes tried must reach one that plans a single bucket.
+    prof = perf.named_profile(profile, devices)
+    hw = perf.to_core(prof, devices)
+    w = perf._workload(model, None, None, 256, "fp32", "adamw", 4.0)
+    choice = P.choose_bucket(w, hw, devices, P.Options())
+    assert len(mgpu._core.plan_buckets(w.resolved_layers(), choice.tried[-1][0])) == 1
+    w.bucket_elems = 1 << 20
+    four_mb = P.predict(w, hw, devices, P.Options())
+    assert choice.exposed_comm_s <= four_mb.exposed_comm_s * 1.01 + 1e-12
