@@ -271,7 +271,9 @@ void bind_perf(py::module_& m) {
       .def_readwrite("candidates", &Options::candidates)
       .def_readwrite("memory_margin", &Options::memory_margin)
       .def_readwrite("price_per_device_hour", &Options::price_per_device_hour)
-      .def_readwrite("equal_shares", &Options::equal_shares);
+      .def_readwrite("equal_shares", &Options::equal_shares)
+      .def_readwrite("choose_buckets", &Options::choose_buckets)
+      .def_readwrite("max_bucket_bytes", &Options::max_bucket_bytes);
   py::class_<Prediction>(pm, "Prediction")
       .def_readonly("devices", &Prediction::devices)
       .def_readonly("batch_shares", &Prediction::batch_shares)
@@ -279,6 +281,7 @@ void bind_perf(py::module_& m) {
       .def_readonly("backward_s", &Prediction::backward_s)
       .def_readonly("optimizer_s", &Prediction::optimizer_s)
       .def_readonly("overhead_s", &Prediction::overhead_s)
+      .def_readonly("bucket_elems", &Prediction::bucket_elems)
       .def_readonly("comm_s", &Prediction::comm_s)
       .def_readonly("exposed_comm_s", &Prediction::exposed_comm_s)
       .def_readonly("step_s", &Prediction::step_s)

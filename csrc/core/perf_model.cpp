@@ -469,6 +469,7 @@ Prediction predict(const Workload& w, const HardwareProfile& hw, int devices, co
   p.overhead_s = overhead;
   // The ranks' skew and control messages: in a wait measured with several ranks already.
   if (devices > 1 && measured_ranks < 2) overhead += hw.link.step_sync_s;
+  p.bucket_elems = w.bucket_elems;
   p.step_s = overhead + compute_end + p.exposed_comm_s + optimizer;
   p.samples_per_s = batch / p.step_s;
   p.memory_bytes = memory;
@@ -488,11 +489,19 @@ Prediction predict(const Workload& w, const HardwareProfile& hw, int devices, co
 
 namespace {
 
+// A candidate as recommend() compares it: at its own best bucket where the options ask.
+Prediction predict_candidate(const Workload& w, const HardwareProfile& hw, int devices, const Options& o) {
+  if (!o.choose_buckets || devices < 2) return predict(w, hw, devices, o);
+  Workload chosen = w;
+  chosen.bucket_elems = choose_bucket(w, hw, devices, o, o.max_bucket_bytes).bucket_elems;
+  return predict(chosen, hw, devices, o);
+}
+
 double best_multi_speedup(const Workload& w, const HardwareProfile& hw, const Options& o,
                           const std::vector<int>& counts) {
   double best = 0;
   for (int n : counts)
-    if (n > 1 && w.global_batch >= n) best = std::max(best, predict(w, hw, n, o).speedup);
+    if (n > 1 && w.global_batch >= n) best = std::max(best, predict_candidate(w, hw, n, o).speedup);
   return best;
 }
 
@@ -533,7 +542,7 @@ Recommendation recommend(const Workload& w, const HardwareProfile& hw, const Opt
   r.profile_source = hw.source;
   r.params = parameter_count(sizes);
   for (int n : o.candidates)
-    if (w.global_batch >= n) r.candidates.push_back(predict(w, hw, n, o));
+    if (w.global_batch >= n) r.candidates.push_back(predict_candidate(w, hw, n, o));
   MGPU_CHECK(!r.candidates.empty(), ConfigError, "global batch ", w.global_batch,
              " is smaller than every candidate device count");
   const Prediction* one = nullptr;
@@ -627,10 +636,11 @@ Recommendation recommend(const Workload& w, const HardwareProfile& hw, const Opt
                         "; train with --batch-shares " + flag);
   }
   if (best_multi) {
-    const std::string how = hw.link.allreduce_choice(best_multi->devices,
-                                                     4.0 * std::min<double>(double(w.bucket_elems), r.params));
+    const double bucket_bytes = (w.grad_dtype == "fp32" ? 4.0 : 2.0) *  // on the wire
+                                std::min<double>(double(best_multi->bucket_elems), r.params);
+    const std::string how = hw.link.allreduce_choice(best_multi->devices, bucket_bytes);
     if (!how.empty())
-      r.reasons.push_back("allreduce of one " + bytes_text(4.0 * std::min<double>(double(w.bucket_elems), r.params)) +
+      r.reasons.push_back("allreduce of one " + bytes_text(bucket_bytes) +
                           " bucket on " + device_word(hw, best_multi->devices) + ": " + how +
                           " (NCCL-shaped model, fitted to published nccl-tests tables)");
   }

@@ -174,12 +174,17 @@ struct Options {
   double memory_margin = 0.8;    // usable fraction of device memory (seed 001's safety margin)
   double price_per_device_hour = 0.0;  // > 0: cost per million samples and an ROI line
   bool equal_shares = false;     // split the batch evenly even over unequal devices (as `bench` does)
+  // Predict each multi-device candidate at the bucket choose_bucket prefers for it
+  // (`--bucket-mb auto`), capped at max_bucket_bytes (0: no cap), instead of Workload's.
+  bool choose_buckets = false;
+  double max_bucket_bytes = 0.0;
 };
 
 struct Prediction {
   int devices = 1;
   std::vector<int64_t> batch_shares;  // samples per device (unequal devices get unequal shares)
   double forward_s = 0, backward_s = 0, optimizer_s = 0, overhead_s = 0;
+  int64_t bucket_elems = 0;      // the gradient bucket the prediction assumes
   double comm_s = 0;             // total allreduce time of one step
   double exposed_comm_s = 0;     // the part not hidden behind backward
   double step_s = 0;

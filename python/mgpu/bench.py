@@ -353,7 +353,8 @@ def validate_selector(rows: list, profile: dict, a) -> list:
     for batch in sorted({r["batch_size"] for r in rows}):
         cells = {r["ranks"]: r for r in rows if r["batch_size"] == batch}
         rec = perf.recommend(layers=cells[ranks[0]]["layers"], batch_size=batch, devices=ranks, profile=profile,
-                             optimizer=a.optimizer, dropout=cells[ranks[0]].get("dropout", 0.0))
+                             optimizer=a.optimizer, dropout=cells[ranks[0]].get("dropout", 0.0),
+                             bucket_mb=4.0)  # the bucket bench trains with (Trainer's default)
         # by the same measure as the speedup printed (paired rounds when alternated)
         measure = "speedup" if all("speedup" in c for c in cells.values()) else "samples_per_sec"
         fastest = max(cells.values(), key=lambda r: r[measure])["ranks"]

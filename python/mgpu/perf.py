@@ -399,6 +399,7 @@ def _as_dict(rec) -> dict:
               "forward_ms": c.forward_s * 1e3, "backward_ms": c.backward_s * 1e3, "optimizer_ms": c.optimizer_s * 1e3,
               "overhead_ms": c.overhead_s * 1e3, "allreduce_ms": c.comm_s * 1e3,
               "exposed_allreduce_ms": c.exposed_comm_s * 1e3, "timing_spread_ms": c.timing_spread_s * 1e3,
+              "bucket_mb": c.bucket_elems * 4 / 2 ** 20,
               "memory_bytes": c.memory_bytes,
               "memory_usable_bytes": c.memory_usable_bytes,
               **({"cost_per_million_samples": c.cost_per_million_samples} if c.cost_per_million_samples else {})}
@@ -449,15 +450,15 @@ def auto_bucket(prof: dict, w, devices: int, options=None) -> dict:
 
 def recommend(*, model: Optional[str] = None, layers: Optional[Sequence[int]] = None, params: Optional[int] = None,
               batch_size: int, devices: Optional[Sequence[int]] = None, profile=None, precision: str = "fp32",
-              optimizer: str = "adamw", bucket_mb=4.0, memory_margin: float = 0.8,
+              optimizer: str = "adamw", bucket_mb="auto", memory_margin: float = 0.8,
               price_per_device_hour: float = 0.0, dropout: Optional[float] = None, grad_dtype: str = "fp32",
               nodes: Optional[int] = None) -> dict:
     """Single device or several, how many, and why, for a model and global batch.
 
     profile: None/'auto', 'calibrated', a named profile, a JSON path, or a
     profile dict. devices: candidate counts (default: 1 and the profile's GPUs
-    per node, plus nodes x that with `nodes`). bucket_mb: MB or 'auto' (the
-    model's choice). Returns a dict: strategy (single_gpu | multi_gpu |
+    per node, plus nodes x that with `nodes`). bucket_mb: MB or 'auto' (default:
+    each multi-device candidate at the bucket the model prefers for it). Returns a dict: strategy (single_gpu | multi_gpu |
     benchmark_required | does_not_fit), devices, candidates (per count:
     predicted_step_ms, predicted_speedup, efficiency, memory_fits, ...),
     break_even_batch, reasons, confidence, roi, fallback, profile, bucket.
@@ -485,17 +486,18 @@ def recommend(*, model: Optional[str] = None, layers: Optional[Sequence[int]] = 
     hw = to_core(prof, counts[-1])
     if len(hw.devices) < counts[-1]:
         raise ConfigError(f"profile '{hw.name}' has {len(hw.devices)} device(s); cannot predict {counts[-1]}")
+    # auto: every multi-device candidate at its own best bucket, so that e.g. a second
+    # node is not judged at a bucket size chosen for one.
+    options.choose_buckets = auto
+    options.max_bucket_bytes = CPU_MAX_BUCKET_BYTES if hw.devices[0].kind == "cpu" else 0.0
     rec = P.recommend(w, hw, options)
     bucket = None
     multi = [c for c in rec.candidates if c.devices > 1 and c.memory_fits]
-    if multi:  # the bucket for the fastest multi-device candidate
+    if multi:  # the bucket for the fastest multi-device candidate, with the reason
         bucket = auto_bucket(prof, w, min(multi, key=lambda c: c.step_s).devices, options)
-        if auto:
-            w.bucket_elems = max(1, int(bucket["bucket_mb"] * 2 ** 20 / 4))
-            rec = P.recommend(w, hw, options)
     result = _as_dict(rec)
     result["bucket"] = bucket
-    result["bucket_mb_used"] = w.bucket_elems * 4 / 2 ** 20
+    result["bucket_mb_used"] = (min(multi, key=lambda c: c.step_s).bucket_elems if multi else w.bucket_elems) * 4 / 2 ** 20
     result["sources"] = prof.get("sources", [])
     return result
 
@@ -505,11 +507,12 @@ def format_recommendation(r: dict) -> str:
              f"profile: {r['profile']} [{r['profile_source']}])"]
     if r["candidates"]:
         lines.append(f"{'devices':>7} {'step ms':>9} {'samples/s':>11} {'speedup':>8} {'effic.':>7} "
-                     f"{'allreduce ms':>13} {'exposed':>8} {'memory/dev':>11} {'fits':>5}")
+                     f"{'allreduce ms':>13} {'exposed':>8} {'bucket MiB':>10} {'memory/dev':>11} {'fits':>5}")
         for c in r["candidates"]:
+            bucket = f"{c['bucket_mb']:>10.3g}" if c["devices"] > 1 and c.get("bucket_mb") else f"{'-':>10}"
             lines.append(f"{c['devices']:>7} {c['predicted_step_ms']:>9.3f} {c['predicted_samples_per_sec']:>11,.0f} "
                          f"{c['predicted_speedup']:>7.2f}x {c['efficiency']:>6.0%} {c['allreduce_ms']:>13.3f} "
-                         f"{c['exposed_allreduce_ms']:>8.3f} {c['memory_bytes'] / 1e9:>9.2f}GB "
+                         f"{c['exposed_allreduce_ms']:>8.3f} {bucket} {c['memory_bytes'] / 1e9:>9.2f}GB "
                          f"{'yes' if c['memory_fits'] else 'NO':>5}")
     if r["break_even_batch"]:
         lines.append(f"break-even global batch: {r['break_even_batch']}")
@@ -547,8 +550,9 @@ def add_parser(sub) -> None:
     r.add_argument("--optimizer", choices=("sgd", "adamw"), default="adamw")
     r.add_argument("--grad-dtype", choices=GRAD_DTYPES, default="fp32",
                    help="type the gradients travel in: bf16/fp16 halve the allreduce (NCCL; default fp32)")
-    r.add_argument("--bucket-mb", type=_bucket_mb, default=4.0,
-                   help="gradient bucket size in MB, or 'auto' (the model's choice; printed either way)")
+    r.add_argument("--bucket-mb", type=_bucket_mb, default="auto",
+                   help="gradient bucket size in MB, or 'auto' (default: each multi-device candidate at the "
+                        "bucket the model prefers for it)")
     r.add_argument("--dropout", type=float, default=None, help="default: the preset's, 0 otherwise")
     r.add_argument("--memory-margin", type=float, default=0.8, help="usable fraction of device memory")
     r.add_argument("--price", type=float, default=0.0, metavar="PER_DEVICE_HOUR",

@@ -119,6 +119,24 @@ def test_chosen_bucket_exposes_the_least_of_every_size_tried():
     assert P.predict(w, perf.to_core(prof, 8), 8, P.Options()).exposed_comm_s >= choice.exposed_comm_s - 1e-12
 
 
+def test_recommend_auto_gives_every_candidate_its_own_best_bucket():
+    # One bucket for all would judge a second node at the size chosen for one node.
+    args = dict(model="xl", batch_size=4096, profile="h100-efa-2x8", nodes=2)
+    auto, fixed = perf.recommend(**args), perf.recommend(**args, bucket_mb=4.0)
+    prof = perf.named_profile("h100-efa-2x8", 16)
+    w = perf._workload("xl", None, None, 4096, "fp32", "adamw", 4.0)
+    for c, c4 in zip(auto["candidates"], fixed["candidates"]):
+        if c["devices"] == 1:
+            assert c["predicted_step_ms"] == pytest.approx(c4["predicted_step_ms"])
+            continue
+        assert c4["bucket_mb"] == pytest.approx(4.0)
+        assert c["bucket_mb"] == pytest.approx(perf.auto_bucket(prof, w, c["devices"])["bucket_mb"])
+        assert c["predicted_step_ms"] <= c4["predicted_step_ms"] * (1 + 1e-9)
+    fastest = min(auto["candidates"][1:], key=lambda c: c["predicted_step_ms"])
+    assert auto["bucket_mb_used"] == pytest.approx(fastest["bucket_mb"])
+    assert f"{fastest['bucket_mb'] * 2 ** 20 / 1e6:.1f} MB bucket on {fastest['devices']} GPUs" in " ".join(auto["reasons"])
+
+
 def test_cpu_buckets_stay_below_openmpis_slow_path():
     prof = perf.named_profile("cpu", 2)
     w = perf._workload("xl", None, None, 256, "fp32", "adamw", 4.0)
