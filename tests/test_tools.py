@@ -135,9 +135,17 @@ def test_bench_launches_each_rank_count_and_validates_the_selector(calibration, 
     assert len(result["validation"]) == 2
     assert all(len(v["measured_speedup_rounds"]) == 2 for v in result["validation"])
     assert "; rounds " in r.stdout
+    two = {x["batch_size"]: x for x in rows if x["ranks"] == 2}
     for v in result["validation"]:
         assert v["predicted_speedup"] > 0 and v["selector_strategy"] in (
             "single_gpu", "multi_gpu", "benchmark_required")
+        cell = two[v["batch_size"]]  # where a miss lies: the step and its wait, measured beside predicted
+        assert v["measured_wait_ms"] == cell["breakdown_ms"]["comm_wait"]
+        assert v["predicted_wait_ms"] == cell["predicted_breakdown_ms"]["comm_wait"] > 0
+        assert v["predicted_step_ms"] == cell["predicted_step_ms"] > v["predicted_wait_ms"]
+        assert v["measured_step_1_ms"] == pytest.approx(one[v["batch_size"]]["step"]["median"] * 1e3)
+        assert v["predicted_step_1_ms"] == one[v["batch_size"]]["predicted_step_ms"]
+    assert "wait after backward" in r.stdout
     with open(tmp_path / "b.csv") as f:
         assert len(list(csv.DictReader(f))) == 4
     assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == [

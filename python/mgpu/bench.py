@@ -322,6 +322,10 @@ def add_derived(rows: list, profile: Optional[dict]) -> None:
                 r["allreduce_floor_ms"] = p.comm_s * 1e3
                 r["predicted_step_ms"] = p.step_s * 1e3
                 r["predicted_speedup"] = p.speedup
+                # the phases as the core's timers split them (the model's exposed allreduce is
+                # the wait after backward: allreduce, skew, health check)
+                r["predicted_breakdown_ms"] = {"forward": p.forward_s * 1e3, "backward": p.backward_s * 1e3,
+                                               "comm_wait": p.exposed_comm_s * 1e3, "optimizer": p.optimizer_s * 1e3}
             except ConfigError as e:
                 r["prediction_error"] = str(e)
 
@@ -366,6 +370,11 @@ def validate_selector(rows: list, profile: dict, a) -> list:
             out.append({"batch_size": batch, "ranks": n, "measured_speedup": c["speedup"],
                         "measured_speedup_rounds": c.get("speedup_rounds"),
                         "predicted_speedup": c.get("predicted_speedup"), "relative_error": err,
+                        "measured_step_ms": c["step"]["median"] * 1e3, "predicted_step_ms": c.get("predicted_step_ms"),
+                        "measured_step_1_ms": cells[1]["step"]["median"] * 1e3,
+                        "predicted_step_1_ms": cells[1].get("predicted_step_ms"),
+                        "measured_wait_ms": c["breakdown_ms"]["comm_wait"],
+                        "predicted_wait_ms": (c.get("predicted_breakdown_ms") or {}).get("comm_wait"),
                         "selector_strategy": rec["strategy"], "selector_devices": rec["devices"],
                         "measured_fastest": fastest,
                         "picked_faster": None if rec["strategy"] == "benchmark_required" else rec["devices"] == fastest})
@@ -380,6 +389,13 @@ def format_validation(rows: list) -> str:
         verdict = {True: "right", False: "WRONG", None: "asks for a benchmark"}[v["picked_faster"]]
         rounds = v.get("measured_speedup_rounds")
         spread = (f"; rounds {min(rounds):.2f}-{max(rounds):.2f}x" if rounds and len(rounds) > 1 else "")
+        if None not in (v.get("predicted_step_ms"), v.get("predicted_step_1_ms"), v.get("predicted_wait_ms")):
+            # where a miss lies: either step (the machine's state may have moved since `topo`),
+            # or the wait after backward, which swings with the machine's memory traffic
+            spread += (f"; ms measured (predicted): step on 1 rank {v['measured_step_1_ms']:.3g} "
+                       f"({v['predicted_step_1_ms']:.3g}), on {v['ranks']} {v['measured_step_ms']:.3g} "
+                       f"({v['predicted_step_ms']:.3g}), wait after backward {v['measured_wait_ms']:.3g} "
+                       f"({v['predicted_wait_ms']:.3g})")
         out.append(f"{v['batch_size']:>6} {v['ranks']:>5} {v['measured_speedup']:>8.2f}x {pred:>9} {err:>7}  "
                    f"{v['selector_strategy']} ({v['selector_devices']}) vs {v['measured_fastest']}: {verdict}{spread}")
     return "\n".join(out)
