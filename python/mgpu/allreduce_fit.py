@@ -64,10 +64,11 @@ LINKS = {
                                          "(NVIDIA/nccl-tests#331), Simple protocol only"),
     "pcie-pair-no-p2p": dict(level="intra", tables=["pastebin-ne4ipn6K-4070tis-no-p2p"], ranks=2, algorithms=("ring",),
                              fit_only=("latency_LL", "fraction_LL"),
-                             fixed={"hop_s": [0.0, 0.0, 0.0], "ring_busbw": 12.0e9},
-                             why_fixed="Simple busbw 12 GB/s: the PCIe copy bandwidth between two consumer GPUs "
-                                       "without P2P (gist muellerzr/fbfabd0f); LL128 is off on PCIe; Simple latency = "
-                                       "LL's + NCCL's ring base gap (4.8 us)"),
+                             fixed={"hop_s": [0.0, 0.0, 0.0]},
+                             why_fixed="Simple busbw: the PCIe 4.0 copy bandwidth between two consumer GPUs without "
+                                       "P2P (12 GB/s, gist muellerzr/fbfabd0f) times the 0.70 of it NCCL's allreduce "
+                                       "reached on a no-P2P pair measured both ways (2x RTX 2080 Ti: 4.00 of 5.71 GB/s); "
+                                       "LL128 is off on PCIe; Simple latency = LL's + NCCL's ring base gap (4.8 us)"),
 }
 
 
@@ -139,6 +140,15 @@ def _params_to_model(x: np.ndarray, names: List[str], base: dict) -> dict:
     return d
 
 
+def no_p2p_pair_busbw(published: dict) -> float:
+    """bytes/s of a PCIe 4.0 consumer pair's allreduce without P2P: its copy bandwidth times
+    the fraction of the copy bandwidth NCCL reached on a pair measured both ways (anchors)."""
+    anchors = {a["id"]: a for a in published["anchors"]}
+    pair = anchors["autodl-2080ti-pair-no-p2p"]
+    return anchors["gist-muellerzr-4090-p2p-disabled"]["value_GBps"] * 1e9 * (
+        pair["allreduce_busbw_GBps"] / pair["copy_GBps"])
+
+
 def fit_link(name: str, published: dict, fitted: Dict[str, dict]) -> dict:
     from scipy.optimize import least_squares  # fitting only
 
@@ -156,7 +166,7 @@ def fit_link(name: str, published: dict, fitted: Dict[str, dict]) -> dict:
         free = ["latency_LL", "latency_LL128", "latency_Simple", "fraction_LL", "fraction_LL128"]
         free += [f"{a}_busbw" for a in spec["algorithms"] if f"{a}_busbw" not in fixed]
     if name == "pcie-pair-no-p2p":
-        base.update(bw_fraction=[0.4, 0.0, 1.0], derive_simple_latency=True)
+        base.update(bw_fraction=[0.4, 0.0, 1.0], derive_simple_latency=True, ring_busbw=no_p2p_pair_busbw(published))
     start = {"latency_LL": 10e-6, "latency_LL128": 20e-6, "latency_Simple": 40e-6, "fraction_LL": 0.2,
              "fraction_LL128": 0.5, "ring_busbw": 100e9, "tree_busbw": 100e9, "nvls_busbw": 450e9}
     if spec["level"] == "inter":
