@@ -319,6 +319,11 @@ def markdown(published: Optional[dict] = None, fit: Optional[dict] = None) -> st
     for s in summary(rows):
         lines.append(f"| {s['profile']} | {s['table']} | {s['role']} | {s['points']} | {s['median']:.1%} | "
                      f"{s['worst']:.1%} ({_size(s['worst_bytes'])}) |")
+    misses = [s for s in summary(rows) if s["median"] > BOUNDS["median"] or s["worst"] > BOUNDS["worst"]]
+    if misses:
+        lines += ["", "Outside the bounds: " + "; ".join(
+            f"{s['table']} ({s['role']}, median {s['median']:.1%}, worst {s['worst']:.1%})" for s in misses) +
+            ". Each is a known miss with its reason in tests/unit/test_allreduce_model.py (HELD_OUT_MISSES)."]
     covered = {r["profile"] for r in rows}
     missing = [n for n in fit["links"] if n not in covered]
     if missing:
