@@ -208,3 +208,15 @@ def test_chosen_bucket_is_never_worse_than_4mb_and_tries_the_whole_gradient(mode
     w.bucket_elems = 1 << 20
     four_mb = P.predict(w, hw, devices, P.Options())
     assert choice.exposed_comm_s <= four_mb.exposed_comm_s * 1.01 + 1e-12
+
+
+def test_no_p2p_pair_allreduce_runs_below_its_copy_bandwidth():
+    # host-staged: NCCL reached 0.70 of the copy bandwidth on a pair measured both ways
+    pub = af.load_published()
+    anchors = {a["id"]: a for a in pub["anchors"]}
+    copy = anchors["gist-muellerzr-4090-p2p-disabled"]["value_GBps"] * 1e9
+    busbw = af.no_p2p_pair_busbw(pub)
+    assert 0.5 * copy < busbw < copy
+    stored = af.load_fitted()["links"]
+    assert stored["pcie-pair-no-p2p"]["intra"]["ring_busbw"] == pytest.approx(busbw)
+    assert stored["pcie-pair-p2p"]["intra"]["ring_busbw"] > busbw  # peer-to-peer skips the host
