@@ -75,9 +75,7 @@ def _link_sources(link: str) -> list:
     """The published tables and anchors behind a fitted link (data/nccl_published.json)."""
     from .allreduce_fit import load_published
     doc = load_published()
-    chain = {"h100-ib-2x8": "h100-sxm-8", "h100-ethernet-2x8": "h100-sxm-8", "h100-efa-2x8": "h100-sxm-8",
-             "a100-ib-2x8": "a100-sxm-8", "pcie-pair-p2p": "pcie-pair-no-p2p"}
-    names = {link, chain.get(link, link)}
+    names = {link, _fitted_link(link).get("intra_from", link)}  # with the link it builds on
     out = [{"url": t["source"], "figure": f"allreduce table ({t['role']}): {t['system']}"}
            for t in doc["tables"] if t["profile"] in names]
     out += [{"url": a["source"], "figure": a["what"]} for a in doc["anchors"] if a["profile"] in names]
@@ -493,11 +491,12 @@ def recommend(*, model: Optional[str] = None, layers: Optional[Sequence[int]] = 
     rec = P.recommend(w, hw, options)
     bucket = None
     multi = [c for c in rec.candidates if c.devices > 1 and c.memory_fits]
-    if multi:  # the bucket for the fastest multi-device candidate, with the reason
-        bucket = auto_bucket(prof, w, min(multi, key=lambda c: c.step_s).devices, options)
+    fastest = min(multi, key=lambda c: c.step_s) if multi else None
+    if fastest:  # the bucket for the fastest multi-device candidate, with the reason
+        bucket = auto_bucket(prof, w, fastest.devices, options)
     result = _as_dict(rec)
     result["bucket"] = bucket
-    result["bucket_mb_used"] = (min(multi, key=lambda c: c.step_s).bucket_elems if multi else w.bucket_elems) * 4 / 2 ** 20
+    result["bucket_mb_used"] = (fastest.bucket_elems if fastest else w.bucket_elems) * 4 / 2 ** 20
     result["sources"] = prof.get("sources", [])
     return result
 
