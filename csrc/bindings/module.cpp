@@ -127,7 +127,10 @@ py::dict build_info() {
   blas["config"] = std::string(openblas_get_config());
 #endif
   blas["onednn"] = onednn_version();  // "" when this build has none
-  blas["onednn_max_work"] = kOneDnnMaxWork;  // CpuGemm::kAuto's rule
+  // CpuGemm::kAuto's rule: by product size on AVX2 CPUs, by output width on AVX-512 ones
+  blas["onednn_max_work"] = kOneDnnMaxWork;
+  blas["onednn_min_width_avx512"] = kOneDnnMinWidthAvx512;
+  blas["cpu_avx512"] = cpu_has_avx512();
   info["blas"] = blas;
 #ifdef _OPENMP
   info["openmp"] = true;
@@ -258,8 +261,14 @@ PYBIND11_MODULE(MGPU_MODULE_NAME, m) {
   m.def("set_cpu_gemm", [cpu_backend](Backend& b, const std::string& name) {
     cpu_backend(b).set_gemm(parse_cpu_gemm(name));
   }, py::arg("backend"), py::arg("library"),
-        "Pick the CPU backend's GEMM library: 'auto' (by product size), 'openblas' or 'onednn' "
+        "Pick the CPU backend's GEMM library: 'auto' (by product shape and the CPU's vector width), 'openblas' or 'onednn' "
         "(as MGPU_CPU_GEMM does at creation).");
+  m.def("auto_cpu_gemm", [](int M, int N, int K, int threads, bool avx512) {
+    MGPU_CHECK(threads >= 1, ConfigError, "threads must be >= 1, got ", threads);
+    return std::string(cpu_gemm_name(auto_cpu_gemm(M, N, K, threads, avx512, onednn_available())));
+  }, py::arg("M"), py::arg("N"), py::arg("K"), py::arg("threads"), py::arg("avx512"),
+        "The library MGPU_CPU_GEMM=auto picks for a row-major (M, N, K) product on that many "
+        "threads of a CPU with or without AVX-512 (this build's oneDNN, if any).");
   m.def("cpu_gemm_library", [cpu_backend](Backend& b, int M, int N, int K) {
     return std::string(cpu_gemm_name(cpu_backend(b).gemm_library(M, N, K)));
   }, py::arg("backend"), py::arg("M"), py::arg("N"), py::arg("K"),

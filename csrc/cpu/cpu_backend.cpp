@@ -1,6 +1,7 @@
 // CPU backend implementation (see cpu_backend.h). Loops are written so that the
 // result never depends on the thread count except through floating-point
-// reductions (loss sums, sum_squares), which are deterministic for a fixed count.
+// reductions (loss sums, sum_squares), which are deterministic for a fixed count,
+// and on AVX-512 CPUs through the library of narrow GEMMs (CpuGemm's rule).
 #include "cpu_backend.h"
 
 #include <cblas.h>
@@ -193,10 +194,20 @@ void CpuBackend::set_gemm(CpuGemm gemm) {
   gemm_ = gemm;
 }
 
+bool cpu_has_avx512() {
+  static const bool has = __builtin_cpu_supports("avx512f");
+  return has;
+}
+
+CpuGemm auto_cpu_gemm(int M, int N, int K, int threads, bool avx512, bool onednn) {
+  if (!onednn || M == 0 || N == 0 || K == 0) return CpuGemm::kOpenBlas;
+  if (avx512) return threads > 1 || N >= kOneDnnMinWidthAvx512 ? CpuGemm::kOneDnn : CpuGemm::kOpenBlas;
+  return double(M) * N * K <= kOneDnnMaxWork ? CpuGemm::kOneDnn : CpuGemm::kOpenBlas;
+}
+
 CpuGemm CpuBackend::gemm_library(int M, int N, int K) const {
   if (gemm_ != CpuGemm::kAuto) return gemm_;
-  if (!onednn_available() || M == 0 || N == 0 || K == 0) return CpuGemm::kOpenBlas;
-  return double(M) * N * K <= kOneDnnMaxWork ? CpuGemm::kOneDnn : CpuGemm::kOpenBlas;
+  return auto_cpu_gemm(M, N, K, threads_, cpu_has_avx512(), onednn_available());
 }
 
 void CpuBackend::sgemm(bool trans_a, bool trans_b, int M, int N, int K, const float* A, int lda,

@@ -12,13 +12,25 @@
 
 namespace mgpu {
 
-// Which library computes a GEMM. kAuto: oneDNN for products of at most
-// kOneDnnMaxWork multiply-adds (its JIT kernels win there, 1.2-5x per shape
-// on our Zen 3 machines: docs/benchmarks.md), OpenBLAS above (equal or better).
-// A rule of the shape alone, not a timing, so a run's results never depend on
-// the machine's load. MGPU_CPU_GEMM=auto|openblas|onednn picks for the process.
+// Which library computes a GEMM. kAuto is a rule of the shape and the CPU's vector
+// width, never a timing, so a run's results never depend on the machine's load:
+// - AVX2 CPUs: oneDNN for products of at most kOneDnnMaxWork multiply-adds (its JIT
+//   kernels win there, 1.2-5x per shape on Zen 3), OpenBLAS above (equal or better).
+// - AVX-512 CPUs: oneDNN (5-15 % faster than OpenBLAS 0.3.21 on `large`'s GEMMs on
+//   Zen 4). On one thread, OpenBLAS keeps products narrower than
+//   kOneDnnMinWidthAvx512 output columns (the 3-wide output layer's forward: 1.5-6x
+//   faster; the 50-wide weight gradient: 10-40 %). On more threads oneDNN takes
+//   them too: OpenBLAS's worker threads spin after a call, and oneDNN's OpenMP team
+//   then found one core taken (2-thread `large` steps ran at 1-thread speed in 2 of
+//   5 rounds with the mix). docs/benchmarks.md has the tables.
+// MGPU_CPU_GEMM=auto|openblas|onednn picks for the process.
 enum class CpuGemm { kAuto, kOpenBlas, kOneDnn };
 constexpr double kOneDnnMaxWork = double(1 << 22);
+constexpr int kOneDnnMinWidthAvx512 = 64;
+bool cpu_has_avx512();  // the CPU's, at run time (not what mgpu was compiled for)
+// kAuto's choice for a row-major (M, N, K) product, C (M, N) = A (M, K) B (K, N),
+// computed with `threads` threads.
+CpuGemm auto_cpu_gemm(int M, int N, int K, int threads, bool avx512, bool onednn);
 bool onednn_available();
 std::string onednn_version();  // "" without oneDNN
 CpuGemm parse_cpu_gemm(const std::string& name);  // throws ConfigError

@@ -1,5 +1,5 @@
 """The CPU backend's GEMM libraries (CpuGemm, csrc/cpu/cpu_backend.h): the choice
-by product size, the MGPU_CPU_GEMM override, and every library against the
+by product shape and the CPU's vector width, the MGPU_CPU_GEMM override, and every library against the
 float64 reference on the forward and both backward products."""
 import os
 import subprocess
@@ -17,20 +17,53 @@ HAS_ONEDNN = bool(BLAS.get("onednn"))
 LIBRARIES = ["openblas", "auto"] + (["onednn"] if HAS_ONEDNN else [])
 
 
-def test_auto_picks_by_product_size():
-    backend = _core.make_backend("cpu", 0, 1)
+def test_auto_rule_by_shape_and_vector_width():
     limit = int(BLAS["onednn_max_work"])
     small, big = (64, 64, limit // 4096), (64, 64, limit // 4096 + 1)  # at and just above the limit
     assert small[0] * small[1] * small[2] == limit
-    expected_small = "onednn" if HAS_ONEDNN else "openblas"
-    assert _core.cpu_gemm_library(backend, *small) == expected_small
-    assert _core.cpu_gemm_library(backend, *big) == "openblas"
-    assert _core.cpu_gemm_library(backend, 64, 0, 64) == "openblas"  # empty products stay with the BLAS
+    dnn = "onednn" if HAS_ONEDNN else "openblas"
+    # AVX2: by the number of multiply-adds, whatever the shape.
+    assert _core.auto_cpu_gemm(*small, threads=1, avx512=False) == dnn
+    assert _core.auto_cpu_gemm(*big, threads=1, avx512=False) == "openblas"
+    assert _core.auto_cpu_gemm(1024, 3, 256, threads=1, avx512=False) == dnn
+    assert _core.auto_cpu_gemm(*big, threads=2, avx512=False) == "openblas"
+    # AVX-512, one thread: by the output width, whatever the size.
+    width = int(BLAS["onednn_min_width_avx512"])
+    assert _core.auto_cpu_gemm(1024, width, 1024, threads=1, avx512=True) == dnn
+    assert _core.auto_cpu_gemm(4096, 4096, 4096, threads=1, avx512=True) == dnn
+    assert _core.auto_cpu_gemm(1024, width - 1, 1024, threads=1, avx512=True) == "openblas"
+    assert _core.auto_cpu_gemm(64, 3, 64, threads=1, avx512=True) == "openblas"
+    # AVX-512, several threads: oneDNN throughout (no OpenBLAS threads spinning against its team).
+    assert _core.auto_cpu_gemm(64, 3, 64, threads=2, avx512=True) == dnn
+    assert _core.auto_cpu_gemm(4096, 4096, 4096, threads=4, avx512=True) == dnn
+    for avx512 in (False, True):  # empty products stay with the BLAS
+        for threads in (1, 2):
+            assert _core.auto_cpu_gemm(64, 0, 64, threads=threads, avx512=avx512) == "openblas"
+            assert _core.auto_cpu_gemm(0, 64, 64, threads=threads, avx512=avx512) == "openblas"
+    with pytest.raises(mgpu.ConfigError, match="threads must be >= 1"):
+        _core.auto_cpu_gemm(64, 64, 64, threads=0, avx512=True)
+
+
+def test_backend_follows_the_rule_for_this_cpu_and_the_override():
+    backend = _core.make_backend("cpu", 0, 1)
+    avx512 = bool(BLAS["cpu_avx512"])
+    with open("/proc/cpuinfo") as f:  # the rule's ISA is the CPU's, read independently here
+        assert avx512 == ("avx512f" in f.read().split())
+    shapes = [(64, 64, 64), (1024, 1024, 1024), (1024, 3, 256), (1024, 50, 1024), (64, 0, 64)]
+    for threads in (2, 1):
+        backend.threads = threads
+        for shape in shapes:
+            assert _core.cpu_gemm_library(backend, *shape) == _core.auto_cpu_gemm(*shape, threads=threads,
+                                                                                    avx512=avx512)
+    # Shapes this CPU's rule gives oneDNN and OpenBLAS; the override beats both.
+    to_dnn, to_blas = (64, 64, 64), ((1024, 3, 256) if avx512 else (64, 64, int(BLAS["onednn_max_work"]) // 4096 + 1))
+    assert _core.cpu_gemm_library(backend, *to_blas) == "openblas"
+    assert _core.cpu_gemm_library(backend, *to_dnn) == ("onednn" if HAS_ONEDNN else "openblas")
     _core.set_cpu_gemm(backend, "openblas")
-    assert _core.cpu_gemm_library(backend, *small) == "openblas"
+    assert _core.cpu_gemm_library(backend, *to_dnn) == "openblas"
     if HAS_ONEDNN:
         _core.set_cpu_gemm(backend, "onednn")
-        assert _core.cpu_gemm_library(backend, *big) == "onednn"
+        assert _core.cpu_gemm_library(backend, *to_blas) == "onednn"
     else:
         with pytest.raises(mgpu.ConfigError, match="no oneDNN"):
             _core.set_cpu_gemm(backend, "onednn")
