@@ -53,6 +53,12 @@ LINKS = {
     "h100-ib-2x8": dict(level="inter", intra="h100-sxm-8", tables=["nccl-tests-309-h100-2x8-ndr"],
                         ranks=16, nodes=2,
                         algorithms=("ring",), fixed={"hop_s": [0.0, 0.0, 0.0]}),
+    "a100-ib-2x8": dict(level="inter", intra="a100-sxm-8", tables=["abci2-a100-2x8-ib-nccl2.8.4"], ranks=16, nodes=2,
+                        algorithms=("ring",), fit_only=("latency_LL", "latency_LL128", "latency_Simple", "fraction_LL",
+                                                        "fraction_LL128"),
+                        fixed={"hop_s": [0.0, 0.0, 0.0]},
+                        why_fixed="inter-node transfer from NVIDIA's 192 GB/s 2-node DGX-A100 busbw "
+                                  "(NVIDIA/nccl#1576): the fitted table's rows (<= 512 KiB) are latency-bound"),
     "h100-ethernet-2x8": dict(level="inter", intra="h100-sxm-8", tables=["gcp-a3-mega-2x8"], ranks=16, nodes=2,
                               algorithms=("ring",), fixed={"hop_s": [0.0, 0.0, 0.0]}),
     "h100-efa-2x8": dict(level="inter", intra="h100-sxm-8", tables=["aws-p5-2x8-efa-nccl2.22"], ranks=16, nodes=2,
@@ -149,6 +155,14 @@ def no_p2p_pair_busbw(published: dict) -> float:
         pair["allreduce_busbw_GBps"] / pair["copy_GBps"])
 
 
+def dgx_a100_nic_busbw(published: dict) -> float:
+    """bytes/s per NIC-rail of two DGX-A100 nodes: NVIDIA's 16-rank busbw over 8 rails, in the
+    inter level's terms (bytes/8 cross the nodes, factor 1 for 2 nodes)."""
+    anchors = {a["id"]: a for a in published["anchors"]}
+    busbw = anchors["nccl-1576-dgx-a100-2node"]["value_GBps"] * 1e9
+    return (1.0 / 8) / (2.0 * 15 / 16 / busbw)
+
+
 def fit_link(name: str, published: dict, fitted: Dict[str, dict]) -> dict:
     from scipy.optimize import least_squares  # fitting only
 
@@ -167,6 +181,8 @@ def fit_link(name: str, published: dict, fitted: Dict[str, dict]) -> dict:
         free += [f"{a}_busbw" for a in spec["algorithms"] if f"{a}_busbw" not in fixed]
     if name == "pcie-pair-no-p2p":
         base.update(bw_fraction=[0.4, 0.0, 1.0], derive_simple_latency=True, ring_busbw=no_p2p_pair_busbw(published))
+    if name == "a100-ib-2x8":
+        base.update(ring_busbw=dgx_a100_nic_busbw(published))
     start = {"latency_LL": 10e-6, "latency_LL128": 20e-6, "latency_Simple": 40e-6, "fraction_LL": 0.2,
              "fraction_LL128": 0.5, "ring_busbw": 100e9, "tree_busbw": 100e9, "nvls_busbw": 450e9}
     if spec["level"] == "inter":
@@ -218,23 +234,7 @@ def fit_link(name: str, published: dict, fitted: Dict[str, dict]) -> dict:
 
 def derived_links(published: dict, fitted: Dict[str, dict]) -> Dict[str, dict]:
     """Links without a full published table: built from anchors (cited) and fitted levels."""
-    anchors = {a["id"]: a for a in published["anchors"]}
     out = {}
-    # 2x DGX-A100 over 8x200G IB: NVIDIA's 192 GB/s busbw on 16 ranks sets the per-NIC
-    # transfer (the slower, pipelined level); the 93 us of a tiny 16-rank ring sets the
-    # inter-node latency after the intra-node part.
-    intra = fitted["a100-sxm-8"]["intra"]
-    busbw = anchors["nccl-1576-dgx-a100-2node"]["value_GBps"] * 1e9
-    nic = (1.0 / 8) / (2.0 * 15 / 16 / busbw)  # bytes/8 over 2 nodes (factor 1) at the measured 16-rank pace
-    tiny = link_from_fit(intra).allreduce_seconds(8, 8.0)
-    lat = max(1e-6, anchors["nccl-812-dgx-a100-2node-ring-latency"]["value_us"] * 1e-6 - tiny)
-    out["a100-ib-2x8"] = {"fitted": [], "tables": [], "ranks": 16, "nodes": 2, "gpus_per_node": 8,
-                          "intra": intra, "intra_from": "a100-sxm-8",
-                          "inter": {"latency_s": [lat] * 3, "hop_s": [0.0] * 3, "bw_fraction": [0.0, 0.0, 1.0],
-                                    "ring_busbw": nic, "tree_busbw": 0.0, "nvls_busbw": 0.0},
-                          "why_fixed": "no full published table found: inter-node transfer from NVIDIA's 192 GB/s "
-                                       "2-node DGX-A100 busbw (NVIDIA/nccl#1576), latency from a 16-rank ring's "
-                                       "93 us (NVIDIA/nccl#812)"}
     # Consumer pair with peer-to-peer: no published allreduce table was found, so the
     # bandwidth stays an explicit assumption (the old nominal 20 GB/s) on the no-P2P
     # pair's fitted latency.
