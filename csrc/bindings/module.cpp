@@ -261,8 +261,8 @@ PYBIND11_MODULE(MGPU_MODULE_NAME, m) {
   m.def("set_cpu_gemm", [cpu_backend](Backend& b, const std::string& name) {
     cpu_backend(b).set_gemm(parse_cpu_gemm(name));
   }, py::arg("backend"), py::arg("library"),
-        "Pick the CPU backend's GEMM library: 'auto' (by product shape and the CPU's vector width), 'openblas' or 'onednn' "
-        "(as MGPU_CPU_GEMM does at creation).");
+        "Pick the CPU backend's GEMM library: 'auto' (by product shape and the CPU's vector width), "
+        "'openblas' or 'onednn' (as MGPU_CPU_GEMM does at creation).");
   m.def("auto_cpu_gemm", [](int M, int N, int K, int threads, bool avx512) {
     MGPU_CHECK(threads >= 1, ConfigError, "threads must be >= 1, got ", threads);
     return std::string(cpu_gemm_name(auto_cpu_gemm(M, N, K, threads, avx512, onednn_available())));

@@ -1,6 +1,7 @@
 """The CPU backend's GEMM libraries (CpuGemm, csrc/cpu/cpu_backend.h): the choice
-by product shape and the CPU's vector width, the MGPU_CPU_GEMM override, and every library against the
-float64 reference on the forward and both backward products."""
+by product shape, thread count and the CPU's vector width, the MGPU_CPU_GEMM
+override, and every library against the float64 reference on the forward and both
+backward products."""
 import os
 import subprocess
 import sys
@@ -56,7 +57,8 @@ def test_backend_follows_the_rule_for_this_cpu_and_the_override():
             assert _core.cpu_gemm_library(backend, *shape) == _core.auto_cpu_gemm(*shape, threads=threads,
                                                                                     avx512=avx512)
     # Shapes this CPU's rule gives oneDNN and OpenBLAS; the override beats both.
-    to_dnn, to_blas = (64, 64, 64), ((1024, 3, 256) if avx512 else (64, 64, int(BLAS["onednn_max_work"]) // 4096 + 1))
+    too_big = (64, 64, int(BLAS["onednn_max_work"]) // 4096 + 1)
+    to_dnn, to_blas = (64, 64, 64), ((1024, 3, 256) if avx512 else too_big)
     assert _core.cpu_gemm_library(backend, *to_blas) == "openblas"
     assert _core.cpu_gemm_library(backend, *to_dnn) == ("onednn" if HAS_ONEDNN else "openblas")
     _core.set_cpu_gemm(backend, "openblas")
