@@ -280,9 +280,14 @@ std::string run_scenario(const std::string& name) {
       err = error_text(cudaFreeAsync(spare, streams[1]));
     }
     ncclAllReduce(data[1], data[1], kN, ncclFloat32, ncclSum, comms[1], streams[1]);
+    // Both halves finish before anything is freed: GPU 0's stream can drain while GPU 1's
+    // half is still running, and a cudaFree then would be this very violation.
     for (int g = 0; g < 2; ++g) {
       cudaSetDevice(g);
       cudaStreamSynchronize(streams[g]);
+    }
+    for (int g = 0; g < 2; ++g) {
+      cudaSetDevice(g);
       cudaFree(data[g]);
       cudaStreamDestroy(streams[g]);
       ncclCommDestroy(comms[g]);
