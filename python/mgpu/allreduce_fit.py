@@ -40,8 +40,30 @@ NVLINK_HOP = [0.47e-6, 1.9e-6, 3.4e-6]
 RING_BASE_GAP_SIMPLE = 8.4e-6 - 3.6e-6
 RANDOM_STARTS = 16  # per link, on top of the scaled typical starts
 
+
+def _anchor(published: dict, anchor_id: str) -> dict:
+    return next(a for a in published["anchors"] if a["id"] == anchor_id)
+
+
+# Fixed parameters derived from cited anchors rather than fitted (LINKS' callables).
+def no_p2p_pair_busbw(published: dict) -> float:
+    """bytes/s of a PCIe 4.0 consumer pair's allreduce without P2P: its copy bandwidth times
+    the fraction of the copy bandwidth NCCL reached on a pair measured both ways (anchors)."""
+    pair = _anchor(published, "autodl-2080ti-pair-no-p2p")
+    return _anchor(published, "gist-muellerzr-4090-p2p-disabled")["value_GBps"] * 1e9 * (
+        pair["allreduce_busbw_GBps"] / pair["copy_GBps"])
+
+
+def dgx_a100_nic_busbw(published: dict) -> float:
+    """bytes/s per NIC-rail of two DGX-A100 nodes: NVIDIA's 16-rank busbw over 8 rails, in the
+    inter level's terms (bytes/8 cross the nodes, factor 1 for 2 nodes)."""
+    busbw = _anchor(published, "nccl-1576-dgx-a100-2node")["value_GBps"] * 1e9
+    return (1.0 / 8) / (2.0 * 15 / 16 / busbw)
+
+
 # Which parameters each named link fits, and to which tables. 'fit' lists the
-# free parameters of the level that is fitted; the rest are fixed or derived.
+# free parameters of the level that is fitted; the rest are fixed or derived. A fixed
+# value may be a function of the published data (a figure derived from its anchors).
 LINKS = {
     "h100-sxm-8": dict(level="intra", tables=["azure-nd-h100-v5", "together-h100-nccl2.26-ring",
                                               "together-h100-nccl2.26-nvls"], ranks=8, algorithms=("ring", "nvls"),
@@ -56,7 +78,7 @@ LINKS = {
     "a100-ib-2x8": dict(level="inter", intra="a100-sxm-8", tables=["abci2-a100-2x8-ib-nccl2.8.4"], ranks=16, nodes=2,
                         algorithms=("ring",), fit_only=("latency_LL", "latency_LL128", "latency_Simple", "fraction_LL",
                                                         "fraction_LL128"),
-                        fixed={"hop_s": [0.0, 0.0, 0.0]},
+                        fixed={"hop_s": [0.0, 0.0, 0.0], "ring_busbw": dgx_a100_nic_busbw},
                         why_fixed="inter-node transfer from NVIDIA's 192 GB/s 2-node DGX-A100 busbw "
                                   "(NVIDIA/nccl#1576): the fitted table's rows (<= 512 KiB) are latency-bound"),
     "h100-ethernet-2x8": dict(level="inter", intra="h100-sxm-8", tables=["gcp-a3-mega-2x8"], ranks=16, nodes=2,
@@ -70,7 +92,8 @@ LINKS = {
                                          "(NVIDIA/nccl-tests#331), Simple protocol only"),
     "pcie-pair-no-p2p": dict(level="intra", tables=["pastebin-ne4ipn6K-4070tis-no-p2p"], ranks=2, algorithms=("ring",),
                              fit_only=("latency_LL", "fraction_LL"),
-                             fixed={"hop_s": [0.0, 0.0, 0.0]},
+                             fixed={"hop_s": [0.0, 0.0, 0.0], "bw_fraction": [0.4, 0.0, 1.0],
+                                    "derive_simple_latency": True, "ring_busbw": no_p2p_pair_busbw},
                              why_fixed="Simple busbw: the PCIe 4.0 copy bandwidth between two consumer GPUs without "
                                        "P2P (12 GB/s, gist muellerzr/fbfabd0f) times the 0.70 of it NCCL's allreduce "
                                        "reached on a no-P2P pair measured both ways (2x RTX 2080 Ti: 4.00 of 5.71 GB/s); "
@@ -146,23 +169,6 @@ def _params_to_model(x: np.ndarray, names: List[str], base: dict) -> dict:
     return d
 
 
-def no_p2p_pair_busbw(published: dict) -> float:
-    """bytes/s of a PCIe 4.0 consumer pair's allreduce without P2P: its copy bandwidth times
-    the fraction of the copy bandwidth NCCL reached on a pair measured both ways (anchors)."""
-    anchors = {a["id"]: a for a in published["anchors"]}
-    pair = anchors["autodl-2080ti-pair-no-p2p"]
-    return anchors["gist-muellerzr-4090-p2p-disabled"]["value_GBps"] * 1e9 * (
-        pair["allreduce_busbw_GBps"] / pair["copy_GBps"])
-
-
-def dgx_a100_nic_busbw(published: dict) -> float:
-    """bytes/s per NIC-rail of two DGX-A100 nodes: NVIDIA's 16-rank busbw over 8 rails, in the
-    inter level's terms (bytes/8 cross the nodes, factor 1 for 2 nodes)."""
-    anchors = {a["id"]: a for a in published["anchors"]}
-    busbw = anchors["nccl-1576-dgx-a100-2node"]["value_GBps"] * 1e9
-    return (1.0 / 8) / (2.0 * 15 / 16 / busbw)
-
-
 def fit_link(name: str, published: dict, fitted: Dict[str, dict]) -> dict:
     from scipy.optimize import least_squares  # fitting only
 
@@ -173,16 +179,12 @@ def fit_link(name: str, published: dict, fitted: Dict[str, dict]) -> dict:
     times = np.array([t for _, t in points])
     base = {"latency_s": [10e-6, 15e-6, 30e-6], "hop_s": [0.0] * 3, "bw_fraction": [0.3, 0.8, 1.0],
             "ring_busbw": 0.0, "tree_busbw": 0.0, "nvls_busbw": 0.0}
-    fixed = dict(spec.get("fixed", {}))
+    fixed = {k: v(published) if callable(v) else v for k, v in spec.get("fixed", {}).items()}
     base.update(json.loads(json.dumps(fixed)))
     free = list(spec.get("fit_only") or [])
     if not free:
         free = ["latency_LL", "latency_LL128", "latency_Simple", "fraction_LL", "fraction_LL128"]
         free += [f"{a}_busbw" for a in spec["algorithms"] if f"{a}_busbw" not in fixed]
-    if name == "pcie-pair-no-p2p":
-        base.update(bw_fraction=[0.4, 0.0, 1.0], derive_simple_latency=True, ring_busbw=no_p2p_pair_busbw(published))
-    if name == "a100-ib-2x8":
-        base.update(ring_busbw=dgx_a100_nic_busbw(published))
     start = {"latency_LL": 10e-6, "latency_LL128": 20e-6, "latency_Simple": 40e-6, "fraction_LL": 0.2,
              "fraction_LL128": 0.5, "ring_busbw": 100e9, "tree_busbw": 100e9, "nvls_busbw": 450e9}
     if spec["level"] == "inter":
