@@ -71,6 +71,26 @@ def test_topo_measures_devices_and_a_bit_exact_allreduce_sweep(calibration):
     assert sorted(p.name for p in (d / "plots").iterdir()) == ["allreduce.png", "gemm.png"]
 
 
+def test_topo_step_probe_leaves_the_communicators_timeout_alone(tmp_path):
+    # The probe trains with Trainers, which set their watchdog on the shared group
+    # and communicator; left there, the allreduce sweep after it timed the
+    # deadline path (a worker-thread handoff per call) as if it were the plain call.
+    script = tmp_path / "probe.py"
+    script.write_text(
+        "from mgpu.process_group import ProcessGroup\n"
+        "from mgpu.topo import measure_step_phases\n"
+        "pg = ProcessGroup()\n"
+        "comm = pg.communicator()\n"
+        "for pg_timeout, comm_timeout in ((0.0, 0.0), (7.0, 0.0), (0.0, 11.0)):\n"
+        "    pg.timeout, comm.timeout = pg_timeout, comm_timeout\n"
+        "    table = measure_step_phases(pg, 'cpu', 1, quick=True)\n"
+        "    assert table['ranks'] == pg.size and min(table['update_s']) > 0\n"
+        "    print('kept', pg.rank, pg.timeout == pg_timeout, comm.timeout == comm_timeout, flush=True)\n")
+    r = mpirun(2, [PYTHON, script])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert sorted(r.stdout.split("\n")[:-1]) == sorted(f"kept {rank} True True" for rank in (0, 1) for _ in range(3))
+
+
 def test_recommend_on_the_calibration(calibration, tmp_path):
     d, _ = calibration
     out = tmp_path / "rec.json"

@@ -132,24 +132,32 @@ def measure_step_phases(pg, backend_kind: str, threads: int, quick: bool) -> dic
     """Collective: medians of the update and of the wait after backward (allreduce,
     skew, health check), and the wait's spread (90th percentile less the median), in
     real training steps of [h, h, h] MLPs on this process group, as the perf model's
-    StepPhases holds them (SGD with momentum, default buckets)."""
+    StepPhases holds them (SGD with momentum, default buckets). The group and its
+    communicator keep their timeouts: a Trainer sets its watchdog's on both, and the
+    allreduce sweep after this must time the call it means to (with a deadline, the
+    MPI communicator's blocking allreduce hands off to a worker thread)."""
     from .model import MLP
     from .trainer import Trainer
     table = {"params": [], "update_s": [], "wait_s": [], "wait_spread_s": [], "ranks": pg.size}
-    for h in STEP_WIDTHS_QUICK if quick else STEP_WIDTHS:
-        model = MLP([h, h, h], seed=0, device=backend_kind, threads=threads)
-        trainer = Trainer(model, loss="mse", optimizer="sgd", lr=1e-3, momentum=0.9, process_group=pg)
-        x, y = np.zeros((STEP_ROWS, h), np.float32), np.zeros((STEP_ROWS, h), np.float32)
-        update, wait = [], []
-        for i in range(5 + (10 if quick else 30)):
-            trainer.step(x, y, global_batch=STEP_ROWS * pg.size, first_sample=STEP_ROWS * pg.rank)
-            if i >= 5:  # after the first steps' page faults and cache fills
-                update.append(trainer.last_result.timings.optimizer)
-                wait.append(trainer.last_result.timings.comm_wait)
-        table["params"].append(model.num_params)
-        table["update_s"].append(_median(update))
-        table["wait_s"].append(_median(wait))
-        table["wait_spread_s"].append(max(0.0, float(np.percentile(wait, 90)) - _median(wait)))
+    comm = pg.communicator()
+    kept = pg.timeout, comm.timeout
+    try:
+        for h in STEP_WIDTHS_QUICK if quick else STEP_WIDTHS:
+            model = MLP([h, h, h], seed=0, device=backend_kind, threads=threads)
+            trainer = Trainer(model, loss="mse", optimizer="sgd", lr=1e-3, momentum=0.9, process_group=pg)
+            x, y = np.zeros((STEP_ROWS, h), np.float32), np.zeros((STEP_ROWS, h), np.float32)
+            update, wait = [], []
+            for i in range(5 + (10 if quick else 30)):
+                trainer.step(x, y, global_batch=STEP_ROWS * pg.size, first_sample=STEP_ROWS * pg.rank)
+                if i >= 5:  # after the first steps' page faults and cache fills
+                    update.append(trainer.last_result.timings.optimizer)
+                    wait.append(trainer.last_result.timings.comm_wait)
+            table["params"].append(model.num_params)
+            table["update_s"].append(_median(update))
+            table["wait_s"].append(_median(wait))
+            table["wait_spread_s"].append(max(0.0, float(np.percentile(wait, 90)) - _median(wait)))
+    finally:
+        pg.timeout, comm.timeout = kept
     return table
 
 
@@ -265,42 +273,66 @@ def measure_device(pg, device: str, device_index: int, threads: int, quick: bool
 
 
 def allreduce_sweep(pg, comm, backend, max_bytes: int, quick: bool) -> list:
-    """nccl-tests style: rows of bytes, time_us, algbw and busbw (GB/s), wrong elements."""
+    """nccl-tests style: rows of bytes, time_us, algbw and busbw (GB/s), wrong elements.
+    On MPI, from 1 MiB, also a bare MPI_Allreduce and mgpu's call with a training
+    deadline, in rounds that alternate the three (the order rotated each round; the
+    machine's noise drifts on a scale of seconds): each time is its rounds' median."""
     n = pg.size
     max_count = max(1, max_bytes // 4)
     probe = _core.AllreduceProbe(comm, backend, max_count)
     raw = _RawMpiAllreduce(pg, max_count) if comm.name == "mpi" else None
+    busbw = lambda size, seconds: size / seconds / 1e9 * 2 * (n - 1) / n  # noqa: E731
     rows, count = [], 1
     while count <= max_count:
         size = count * 4
         iters = max(2, min(200 if not quick else 50, int(2e8 / max(size, 1)) + 2))
-        seconds, wrong = probe.run(count, iters, 2)
-        seconds = pg.allreduce(seconds, op="max")  # the slowest rank is the collective's time
-        wrong = pg.allreduce(int(wrong))
+        if raw is None or size < MiB:
+            seconds, wrong = probe.run(count, iters, 2)
+            seconds = pg.allreduce(seconds, op="max")  # the slowest rank is the collective's time
+            wrong = pg.allreduce(int(wrong))
+            compared = None
+        else:
+            seconds, wrong, compared = _alternated_rounds(pg, comm, probe, raw, count, iters, 2 if quick else 3)
         algbw = size / seconds / 1e9
         row = {"bytes": size, "count": count, "time_us": seconds * 1e6, "algbw_GBps": algbw,
                "busbw_GBps": algbw * 2 * (n - 1) / n, "wrong": wrong}
-        if raw is not None and size >= MiB:  # the reference: a bare MPI_Allreduce from mpi4py
-            raw_seconds = pg.allreduce(raw.run(count, iters), op="max")
-            row["raw_mpi_busbw_GBps"] = size / raw_seconds / 1e9 * 2 * (n - 1) / n
-            row["vs_raw_mpi"] = raw_seconds / seconds
-            # As training calls it: with a watchdog deadline the blocking call runs on
-            # a worker thread, which the caller waits for with heartbeats (a handoff
-            # each way per call, on the cores the allreduce uses).
-            previous, comm.timeout = comm.timeout, TRAINING_DEADLINE_S
-            try:
-                watched, _ = probe.run(count, iters, 2)
-            finally:
-                comm.timeout = previous
-            watched = pg.allreduce(watched, op="max")
-            row["deadline_busbw_GBps"] = size / watched / 1e9 * 2 * (n - 1) / n
-            row["deadline_vs_raw_mpi"] = raw_seconds / watched
+        if compared is not None:  # the reference: a bare MPI_Allreduce from mpi4py
+            raw_seconds, watched = compared
+            row.update(raw_mpi_busbw_GBps=busbw(size, raw_seconds), vs_raw_mpi=raw_seconds / seconds,
+                       deadline_busbw_GBps=busbw(size, watched), deadline_vs_raw_mpi=raw_seconds / watched)
         rows.append(row)
         count *= 4 if quick else 2
     return rows
 
 
-TRAINING_DEADLINE_S = 300.0  # train's default --watchdog-timeout: any deadline takes the nonblocking path
+def _alternated_rounds(pg, comm, probe, raw, count: int, iters: int, rounds: int):
+    """Collective: (mgpu's call, wrong elements, (bare MPI_Allreduce, mgpu's call with a
+    training deadline)) in seconds, each the median over rounds of the slowest rank.
+    With a deadline (as training calls it) the MPI communicator's blocking call runs on
+    a worker thread, which the caller waits for with heartbeats: a handoff each way
+    per call, on the cores the allreduce uses."""
+    times = {"plain": [], "raw": [], "deadline": []}
+    wrong = 0
+    order = list(times)
+    for r in range(rounds):
+        for path in order[r % 3:] + order[:r % 3]:
+            if path == "raw":
+                seconds = raw.run(count, iters)
+            elif path == "plain":
+                seconds, bad = probe.run(count, iters, 2)
+                wrong += int(bad)
+            else:
+                previous, comm.timeout = comm.timeout, TRAINING_DEADLINE_S
+                try:
+                    seconds, bad = probe.run(count, iters, 2)
+                finally:
+                    comm.timeout = previous
+                wrong += int(bad)
+            times[path].append(pg.allreduce(seconds, op="max"))
+    return _median(times["plain"]), pg.allreduce(wrong), (_median(times["raw"]), _median(times["deadline"]))
+
+
+TRAINING_DEADLINE_S = 300.0  # train's default --watchdog-timeout: any deadline takes the watched path
 
 
 class _RawMpiAllreduce:
