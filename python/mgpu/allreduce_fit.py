@@ -234,18 +234,29 @@ def fit_link(name: str, published: dict, fitted: Dict[str, dict]) -> dict:
     return out
 
 
+def p2p_pair_busbw(published: dict) -> float:
+    """bytes/s of a PCIe 4.0 consumer pair's allreduce with peer-to-peer: the busbw Ada
+    consumer GPUs reached over PCIe 4.0 with P2P on (anchor; 4 GPUs in a ring, whose
+    every link carries what a 2-GPU ring's does)."""
+    return _anchor(published, "tinygrad-okm-36-4x4090-p2p")["value_GBps"] * 1e9
+
+
 def derived_links(published: dict, fitted: Dict[str, dict]) -> Dict[str, dict]:
     """Links without a full published table: built from anchors (cited) and fitted levels."""
     out = {}
-    # Consumer pair with peer-to-peer: no published allreduce table was found, so the
-    # bandwidth stays an explicit assumption (the old nominal 20 GB/s) on the no-P2P
-    # pair's fitted latency.
+    # Consumer pair with peer-to-peer: no published 2-GPU allreduce table with P2P was
+    # found. The bandwidth is a published P2P figure of the same PCIe generation and
+    # GPU family; the latency is the same pair's without P2P (P2P lowers it, so small
+    # messages are priced on the slow side).
     base = json.loads(json.dumps(fitted["pcie-pair-no-p2p"]["intra"]))
-    base["ring_busbw"] = 20e9
+    base["ring_busbw"] = p2p_pair_busbw(published)
     out["pcie-pair-p2p"] = {"fitted": [], "tables": [], "ranks": 2, "nodes": 1, "intra": base,
                             "intra_from": "pcie-pair-no-p2p",
-                            "why_fixed": "ASSUMPTION, no published allreduce table found: the no-P2P pair's fitted "
-                                         "latency and a nominal 20 GB/s busbw over PCIe 4.0 x16 peer-to-peer"}
+                            "why_fixed": f"no published 2-GPU allreduce table with P2P found: busbw "
+                                         f"{base['ring_busbw'] / 1e9:.2f} GB/s from 4x "
+                                         "RTX 4090 with P2P on PCIe 4.0 (tinygrad/open-gpu-kernel-modules#36, 1 GiB); "
+                                         "latencies and protocol fractions of the same pair without P2P (fitted), "
+                                         "an upper bound for small messages"}
     return out
 
 

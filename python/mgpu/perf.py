@@ -92,7 +92,8 @@ NAMED_PROFILES = {
                                link="h100-pcie-nvlink-2", gpus_per_node=2, specs=["h100-pcie"]),
     "pcie-pair-no-p2p": dict(title="2 consumer GPUs on PCIe without peer-to-peer (RTX 4070 Ti SUPER pair)",
                              devices=["rtx-4070-ti-super"] * 2, link="pcie-pair-no-p2p", gpus_per_node=2, specs=[]),
-    "pcie-pair-p2p": dict(title="2 consumer GPUs on PCIe with peer-to-peer (RTX 4070 Ti SUPER pair; link ASSUMED)",
+    "pcie-pair-p2p": dict(title="2 consumer GPUs on PCIe with peer-to-peer (RTX 4070 Ti SUPER pair; "
+                                "busbw from 4x RTX 4090 with P2P)",
                           devices=["rtx-4070-ti-super"] * 2, link="pcie-pair-p2p", gpus_per_node=2, specs=[]),
     "rtx5080-rtx4060": dict(title="the seeds' mixed pair: RTX 5080 + RTX 4060 on PCIe without peer-to-peer",
                             devices=["rtx-5080", "rtx-4060"], link="pcie-pair-no-p2p", gpus_per_node=2,

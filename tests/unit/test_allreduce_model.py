@@ -226,6 +226,23 @@ def test_no_p2p_pair_allreduce_runs_below_its_copy_bandwidth():
     assert stored["pcie-pair-p2p"]["intra"]["ring_busbw"] > busbw  # peer-to-peer skips the host
 
 
+def test_p2p_pair_takes_its_bandwidth_from_a_published_p2p_run_and_the_rest_from_the_pair():
+    pub = af.load_published()
+    stored = af.load_fitted()["links"]
+    p2p, pair = stored["pcie-pair-p2p"], stored["pcie-pair-no-p2p"]["intra"]
+    anchor = next(a for a in pub["anchors"] if a["id"] == "tinygrad-okm-36-4x4090-p2p")
+    assert anchor["profile"] == "pcie-pair-p2p" and anchor["source"].startswith("https://github.com/")
+    assert p2p["intra"]["ring_busbw"] == pytest.approx(anchor["value_GBps"] * 1e9) == af.p2p_pair_busbw(pub)
+    assert {k: v for k, v in p2p["intra"].items() if k != "ring_busbw"} == \
+        {k: v for k, v in pair.items() if k != "ring_busbw"}
+    assert "ASSUMPTION" not in p2p["why_fixed"] and "#36" in p2p["why_fixed"]
+    # the profile cites it, and a large allreduce runs at its busbw
+    prof = perf.named_profile("pcie-pair-p2p", 2)
+    assert any(s["url"] == anchor["source"] for s in prof["sources"])
+    link = af.link_of(p2p)
+    assert (1 << 30) / link.allreduce_seconds(2, 1 << 30) == pytest.approx(anchor["value_GBps"] * 1e9, rel=0.02)
+
+
 def test_a100_nodes_take_latency_from_their_table_and_bandwidth_from_nvidias_figure():
     # The fitted IB table is latency-bound (rows up to 512 KiB); the transfer is fixed to
     # NVIDIA's 192 GB/s 2-node DGX-A100 busbw, which the model must then reproduce at 1 GiB.
