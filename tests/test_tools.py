@@ -203,6 +203,28 @@ def test_bench_compares_with_pytorch_in_the_same_run(tmp_path):
         assert "median of 2 alternating rounds" in r.stdout
 
 
+def test_bench_alternates_thread_counts_and_pairs_their_rounds(tmp_path):
+    r = run_cli(["bench", "--layers", "50,128,3", "--batch-sizes", "64,256", "--threads", "2,1", "--warmup", "1",
+                 "--steps", "4", "--repeats", "2", "--json", tmp_path / "t.json"], timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    # one launch per thread count, in the given order and then reversed (the drift falls on both)
+    launches = [line for line in r.stderr.splitlines() if line.startswith("bench: ")]
+    assert launches == [f"bench: 1 rank(s) x {t} thread(s)..." for t in (2, 1, 1, 2)]
+    rows = json.loads((tmp_path / "t.json").read_text())["rows"]
+    assert sorted((x["batch_size"], x["ranks"], x["threads"]) for x in rows) == [
+        (64, 1, 1), (64, 1, 2), (256, 1, 1), (256, 1, 2)]
+    one = {x["batch_size"]: x for x in rows if x["threads"] == 1}  # the base: the fewest threads
+    for x in rows:
+        assert len(x["step_seconds"]) == 8 and len(x["round_step_medians"]) == 2  # 2 rounds of 4 steps
+        pairs = [b / t for b, t in zip(one[x["batch_size"]]["round_step_medians"], x["round_step_medians"])]
+        assert x["speedup_rounds"] == pytest.approx(pairs) and x["speedup"] == pytest.approx(sum(pairs) / 2)
+        assert x["efficiency"] == pytest.approx(x["speedup"] / x["threads"])
+    for extra, what in ((["--validate-selector"], "--validate-selector"), (["--plots", tmp_path / "p"], "--plots")):
+        bad = run_cli(["bench", "--layers", "50,128,3", "--threads", "1,2", *extra], timeout=120)
+        assert bad.returncode == 2 and f"{what} takes one thread count per rank" in bad.stderr, bad.stderr[-2000:]
+        assert "Traceback" not in bad.stderr
+
+
 @pytest.mark.parametrize("args, message", [
     (["recommend", "--model", "large", "--batch-size", "0"], "batch size"),
     (["recommend", "--model", "large", "--batch-size", "64", "--devices", "0,2"], "device counts"),
@@ -213,6 +235,8 @@ def test_bench_compares_with_pytorch_in_the_same_run(tmp_path):
     (["topo", "--max-mb", "0"], "--max-mb"),
     (["topo", "--max-mb", "1e400"], "--max-mb"),
     (["bench", "--ranks", "2,2"], "rank counts must be distinct"),
+    (["bench", "--threads", "1,1"], "thread counts must be distinct"),
+    (["bench", "--threads", "1,2"], "not under mpirun"),
     (["bench", "--compare", "torch"], "alternates launches"),
     (["bench", "--plots", "/proc/version/plots"], "is not a directory"),
 ])

@@ -9,8 +9,42 @@ import sys as _sys
 # libgomp reads its wait policy once, when it loads (with the core, below). Its default
 # spins idle OpenMP workers for milliseconds, on the very cores OpenBLAS's own threads
 # then compute on: a 2-thread step ran at 1.2x one thread instead of 1.9x
-# (docs/benchmarks.md). A setting of the user's stands.
+# (docs/benchmarks.md). A setting of the user's stands. The PyTorch peer inherits it
+# (it mixes OpenMP and OpenBLAS too: its 2-thread steps ran 2.2-3.3x faster with it).
 _os.environ.setdefault("OMP_WAIT_POLICY", "passive")
+
+
+def _openmp_computes_alone() -> bool:
+    """Will this process's multi-threaded steps run OpenMP only (no OpenBLAS threads)?
+    Decided before the core loads, from what the CpuGemm rule reads: the CPU's AVX-512,
+    MGPU_CPU_GEMM, and whether the core links oneDNN (its dynamic section names it)."""
+    choice = _os.environ.get("MGPU_CPU_GEMM", "").strip() or "auto"
+    if choice not in ("auto", "onednn"):
+        return False
+    try:
+        if choice == "auto":  # oneDNN for every GEMM on several threads only where AVX-512 is
+            with open("/proc/cpuinfo") as f:
+                flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+            if "avx512f" not in flags:
+                return False
+        from importlib.util import find_spec
+        emulated = _os.environ.get("MGPU_EMULATE_GPU", "").strip() not in ("", "0")
+        spec = find_spec(__name__ + ("._core_emu" if emulated else "._core"))
+        with open(spec.origin, "rb") as f:
+            return b"libdnnl.so" in f.read()
+    except (OSError, AttributeError, ImportError, ValueError):
+        return False
+
+
+# Where no OpenBLAS thread computes in a step (AVX-512 CPUs, where oneDNN takes every
+# GEMM on several threads: CpuGemm), a short spin keeps the team awake between a step's
+# many parallel regions: each passive wake-up cost more than `medium`'s small GEMMs
+# themselves (2 threads ran 1.5-2.2x faster with it; with OpenBLAS in the step the same
+# spin made them 0.5-0.7x). Only for mgpu's own steps: launches of other frameworks
+# (the PyTorch peer) go without it (OPENMP_ONLY_ENV).
+OPENMP_ONLY_ENV = {}
+if "GOMP_SPINCOUNT" not in _os.environ and _openmp_computes_alone():
+    _os.environ["GOMP_SPINCOUNT"] = OPENMP_ONLY_ENV["GOMP_SPINCOUNT"] = "10000"
 
 if _os.environ.get("MGPU_EMULATE_GPU", "").strip() not in ("", "0"):
     # MGPU_EMULATE_GPU=N: the CUDA code runs on N emulated GPUs on the CPU

@@ -10,7 +10,9 @@ measured GEMM rate) and the allreduce floor (the calibrated alpha-beta model).
 `--ranks 1,2,...` launches mpirun itself; with several rank counts in rounds that
 alternate them (1 2, 2 1, 1 2, ...: `--repeats` rounds, one repeat each; not with
 `--observe`), so the machine's drift falls on every count and a speedup is the
-median of the rounds' paired ratios; under mpirun it measures the running world. `--compare torch` runs
+median of the rounds' paired ratios; under mpirun it measures the running world.
+`--threads 1,2` does the same for thread counts per rank (each its own launch), and
+its speedup is then against the fewest threads on 1 rank. `--compare torch` runs
 the same workload in PyTorch (DDP) in the same run, in rounds alternating with
 mgpu's (mgpu, torch, mgpu, ...: the machine's drift falls on both), and reports the
 ratio per round; `--validate-selector` sets the selector's predictions beside the
@@ -234,8 +236,15 @@ def _launch(ranks: int, args: list, env: dict) -> list:
         os.unlink(out)
 
 
-def _mpi_env() -> dict:
+def _mpi_env(peer: bool = False) -> dict:
+    """The environment of a launch; a peer framework's (peer=True) without the OpenMP
+    tuning mgpu sets for its own OpenMP-only steps (mgpu.OPENMP_ONLY_ENV)."""
+    from . import OPENMP_ONLY_ENV
     env = dict(os.environ)
+    if peer:
+        for key, value in OPENMP_ONLY_ENV.items():
+            if env.get(key) == value:
+                del env[key]
     env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
     env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
     env.setdefault("OMPI_MCA_rmaps_base_oversubscribe", "1")
@@ -258,7 +267,7 @@ def run_torch(py: str, ranks: int, sizes, dropout, batch, a, device: str, thread
            "--port", str(29500 + (os.getpid() + ranks + batch) % 400)]
     limit = 120 + 10 * (a.warmup + a.steps)  # generous: a hung peer must not hang the benchmark
     try:
-        r = subprocess.run(cmd, capture_output=True, text=True, env=_mpi_env(), timeout=limit)
+        r = subprocess.run(cmd, capture_output=True, text=True, env=_mpi_env(peer=True), timeout=limit)
     except subprocess.TimeoutExpired:
         raise ConfigError(f"the PyTorch peer did not finish within {limit} s at {ranks} rank(s)") from None
     if r.returncode != 0:
@@ -295,14 +304,19 @@ def merge_rounds(rounds: list) -> list:
     return merged
 
 
-def add_derived(rows: list, profile: Optional[dict]) -> None:
-    """Speedup and efficiency against 1 rank; allreduce floor and the selector's prediction."""
+def add_derived(rows: list, profile: Optional[dict], thread_scaling: bool = False) -> None:
+    """Speedup and efficiency against 1 rank (with `thread_scaling`, several thread counts
+    measured: against 1 rank with the fewest, and efficiency per thread too); the
+    allreduce floor and the selector's prediction."""
     from . import perf
     by_batch = {}
     for r in rows:
-        by_batch.setdefault(r["batch_size"], {})[r["ranks"]] = r
+        if r["ranks"] == 1:
+            base = by_batch.get(r["batch_size"])
+            if base is None or r["threads"] < base["threads"]:
+                by_batch[r["batch_size"]] = r
     for r in rows:
-        base = by_batch[r["batch_size"]].get(1)
+        base = by_batch.get(r["batch_size"])
         if base:
             r["speedup"] = r["samples_per_sec"] / base["samples_per_sec"]
             if "round_step_medians" in r and "round_step_medians" in base:
@@ -310,7 +324,7 @@ def add_derived(rows: list, profile: Optional[dict]) -> None:
                 ratios = [b / t for b, t in zip(base["round_step_medians"], r["round_step_medians"])]
                 r["speedup"] = float(np.median(ratios))
                 r["speedup_rounds"] = ratios
-            r["efficiency"] = r["speedup"] / r["ranks"]
+            r["efficiency"] = r["speedup"] / (r["ranks"] * (r["threads"] / base["threads"] if thread_scaling else 1))
         if profile is not None:
             try:
                 w = perf._workload(None, r["layers"], None, r["batch_size"], "fp32", r.get("optimizer", "sgd"), 4.0,
@@ -331,7 +345,7 @@ def add_derived(rows: list, profile: Optional[dict]) -> None:
 
 
 def format_table(rows: list) -> str:
-    head = (f"{'batch':>6} {'ranks':>5} {'samples/s':>10} {'95% CI step ms':>17} {'fwd':>6} {'bwd':>6} {'comm':>6} "
+    head = (f"{'batch':>6} {'ranks':>5} {'thr':>3} {'samples/s':>10} {'95% CI step ms':>17} {'fwd':>6} {'bwd':>6} {'comm':>6} "
             f"{'opt':>5} {'speedup':>7} {'effic':>5} {'mem MB':>7} {'floor ms':>8} {'ar floor':>8} {'torch/s':>9} {'ratio':>5}")
     out = [head]
     for r in rows:
@@ -339,7 +353,7 @@ def format_table(rows: list) -> str:
         ci = r["step"]["ci95"]
         torch = r.get("torch", {})
         out.append(
-            f"{r['batch_size']:>6} {r['ranks']:>5} {r['samples_per_sec']:>10,.0f} "
+            f"{r['batch_size']:>6} {r['ranks']:>5} {r['threads']:>3} {r['samples_per_sec']:>10,.0f} "
             f"{ci[0] * 1e3:>7.2f}-{ci[1] * 1e3:<8.2f} {b['forward']:>6.2f} {b['backward']:>6.2f} {b['comm_wait']:>6.2f} "
             f"{b['optimizer']:>5.2f} {r.get('speedup', float('nan')):>6.2f}x {r.get('efficiency', float('nan')):>5.0%} "
             f"{r['peak_memory_bytes'] / 2**20:>7.0f} {r['compute_floor_ms']:>8.2f} "
@@ -574,8 +588,18 @@ def cmd_bench(a, pg) -> int:
             raise ConfigError(f"--{name} must be >= {0 if name == 'warmup' else 1}, got {getattr(a, name)}")
     if any(b < 1 for b in a.batch_sizes):
         raise ConfigError(f"batch sizes must be >= 1, got {a.batch_sizes}")
-    if a.threads is not None and a.threads < 1:
-        raise ConfigError(f"threads must be >= 1, got {a.threads}")
+    # Several thread counts are several launches, as several rank counts are; one is this run's.
+    a.thread_counts = a.threads or [None]
+    a.threads = a.thread_counts[0]
+    if len(a.thread_counts) > 1:
+        if pg.size > 1:
+            raise ConfigError("several --threads values are launched one process group each: run bench from one "
+                              "process (with --ranks N for N ranks), not under mpirun")
+        for given, what in ((a.validate_selector, "--validate-selector"), (a.plots, "--plots"),
+                            (a.observe, "--observe"), (a.explain, "--explain")):
+            if given:
+                raise ConfigError(f"{what} takes one thread count per rank; several were given "
+                                  f"(--threads {','.join(map(str, a.thread_counts))})")
     if a.precision != "fp32" and a.device == "cpu":
         raise ConfigError(f"--precision {a.precision} needs a GPU; the CPU backend computes in fp32")
     if a.accumulate < 1:
@@ -617,12 +641,13 @@ def cmd_bench(a, pg) -> int:
     # With the peer, or several rank counts to compare: one repeat per round, the sides
     # alternating, in reverse order every other round (1 2, 2 1, ...) so neither side
     # always runs first. --observe interleaves its own off/on rounds inside a launch.
-    alternate = py is not None or (pg.size == 1 and a.ranks is not None and len(a.ranks) > 1 and not a.observe)
+    alternate = py is not None or (pg.size == 1 and not a.observe and (
+        (a.ranks is not None and len(a.ranks) > 1) or len(a.thread_counts) > 1))
     rounds = []
     for i in range(a.repeats if alternate else 1):
         rows = measure_world(pg, a, repeats=1 if alternate else a.repeats, reverse=alternate and i % 2 == 1)
         if alternate:  # merged cell by cell: the same order in every round
-            rows.sort(key=lambda r: (r["batch_size"], r["ranks"]))
+            rows.sort(key=lambda r: (r["batch_size"], r["ranks"], r["threads"]))
         if pg.is_root and py:
             for r in rows:
                 r["torch"] = run_torch(py, r["ranks"], r["layers"], r["dropout"], r["batch_size"], a,
@@ -633,7 +658,7 @@ def cmd_bench(a, pg) -> int:
     rows = merge_rounds(rounds) if alternate else rounds[0]
     for r in rows:
         r["optimizer"] = a.optimizer
-    add_derived(rows, profile)
+    add_derived(rows, profile, thread_scaling=len(a.thread_counts) > 1)
     print(format_table(rows))
     for r in rows:
         t = r.get("torch_ratio")
@@ -645,9 +670,9 @@ def cmd_bench(a, pg) -> int:
 
 
 def measure_world(pg, a, repeats: int, reverse: bool = False) -> list:
-    """mgpu's rows: this world in-process, or one mpirun launch per --ranks count
-    (in reverse order with `reverse`)."""
-    if pg.size > 1 or not a.ranks:
+    """mgpu's rows: this world in-process, or one mpirun launch per --ranks count and
+    --threads count (in reverse order with `reverse`)."""
+    if pg.size > 1 or (not a.ranks and len(a.thread_counts) == 1):
         return run_worker(pg, a, repeats)
     if shutil.which("mpirun") is None:
         raise ConfigError("--ranks needs mpirun on PATH")
@@ -657,15 +682,14 @@ def measure_world(pg, a, repeats: int, reverse: bool = False) -> list:
                    f"--accumulate={a.accumulate}", f"--grad-dtype={a.grad_dtype}", "--no-progress"]
     passthrough += ["--observe"] if a.observe else []
     passthrough += [f"--layers={','.join(map(str, a.layers))}"] if a.layers else [f"--model={a.model or 'large'}"]
-    if a.threads:
-        passthrough.append(f"--threads={a.threads}")
     if a.dropout is not None:
         passthrough.append(f"--dropout={a.dropout}")
+    cells = [(n, t) for n in (a.ranks or [1]) for t in a.thread_counts]
     rows = []
-    for n in (list(reversed(a.ranks)) if reverse else a.ranks):
+    for n, t in (list(reversed(cells)) if reverse else cells):
         if not a.no_progress:
-            print(f"bench: {n} rank(s)...", file=sys.stderr, flush=True)
-        rows += _launch(n, passthrough, _mpi_env())
+            print(f"bench: {n} rank(s)" + (f" x {t} thread(s)" if t else "") + "...", file=sys.stderr, flush=True)
+        rows += _launch(n, passthrough + ([f"--threads={t}"] if t else []), _mpi_env())
     return rows
 
 
@@ -763,7 +787,8 @@ def add_parser(sub) -> None:
     b.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd")
     b.add_argument("--dropout", type=float, default=None, help="default: the preset's")
     b.add_argument("--device", choices=("cpu", "cuda", "auto"), default="auto")
-    b.add_argument("--threads", type=int, default=None, help="CPU threads per rank")
+    b.add_argument("--threads", type=int_list("thread counts", distinct=True), default=None,
+                   help="CPU threads per rank; several (e.g. 1,2) are launched in alternating rounds like --ranks")
     b.add_argument("--precision", choices=PRECISIONS, default="fp32",
                    help="GEMM precision (GPUs): fp32, tf32, bf16, fp16; the PyTorch peer uses the same")
     b.add_argument("--cuda-graph", choices=GRAPH_MODES, default="auto",

@@ -505,6 +505,13 @@ def format_info(info: dict) -> str:
         lines.append(f"CPU GEMM: {rule} (MGPU_CPU_GEMM={choice})")
     else:
         lines.append("CPU GEMM: OpenBLAS (this build has no oneDNN)")
+    if info["openmp"]:
+        from . import OPENMP_ONLY_ENV
+        spin = os.environ.get("GOMP_SPINCOUNT")
+        lines.append(f"OpenMP:   idle workers wait {os.environ.get('OMP_WAIT_POLICY', 'as libgomp defaults')}"
+                     + (f", spinning {spin} rounds first" if spin else "")
+                     + (" (set by mgpu: oneDNN takes every GEMM on several threads, no OpenBLAS thread to yield to)"
+                        if "GOMP_SPINCOUNT" in OPENMP_ONLY_ENV else ""))
     mpi = info["mpi"]
     lines.append(f"MPI:      {mpi.get('library', '') or 'yes'} (built with {mpi['compiled_with']})" if mpi["enabled"]
                  else "MPI:      not built in (one rank only)")

@@ -102,3 +102,33 @@ def test_bad_environment_choice_is_one_line_exit_2():
     info = subprocess.run([sys.executable, "-m", "mgpu", "info"], capture_output=True, text=True, timeout=120,
                           env=dict(os.environ, MGPU_CPU_GEMM="openblas"))
     assert "CPU GEMM: OpenBLAS" in info.stdout
+
+
+def _import_in_fresh_process(**env_changes):
+    """(GOMP_SPINCOUNT, OMP_WAIT_POLICY, mgpu.OPENMP_ONLY_ENV, the PyTorch peer's two) after `import mgpu`."""
+    env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY", "MGPU_CPU_GEMM")}
+    env.update(env_changes)
+    code = ("import json, os, mgpu\nfrom mgpu.bench import _mpi_env\npeer = _mpi_env(peer=True)\n"
+            "print(json.dumps([os.environ.get('GOMP_SPINCOUNT'), os.environ.get('OMP_WAIT_POLICY'), "
+            "mgpu.OPENMP_ONLY_ENV, peer.get('GOMP_SPINCOUNT'), peer.get('OMP_WAIT_POLICY')]))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    import json
+    return json.loads(r.stdout)
+
+
+def test_openmp_workers_spin_briefly_only_where_no_openblas_thread_computes():
+    # The spin is decided before the core loads: from the CPU's flags (read here
+    # independently), the core's oneDNN and MGPU_CPU_GEMM, as the GEMM rule decides.
+    with open("/proc/cpuinfo") as f:
+        avx512 = "avx512f" in f.read().split()
+    openmp_only = avx512 and HAS_ONEDNN
+    spin, policy, added, peer_spin, peer_policy = _import_in_fresh_process()
+    assert policy == peer_policy == "passive"  # the peer mixes OpenMP and OpenBLAS too
+    assert (spin, added) == (("10000", {"GOMP_SPINCOUNT": "10000"}) if openmp_only else (None, {}))
+    assert peer_spin is None  # mgpu's own tuning: not for other frameworks
+    # OpenBLAS forced: its threads compute in the step, so the workers must yield at once
+    assert _import_in_fresh_process(MGPU_CPU_GEMM="openblas")[:3] == [None, "passive", {}]
+    assert _import_in_fresh_process(MGPU_CPU_GEMM="onednn")[0] == ("10000" if HAS_ONEDNN else None)
+    # the user's settings stand, and reach the peer as given
+    assert _import_in_fresh_process(GOMP_SPINCOUNT="7", OMP_WAIT_POLICY="active") == ["7", "active", {}, "7",
+                                                                                        "active"]
