@@ -202,6 +202,7 @@ bool cpu_has_avx512() {
 CpuGemm auto_cpu_gemm(int M, int N, int K, int threads, bool avx512, bool onednn) {
   if (!onednn || M == 0 || N == 0 || K == 0) return CpuGemm::kOpenBlas;
   if (avx512) return threads > 1 || N >= kOneDnnMinWidthAvx512 ? CpuGemm::kOneDnn : CpuGemm::kOpenBlas;
+  if (threads > 1) return CpuGemm::kOpenBlas;
   return double(M) * N * K <= kOneDnnMaxWork ? CpuGemm::kOneDnn : CpuGemm::kOpenBlas;
 }
 

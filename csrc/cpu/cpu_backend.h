@@ -16,6 +16,9 @@ namespace mgpu {
 // width, never a timing, so a run's results never depend on the machine's load:
 // - AVX2 CPUs: oneDNN for products of at most kOneDnnMaxWork multiply-adds (its JIT
 //   kernels win there, 1.2-5x per shape on Zen 3), OpenBLAS above (equal or better).
+//   On more threads OpenBLAS takes them all: idle OpenMP workers sleep there (mgpu's
+//   OMP_WAIT_POLICY=passive, for OpenBLAS's threads' sake), and each small oneDNN call
+//   then began by waking one (`medium` b256 on 2 threads 1.37-1.52x faster without).
 // - AVX-512 CPUs: oneDNN (5-15 % faster than OpenBLAS 0.3.21 on `large`'s GEMMs on
 //   Zen 4). On one thread, OpenBLAS keeps products narrower than
 //   kOneDnnMinWidthAvx512 output columns (the 3-wide output layer's forward: 1.5-6x

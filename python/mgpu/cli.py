@@ -499,7 +499,7 @@ def format_info(info: dict) -> str:
         by_shape = (f"oneDNN {blas['onednn']} for products of >= {blas['onednn_min_width_avx512']} output columns, "
                     "OpenBLAS for narrower ones on one thread (an AVX-512 CPU)" if blas.get("cpu_avx512") else
                     f"oneDNN {blas['onednn']} for products of <= {blas['onednn_max_work'] / 1e6:.1f}M multiply-adds, "
-                    "OpenBLAS above (no AVX-512)")
+                    "OpenBLAS above and for all on several threads (no AVX-512)")
         rule = (by_shape if choice == "auto" else {"openblas": "OpenBLAS", "onednn": f"oneDNN {blas['onednn']}"}
                 .get(choice, "invalid: expected auto, openblas or onednn"))
         lines.append(f"CPU GEMM: {rule} (MGPU_CPU_GEMM={choice})")

@@ -28,6 +28,9 @@ def test_auto_rule_by_shape_and_vector_width():
     assert _core.auto_cpu_gemm(*big, threads=1, avx512=False) == "openblas"
     assert _core.auto_cpu_gemm(1024, 3, 256, threads=1, avx512=False) == dnn
     assert _core.auto_cpu_gemm(*big, threads=2, avx512=False) == "openblas"
+    # AVX2, several threads: OpenBLAS throughout (no sleeping OpenMP team to wake per call).
+    assert _core.auto_cpu_gemm(*small, threads=2, avx512=False) == "openblas"
+    assert _core.auto_cpu_gemm(1024, 3, 256, threads=4, avx512=False) == "openblas"
     # AVX-512, one thread: by the output width, whatever the size.
     width = int(BLAS["onednn_min_width_avx512"])
     assert _core.auto_cpu_gemm(1024, width, 1024, threads=1, avx512=True) == dnn
