@@ -9,9 +9,28 @@ import sys as _sys
 # libgomp reads its wait policy once, when it loads (with the core, below). Its default
 # spins idle OpenMP workers for milliseconds, on the very cores OpenBLAS's own threads
 # then compute on: a 2-thread step ran at 1.2x one thread instead of 1.9x
-# (docs/benchmarks.md). A setting of the user's stands. The PyTorch peer inherits it
-# (it mixes OpenMP and OpenBLAS too: its 2-thread steps ran 2.2-3.3x faster with it).
-_os.environ.setdefault("OMP_WAIT_POLICY", "passive")
+# (docs/benchmarks.md). So mgpu makes idle workers sleep (OMP_WAIT_POLICY=passive) unless
+# the user chose a policy. The PyTorch peer inherits it (it mixes OpenMP and OpenBLAS
+# too: its 2-thread steps ran 2.2-3.3x faster with it than with libgomp's default).
+#
+# Where no OpenBLAS thread computes in a step (AVX-512 CPUs, where oneDNN takes every
+# GEMM on several threads: CpuGemm), a short spin first (GOMP_SPINCOUNT) keeps the team
+# awake between a step's many parallel regions: each passive wake-up cost more than
+# `medium`'s small GEMMs themselves (2 threads ran 1.7-2.4x faster with it; with OpenBLAS
+# in the step the same spin made them 0.54-0.87x). Only where mgpu chose the policy and
+# the user set no spin, and only for mgpu's own steps: launches of other frameworks (the
+# PyTorch peer) go without it (OPENMP_ONLY_ENV).
+#
+# What mgpu sets is listed in MGPU_SET_OPENMP_ENV, so that a child process importing mgpu
+# decides afresh (its MGPU_CPU_GEMM may differ) instead of taking it for the user's.
+_SET_MARKER = "MGPU_SET_OPENMP_ENV"
+
+
+def _forget_what_an_mgpu_parent_set() -> None:
+    marked = _os.environ.pop(_SET_MARKER, "")
+    for key, value in (kv.split("=", 1) for kv in marked.split(",") if "=" in kv):
+        if _os.environ.get(key) == value:
+            del _os.environ[key]
 
 
 def _openmp_computes_alone() -> bool:
@@ -36,15 +55,15 @@ def _openmp_computes_alone() -> bool:
         return False
 
 
-# Where no OpenBLAS thread computes in a step (AVX-512 CPUs, where oneDNN takes every
-# GEMM on several threads: CpuGemm), a short spin keeps the team awake between a step's
-# many parallel regions: each passive wake-up cost more than `medium`'s small GEMMs
-# themselves (2 threads ran 1.5-2.2x faster with it; with OpenBLAS in the step the same
-# spin made them 0.5-0.7x). Only for mgpu's own steps: launches of other frameworks
-# (the PyTorch peer) go without it (OPENMP_ONLY_ENV).
+_forget_what_an_mgpu_parent_set()
+_set_by_mgpu = {}
+if "OMP_WAIT_POLICY" not in _os.environ:
+    _os.environ["OMP_WAIT_POLICY"] = _set_by_mgpu["OMP_WAIT_POLICY"] = "passive"
 OPENMP_ONLY_ENV = {}
-if "GOMP_SPINCOUNT" not in _os.environ and _openmp_computes_alone():
-    _os.environ["GOMP_SPINCOUNT"] = OPENMP_ONLY_ENV["GOMP_SPINCOUNT"] = "10000"
+if "OMP_WAIT_POLICY" in _set_by_mgpu and "GOMP_SPINCOUNT" not in _os.environ and _openmp_computes_alone():
+    _os.environ["GOMP_SPINCOUNT"] = OPENMP_ONLY_ENV["GOMP_SPINCOUNT"] = _set_by_mgpu["GOMP_SPINCOUNT"] = "10000"
+if _set_by_mgpu:
+    _os.environ[_SET_MARKER] = ",".join(f"{k}={v}" for k, v in _set_by_mgpu.items())
 
 if _os.environ.get("MGPU_EMULATE_GPU", "").strip() not in ("", "0"):
     # MGPU_EMULATE_GPU=N: the CUDA code runs on N emulated GPUs on the CPU

@@ -221,7 +221,7 @@ def run_worker(pg, a, repeats: Optional[int] = None) -> list:
     return rows
 
 
-def _launch(ranks: int, args: list, env: dict) -> list:
+def _launch(ranks: int, args: list, env: dict, label: str = "") -> list:
     out = tempfile.NamedTemporaryFile(prefix="mgpu-bench-", suffix=".json", delete=False).name
     cmd = ["mpirun", "-np", str(ranks), "--oversubscribe", "--bind-to", "none", sys.executable, "-m", "mgpu",
            "bench", *args, "--worker-out", out]
@@ -229,7 +229,7 @@ def _launch(ranks: int, args: list, env: dict) -> list:
     try:
         if r.returncode != 0:
             tail = [l for l in r.stderr.splitlines() if l.startswith("mgpu")] or r.stderr.splitlines()[-3:]
-            raise ConfigError(f"benchmark at {ranks} rank(s) failed: {' '.join(tail)[:500]}")
+            raise ConfigError(f"benchmark at {ranks} rank(s){label} failed: {' '.join(tail)[:500]}")
         with open(out) as f:
             return json.load(f)
     finally:
@@ -245,6 +245,7 @@ def _mpi_env(peer: bool = False) -> dict:
         for key, value in OPENMP_ONLY_ENV.items():
             if env.get(key) == value:
                 del env[key]
+        env.pop("MGPU_SET_OPENMP_ENV", None)
     env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
     env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
     env.setdefault("OMPI_MCA_rmaps_base_oversubscribe", "1")
@@ -306,14 +307,14 @@ def merge_rounds(rounds: list) -> list:
 
 def add_derived(rows: list, profile: Optional[dict], thread_scaling: bool = False) -> None:
     """Speedup and efficiency against 1 rank (with `thread_scaling`, several thread counts
-    measured: against 1 rank with the fewest, and efficiency per thread too); the
-    allreduce floor and the selector's prediction."""
+    measured: against the fewest ranks with the fewest threads, and efficiency per thread
+    too); the allreduce floor and the selector's prediction."""
     from . import perf
     by_batch = {}
-    for r in rows:
-        if r["ranks"] == 1:
+    for r in rows:  # the base: 1 rank (its fewest threads); comparing threads, the fewest ranks
+        if r["ranks"] == 1 or thread_scaling:
             base = by_batch.get(r["batch_size"])
-            if base is None or r["threads"] < base["threads"]:
+            if base is None or (r["ranks"], r["threads"]) < (base["ranks"], base["threads"]):
                 by_batch[r["batch_size"]] = r
     for r in rows:
         base = by_batch.get(r["batch_size"])
@@ -324,7 +325,8 @@ def add_derived(rows: list, profile: Optional[dict], thread_scaling: bool = Fals
                 ratios = [b / t for b, t in zip(base["round_step_medians"], r["round_step_medians"])]
                 r["speedup"] = float(np.median(ratios))
                 r["speedup_rounds"] = ratios
-            r["efficiency"] = r["speedup"] / (r["ranks"] * (r["threads"] / base["threads"] if thread_scaling else 1))
+            scale = r["ranks"] / base["ranks"] * (r["threads"] / base["threads"] if thread_scaling else 1)
+            r["efficiency"] = r["speedup"] / scale
         if profile is not None:
             try:
                 w = perf._workload(None, r["layers"], None, r["batch_size"], "fp32", r.get("optimizer", "sgd"), 4.0,
@@ -595,6 +597,9 @@ def cmd_bench(a, pg) -> int:
         if pg.size > 1:
             raise ConfigError("several --threads values are launched one process group each: run bench from one "
                               "process (with --ranks N for N ranks), not under mpirun")
+        if pg.resolve_device(a.device)[0] != "cpu":
+            raise ConfigError("several --threads values compare CPU thread counts; this run's device is a GPU "
+                              "(use --device cpu)")
         for given, what in ((a.validate_selector, "--validate-selector"), (a.plots, "--plots"),
                             (a.observe, "--observe"), (a.explain, "--explain")):
             if given:
@@ -663,7 +668,8 @@ def cmd_bench(a, pg) -> int:
     for r in rows:
         t = r.get("torch_ratio")
         if t:
-            print(f"mgpu / PyTorch {r['torch']['version']}, batch {r['batch_size']} x {r['ranks']} rank(s): "
+            print(f"mgpu / PyTorch {r['torch']['version']}, batch {r['batch_size']} x {r['ranks']} rank(s)"
+                  + (f" x {r['threads']} thread(s)" if len(a.thread_counts) > 1 else "") + ": "
                   f"{t['median']:.2f}x median of {len(t['rounds'])} alternating rounds "
                   f"(range {t['min']:.2f}-{t['max']:.2f}x)")
     return report(a, pg, rows, profile)
@@ -675,7 +681,7 @@ def measure_world(pg, a, repeats: int, reverse: bool = False) -> list:
     if pg.size > 1 or (not a.ranks and len(a.thread_counts) == 1):
         return run_worker(pg, a, repeats)
     if shutil.which("mpirun") is None:
-        raise ConfigError("--ranks needs mpirun on PATH")
+        raise ConfigError("--ranks and several --threads are launched with mpirun: it is not on PATH")
     passthrough = [f"--batch-sizes={','.join(map(str, a.batch_sizes))}", f"--warmup={a.warmup}",
                    f"--steps={a.steps}", f"--repeats={repeats}", f"--optimizer={a.optimizer}",
                    f"--device={a.device}", f"--precision={a.precision}", f"--cuda-graph={a.cuda_graph}",
@@ -689,7 +695,8 @@ def measure_world(pg, a, repeats: int, reverse: bool = False) -> list:
     for n, t in (list(reversed(cells)) if reverse else cells):
         if not a.no_progress:
             print(f"bench: {n} rank(s)" + (f" x {t} thread(s)" if t else "") + "...", file=sys.stderr, flush=True)
-        rows += _launch(n, passthrough + ([f"--threads={t}"] if t else []), _mpi_env())
+        rows += _launch(n, passthrough + ([f"--threads={t}"] if t else []), _mpi_env(),
+                        f" x {t} thread(s)" if t else "")
     return rows
 
 
@@ -720,6 +727,7 @@ def report(a, pg, rows: list, profile) -> int:
     result = {"version": __version__, "host": socket.gethostname(), "model": a.model, "layers": rows[0]["layers"],
               "optimizer": a.optimizer, "precision": a.precision, "warmup": a.warmup, "steps": a.steps, "repeats": a.repeats,
               "openblas_coretype": os.environ.get("OPENBLAS_CORETYPE"),
+              "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "gomp_spincount": os.environ.get("GOMP_SPINCOUNT"),
               "gpu_emulation": bool(_core.build_info().get("gpu_emulation", False)) and rows[0]["device"] == "cuda",
               "rows": rows}
     if a.validate_selector:

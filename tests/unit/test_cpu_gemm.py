@@ -109,7 +109,8 @@ def test_bad_environment_choice_is_one_line_exit_2():
 
 def _import_in_fresh_process(**env_changes):
     """(GOMP_SPINCOUNT, OMP_WAIT_POLICY, mgpu.OPENMP_ONLY_ENV, the PyTorch peer's two) after `import mgpu`."""
-    env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY", "MGPU_CPU_GEMM")}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY", "MGPU_CPU_GEMM", "MGPU_SET_OPENMP_ENV")}
     env.update(env_changes)
     code = ("import json, os, mgpu\nfrom mgpu.bench import _mpi_env\npeer = _mpi_env(peer=True)\n"
             "print(json.dumps([os.environ.get('GOMP_SPINCOUNT'), os.environ.get('OMP_WAIT_POLICY'), "
@@ -132,6 +133,13 @@ def test_openmp_workers_spin_briefly_only_where_no_openblas_thread_computes():
     # OpenBLAS forced: its threads compute in the step, so the workers must yield at once
     assert _import_in_fresh_process(MGPU_CPU_GEMM="openblas")[:3] == [None, "passive", {}]
     assert _import_in_fresh_process(MGPU_CPU_GEMM="onednn")[0] == ("10000" if HAS_ONEDNN else None)
-    # the user's settings stand, and reach the peer as given
+    # the user's settings stand, and reach the peer as given; a policy of theirs gets no spin
     assert _import_in_fresh_process(GOMP_SPINCOUNT="7", OMP_WAIT_POLICY="active") == ["7", "active", {}, "7",
                                                                                         "active"]
+    for policy in ("active", "passive"):
+        assert _import_in_fresh_process(OMP_WAIT_POLICY=policy) == [None, policy, {}, None, policy]
+    # what an mgpu parent set is decided afresh in a child (here: OpenBLAS forced, so no spin)
+    inherited = dict(OMP_WAIT_POLICY="passive", GOMP_SPINCOUNT="10000",
+                     MGPU_SET_OPENMP_ENV="OMP_WAIT_POLICY=passive,GOMP_SPINCOUNT=10000")
+    assert _import_in_fresh_process(**inherited, MGPU_CPU_GEMM="openblas")[:3] == [None, "passive", {}]
+    assert _import_in_fresh_process(**inherited)[2] == ({"GOMP_SPINCOUNT": "10000"} if openmp_only else {})

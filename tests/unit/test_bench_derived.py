@@ -1,0 +1,44 @@
+"""bench's derived figures (add_derived): which row a speedup is against, and what its
+efficiency divides by, for rank counts, thread counts and both."""
+import pytest
+
+from mgpu import bench
+
+
+def _row(ranks, threads, rounds_ms, batch=64):
+    return {"batch_size": batch, "ranks": ranks, "threads": threads, "samples_per_sec": batch / (rounds_ms[0] / 1e3),
+            "round_step_medians": [ms / 1e3 for ms in rounds_ms]}
+
+
+def test_rank_counts_against_one_rank_and_efficiency_per_rank():
+    rows = [_row(1, 2, [10.0, 12.0]), _row(2, 1, [6.0, 5.0])]  # default threads: cores / ranks
+    bench.add_derived(rows, None)
+    assert rows[1]["speedup_rounds"] == pytest.approx([10 / 6, 12 / 5])
+    assert rows[1]["speedup"] == pytest.approx((10 / 6 + 12 / 5) / 2)
+    assert rows[1]["efficiency"] == pytest.approx(rows[1]["speedup"] / 2)  # per rank, as before
+    assert rows[0]["speedup"] == pytest.approx(1.0)
+
+
+def test_without_one_rank_a_rank_sweep_has_no_speedup():
+    rows = [_row(2, 1, [6.0]), _row(4, 1, [4.0])]
+    bench.add_derived(rows, None)
+    assert all("speedup" not in r and "efficiency" not in r for r in rows)
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_thread_counts_against_the_fewest_threads_and_efficiency_per_thread(ranks):
+    rows = [_row(ranks, 4, [3.0, 3.0]), _row(ranks, 1, [10.0, 10.0]), _row(ranks, 2, [5.5, 5.0])]
+    bench.add_derived(rows, None, thread_scaling=True)
+    by_threads = {r["threads"]: r for r in rows}
+    assert by_threads[1]["speedup"] == pytest.approx(1.0)
+    assert by_threads[2]["speedup"] == pytest.approx((10 / 5.5 + 2) / 2)
+    assert by_threads[2]["efficiency"] == pytest.approx(by_threads[2]["speedup"] / 2)
+    assert by_threads[4]["efficiency"] == pytest.approx(10 / 3 / 4)
+
+
+def test_ranks_and_threads_together_scale_by_both():
+    rows = [_row(1, 1, [12.0]), _row(1, 2, [6.5]), _row(2, 1, [6.4]), _row(2, 2, [3.4])]
+    bench.add_derived(rows, None, thread_scaling=True)
+    two_by_two = next(r for r in rows if (r["ranks"], r["threads"]) == (2, 2))
+    assert two_by_two["speedup"] == pytest.approx(12 / 3.4)
+    assert two_by_two["efficiency"] == pytest.approx(12 / 3.4 / 4)
