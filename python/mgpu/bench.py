@@ -12,7 +12,7 @@ alternate them (1 2, 2 1, 1 2, ...: `--repeats` rounds, one repeat each; not wit
 `--observe`), so the machine's drift falls on every count and a speedup is the
 median of the rounds' paired ratios; under mpirun it measures the running world.
 `--threads 1,2` does the same for thread counts per rank (each its own launch), and
-its speedup is then against the fewest threads on 1 rank. `--compare torch` runs
+its speedup is then against the fewest ranks with the fewest threads. `--compare torch` runs
 the same workload in PyTorch (DDP) in the same run, in rounds alternating with
 mgpu's (mgpu, torch, mgpu, ...: the machine's drift falls on both), and reports the
 ratio per round; `--validate-selector` sets the selector's predictions beside the
