@@ -3,7 +3,9 @@ mpirun where they measure a communicator: files, JSON fields, bit-exact
 allreduce checks, the selector's validation, and one-line errors."""
 import csv
 import json
+import os
 import re
+import subprocess
 
 import pytest
 
@@ -227,6 +229,19 @@ def test_bench_alternates_thread_counts_and_pairs_their_rounds(tmp_path):
         bad = run_cli(["bench", "--layers", "50,128,3", "--threads", "1,2", *extra], timeout=120)
         assert bad.returncode == 2 and f"{what} takes one thread count per rank" in bad.stderr, bad.stderr[-2000:]
         assert "Traceback" not in bad.stderr
+
+
+def test_output_whose_reader_is_gone_ends_quietly():
+    # `mgpu info | head -1`: the pipe's reader is gone before mgpu writes (closed here up front)
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        r = subprocess.run([*MGPU, "info"], stdout=write_end, stderr=subprocess.PIPE, text=True, env=mpi_env(),
+                           timeout=120)
+    finally:
+        os.close(write_end)
+    assert r.returncode == 141, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr and "BrokenPipe" not in r.stderr, r.stderr[-2000:]
 
 
 @pytest.mark.parametrize("args, message", [

@@ -557,6 +557,9 @@ def cmd_info(a, pg) -> int:
     return 0
 
 
+EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE  # as a shell reports a process that SIGPIPE ended
+
+
 def _commands():
     from . import bench, perf, stress, topo
     return {"train": cmd_train, "info": cmd_info, "topo": topo.cmd_topo, "recommend": perf.cmd_recommend,
@@ -574,8 +577,11 @@ def main(argv=None) -> int:
             # (train says it in its header line, stress and info in the device names).
             print(_emulation_banner() + "; their timings are not GPU timings", flush=True)
         if getattr(args, "gpus", None) is not None:
-            return _train_single_process(args, pg)
-        return _commands()[args.command](args, pg)
+            code = _train_single_process(args, pg)
+        else:
+            code = _commands()[args.command](args, pg)
+        sys.stdout.flush()  # a reader gone (`| head`) shows here, inside the handlers below
+        return code
     except UsageError as e:
         write_line(str(e))
         return EXIT_USAGE
@@ -595,6 +601,16 @@ def main(argv=None) -> int:
         if pg is not None:
             pg.abort(130)
         return 130
+    except BrokenPipeError:
+        # Whoever read the output went away (`mgpu info | head`): stop, without a traceback,
+        # and without another failed flush of stdout at exit.
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except OSError:
+            pass
+        if pg is not None and pg.size > 1:
+            pg.abort(EXIT_BROKEN_PIPE)
+        return EXIT_BROKEN_PIPE
     except Exception as e:  # noqa: BLE001 - last line of defence: never leave peers hanging
         from .errors import MgpuError
         if isinstance(e, MgpuError):
