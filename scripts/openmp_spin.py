@@ -1,6 +1,6 @@
 """A/B of environment settings for `mgpu bench` cells, rounds alternated (the order
 reversed every other round) with a fresh process per cell and round: the measurement
-behind the GOMP_SPINCOUNT mgpu sets for OpenMP-only steps (mgpu/__init__.py,
+behind the GOMP_SPINCOUNT mgpu sets for OpenMP-only steps (mgpu/_openmp_env.py,
 docs/benchmarks.md). Prints each setting's median samples/s and the median and range of
 its ratio to the first setting's, round by round.
 

@@ -238,14 +238,9 @@ def _launch(ranks: int, args: list, env: dict, label: str = "") -> list:
 
 def _mpi_env(peer: bool = False) -> dict:
     """The environment of a launch; a peer framework's (peer=True) without the OpenMP
-    tuning mgpu sets for its own OpenMP-only steps (mgpu.OPENMP_ONLY_ENV)."""
-    from . import OPENMP_ONLY_ENV
-    env = dict(os.environ)
-    if peer:
-        for key, value in OPENMP_ONLY_ENV.items():
-            if env.get(key) == value:
-                del env[key]
-        env.pop("MGPU_SET_OPENMP_ENV", None)
+    tuning mgpu sets for its own OpenMP-only steps."""
+    from ._openmp_env import for_other_frameworks
+    env = for_other_frameworks(dict(os.environ)) if peer else dict(os.environ)
     env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
     env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
     env.setdefault("OMPI_MCA_rmaps_base_oversubscribe", "1")
@@ -593,7 +588,8 @@ def cmd_bench(a, pg) -> int:
     # Several thread counts are several launches, as several rank counts are; one is this run's.
     a.thread_counts = a.threads or [None]
     a.threads = a.thread_counts[0]
-    if len(a.thread_counts) > 1:
+    several_threads = len(a.thread_counts) > 1
+    if several_threads:
         if pg.size > 1:
             raise ConfigError("several --threads values are launched one process group each: run bench from one "
                               "process (with --ranks N for N ranks), not under mpirun")
@@ -647,7 +643,7 @@ def cmd_bench(a, pg) -> int:
     # alternating, in reverse order every other round (1 2, 2 1, ...) so neither side
     # always runs first. --observe interleaves its own off/on rounds inside a launch.
     alternate = py is not None or (pg.size == 1 and not a.observe and (
-        (a.ranks is not None and len(a.ranks) > 1) or len(a.thread_counts) > 1))
+        (a.ranks is not None and len(a.ranks) > 1) or several_threads))
     rounds = []
     for i in range(a.repeats if alternate else 1):
         rows = measure_world(pg, a, repeats=1 if alternate else a.repeats, reverse=alternate and i % 2 == 1)
@@ -663,13 +659,13 @@ def cmd_bench(a, pg) -> int:
     rows = merge_rounds(rounds) if alternate else rounds[0]
     for r in rows:
         r["optimizer"] = a.optimizer
-    add_derived(rows, profile, thread_scaling=len(a.thread_counts) > 1)
+    add_derived(rows, profile, thread_scaling=several_threads)
     print(format_table(rows))
     for r in rows:
         t = r.get("torch_ratio")
         if t:
             print(f"mgpu / PyTorch {r['torch']['version']}, batch {r['batch_size']} x {r['ranks']} rank(s)"
-                  + (f" x {r['threads']} thread(s)" if len(a.thread_counts) > 1 else "") + ": "
+                  + (f" x {r['threads']} thread(s)" if several_threads else "") + ": "
                   f"{t['median']:.2f}x median of {len(t['rounds'])} alternating rounds "
                   f"(range {t['min']:.2f}-{t['max']:.2f}x)")
     return report(a, pg, rows, profile)
@@ -693,10 +689,10 @@ def measure_world(pg, a, repeats: int, reverse: bool = False) -> list:
     cells = [(n, t) for n in (a.ranks or [1]) for t in a.thread_counts]
     rows = []
     for n, t in (list(reversed(cells)) if reverse else cells):
+        threads = f" x {t} thread(s)" if t else ""
         if not a.no_progress:
-            print(f"bench: {n} rank(s)" + (f" x {t} thread(s)" if t else "") + "...", file=sys.stderr, flush=True)
-        rows += _launch(n, passthrough + ([f"--threads={t}"] if t else []), _mpi_env(),
-                        f" x {t} thread(s)" if t else "")
+            print(f"bench: {n} rank(s){threads}...", file=sys.stderr, flush=True)
+        rows += _launch(n, passthrough + ([f"--threads={t}"] if t else []), _mpi_env(), threads)
     return rows
 
 

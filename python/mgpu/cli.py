@@ -506,7 +506,7 @@ def format_info(info: dict) -> str:
     else:
         lines.append("CPU GEMM: OpenBLAS (this build has no oneDNN)")
     if info["openmp"]:
-        from . import OPENMP_ONLY_ENV
+        from ._openmp_env import OPENMP_ONLY_ENV
         spin = os.environ.get("GOMP_SPINCOUNT")
         lines.append(f"OpenMP:   idle workers wait {os.environ.get('OMP_WAIT_POLICY', 'as libgomp defaults')}"
                      + (f", spinning {spin} rounds first" if spin else "")

@@ -280,6 +280,13 @@ def measure_device(pg, device: str, device_index: int, threads: int, quick: bool
     return entry, backend
 
 
+def _bandwidths(size: int, seconds: float, n: int) -> tuple:
+    """(algbw, busbw) in GB/s of an allreduce of `size` bytes on n ranks, nccl-tests style:
+    busbw = algbw x 2(n-1)/n, what each rank's link carries."""
+    algbw = size / seconds / 1e9
+    return algbw, algbw * 2 * (n - 1) / n
+
+
 def allreduce_sweep(pg, comm, backend, max_bytes: int, quick: bool) -> list:
     """nccl-tests style: rows of bytes, time_us, algbw and busbw (GB/s), wrong elements.
     On MPI, from 1 MiB, also a bare MPI_Allreduce and mgpu's call with a training
@@ -289,7 +296,6 @@ def allreduce_sweep(pg, comm, backend, max_bytes: int, quick: bool) -> list:
     max_count = max(1, max_bytes // 4)
     probe = _core.AllreduceProbe(comm, backend, max_count)
     raw = _RawMpiAllreduce(pg, max_count) if comm.name == "mpi" else None
-    busbw = lambda size, seconds: size / seconds / 1e9 * 2 * (n - 1) / n  # noqa: E731
     rows, count = [], 1
     while count <= max_count:
         size = count * 4
@@ -301,13 +307,13 @@ def allreduce_sweep(pg, comm, backend, max_bytes: int, quick: bool) -> list:
             compared = None
         else:
             seconds, wrong, compared = _alternated_rounds(pg, comm, probe, raw, count, iters, 2 if quick else 3)
-        algbw = size / seconds / 1e9
-        row = {"bytes": size, "count": count, "time_us": seconds * 1e6, "algbw_GBps": algbw,
-               "busbw_GBps": algbw * 2 * (n - 1) / n, "wrong": wrong}
+        algbw, busbw = _bandwidths(size, seconds, n)
+        row = {"bytes": size, "count": count, "time_us": seconds * 1e6, "algbw_GBps": algbw, "busbw_GBps": busbw,
+               "wrong": wrong}
         if compared is not None:  # the reference: a bare MPI_Allreduce from mpi4py
             raw_seconds, watched = compared
-            row.update(raw_mpi_busbw_GBps=busbw(size, raw_seconds), vs_raw_mpi=raw_seconds / seconds,
-                       deadline_busbw_GBps=busbw(size, watched), deadline_vs_raw_mpi=raw_seconds / watched)
+            row.update(raw_mpi_busbw_GBps=_bandwidths(size, raw_seconds, n)[1], vs_raw_mpi=raw_seconds / seconds,
+                       deadline_busbw_GBps=_bandwidths(size, watched, n)[1], deadline_vs_raw_mpi=raw_seconds / watched)
         rows.append(row)
         count *= 4 if quick else 2
     return rows
@@ -419,8 +425,7 @@ def node_sweeps(pg, backend, max_bytes: int, quick: bool) -> Optional[dict]:
     for r in intra_rows:  # the slowest node's time (and any node's wrong elements) count
         r["time_us"] = pg.allreduce(r["time_us"], op="max")
         r["wrong"] = pg.allreduce(r["wrong"], op="max")
-        r["algbw_GBps"] = r["bytes"] / (r["time_us"] * 1e-6) / 1e9
-        r["busbw_GBps"] = r["algbw_GBps"] * 2 * (n - 1) / n
+        r["algbw_GBps"], r["busbw_GBps"] = _bandwidths(r["bytes"], r["time_us"] * 1e-6, n)
     leaders = pg.comm.Split(0 if pg.local_rank == 0 else MPI.UNDEFINED, key=pg.rank)
     inter_rows = []
     if leaders != MPI.COMM_NULL:

@@ -1,0 +1,73 @@
+"""The OpenMP environment mgpu's process starts with, set before the native core loads
+(libgomp reads it once, then): imported first by mgpu/__init__.py, never after _core.
+
+libgomp's default spins idle OpenMP workers for milliseconds, on the very cores
+OpenBLAS's own threads then compute on: a 2-thread step ran at 1.2x one thread instead
+of 1.9x (docs/benchmarks.md). So mgpu makes idle workers sleep (OMP_WAIT_POLICY=passive)
+unless the user chose a policy. The PyTorch peer inherits it (it mixes OpenMP and
+OpenBLAS too: its 2-thread steps ran 2.2-3.3x faster with it than with libgomp's default).
+
+Where no OpenBLAS thread computes in a step (AVX-512 CPUs, where oneDNN takes every GEMM
+on several threads: CpuGemm), a short spin first (GOMP_SPINCOUNT) keeps the team awake
+between a step's many parallel regions: each passive wake-up cost more than `medium`'s
+small GEMMs themselves (2 threads ran 1.7-2.4x faster with it; with OpenBLAS in the step
+the same spin made them 0.54-0.87x). Only where mgpu chose the policy and the user set no
+spin, and only for mgpu's own steps: launches of other frameworks (the PyTorch peer) go
+without it (for_other_frameworks).
+
+What mgpu sets is listed in MGPU_SET_OPENMP_ENV, so that a child process importing mgpu
+decides afresh (its MGPU_CPU_GEMM may differ) instead of taking it for the user's.
+"""
+import os
+
+SET_MARKER = "MGPU_SET_OPENMP_ENV"
+EMULATED = os.environ.get("MGPU_EMULATE_GPU", "").strip() not in ("", "0")
+
+
+def _forget_what_an_mgpu_parent_set() -> None:
+    marked = os.environ.pop(SET_MARKER, "")
+    for key, value in (kv.split("=", 1) for kv in marked.split(",") if "=" in kv):
+        if os.environ.get(key) == value:
+            del os.environ[key]
+
+
+def _openmp_computes_alone() -> bool:
+    """Will this process's multi-threaded steps run OpenMP only (no OpenBLAS threads)?
+    Decided before the core loads, from what the CpuGemm rule reads: the CPU's AVX-512,
+    MGPU_CPU_GEMM, and whether the core links oneDNN (its dynamic section names it)."""
+    choice = os.environ.get("MGPU_CPU_GEMM", "").strip() or "auto"
+    if choice not in ("auto", "onednn"):
+        return False
+    try:
+        if choice == "auto":  # oneDNN for every GEMM on several threads only where AVX-512 is
+            with open("/proc/cpuinfo") as f:
+                flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+            if "avx512f" not in flags:
+                return False
+        from importlib.util import find_spec
+        spec = find_spec(__package__ + ("._core_emu" if EMULATED else "._core"))
+        with open(spec.origin, "rb") as f:
+            return b"libdnnl.so" in f.read()
+    except (OSError, AttributeError, ImportError, ValueError):
+        return False
+
+
+def for_other_frameworks(env: dict) -> dict:
+    """`env` (a copy of this process's) without what mgpu set only for its own
+    OpenMP-only steps, for a launch of another framework (the PyTorch peer)."""
+    env = {k: v for k, v in env.items() if k != SET_MARKER}
+    for key, value in OPENMP_ONLY_ENV.items():
+        if env.get(key) == value:
+            del env[key]
+    return env
+
+
+_forget_what_an_mgpu_parent_set()
+_set_by_mgpu = {}
+if "OMP_WAIT_POLICY" not in os.environ:
+    os.environ["OMP_WAIT_POLICY"] = _set_by_mgpu["OMP_WAIT_POLICY"] = "passive"
+OPENMP_ONLY_ENV = {}  # what mgpu set for its own OpenMP-only steps
+if "OMP_WAIT_POLICY" in _set_by_mgpu and "GOMP_SPINCOUNT" not in os.environ and _openmp_computes_alone():
+    os.environ["GOMP_SPINCOUNT"] = OPENMP_ONLY_ENV["GOMP_SPINCOUNT"] = _set_by_mgpu["GOMP_SPINCOUNT"] = "10000"
+if _set_by_mgpu:
+    os.environ[SET_MARKER] = ",".join(f"{k}={v}" for k, v in _set_by_mgpu.items())
