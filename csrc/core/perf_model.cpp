@@ -286,13 +286,15 @@ template <typename Fn>
 void for_each_pair(const CollectiveModel& m, int ranks, double bytes, Fn fn) {
   static const char* kProto[3] = {"LL", "LL128", "Simple"};
   const double n = ranks, factor = 2.0 * (n - 1) / n;
-  const double tree_steps = 2.0 * std::ceil(std::log2(n));
+  // A tree's latency_s is that of two ranks (one edge, fitted); every doubling of
+  // the ranks adds a level: one hop up and one down.
+  const double tree_steps = 2.0 * (std::ceil(std::log2(n)) - 1.0);
   for (int p = 0; p < 3; ++p) {
     if (m.bw_fraction[p] <= 0) continue;
     if (m.ring_busbw > 0)
       fn(std::string("ring/") + kProto[p], m.latency_s[p] + 2.0 * (n - 1) * m.hop_s[p],
          bytes * factor / (m.ring_busbw * m.bw_fraction[p]));
-    if (m.tree_busbw > 0 && ranks > 2)
+    if (m.tree_busbw > 0)  // two ranks too: the inter-node level between two nodes
       fn(std::string("tree/") + kProto[p], m.latency_s[p] + tree_steps * m.hop_s[p],
          bytes * factor / (m.tree_busbw * m.bw_fraction[p]));
   }

@@ -105,7 +105,8 @@ struct DeviceProfile {
 // algorithm (ring, tree, NVLS) and protocol (LL, LL128, Simple) a latency
 // plus bytes over a bandwidth, and the fastest pair wins for each size.
 //   ring:  lat[p] + 2(n-1) hop[p]         + bytes 2(n-1)/n / (ring_busbw frac[p])
-//   tree:  lat[p] + 2 ceil(log2 n) hop[p] + bytes 2(n-1)/n / (tree_busbw frac[p])
+//   tree:  lat[p] + 2 (ceil(log2 n) - 1) hop[p] + bytes 2(n-1)/n / (tree_busbw frac[p])
+//          (lat: a 2-rank tree's, one edge; each doubling of n adds a level)
 //   nvls:  lat[Simple] + 2 hop[Simple]    + bytes 2(n-1)/n / nvls_busbw   (Simple only)
 // Bandwidths are nccl-tests' busbw; a zero bandwidth leaves the algorithm out.
 // The parameters are fitted to published nccl-tests tables (mgpu.allreduce_fit).
@@ -139,6 +140,8 @@ struct LinkProfile {
   // reduces inside (the bytes of one intra-node allreduce) and each GPU
   // allreduces its 1/gpus_per_node shard across the nodes over its own NIC:
   // the two latencies add, the two transfers pipeline (the slower one counts).
+  // The named multi-node links price the inter level as a tree (NCCL's
+  // multi-node latency grows with 2 log2(nodes) network hops, not 2(nodes-1)).
   // When intra is set it replaces alpha/bus_bandwidth.
   CollectiveModel intra, inter;
   int gpus_per_node = 0;         // 0: one node holds every device

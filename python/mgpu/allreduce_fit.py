@@ -38,6 +38,15 @@ NVLINK_HOP = [0.47e-6, 1.9e-6, 3.4e-6]
 # NCCL's base latencies of a ring, LL / LL128 / Simple (baseLat in tuning.cc):
 # Simple starts 4.8 us after LL, used where a table has no Simple-sized rows.
 RING_BASE_GAP_SIMPLE = 8.4e-6 - 3.6e-6
+# Per-hop latencies (s) of NCCL's tuner for a tree's network hops, LL / LL128 / Simple
+# (hwLat, NET, Tree in tuning.cc). Between nodes NCCL's allreduce runs as a tree (or
+# NVLS-tree), whose latency grows with 2 log2(nodes) network hops, not with 2(nodes-1):
+# the ABCI A100 tables at 2, 4, 8 and 16 nodes add 11-14 us per doubling at 32 KiB. The
+# inter level is fitted on 2-node tables (the tree's latency there); the hop, which a
+# 2-node table cannot show, is NCCL's and prices each further doubling.
+NET_TREE_HOP = [5.0e-6, 8.5e-6, 28e-6]
+NET_TREE_WHY = ("the latency each doubling of the nodes beyond 2 adds: two network tree hops of NCCL's tuner "
+                "(hwLat in NVIDIA/nccl src/graph/tuning.cc)")
 RANDOM_STARTS = 16  # per link, on top of the scaled typical starts
 
 
@@ -74,17 +83,18 @@ LINKS = {
                        fixed={"hop_s": NVLINK_HOP}, why_fixed="A100 has no NVLS; single-node allreduce is a ring"),
     "h100-ib-2x8": dict(level="inter", intra="h100-sxm-8", tables=["nccl-tests-309-h100-2x8-ndr"],
                         ranks=16, nodes=2,
-                        algorithms=("ring",), fixed={"hop_s": [0.0, 0.0, 0.0]}),
+                        algorithms=("tree",), fixed={"hop_s": NET_TREE_HOP}, why_fixed=NET_TREE_WHY),
     "a100-ib-2x8": dict(level="inter", intra="a100-sxm-8", tables=["abci2-a100-2x8-ib-nccl2.8.4"], ranks=16, nodes=2,
-                        algorithms=("ring",), fit_only=("latency_LL", "latency_LL128", "latency_Simple", "fraction_LL",
+                        algorithms=("tree",), fit_only=("latency_LL", "latency_LL128", "latency_Simple", "fraction_LL",
                                                         "fraction_LL128"),
-                        fixed={"hop_s": [0.0, 0.0, 0.0], "ring_busbw": dgx_a100_nic_busbw},
+                        fixed={"hop_s": NET_TREE_HOP, "tree_busbw": dgx_a100_nic_busbw},
                         why_fixed="inter-node transfer from NVIDIA's 192 GB/s 2-node DGX-A100 busbw "
-                                  "(NVIDIA/nccl#1576): the fitted table's rows (<= 512 KiB) are latency-bound"),
+                                  "(NVIDIA/nccl#1576): the fitted table's rows (<= 512 KiB) are latency-bound; "
+                                  + NET_TREE_WHY),
     "h100-ethernet-2x8": dict(level="inter", intra="h100-sxm-8", tables=["gcp-a3-mega-2x8"], ranks=16, nodes=2,
-                              algorithms=("ring",), fixed={"hop_s": [0.0, 0.0, 0.0]}),
+                              algorithms=("tree",), fixed={"hop_s": NET_TREE_HOP}, why_fixed=NET_TREE_WHY),
     "h100-efa-2x8": dict(level="inter", intra="h100-sxm-8", tables=["aws-p5-2x8-efa-nccl2.22"], ranks=16, nodes=2,
-                         algorithms=("ring",), fixed={"hop_s": [0.0, 0.0, 0.0]}),
+                         algorithms=("tree",), fixed={"hop_s": NET_TREE_HOP}, why_fixed=NET_TREE_WHY),
     "h100-pcie-nvlink-2": dict(level="intra", tables=["nccl-1161-h100-pcie-nvlink"], ranks=2, algorithms=("ring",),
                                fit_only=("ring_busbw",),
                                fixed={"hop_s": NVLINK_HOP, "latency_s": [9.85e-6] * 3, "bw_fraction": [0.0, 0.0, 1.0]},
@@ -188,7 +198,7 @@ def fit_link(name: str, published: dict, fitted: Dict[str, dict]) -> dict:
     start = {"latency_LL": 10e-6, "latency_LL128": 20e-6, "latency_Simple": 40e-6, "fraction_LL": 0.2,
              "fraction_LL128": 0.5, "ring_busbw": 100e9, "tree_busbw": 100e9, "nvls_busbw": 450e9}
     if spec["level"] == "inter":
-        start.update(latency_LL=30e-6, latency_LL128=60e-6, latency_Simple=200e-6, ring_busbw=20e9)
+        start.update(latency_LL=30e-6, latency_LL128=60e-6, latency_Simple=200e-6, ring_busbw=20e9, tree_busbw=20e9)
     x0 = np.log([start[n] for n in free])
     # Protocol fractions stay within what the protocols can carry: LL sends 8 bytes of
     # data per 16 (at most 1/2), LL128 120 per 128 (15/16), both never far below.

@@ -44,14 +44,16 @@ HELD_OUT_MISSES = {
     ("nccl-1244-h20-2x8-ib", "median"): "a slower Hopper + NDR fabric than the H100 system h100-ib-2x8 is fitted "
                                         "to (its reporter calls its 343 GB/s low): the profile predicts it too fast",
     ("nccl-1244-h20-2x8-ib", "worst"): "the same slower fabric",
-    ("nccl-tests-309-h100-4x8-ib400", "worst"): "4 nodes, which no fitted table has: the median holds, the first "
-                                                "published row (8 MiB) is slower than predicted by ~44 %",
+    ("nccl-tests-309-h100-4x8-ib400", "worst"): "4 nodes of H100: the median holds, the first published row (8 MiB) "
+                                                "is slower than predicted by ~37 % (the latency of the extra tree "
+                                                "level is priced; NCCL's lower per-channel bandwidth beyond 2 nodes "
+                                                "is not, for want of a fitted table with more nodes)",
     ("oci-bm-gpu4.8-a100-2x8-roce", "median"): "a RoCE system (NCCL version not printed) 35-84 % faster from 128 KiB "
                                                "to 32 MiB than the IB table a100-ib-2x8 is fitted to (NCCL 2.8.4) and "
-                                               "the model's ring-only inter-node transfer; from 64 MiB within 25 %",
+                                               "the model's one inter-node algorithm; from 64 MiB within 25 %",
     ("oci-bm-gpu4.8-a100-2x8-roce", "worst"): "the same mid-size gap, widest at 2 MiB",
     ("nccl-tests-309-h100-4x8-ndr-vm", "worst"): "4 VMs with a custom topology file: the median holds; its 2 MiB row "
-                                                 "(slower than its 4 MiB row) is ~55 % off",
+                                                 "(slower than its 4 MiB row) is ~46 % off",
 }
 
 
@@ -117,6 +119,30 @@ def test_several_nodes_add_the_network_and_need_an_inter_node_model():
     with pytest.raises(mgpu.ConfigError, match="no inter-node model"):
         one_node.gpus_per_node = 8
         one_node.allreduce_seconds(16, 1 << 20)
+
+
+def test_more_nodes_add_tree_levels_not_ring_steps():
+    # NCCL's multi-node latency grows with 2 log2(nodes) network hops: each doubling of the
+    # nodes adds the same time to a small allreduce (a ring's 2(nodes-1) would add twice
+    # as much each time), and the ABCI tables at 4, 8 and 16 nodes (held out) check the size.
+    link = af.link_of(af.load_fitted()["links"]["a100-ib-2x8"])
+    t = {nodes: link.allreduce_seconds(8 * nodes, 1024) for nodes in (2, 4, 8, 16)}  # ~no transfer
+    steps = [t[4] - t[2], t[8] - t[4], t[16] - t[8]]
+    assert all(s == pytest.approx(2 * af.NET_TREE_HOP[0], rel=0.05) for s in steps), steps
+    assert "tree/LL across 16 nodes" in link.allreduce_choice(128, 1024)
+    held = {t["id"] for t in af.load_published()["tables"] if t["role"] == "holdout" and t["nodes"] > 2}
+    assert {"abci2-a100-4x8-ib-nccl2.8.4", "abci2-a100-8x8-ib-nccl2.8.4", "abci2-a100-16x8-ib-nccl2.8.4"} <= held
+
+
+def test_a_tree_prices_one_edge_at_two_ranks_and_a_level_per_doubling():
+    m = P.CollectiveModel()
+    m.latency_s, m.hop_s, m.bw_fraction = [10e-6, 20e-6, 40e-6], [1e-6, 2e-6, 4e-6], [0.0, 0.0, 1.0]
+    m.tree_busbw = 1e9
+    transfer = lambda n, b: b * 2 * (n - 1) / n / 1e9  # noqa: E731
+    assert m.seconds(2, 1000) == pytest.approx(40e-6 + transfer(2, 1000))
+    assert m.seconds(4, 1000) == pytest.approx(40e-6 + 2 * 4e-6 + transfer(4, 1000))
+    assert m.seconds(5, 1000) == pytest.approx(40e-6 + 4 * 4e-6 + transfer(5, 1000))
+    assert m.choice(2, 1000) == "tree/Simple"
 
 
 @pytest.mark.parametrize("profile", ["h100-ib-2x8", "h100-ethernet-2x8", "h100-efa-2x8", "a100-ib-2x8"])
@@ -248,8 +274,8 @@ def test_a100_nodes_take_latency_from_their_table_and_bandwidth_from_nvidias_fig
     # NVIDIA's 192 GB/s 2-node DGX-A100 busbw, which the model must then reproduce at 1 GiB.
     pub = af.load_published()
     stored = af.load_fitted()["links"]["a100-ib-2x8"]
-    assert stored["tables"] == ["abci2-a100-2x8-ib-nccl2.8.4"] and "ring_busbw" not in stored["fitted"]
-    assert stored["inter"]["ring_busbw"] == pytest.approx(af.dgx_a100_nic_busbw(pub))
+    assert stored["tables"] == ["abci2-a100-2x8-ib-nccl2.8.4"] and "tree_busbw" not in stored["fitted"]
+    assert stored["inter"]["tree_busbw"] == pytest.approx(af.dgx_a100_nic_busbw(pub))
     table = next(t for t in pub["tables"] if t["id"] == "abci2-a100-2x8-ib-nccl2.8.4")
     assert max(size for size, _ in table["points"]) <= 512 * 1024
     link = af.link_of(stored)
