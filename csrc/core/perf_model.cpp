@@ -287,8 +287,12 @@ void for_each_pair(const CollectiveModel& m, int ranks, double bytes, Fn fn) {
   static const char* kProto[3] = {"LL", "LL128", "Simple"};
   const double n = ranks, factor = 2.0 * (n - 1) / n;
   // A tree's latency_s is that of two ranks (one edge, fitted); every doubling of
-  // the ranks adds a level: one hop up and one down.
+  // the ranks adds a level: one hop up and one down. Its busiest link carries no
+  // more from 4 ranks on (every rank has at most two children), so its transfer
+  // stops growing there, where a ring's 2(n-1)/n goes on towards 2: NCCL's tuner
+  // prices every node count above 2 at one bandwidth (tuning.cc).
   const double tree_steps = 2.0 * (std::ceil(std::log2(n)) - 1.0);
+  const double tree_factor = std::min(factor, 1.5);  // 2(n-1)/n at n = 4
   for (int p = 0; p < 3; ++p) {
     if (m.bw_fraction[p] <= 0) continue;
     if (m.ring_busbw > 0)
@@ -296,7 +300,7 @@ void for_each_pair(const CollectiveModel& m, int ranks, double bytes, Fn fn) {
          bytes * factor / (m.ring_busbw * m.bw_fraction[p]));
     if (m.tree_busbw > 0)  // two ranks too: the inter-node level between two nodes
       fn(std::string("tree/") + kProto[p], m.latency_s[p] + tree_steps * m.hop_s[p],
-         bytes * factor / (m.tree_busbw * m.bw_fraction[p]));
+         bytes * tree_factor / (m.tree_busbw * m.bw_fraction[p]));
   }
   if (m.nvls_busbw > 0 && ranks > 2)
     fn("nvls/Simple", m.latency_s[CollectiveModel::kSimple] + 2.0 * m.hop_s[CollectiveModel::kSimple],

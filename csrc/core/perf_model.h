@@ -105,8 +105,9 @@ struct DeviceProfile {
 // algorithm (ring, tree, NVLS) and protocol (LL, LL128, Simple) a latency
 // plus bytes over a bandwidth, and the fastest pair wins for each size.
 //   ring:  lat[p] + 2(n-1) hop[p]         + bytes 2(n-1)/n / (ring_busbw frac[p])
-//   tree:  lat[p] + 2 (ceil(log2 n) - 1) hop[p] + bytes 2(n-1)/n / (tree_busbw frac[p])
-//          (lat: a 2-rank tree's, one edge; each doubling of n adds a level)
+//   tree:  lat[p] + 2 (ceil(log2 n) - 1) hop[p] + bytes min(2(n-1)/n, 1.5) / (tree_busbw frac[p])
+//          (lat: a 2-rank tree's, one edge; each doubling of n adds a level; the
+//          busiest link's load stops growing at 4 ranks)
 //   nvls:  lat[Simple] + 2 hop[Simple]    + bytes 2(n-1)/n / nvls_busbw   (Simple only)
 // Bandwidths are nccl-tests' busbw; a zero bandwidth leaves the algorithm out.
 // The parameters are fitted to published nccl-tests tables (mgpu.allreduce_fit).

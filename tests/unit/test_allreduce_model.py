@@ -45,9 +45,14 @@ HELD_OUT_MISSES = {
                                         "to (its reporter calls its 343 GB/s low): the profile predicts it too fast",
     ("nccl-1244-h20-2x8-ib", "worst"): "the same slower fabric",
     ("nccl-tests-309-h100-4x8-ib400", "worst"): "4 nodes of H100: the median holds, the first published row (8 MiB) "
-                                                "is slower than predicted by ~37 % (the latency of the extra tree "
-                                                "level is priced; NCCL's lower per-channel bandwidth beyond 2 nodes "
-                                                "is not, for want of a fitted table with more nodes)",
+                                                "is slower than predicted by ~37 %: beyond 2 nodes the mid sizes "
+                                                "(4-16 MiB, LL128) run 1.3-1.6x slower than the 2-node fit and the "
+                                                "extra tree levels' latency say; no fitted table shows why",
+    ("nccl-tests-309-h100-8x8-ib400", "worst"): "8 nodes of the same H100 cluster: the median holds (large sizes "
+                                                "within 9 %), its 16 MiB row is ~39 % slower than predicted (the "
+                                                "same mid-size gap)",
+    ("abci2-a100-16x8-ib-nccl2.8.4", "worst"): "the median holds; its 128 KiB row is a stall (203.2 us out-of-place "
+                                               "against 129.6 in-place, between 102.9 and 147.7), ~40 % off",
     ("oci-bm-gpu4.8-a100-2x8-roce", "median"): "a RoCE system (NCCL version not printed) 35-84 % faster from 128 KiB "
                                                "to 32 MiB than the IB table a100-ib-2x8 is fitted to (NCCL 2.8.4) and "
                                                "the model's one inter-node algorithm; from 64 MiB within 25 %",
@@ -130,6 +135,10 @@ def test_more_nodes_add_tree_levels_not_ring_steps():
     steps = [t[4] - t[2], t[8] - t[4], t[16] - t[8]]
     assert all(s == pytest.approx(2 * af.NET_TREE_HOP[0], rel=0.05) for s in steps), steps
     assert "tree/LL across 16 nodes" in link.allreduce_choice(128, 1024)
+    # Large transfers cost as much on 16 nodes as on 4 (NCCL's one bandwidth beyond 2
+    # nodes; gj-aion's 4- and 8-node tables, held out, read 51.3 and 52.7 ms at 8 GiB).
+    big = {nodes: link.allreduce_seconds(8 * nodes, 1 << 33) for nodes in (2, 4, 16)}
+    assert big[4] / big[2] > 1.3 and big[16] / big[4] == pytest.approx(1.0, abs=0.02)
     held = {t["id"] for t in af.load_published()["tables"] if t["role"] == "holdout" and t["nodes"] > 2}
     assert {"abci2-a100-4x8-ib-nccl2.8.4", "abci2-a100-8x8-ib-nccl2.8.4", "abci2-a100-16x8-ib-nccl2.8.4"} <= held
 
@@ -141,7 +150,8 @@ def test_a_tree_prices_one_edge_at_two_ranks_and_a_level_per_doubling():
     transfer = lambda n, b: b * 2 * (n - 1) / n / 1e9  # noqa: E731
     assert m.seconds(2, 1000) == pytest.approx(40e-6 + transfer(2, 1000))
     assert m.seconds(4, 1000) == pytest.approx(40e-6 + 2 * 4e-6 + transfer(4, 1000))
-    assert m.seconds(5, 1000) == pytest.approx(40e-6 + 4 * 4e-6 + transfer(5, 1000))
+    assert m.seconds(5, 1000) == pytest.approx(40e-6 + 4 * 4e-6 + 1000 * 1.5 / 1e9)  # 2(n-1)/n = 1.6 capped
+    assert m.seconds(16, 1000) == pytest.approx(40e-6 + 6 * 4e-6 + 1000 * 1.5 / 1e9)
     assert m.choice(2, 1000) == "tree/Simple"
 
 
