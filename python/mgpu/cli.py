@@ -157,7 +157,17 @@ def _bucket_mb_arg(text: str):
     return _bucket_mb(text)
 
 
-def _auto_bucket_mb(cfg, pg, sizes) -> tuple:
+def _calibrated_kind_differs(profile, ranks: int, device: str):
+    """Why the calibration does not describe a job on `ranks` devices of kind `device`
+    (a CPU calibration says nothing of NCCL on GPUs, nor the reverse), or None."""
+    kinds = sorted({d.get("kind", "cuda") for d in profile["devices"][:ranks]})
+    if kinds != [device]:
+        return (f"the calibration measured {'/'.join(kinds)} devices, this job runs on {device} "
+                f"(calibrate with `mgpu topo --device {device}` under the job's launcher)")
+    return None
+
+
+def _auto_bucket_mb(cfg, pg, sizes, device: str) -> tuple:
     """(MB, note or None): the model's bucket for this model and rank count on this machine's calibration."""
     from . import perf
     path = perf.default_profile_path()
@@ -168,6 +178,9 @@ def _auto_bucket_mb(cfg, pg, sizes) -> tuple:
     profile = perf.load_profile(path)
     if len(profile["devices"]) < pg.size:
         return 4.0, f"bucket 4 MB: the calibration has {len(profile['devices'])} device(s), this job {pg.size} ranks"
+    differs = _calibrated_kind_differs(profile, pg.size, device)
+    if differs:
+        return 4.0, f"bucket 4 MB: {differs}"
     w = perf._workload(None, sizes, None, cfg.batch_size, "fp32", cfg.optimizer, 4.0, cfg.effective_dropout())
     b = perf.auto_bucket(profile, w, pg.size)
     return b["bucket_mb"], f"bucket {b['bucket_mb']:g} MiB (auto): {b['reason']}"
@@ -190,7 +203,7 @@ def _config_from_args(a) -> TrainConfig:
                        cuda_graph=a.cuda_graph, grad_dtype=a.grad_dtype)
 
 
-def _auto_batch_shares(cfg, pg, sizes) -> list:
+def _auto_batch_shares(cfg, pg, sizes, device: str) -> list:
     """Per-rank shares from the strategy selector on this machine's calibration: each
     rank's share in proportion to its device's predicted speed (seed 000's unequal GPUs)."""
     from . import perf
@@ -202,6 +215,9 @@ def _auto_batch_shares(cfg, pg, sizes) -> list:
     if len(profile["devices"]) != pg.size:
         raise ConfigError(f"--batch-shares auto: the calibration at {path} has {len(profile['devices'])} "
                           f"device(s) but this job has {pg.size} ranks; rerun `mgpu topo` with {pg.size} ranks")
+    differs = _calibrated_kind_differs(profile, pg.size, device)
+    if differs:
+        raise ConfigError(f"--batch-shares auto: {differs}")
     w = perf._workload(None, sizes, None, cfg.batch_size, "fp32", cfg.optimizer, cfg.bucket_mb, cfg.effective_dropout())
     prediction = perf.P.predict(w, perf.to_core(profile), pg.size, perf.P.Options())
     return [float(s) for s in prediction.batch_shares]
@@ -319,12 +335,12 @@ def cmd_train(a, pg) -> int:
             raise DataError(f"loss mse needs float targets, but dataset '{cfg.dataset}' has class labels")
         sizes = cfg.layer_sizes(data.in_features, data.out_features)
         if a.batch_shares == "auto":  # the model as built for this dataset
-            a.batch_shares = _auto_batch_shares(cfg, pg, sizes)
+            a.batch_shares = _auto_batch_shares(cfg, pg, sizes, device)
         if a.bucket_mb is None:  # auto where this machine is calibrated, else the safe 4 MB
             from .perf import default_profile_path
             a.bucket_mb = "auto" if os.path.exists(default_profile_path()) else 4.0
         if a.bucket_mb == "auto":
-            a.bucket_mb, bucket_note = _auto_bucket_mb(cfg, pg, sizes)
+            a.bucket_mb, bucket_note = _auto_bucket_mb(cfg, pg, sizes, device)
             if pg.is_root and bucket_note:
                 print(bucket_note, flush=True)
         if len(data.x_train) < pg.size:
@@ -459,7 +475,19 @@ def _train_single_process(a, pg) -> int:
         raise ConfigError(f"--gpus must be >= 1, got {a.gpus}")
     if a.device == "cpu":
         raise ConfigError("--gpus drives GPUs; CPU ranks run under mpirun (mpirun -np N python -m mgpu train)")
-    codes = run_on_gpus(lambda tg: cmd_train(copy.copy(a), tg), gpus=a.gpus)
+    try:
+        codes = run_on_gpus(lambda tg: cmd_train(copy.copy(a), tg), gpus=a.gpus)
+    except KeyboardInterrupt:
+        if any(t.name.startswith("mgpu-rank-") for t in threading.enumerate()):
+            # A second SIGINT while rank threads are inside the core: finalizing the
+            # interpreter would end them mid-call (pthread_exit through C++ frames:
+            # std::terminate, a native backtrace). End the process at once instead,
+            # as the second SIGINT asks; checkpoints are written by rename, whole or not at all.
+            write_line("mgpu: interrupted")
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(130)
+        raise
     return max(codes)
 
 

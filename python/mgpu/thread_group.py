@@ -212,7 +212,10 @@ def run_on_gpus(fn: Callable[[ThreadGroup], Any], gpus: Optional[int] = None) ->
     the others are released from their next meeting and the first error is
     raised here. SIGTERM/SIGINT/SIGUSR1 reach the hooks the threads registered
     (Trainer-driving code asks to stop at the next step); a second SIGINT
-    interrupts. Call it from the main thread."""
+    raises KeyboardInterrupt here at once, while the threads may still be inside
+    the core (they stop at their next meeting): a process that then exits must
+    not finalize the interpreter under them (see the CLI's os._exit). Call it
+    from the main thread."""
     if gpus is None:
         gpus = cuda_device_count()
     if not isinstance(gpus, int) or gpus < 1:
@@ -255,6 +258,11 @@ def run_on_gpus(fn: Callable[[ThreadGroup], Any], gpus: Optional[int] = None) ->
         for t in threads:
             while t.is_alive():
                 t.join(0.2)  # short joins: the main thread stays free to take signals
+    except BaseException:
+        # A second SIGINT: the caller gets it at once; the threads leave at their next
+        # meeting rather than train on unwatched (in a notebook the process lives on).
+        shared.abort("interrupted")
+        raise
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -9,6 +9,7 @@ import gc
 import os
 import re
 import signal
+import subprocess
 import time
 
 import numpy as np
@@ -17,6 +18,7 @@ import pytest
 from mgpu import MLP, DeviceError, Trainer, _core, run_on_gpus
 from mgpu.checkpoint import list_checkpoints, load_checkpoint
 from conftest import mpi_env, mpirun  # tests/conftest.py helpers
+from procs import wait_for  # tests/procs.py
 from test_faults import MGPU, Job, first_checkpoint, freeze_a_rank  # tests/test_faults.py: the fault harness
 
 EMULATED = bool(_core.build_info().get("gpu_emulation", False))
@@ -150,6 +152,38 @@ def test_a_stalled_thread_of_run_on_gpus_is_named_by_the_others_watchdog(two_gpu
     assert errors[0] and isinstance(errors[0][0], _core.CommError), errors
     assert re.search(r"at step 2 on rank 0 \(GPU \d\): did not complete within 1.5 s: rank 1 has not reached "
                      r"this step \(stopped, hung or dead\)", str(errors[0][0])), errors
+
+
+def test_a_second_sigint_ends_train_gpus_at_once(two_gpus, tmp_path):
+    # `train --gpus 2`: the first SIGINT asks for a stop at the next step, a second one
+    # interrupts at once: exit 130 and one line. Its rank threads are still inside the
+    # core then; finalizing the interpreter under them ended them mid-call (SIGABRT,
+    # "terminate called without an active exception" and a native backtrace).
+    out = tmp_path / "out.txt"
+    args = ["train", "--device", "cuda", "--gpus", "2", "--layers", "64,512,512,10", "--batch-size", "512",
+            "--steps", "1000000", "--no-progress", "--seed", "5", "--checkpoint-dir", tmp_path / "ck"]
+    for attempt in range(3):  # the first SIGINT's clean stop can, rarely, finish before the second arrives
+        with open(out, "w") as f:
+            proc = subprocess.Popen([*MGPU, *map(str, args)], stdout=f, stderr=subprocess.STDOUT, env=mpi_env(),
+                                    start_new_session=True)
+        try:
+            wait_for(lambda: "per rank)" in out.read_text() or proc.poll() is not None, 120, "training to start")
+            time.sleep(0.5)  # some steps in: the threads are in the core
+            proc.send_signal(signal.SIGINT)
+            wait_for(lambda: "stopping at the next step boundary" in out.read_text() or proc.poll() is not None,
+                     60, "the first SIGINT's stop request", poll=0.002)
+            proc.send_signal(signal.SIGINT)
+            rc = proc.wait(timeout=60)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        text = out.read_text()
+        if rc != 0 or "stopped at step" not in text:
+            break
+    assert rc == 130, text[-3000:]
+    assert text.rstrip().endswith("mgpu: interrupted"), text[-3000:]
+    assert "terminate called" not in text and "Traceback" not in text, text[-3000:]
 
 
 def test_a_failed_allreduce_leaves_the_parameters_as_they_were(emulated_faults):

@@ -160,3 +160,24 @@ def test_command_modules_never_import_the_cli():
                                                      or node.module is None and any(a.name == "cli" for a in node.names)):
                 offenders.append(f"{path.name}:{node.lineno}")
     assert not offenders
+
+
+def test_auto_bucket_and_shares_need_a_calibration_of_the_jobs_devices(tmp_path, monkeypatch):
+    # A CPU calibration (MPI over shared memory) says nothing of NCCL on GPUs: `train
+    # --device cuda` takes the safe 4 MB and says why instead of a bucket priced for
+    # CPU ranks, and --batch-shares auto refuses; on CPU ranks the calibration serves.
+    from types import SimpleNamespace
+
+    from mgpu import perf
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    perf.save_profile(perf.named_profile("cpu", 2))
+    cfg = mgpu.TrainConfig(layers=[50, 64, 3], batch_size=64, optimizer="sgd")
+    pg, sizes = SimpleNamespace(size=2), [50, 64, 3]
+    mb, note = cli._auto_bucket_mb(cfg, pg, sizes, "cuda")
+    assert mb == 4.0 and "the calibration measured cpu devices, this job runs on cuda" in note
+    assert "mgpu topo --device cuda" in note
+    mb, note = cli._auto_bucket_mb(cfg, pg, sizes, "cpu")
+    assert "(auto)" in note and "measured cpu devices" not in note
+    with pytest.raises(mgpu.ConfigError, match="--batch-shares auto: the calibration measured cpu devices"):
+        cli._auto_batch_shares(cfg, pg, sizes, "cuda")
+    assert len(cli._auto_batch_shares(cfg, pg, sizes, "cpu")) == 2
