@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from conftest import PYTHON, ROOT, mpi_env, mpirun
-from mgpu.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
+from mgpu.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
 from procs import mpi_ranks, wait_for  # tests/procs.py
 
 MGPU = [PYTHON, "-m", "mgpu"]
@@ -274,6 +274,20 @@ def inputs(tmp_path):
     raw = files["other_ckpt"].read_bytes()
     files["truncated_ckpt"].write_bytes(raw[: len(raw) // 3])
     files["out"].write_text("precious")
+    # A checkpoint whose arrays verify but whose metadata (outside the checksums) is wrong.
+    arrays, meta = load_checkpoint(str(files["other_ckpt"]))
+    meta["state"]["global_step"] = "abc"
+    (tmp_path / "badmeta").mkdir()
+    save_checkpoint(str(tmp_path / "badmeta"), 3, arrays, meta, keep=1)
+    files["badmeta_ckpt"] = tmp_path / "badmeta" / "ckpt-000000003.npz"
+    np.save(tmp_path / "array.npy", x)
+    files["npy_as_npz"] = (tmp_path / "array.npy").rename(tmp_path / "npy_as.npz")
+    files["huge_labels"] = _npz(tmp_path / "huge_labels.npz", x=x, y=np.full(40, 2 ** 40, np.int64))
+    raw = good.read_bytes()
+    files["truncated_npz"] = tmp_path / "truncated_data.npz"
+    files["truncated_npz"].write_bytes(raw[: len(raw) // 2])
+    files["fifo"] = tmp_path / "fifo.npz"
+    os.mkfifo(files["fifo"])  # opening it would wait for a writer (or reader) forever
     return files
 
 
@@ -297,6 +311,22 @@ BAD_INPUT = [
     (lambda f: ["--layers", "4,8,2", "--dataset", f["good"], "--resume", "--checkpoint-dir", f["good"].parent / "none"],
      "no checkpoint in"),
     (lambda f: ["--layers", "4,8,2", "--dataset", f["good"], "--checkpoint-dir", f["good"]], "checkpoint directory"),
+    (lambda f: ["--layers", "4,8,2", "--dataset", f["npy_as_npz"]], "not an .npz archive"),
+    (lambda f: ["--layers", "4,8,2", "--dataset", f["truncated_npz"]], "cannot read dataset .*BadZipFile"),
+    (lambda f: ["--layers", "4,8,2", "--dataset", f["fifo"]], "dataset .* is not a regular file"),
+    (lambda f: ["--layers", "4,8,2", "--dataset", f["huge_labels"]], "class labels must be < 2,147,483,647"),
+    (lambda f: ["--layers", "4,8,2", "--dataset", f["good"], "--batch-size", "8", "--resume", f["badmeta_ckpt"]],
+     "malformed metadata: state.global_step"),
+    (lambda f: ["--layers", "4,8,2", "--dataset", f["good"], "--resume", f["fifo"]], "is not a regular file"),
+    (lambda f: ["--layers", "4,8,2", "--dataset", f["good"], "--log-json", f["fifo"]],
+     "--log-json .* is not a regular file"),
+    (lambda f: ["--layers", "4,8,2", "--dataset", f["good"], "--save", f["good"]],
+     "--save .* is the --dataset this run reads"),
+    (lambda f: ["--layers", "4,8,2", "--dataset", f["good"], "--batch-size", "8", "--resume", f["other_ckpt"],
+                "--json", f["other_ckpt"]], "--json .* is the --resume this run reads"),
+    (lambda f: ["--layers", "4,8,2", "--dataset", f["good"], "--checkpoint-dir", f["other_ckpt"].parent],
+     "holds 1 checkpoint\\(s\\) of an earlier run"),
+    (lambda f: ["--layers", "4,8,2", "--dataset", f["good"], "--trace", ""], "--trace: the path is empty"),
     (lambda f: ["--accumulate", "0"], "accumulation steps"),
     (lambda f: ["--max-grad-norm", "-1"], "max gradient norm"),
     (lambda f: ["--lr-schedule", "linear"], "invalid choice"),
@@ -318,3 +348,17 @@ def test_bad_input_one_line_on_every_rank_nothing_overwritten(inputs, make_args,
     assert "Traceback" not in r.stderr and time.monotonic() - t0 < 60
     assert all(p.read_bytes() == data for p, data in before.items()), "an input or output file changed"
     assert not inputs["out"].with_suffix(".npz").exists()
+
+
+def test_a_setting_bad_on_one_rank_only_ends_every_rank(tmp_path):
+    # The ranks agree on their inputs before any collective; an environment variable bad
+    # on rank 0 only (read when the model is built) must not leave rank 1 waiting in the
+    # Trainer's first collective: one line on each rank, exit 2, promptly.
+    run = [PYTHON, "-m", "mgpu", "train", "--steps", "2", "--no-progress", "--layers", "20,16,3"]
+    cmd = ["mpirun", "--oversubscribe", "--bind-to", "none", "-np", "1", "-x", "MGPU_CPU_GEMM=bogus", *run,
+           ":", "-np", "1", *run]
+    t0 = time.monotonic()
+    r = subprocess.run(cmd, capture_output=True, text=True, env=mpi_env(), cwd=ROOT, timeout=120)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "mgpu: error (rank 0): MGPU_CPU_GEMM" in r.stderr and "mgpu: error (rank 1): rank 0: MGPU_CPU_GEMM" in r.stderr
+    assert "Traceback" not in r.stderr and time.monotonic() - t0 < 60

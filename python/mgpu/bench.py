@@ -578,7 +578,7 @@ def write_plots(directory: str, rows: list, meta: Optional[dict] = None) -> list
 
 
 def cmd_bench(a, pg) -> int:
-    from .cliutil import check_output_dir, check_output_path, write_json_atomic
+    from .cliutil import check_output_dir, check_outputs, write_json_atomic
     from . import perf
     for name in ("warmup", "steps", "repeats"):
         if getattr(a, name) < (0 if name == "warmup" else 1):
@@ -610,9 +610,8 @@ def cmd_bench(a, pg) -> int:
                           "leave --accumulate and --grad-dtype at their defaults")
     if a.layers is not None and (len(a.layers) < 2 or min(a.layers) < 1):
         raise ConfigError(f"layers must be at least two positive sizes, got {a.layers}")
-    for path, what in ((a.json, "--json"), (a.csv, "--csv")):
-        if path:
-            check_output_path(path, what)
+    profile_file = a.profile if a.profile and os.path.isfile(a.profile) else None
+    check_outputs({"--json": a.json, "--csv": a.csv}, {"--profile": profile_file})
     if a.explain:
         return explain_step(a, pg)
     if a.observe:
@@ -775,7 +774,7 @@ def explain_step(a, pg) -> int:
 
 
 def add_parser(sub) -> None:
-    from .cliutil import int_list
+    from .cliutil import MAX_THREADS, int_list
     b = sub.add_parser("bench", help="training throughput by batch and ranks, with floors and the PyTorch peer",
                        description=__doc__.splitlines()[0])
     m = b.add_mutually_exclusive_group()
@@ -791,7 +790,7 @@ def add_parser(sub) -> None:
     b.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd")
     b.add_argument("--dropout", type=float, default=None, help="default: the preset's")
     b.add_argument("--device", choices=("cpu", "cuda", "auto"), default="auto")
-    b.add_argument("--threads", type=int_list("thread counts", distinct=True), default=None,
+    b.add_argument("--threads", type=int_list("thread counts", distinct=True, maximum=MAX_THREADS), default=None,
                    help="CPU threads per rank; several (e.g. 1,2) are launched in alternating rounds like --ranks")
     b.add_argument("--precision", choices=PRECISIONS, default="fp32",
                    help="GEMM precision (GPUs): fp32, tf32, bf16, fp16; the PyTorch peer uses the same")

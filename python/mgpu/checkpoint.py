@@ -104,6 +104,8 @@ def save_checkpoint(directory: str, step: int, arrays: dict, meta: dict, keep: i
         if tmp is not None and os.path.exists(tmp):
             os.unlink(tmp)
     for old in list_checkpoints(directory)[:-keep]:
+        if os.path.abspath(old) == os.path.abspath(path):
+            continue  # a resumed run's older step, below one the run it rewound wrote: never the one just saved
         try:
             os.unlink(old)
         except OSError:
@@ -115,15 +117,22 @@ def load_checkpoint(path: str) -> tuple:
     """(arrays, meta) of a checkpoint, verified: format, version and checksums."""
     if os.path.isdir(path):
         raise CheckpointError(f"checkpoint '{path}' is a directory (give a file, or --checkpoint-dir)")
+    if os.path.exists(path) and not os.path.isfile(path):  # a FIFO would block the read
+        raise CheckpointError(f"checkpoint '{path}' is not a regular file")
     try:
         with open(path, "rb") as f:
             raw = f.read()
     except OSError as e:
         raise CheckpointError(f"cannot read checkpoint '{path}': {e.strerror}") from None
     try:
-        with np.load(io.BytesIO(raw), allow_pickle=False) as z:
+        z = np.load(io.BytesIO(raw), allow_pickle=False)
+        if not isinstance(z, np.lib.npyio.NpzFile):
+            raise CheckpointError(f"'{path}' is not an mgpu checkpoint (not an .npz archive)")
+        with z:
             arrays = {k: z[k] for k in z.files}
     except (ValueError, OSError, EOFError, zipfile.BadZipFile, KeyError) as e:
+        if isinstance(e, CheckpointError):
+            raise
         raise CheckpointError(f"checkpoint '{path}' is corrupt or truncated ({type(e).__name__}: {e})") from None
     if "meta" not in arrays:
         raise CheckpointError(f"'{path}' is not an mgpu checkpoint (no metadata)")

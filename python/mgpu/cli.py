@@ -18,9 +18,9 @@ import traceback
 
 from . import __version__, build_info
 from .config import COMMS, DEVICES, GRAD_DTYPES, GRAPH_MODES, LOSSES, OPTIMIZERS, PRECISIONS, PRESETS, TrainConfig
-from .cliutil import (EXIT_USAGE, Parser, UsageError, check_output_dir, check_output_path, float_list, int_list,
-                      write_json_atomic, write_line)
-from .errors import CommError, ConfigError, DataError, NumericsError
+from .cliutil import (EXIT_USAGE, MAX_THREADS, Parser, UsageError, bounded_int, check_output_dir, check_outputs,
+                      check_telemetry_prefix, float_list, int_list, write_json_atomic, write_line)
+from .errors import CommError, ConfigError, DataError, DeviceError, NumericsError
 from .observe import DEFAULT_TRACE_STEPS, Observer, import_summary_writer, parse_step_range
 from .schedule import SCHEDULES
 from .train_telemetry import output_paths
@@ -62,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--gpus", type=int, default=None, metavar="N",
                    help="single-process multi-GPU: drive N GPUs from threads of this process, no mpirun "
                         "(NCCL between them; default: one rank per process)")
-    t.add_argument("--threads", type=int, default=None, help="CPU threads per rank (default: cores / ranks per node)")
+    t.add_argument("--threads", type=bounded_int("threads per rank", MAX_THREADS), default=None, help="CPU threads per rank (default: cores / ranks per node)")
     t.add_argument("--precision", choices=PRECISIONS, default="fp32",
                    help="GEMM precision on GPUs: fp32 (default), tf32, bf16, fp16 (dynamic loss scaling)")
     t.add_argument("--grad-dtype", choices=GRAD_DTYPES, default="fp32",
@@ -175,7 +175,10 @@ def _auto_bucket_mb(cfg, pg, sizes, device: str) -> tuple:
         return 4.0, None  # one rank: no allreduce, nothing to say
     if not os.path.exists(path):
         return 4.0, "bucket 4 MB: --bucket-mb auto found no calibration (run `mgpu topo`)"
-    profile = perf.load_profile(path)
+    try:
+        profile = perf.load_profile(path)
+    except ConfigError as e:  # a broken calibration must not stop a run that never asked for it by name
+        return 4.0, f"bucket 4 MB: {e} (rerun `mgpu topo`)"
     if len(profile["devices"]) < pg.size:
         return 4.0, f"bucket 4 MB: the calibration has {len(profile['devices'])} device(s), this job {pg.size} ranks"
     differs = _calibrated_kind_differs(profile, pg.size, device)
@@ -221,6 +224,17 @@ def _auto_batch_shares(cfg, pg, sizes, device: str) -> list:
     w = perf._workload(None, sizes, None, cfg.batch_size, "fp32", cfg.optimizer, cfg.bucket_mb, cfg.effective_dropout())
     prediction = perf.P.predict(w, perf.to_core(profile), pg.size, perf.P.Options())
     return [float(s) for s in prediction.batch_shares]
+
+
+def _refuse_another_runs_checkpoints(directory: str) -> None:
+    """A new run (no --resume) writes ckpt-<step> files: in a directory that holds an
+    earlier run's it would replace some of them and prune the rest (a mix of two runs)."""
+    from .checkpoint import CheckpointError, list_checkpoints
+    found = list_checkpoints(directory)
+    if found:
+        raise CheckpointError(f"--checkpoint-dir '{directory}' holds {len(found)} checkpoint(s) of an earlier run "
+                              f"(newest {os.path.basename(found[-1])}): continue it with --resume, or give an "
+                              "empty directory")
 
 
 def _resolve_resume(a, cfg) -> str:
@@ -274,22 +288,19 @@ def _check_outputs(a) -> None:
     """The output options: writable, distinct, consistent (before any training)."""
     outputs = {"--json": a.json, "--save": a.save, "--trace": a.trace, "--log-json": a.log_json}
     _check_telemetry(a)
-    if a.telemetry:
+    if a.telemetry is not None:
+        check_telemetry_prefix(a.telemetry)
         outputs.update({f"--telemetry ({os.path.splitext(p)[1]})": p for p in output_paths(a.telemetry)})
-    seen = {}
-    for what, path in outputs.items():
-        if path:
-            check_output_path(path, what)
-            other = seen.setdefault(os.path.realpath(path), what)
-            if other != what:
-                raise ConfigError(f"{other} and {what} name the same file '{path}': one would overwrite the other")
+    inputs = {"--dataset": a.dataset if a.dataset and os.path.exists(a.dataset) else None,
+              "--resume": a.resume if a.resume not in (None, "latest") else None}
+    check_outputs(outputs, inputs)
     if a.trace_steps is not None and not a.trace:
         raise ConfigError("--trace-steps chooses the steps of --trace: give --trace PATH too")
     if a.tensorboard:
         check_output_dir(a.tensorboard, "--tensorboard")
         import_summary_writer()  # optional: say so before training, not after it
     if not 0 <= a.straggler_threshold < 1e6:
-        raise ConfigError(f"--straggler-threshold must be a percentage >= 0, got {a.straggler_threshold}")
+        raise ConfigError(f"--straggler-threshold must be a percentage in [0, 1e6), got {a.straggler_threshold}")
     if a.observe_every < 1:
         raise ConfigError(f"--observe-every must be >= 1, got {a.observe_every}")
 
@@ -348,6 +359,8 @@ def cmd_train(a, pg) -> int:
         _check_outputs(a)
         if a.resume is not None and pg.is_root:
             resume = _resolve_resume(a, cfg)
+        elif cfg.checkpoint_dir and pg.is_root:
+            _refuse_another_runs_checkpoints(cfg.checkpoint_dir)
     except ConfigError as e:
         error = e
     pg.agree(error)
@@ -360,8 +373,13 @@ def cmd_train(a, pg) -> int:
         raise ConfigError(f"--precision {cfg.precision} needs a GPU; the CPU backend computes in fp32")
     if cfg.comm == "nccl" and device != "cuda":
         raise ConfigError("--comm nccl needs GPUs (--device cuda); CPU ranks use MPI")
-    model = MLP(sizes, seed=cfg.seed, dropout=cfg.effective_dropout(), device=device,
-                device_index=device_index, threads=threads, precision=cfg.precision)
+    model, error = None, None
+    try:  # per rank: its environment (MGPU_CPU_GEMM, ...) and its device's memory; agree before the Trainer's collectives
+        model = MLP(sizes, seed=cfg.seed, dropout=cfg.effective_dropout(), device=device,
+                    device_index=device_index, threads=threads, precision=cfg.precision)
+    except (ConfigError, DeviceError) as e:
+        error = e
+    pg.agree(error, what="building the model")
     steps_per_epoch = -(-len(data.x_train) // (cfg.batch_size * cfg.accumulate))
     total_steps = cfg.steps if cfg.steps is not None else cfg.epochs * steps_per_epoch
     trainer = Trainer(model, loss=loss, optimizer=cfg.optimizer, lr=cfg.lr, momentum=cfg.momentum,

@@ -19,6 +19,7 @@ from .errors import ConfigError
 
 EXIT_USAGE = 2
 INT32_MAX = 2**31 - 1  # the C++ core takes sizes and counts as int
+MAX_THREADS = 1024  # per rank: OpenMP and the BLAS fail to start (or crash) far beyond any core count
 
 
 class UsageError(Exception):
@@ -71,7 +72,23 @@ def _items(text: str, what: str, convert, kind: str) -> list:
     return pairs
 
 
-def int_list(what: str, distinct: bool = False):
+def bounded_int(what: str, maximum: int):
+    """argparse type: one integer in 1..maximum (the range checks after parsing say >= 1 too)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{what} must be an integer, got '{text}'") from None
+        if value > maximum:
+            raise argparse.ArgumentTypeError(f"{what} must be at most {maximum}, got {text}")
+        return value
+
+    parse.__name__ = what
+    return parse
+
+
+def int_list(what: str, distinct: bool = False, maximum: int = INT32_MAX):
     """argparse type: comma-separated positive integers that fit the core's int, e.g.
     `int_list("layer sizes")`. No empty items (`50,,3`), signs, nothing below 1 or above
     INT32_MAX; with `distinct`, no value twice (a sweep's `2,2` is a typo for
@@ -84,8 +101,8 @@ def int_list(what: str, distinct: bool = False):
                 raise argparse.ArgumentTypeError(f"{what} must be >= 1, got {item} (in '{text}')")
             if not (item.isascii() and item.isdigit()):  # int() also takes '+3', '1_000'
                 raise argparse.ArgumentTypeError(f"write {what} as plain digits, got '{item}' (in '{text}')")
-            if value > INT32_MAX:
-                raise argparse.ArgumentTypeError(f"{what} must be at most {INT32_MAX}, got {item}")
+            if value > maximum:
+                raise argparse.ArgumentTypeError(f"{what} must be at most {maximum}, got {item}")
             values.append(value)
         repeated = [v for v, n in Counter(values).items() if n > 1]
         if distinct and repeated:
@@ -114,6 +131,8 @@ def float_list(what: str):
 
 def check_output_path(path: str, what: str) -> None:
     """ConfigError unless `path` can be written (before any work whose result would go there)."""
+    if not path:
+        raise ConfigError(f"{what}: the path is empty")
     directory = os.path.dirname(os.path.abspath(path)) or "."
     if not os.path.isdir(directory):
         raise ConfigError(f"{what} '{path}': directory '{directory}' does not exist")
@@ -121,6 +140,44 @@ def check_output_path(path: str, what: str) -> None:
         raise ConfigError(f"{what} '{path}': directory '{directory}' is not writable")
     if os.path.isdir(path):
         raise ConfigError(f"{what} '{path}' is a directory")
+    if os.path.exists(path) and not os.path.isfile(path):  # a FIFO would block the write until read
+        raise ConfigError(f"{what} '{path}' is not a regular file")
+
+
+def check_outputs(outputs: dict, inputs: dict = None) -> None:
+    """check_output_path for each given output (option -> path; None: not given), and
+    ConfigError if two outputs name one file (one would overwrite the other) or an
+    output names an input (option -> path; writing it would destroy what was read)."""
+    seen = {os.path.realpath(path): what for what, path in (inputs or {}).items() if path}
+    inputs_seen = set(seen)
+    for what, path in outputs.items():
+        if path is None:
+            continue
+        check_output_path(path, what)
+        other = seen.setdefault(os.path.realpath(path), what)
+        if other != what:
+            if os.path.realpath(path) in inputs_seen:
+                raise ConfigError(f"{what} '{path}' is the {other} this run reads: writing it would destroy it")
+            raise ConfigError(f"{other} and {what} name the same file '{path}': one would overwrite the other")
+
+
+def check_telemetry_prefix(prefix: str) -> None:
+    """--telemetry PREFIX names files PREFIX.csv/.json/.png: not empty, not a directory."""
+    if not prefix or not os.path.basename(prefix):
+        raise ConfigError(f"--telemetry '{prefix}': give a file name prefix (PREFIX.csv, .json and .png are "
+                          "written), not an empty path or a directory")
+
+
+def check_input_file(path: str, what: str) -> None:
+    """ConfigError unless `path` is an existing regular file (a FIFO would block the read)."""
+    if not path:
+        raise ConfigError(f"{what}: the path is empty")
+    if not os.path.exists(path):
+        raise ConfigError(f"{what} '{path}' does not exist")
+    if os.path.isdir(path):
+        raise ConfigError(f"{what} '{path}' is a directory, not a file")
+    if not os.path.isfile(path):
+        raise ConfigError(f"{what} '{path}' is not a regular file")
 
 
 def check_output_dir(path: str, what: str) -> None:

@@ -135,8 +135,8 @@ class TrainConfig:
             fail(f"bucket size must be > 0 MB, got {self.bucket_mb}")
         if not (0 < self.val_fraction < 1):
             fail(f"validation fraction must be in (0, 1), got {self.val_fraction}")
-        if not _is_int(self.seed) or self.seed < 0:
-            fail(f"seed must be a non-negative integer, got {self.seed}")
+        if not _is_int(self.seed) or not 0 <= self.seed < 2 ** 64:  # the core's seed is a uint64
+            fail(f"seed must be an integer in 0..2^64-1, got {self.seed}")
         if not _is_int(self.accumulate) or self.accumulate < 1:
             fail(f"accumulation steps must be an integer >= 1, got {self.accumulate}")
         if not (self.max_grad_norm >= 0 and math.isfinite(self.max_grad_norm)):

@@ -11,12 +11,15 @@ same model as one.
 from __future__ import annotations
 
 import os
+import zipfile
 from dataclasses import dataclass
 from typing import Iterator, Optional, Sequence
 
 import numpy as np
 
 from .errors import ConfigError, DataError
+
+MAX_CLASSES = 2 ** 31 - 1  # class labels: the output layer's width is an int32 in the core
 
 
 @dataclass
@@ -72,13 +75,22 @@ def _digits() -> tuple:
 
 
 def _read_npz(path: str) -> dict:
-    if not os.path.isfile(path):
+    if not os.path.exists(path):
         raise DataError(f"dataset file '{path}' does not exist")
+    if not os.path.isfile(path):  # a directory, or a FIFO that would block the read
+        raise DataError(f"dataset '{path}' is not a regular file")
     try:
-        with np.load(path, allow_pickle=False) as f:
+        f = np.load(path, allow_pickle=False)
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
+        raise DataError(f"cannot read dataset '{path}' ({type(e).__name__}: {e})") from None
+    if not isinstance(f, np.lib.npyio.NpzFile):
+        raise DataError(f"dataset '{path}' is not an .npz archive (a single .npy array?): save x and y with "
+                        "numpy.savez")
+    try:
+        with f:
             return {k: f[k] for k in f.files}
-    except (OSError, ValueError, EOFError) as e:
-        raise DataError(f"cannot read dataset '{path}': {e}") from None
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile, KeyError) as e:  # a member truncated or corrupt
+        raise DataError(f"cannot read dataset '{path}' ({type(e).__name__}: {e})") from None
 
 
 def _check_arrays(name: str, x, y) -> tuple:
@@ -99,6 +111,9 @@ def _check_arrays(name: str, x, y) -> tuple:
     if y.dtype.kind in "iu" and y.ndim == 1:
         if y.min() < 0:
             raise DataError(f"{name}: class labels must be >= 0, found {int(y.min())}")
+        if int(y.max()) >= MAX_CLASSES:  # the output layer has a unit per class (and uint64 2**63 would wrap)
+            raise DataError(f"{name}: class labels must be < {MAX_CLASSES:,} (one output unit each), "
+                            f"found {int(y.max())}")
         return x, y.astype(np.int64), int(y.max()) + 1
     if y.dtype.kind == "b" or y.dtype.kind not in "fiu":
         raise DataError(f"{name}: y must be integer class labels (1-D) or float targets, got {y.dtype}")
@@ -171,9 +186,11 @@ def split_counts(total: int, world: int, shares: Optional[Sequence[float]] = Non
     if shares is None:
         base, extra = divmod(total, world)
         return [base + (r < extra) for r in range(world)]
-    if len(shares) != world or any(s < 0 for s in shares) or sum(shares) <= 0:
-        raise ConfigError(f"need {world} non-negative batch shares with a positive sum, got {list(shares)}")
-    w = np.asarray(shares, dtype=np.float64) / float(sum(shares))
+    s = np.asarray(shares, dtype=np.float64)
+    if len(s) != world or not np.isfinite(s).all() or (s < 0).any() or s.max(initial=0.0) <= 0:
+        raise ConfigError(f"need {world} non-negative batch shares (finite, with a positive sum), got {list(shares)}")
+    w = s / s.max()  # first to <= 1: a sum of shares near the float limit would overflow to inf
+    w /= w.sum()
     exact = w * total
     counts = np.floor(exact).astype(int)
     order = np.argsort(-(exact - counts), kind="stable")

@@ -231,6 +231,8 @@ def save_profile(profile: dict, path: Optional[str] = None) -> str:
 
 
 def load_profile(path: str) -> dict:
+    if os.path.exists(path) and not os.path.isfile(path):  # a directory, or a FIFO that would block the read
+        raise ConfigError(f"hardware profile '{path}' is not a regular file")
     try:
         with open(path) as f:
             profile = json.load(f)
@@ -242,7 +244,16 @@ def load_profile(path: str) -> dict:
         raise ConfigError(f"'{path}' is not an mgpu hardware profile")
     if profile.get("version") != PROFILE_VERSION:
         raise ConfigError(f"hardware profile '{path}' has version {profile.get('version')}; expected {PROFILE_VERSION}")
-    to_core(profile)  # validates the fields
+    per_node = profile.get("gpus_per_node", 1)
+    if not isinstance(per_node, int) or isinstance(per_node, bool) or per_node < 0:
+        raise ConfigError(f"hardware profile '{path}' is malformed: gpus_per_node must be an integer >= 0, "
+                          f"got {per_node!r}")
+    try:
+        to_core(profile)  # validates the fields
+    except ConfigError:
+        raise
+    except (AttributeError, TypeError, ValueError, KeyError, IndexError) as e:  # a field of the wrong shape
+        raise ConfigError(f"hardware profile '{path}' is malformed ({type(e).__name__}: {e})") from None
     return profile
 
 
@@ -509,7 +520,8 @@ def format_recommendation(r: dict) -> str:
         lines.append(f"{'devices':>7} {'step ms':>9} {'samples/s':>11} {'speedup':>8} {'effic.':>7} "
                      f"{'allreduce ms':>13} {'exposed':>8} {'bucket MiB':>10} {'memory/dev':>11} {'fits':>5}")
         for c in r["candidates"]:
-            bucket = f"{c['bucket_mb']:>10.3g}" if c["devices"] > 1 and c.get("bucket_mb") else f"{'-':>10}"
+            # 6 digits: 1024 MiB prints as such, not as 1.02e+03
+            bucket = f"{c['bucket_mb']:>10.6g}" if c["devices"] > 1 and c.get("bucket_mb") else f"{'-':>10}"
             lines.append(f"{c['devices']:>7} {c['predicted_step_ms']:>9.3f} {c['predicted_samples_per_sec']:>11,.0f} "
                          f"{c['predicted_speedup']:>7.2f}x {c['efficiency']:>6.0%} {c['allreduce_ms']:>13.3f} "
                          f"{c['exposed_allreduce_ms']:>8.3f} {bucket} {c['memory_bytes'] / 1e9:>9.2f}GB "
@@ -571,27 +583,30 @@ def _bucket_mb(text: str):
         raise argparse.ArgumentTypeError(f"expected a number of MB or 'auto', got '{text}'") from None
     if not (v > 0 and v < float("inf")):
         raise argparse.ArgumentTypeError(f"bucket size must be > 0 MB, got {text}")
+    if v * 1e6 / 4 > 2 ** 62:  # elements of fp32 gradients: the core counts them in 64 bits
+        raise argparse.ArgumentTypeError(f"bucket size must be at most {2 ** 62 * 4 / 1e6:.3g} MB, got {text}")
     return v
 
 
 def cmd_recommend(a, pg) -> int:
-    from .cliutil import check_output_path, write_json_atomic
+    from .cliutil import check_outputs, write_json_atomic
     if a.list_profiles:
         if pg.is_root:
             print(list_profiles())
         return 0
     if a.batch_size is None:
         raise ConfigError("recommend needs --batch-size (the global batch)")
-    if a.json:
-        check_output_path(a.json, "--json")
+    if not 1 <= a.batch_size <= 2 ** 62:  # the core counts samples in 64 bits
+        raise ConfigError(f"--batch-size must be in 1..2^62, got {a.batch_size}")
+    check_outputs({"--json": a.json}, {"--profile": a.profile if a.profile and os.path.isfile(a.profile) else None})
     if not (0 < a.memory_margin <= 1):
         raise ConfigError(f"--memory-margin must be in (0, 1], got {a.memory_margin}")
     if a.price < 0:
         raise ConfigError(f"--price must be >= 0, got {a.price}")
     params = None
     if a.params is not None:
-        if not a.params >= 1:
-            raise ConfigError(f"--params must be >= 1, got {a.params}")
+        if not 1 <= a.params <= 2 ** 62:  # NaN and inf too; the core counts parameters in 64 bits
+            raise ConfigError(f"--params must be in 1..2^62, got {a.params}")
         params = int(a.params)
     result = recommend(model=a.model, layers=a.layers, params=params, batch_size=a.batch_size, devices=a.devices,
                        profile=a.profile, precision=a.precision, optimizer=a.optimizer, bucket_mb=a.bucket_mb,

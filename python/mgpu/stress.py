@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from . import _core
-from .cliutil import write_line
+from .cliutil import INT32_MAX, MAX_THREADS, bounded_int, write_line
 from .errors import ConfigError
 from .telemetry import METRICS, Sampler, reader_for, summarize, write_series
 
@@ -221,7 +221,8 @@ def run_device(pg, *, device: str, device_index: int, threads: int, duration: fl
 
 
 def cmd_stress(a, pg) -> int:
-    from .cliutil import check_output_path, write_json_atomic
+    from .cliutil import check_outputs, check_telemetry_prefix, write_json_atomic
+    from .train_telemetry import output_paths
     device, index = pg.resolve_device(a.device)
     scaled = resolve_defaults(a, device)
     if scaled and pg.is_root:
@@ -241,9 +242,11 @@ def cmd_stress(a, pg) -> int:
         raise ConfigError("--interval and --hang-timeout must be > 0 seconds")
     if a.threads is not None and a.threads < 1:
         raise ConfigError(f"--threads must be >= 1, got {a.threads}")
-    for path, what in ((a.json, "--json"), (a.telemetry and f"{a.telemetry}.csv", "--telemetry")):
-        if path:
-            check_output_path(path, what)
+    outputs = {"--json": a.json}
+    if a.telemetry is not None:
+        check_telemetry_prefix(a.telemetry)
+        outputs.update({f"--telemetry ({os.path.splitext(p)[1]})": p for p in output_paths(a.telemetry)})
+    check_outputs(outputs)
     kernels = KERNELS if a.kernel == "all" else (a.kernel,)
     if a.gemm_precision != "fp32" and device != "cuda":
         raise ConfigError(f"--gemm-precision {a.gemm_precision} needs a GPU; the CPU GEMM burn runs in fp32")
@@ -302,16 +305,19 @@ def add_parser(sub) -> None:
     s.add_argument("--duration", type=float, default=None, help="seconds (default 60; 10 on the GPU emulation)")
     s.add_argument("--kernel", choices=("all", *KERNELS), default="all")
     s.add_argument("--device", choices=("cpu", "cuda", "auto"), default="auto")
-    s.add_argument("--threads", type=int, default=None, help="CPU threads per rank")
+    s.add_argument("--threads", type=bounded_int("threads per rank", MAX_THREADS), default=None, help="CPU threads per rank")
     s.add_argument("--memory-fraction", type=float, default=None,
                    help="fraction of free device memory for the pattern buffer (per device; default 0.8)")
     s.add_argument("--memory-mb", type=float, default=None,
                    help="buffer size instead of a fraction (8 on the GPU emulation unless a size is given)")
-    s.add_argument("--iterations", type=int, default=20, help="transcendental chain steps per launch")
-    s.add_argument("--compute-size", type=int, default=None,
+    s.add_argument("--iterations", type=bounded_int("iterations", INT32_MAX), default=20,
+                   help="transcendental chain steps per launch")
+    s.add_argument("--compute-size", type=bounded_int("compute size", INT32_MAX), default=None,
                    help="values per compute launch (default 262144; 16384 on the GPU emulation)")
-    s.add_argument("--gemm-size", type=int, default=None, help="GEMM size n (n x n; default 1024, 64 on the emulation)")
-    s.add_argument("--gemm-repeats", type=int, default=4, help="GEMMs per launch")
+    # n x n x 4 bytes of each matrix must fit the core's int (and any memory): 46340^2 < 2^31
+    s.add_argument("--gemm-size", type=bounded_int("GEMM size", 46340), default=None,
+                   help="GEMM size n (n x n; default 1024, 64 on the emulation)")
+    s.add_argument("--gemm-repeats", type=bounded_int("GEMM repeats", INT32_MAX), default=4, help="GEMMs per launch")
     s.add_argument("--gemm-tol", type=float, default=0.0, help="relative tolerance of GEMM verification")
     s.add_argument("--gemm-precision", choices=("fp32", "tf32", "bf16"), default="fp32",
                    help="GEMM burn precision (tf32 and bf16 on GPUs)")

@@ -724,13 +724,10 @@ def write_plots(directory: str, profile: dict) -> list:
 
 
 def cmd_topo(a, pg) -> int:
-    from .cliutil import check_output_dir, check_output_path, write_json_atomic
+    from .cliutil import check_output_dir, check_outputs, write_json_atomic
     if a.max_bytes < 4:
         raise ConfigError(f"--max-mb must be at least 4 bytes, got {a.max_bytes} bytes")
-    if a.out:
-        check_output_path(a.out, "--out")
-    if a.json:
-        check_output_path(a.json, "--json")
+    check_outputs({"--out": a.out, "--json": a.json})
     if a.plots:
         check_output_dir(a.plots, "--plots")
     profile = run_topo(pg, device=a.device, threads=a.threads, max_bytes=a.max_bytes, quick=a.quick)
@@ -766,11 +763,12 @@ def _mebibytes(text: str) -> int:
 
 
 def add_parser(sub) -> None:
+    from .cliutil import MAX_THREADS, bounded_int
     t = sub.add_parser("topo", help="measure devices, GEMM rates and the allreduce; write the calibration profile",
                        description="Measure this machine (under mpirun: every rank's device and the communicator) "
                                    "and save the calibration profile the strategy selector uses.")
     t.add_argument("--device", choices=("cpu", "cuda", "auto"), default="auto")
-    t.add_argument("--threads", type=int, default=None, help="CPU threads per rank (default: cores / ranks per node)")
+    t.add_argument("--threads", type=bounded_int("threads per rank", MAX_THREADS), default=None, help="CPU threads per rank (default: cores / ranks per node)")
     t.add_argument("--max-mb", dest="max_bytes", type=_mebibytes, default=256 * MiB,
                    help="largest allreduce in MiB (default 256)")
     t.add_argument("--quick", action="store_true", help="fewer sizes and repeats (seconds, not minutes)")

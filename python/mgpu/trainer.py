@@ -8,6 +8,7 @@ validation, skipped steps, checkpoints, stop requests, progress and history.
 """
 from __future__ import annotations
 
+import math
 import os
 import sys
 import time
@@ -41,6 +42,29 @@ class CheckpointPolicy:
         if not isinstance(self.keep, int) or self.keep < 1:
             raise ConfigError(f"checkpoints to keep must be an integer >= 1, got {self.keep}")
 
+
+
+_STATE_INTS = ("optimizer_steps", "good_steps", "global_step", "epoch", "batch_in_epoch", "epoch_samples", "bad_steps")
+_STATE_FLOATS = ("loss_scale", "epoch_loss_sum", "epoch_seconds")
+
+
+def _resume_state(meta: dict, path: str) -> dict:
+    """The loop state a checkpoint's metadata holds, checked: counters are integers >= 0,
+    the rest numbers (the loss scale finite and > 0), the history a list of records
+    (else CheckpointError)."""
+    s, history = meta.get("state"), meta.get("history", [])
+    if not isinstance(s, dict) or not isinstance(history, list) or not all(isinstance(h, dict) for h in history):
+        raise CheckpointError(f"checkpoint '{path}' has malformed metadata (state or history)")
+    out = {}
+    for key in _STATE_INTS + _STATE_FLOATS:
+        value = s.get(key)
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        ok = (isinstance(value, int) and number and value >= 0 if key in _STATE_INTS else
+              number and (key != "loss_scale" or (math.isfinite(value) and value > 0)))
+        if not ok:
+            raise CheckpointError(f"checkpoint '{path}' has malformed metadata: state.{key} is {value!r}")
+        out[key] = value
+    return out
 
 class Trainer:
     """Data-parallel training of an MLP across the ranks of a ProcessGroup.
@@ -268,6 +292,7 @@ class Trainer:
                 for key in names:
                     if key not in arrays or arrays[key].shape != (n,) or arrays[key].dtype != np.float32:
                         raise CheckpointError(f"checkpoint '{path}' does not hold '{key}' for {n:,} parameters")
+                _resume_state(meta, path)  # the checksums cover the arrays, not the metadata
             except CheckpointError as e:
                 error = e
         self.pg.agree(error, what="checkpoint")
@@ -280,14 +305,14 @@ class Trainer:
                 self.model._core.set_parameters(buf)
             else:
                 self._optimizer.set_state(key[len("opt."):], buf)
-        s = meta["state"]
-        self._optimizer.steps_taken = int(s["optimizer_steps"])
-        self._step.loss_scale = float(s["loss_scale"])
-        self._step.good_steps_in_a_row = int(s["good_steps"])
-        self.global_step, self.epoch, self.batch_in_epoch = int(s["global_step"]), int(s["epoch"]), int(s["batch_in_epoch"])
-        self._epoch_loss_sum, self._epoch_samples = float(s["epoch_loss_sum"]), int(s["epoch_samples"])
-        self._epoch_seconds = float(s["epoch_seconds"])
-        self.bad_steps = int(s["bad_steps"])
+        s = _resume_state(meta, path)
+        self._optimizer.steps_taken = s["optimizer_steps"]
+        self._step.loss_scale = s["loss_scale"]
+        self._step.good_steps_in_a_row = s["good_steps"]
+        self.global_step, self.epoch, self.batch_in_epoch = s["global_step"], s["epoch"], s["batch_in_epoch"]
+        self._epoch_loss_sum, self._epoch_samples = s["epoch_loss_sum"], s["epoch_samples"]
+        self._epoch_seconds = s["epoch_seconds"]
+        self.bad_steps = s["bad_steps"]
         self.history = list(meta.get("history", []))
         self._last_checkpoint_step = self.global_step
         self.last_checkpoint = path

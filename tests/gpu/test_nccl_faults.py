@@ -161,10 +161,11 @@ def test_a_second_sigint_ends_train_gpus_at_once(two_gpus, tmp_path):
     # "terminate called without an active exception" and a native backtrace).
     out = tmp_path / "out.txt"
     args = ["train", "--device", "cuda", "--gpus", "2", "--layers", "64,512,512,10", "--batch-size", "512",
-            "--steps", "1000000", "--no-progress", "--seed", "5", "--checkpoint-dir", tmp_path / "ck"]
+            "--steps", "1000000", "--no-progress", "--seed", "5"]
     for attempt in range(3):  # the first SIGINT's clean stop can, rarely, finish before the second arrives
         with open(out, "w") as f:
-            proc = subprocess.Popen([*MGPU, *map(str, args)], stdout=f, stderr=subprocess.STDOUT, env=mpi_env(),
+            proc = subprocess.Popen([*MGPU, *map(str, args), "--checkpoint-dir", str(tmp_path / f"ck{attempt}")],
+                                    stdout=f, stderr=subprocess.STDOUT, env=mpi_env(),
                                     start_new_session=True)
         try:
             wait_for(lambda: "per rank)" in out.read_text() or proc.poll() is not None, 120, "training to start")

@@ -181,3 +181,72 @@ def test_auto_bucket_and_shares_need_a_calibration_of_the_jobs_devices(tmp_path,
     with pytest.raises(mgpu.ConfigError, match="--batch-shares auto: the calibration measured cpu devices"):
         cli._auto_batch_shares(cfg, pg, sizes, "cuda")
     assert len(cli._auto_batch_shares(cfg, pg, sizes, "cpu")) == 2
+
+
+def test_outputs_may_not_be_empty_special_shared_or_an_input(tmp_path):
+    from mgpu.cliutil import check_outputs
+    data = tmp_path / "data.npz"
+    data.write_bytes(b"x")
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    check_outputs({"--json": str(tmp_path / "a.json"), "--csv": None}, {"--dataset": str(data)})
+    for outputs, inputs, message in [
+        ({"--json": ""}, {}, "--json: the path is empty"),
+        ({"--json": str(fifo)}, {}, "is not a regular file"),
+        ({"--json": str(tmp_path / "a"), "--csv": str(tmp_path / "a")}, {}, "--json and --csv name the same file"),
+        ({"--save": str(data)}, {"--dataset": str(data)}, "--save .* is the --dataset this run reads"),
+    ]:
+        with pytest.raises(mgpu.ConfigError, match=message):
+            check_outputs(outputs, inputs)
+
+
+@pytest.mark.parametrize("field, value", [("devices", [1, 2]), ("devices", "abc"), ("link", "garbage"),
+                                          ("link", [1]), ("gpus_per_node", "garbage")])
+def test_a_malformed_profile_is_one_config_error(tmp_path, field, value):
+    from mgpu import perf
+    profile = perf.named_profile("h100-ib-2x8")
+    profile[field] = value
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(profile))
+    with pytest.raises(mgpu.ConfigError, match="malformed|not an mgpu|must"):
+        perf.load_profile(str(path))
+    fifo = tmp_path / "fifo.json"
+    os.mkfifo(fifo)
+    with pytest.raises(mgpu.ConfigError, match="is not a regular file"):
+        perf.load_profile(str(fifo))
+
+
+def test_thread_counts_stop_where_openmp_would_crash():
+    from mgpu import cli as cli_module
+    parser = cli_module.build_parser()
+    for argv in (["train", "--threads", "100000"], ["topo", "--threads", "5000"], ["stress", "--threads", "2000"],
+                 ["bench", "--threads", "1,5000"]):
+        with pytest.raises(cli_module.UsageError, match="at most 1024"):
+            parser.parse_args(argv)
+    assert parser.parse_args(["train", "--threads", "1024"]).threads == 1024
+
+
+def test_batch_shares_near_the_float_limit_still_split_the_batch():
+    from mgpu.data import split_counts
+    assert split_counts(256, 3, [1e308, 1e308, 1e308]) == [86, 85, 85]
+    with pytest.raises(mgpu.ConfigError, match="non-negative batch shares \\(finite"):
+        split_counts(256, 2, [float("inf"), 1.0])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["stress", "--iterations", "99999999999"], "at most 2147483647"),
+    (["stress", "--gemm-size", "2147483647"], "at most 46340"),
+    (["train", "--bucket-mb", "1e30"], "at most"),
+])
+def test_sizes_the_core_cannot_hold_are_refused_when_parsed(argv, message):
+    with pytest.raises(cli.UsageError, match=message):
+        cli.build_parser().parse_args(argv)
+
+
+def test_recommend_refuses_counts_beyond_64_bits(capfd):
+    for argv, message in ((["--model", "medium", "--batch-size", str(10 ** 20)], "--batch-size must be in 1..2^62"),
+                          (["--params", "inf", "--batch-size", "8"], "--params must be in 1..2^62"),
+                          (["--params", "1e300", "--batch-size", "8"], "--params must be in 1..2^62")):
+        assert cli.main(["recommend", *argv]) == 2
+        err = capfd.readouterr().err
+        assert message in err and "Traceback" not in err, err
