@@ -286,6 +286,9 @@ def inputs(tmp_path):
     raw = good.read_bytes()
     files["truncated_npz"] = tmp_path / "truncated_data.npz"
     files["truncated_npz"].write_bytes(raw[: len(raw) // 2])
+    (tmp_path / "newer").mkdir()
+    files["newer_ckpt"] = tmp_path / "newer" / "ckpt-000000009.npz"
+    files["newer_ckpt"].write_bytes(files["other_ckpt"].read_bytes())
     files["fifo"] = tmp_path / "fifo.npz"
     os.mkfifo(files["fifo"])  # opening it would wait for a writer (or reader) forever
     return files
@@ -308,8 +311,8 @@ BAD_INPUT = [
     (lambda f: ["--layers", "4,8,2", "--dataset", f["good"], "--batch-size", "16", "--resume", f["other_ckpt"]],
      "does not fit this run: effective_batch"),
     (lambda f: ["--layers", "4,8,2", "--dataset", f["good"], "--resume"], "needs --checkpoint-dir"),
-    (lambda f: ["--layers", "4,8,2", "--dataset", f["good"], "--resume", "--checkpoint-dir", f["good"].parent / "none"],
-     "no checkpoint in"),
+    (lambda f: ["--layers", "4,8,2", "--dataset", f["good"], "--batch-size", "8", "--resume", f["other_ckpt"],
+                "--checkpoint-dir", f["newer_ckpt"].parent], "holds checkpoints newer than the one resumed"),
     (lambda f: ["--layers", "4,8,2", "--dataset", f["good"], "--checkpoint-dir", f["good"]], "checkpoint directory"),
     (lambda f: ["--layers", "4,8,2", "--dataset", f["npy_as_npz"]], "not an .npz archive"),
     (lambda f: ["--layers", "4,8,2", "--dataset", f["truncated_npz"]], "cannot read dataset .*BadZipFile"),
@@ -362,3 +365,20 @@ def test_a_setting_bad_on_one_rank_only_ends_every_rank(tmp_path):
     assert r.returncode == 2, r.stderr[-2000:]
     assert "mgpu: error (rank 0): MGPU_CPU_GEMM" in r.stderr and "mgpu: error (rank 1): rank 0: MGPU_CPU_GEMM" in r.stderr
     assert "Traceback" not in r.stderr and time.monotonic() - t0 < 60
+
+
+def test_one_command_line_starts_a_job_and_restarts_it(tmp_path):
+    # `--resume` with an empty --checkpoint-dir starts a new run (a requeued job's first
+    # launch); the same line then continues it, and without --resume the directory of an
+    # earlier run is refused rather than mixed into.
+    ckpt = tmp_path / "ckpt"
+    line = [*MGPU, "train", "--layers", "20,16,3", "--steps", "4", "--no-progress", "--checkpoint-dir", ckpt]
+    first = mpirun(2, [*line, "--resume"])
+    assert first.returncode == 0 and "starting a new run" in first.stdout, first.stderr[-2000:]
+    assert [os.path.basename(p) for p in list_checkpoints(str(ckpt))] == ["ckpt-000000004.npz"]
+    again = mpirun(2, [*line, "--resume"])
+    assert again.returncode == 0 and "resuming from" in again.stdout, again.stderr[-2000:]
+    before = {p: open(p, "rb").read() for p in list_checkpoints(str(ckpt))}
+    fresh = mpirun(2, line)
+    assert fresh.returncode == 2 and fresh.stderr.count("of an earlier run") == 2, fresh.stderr[-2000:]
+    assert {p: open(p, "rb").read() for p in list_checkpoints(str(ckpt))} == before

@@ -291,7 +291,7 @@ void for_each_pair(const CollectiveModel& m, int ranks, double bytes, Fn fn) {
   // more from 4 ranks on (every rank has at most two children), so its transfer
   // stops growing there, where a ring's 2(n-1)/n goes on towards 2: NCCL's tuner
   // prices every node count above 2 at one bandwidth (tuning.cc).
-  const double tree_steps = 2.0 * (std::ceil(std::log2(n)) - 1.0);
+  const double tree_steps = std::max(0.0, 2.0 * (std::ceil(std::log2(n)) - 1.0));
   const double tree_factor = std::min(factor, 1.5);  // 2(n-1)/n at n = 4
   for (int p = 0; p < 3; ++p) {
     if (m.bw_fraction[p] <= 0) continue;

@@ -38,6 +38,12 @@ def checkpoint_name(step: int) -> str:
     return f"ckpt-{step:09d}.npz"
 
 
+def step_of(path: str) -> Optional[int]:
+    """The step in a checkpoint's file name (None for a name mgpu did not give)."""
+    m = _NAME.match(os.path.basename(path))
+    return int(m.group(1)) if m else None
+
+
 def _digest(array: np.ndarray) -> str:
     return hashlib.sha256(np.ascontiguousarray(array).tobytes()).hexdigest()
 

@@ -62,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--gpus", type=int, default=None, metavar="N",
                    help="single-process multi-GPU: drive N GPUs from threads of this process, no mpirun "
                         "(NCCL between them; default: one rank per process)")
-    t.add_argument("--threads", type=bounded_int("threads per rank", MAX_THREADS), default=None, help="CPU threads per rank (default: cores / ranks per node)")
+    t.add_argument("--threads", type=bounded_int("threads per rank", MAX_THREADS), default=None,
+                   help="CPU threads per rank (default: cores / ranks per node)")
     t.add_argument("--precision", choices=PRECISIONS, default="fp32",
                    help="GEMM precision on GPUs: fp32 (default), tf32, bf16, fp16 (dynamic loss scaling)")
     t.add_argument("--grad-dtype", choices=GRAD_DTYPES, default="fp32",
@@ -96,7 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="checkpoint every N steps (default 0: at the end and when stopped by a signal)")
     c.add_argument("--keep-checkpoints", type=int, default=3, metavar="K", help="newest checkpoints kept")
     c.add_argument("--resume", nargs="?", const="latest", metavar="PATH",
-                   help="continue from a checkpoint: PATH, or the newest in --checkpoint-dir")
+                   help="continue from a checkpoint: PATH, or the newest in --checkpoint-dir (none there yet: "
+                        "start a new run, so one command line starts a job and restarts it)")
     c.add_argument("--watchdog-timeout", type=float, default=300.0, metavar="S",
                    help="end the job when a peer has not joined a collective for S seconds (0: wait forever)")
     c.add_argument("--max-bad-steps", type=int, default=3, metavar="N",
@@ -237,17 +239,23 @@ def _refuse_another_runs_checkpoints(directory: str) -> None:
                               "empty directory")
 
 
-def _resolve_resume(a, cfg) -> str:
-    """The checkpoint --resume names: a path, or the newest in --checkpoint-dir."""
-    from .checkpoint import CheckpointError, latest_checkpoint
-    if a.resume != "latest":
-        return a.resume
-    if not cfg.checkpoint_dir:
-        raise CheckpointError("--resume without a PATH needs --checkpoint-dir to look in")
-    path = latest_checkpoint(cfg.checkpoint_dir)
-    if path is None:
-        raise CheckpointError(f"--resume: no checkpoint in '{cfg.checkpoint_dir}'")
-    return path
+def _resolve_resume(a, cfg):
+    """The checkpoint --resume names: a path, or the newest in --checkpoint-dir (None
+    when it holds none yet: the same command line starts a job and restarts it)."""
+    from .checkpoint import CheckpointError, latest_checkpoint, step_of
+    if a.resume == "latest":
+        if not cfg.checkpoint_dir:
+            raise CheckpointError("--resume without a PATH needs --checkpoint-dir to look in")
+        path = latest_checkpoint(cfg.checkpoint_dir)
+        if path is None:
+            print(f"mgpu: note: no checkpoint in '{cfg.checkpoint_dir}' yet: starting a new run", flush=True)
+        return path
+    newest = latest_checkpoint(cfg.checkpoint_dir) if cfg.checkpoint_dir else None
+    if newest is not None and step_of(a.resume) is not None and step_of(newest) > step_of(a.resume):
+        # the rewound run would write steps among the newer ones: two runs in one directory
+        raise CheckpointError(f"--checkpoint-dir '{cfg.checkpoint_dir}' holds checkpoints newer than the one "
+                              f"resumed ({os.path.basename(newest)}): move them away, or give another directory")
+    return a.resume
 
 
 class _StopOnSignals:
@@ -497,6 +505,7 @@ def _train_single_process(a, pg) -> int:
         codes = run_on_gpus(lambda tg: cmd_train(copy.copy(a), tg), gpus=a.gpus)
     except KeyboardInterrupt:
         if any(t.name.startswith("mgpu-rank-") for t in threading.enumerate()):
+            signal.signal(signal.SIGINT, signal.SIG_IGN)  # a third one must not interrupt the exit
             # A second SIGINT while rank threads are inside the core: finalizing the
             # interpreter would end them mid-call (pthread_exit through C++ frames:
             # std::terminate, a native backtrace). End the process at once instead,

@@ -168,18 +168,6 @@ def check_telemetry_prefix(prefix: str) -> None:
                           "written), not an empty path or a directory")
 
 
-def check_input_file(path: str, what: str) -> None:
-    """ConfigError unless `path` is an existing regular file (a FIFO would block the read)."""
-    if not path:
-        raise ConfigError(f"{what}: the path is empty")
-    if not os.path.exists(path):
-        raise ConfigError(f"{what} '{path}' does not exist")
-    if os.path.isdir(path):
-        raise ConfigError(f"{what} '{path}' is a directory, not a file")
-    if not os.path.isfile(path):
-        raise ConfigError(f"{what} '{path}' is not a regular file")
-
-
 def check_output_dir(path: str, what: str) -> None:
     """ConfigError unless `path` is a writable directory or can be made one, parents and all
     (plots go there)."""

@@ -231,8 +231,8 @@ def save_profile(profile: dict, path: Optional[str] = None) -> str:
 
 
 def load_profile(path: str) -> dict:
-    if os.path.exists(path) and not os.path.isfile(path):  # a directory, or a FIFO that would block the read
-        raise ConfigError(f"hardware profile '{path}' is not a regular file")
+    if os.path.isdir(path):  # a pipe is fine: `recommend --profile <(jq ... p.json)`
+        raise ConfigError(f"hardware profile '{path}' is a directory")
     try:
         with open(path) as f:
             profile = json.load(f)
@@ -596,8 +596,8 @@ def cmd_recommend(a, pg) -> int:
         return 0
     if a.batch_size is None:
         raise ConfigError("recommend needs --batch-size (the global batch)")
-    if not 1 <= a.batch_size <= 2 ** 62:  # the core counts samples in 64 bits
-        raise ConfigError(f"--batch-size must be in 1..2^62, got {a.batch_size}")
+    if a.batch_size > 2 ** 62:  # the core counts samples in 64 bits (below 1: the workload's own check)
+        raise ConfigError(f"--batch-size must be at most 2^62, got {a.batch_size}")
     check_outputs({"--json": a.json}, {"--profile": a.profile if a.profile and os.path.isfile(a.profile) else None})
     if not (0 < a.memory_margin <= 1):
         raise ConfigError(f"--memory-margin must be in (0, 1], got {a.memory_margin}")

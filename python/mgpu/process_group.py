@@ -289,7 +289,7 @@ def raise_agreed(error: Optional[BaseException], reports: list) -> None:
     for rank, report in enumerate(reports):
         if report is not None:
             user = report[0] in ("ConfigError", "DataError", "CheckpointError")
-            cls = ConfigError if user else RuntimeError
+            cls = ConfigError if user else _core.DeviceError if report[0] == "DeviceError" else RuntimeError
             raise cls(f"rank {rank}: {report[1]}")
 
 

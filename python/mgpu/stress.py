@@ -305,7 +305,8 @@ def add_parser(sub) -> None:
     s.add_argument("--duration", type=float, default=None, help="seconds (default 60; 10 on the GPU emulation)")
     s.add_argument("--kernel", choices=("all", *KERNELS), default="all")
     s.add_argument("--device", choices=("cpu", "cuda", "auto"), default="auto")
-    s.add_argument("--threads", type=bounded_int("threads per rank", MAX_THREADS), default=None, help="CPU threads per rank")
+    s.add_argument("--threads", type=bounded_int("threads per rank", MAX_THREADS), default=None,
+                   help="CPU threads per rank")
     s.add_argument("--memory-fraction", type=float, default=None,
                    help="fraction of free device memory for the pattern buffer (per device; default 0.8)")
     s.add_argument("--memory-mb", type=float, default=None,
@@ -314,7 +315,7 @@ def add_parser(sub) -> None:
                    help="transcendental chain steps per launch")
     s.add_argument("--compute-size", type=bounded_int("compute size", INT32_MAX), default=None,
                    help="values per compute launch (default 262144; 16384 on the GPU emulation)")
-    # n x n x 4 bytes of each matrix must fit the core's int (and any memory): 46340^2 < 2^31
+    # the n x n elements of each matrix must fit the core's int: 46340^2 < 2^31
     s.add_argument("--gemm-size", type=bounded_int("GEMM size", 46340), default=None,
                    help="GEMM size n (n x n; default 1024, 64 on the emulation)")
     s.add_argument("--gemm-repeats", type=bounded_int("GEMM repeats", INT32_MAX), default=4, help="GEMMs per launch")

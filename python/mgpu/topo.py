@@ -768,7 +768,8 @@ def add_parser(sub) -> None:
                        description="Measure this machine (under mpirun: every rank's device and the communicator) "
                                    "and save the calibration profile the strategy selector uses.")
     t.add_argument("--device", choices=("cpu", "cuda", "auto"), default="auto")
-    t.add_argument("--threads", type=bounded_int("threads per rank", MAX_THREADS), default=None, help="CPU threads per rank (default: cores / ranks per node)")
+    t.add_argument("--threads", type=bounded_int("threads per rank", MAX_THREADS), default=None,
+                   help="CPU threads per rank (default: cores / ranks per node)")
     t.add_argument("--max-mb", dest="max_bytes", type=_mebibytes, default=256 * MiB,
                    help="largest allreduce in MiB (default 256)")
     t.add_argument("--quick", action="store_true", help="fewer sizes and repeats (seconds, not minutes)")

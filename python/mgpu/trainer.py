@@ -43,7 +43,6 @@ class CheckpointPolicy:
             raise ConfigError(f"checkpoints to keep must be an integer >= 1, got {self.keep}")
 
 
-
 _STATE_INTS = ("optimizer_steps", "good_steps", "global_step", "epoch", "batch_in_epoch", "epoch_samples", "bad_steps")
 _STATE_FLOATS = ("loss_scale", "epoch_loss_sum", "epoch_seconds")
 
@@ -59,12 +58,14 @@ def _resume_state(meta: dict, path: str) -> dict:
     for key in _STATE_INTS + _STATE_FLOATS:
         value = s.get(key)
         number = isinstance(value, (int, float)) and not isinstance(value, bool)
-        ok = (isinstance(value, int) and number and value >= 0 if key in _STATE_INTS else
+        limit = 2 ** 31 - 1 if key == "good_steps" else 2 ** 62  # what the core's counters hold
+        ok = (isinstance(value, int) and number and 0 <= value <= limit if key in _STATE_INTS else
               number and (key != "loss_scale" or (math.isfinite(value) and value > 0)))
         if not ok:
             raise CheckpointError(f"checkpoint '{path}' has malformed metadata: state.{key} is {value!r}")
         out[key] = value
     return out
+
 
 class Trainer:
     """Data-parallel training of an MLP across the ranks of a ProcessGroup.

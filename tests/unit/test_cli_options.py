@@ -210,10 +210,22 @@ def test_a_malformed_profile_is_one_config_error(tmp_path, field, value):
     path.write_text(json.dumps(profile))
     with pytest.raises(mgpu.ConfigError, match="malformed|not an mgpu|must"):
         perf.load_profile(str(path))
+    with pytest.raises(mgpu.ConfigError, match="is a directory"):
+        perf.load_profile(str(tmp_path))
+
+
+def test_a_profile_can_come_through_a_pipe(tmp_path):
+    # `recommend --profile <(jq ... p.json)` reads a pipe: only directories are refused
+    import threading
+
+    from mgpu import perf
     fifo = tmp_path / "fifo.json"
     os.mkfifo(fifo)
-    with pytest.raises(mgpu.ConfigError, match="is not a regular file"):
-        perf.load_profile(str(fifo))
+    text = json.dumps(perf.named_profile("h100-sxm-8"))
+    writer = threading.Thread(target=lambda: fifo.write_text(text))
+    writer.start()
+    assert perf.load_profile(str(fifo))["name"] == "h100-sxm-8"
+    writer.join()
 
 
 def test_thread_counts_stop_where_openmp_would_crash():
@@ -244,7 +256,7 @@ def test_sizes_the_core_cannot_hold_are_refused_when_parsed(argv, message):
 
 
 def test_recommend_refuses_counts_beyond_64_bits(capfd):
-    for argv, message in ((["--model", "medium", "--batch-size", str(10 ** 20)], "--batch-size must be in 1..2^62"),
+    for argv, message in ((["--model", "medium", "--batch-size", str(10 ** 20)], "--batch-size must be at most 2^62"),
                           (["--params", "inf", "--batch-size", "8"], "--params must be in 1..2^62"),
                           (["--params", "1e300", "--batch-size", "8"], "--params must be in 1..2^62")):
         assert cli.main(["recommend", *argv]) == 2
