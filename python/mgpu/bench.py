@@ -610,8 +610,7 @@ def cmd_bench(a, pg) -> int:
                           "leave --accumulate and --grad-dtype at their defaults")
     if a.layers is not None and (len(a.layers) < 2 or min(a.layers) < 1):
         raise ConfigError(f"layers must be at least two positive sizes, got {a.layers}")
-    profile_file = a.profile if a.profile and os.path.isfile(a.profile) else None
-    check_outputs({"--json": a.json, "--csv": a.csv}, {"--profile": profile_file})
+    check_outputs({"--json": a.json, "--csv": a.csv}, {"--profile": a.profile})
     if a.explain:
         return explain_step(a, pg)
     if a.observe:

@@ -132,14 +132,14 @@ def load_checkpoint(path: str) -> tuple:
         raise CheckpointError(f"cannot read checkpoint '{path}': {e.strerror}") from None
     try:
         z = np.load(io.BytesIO(raw), allow_pickle=False)
-        if not isinstance(z, np.lib.npyio.NpzFile):
-            raise CheckpointError(f"'{path}' is not an mgpu checkpoint (not an .npz archive)")
-        with z:
-            arrays = {k: z[k] for k in z.files}
+        arrays = None  # a single .npy array, not an archive
+        if isinstance(z, np.lib.npyio.NpzFile):
+            with z:
+                arrays = {k: z[k] for k in z.files}
     except (ValueError, OSError, EOFError, zipfile.BadZipFile, KeyError) as e:
-        if isinstance(e, CheckpointError):
-            raise
         raise CheckpointError(f"checkpoint '{path}' is corrupt or truncated ({type(e).__name__}: {e})") from None
+    if arrays is None:
+        raise CheckpointError(f"'{path}' is not an mgpu checkpoint (not an .npz archive)")
     if "meta" not in arrays:
         raise CheckpointError(f"'{path}' is not an mgpu checkpoint (no metadata)")
     try:

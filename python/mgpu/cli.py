@@ -19,11 +19,11 @@ import traceback
 from . import __version__, build_info
 from .config import COMMS, DEVICES, GRAD_DTYPES, GRAPH_MODES, LOSSES, OPTIMIZERS, PRECISIONS, PRESETS, TrainConfig
 from .cliutil import (EXIT_USAGE, MAX_THREADS, Parser, UsageError, bounded_int, check_output_dir, check_outputs,
-                      check_telemetry_prefix, float_list, int_list, write_json_atomic, write_line)
+                      float_list, int_list, write_json_atomic, write_line)
 from .errors import CommError, ConfigError, DataError, DeviceError, NumericsError
 from .observe import DEFAULT_TRACE_STEPS, Observer, import_summary_writer, parse_step_range
 from .schedule import SCHEDULES
-from .train_telemetry import output_paths
+from .train_telemetry import output_options
 
 _SHARES = float_list("batch shares")
 # train's telemetry options, filled in when --telemetry is given (None until then: given
@@ -297,11 +297,8 @@ def _check_outputs(a) -> None:
     outputs = {"--json": a.json, "--save": a.save, "--trace": a.trace, "--log-json": a.log_json}
     _check_telemetry(a)
     if a.telemetry is not None:
-        check_telemetry_prefix(a.telemetry)
-        outputs.update({f"--telemetry ({os.path.splitext(p)[1]})": p for p in output_paths(a.telemetry)})
-    inputs = {"--dataset": a.dataset if a.dataset and os.path.exists(a.dataset) else None,
-              "--resume": a.resume if a.resume not in (None, "latest") else None}
-    check_outputs(outputs, inputs)
+        outputs.update(output_options(a.telemetry))
+    check_outputs(outputs, {"--dataset": a.dataset, "--resume": a.resume if a.resume != "latest" else None})
     if a.trace_steps is not None and not a.trace:
         raise ConfigError("--trace-steps chooses the steps of --trace: give --trace PATH too")
     if a.tensorboard:
@@ -493,7 +490,7 @@ def cmd_train(a, pg) -> int:
 
 def _train_single_process(a, pg) -> int:
     """`train --gpus N`: N ranks as threads of this process, one GPU each (see thread_group.py)."""
-    from .thread_group import run_on_gpus
+    from .thread_group import rank_threads_alive, run_on_gpus
     if pg.size > 1:
         raise ConfigError(f"--gpus runs every GPU from one process; under mpirun ({pg.size} ranks) each rank "
                           f"already drives one GPU: leave --gpus out")
@@ -504,7 +501,7 @@ def _train_single_process(a, pg) -> int:
     try:
         codes = run_on_gpus(lambda tg: cmd_train(copy.copy(a), tg), gpus=a.gpus)
     except KeyboardInterrupt:
-        if any(t.name.startswith("mgpu-rank-") for t in threading.enumerate()):
+        if rank_threads_alive():
             signal.signal(signal.SIGINT, signal.SIG_IGN)  # a third one must not interrupt the exit
             # A second SIGINT while rank threads are inside the core: finalizing the
             # interpreter would end them mid-call (pthread_exit through C++ frames:

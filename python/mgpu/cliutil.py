@@ -147,8 +147,10 @@ def check_output_path(path: str, what: str) -> None:
 def check_outputs(outputs: dict, inputs: dict = None) -> None:
     """check_output_path for each given output (option -> path; None: not given), and
     ConfigError if two outputs name one file (one would overwrite the other) or an
-    output names an input (option -> path; writing it would destroy what was read)."""
-    seen = {os.path.realpath(path): what for what, path in (inputs or {}).items() if path}
+    output names an input file (option -> path or None; writing it would destroy what
+    was read)."""
+    # inputs that are files (a dataset may be a name like 'synthetic', a profile a named one)
+    seen = {os.path.realpath(path): what for what, path in (inputs or {}).items() if path and os.path.isfile(path)}
     inputs_seen = set(seen)
     for what, path in outputs.items():
         if path is None:
@@ -159,13 +161,6 @@ def check_outputs(outputs: dict, inputs: dict = None) -> None:
             if os.path.realpath(path) in inputs_seen:
                 raise ConfigError(f"{what} '{path}' is the {other} this run reads: writing it would destroy it")
             raise ConfigError(f"{other} and {what} name the same file '{path}': one would overwrite the other")
-
-
-def check_telemetry_prefix(prefix: str) -> None:
-    """--telemetry PREFIX names files PREFIX.csv/.json/.png: not empty, not a directory."""
-    if not prefix or not os.path.basename(prefix):
-        raise ConfigError(f"--telemetry '{prefix}': give a file name prefix (PREFIX.csv, .json and .png are "
-                          "written), not an empty path or a directory")
 
 
 def check_output_dir(path: str, what: str) -> None:

@@ -81,16 +81,16 @@ def _read_npz(path: str) -> dict:
         raise DataError(f"dataset '{path}' is not a regular file")
     try:
         f = np.load(path, allow_pickle=False)
-    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
+        arrays = None  # a single .npy array, not an archive
+        if isinstance(f, np.lib.npyio.NpzFile):
+            with f:
+                arrays = {k: f[k] for k in f.files}
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile, KeyError) as e:  # the archive or a member corrupt
         raise DataError(f"cannot read dataset '{path}' ({type(e).__name__}: {e})") from None
-    if not isinstance(f, np.lib.npyio.NpzFile):
+    if arrays is None:
         raise DataError(f"dataset '{path}' is not an .npz archive (a single .npy array?): save x and y with "
                         "numpy.savez")
-    try:
-        with f:
-            return {k: f[k] for k in f.files}
-    except (OSError, ValueError, EOFError, zipfile.BadZipFile, KeyError) as e:  # a member truncated or corrupt
-        raise DataError(f"cannot read dataset '{path}' ({type(e).__name__}: {e})") from None
+    return arrays
 
 
 def _check_arrays(name: str, x, y) -> tuple:

@@ -221,8 +221,8 @@ def run_device(pg, *, device: str, device_index: int, threads: int, duration: fl
 
 
 def cmd_stress(a, pg) -> int:
-    from .cliutil import check_outputs, check_telemetry_prefix, write_json_atomic
-    from .train_telemetry import output_paths
+    from .cliutil import check_outputs, write_json_atomic
+    from .train_telemetry import output_options
     device, index = pg.resolve_device(a.device)
     scaled = resolve_defaults(a, device)
     if scaled and pg.is_root:
@@ -242,11 +242,7 @@ def cmd_stress(a, pg) -> int:
         raise ConfigError("--interval and --hang-timeout must be > 0 seconds")
     if a.threads is not None and a.threads < 1:
         raise ConfigError(f"--threads must be >= 1, got {a.threads}")
-    outputs = {"--json": a.json}
-    if a.telemetry is not None:
-        check_telemetry_prefix(a.telemetry)
-        outputs.update({f"--telemetry ({os.path.splitext(p)[1]})": p for p in output_paths(a.telemetry)})
-    check_outputs(outputs)
+    check_outputs({"--json": a.json, **(output_options(a.telemetry) if a.telemetry is not None else {})})
     kernels = KERNELS if a.kernel == "all" else (a.kernel,)
     if a.gemm_precision != "fp32" and device != "cuda":
         raise ConfigError(f"--gemm-precision {a.gemm_precision} needs a GPU; the CPU GEMM burn runs in fp32")

@@ -204,6 +204,12 @@ class ThreadGroup(ProcessGroup):
 
 
 STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1")
+_RANK_THREAD = "mgpu-rank-"  # the name prefix of run_on_gpus's threads
+
+
+def rank_threads_alive() -> bool:
+    """Whether threads of run_on_gpus still run (after it raised KeyboardInterrupt)."""
+    return any(t.name.startswith(_RANK_THREAD) for t in threading.enumerate())
 
 
 def run_on_gpus(fn: Callable[[ThreadGroup], Any], gpus: Optional[int] = None) -> list:
@@ -247,7 +253,7 @@ def run_on_gpus(fn: Callable[[ThreadGroup], Any], gpus: Optional[int] = None) ->
 
     in_main = threading.current_thread() is threading.main_thread()
     previous = {}
-    threads = [threading.Thread(target=body, args=(r,), name=f"mgpu-rank-{r}", daemon=True) for r in range(gpus)]
+    threads = [threading.Thread(target=body, args=(r,), name=f"{_RANK_THREAD}{r}", daemon=True) for r in range(gpus)]
     try:
         if in_main:
             for name in STOP_SIGNALS:

@@ -13,10 +13,12 @@ Observer (observe.py) drives it: start after its clock barrier, on_step, close.
 """
 from __future__ import annotations
 
+import os
 import socket
 import time
 from typing import Iterable
 
+from .errors import ConfigError
 from .stress import SafetyMonitor, Thresholds
 from .telemetry import THROUGHPUT, Sampler, reader_for, write_series
 
@@ -26,6 +28,15 @@ STOP_FLAGS = {"temperature_c": "--stop-above-temp", "memory_used_pct": "--stop-a
 
 def output_paths(prefix: str) -> list:
     return [f"{prefix}.{ext}" for ext in ("csv", "json", "png")]
+
+
+def output_options(prefix: str) -> dict:
+    """--telemetry PREFIX's files as output options ('--telemetry (.csv)' -> path), for
+    cliutil.check_outputs; ConfigError when the prefix names no file (empty, a directory)."""
+    if not prefix or not os.path.basename(prefix):
+        raise ConfigError(f"--telemetry '{prefix}': give a file name prefix (PREFIX.csv, .json and .png are "
+                          "written), not an empty path or a directory")
+    return {f"--telemetry ({os.path.splitext(p)[1]})": p for p in output_paths(prefix)}
 
 
 class TrainTelemetry:
