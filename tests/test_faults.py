@@ -330,6 +330,7 @@ BAD_INPUT = [
     (lambda f: ["--layers", "4,8,2", "--dataset", f["good"], "--checkpoint-dir", f["other_ckpt"].parent],
      "holds 1 checkpoint\\(s\\) of an earlier run"),
     (lambda f: ["--layers", "4,8,2", "--dataset", f["good"], "--trace", ""], "--trace: the path is empty"),
+    (lambda f: ["--layers", "20,100000,100000,3"], "10,002,500,003 parameters on .* needs about .* GB a rank"),
     (lambda f: ["--accumulate", "0"], "accumulation steps"),
     (lambda f: ["--max-grad-norm", "-1"], "max gradient norm"),
     (lambda f: ["--lr-schedule", "linear"], "invalid choice"),

@@ -125,6 +125,9 @@ def test_sigterm_stops_cleanly_with_a_report(tmp_path):
     (["--duration", "-1"], "--duration"), (["--memory-fraction", "1.5"], "--memory-fraction"),
     (["--kernel", "fft"], "invalid choice"), (["--gemm-size", "0"], "--gemm-size"),
     (["--device", "cpu", "--gemm-precision", "bf16"], "needs a GPU"),
+    (["--duration", "inf"], "--duration must be finite"), (["--max-temp", "nan"], "--max-temp"),
+    (["--max-memory-percent", "200"], "--max-memory-percent"), (["--power-limit", "0"], "--power-limit"),
+    (["--interval", "inf"], "--interval"),
 ])
 def test_stress_bad_input_one_line_on_every_rank(args, message):
     r = mpirun(2, [*MGPU, "stress", "--no-progress", *args], timeout=120)

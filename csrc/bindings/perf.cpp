@@ -226,6 +226,7 @@ void bind_perf(py::module_& m) {
       .def_readwrite("latency_s", &CollectiveModel::latency_s)
       .def_readwrite("hop_s", &CollectiveModel::hop_s)
       .def_readwrite("bw_fraction", &CollectiveModel::bw_fraction)
+      .def_readwrite("bw_scale_beyond_two", &CollectiveModel::bw_scale_beyond_two)
       .def_readwrite("ring_busbw", &CollectiveModel::ring_busbw)
       .def_readwrite("tree_busbw", &CollectiveModel::tree_busbw)
       .def_readwrite("nvls_busbw", &CollectiveModel::nvls_busbw)
@@ -314,6 +315,7 @@ void bind_perf(py::module_& m) {
       .def_readonly("reason", &BucketChoice::reason);
   pm.def("choose_bucket", &choose_bucket, py::arg("workload"), py::arg("hardware"), py::arg("devices"),
          py::arg("options"), py::arg("max_bucket_bytes") = 0.0);
+  pm.def("training_memory_bytes", &training_memory_bytes, py::arg("workload"), py::arg("rows"));
   pm.def("predict", &predict, py::arg("workload"), py::arg("hardware"), py::arg("devices"), py::arg("options"));
   pm.def("recommend", &recommend, py::arg("workload"), py::arg("hardware"), py::arg("options"));
   pm.def("recommend_by_thresholds", &recommend_by_thresholds, py::arg("workload"), py::arg("options"));

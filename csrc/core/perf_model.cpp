@@ -194,6 +194,11 @@ void validate(const Workload& w, const HardwareProfile& hw, const Options& o) {
 
 }  // namespace
 
+double training_memory_bytes(const Workload& w, int64_t rows) {
+  MGPU_CHECK(rows >= 1, ConfigError, "rows must be >= 1, got ", rows);
+  return memory_per_device(w.resolved_layers(), rows, w, DeviceProfile{}, LinkProfile{}, 1);
+}
+
 void LayerTimes::check(const std::string& what) const {
   if (!enabled() && widths.empty() && forward.empty() && backward.empty() && backward_weights.empty()) return;
   auto ascending = [](const std::vector<double>& axis) {
@@ -295,12 +300,13 @@ void for_each_pair(const CollectiveModel& m, int ranks, double bytes, Fn fn) {
   const double tree_factor = std::min(factor, 1.5);  // 2(n-1)/n at n = 4
   for (int p = 0; p < 3; ++p) {
     if (m.bw_fraction[p] <= 0) continue;
+    const double fraction = m.bw_fraction[p] * (ranks > 2 ? m.bw_scale_beyond_two[p] : 1.0);
     if (m.ring_busbw > 0)
       fn(std::string("ring/") + kProto[p], m.latency_s[p] + 2.0 * (n - 1) * m.hop_s[p],
-         bytes * factor / (m.ring_busbw * m.bw_fraction[p]));
+         bytes * factor / (m.ring_busbw * fraction));
     if (m.tree_busbw > 0)  // two ranks too: the inter-node level between two nodes
       fn(std::string("tree/") + kProto[p], m.latency_s[p] + tree_steps * m.hop_s[p],
-         bytes * tree_factor / (m.tree_busbw * m.bw_fraction[p]));
+         bytes * tree_factor / (m.tree_busbw * fraction));
   }
   if (m.nvls_busbw > 0 && ranks > 2)
     fn("nvls/Simple", m.latency_s[CollectiveModel::kSimple] + 2.0 * m.hop_s[CollectiveModel::kSimple],
@@ -547,8 +553,13 @@ Recommendation recommend(const Workload& w, const HardwareProfile& hw, const Opt
   r.profile = hw.name;
   r.profile_source = hw.source;
   r.params = parameter_count(sizes);
-  for (int n : o.candidates)
-    if (w.global_batch >= n) r.candidates.push_back(predict_candidate(w, hw, n, o));
+  std::vector<int> too_many;  // more devices than samples: some would get none
+  for (int n : o.candidates) {
+    if (w.global_batch >= n)
+      r.candidates.push_back(predict_candidate(w, hw, n, o));
+    else
+      too_many.push_back(n);
+  }
   MGPU_CHECK(!r.candidates.empty(), ConfigError, "global batch ", w.global_batch,
              " is smaller than every candidate device count");
   const Prediction* one = nullptr;
@@ -656,6 +667,9 @@ Recommendation recommend(const Workload& w, const HardwareProfile& hw, const Opt
                         (w.global_batch >= r.break_even_batch ? " (this one is above it)" : " (this one is below it)"));
   else if (o.candidates.back() > 1)
     r.reasons.push_back("several devices never beat one for this model up to a global batch of 16M");
+  for (int n : too_many)
+    r.reasons.push_back(device_word(hw, n) + " left out: a global batch of " + std::to_string(w.global_batch) +
+                        " gives some of them no sample");
   const Prediction& chosen = best ? *best : r.candidates.front();
   r.reasons.push_back("memory: " + bytes_text(chosen.memory_bytes) + " per device" +
                       (chosen.memory_usable_bytes > 0 ? " of " + bytes_text(chosen.memory_usable_bytes) + " usable" : ""));

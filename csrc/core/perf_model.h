@@ -110,12 +110,16 @@ struct DeviceProfile {
 //          busiest link's load stops growing at 4 ranks)
 //   nvls:  lat[Simple] + 2 hop[Simple]    + bytes 2(n-1)/n / nvls_busbw   (Simple only)
 // Bandwidths are nccl-tests' busbw; a zero bandwidth leaves the algorithm out.
+// From 3 ranks on, protocol p's bandwidth is scaled by bw_scale_beyond_two[p]:
+// the inter-node level sets it where NCCL's tuner caps a protocol lower from 3
+// nodes on than at 2 (its "4 nodes" tuning column), 1 everywhere else.
 // The parameters are fitted to published nccl-tests tables (mgpu.allreduce_fit).
 struct CollectiveModel {
   static constexpr int kLL = 0, kLL128 = 1, kSimple = 2;
   std::array<double, 3> latency_s{{0, 0, 0}};   // per protocol
   std::array<double, 3> hop_s{{0, 0, 0}};       // per protocol, per step
   std::array<double, 3> bw_fraction{{0, 0, 1}}; // of the algorithm's busbw (0: protocol unused)
+  std::array<double, 3> bw_scale_beyond_two{{1, 1, 1}};  // per protocol, on its bandwidth at > 2 ranks
   double ring_busbw = 0, tree_busbw = 0, nvls_busbw = 0;  // bytes/s
   bool enabled() const { return ring_busbw > 0 || tree_busbw > 0 || nvls_busbw > 0; }
   double seconds(int ranks, double bytes) const;
@@ -225,6 +229,10 @@ struct BucketChoice {
 BucketChoice choose_bucket(const Workload& workload, const HardwareProfile& hw, int devices, const Options& options,
                            double max_bucket_bytes = 0.0);
 
+// Bytes one device holds to train the workload on `rows` samples a step: weights,
+// gradients, optimizer state and activations, as predict prices them (without a
+// device's context or communication buffers). train checks host memory with it.
+double training_memory_bytes(const Workload& workload, int64_t rows);
 // Step time and memory of one candidate device count.
 Prediction predict(const Workload& workload, const HardwareProfile& hw, int devices, const Options& options);
 // The decision over options.candidates, with reasons.

@@ -190,6 +190,7 @@ def gemm_rate(device: str, device_index: int, threads: int, sizes, local_batch: 
 # --- worker and driver ---------------------------------------------------------------------
 def run_worker(pg, a, repeats: Optional[int] = None) -> list:
     """Every batch size at this world size; rows on rank 0."""
+    from .perf import check_training_memory
     sizes, dropout = resolve_layers(a.model, a.layers)
     if a.dropout is not None:
         dropout = a.dropout
@@ -203,6 +204,8 @@ def run_worker(pg, a, repeats: Optional[int] = None) -> list:
     for batch in a.batch_sizes:
         if batch < pg.size:
             raise ConfigError(f"batch size {batch} is smaller than the number of ranks ({pg.size})")
+        check_training_memory(sizes, -(-batch // pg.size), optimizer=a.optimizer, precision=a.precision,
+                              dropout=dropout, device=device, device_index=device_index, local_ranks=pg.local_size)
         row = measure(pg, sizes, dropout, batch, optimizer=a.optimizer, warmup=a.warmup, steps=a.steps,
                       repeats=repeats or a.repeats, device=device, device_index=device_index, threads=threads,
                       precision=a.precision, graph=a.cuda_graph, accumulate=a.accumulate, grad_dtype=a.grad_dtype,
@@ -577,6 +580,9 @@ def write_plots(directory: str, rows: list, meta: Optional[dict] = None) -> list
     return paths
 
 
+MAX_RANKS_PER_CORE = 16  # --ranks launched on this machine: oversubscribed beyond what measures anything
+
+
 def cmd_bench(a, pg) -> int:
     from .cliutil import check_output_dir, check_outputs, write_json_atomic
     from . import perf
@@ -610,13 +616,22 @@ def cmd_bench(a, pg) -> int:
                           "leave --accumulate and --grad-dtype at their defaults")
     if a.layers is not None and (len(a.layers) < 2 or min(a.layers) < 1):
         raise ConfigError(f"layers must be at least two positive sizes, got {a.layers}")
+    if a.ranks and not a.explain:  # launched here, each rank a process of this machine
+        limit = MAX_RANKS_PER_CORE * (os.cpu_count() or 1)
+        if max(a.ranks) > limit:
+            raise ConfigError(f"--ranks {max(a.ranks)}: bench launches every rank on this machine, at most "
+                              f"{limit} ({MAX_RANKS_PER_CORE} per core of {os.cpu_count() or 1}); more ranks "
+                              "take more machines: mpirun --hostfile FILE python -m mgpu bench")
+        if max(a.ranks) > min(a.batch_sizes):
+            raise ConfigError(f"batch {min(a.batch_sizes)} is smaller than {max(a.ranks)} ranks: every rank "
+                              "needs a sample")
     check_outputs({"--json": a.json, "--csv": a.csv}, {"--profile": a.profile})
     if a.explain:
         return explain_step(a, pg)
     if a.observe:
         from .observe import import_summary_writer
         import_summary_writer()  # --observe times the TensorBoard writer too
-    if a.plots:
+    if a.plots is not None:
         check_output_dir(a.plots, "--plots")
     if a.worker_out:  # launched by a driver: measure this world, hand the rows back
         rows = run_worker(pg, a)

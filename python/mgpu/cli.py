@@ -301,7 +301,7 @@ def _check_outputs(a) -> None:
     check_outputs(outputs, {"--dataset": a.dataset, "--resume": a.resume if a.resume != "latest" else None})
     if a.trace_steps is not None and not a.trace:
         raise ConfigError("--trace-steps chooses the steps of --trace: give --trace PATH too")
-    if a.tensorboard:
+    if a.tensorboard is not None:
         check_output_dir(a.tensorboard, "--tensorboard")
         import_summary_writer()  # optional: say so before training, not after it
     if not 0 <= a.straggler_threshold < 1e6:
@@ -378,8 +378,14 @@ def cmd_train(a, pg) -> int:
         raise ConfigError(f"--precision {cfg.precision} needs a GPU; the CPU backend computes in fp32")
     if cfg.comm == "nccl" and device != "cuda":
         raise ConfigError("--comm nccl needs GPUs (--device cuda); CPU ranks use MPI")
+    from .perf import check_training_memory
+    shares = a.batch_shares
+    rows = math.ceil(cfg.batch_size * max(shares) / sum(shares)) if shares else -(-cfg.batch_size // pg.size)
     model, error = None, None
     try:  # per rank: its environment (MGPU_CPU_GEMM, ...) and its device's memory; agree before the Trainer's collectives
+        check_training_memory(sizes, rows, optimizer=cfg.optimizer, precision=cfg.precision,
+                              dropout=cfg.effective_dropout(), device=device, device_index=device_index,
+                              local_ranks=pg.local_size)
         model = MLP(sizes, seed=cfg.seed, dropout=cfg.effective_dropout(), device=device,
                     device_index=device_index, threads=threads, precision=cfg.precision)
     except (ConfigError, DeviceError) as e:

@@ -166,6 +166,8 @@ def check_outputs(outputs: dict, inputs: dict = None) -> None:
 def check_output_dir(path: str, what: str) -> None:
     """ConfigError unless `path` is a writable directory or can be made one, parents and all
     (plots go there)."""
+    if not path:
+        raise ConfigError(f"{what}: the path is empty")
     existing = os.path.abspath(path)
     while not os.path.exists(existing):
         existing = os.path.dirname(existing)

@@ -402,6 +402,29 @@ def _workload(model: Optional[str], layers: Optional[Sequence[int]], params: Opt
     return w
 
 
+def training_memory_bytes(layers: Sequence[int], rows: int, *, optimizer: str = "adamw", precision: str = "fp32",
+                          dropout: float = 0.0) -> float:
+    """Bytes one rank holds to train `layers` on `rows` samples a step: weights, gradients,
+    optimizer state and activations, as the selector prices them."""
+    return P.training_memory_bytes(_workload(None, layers, None, rows, precision, optimizer, 4.0, dropout), rows)
+
+
+def check_training_memory(layers: Sequence[int], rows: int, *, optimizer: str, precision: str, dropout: float,
+                          device: str, device_index: int, local_ranks: int) -> None:
+    """ConfigError when training `layers` on `rows` samples a rank cannot fit the memory a
+    rank may use (its GPU's free memory, or the host's available memory over its ranks),
+    instead of an allocation failing inside the run or the kernel's OOM killer ending a rank."""
+    from .process_group import available_memory
+    need = training_memory_bytes(layers, rows, optimizer=optimizer, precision=precision, dropout=dropout)
+    usable = available_memory(device, device_index, local_ranks)
+    if need > usable:
+        params = sum(fan_out * (fan_in + 1) for fan_in, fan_out in zip(layers, layers[1:]))
+        where = "its GPU's free memory" if device == "cuda" else f"this host's available memory over its {local_ranks} rank(s)"
+        raise ConfigError(f"training {params:,} parameters on {rows} rows a rank needs about {need / 1e9:.1f} GB a "
+                          f"rank (weights, gradients, {optimizer} state, activations), more than the "
+                          f"{usable / 1e9:.1f} GB of {where}: a smaller model or batch, or more machines")
+
+
 def _as_dict(rec) -> dict:
     cands = [{"devices": c.devices, "predicted_step_ms": c.step_s * 1e3, "predicted_speedup": c.speedup,
               "efficiency": c.efficiency, "memory_fits": c.memory_fits,
@@ -426,12 +449,26 @@ def _as_dict(rec) -> dict:
 CPU_MAX_BUCKET_BYTES = 16 * 2 ** 20
 
 
+MAX_NODES = 1024  # recommend --nodes: beyond the largest published NCCL runs the model was checked on
+
+
+def _whole_nodes(prof: dict, count: int) -> dict:
+    """A multi-node profile repeated node by node up to `count` devices: more nodes of the
+    same kind joined by the same inter-node link, whose model prices the extra nodes."""
+    devices, per_node, link = prof.get("devices"), prof.get("gpus_per_node"), prof.get("link")
+    inter = link.get("nccl", {}).get("inter") if isinstance(link, dict) and isinstance(link.get("nccl"), dict) else None
+    if (not isinstance(devices, list) or not devices or not isinstance(per_node, int) or per_node < 1 or not inter
+            or count <= len(devices) or len(devices) % per_node):
+        return prof
+    return {**prof, "devices": [devices[i % len(devices)] for i in range(count)]}
+
+
 def _candidate_counts(prof: Optional[dict], devices: Optional[Sequence[int]], nodes: Optional[int]) -> list:
     """The device counts to compare: given, or 1 / one node / K nodes from the profile."""
     per_node = int((prof or {}).get("gpus_per_node") or 0)
     if nodes is not None:
-        if not isinstance(nodes, int) or nodes < 1:
-            raise ConfigError(f"--nodes must be an integer >= 1, got {nodes}")
+        if not isinstance(nodes, int) or not 1 <= nodes <= MAX_NODES:
+            raise ConfigError(f"--nodes must be an integer from 1 to {MAX_NODES}, got {nodes}")
         if not per_node:
             raise ConfigError("--nodes needs a profile that says how many devices a node holds: a named "
                               "one (`mgpu recommend --list-profiles`) or a calibration across hosts "
@@ -493,6 +530,7 @@ def recommend(*, model: Optional[str] = None, layers: Optional[Sequence[int]] = 
         return {**_as_dict(P.recommend_by_thresholds(w, options)), "bucket": None}
     if not isinstance(profile, dict) and (profile in NAMED_PROFILES or profile in PROFILE_ALIASES):
         prof = named_profile(profile, counts[-1])
+    prof = _whole_nodes(prof, counts[-1])
     hw = to_core(prof, counts[-1])
     if len(hw.devices) < counts[-1]:
         raise ConfigError(f"profile '{hw.name}' has {len(hw.devices)} device(s); cannot predict {counts[-1]}")
@@ -540,7 +578,7 @@ def format_recommendation(r: dict) -> str:
 
 # --- CLI: python -m mgpu recommend ----------------------------------------------------
 def add_parser(sub) -> None:
-    from .cliutil import int_list
+    from .cliutil import bounded_int, int_list
     r = sub.add_parser("recommend", help="single or multi-GPU? how many, and why (the performance model)",
                        description="Predict step time on 1..N devices from a hardware profile and recommend a "
                                    "strategy, with reasons.")
@@ -552,7 +590,7 @@ def add_parser(sub) -> None:
     r.add_argument("--batch-size", type=int, default=None, help="global batch size (required with a model)")
     r.add_argument("--devices", type=int_list("device counts", distinct=True), default=None,
                    help="candidate device counts, each once (default: 1 and the profile's GPUs per node, else 1,2)")
-    r.add_argument("--nodes", type=int, default=None,
+    r.add_argument("--nodes", type=bounded_int("--nodes", MAX_NODES), default=None,
                    help="also predict this many nodes of the profile's GPUs per node (candidates 1 GPU, 1 node, "
                         "K nodes)")
     r.add_argument("--profile", default="auto",

@@ -138,8 +138,8 @@ class ProcessGroup:
             raise ConfigError("device 'cuda' requested, but this build of mgpu has no CUDA backend "
                               "(built without the CUDA toolkit); use --device cpu")
         if gpus == 0:
-            raise ConfigError("device 'cuda' requested, but no GPU is visible "
-                              "(check nvidia-smi and CUDA_VISIBLE_DEVICES); use --device cpu")
+            raise ConfigError(f"device 'cuda' requested, but no GPU is visible ({no_gpu_reason()}); "
+                              "use --device cpu")
         return "cuda", self.local_rank % gpus
 
     # --- small collectives (control plane), bounded by the watchdog timeout ----
@@ -327,6 +327,29 @@ def cuda_device_count() -> int:
     """GPUs visible to this process (0 without a CUDA backend)."""
     count = getattr(_core, "cuda_device_count", None)
     return int(count()) if count is not None else 0
+
+
+def available_memory(device: str, index: int, local_size: int) -> float:
+    """Bytes one rank may use: its GPU's free memory, or its share of the host's
+    available memory (MemAvailable over the ranks on this host)."""
+    if device == "cuda":
+        free, _ = _core.cuda_memory_info(index)
+        return float(free)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024.0 / max(local_size, 1)
+    except OSError:
+        pass
+    raise ConfigError("cannot read the available memory from /proc/meminfo")
+
+
+def no_gpu_reason() -> str:
+    """Why no GPU is visible, in the CUDA runtime's words (with the GPU emulation's
+    reason where MGPU_EMULATE_GPU is unreadable), for the errors that need one."""
+    cuda = _core.build_info()["cuda"]
+    return cuda.get("no_device_reason") or "check nvidia-smi and CUDA_VISIBLE_DEVICES"
 
 
 def raise_if_gpu_shared(seen: list, ranks: str = "ranks") -> None:

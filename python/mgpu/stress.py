@@ -18,6 +18,7 @@ magnitude slower: the size and duration options not given are scaled down
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import signal
 import socket
@@ -30,6 +31,7 @@ from typing import Optional
 from . import _core
 from .cliutil import INT32_MAX, MAX_THREADS, bounded_int, write_line
 from .errors import ConfigError
+from .process_group import available_memory
 from .telemetry import METRICS, Sampler, reader_for, summarize, write_series
 
 KERNELS = ("compute", "gemm", "memory")
@@ -111,16 +113,6 @@ class SafetyMonitor:
             self._last_power_warning = reading.get("t", 0)
             self.event("power_warning", found["power_w"], reading)
         return iterations
-
-
-def _available_memory(device: str, index: int, local_size: int) -> float:
-    if device == "cuda":
-        free, _ = _core.cuda_memory_info(index)
-        return float(free)
-    for line in open("/proc/meminfo"):
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) * 1024.0 / max(local_size, 1)
-    raise ConfigError("cannot read the available memory from /proc/meminfo")
 
 
 def run_device(pg, *, device: str, device_index: int, threads: int, duration: float, kernels, memory_bytes: float,
@@ -229,8 +221,8 @@ def cmd_stress(a, pg) -> int:
         print("mgpu stress: GPU EMULATION (the CPU running mgpu's CUDA code, not a real GPU): defaults scaled down to "
               + ", ".join(f"--{n.replace('_', '-')} {getattr(a, n):g}" for n in scaled)
               + " (give them to override)", flush=True)
-    if not a.duration > 0:
-        raise ConfigError(f"--duration must be > 0 seconds, got {a.duration}")
+    if not 0 < a.duration < math.inf:
+        raise ConfigError(f"--duration must be finite and > 0 seconds, got {a.duration:g}")
     if not 0 < a.memory_fraction <= 1:
         raise ConfigError(f"--memory-fraction must be in (0, 1], got {a.memory_fraction}")
     if a.memory_mb is not None and not a.memory_mb > 0:
@@ -238,8 +230,15 @@ def cmd_stress(a, pg) -> int:
     for name in ("iterations", "compute_size", "gemm_size", "gemm_repeats"):
         if getattr(a, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
-    if not a.interval > 0 or not a.hang_timeout > 0:
-        raise ConfigError("--interval and --hang-timeout must be > 0 seconds")
+    if not (0 < a.interval < math.inf and 0 < a.hang_timeout < math.inf):
+        raise ConfigError(f"--interval and --hang-timeout must be finite and > 0 seconds, got {a.interval:g} and "
+                          f"{a.hang_timeout:g}")
+    if not 0 < a.max_temp < math.inf:
+        raise ConfigError(f"--max-temp must be a finite temperature > 0 C, got {a.max_temp:g}")
+    if not 0 < a.max_memory_percent <= 100:
+        raise ConfigError(f"--max-memory-percent must be in (0, 100], got {a.max_memory_percent:g}")
+    if a.power_limit is not None and not 0 < a.power_limit < math.inf:
+        raise ConfigError(f"--power-limit must be finite and > 0 W, got {a.power_limit:g}")
     if a.threads is not None and a.threads < 1:
         raise ConfigError(f"--threads must be >= 1, got {a.threads}")
     check_outputs({"--json": a.json, **(output_options(a.telemetry) if a.telemetry is not None else {})})
@@ -247,7 +246,7 @@ def cmd_stress(a, pg) -> int:
     if a.gemm_precision != "fp32" and device != "cuda":
         raise ConfigError(f"--gemm-precision {a.gemm_precision} needs a GPU; the CPU GEMM burn runs in fp32")
     threads = a.threads or pg.default_threads()
-    memory = a.memory_mb * MiB if a.memory_mb else a.memory_fraction * _available_memory(device, index, pg.local_size)
+    memory = a.memory_mb * MiB if a.memory_mb else a.memory_fraction * available_memory(device, index, pg.local_size)
     pg.timeout = a.hang_timeout
     stop = threading.Event()
     previous = {}

@@ -28,7 +28,7 @@ import numpy as np
 
 from . import _core
 from .errors import CommError, ConfigError
-from .process_group import ProcessGroup, cuda_device_count, error_report, raise_agreed, raise_if_gpu_shared
+from .process_group import ProcessGroup, cuda_device_count, error_report, no_gpu_reason, raise_agreed, raise_if_gpu_shared
 
 
 class _Shared:
@@ -166,8 +166,9 @@ class ThreadGroup(ProcessGroup):
         if self.size == 1:
             return kind, 0
         if kind != "cuda":
-            raise ConfigError("single-process mode drives GPUs, one thread each; CPU ranks run under mpirun "
-                              "(mpirun -np N python -m mgpu train --device cpu)")
+            why = f"no GPU is visible ({no_gpu_reason()})" if cuda_device_count() == 0 else "the device is the CPU"
+            raise ConfigError(f"single-process mode drives GPUs, one thread each, and {why}; CPU ranks run under "
+                              "mpirun (mpirun -np N python -m mgpu train --device cpu)")
         gpus = cuda_device_count()
         if gpus < self.size and os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE") != "1":
             raise ConfigError(f"{self.size} GPU threads asked for, but {gpus} GPU(s) visible: one thread drives "

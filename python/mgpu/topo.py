@@ -728,7 +728,7 @@ def cmd_topo(a, pg) -> int:
     if a.max_bytes < 4:
         raise ConfigError(f"--max-mb must be at least 4 bytes, got {a.max_bytes} bytes")
     check_outputs({"--out": a.out, "--json": a.json})
-    if a.plots:
+    if a.plots is not None:
         check_output_dir(a.plots, "--plots")
     profile = run_topo(pg, device=a.device, threads=a.threads, max_bytes=a.max_bytes, quick=a.quick)
     if pg.is_root:

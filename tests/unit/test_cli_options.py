@@ -67,6 +67,27 @@ def test_every_list_option_is_checked_by_the_parser(argv, option):
         cli.build_parser().parse_args(argv)
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["bench", "--ranks", "100000", "--model", "medium"], "bench launches every rank on this machine, at most"),
+    (["bench", "--ranks", "1,8", "--batch-sizes", "4", "--model", "medium"], "batch 4 is smaller than 8 ranks"),
+    (["recommend", "--model", "large", "--batch-size", "8", "--profile", "h100-ib-2x8", "--nodes", "1025"],
+     "--nodes must be at most 1024"),
+    (["bench", "--model", "medium", "--batch-sizes", "2000000000", "--no-progress"], "rows a rank needs about"),
+])
+def test_counts_beyond_what_can_run_are_refused_before_anything_starts(argv, message, capfd):
+    assert cli.main(argv) == 2  # an mpirun of 100000 ranks would not come back
+    err = capfd.readouterr().err
+    assert message in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("argv", [["train", "--model", "medium", "--steps", "1", "--tensorboard", ""],
+                                  ["bench", "--model", "medium", "--plots", ""], ["topo", "--plots", ""]])
+def test_an_empty_output_directory_is_refused_not_ignored(argv, capfd):
+    assert cli.main(argv) == 2
+    err = capfd.readouterr().err
+    assert f"{argv[-2]}: the path is empty" in err and err.count("\n") == 1, err
+
+
 def test_a_list_value_that_starts_with_a_minus_says_how_to_pass_it():
     # argparse reads "-1,2" as an option, not as --batch-shares' value: the error says
     # so and how to pass it, and that form reaches the list check.
@@ -201,11 +222,15 @@ def test_outputs_may_not_be_empty_special_shared_or_an_input(tmp_path):
 
 
 @pytest.mark.parametrize("field, value", [("devices", [1, 2]), ("devices", "abc"), ("link", "garbage"),
-                                          ("link", [1]), ("gpus_per_node", "garbage")])
+                                          ("link", [1]), ("gpus_per_node", "garbage"),
+                                          ("bw_scale_beyond_two", [0, 1, 1])])
 def test_a_malformed_profile_is_one_config_error(tmp_path, field, value):
     from mgpu import perf
     profile = perf.named_profile("h100-ib-2x8")
-    profile[field] = value
+    if field == "bw_scale_beyond_two":
+        profile["link"]["nccl"]["inter"][field] = value
+    else:
+        profile[field] = value
     path = tmp_path / "p.json"
     path.write_text(json.dumps(profile))
     with pytest.raises(mgpu.ConfigError, match="malformed|not an mgpu|must"):

@@ -474,3 +474,17 @@ def test_dropout_timer_checks_its_input_and_times_the_training_kernel():
     for rows, cols, p in ((0, 16, 0.3), (4, 0, 0.3), (4, 16, 1.0), (4, 16, -0.1)):
         with pytest.raises(mgpu.ConfigError):
             _core.time_relu_dropout(backend, rows, cols, p, 3)
+
+
+def test_training_memory_is_the_selectors_memory_of_one_device():
+    # train refuses a run that cannot fit with this figure: it must be predict's, less
+    # the device's context, and grow with the optimizer's state and the rows.
+    prof = perf.named_profile("h100-sxm-8", 1)
+    hw = perf.to_core(prof, 1)
+    for optimizer, rows in (("sgd", 64), ("adamw", 64), ("adamw", 4096)):
+        w = perf._workload(None, [50, 1024, 1024, 3], None, rows, "fp32", optimizer, 4.0)
+        predicted = P.predict(w, hw, 1, P.Options()).memory_bytes - hw.devices[0].context_bytes
+        assert perf.training_memory_bytes([50, 1024, 1024, 3], rows, optimizer=optimizer) == pytest.approx(predicted)
+    small = perf.training_memory_bytes([50, 1024, 1024, 3], 64, optimizer="sgd")
+    assert perf.training_memory_bytes([50, 1024, 1024, 3], 64, optimizer="adamw") > small
+    assert perf.training_memory_bytes([50, 1024, 1024, 3], 4096, optimizer="sgd") > small

@@ -32,3 +32,20 @@ def test_the_fits_of_two_levels_predict_a_hierarchical_allreduce():
     assert link.allreduce_seconds(4, b) == pytest.approx(expected, rel=1e-3)
     rec = perf.recommend(layers=[50, 256, 256, 3], batch_size=256, profile=profile, nodes=2)
     assert 4 in [c["devices"] for c in rec["candidates"]]
+
+
+def test_a_calibration_of_two_hosts_answers_for_more_hosts_node_by_node():
+    # topo measured 2 hosts x 2 ranks; --nodes 4 repeats those hosts (not the last rank)
+    # over the same inter-node link.
+    profile = perf.named_profile("cpu", 4)
+    profile["source"] = "calibrated"
+    for i, d in enumerate(profile["devices"]):
+        d["name"] = f"rank {i % 2} of a host"
+    profile["link"]["nccl"] = hierarchical_link(fit_link(sweep(1e-6, 10e9, 2), 2), fit_link(sweep(40e-6, 1e9, 2), 2), 2)
+    profile["gpus_per_node"] = 2
+    wider = perf._whole_nodes(profile, 8)
+    assert [d["name"] for d in wider["devices"]] == [f"rank {i % 2} of a host" for i in range(8)]
+    rec = perf.recommend(layers=[50, 256, 256, 3], batch_size=256, profile=profile, nodes=4)
+    assert [c["devices"] for c in rec["candidates"]] == [1, 2, 8]
+    del profile["link"]["nccl"]  # no inter-node model: nothing to repeat by
+    assert perf._whole_nodes(profile, 8) is profile
