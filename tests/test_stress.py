@@ -127,7 +127,8 @@ def test_sigterm_stops_cleanly_with_a_report(tmp_path):
     (["--device", "cpu", "--gemm-precision", "bf16"], "needs a GPU"),
     (["--duration", "inf"], "--duration must be finite"), (["--max-temp", "nan"], "--max-temp"),
     (["--max-memory-percent", "200"], "--max-memory-percent"), (["--power-limit", "0"], "--power-limit"),
-    (["--interval", "inf"], "--interval"),
+    (["--interval", "inf"], "--interval"), (["--interval", "1e10"], "at most 604800 seconds"),
+    (["--hang-timeout", "1e300"], "--hang-timeout"), (["--max-memory-percent", "100.0001"], "got 100.0001"),
 ])
 def test_stress_bad_input_one_line_on_every_rank(args, message):
     r = mpirun(2, [*MGPU, "stress", "--no-progress", *args], timeout=120)

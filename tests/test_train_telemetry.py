@@ -71,6 +71,8 @@ def test_stop_above_a_threshold_checkpoints_and_says_why(tmp_path):
     (["--telemetry-interval", "0"], "--telemetry-interval must be"),
     (["--telemetry-interval", "-1"], "--telemetry-interval must be"),
     (["--telemetry-interval", "nan"], "--telemetry-interval must be"),
+    (["--telemetry-interval", "1e10"], "at most 604800 seconds"),  # overflowed the sampler thread's timer
+    (["--max-temp", "inf"], "--max-temp must be"), (["--max-memory-percent", "0"], "--max-memory-percent"),
     (["--prefix-in", "missing/tel"], "does not exist"),
     (["--prefix-in", "taken"], "is a directory"),
     (["--prefix-in", "same", "--json", "same.json"], "name the same file"),

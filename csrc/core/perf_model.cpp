@@ -298,6 +298,9 @@ void for_each_pair(const CollectiveModel& m, int ranks, double bytes, Fn fn) {
   // prices every node count above 2 at one bandwidth (tuning.cc).
   const double tree_steps = std::max(0.0, 2.0 * (std::ceil(std::log2(n)) - 1.0));
   const double tree_factor = std::min(factor, 1.5);  // 2(n-1)/n at n = 4
+  for (double scale : m.bw_scale_beyond_two)
+    MGPU_CHECK(std::isfinite(scale) && scale > 0, ConfigError, "bw_scale_beyond_two must be finite and > 0, got ",
+               scale);
   for (int p = 0; p < 3; ++p) {
     if (m.bw_fraction[p] <= 0) continue;
     const double fraction = m.bw_fraction[p] * (ranks > 2 ? m.bw_scale_beyond_two[p] : 1.0);

@@ -159,9 +159,13 @@ def model_from_dict(d: Optional[dict]):
     m.latency_s = [float(v) for v in d["latency_s"]]
     m.hop_s = [float(v) for v in d.get("hop_s", [0.0, 0.0, 0.0])]
     m.bw_fraction = [float(v) for v in d["bw_fraction"]]
-    scale = [float(v) for v in d.get("bw_scale_beyond_two", [1.0, 1.0, 1.0])]
-    if len(scale) != 3 or not all(math.isfinite(v) and v > 0 for v in scale):
-        raise ValueError(f"bw_scale_beyond_two must be three numbers > 0, got {d['bw_scale_beyond_two']!r}")
+    raw = d.get("bw_scale_beyond_two", [1.0, 1.0, 1.0])
+    try:
+        scale = [float(v) for v in raw] if isinstance(raw, list) else []
+    except (TypeError, ValueError):
+        scale = []
+    if len(scale) != 3 or not all(math.isfinite(v) and 0 < v <= 1 for v in scale):  # caps only lower a bandwidth
+        raise ValueError(f"bw_scale_beyond_two must be three numbers in (0, 1], got {raw!r}")
     m.bw_scale_beyond_two = scale
     m.ring_busbw, m.tree_busbw, m.nvls_busbw = (float(d.get(k, 0.0)) for k in ("ring_busbw", "tree_busbw", "nvls_busbw"))
     return m

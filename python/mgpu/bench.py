@@ -196,6 +196,15 @@ def run_worker(pg, a, repeats: Optional[int] = None) -> list:
         dropout = a.dropout
     device, device_index = pg.resolve_device(a.device)
     threads = a.threads or pg.default_threads()
+    error = None
+    try:  # every batch size before any is measured; agreed, as a rank's free memory is its own
+        for batch in a.batch_sizes:
+            check_training_memory(sizes, max(1, -(-batch // (pg.size * a.accumulate))), optimizer=a.optimizer,
+                                  precision=a.precision, dropout=dropout, device=device, device_index=device_index,
+                                  local_ranks=pg.local_size)
+    except ConfigError as e:
+        error = e
+    pg.agree(error, what="checking memory")
     rows = []
     bar = None
     if pg.is_root and not a.no_progress:
@@ -204,8 +213,6 @@ def run_worker(pg, a, repeats: Optional[int] = None) -> list:
     for batch in a.batch_sizes:
         if batch < pg.size:
             raise ConfigError(f"batch size {batch} is smaller than the number of ranks ({pg.size})")
-        check_training_memory(sizes, -(-batch // pg.size), optimizer=a.optimizer, precision=a.precision,
-                              dropout=dropout, device=device, device_index=device_index, local_ranks=pg.local_size)
         row = measure(pg, sizes, dropout, batch, optimizer=a.optimizer, warmup=a.warmup, steps=a.steps,
                       repeats=repeats or a.repeats, device=device, device_index=device_index, threads=threads,
                       precision=a.precision, graph=a.cuda_graph, accumulate=a.accumulate, grad_dtype=a.grad_dtype,

@@ -320,8 +320,9 @@ def _check_telemetry(a) -> None:
     for k, v in TELEMETRY_DEFAULTS.items():
         if getattr(a, k) is None:
             setattr(a, k, v)
-    if not (math.isfinite(a.telemetry_interval) and a.telemetry_interval > 0):
-        raise ConfigError(f"--telemetry-interval must be a finite number of seconds > 0, got {a.telemetry_interval}")
+    from .telemetry import check_monitor_options
+    check_monitor_options(a.telemetry_interval, a.max_temp, a.max_memory_percent, a.power_limit,
+                          interval_option="--telemetry-interval")
 
 
 def cmd_train(a, pg) -> int:
@@ -379,8 +380,8 @@ def cmd_train(a, pg) -> int:
     if cfg.comm == "nccl" and device != "cuda":
         raise ConfigError("--comm nccl needs GPUs (--device cuda); CPU ranks use MPI")
     from .perf import check_training_memory
-    shares = a.batch_shares
-    rows = math.ceil(cfg.batch_size * max(shares) / sum(shares)) if shares else -(-cfg.batch_size // pg.size)
+    # this rank's rows of a micro-batch (a step takes no more rows than the dataset holds)
+    rows = max(1, split_counts(min(cfg.batch_size, len(data.x_train)), pg.size, a.batch_shares)[pg.rank])
     model, error = None, None
     try:  # per rank: its environment (MGPU_CPU_GEMM, ...) and its device's memory; agree before the Trainer's collectives
         check_training_memory(sizes, rows, optimizer=cfg.optimizer, precision=cfg.precision,

@@ -420,9 +420,9 @@ def check_training_memory(layers: Sequence[int], rows: int, *, optimizer: str, p
     if need > usable:
         params = sum(fan_out * (fan_in + 1) for fan_in, fan_out in zip(layers, layers[1:]))
         where = "its GPU's free memory" if device == "cuda" else f"this host's available memory over its {local_ranks} rank(s)"
-        raise ConfigError(f"training {params:,} parameters on {rows} rows a rank needs about {need / 1e9:.1f} GB a "
+        raise ConfigError(f"training {params:,} parameters on {rows} rows a rank needs about {need / 1e9:.3g} GB a "
                           f"rank (weights, gradients, {optimizer} state, activations), more than the "
-                          f"{usable / 1e9:.1f} GB of {where}: a smaller model or batch, or more machines")
+                          f"{usable / 1e9:.3g} GB of {where}: a smaller model or batch, or more machines")
 
 
 def _as_dict(rec) -> dict:
@@ -449,6 +449,7 @@ def _as_dict(rec) -> dict:
 CPU_MAX_BUCKET_BYTES = 16 * 2 ** 20
 
 
+NAMED_CONFIDENCE = 0.6  # the selector's base confidence for a profile it did not measure (perf_model.cpp)
 MAX_NODES = 1024  # recommend --nodes: beyond the largest published NCCL runs the model was checked on
 
 
@@ -467,6 +468,8 @@ def _candidate_counts(prof: Optional[dict], devices: Optional[Sequence[int]], no
     """The device counts to compare: given, or 1 / one node / K nodes from the profile."""
     per_node = int((prof or {}).get("gpus_per_node") or 0)
     if nodes is not None:
+        if devices is not None:
+            raise ConfigError("--nodes and --devices both choose the candidates: give one of them")
         if not isinstance(nodes, int) or not 1 <= nodes <= MAX_NODES:
             raise ConfigError(f"--nodes must be an integer from 1 to {MAX_NODES}, got {nodes}")
         if not per_node:
@@ -478,8 +481,7 @@ def _candidate_counts(prof: Optional[dict], devices: Optional[Sequence[int]], no
             raise ConfigError(f"profile '{prof['name']}' has no inter-node link; for {nodes} nodes calibrate "
                               f"across hosts (mpirun --hostfile FILE python -m mgpu topo) or use one of "
                               f"{', '.join(multi)}")
-        if devices is None:
-            return sorted({1, per_node, nodes * per_node})
+        return sorted({1, per_node, nodes * per_node})
     if devices is None:
         return [1, per_node] if per_node > 1 else [1, 2]
     return sorted({int(n) for n in devices})
@@ -530,7 +532,9 @@ def recommend(*, model: Optional[str] = None, layers: Optional[Sequence[int]] = 
         return {**_as_dict(P.recommend_by_thresholds(w, options)), "bucket": None}
     if not isinstance(profile, dict) and (profile in NAMED_PROFILES or profile in PROFILE_ALIASES):
         prof = named_profile(profile, counts[-1])
+    described = len(prof.get("devices") or [])
     prof = _whole_nodes(prof, counts[-1])
+    extrapolated = len(prof.get("devices") or []) > described
     hw = to_core(prof, counts[-1])
     if len(hw.devices) < counts[-1]:
         raise ConfigError(f"profile '{hw.name}' has {len(hw.devices)} device(s); cannot predict {counts[-1]}")
@@ -545,6 +549,12 @@ def recommend(*, model: Optional[str] = None, layers: Optional[Sequence[int]] = 
     if fastest:  # the bucket for the fastest multi-device candidate, with the reason
         bucket = auto_bucket(prof, w, fastest.devices, options)
     result = _as_dict(rec)
+    if extrapolated:  # no measurement (named table or calibration) of that many nodes
+        per_node = prof["gpus_per_node"]
+        result["reasons"].append(f"{counts[-1] // per_node} nodes extrapolated from the profile's "
+                                 f"{described // per_node}: more nodes of the same kind over the same inter-node "
+                                 "link, priced by its model")
+        result["confidence"] = min(result["confidence"], NAMED_CONFIDENCE)
     result["bucket"] = bucket
     result["bucket_mb_used"] = (fastest.bucket_elems if fastest else w.bucket_elems) * 4 / 2 ** 20
     result["sources"] = prof.get("sources", [])

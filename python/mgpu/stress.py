@@ -32,7 +32,7 @@ from . import _core
 from .cliutil import INT32_MAX, MAX_THREADS, bounded_int, write_line
 from .errors import ConfigError
 from .process_group import available_memory
-from .telemetry import METRICS, Sampler, reader_for, summarize, write_series
+from .telemetry import MAX_WAIT_S, METRICS, Sampler, check_monitor_options, reader_for, summarize, write_series
 
 KERNELS = ("compute", "gemm", "memory")
 PATTERNS = ("walking_ones", "address", "random")
@@ -222,7 +222,7 @@ def cmd_stress(a, pg) -> int:
               + ", ".join(f"--{n.replace('_', '-')} {getattr(a, n):g}" for n in scaled)
               + " (give them to override)", flush=True)
     if not 0 < a.duration < math.inf:
-        raise ConfigError(f"--duration must be finite and > 0 seconds, got {a.duration:g}")
+        raise ConfigError(f"--duration must be finite and > 0 seconds, got {a.duration!r}")
     if not 0 < a.memory_fraction <= 1:
         raise ConfigError(f"--memory-fraction must be in (0, 1], got {a.memory_fraction}")
     if a.memory_mb is not None and not a.memory_mb > 0:
@@ -230,15 +230,9 @@ def cmd_stress(a, pg) -> int:
     for name in ("iterations", "compute_size", "gemm_size", "gemm_repeats"):
         if getattr(a, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
-    if not (0 < a.interval < math.inf and 0 < a.hang_timeout < math.inf):
-        raise ConfigError(f"--interval and --hang-timeout must be finite and > 0 seconds, got {a.interval:g} and "
-                          f"{a.hang_timeout:g}")
-    if not 0 < a.max_temp < math.inf:
-        raise ConfigError(f"--max-temp must be a finite temperature > 0 C, got {a.max_temp:g}")
-    if not 0 < a.max_memory_percent <= 100:
-        raise ConfigError(f"--max-memory-percent must be in (0, 100], got {a.max_memory_percent:g}")
-    if a.power_limit is not None and not 0 < a.power_limit < math.inf:
-        raise ConfigError(f"--power-limit must be finite and > 0 W, got {a.power_limit:g}")
+    check_monitor_options(a.interval, a.max_temp, a.max_memory_percent, a.power_limit)
+    if not 0 < a.hang_timeout <= MAX_WAIT_S:
+        raise ConfigError(f"--hang-timeout must be > 0 and at most {MAX_WAIT_S:g} seconds, got {a.hang_timeout!r}")
     if a.threads is not None and a.threads < 1:
         raise ConfigError(f"--threads must be >= 1, got {a.threads}")
     check_outputs({"--json": a.json, **(output_options(a.telemetry) if a.telemetry is not None else {})})

@@ -11,6 +11,7 @@ from __future__ import annotations
 import csv
 import glob
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -19,6 +20,7 @@ import time
 from typing import Callable, Optional
 
 from . import _core
+from .errors import ConfigError
 
 METRICS = ("temperature_c", "power_w", "power_limit_w", "utilization_pct", "sm_clock_mhz", "mem_clock_mhz",
            "memory_used_pct")
@@ -115,6 +117,22 @@ def reader_for(device: str, index: int = 0) -> tuple:
                 return name, fn
         return "none", lambda: {m: None for m in METRICS}
     return "proc", cpu_reading
+
+
+MAX_WAIT_S = 7 * 86400.0  # sampling intervals and hang timeouts: a thread's wait beyond it overflows its timer
+
+
+def check_monitor_options(interval: float, max_temp: float, max_memory_percent: float,
+                          power_limit: Optional[float], interval_option: str = "--interval") -> None:
+    """ConfigError for a sampling interval or safety threshold the monitor cannot use."""
+    if not 0 < interval <= MAX_WAIT_S:
+        raise ConfigError(f"{interval_option} must be > 0 and at most {MAX_WAIT_S:g} seconds, got {interval!r}")
+    if not 0 < max_temp < math.inf:
+        raise ConfigError(f"--max-temp must be a finite temperature > 0 C, got {max_temp!r}")
+    if not 0 < max_memory_percent <= 100:
+        raise ConfigError(f"--max-memory-percent must be in (0, 100], got {max_memory_percent!r}")
+    if power_limit is not None and not 0 < power_limit < math.inf:
+        raise ConfigError(f"--power-limit must be finite and > 0 W, got {power_limit!r}")
 
 
 class Sampler:

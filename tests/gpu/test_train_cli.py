@@ -3,6 +3,7 @@ over NCCL: the run equals the CPU backend's and a 1-rank run, and a run stopped
 at a checkpoint and resumed (--resume) ends bit-identical to the run that never
 stopped. On the GPU emulation (MGPU_EMULATE_GPU=2) this is CI's NCCL training run."""
 import json
+import subprocess
 import sys
 
 import numpy as np
@@ -116,3 +117,23 @@ def test_training_telemetry_says_whether_the_gpus_are_emulated(two_gpus, tmp_pat
     assert rows and all(("emulated GPU" in row) is emulated for row in rows)
     assert (b"EMULATED" in (tmp_path / "tel.png").read_bytes()) is emulated
     assert ("emulated" in json.loads(out.read_text())["telemetry"]["source"]) is emulated
+
+
+@pytest.mark.parametrize("command", [
+    ["train", "--device", "cuda", "--layers", "64,4096,4096,3", "--batch-size", "64", "--steps", "1", "--no-progress"],
+    ["bench", "--device", "cuda", "--layers", "64,4096,4096,3", "--batch-sizes", "64", "--steps", "1", "--warmup",
+     "0", "--repeats", "1", "--no-progress"],
+])
+def test_a_model_too_big_for_one_ranks_gpu_ends_every_rank_with_one_line(two_gpus, command):
+    # 17M parameters need ~0.21 GB a rank: rank 1's GPU has 0.18 GiB, rank 0's 4 GiB. The
+    # memory check is agreed, so rank 0 does not wait for rank 1 in a collective.
+    if not _core.build_info().get("gpu_emulation", False):
+        pytest.skip("sets each rank's GPU memory through the emulation (MGPU_EMULATE_GPU_MEMORY)")
+    run = [sys.executable, "-m", "mgpu", *command]
+    cmd = ["mpirun", "--oversubscribe", "--bind-to", "none", "-np", "1", "-x", "MGPU_EMULATE_GPU_MEMORY=4GiB", *run,
+           ":", "-np", "1", "-x", "MGPU_EMULATE_GPU_MEMORY=0.18GiB", *run]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=mpi_env())
+    assert r.returncode == 2, r.stdout + r.stderr
+    lines = [line for line in r.stderr.splitlines() if line.startswith("mgpu")]
+    assert len(lines) == 2 and all("needs about 0.207 GB a rank" in line for line in lines), r.stderr
+    assert any(line.startswith("mgpu: error (rank 0): rank 1: ") for line in lines) and "Traceback" not in r.stderr

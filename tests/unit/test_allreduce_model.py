@@ -156,9 +156,13 @@ def test_from_three_nodes_ll_and_ll128_carry_nccls_lower_caps_and_simple_the_wir
             ratio = alone(proto, scale).seconds(nodes, 1 << 21) / alone(proto, [1.0] * 3).seconds(nodes, 1 << 21)
             assert ratio == pytest.approx(1.0 if nodes == 2 else 1.0 / scale[proto]), (proto, nodes)
     # a profile's scale must be three positive numbers
-    for bad in ([0.0, 1.0, 1.0], [1.0, 1.0], [float("nan")] * 3):
-        with pytest.raises(ValueError, match="bw_scale_beyond_two"):
+    for bad in ([0.0, 1.0, 1.0], [1.0, 1.0], [float("nan")] * 3, [1e308, 1, 1], "abc", {"a": 1}, 5):
+        with pytest.raises(ValueError, match="bw_scale_beyond_two must be three numbers in"):
             af.model_from_dict({**inter, "bw_scale_beyond_two": bad})
+    m = alone(0, [1.0] * 3)
+    m.bw_scale_beyond_two = [0.0, 1.0, 1.0]  # past the dict's check: the core refuses it too
+    with pytest.raises(mgpu.ConfigError, match="bw_scale_beyond_two must be finite and > 0"):
+        m.seconds(4, 1 << 20)
 
 
 def test_a_tree_prices_one_edge_at_two_ranks_and_a_level_per_doubling():
@@ -190,6 +194,13 @@ def test_recommend_nodes_compares_one_gpu_one_node_and_k_nodes(profile, nodes):
     for bad in (0, perf.MAX_NODES + 1):
         with pytest.raises(mgpu.ConfigError, match="--nodes must be"):
             perf.recommend(model="xl", batch_size=4096, profile="h100-ib-2x8", nodes=bad)
+    with pytest.raises(mgpu.ConfigError, match="--nodes and --devices both choose"):
+        perf.recommend(model="xl", batch_size=4096, profile=profile, nodes=nodes, devices=[1, 8])
+    # beyond the profile's own 2 nodes the answer says it extrapolates
+    extrapolated = [reason for reason in r["reasons"] if "extrapolated" in reason]
+    assert extrapolated == ([] if nodes == 2 else [f"{nodes} nodes extrapolated from the profile's 2: more nodes of "
+                                                   "the same kind over the same inter-node link, priced by its model"])
+    assert r["confidence"] <= perf.NAMED_CONFIDENCE
 
 
 def test_devices_beyond_the_global_batch_are_left_out_with_the_reason():

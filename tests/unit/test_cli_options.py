@@ -88,6 +88,17 @@ def test_an_empty_output_directory_is_refused_not_ignored(argv, capfd):
     assert f"{argv[-2]}: the path is empty" in err and err.count("\n") == 1, err
 
 
+@pytest.mark.parametrize("argv", [
+    # shares near the float limit: the rows come from split_counts, which normalises them
+    ["train", "--layers", "20,64,3", "--steps", "1", "--batch-shares", "1e308", "--no-progress"],
+    # a batch larger than the dataset takes the dataset's rows, not the batch's
+    ["train", "--dataset", "digits", "--layers", "64,1000,10", "--batch-size", "100000000", "--steps", "1",
+     "--no-progress"],
+])
+def test_the_memory_check_counts_the_rows_a_rank_really_takes(argv, capfd):
+    assert cli.main(argv) == 0, capfd.readouterr().err
+
+
 def test_a_list_value_that_starts_with_a_minus_says_how_to_pass_it():
     # argparse reads "-1,2" as an option, not as --batch-shares' value: the error says
     # so and how to pass it, and that form reaches the list check.
