@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import math
 import os
 import signal
 import sys
