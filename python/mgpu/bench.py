@@ -199,6 +199,8 @@ def run_worker(pg, a, repeats: Optional[int] = None) -> list:
     error = None
     try:  # every batch size before any is measured; agreed, as a rank's free memory is its own
         for batch in a.batch_sizes:
+            if batch < pg.size:
+                raise ConfigError(f"batch size {batch} is smaller than the number of ranks ({pg.size})")
             check_training_memory(sizes, max(1, -(-batch // (pg.size * a.accumulate))), optimizer=a.optimizer,
                                   precision=a.precision, dropout=dropout, device=device, device_index=device_index,
                                   local_ranks=pg.local_size)
@@ -211,8 +213,6 @@ def run_worker(pg, a, repeats: Optional[int] = None) -> list:
         from tqdm.auto import tqdm
         bar = tqdm(total=len(a.batch_sizes), desc=f"bench {pg.size} rank(s)", unit="batch", file=sys.stderr)
     for batch in a.batch_sizes:
-        if batch < pg.size:
-            raise ConfigError(f"batch size {batch} is smaller than the number of ranks ({pg.size})")
         row = measure(pg, sizes, dropout, batch, optimizer=a.optimizer, warmup=a.warmup, steps=a.steps,
                       repeats=repeats or a.repeats, device=device, device_index=device_index, threads=threads,
                       precision=a.precision, graph=a.cuda_graph, accumulate=a.accumulate, grad_dtype=a.grad_dtype,
@@ -623,13 +623,13 @@ def cmd_bench(a, pg) -> int:
                           "leave --accumulate and --grad-dtype at their defaults")
     if a.layers is not None and (len(a.layers) < 2 or min(a.layers) < 1):
         raise ConfigError(f"layers must be at least two positive sizes, got {a.layers}")
-    if a.ranks and not a.explain:  # launched here, each rank a process of this machine
+    if a.ranks:
         limit = MAX_RANKS_PER_CORE * (os.cpu_count() or 1)
-        if max(a.ranks) > limit:
+        if not a.explain and max(a.ranks) > limit:  # launched here, each rank a process of this machine
             raise ConfigError(f"--ranks {max(a.ranks)}: bench launches every rank on this machine, at most "
                               f"{limit} ({MAX_RANKS_PER_CORE} per core of {os.cpu_count() or 1}); more ranks "
                               "take more machines: mpirun --hostfile FILE python -m mgpu bench")
-        if max(a.ranks) > min(a.batch_sizes):
+        if max(a.ranks) > min(a.batch_sizes):  # launched or priced (--explain)
             raise ConfigError(f"batch {min(a.batch_sizes)} is smaller than {max(a.ranks)} ranks: every rank "
                               "needs a sample")
     check_outputs({"--json": a.json, "--csv": a.csv}, {"--profile": a.profile})
@@ -775,9 +775,7 @@ def explain_step(a, pg) -> int:
     sizes, dropout = resolve_layers(a.model, a.layers)
     sheets = []
     for ranks in a.ranks or [1]:
-        for batch in a.batch_sizes:
-            if batch < ranks:
-                raise ConfigError(f"batch {batch} is smaller than {ranks} ranks: every rank needs a sample")
+        for batch in a.batch_sizes:  # cmd_bench saw that every rank has a sample
             w = costsheet.Workload(sizes=list(sizes), batch=batch, precision=a.precision, optimizer=a.optimizer,
                                    dropout=a.dropout if a.dropout is not None else dropout,
                                    accumulate=a.accumulate, ranks=ranks)

@@ -19,6 +19,7 @@ import numpy as np
 
 from . import _core
 from .errors import CommError, ConfigError
+from .telemetry import host_meminfo
 
 
 def _import_mpi():
@@ -336,13 +337,9 @@ def available_memory(device: str, index: int, local_size: int) -> float:
         free, _ = _core.cuda_memory_info(index)
         return float(free)
     try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024.0 / max(local_size, 1)
-    except OSError:
-        pass
-    raise ConfigError("cannot read the available memory from /proc/meminfo")
+        return host_meminfo()["MemAvailable"] / max(local_size, 1)
+    except (OSError, ValueError, KeyError):
+        raise ConfigError("cannot read the available memory from /proc/meminfo") from None
 
 
 def no_gpu_reason() -> str:

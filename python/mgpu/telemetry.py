@@ -43,14 +43,22 @@ def _cpu_busy_pct() -> Optional[float]:
     return 100.0 * (1.0 - (idle - previous[0]) / (total - previous[1]))
 
 
+def host_meminfo() -> dict:
+    """/proc/meminfo in bytes ('MemTotal', 'MemAvailable', ...); OSError/ValueError where unreadable."""
+    info = {}
+    with open("/proc/meminfo") as f:
+        for line in f:
+            key, value = line.split(":", 1)
+            fields = value.split()
+            info[key] = int(fields[0]) * (1024 if fields[1:] == ["kB"] else 1)
+    return info
+
+
 def cpu_reading() -> dict:
     r = {m: None for m in METRICS}
     r["utilization_pct"] = _cpu_busy_pct()
     try:
-        info = {}
-        for line in open("/proc/meminfo"):
-            key, value = line.split(":", 1)
-            info[key] = int(value.split()[0])
+        info = host_meminfo()
         r["memory_used_pct"] = 100.0 * (1 - info["MemAvailable"] / info["MemTotal"])
     except (OSError, ValueError, KeyError):
         pass

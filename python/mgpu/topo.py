@@ -30,6 +30,7 @@ import numpy as np
 from . import __version__, _core
 from .errors import ConfigError
 from .perf import PRECISIONS, PROFILE_FORMAT, PROFILE_VERSION, default_profile_path, save_profile
+from .telemetry import host_meminfo
 
 GEMM_SIZES = (32, 64, 128, 256, 512, 1024, 2048)
 # The layer-time grid (perf_model.h LayerTimes): rows are the local batch, widths
@@ -63,14 +64,10 @@ def _cpu_description() -> dict:
     except OSError:
         pass
     isa = [f for f in ("sse4_2", "avx", "avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "amx_tile") if f in flags]
-    memory = 0
     try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    memory = int(line.split()[1]) * 1024
-    except OSError:
-        pass
+        memory = host_meminfo()["MemTotal"]
+    except (OSError, ValueError, KeyError):
+        memory = 0
     return {"model": model, "cores": len(os.sched_getaffinity(0)), "isa": isa, "memory_bytes": memory,
             "openblas_coretype": os.environ.get("OPENBLAS_CORETYPE")}
 
