@@ -431,7 +431,9 @@ PYBIND11_MODULE(MGPU_MODULE_NAME, m) {
         "devices[i], each from a thread of its own.");
 #endif
 
-  py::class_<MLP, std::shared_ptr<MLP>>(m, "MLP")
+  py::class_<MLP, std::shared_ptr<MLP>> mlp_class(m, "MLP");
+  mlp_class.attr("EVAL_CHUNK_ROWS") = MLP::kEvalChunkRows;
+  mlp_class
       .def(py::init<std::shared_ptr<Backend>, std::vector<int>, float, uint64_t>(), py::arg("backend"),
            py::arg("sizes"), py::arg("dropout") = 0.0f, py::arg("seed") = 0)
       .def_property_readonly("sizes", &MLP::sizes)

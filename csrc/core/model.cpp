@@ -196,18 +196,20 @@ float MLP::loss_and_grad(const HostBatch& batch, LossKind loss, uint64_t step, i
 
 void MLP::predict(const float* x, int rows, float* host_out) {
   MGPU_CHECK(rows >= 0, ConfigError, "rows must be >= 0");
-  if (rows == 0) return;
-  stage(HostBatch{x, nullptr, nullptr, rows}, LossKind::kMSE);
-  forward(rows, nullptr);
-  backend_->copy_to_host(host_out, output(), static_cast<size_t>(rows) * out_features() * sizeof(float));
+  for (int start = 0; start < rows; start += kEvalChunkRows) {
+    const int chunk = std::min(kEvalChunkRows, rows - start);
+    stage(HostBatch{x + static_cast<size_t>(start) * in_features(), nullptr, nullptr, chunk}, LossKind::kMSE);
+    forward(chunk, nullptr);
+    backend_->copy_to_host(host_out + static_cast<size_t>(start) * out_features(), output(),
+                           static_cast<size_t>(chunk) * out_features() * sizeof(float));
+  }
 }
 
 std::pair<double, int64_t> MLP::evaluate(const HostBatch& batch, LossKind loss) {
-  constexpr int kChunk = 1024;  // bounds activation memory for large validation sets
   double loss_sum = 0.0;
   int64_t correct = 0;
-  for (int start = 0; start < batch.rows; start += kChunk) {
-    const int rows = std::min(kChunk, batch.rows - start);
+  for (int start = 0; start < batch.rows; start += kEvalChunkRows) {
+    const int rows = std::min(kEvalChunkRows, batch.rows - start);
     HostBatch chunk{batch.x + static_cast<size_t>(start) * in_features(),
                     batch.targets ? batch.targets + static_cast<size_t>(start) * out_features() : nullptr,
                     batch.labels ? batch.labels + start : nullptr, rows};

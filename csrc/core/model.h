@@ -54,6 +54,10 @@ class MLP {
   float* loss_slot() { return grads_.data() + num_params_; }
   float* stop_slot() { return grads_.data() + num_params_ + 1; }
   static constexpr size_t kGradExtraSlots = 2;
+  // predict and evaluate run at most this many rows at a time, so that a large
+  // validation set grows the activation buffers no further (train's memory check
+  // prices activations at this many rows when it evaluates).
+  static constexpr int kEvalChunkRows = 1024;
   size_t grad_buffer_size() const { return num_params_ + kGradExtraSlots; }
 
   // Re-draw the parameters from `seed` (PyTorch nn.Linear's default

@@ -339,7 +339,7 @@ def cmd_train(a, pg) -> int:
     device, device_index = pg.resolve_device(cfg.device)
     threads = cfg.threads or pg.default_threads()
 
-    error, resume = None, None
+    error, resume, bucket_note = None, None, None
     try:  # work that can fail on some ranks only: agree before any collective
         fixed_in, fixed_out = cfg.fixed_io()
         data = load_dataset(cfg.dataset, in_features=fixed_in, out_features=fixed_out, seed=42,
@@ -356,9 +356,7 @@ def cmd_train(a, pg) -> int:
             from .perf import default_profile_path
             a.bucket_mb = "auto" if os.path.exists(default_profile_path()) else 4.0
         if a.bucket_mb == "auto":
-            a.bucket_mb, bucket_note = _auto_bucket_mb(cfg, pg, sizes, device)
-            if pg.is_root and bucket_note:
-                print(bucket_note, flush=True)
+            a.bucket_mb, bucket_note = _auto_bucket_mb(cfg, pg, sizes, device)  # said once the model is built
         if len(data.x_train) < pg.size:
             raise DataError(f"dataset has {len(data.x_train)} training samples, fewer than the {pg.size} ranks")
         _check_outputs(a)
@@ -385,12 +383,15 @@ def cmd_train(a, pg) -> int:
     try:  # per rank: its environment (MGPU_CPU_GEMM, ...) and its device's memory; agree before the Trainer's collectives
         check_training_memory(sizes, rows, optimizer=cfg.optimizer, precision=cfg.precision,
                               dropout=cfg.effective_dropout(), device=device, device_index=device_index,
-                              local_ranks=pg.local_size)
+                              local_ranks=pg.local_size, eval_rows=split_counts(len(data.x_val), pg.size)[pg.rank],
+                              nccl=device == "cuda" and pg.size > 1 and cfg.comm != "mpi")
         model = MLP(sizes, seed=cfg.seed, dropout=cfg.effective_dropout(), device=device,
                     device_index=device_index, threads=threads, precision=cfg.precision)
     except (ConfigError, DeviceError) as e:
         error = e
     pg.agree(error, what="building the model")
+    if pg.is_root and bucket_note:
+        print(bucket_note, flush=True)
     steps_per_epoch = -(-len(data.x_train) // (cfg.batch_size * cfg.accumulate))
     total_steps = cfg.steps if cfg.steps is not None else cfg.epochs * steps_per_epoch
     trainer = Trainer(model, loss=loss, optimizer=cfg.optimizer, lr=cfg.lr, momentum=cfg.momentum,

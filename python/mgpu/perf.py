@@ -22,7 +22,7 @@ import tempfile
 import time
 from typing import Optional, Sequence
 
-from . import _core
+from . import _core, gemm_fit
 from .config import GRAD_DTYPES, PRESETS
 from .errors import ConfigError
 
@@ -30,44 +30,36 @@ P = _core.perf
 PROFILE_FORMAT = "mgpu-hardware-profile"
 PROFILE_VERSION = 1
 PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
+NCCL_BUFFER_BYTES = 64e6  # NCCL's communication buffers per GPU (a profile's buffer_bytes)
 
-# Device figures: vendor specs derated to what GEMMs reach (about 0.7 of the
-# dense peak, 0.85 of the memory bandwidth), unless a published measurement is
-# named. Half precisions absent from an entry fall back to fp32 (conservative).
+# Device figures. GEMM rates: fitted to published GEMM benchmarks per GPU and
+# precision (gemm_fit, data/gemm_published.json) where a table has them; else the
+# vendor's dense peak derated to about 0.7 with a guessed half-peak work (half), and
+# a half precision absent from both falls back to fp32 (conservative). Memory
+# bandwidth: about 0.85 of the spec unless a published measurement is named.
 _GPU_TYPES = {
     "rtx-4070-ti-super": dict(name="RTX 4070 Ti SUPER", fp32=30e12, tf32=40e12, bf16=80e12, fp16=80e12,
                               half=3e8, memory=16e9, bandwidth=600e9, h2d=12e9, launch=5e-6, context=0.5e9),
-    # NVIDIA RTX 5080 spec: 56.3 TFLOPS FP32, 960 GB/s GDDR7, 16 GB
-    "rtx-5080": dict(name="RTX 5080", fp32=39e12, half=3e8, memory=16e9, bandwidth=816e9, h2d=24e9,
-                     launch=5e-6, context=0.5e9),
-    # NVIDIA RTX 4060 spec: 15.1 TFLOPS FP32, 272 GB/s GDDR6, 8 GB (PCIe 4.0 x8)
-    "rtx-4060": dict(name="RTX 4060", fp32=10.6e12, half=3e8, memory=8e9, bandwidth=230e9, h2d=12e9,
-                     launch=5e-6, context=0.5e9),
-    # A100 SXM4 80GB: FP16 GEMM 256.5 TFLOPS at 16384^3 and 119.4 at 1024^3, HBM copy 1.61 TB/s (Azure
-    # ND A100 v4 measurements); FP32 19.5 / TF32 156 TFLOPS spec
-    "a100-80gb": dict(name="A100 SXM4 80GB", fp32=18e12, tf32=100e12, bf16=256.5e12, fp16=256.5e12, half=2.47e9,
-                      memory=80e9, bandwidth=1.61e12, h2d=24e9, launch=5e-6, context=0.6e9),
-    "a100-40gb": dict(name="A100 40GB", fp32=18e12, tf32=100e12, bf16=220e12, fp16=220e12, half=1e9,
-                      memory=40e9, bandwidth=1.4e12, h2d=24e9, launch=5e-6, context=0.6e9),
-    # H100 SXM 80GB: HBM copy 2.90 TB/s, host<->device 51 GB/s (Azure ND H100 v5); 67 / 494 / 989 TFLOPS
-    # FP32 / TF32 / BF16 dense spec
-    "h100-sxm": dict(name="H100 SXM 80GB", fp32=50e12, tf32=300e12, bf16=650e12, fp16=650e12, half=2e9,
-                     memory=80e9, bandwidth=2.9e12, h2d=50e9, launch=4e-6, context=0.6e9),
-    # H100 PCIe 80GB spec: 51 / 378 / 756 TFLOPS FP32 / TF32 / BF16 dense, 2.0 TB/s
-    "h100-pcie": dict(name="H100 PCIe 80GB", fp32=36e12, tf32=260e12, bf16=530e12, fp16=530e12, half=2e9,
-                      memory=80e9, bandwidth=1.7e12, h2d=25e9, launch=4e-6, context=0.6e9),
+    # NVIDIA RTX 5080 spec: 960 GB/s GDDR7, 16 GB
+    "rtx-5080": dict(name="RTX 5080", memory=16e9, bandwidth=816e9, h2d=24e9, launch=5e-6, context=0.5e9),
+    # NVIDIA RTX 4060 spec: 272 GB/s GDDR6, 8 GB (PCIe 4.0 x8)
+    "rtx-4060": dict(name="RTX 4060", memory=8e9, bandwidth=230e9, h2d=12e9, launch=5e-6, context=0.5e9),
+    # A100 SXM4 80GB: HBM copy 1.61 TB/s (Azure ND A100 v4 measurements)
+    "a100-80gb": dict(name="A100 SXM4 80GB", memory=80e9, bandwidth=1.61e12, h2d=24e9, launch=5e-6, context=0.6e9),
+    # H100 SXM 80GB: HBM copy 2.90 TB/s, host<->device 51 GB/s (Azure ND H100 v5)
+    "h100-sxm": dict(name="H100 SXM 80GB", memory=80e9, bandwidth=2.9e12, h2d=50e9, launch=4e-6, context=0.6e9),
+    # H100 PCIe 80GB spec: 2.0 TB/s
+    "h100-pcie": dict(name="H100 PCIe 80GB", memory=80e9, bandwidth=1.7e12, h2d=25e9, launch=4e-6, context=0.6e9),
 }
 _AZURE = "https://github.com/Azure/AI-benchmarking-guide/blob/main/Azure_Results/"
 _SPEC = {
-    "h100-sxm": {"url": "https://www.nvidia.com/en-us/data-center/h100/", "figure": "H100 SXM peak FP32/TF32/BF16"},
     "h100-sxm-azure": {"url": _AZURE + "ND_H100_v5_results.md", "figure": "H100 HBM bandwidth 2.90 TB/s, host-device 51 GB/s"},
-    "a100-azure": {"url": _AZURE + "ND_A100_v4_results.md",
-                   "figure": "A100 FP16 GEMM 256.5/119.4 TFLOPS (16384^3/1024^3), HBM 1.61 TB/s"},
-    "h100-pcie": {"url": "https://www.nvidia.com/en-us/data-center/h100/", "figure": "H100 PCIe peak FP32/TF32/BF16, 2.0 TB/s"},
+    "a100-azure": {"url": _AZURE + "ND_A100_v4_results.md", "figure": "A100 HBM 1.61 TB/s"},
+    "h100-pcie": {"url": "https://www.nvidia.com/en-us/data-center/h100/", "figure": "H100 PCIe memory bandwidth 2.0 TB/s"},
     "rtx-5080": {"url": "https://www.nvidia.com/en-us/geforce/graphics-cards/50-series/rtx-5080/",
-                 "figure": "RTX 5080: 56.3 TFLOPS FP32, 960 GB/s, 16 GB"},
+                 "figure": "RTX 5080: 960 GB/s, 16 GB"},
     "rtx-4060": {"url": "https://www.nvidia.com/en-us/geforce/graphics-cards/40-series/rtx-4060-4060ti/",
-                 "figure": "RTX 4060: 15.1 TFLOPS FP32, 272 GB/s, 8 GB"},
+                 "figure": "RTX 4060: 272 GB/s, 8 GB"},
 }
 
 
@@ -85,7 +77,7 @@ def _link_sources(link: str) -> list:
 # Named profiles of real systems. 'link' names a fitted link in data/allreduce_fit.json.
 NAMED_PROFILES = {
     "h100-sxm-8": dict(title="8x H100 SXM, NVLink 4 + NVSwitch (one node)", devices=["h100-sxm"] * 8,
-                       link="h100-sxm-8", gpus_per_node=8, specs=["h100-sxm", "h100-sxm-azure"]),
+                       link="h100-sxm-8", gpus_per_node=8, specs=["h100-sxm-azure"]),
     "a100-sxm-8": dict(title="8x A100 SXM4 80GB, NVLink 3 + NVSwitch (one node)", devices=["a100-80gb"] * 8,
                        link="a100-sxm-8", gpus_per_node=8, specs=["a100-azure"]),
     "h100-pcie-nvlink-2": dict(title="2x H100 PCIe with an NVLink bridge", devices=["h100-pcie"] * 2,
@@ -99,15 +91,15 @@ NAMED_PROFILES = {
                             devices=["rtx-5080", "rtx-4060"], link="pcie-pair-no-p2p", gpus_per_node=2,
                             specs=["rtx-5080", "rtx-4060"]),
     "h100-ib-2x8": dict(title="2 nodes x 8 H100 SXM, InfiniBand NDR (one 400G NIC per GPU)", devices=["h100-sxm"] * 16,
-                        link="h100-ib-2x8", gpus_per_node=8, specs=["h100-sxm", "h100-sxm-azure"]),
+                        link="h100-ib-2x8", gpus_per_node=8, specs=["h100-sxm-azure"]),
     "a100-ib-2x8": dict(title="2 nodes x 8 A100 SXM4, InfiniBand HDR (8x 200G per node)", devices=["a100-80gb"] * 16,
                         link="a100-ib-2x8", gpus_per_node=8, specs=["a100-azure"]),
     "h100-ethernet-2x8": dict(title="2 nodes x 8 H100, Ethernet (GCP A3 Mega, GPUDirect-TCPXO)",
                               devices=["h100-sxm"] * 16, link="h100-ethernet-2x8", gpus_per_node=8,
-                              specs=["h100-sxm", "h100-sxm-azure"]),
+                              specs=["h100-sxm-azure"]),
     "h100-efa-2x8": dict(title="2 nodes x 8 H100, AWS Elastic Fabric Adapter (p5.48xlarge, 32x 100G per node)",
                          devices=["h100-sxm"] * 16, link="h100-efa-2x8", gpus_per_node=8,
-                         specs=["h100-sxm", "h100-sxm-azure"]),
+                         specs=["h100-sxm-azure"]),
     "cpu": dict(title="CPU ranks, MPI over shared memory (nominal)", devices=None, link=None, gpus_per_node=0, specs=[]),
 }
 # Names of v1 (round-number profiles) that keep working.
@@ -120,7 +112,7 @@ def list_profiles() -> str:
     for name, spec in NAMED_PROFILES.items():
         lines.append(f"{name:20s} {spec['title']}")
         if spec["link"]:
-            for src in _link_sources(spec["link"]) + [_SPEC[k] for k in spec["specs"]]:
+            for src in _profile_sources(spec):
                 lines.append(f"{'':22s}- {src['figure']}: {src['url']}")
     lines.append("aliases: " + ", ".join(f"{a} -> {b}" for a, b in PROFILE_ALIASES.items()))
     return "\n".join(lines)
@@ -138,6 +130,24 @@ def default_profile_path() -> str:
 # --- profiles as JSON-able dicts ------------------------------------------------------
 def _gemm_dict(peak: float, half: float, measured=None) -> dict:
     return {"peak_flops": float(peak), "half_work_flops": float(half), "measured": measured or []}
+
+
+def _gemm_rates(gpu: str) -> dict:
+    """A GPU type's GEMM rate per precision: fitted to published benchmarks, else from its spec."""
+    g, out = _GPU_TYPES[gpu], {}
+    for p in PRECISIONS:
+        fit = gemm_fit.rate(gpu, p)
+        if fit:
+            out[p] = _gemm_dict(fit["peak_flops"], fit["half_work_flops"])
+        elif p in g:
+            out[p] = _gemm_dict(g[p], g["half"])
+    return out
+
+
+def _profile_sources(spec: dict) -> list:
+    """Where a named profile's figures come from: allreduce tables, GEMM tables, specs."""
+    gemm = [src for gpu in dict.fromkeys(spec["devices"]) for src in gemm_fit.sources(gpu)]
+    return _link_sources(spec["link"]) + gemm + [_SPEC[k] for k in spec["specs"]]
 
 
 def _fitted_link(link: str) -> dict:
@@ -171,7 +181,7 @@ def named_profile(name: str, devices: Optional[int] = None) -> dict:
         entries.append({"name": g["name"], "kind": "cuda", "memory_bytes": g["memory"], "memory_bandwidth": g["bandwidth"],
                         "host_to_device_bandwidth": g["h2d"], "launch_overhead_s": g["launch"],
                         "context_bytes": g["context"],
-                        **{p: _gemm_dict(g[p], g["half"]) for p in PRECISIONS if p in g}})
+                        **_gemm_rates(key)})
     fit = _fitted_link(spec["link"])
     nccl = {"intra": fit["intra"], "gpus_per_node": spec["gpus_per_node"]}
     if fit.get("inter"):
@@ -179,21 +189,45 @@ def named_profile(name: str, devices: Optional[int] = None) -> dict:
     ring = fit["intra"].get("ring_busbw") or fit["intra"].get("nvls_busbw")
     return {"format": PROFILE_FORMAT, "version": PROFILE_VERSION, "name": name, "source": "named",
             "title": spec["title"], "gpus_per_node": spec["gpus_per_node"],
-            "sources": _link_sources(spec["link"]) + [_SPEC[k] for k in spec["specs"]],
+            "sources": _profile_sources(spec),
             "devices": entries,
             "link": {"name": spec["title"], "alpha_s": 0.0, "bus_bandwidth": ring, "overlaps_compute": True,
-                     "buffer_bytes": 64e6, "nccl": nccl},
+                     "buffer_bytes": NCCL_BUFFER_BYTES, "nccl": nccl},
             "step_overhead_s": 1e-4, "model_error": 0.3}
 
 
+def _known_gpu_type(name: str) -> Optional[str]:
+    """The _GPU_TYPES entry a visible GPU's name is, or None."""
+    n = name.upper()
+    if "H100" in n:  # "NVIDIA H100 80GB HBM3" is the SXM part; the NVL is a PCIe card
+        return "h100-pcie" if "PCIE" in n or "NVL" in n else "h100-sxm"
+    if "A100" in n and "SXM" in n:  # PCIe A100s run lower clocks
+        return "a100-80gb"
+    if "RTX 5080" in n:
+        return "rtx-5080"
+    if "RTX 4060" in n and "TI" not in n.split("RTX 4060", 1)[1]:
+        return "rtx-4060"
+    return None
+
+
 def detected_profile(devices: Optional[int] = None) -> Optional[dict]:
-    """An uncalibrated profile of the visible GPUs from their properties, or None without GPUs."""
+    """An uncalibrated profile of the visible GPUs, or None without GPUs: a GPU of a named
+    profile (H100, A100 SXM, RTX 5080, RTX 4060) at its published GEMM rates, another
+    estimated from its properties."""
     info = _core.build_info().get("cuda", {})
     gpus = info.get("devices", [])
     if not gpus:
         return None
     entries = []
     for g in gpus:
+        known = _known_gpu_type(str(g.get("name", "")))
+        if known:  # a GPU of a named profile: its published GEMM rates and bandwidths
+            t = _GPU_TYPES[known]
+            entries.append({"name": g.get("name", "GPU"), "kind": "cuda",
+                            "memory_bytes": float(g.get("total_memory_mib", 0)) * 2 ** 20 or t["memory"],
+                            "memory_bandwidth": t["bandwidth"], "host_to_device_bandwidth": t["h2d"],
+                            "launch_overhead_s": t["launch"], "context_bytes": t["context"], **_gemm_rates(known)})
+            continue
         sms = float(g.get("multiprocessors", 0) or 0)
         clock = 1.7e9  # typical boost clock of recent data-centre GPUs
         major = int(str(g.get("compute_capability", "8.0")).split(".")[0])
@@ -409,19 +443,42 @@ def training_memory_bytes(layers: Sequence[int], rows: int, *, optimizer: str = 
     return P.training_memory_bytes(_workload(None, layers, None, rows, precision, optimizer, 4.0, dropout), rows)
 
 
+# What a rank allocates beyond what training_memory_bytes prices, measured with train on
+# Zen 4 (peak RSS growth from the check to the end of a run, 0.07-1.2 GB models, 8-8000
+# rows, 1-2 ranks; tests/unit/test_memory_check.py): a fixed 29-62 MB (the BLAS threads'
+# and MPI's buffers) and up to 5 % more with the rows (numpy batches, the allocator). On
+# GPUs the same figures stand for cuBLAS's and cuRAND's buffers, not measured there.
+RUNTIME_OVERHEAD_BYTES = 64 * 2 ** 20
+RUNTIME_OVERHEAD_FRACTION = 0.10
+
+
+def rank_memory_bytes(layers: Sequence[int], rows: int, *, optimizer: str, precision: str, dropout: float,
+                      eval_rows: int = 0, nccl: bool = False) -> float:
+    """Bytes a training rank allocates: training_memory_bytes at the most rows its buffers
+    hold (eval_rows: the validation rows it evaluates, in chunks of EVAL_CHUNK_ROWS), with
+    the runtime's buffers and margin, and NCCL's buffers where it allreduces over NCCL."""
+    activation_rows = max(rows, min(int(eval_rows), _core.MLP.EVAL_CHUNK_ROWS))
+    model = training_memory_bytes(layers, activation_rows, optimizer=optimizer, precision=precision, dropout=dropout)
+    return model * (1 + RUNTIME_OVERHEAD_FRACTION) + RUNTIME_OVERHEAD_BYTES + (NCCL_BUFFER_BYTES if nccl else 0.0)
+
+
 def check_training_memory(layers: Sequence[int], rows: int, *, optimizer: str, precision: str, dropout: float,
-                          device: str, device_index: int, local_ranks: int) -> None:
+                          device: str, device_index: int, local_ranks: int, eval_rows: int = 0,
+                          nccl: bool = False) -> None:
     """ConfigError when training `layers` on `rows` samples a rank cannot fit the memory a
     rank may use (its GPU's free memory, or the host's available memory over its ranks),
     instead of an allocation failing inside the run or the kernel's OOM killer ending a rank."""
     from .process_group import available_memory
-    need = training_memory_bytes(layers, rows, optimizer=optimizer, precision=precision, dropout=dropout)
+    need = rank_memory_bytes(layers, rows, optimizer=optimizer, precision=precision, dropout=dropout,
+                             eval_rows=eval_rows, nccl=nccl)
     usable = available_memory(device, device_index, local_ranks)
     if need > usable:
         params = sum(fan_out * (fan_in + 1) for fan_in, fan_out in zip(layers, layers[1:]))
         where = "its GPU's free memory" if device == "cuda" else f"this host's available memory over its {local_ranks} rank(s)"
-        raise ConfigError(f"training {params:,} parameters on {rows} rows a rank needs about {need / 1e9:.3g} GB a "
-                          f"rank (weights, gradients, {optimizer} state, activations), more than the "
+        evaluated = min(int(eval_rows), _core.MLP.EVAL_CHUNK_ROWS)
+        rows_said = f"{rows} rows" + (f" ({evaluated} when it evaluates)" if evaluated > rows else "")
+        raise ConfigError(f"training {params:,} parameters on {rows_said} a rank needs about {need / 1e9:.3g} GB a "
+                          f"rank (weights, gradients, {optimizer} state, activations, runtime buffers), more than the "
                           f"{usable / 1e9:.3g} GB of {where}: a smaller model or batch, or more machines")
 
 

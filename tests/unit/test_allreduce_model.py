@@ -261,7 +261,9 @@ def test_mixed_pair_gets_speed_shares_and_says_whether_the_slow_gpu_helps():
     r = perf.recommend(model="large", batch_size=1024, profile="rtx5080-rtx4060")
     two = r["candidates"][1]
     fast, slow = two["batch_shares"]
-    assert fast + slow == 1024 and fast > 2 * slow  # the 5080 computes ~3.7x the 4060 (spec FP32)
+    # the 5080's fitted FP32 GEMM rate is 4x the 4060's on large GEMMs; on `large`'s
+    # 512-row layers, with the fixed time a GEMM takes and the memory passes, about 1.9x
+    assert fast + slow == 1024 and fast > 1.5 * slow
     line = next(x for x in r["reasons"] if x.startswith("unequal devices"))
     assert "help" in line and f"--batch-shares {fast},{slow}" in line
     assert ("does not help" in line) == (two["predicted_speedup"] <= 1.0)

@@ -1,0 +1,104 @@
+"""train's memory check against what a run really allocates: the bytes the check prices
+(perf.rank_memory_bytes) must cover a rank's peak resident growth from the check to the
+end of a short run, or a run the check lets through can be ended by the OOM killer; and
+they must not price a run several times over what it takes, or runs that fit are refused.
+Peak RSS (VmHWM) is the kernel's count, not a timing: it does not swing with load."""
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mgpu import _core, perf
+from mgpu.model import MLP
+
+from conftest import mpi_env, mpirun
+
+# Runs `mgpu train` with check_training_memory wrapped to note the estimate and the
+# resident size when it is called; at exit writes "need growth" in bytes to
+# $MEMORY_REPORT.<rank>.
+PROBE = r"""
+import atexit, os, sys
+import mgpu.perf as perf
+def status(key):
+    for line in open("/proc/self/status"):
+        if line.startswith(key):
+            return int(line.split()[1]) * 1024
+seen = {}
+check = perf.check_training_memory
+def noted(layers, rows, **kw):
+    seen["rss"] = status("VmRSS")
+    seen["need"] = perf.rank_memory_bytes(layers, rows, optimizer=kw["optimizer"], precision=kw["precision"],
+                                          dropout=kw["dropout"], eval_rows=kw["eval_rows"], nccl=kw["nccl"])
+    return check(layers, rows, **kw)
+perf.check_training_memory = noted
+def report():  # a file per rank: mpirun may join the ranks' stdout lines
+    rank = os.environ.get("OMPI_COMM_WORLD_RANK", "0")
+    with open(os.environ["MEMORY_REPORT"] + "." + rank, "w") as f:
+        f.write(f"{int(seen['need'])} {status('VmHWM') - seen['rss']}")
+atexit.register(report)
+from mgpu.cli import main
+sys.argv = ["mgpu", "train", "--steps", "3", "--no-progress", *sys.argv[1:]]
+sys.exit(main())
+"""
+
+
+def _need_and_growth(report: Path) -> list:
+    return [tuple(int(v) for v in p.read_text().split()) for p in sorted(report.parent.glob(report.name + ".*"))]
+
+
+@pytest.mark.parametrize("args", [
+    # weights and optimizer state dominate; batch 64, but validation runs 1024-row chunks
+    ["--layers", "64,4096,4096,10", "--batch-size", "64", "--optimizer", "adamw"],
+    # activations and dropout masks dominate
+    ["--layers", "512,1024,1024,10", "--batch-size", "8000", "--optimizer", "adamw", "--dropout", "0.5"],
+    ["--layers", "512,2048,2048,2048,10", "--batch-size", "8000", "--optimizer", "sgd", "--dropout", "0.2"],
+    # class labels, a small model: the fixed overhead
+    ["--layers", "64,2048,10", "--batch-size", "4000", "--dataset", "digits"],
+], ids=["weights", "activations", "deep", "labels"])
+def test_the_check_covers_what_a_run_allocates(args, tmp_path):
+    report = tmp_path / "memory"
+    r = subprocess.run([sys.executable, "-c", PROBE, *args], capture_output=True, text=True, timeout=300,
+                       env=mpi_env(MEMORY_REPORT=str(report)), cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    [(need, growth)] = _need_and_growth(report)
+    assert growth <= need, f"the run grew by {growth / 1e6:.0f} MB, the check priced {need / 1e6:.0f} MB"
+    assert need <= 4 * growth + perf.RUNTIME_OVERHEAD_BYTES, "the check prices several times what the run takes"
+
+
+def test_the_check_covers_each_rank_of_a_two_rank_run(tmp_path):
+    report = tmp_path / "memory"
+    r = mpirun(2, [sys.executable, "-c", PROBE, "--layers", "512,2048,2048,2048,10", "--batch-size", "8000",
+                   "--optimizer", "adamw", "--dropout", "0.2"], timeout=300,
+               env=mpi_env(MEMORY_REPORT=str(report)), cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    seen = _need_and_growth(report)
+    assert len(seen) == 2 and all(growth <= need for need, growth in seen), seen
+
+
+def test_validation_chunks_are_priced_when_they_hold_more_rows_than_a_step():
+    # A wide model at batch 8 evaluates 1024 rows at a time: the activations of those
+    # rows, not the step's 8, size the buffers.
+    layers, kw = [64, 4096, 4096, 10], dict(optimizer="sgd", precision="fp32", dropout=0.0)
+    chunk = _core.MLP.EVAL_CHUNK_ROWS
+    step_only = perf.rank_memory_bytes(layers, 8, **kw)
+    assert perf.rank_memory_bytes(layers, 8, eval_rows=10 * chunk, **kw) == pytest.approx(
+        perf.rank_memory_bytes(layers, chunk, **kw))
+    assert perf.rank_memory_bytes(layers, 8, eval_rows=100, **kw) == pytest.approx(
+        perf.rank_memory_bytes(layers, 100, **kw))
+    assert perf.rank_memory_bytes(layers, 8, eval_rows=4, **kw) == pytest.approx(step_only)
+    assert perf.rank_memory_bytes(layers, 8, nccl=True, **kw) == pytest.approx(step_only + perf.NCCL_BUFFER_BYTES)
+
+
+def test_predict_in_chunks_equals_row_by_row():
+    # predict runs EVAL_CHUNK_ROWS at a time (bounded activation memory); the chunk
+    # edges must not shift or drop rows.
+    chunk = _core.MLP.EVAL_CHUNK_ROWS
+    model = MLP([7, 16, 3], seed=3, device="cpu", threads=1)
+    x = np.random.default_rng(0).standard_normal((2 * chunk + 5, 7), dtype=np.float32)
+    whole = model.forward(x)
+    pieces = np.concatenate([model.forward(x[i:i + 300]) for i in range(0, len(x), 300)])
+    assert whole.shape == (len(x), 3)
+    np.testing.assert_allclose(whole, pieces, rtol=1e-5, atol=1e-6)
+    assert not np.allclose(whole[chunk - 1:chunk + 1], whole[:2])
