@@ -94,6 +94,8 @@ NAMED_PROFILES = {
                         link="h100-ib-2x8", gpus_per_node=8, specs=["h100-sxm-azure"]),
     "a100-ib-2x8": dict(title="2 nodes x 8 A100 SXM4, InfiniBand HDR (8x 200G per node)", devices=["a100-80gb"] * 16,
                         link="a100-ib-2x8", gpus_per_node=8, specs=["a100-azure"]),
+    "a100-roce-2x8": dict(title="2 nodes x 8 A100 SXM4, RoCE v2 Ethernet (OCI BM.GPU4.8, 16x 100G per node)",
+                          devices=["a100-80gb"] * 16, link="a100-roce-2x8", gpus_per_node=8, specs=["a100-azure"]),
     "h100-ethernet-2x8": dict(title="2 nodes x 8 H100, Ethernet (GCP A3 Mega, GPUDirect-TCPXO)",
                               devices=["h100-sxm"] * 16, link="h100-ethernet-2x8", gpus_per_node=8,
                               specs=["h100-sxm-azure"]),

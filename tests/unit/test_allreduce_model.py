@@ -46,10 +46,6 @@ HELD_OUT_MISSES = {
     ("nccl-1244-h20-2x8-ib", "worst"): "the same slower fabric",
     ("abci2-a100-16x8-ib-nccl2.8.4", "worst"): "the median holds; its 128 KiB row is a stall (203.2 us out-of-place "
                                                "against 129.6 in-place, between 102.9 and 147.7), ~35 % off",
-    ("oci-bm-gpu4.8-a100-2x8-roce", "median"): "a RoCE system (NCCL version not printed) 35-84 % faster from 128 KiB "
-                                               "to 32 MiB than the IB table a100-ib-2x8 is fitted to (NCCL 2.8.4) and "
-                                               "the model's one inter-node algorithm; from 64 MiB within 25 %",
-    ("oci-bm-gpu4.8-a100-2x8-roce", "worst"): "the same mid-size gap, widest at 2 MiB",
     ("nccl-tests-309-h100-4x8-ndr-vm", "worst"): "4 VMs with a custom topology file: the median holds; its 2 MiB row "
                                                  "(slower than its 4 MiB row) is ~44 % off",
 }
