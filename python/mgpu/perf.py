@@ -232,14 +232,22 @@ def detected_profile(devices: Optional[int] = None) -> Optional[dict]:
             continue
         sms = float(g.get("multiprocessors", 0) or 0)
         clock = 1.7e9  # typical boost clock of recent data-centre GPUs
-        major = int(str(g.get("compute_capability", "8.0")).split(".")[0])
-        fp32 = 0.7 * sms * 128 * 2 * clock      # FP32 lanes per SM x FMA, derated
-        tensor = {8: 8.0, 9: 12.0}.get(major, 4.0)  # dense tensor-core multiple over FP32
+        cc = str(g.get("compute_capability", "8.0"))
+        lanes = 64 if cc in ("7.0", "8.0") else 128  # FP32 lanes per SM: V100 and A100 have 64
+        fp32 = 0.7 * sms * lanes * 2 * clock  # x FMA, derated
+        # BF16 tensor rate over FP32 as the fitted GPUs show it (docs/gemm-validation.md):
+        # 15-17x on A100 / H100-class parts (cc 8.0, 9.x, 10.x), 3-4x on GeForce (RTX 5080,
+        # RTX 4060); TF32 at half of it. Volta and Turing (7.x) have FP16 tensor cores
+        # only, about 8x FP32 by spec (V100 125 / 15.7, T4 65 / 8.1 TFLOPS): TF32 and BF16
+        # fall back to FP32 there.
+        tensor = 16.0 if cc == "8.0" or cc.split(".")[0] in ("9", "10") else 4.0
+        rates = {"fp32": fp32, "fp16": fp32 * 8.0} if cc.startswith("7.") else {
+            "fp32": fp32, "tf32": fp32 * tensor / 2, "bf16": fp32 * tensor, "fp16": fp32 * tensor}
         entries.append({"name": g.get("name", "GPU"), "kind": "cuda", "memory_bytes": float(g.get("total_memory_mib", 0)) * 2 ** 20,
                         "memory_bandwidth": 1e12, "host_to_device_bandwidth": 20e9, "launch_overhead_s": 5e-6,
-                        "context_bytes": 0.6e9, "fp32": _gemm_dict(fp32, 1e9),
-                        "tf32": _gemm_dict(fp32 * tensor / 2, 1e9), "bf16": _gemm_dict(fp32 * tensor, 1e9),
-                        "fp16": _gemm_dict(fp32 * tensor, 1e9)})
+                        "context_bytes": 0.6e9,
+                        # a GEMM's fixed time as the fitted GPUs' small kernels take it
+                        **{p: _gemm_dict(peak, peak * gemm_fit.TYPICAL_FIXED_S) for p, peak in rates.items()}})
     if devices and devices > len(entries):
         entries += [dict(entries[-1]) for _ in range(devices - len(entries))]
     return {"format": PROFILE_FORMAT, "version": PROFILE_VERSION, "name": f"detected: {socket.gethostname()}",

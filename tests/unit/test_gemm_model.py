@@ -124,3 +124,29 @@ def test_a_visible_gpu_of_a_named_profile_is_priced_at_its_published_rates(monke
         fitted = {f["peak_flops"] for f in gf.fitted_rates().values()}
         assert dev["fp32"]["peak_flops"] not in fitted
     assert dev["memory_bytes"] == 81559 * 2 ** 20 and dev["name"] == name
+
+
+@pytest.mark.parametrize("cc, lanes, bf16_over_fp32", [("9.0", 128, 16.0), ("8.0", 64, 16.0), ("8.9", 128, 4.0),
+                                                        ("7.0", 64, None)])
+def test_an_unknown_gpu_is_estimated_with_the_fitted_gpus_fixed_time(monkeypatch, cc, lanes, bf16_over_fp32):
+    # Every precision's fixed time (half / peak) is the small kernels' measured one: one
+    # half-peak work shared by all precisions gave FP32 GEMMs a fixed cost 10-16x too long.
+    class FakeCore:
+        perf = perf._core.perf
+
+        @staticmethod
+        def build_info():
+            return {"cuda": {"devices": [{"name": "NVIDIA L4", "multiprocessors": 58, "total_memory_mib": 23034,
+                                          "compute_capability": cc}]}}
+
+    monkeypatch.setattr(perf, "_core", FakeCore)
+    dev = perf.detected_profile()["devices"][0]
+    assert dev["fp32"]["peak_flops"] == pytest.approx(0.7 * 58 * lanes * 2 * 1.7e9)
+    for precision in ("fp32", "tf32", "bf16", "fp16"):
+        if precision in dev:
+            rate = dev[precision]
+            assert rate["half_work_flops"] / rate["peak_flops"] == pytest.approx(gf.TYPICAL_FIXED_S)
+    if bf16_over_fp32:
+        assert dev["bf16"]["peak_flops"] == pytest.approx(bf16_over_fp32 * dev["fp32"]["peak_flops"])
+    else:  # Volta: FP16 tensor cores only
+        assert "bf16" not in dev and "tf32" not in dev and dev["fp16"]["peak_flops"] > dev["fp32"]["peak_flops"]
