@@ -46,6 +46,8 @@ _GPU_TYPES = {
     "rtx-4060": dict(name="RTX 4060", memory=8e9, bandwidth=230e9, h2d=12e9, launch=5e-6, context=0.5e9),
     # A100 SXM4 80GB: HBM copy 1.61 TB/s (Azure ND A100 v4 measurements)
     "a100-80gb": dict(name="A100 SXM4 80GB", memory=80e9, bandwidth=1.61e12, h2d=24e9, launch=5e-6, context=0.6e9),
+    # A100 SXM4 40GB: the 80GB part's SMs and clocks (its GEMM tables), 1.56 TB/s HBM2 spec
+    "a100-40gb": dict(name="A100 SXM4 40GB", memory=40e9, bandwidth=1.33e12, h2d=24e9, launch=5e-6, context=0.6e9),
     # H100 SXM 80GB: HBM copy 2.90 TB/s, host<->device 51 GB/s (Azure ND H100 v5)
     "h100-sxm": dict(name="H100 SXM 80GB", memory=80e9, bandwidth=2.9e12, h2d=50e9, launch=4e-6, context=0.6e9),
     # H100 PCIe 80GB spec: 2.0 TB/s
@@ -56,6 +58,7 @@ _SPEC = {
     "h100-sxm-azure": {"url": _AZURE + "ND_H100_v5_results.md", "figure": "H100 HBM bandwidth 2.90 TB/s, host-device 51 GB/s"},
     "a100-azure": {"url": _AZURE + "ND_A100_v4_results.md", "figure": "A100 HBM 1.61 TB/s"},
     "h100-pcie": {"url": "https://www.nvidia.com/en-us/data-center/h100/", "figure": "H100 PCIe memory bandwidth 2.0 TB/s"},
+    "a100-40gb": {"url": "https://www.nvidia.com/en-us/data-center/a100/", "figure": "A100 40GB SXM: 1,555 GB/s HBM2"},
     "rtx-5080": {"url": "https://www.nvidia.com/en-us/geforce/graphics-cards/50-series/rtx-5080/",
                  "figure": "RTX 5080: 960 GB/s, 16 GB"},
     "rtx-4060": {"url": "https://www.nvidia.com/en-us/geforce/graphics-cards/40-series/rtx-4060-4060ti/",
@@ -95,7 +98,7 @@ NAMED_PROFILES = {
     "a100-ib-2x8": dict(title="2 nodes x 8 A100 SXM4, InfiniBand HDR (8x 200G per node)", devices=["a100-80gb"] * 16,
                         link="a100-ib-2x8", gpus_per_node=8, specs=["a100-azure"]),
     "a100-roce-2x8": dict(title="2 nodes x 8 A100 SXM4, RoCE v2 Ethernet (OCI BM.GPU4.8, 16x 100G per node)",
-                          devices=["a100-80gb"] * 16, link="a100-roce-2x8", gpus_per_node=8, specs=["a100-azure"]),
+                          devices=["a100-40gb"] * 16, link="a100-roce-2x8", gpus_per_node=8, specs=["a100-40gb"]),
     "h100-ethernet-2x8": dict(title="2 nodes x 8 H100, Ethernet (GCP A3 Mega, GPUDirect-TCPXO)",
                               devices=["h100-sxm"] * 16, link="h100-ethernet-2x8", gpus_per_node=8,
                               specs=["h100-sxm-azure"]),
@@ -204,7 +207,7 @@ def _known_gpu_type(name: str) -> Optional[str]:
     if "H100" in n:  # "NVIDIA H100 80GB HBM3" is the SXM part; the NVL is a PCIe card
         return "h100-pcie" if "PCIE" in n or "NVL" in n else "h100-sxm"
     if "A100" in n and "SXM" in n:  # PCIe A100s run lower clocks
-        return "a100-80gb"
+        return "a100-40gb" if "40GB" in n else "a100-80gb"
     if "RTX 5080" in n:
         return "rtx-5080"
     if "RTX 4060" in n and "TI" not in n.split("RTX 4060", 1)[1]:

@@ -101,7 +101,7 @@ def test_a_wrong_rate_fails_the_bounds():
 
 @pytest.mark.parametrize("name, known", [
     ("NVIDIA H100 80GB HBM3", "h100-sxm"), ("NVIDIA H100 PCIe", "h100-pcie"), ("NVIDIA H100 NVL", "h100-pcie"),
-    ("NVIDIA A100-SXM4-80GB", "a100-80gb"), ("NVIDIA A100-SXM4-40GB", "a100-80gb"), ("NVIDIA A100-PCIE-40GB", None),
+    ("NVIDIA A100-SXM4-80GB", "a100-80gb"), ("NVIDIA A100-SXM4-40GB", "a100-40gb"), ("NVIDIA A100-PCIE-40GB", None),
     ("NVIDIA GeForce RTX 5080", "rtx-5080"), ("NVIDIA GeForce RTX 4060", "rtx-4060"),
     ("NVIDIA GeForce RTX 4060 Ti", None), ("NVIDIA L4", None),
     ("Emulated GPU 0 (mgpu CPU emulation, not a real GPU)", None),
