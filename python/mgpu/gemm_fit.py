@@ -60,6 +60,8 @@ def fit_rate(rows: list, harness: Optional[list] = None) -> tuple:
     A linear least squares in (1 / peak, fixed time, harness costs) with the fixed time in
     [0, MAX_FIXED_S] and the costs >= 0, by trying each bound active or not."""
     harness = harness or [None] * len(rows)
+    if not rows:
+        raise ValueError("no rows to fit")
     groups = sorted({h for h in harness if h is not None})
     work = np.array([r[3] for r in rows])
     t = np.array([r[4] for r in rows])
@@ -105,7 +107,10 @@ def fitted_rates() -> dict:
             tables.setdefault(key, []).append(t["id"])
     out = {}
     for key, r in rows.items():
-        peak, half, cost = fit_rate(r, harness[key])
+        try:
+            peak, half, cost = fit_rate(r, harness[key])
+        except ValueError:  # no rows, or none a bounded rate fits: the spec figures stand (the tests fail)
+            continue
         out[key] = {"peak_flops": peak, "half_work_flops": half, "tables": tables[key], "harness_s": cost}
     for (gpu, precision), fit in list(out.items()):
         other = _SHARED.get(precision)

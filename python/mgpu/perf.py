@@ -204,8 +204,10 @@ def named_profile(name: str, devices: Optional[int] = None) -> dict:
 def _known_gpu_type(name: str) -> Optional[str]:
     """The _GPU_TYPES entry a visible GPU's name is, or None."""
     n = name.upper()
-    if "H100" in n:  # "NVIDIA H100 80GB HBM3" is the SXM part; the NVL is a PCIe card
-        return "h100-pcie" if "PCIE" in n or "NVL" in n else "h100-sxm"
+    if "MIG" in n or "LAPTOP" in n or "NVL" in n:  # a slice, a mobile part, a 94 GB card of its own clocks
+        return None
+    if "H100" in n:  # "NVIDIA H100 80GB HBM3" is the SXM part
+        return "h100-pcie" if "PCIE" in n else "h100-sxm"
     if "A100" in n and "SXM" in n:  # PCIe A100s run lower clocks
         return "a100-40gb" if "40GB" in n else "a100-80gb"
     if "RTX 5080" in n:
@@ -236,10 +238,10 @@ def detected_profile(devices: Optional[int] = None) -> Optional[dict]:
         sms = float(g.get("multiprocessors", 0) or 0)
         clock = 1.7e9  # typical boost clock of recent data-centre GPUs
         cc = str(g.get("compute_capability", "8.0"))
-        lanes = 64 if cc in ("7.0", "8.0") else 128  # FP32 lanes per SM: V100 and A100 have 64
+        lanes = 64 if cc in ("6.0", "7.0", "7.5", "8.0") else 128  # FP32 lanes per SM: P100, V100, T4, A100 have 64
         fp32 = 0.7 * sms * lanes * 2 * clock  # x FMA, derated
         # BF16 tensor rate over FP32 as the fitted GPUs show it (docs/gemm-validation.md):
-        # 15-17x on A100 / H100-class parts (cc 8.0, 9.x, 10.x), 3-4x on GeForce (RTX 5080,
+        # 14-17x on A100 / H100-class parts (cc 8.0, 9.x, 10.x), 3-4x on GeForce (RTX 5080,
         # RTX 4060); TF32 at half of it. Volta and Turing (7.x) have FP16 tensor cores
         # only, about 8x FP32 by spec (V100 125 / 15.7, T4 65 / 8.1 TFLOPS): TF32 and BF16
         # fall back to FP32 there.
@@ -470,7 +472,10 @@ def rank_memory_bytes(layers: Sequence[int], rows: int, *, optimizer: str, preci
     """Bytes a training rank allocates: training_memory_bytes at the most rows its buffers
     hold (eval_rows: the validation rows it evaluates, in chunks of EVAL_CHUNK_ROWS), with
     the runtime's buffers and margin, and NCCL's buffers where it allreduces over NCCL."""
-    activation_rows = max(rows, min(int(eval_rows), _core.MLP.EVAL_CHUNK_ROWS))
+    chunk = min(int(eval_rows), _core.MLP.EVAL_CHUNK_ROWS)
+    # The buffers grow to max(rows, 1.5x what they held) (MLP::ensure_capacity): a chunk
+    # after the steps' rows may leave half as many again (on GPUs all of it allocated).
+    activation_rows = rows if chunk <= rows else max(chunk, rows + rows // 2)
     model = training_memory_bytes(layers, activation_rows, optimizer=optimizer, precision=precision, dropout=dropout)
     return model * (1 + RUNTIME_OVERHEAD_FRACTION) + RUNTIME_OVERHEAD_BYTES + (NCCL_BUFFER_BYTES if nccl else 0.0)
 
@@ -489,7 +494,9 @@ def check_training_memory(layers: Sequence[int], rows: int, *, optimizer: str, p
         params = sum(fan_out * (fan_in + 1) for fan_in, fan_out in zip(layers, layers[1:]))
         where = "its GPU's free memory" if device == "cuda" else f"this host's available memory over its {local_ranks} rank(s)"
         evaluated = min(int(eval_rows), _core.MLP.EVAL_CHUNK_ROWS)
-        rows_said = f"{rows} rows" + (f" ({evaluated} when it evaluates)" if evaluated > rows else "")
+        buffers = max(evaluated, rows + rows // 2)
+        rows_said = f"{rows} rows" + (f" ({evaluated} when it evaluates" + (
+            f"; buffers for {buffers})" if buffers > evaluated else ")") if evaluated > rows else "")
         raise ConfigError(f"training {params:,} parameters on {rows_said} a rank needs about {need / 1e9:.3g} GB a "
                           f"rank (weights, gradients, {optimizer} state, activations, runtime buffers), more than the "
                           f"{usable / 1e9:.3g} GB of {where}: a smaller model or batch, or more machines")

@@ -56,6 +56,12 @@ def test_the_fit_recovers_a_rate_it_was_given():
     got_peak, got_half, harness = gf.fit_rate(with_cost, ["events-table"] * len(rows))
     assert got_peak == pytest.approx(peak, rel=1e-6) and got_half == pytest.approx(gf.TYPICAL_FIXED_S * peak)
     assert harness == {"events-table": pytest.approx(30e-6)}
+    # rows no bounded rate fits (faster than the pinned fixed time), or none: an error, which
+    # fitted_rates turns into the spec figures rather than breaking every profile
+    with pytest.raises(ValueError):
+        gf.fit_rate([(256, 256, 256, 2 * 256 ** 3, 4e-6), (512, 512, 512, 2 * 512 ** 3, 5e-6)], ["t", "t"])
+    with pytest.raises(ValueError):
+        gf.fit_rate([])
     # a fixed time beyond the bound is not taken: the rows of a slow mid-size kernel
     slow = [(*r[:4], r[4] + 50e-6) for r in rows]
     assert gf.fit_rate(slow)[1] / gf.fit_rate(slow)[0] <= gf.MAX_FIXED_S * (1 + 1e-9)
@@ -100,7 +106,8 @@ def test_a_wrong_rate_fails_the_bounds():
 
 
 @pytest.mark.parametrize("name, known", [
-    ("NVIDIA H100 80GB HBM3", "h100-sxm"), ("NVIDIA H100 PCIe", "h100-pcie"), ("NVIDIA H100 NVL", "h100-pcie"),
+    ("NVIDIA H100 80GB HBM3", "h100-sxm"), ("NVIDIA H100 PCIe", "h100-pcie"), ("NVIDIA H100 NVL", None),
+    ("NVIDIA H100 80GB HBM3 MIG 1g.10gb", None), ("NVIDIA GeForce RTX 4060 Laptop GPU", None),
     ("NVIDIA A100-SXM4-80GB", "a100-80gb"), ("NVIDIA A100-SXM4-40GB", "a100-40gb"), ("NVIDIA A100-PCIE-40GB", None),
     ("NVIDIA GeForce RTX 5080", "rtx-5080"), ("NVIDIA GeForce RTX 4060", "rtx-4060"),
     ("NVIDIA GeForce RTX 4060 Ti", None), ("NVIDIA L4", None),
@@ -127,7 +134,7 @@ def test_a_visible_gpu_of_a_named_profile_is_priced_at_its_published_rates(monke
 
 
 @pytest.mark.parametrize("cc, lanes, bf16_over_fp32", [("9.0", 128, 16.0), ("8.0", 64, 16.0), ("8.9", 128, 4.0),
-                                                        ("7.0", 64, None)])
+                                                        ("7.0", 64, None), ("7.5", 64, None)])
 def test_an_unknown_gpu_is_estimated_with_the_fitted_gpus_fixed_time(monkeypatch, cc, lanes, bf16_over_fp32):
     # Every precision's fixed time (half / peak) is the small kernels' measured one: one
     # half-peak work shared by all precisions gave FP32 GEMMs a fixed cost 10-16x too long.

@@ -87,6 +87,10 @@ def test_validation_chunks_are_priced_when_they_hold_more_rows_than_a_step():
         perf.rank_memory_bytes(layers, chunk, **kw))
     assert perf.rank_memory_bytes(layers, 8, eval_rows=100, **kw) == pytest.approx(
         perf.rank_memory_bytes(layers, 100, **kw))
+    # the buffers grow by half again at least (MLP::ensure_capacity): 1000 step rows, then
+    # a 1024-row chunk, leave buffers for 1500 (allocated in full on a GPU)
+    assert perf.rank_memory_bytes(layers, 1000, eval_rows=5000, **kw) == pytest.approx(
+        perf.rank_memory_bytes(layers, 1500, **kw))
     assert perf.rank_memory_bytes(layers, 8, eval_rows=4, **kw) == pytest.approx(step_only)
     assert perf.rank_memory_bytes(layers, 8, nccl=True, **kw) == pytest.approx(step_only + perf.NCCL_BUFFER_BYTES)
 
