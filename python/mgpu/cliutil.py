@@ -42,10 +42,11 @@ def write_line(text: str) -> None:
     """Write `text` and its newline to stderr in one write: lines of ranks that fail
     together then reach mpirun whole, never glued into one line."""
     data = (text.replace("\n", " ") + "\n").encode("utf-8", "replace")
-    tqdm = sys.modules.get("tqdm")
-    if tqdm is not None:  # a progress bar's line ends first (closing it writes its newline)
-        for bar in list(getattr(tqdm.tqdm, "_instances", ())):
-            bar.close()
+    # A progress bar's line ends first (closing it writes its newline). tqdm may be half
+    # imported: a signal handler runs this between any two lines of the main thread.
+    bars = getattr(getattr(sys.modules.get("tqdm"), "tqdm", None), "_instances", ())
+    for bar in list(bars or ()):
+        bar.close()
     try:
         fd = sys.stderr.fileno()
     except (AttributeError, OSError, ValueError):  # a stream without a descriptor (captured)

@@ -298,3 +298,14 @@ def test_recommend_refuses_counts_beyond_64_bits(capfd):
         assert cli.main(["recommend", *argv]) == 2
         err = capfd.readouterr().err
         assert message in err and "Traceback" not in err, err
+
+
+def test_write_line_from_a_signal_during_tqdms_import(monkeypatch, capfd):
+    # The stop-signal handler writes its line between any two lines of the main thread,
+    # also while tqdm is half imported (a first progress bar): an AttributeError there
+    # ended a SIGUSR1-stopped train with a traceback and MPI_ABORT.
+    import types
+    from mgpu.cliutil import write_line
+    monkeypatch.setitem(__import__("sys").modules, "tqdm", types.ModuleType("tqdm"))
+    write_line("mgpu: SIGUSR1 on rank 0: stopping at the next step boundary")
+    assert capfd.readouterr().err == "mgpu: SIGUSR1 on rank 0: stopping at the next step boundary\n"
