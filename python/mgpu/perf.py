@@ -149,6 +149,14 @@ def _gemm_rates(gpu: str) -> dict:
     return out
 
 
+def _device_entry(gpu: str) -> dict:
+    """A profile's device entry of a _GPU_TYPES kind."""
+    g = _GPU_TYPES[gpu]
+    return {"name": g["name"], "kind": "cuda", "memory_bytes": g["memory"], "memory_bandwidth": g["bandwidth"],
+            "host_to_device_bandwidth": g["h2d"], "launch_overhead_s": g["launch"], "context_bytes": g["context"],
+            **_gemm_rates(gpu)}
+
+
 def _profile_sources(spec: dict) -> list:
     """Where a named profile's figures come from: allreduce tables, GEMM tables, specs."""
     gemm = [src for gpu in dict.fromkeys(spec["devices"]) for src in gemm_fit.sources(gpu)]
@@ -182,11 +190,7 @@ def named_profile(name: str, devices: Optional[int] = None) -> dict:
                 "step_overhead_s": 2e-4, "model_error": 0.3}
     entries = []
     for key in spec["devices"]:
-        g = _GPU_TYPES[key]
-        entries.append({"name": g["name"], "kind": "cuda", "memory_bytes": g["memory"], "memory_bandwidth": g["bandwidth"],
-                        "host_to_device_bandwidth": g["h2d"], "launch_overhead_s": g["launch"],
-                        "context_bytes": g["context"],
-                        **_gemm_rates(key)})
+        entries.append(_device_entry(key))
     fit = _fitted_link(spec["link"])
     nccl = {"intra": fit["intra"], "gpus_per_node": spec["gpus_per_node"]}
     if fit.get("inter"):
@@ -229,11 +233,9 @@ def detected_profile(devices: Optional[int] = None) -> Optional[dict]:
     for g in gpus:
         known = _known_gpu_type(str(g.get("name", "")))
         if known:  # a GPU of a named profile: its published GEMM rates and bandwidths
-            t = _GPU_TYPES[known]
-            entries.append({"name": g.get("name", "GPU"), "kind": "cuda",
-                            "memory_bytes": float(g.get("total_memory_mib", 0)) * 2 ** 20 or t["memory"],
-                            "memory_bandwidth": t["bandwidth"], "host_to_device_bandwidth": t["h2d"],
-                            "launch_overhead_s": t["launch"], "context_bytes": t["context"], **_gemm_rates(known)})
+            entry = _device_entry(known)
+            entries.append({**entry, "name": g.get("name", "GPU"),
+                            "memory_bytes": float(g.get("total_memory_mib", 0)) * 2 ** 20 or entry["memory_bytes"]})
             continue
         sms = float(g.get("multiprocessors", 0) or 0)
         clock = 1.7e9  # typical boost clock of recent data-centre GPUs
@@ -467,15 +469,20 @@ RUNTIME_OVERHEAD_BYTES = 64 * 2 ** 20
 RUNTIME_OVERHEAD_FRACTION = 0.10
 
 
+def _buffer_rows(rows: int, eval_rows: int) -> tuple:
+    """(rows of one validation chunk, rows the activation buffers end up holding). The
+    buffers grow to max(rows, 1.5x what they held) (MLP::ensure_capacity): a chunk after
+    the steps' rows may leave half as many again (on GPUs all of it allocated)."""
+    chunk = min(int(eval_rows), _core.MLP.EVAL_CHUNK_ROWS)
+    return chunk, rows if chunk <= rows else max(chunk, rows + rows // 2)
+
+
 def rank_memory_bytes(layers: Sequence[int], rows: int, *, optimizer: str, precision: str, dropout: float,
                       eval_rows: int = 0, nccl: bool = False) -> float:
     """Bytes a training rank allocates: training_memory_bytes at the most rows its buffers
     hold (eval_rows: the validation rows it evaluates, in chunks of EVAL_CHUNK_ROWS), with
     the runtime's buffers and margin, and NCCL's buffers where it allreduces over NCCL."""
-    chunk = min(int(eval_rows), _core.MLP.EVAL_CHUNK_ROWS)
-    # The buffers grow to max(rows, 1.5x what they held) (MLP::ensure_capacity): a chunk
-    # after the steps' rows may leave half as many again (on GPUs all of it allocated).
-    activation_rows = rows if chunk <= rows else max(chunk, rows + rows // 2)
+    _, activation_rows = _buffer_rows(rows, eval_rows)
     model = training_memory_bytes(layers, activation_rows, optimizer=optimizer, precision=precision, dropout=dropout)
     return model * (1 + RUNTIME_OVERHEAD_FRACTION) + RUNTIME_OVERHEAD_BYTES + (NCCL_BUFFER_BYTES if nccl else 0.0)
 
@@ -493,8 +500,7 @@ def check_training_memory(layers: Sequence[int], rows: int, *, optimizer: str, p
     if need > usable:
         params = sum(fan_out * (fan_in + 1) for fan_in, fan_out in zip(layers, layers[1:]))
         where = "its GPU's free memory" if device == "cuda" else f"this host's available memory over its {local_ranks} rank(s)"
-        evaluated = min(int(eval_rows), _core.MLP.EVAL_CHUNK_ROWS)
-        buffers = max(evaluated, rows + rows // 2)
+        evaluated, buffers = _buffer_rows(rows, eval_rows)
         rows_said = f"{rows} rows" + (f" ({evaluated} when it evaluates" + (
             f"; buffers for {buffers})" if buffers > evaluated else ")") if evaluated > rows else "")
         raise ConfigError(f"training {params:,} parameters on {rows_said} a rank needs about {need / 1e9:.3g} GB a "
