@@ -74,16 +74,7 @@ def params_of(path):
         return {k: f[k] for k in f.files}
 
 
-# An open bug (2026-11-25): after SIGUSR1 reaches both ranks, rank 0 sometimes aborts on
-# heap corruption in dnnl_sgemm ("corrupted size vs. prev_size"); 2 of 3 full-suite runs
-# that day, 1 in 40 of scripts/signal_stop_repeat.sh, never alone under pytest. Not strict:
-# the case still runs and passes most times; remove the mark with the fix.
-HEAP_CORRUPTION_AFTER_SIGUSR1 = pytest.mark.xfail(
-    strict=False, reason="open bug: heap corruption in dnnl_sgemm on rank 0 after SIGUSR1 (scripts/signal_stop_repeat.sh)")
-
-
-@pytest.mark.parametrize("how", ["SIGTERM to rank 1 only",
-                                 pytest.param("SIGUSR1 to mpirun", marks=HEAP_CORRUPTION_AFTER_SIGUSR1)])
+@pytest.mark.parametrize("how", ["SIGTERM to rank 1 only", "SIGUSR1 to mpirun"])
 def test_signal_checkpoints_and_resume_is_bit_identical(tmp_path, how):
     steps = 1500
     ref = mpirun(2, [*MGPU, *RUN, "--steps", steps, "--save", tmp_path / "ref.npz"])

@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cmath>
 
+#include "async_signals.h"
 #include "errors.h"
 #include "staged_communicator.h"
 
@@ -154,6 +155,7 @@ void DataParallelStep::set_loss_scale(float scale) {
 
 StepResult DataParallelStep::step(const std::vector<MicroShard>& shards, int64_t global_batch,
                                   uint64_t step_index, float lr, bool request_stop, bool trace) {
+  const AsynchronousSignalsHeld signals_after_the_step;  // one mask change for all its GEMMs
   MLP& m = *model_;
   Backend& be = m.backend();
   MGPU_CHECK(!shards.empty(), ConfigError, "a step needs at least one micro-batch");

@@ -24,6 +24,7 @@
 #include <thread>
 #include <vector>
 
+#include "../core/async_signals.h"
 #include "../core/errors.h"
 #include "../core/philox.h"
 
@@ -161,6 +162,23 @@ std::string onednn_version() {
 #endif
 }
 
+#if defined(MGPU_HAVE_ONEDNN) && defined(_OPENMP)
+namespace {
+// The OpenMP runtime keeps one pool of worker threads per calling thread and reuses it
+// for every parallel region, oneDNN's included; they only compute, so they hold
+// asynchronous signals for good (async_signals.h says why). Called with the caller's
+// signals held, so that workers this region creates start held too (a new thread takes
+// its creator's mask); the ones that exist hold from now on. Once per team size reached.
+void hold_signals_in_openmp_workers(int threads) {
+  static thread_local int held_up_to = 1;
+  if (threads <= held_up_to) return;
+#pragma omp parallel num_threads(threads)
+  if (omp_get_thread_num() != 0) pthread_sigmask(SIG_BLOCK, &asynchronous_signals(), nullptr);
+  held_up_to = threads;
+}
+}  // namespace
+#endif
+
 CpuGemm parse_cpu_gemm(const std::string& name) {
   if (name == "auto") return CpuGemm::kAuto;
   if (name == "openblas") return CpuGemm::kOpenBlas;
@@ -215,10 +233,12 @@ void CpuBackend::sgemm(bool trans_a, bool trans_b, int M, int N, int K, const fl
                        const float* B, int ldb, float beta, float* C, int ldc) {
 #ifdef MGPU_HAVE_ONEDNN
   if (gemm_library(M, N, K) == CpuGemm::kOneDnn) {
+    const AsynchronousSignalsHeld no_handler_inside_the_kernel;  // async_signals.h
     // oneDNN threads with OpenMP: this thread's team size is its ICV, set per call
     // because ranks-as-threads (thread_group.py) call from several threads.
 #ifdef _OPENMP
     omp_set_num_threads(threads_);
+    hold_signals_in_openmp_workers(threads_);
 #endif
     const dnnl_status_t status = dnnl_sgemm(trans_a ? 'T' : 'N', trans_b ? 'T' : 'N', M, N, K, 1.0f, A, lda,
                                             B, ldb, beta, C, ldc);

@@ -3,8 +3,10 @@ by product shape, thread count and the CPU's vector width, the MGPU_CPU_GEMM
 override, and every library against the float64 reference on the forward and both
 backward products."""
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -143,3 +145,110 @@ def test_openmp_workers_spin_briefly_only_where_no_openblas_thread_computes():
                      MGPU_SET_OPENMP_ENV="OMP_WAIT_POLICY=passive,GOMP_SPINCOUNT=10000")
     assert _import_in_fresh_process(**inherited, MGPU_CPU_GEMM="openblas")[:3] == [None, "passive", {}]
     assert _import_in_fresh_process(**inherited)[2] == ({"GOMP_SPINCOUNT": "10000"} if openmp_only else {})
+
+
+
+# A training run that counts each SIGUSR2 in a Python handler (no-op otherwise). It says
+# when it has trained, then waits for the end of the signals (stdin closed) and ignores
+# the rest before it exits: Python resets its handlers on the way out, and a signal sent
+# to a thread that holds it for good (an OpenMP worker) stays pending. Its first OpenMP team is made before any oneDNN
+# GEMM (by elementwise loops on the OpenBLAS path, as a program's own parallel code
+# would), so its workers start with signals unblocked.
+_TRAINED = "signal test: trained"
+_COUNTING_TRAINER = f"""
+import signal, sys
+import numpy as np
+from mpi4py import MPI  # initialised here, before the signals: PMIx's start-up fails on them
+import mgpu
+from mgpu.cli import main
+threads = int(sys.argv[sys.argv.index("--threads") + 1])
+early = mgpu.MLP([64, 1024, 64], threads=threads)
+mgpu._core.set_cpu_gemm(early._backend, "openblas")
+early.loss_and_grad(np.ones((256, 64), np.float32), np.zeros((256, 64), np.float32))
+handled = 0
+def count(signum, frame):
+    global handled
+    handled += 1
+signal.signal(signal.SIGUSR2, count)
+code = main(sys.argv[1:])
+print("\\n{_TRAINED}", flush=True)
+sys.stdin.read()
+signal.signal(signal.SIGUSR2, signal.SIG_IGN)  # drops those still pending on threads that hold it
+print("handled", handled, file=sys.stderr)
+sys.exit(code)
+"""
+
+
+def _catches(pid: int, sig: int) -> bool:
+    """Has process `pid` a handler for `sig` yet (the SigCgt mask of /proc/PID/status)?"""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            caught = next(int(line.split()[1], 16) for line in f if line.startswith("SigCgt:"))
+    except (OSError, StopIteration):
+        return False
+    return bool(caught >> (sig - 1) & 1)
+
+
+def _malloc_checks() -> dict:
+    """glibc's checking malloc (MALLOC_CHECK_=3 needs libc_malloc_debug since glibc 2.34):
+    a corrupted chunk aborts at its next free instead of, sometimes, much later."""
+    from ctypes.util import find_library
+    lib = find_library("c_malloc_debug")
+    return {"LD_PRELOAD": lib, "MALLOC_CHECK_": "3"} if lib else {}
+
+
+def _signal_until_trained(child, sig, seconds) -> int:
+    """Send `sig` to each of `child`'s threads in turn (tgkill: an OpenMP worker inside a
+    kernel gets its share, not only the thread the kernel would pick) as fast as possible,
+    until the child says it has trained (or ends, or `seconds` pass); returns how many."""
+    import ctypes
+    import select
+    tgkill = ctypes.CDLL(None, use_errno=True).syscall
+    SYS_TGKILL = 234  # x86-64
+    sent, said, deadline, threads = 0, b"", time.monotonic() + seconds, []
+    while child.poll() is None and not _catches(child.pid, sig) and time.monotonic() < deadline:
+        time.sleep(0.001)  # before its handler the signal would end the process
+    fd = child.stdout.fileno()
+    while child.poll() is None and time.monotonic() < deadline:
+        if select.select([fd], [], [], 0)[0]:
+            said += os.read(fd, 65536)
+            if _TRAINED.encode() in said:
+                break
+        if sent % 1000 == 0:
+            try:
+                threads = [int(t) for t in os.listdir(f"/proc/{child.pid}/task")]
+            except OSError:
+                break
+        tgkill(SYS_TGKILL, child.pid, threads[sent % len(threads)], sig)
+        sent += 1
+    return sent
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_signals_during_gemms_leave_the_heap_and_the_result_intact(tmp_path, threads):
+    # oneDNN's JIT GEMMs (before its fix of March 2026) run with rsp in the heap, where a
+    # handled signal wrote its frame: 'free(): invalid pointer' within a second of signals
+    # without cpu_backend.cpp's signal blocking, or (2 threads, workers unblocked) wrong data.
+    library = "onednn" if HAS_ONEDNN else "auto"
+    env = {k: v for k, v in os.environ.items() if k not in ("MGPU_CPU_GEMM", "LD_PRELOAD")}
+    # OMPI_MCA_opal_signal: no OpenMPI backtrace handler, which can deadlock on the
+    # malloc lock an aborting malloc check holds; the abort ends the process at once.
+    env.update(MGPU_CPU_GEMM=library, OMPI_MCA_opal_signal="", **_malloc_checks())
+    args = ["train", "--layers", "50,512,512,3", "--batch-size", "64", "--optimizer", "adamw", "--dropout", "0.1",
+            "--no-progress", "--device", "cpu", "--threads", str(threads), "--seed", "5", "--steps", "600"]
+    handled = {}
+    for name in ("quiet", "signalled"):
+        child = subprocess.Popen([sys.executable, "-c", _COUNTING_TRAINER, *args, "--save", tmp_path / f"{name}.npz"],
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+        sent = _signal_until_trained(child, signal.SIGUSR2, 240) if name == "signalled" else 0
+        try:
+            _, err = child.communicate(timeout=240)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            _, err = child.communicate()
+        err = err.decode(errors="replace")
+        assert child.returncode == 0, f"{name}: exit {child.returncode} after {sent} signals: {err[-2000:]}"
+        handled[name] = int(err.split("handled ")[-1].split()[0])
+    assert handled["quiet"] == 0 and handled["signalled"] > 1000, handled
+    with np.load(tmp_path / "quiet.npz") as a, np.load(tmp_path / "signalled.npz") as b:
+        assert a.files == b.files and all(np.array_equal(a[k], b[k]) for k in a.files)
