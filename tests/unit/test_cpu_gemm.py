@@ -147,13 +147,12 @@ def test_openmp_workers_spin_briefly_only_where_no_openblas_thread_computes():
     assert _import_in_fresh_process(**inherited)[2] == ({"GOMP_SPINCOUNT": "10000"} if openmp_only else {})
 
 
-
 # A training run that counts each SIGUSR2 in a Python handler (no-op otherwise). It says
 # when it has trained, then waits for the end of the signals (stdin closed) and ignores
 # the rest before it exits: Python resets its handlers on the way out, and a signal sent
-# to a thread that holds it for good (an OpenMP worker) stays pending. Its first OpenMP team is made before any oneDNN
-# GEMM (by elementwise loops on the OpenBLAS path, as a program's own parallel code
-# would), so its workers start with signals unblocked.
+# to a thread that holds it for good (an OpenMP worker) stays pending. Its first OpenMP
+# team is made before any oneDNN GEMM (by elementwise loops on the OpenBLAS path, as a
+# program's own parallel code would), so its workers start with signals unblocked.
 _TRAINED = "signal test: trained"
 _COUNTING_TRAINER = f"""
 import signal, sys
@@ -203,8 +202,7 @@ def _signal_until_trained(child, sig, seconds) -> int:
     until the child says it has trained (or ends, or `seconds` pass); returns how many."""
     import ctypes
     import select
-    tgkill = ctypes.CDLL(None, use_errno=True).syscall
-    SYS_TGKILL = 234  # x86-64
+    tgkill = ctypes.CDLL(None, use_errno=True).tgkill  # glibc >= 2.30
     sent, said, deadline, threads = 0, b"", time.monotonic() + seconds, []
     while child.poll() is None and not _catches(child.pid, sig) and time.monotonic() < deadline:
         time.sleep(0.001)  # before its handler the signal would end the process
@@ -219,17 +217,17 @@ def _signal_until_trained(child, sig, seconds) -> int:
                 threads = [int(t) for t in os.listdir(f"/proc/{child.pid}/task")]
             except OSError:
                 break
-        tgkill(SYS_TGKILL, child.pid, threads[sent % len(threads)], sig)
+        tgkill(child.pid, threads[sent % len(threads)], sig)
         sent += 1
     return sent
 
 
+@pytest.mark.parametrize("library", [l for l in LIBRARIES if l != "auto"])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_signals_during_gemms_leave_the_heap_and_the_result_intact(tmp_path, threads):
+def test_signals_during_gemms_leave_the_heap_and_the_result_intact(tmp_path, threads, library):
     # oneDNN's JIT GEMMs (before its fix of March 2026) run with rsp in the heap, where a
     # handled signal wrote its frame: 'free(): invalid pointer' within a second of signals
-    # without cpu_backend.cpp's signal blocking, or (2 threads, workers unblocked) wrong data.
-    library = "onednn" if HAS_ONEDNN else "auto"
+    # without the holds of async_signals.h, or (2 threads, workers not holding) wrong data.
     env = {k: v for k, v in os.environ.items() if k not in ("MGPU_CPU_GEMM", "LD_PRELOAD")}
     # OMPI_MCA_opal_signal: no OpenMPI backtrace handler, which can deadlock on the
     # malloc lock an aborting malloc check holds; the abort ends the process at once.
