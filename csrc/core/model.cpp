@@ -5,6 +5,7 @@
 #include <cmath>
 #include <limits>
 
+#include "async_signals.h"
 #include "errors.h"
 #include "philox.h"
 
@@ -181,6 +182,7 @@ void MLP::backward(int rows, const std::function<void(int)>& layer_done, bool ac
 }
 
 float MLP::loss_and_grad(const HostBatch& batch, LossKind loss, uint64_t step, int64_t first_sample) {
+  const AsynchronousSignalsHeld signals_after_the_call;  // async_signals.h
   MGPU_CHECK(batch.rows >= 1, ConfigError, "loss_and_grad needs at least one sample");
   stage(batch, loss);
   const DropoutKey key{seed_, step, 0, first_sample};
@@ -195,6 +197,7 @@ float MLP::loss_and_grad(const HostBatch& batch, LossKind loss, uint64_t step, i
 }
 
 void MLP::predict(const float* x, int rows, float* host_out) {
+  const AsynchronousSignalsHeld signals_after_the_call;
   MGPU_CHECK(rows >= 0, ConfigError, "rows must be >= 0");
   for (int start = 0; start < rows; start += kEvalChunkRows) {
     const int chunk = std::min(kEvalChunkRows, rows - start);
@@ -206,6 +209,7 @@ void MLP::predict(const float* x, int rows, float* host_out) {
 }
 
 std::pair<double, int64_t> MLP::evaluate(const HostBatch& batch, LossKind loss) {
+  const AsynchronousSignalsHeld signals_after_the_call;
   double loss_sum = 0.0;
   int64_t correct = 0;
   for (int start = 0; start < batch.rows; start += kEvalChunkRows) {

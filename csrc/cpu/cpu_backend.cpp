@@ -164,17 +164,29 @@ std::string onednn_version() {
 
 #if defined(MGPU_HAVE_ONEDNN) && defined(_OPENMP)
 namespace {
-// The OpenMP runtime keeps one pool of worker threads per calling thread and reuses it
-// for every parallel region, oneDNN's included; they only compute, so they hold
-// asynchronous signals for good (async_signals.h says why). Called with the caller's
-// signals held, so that workers this region creates start held too (a new thread takes
-// its creator's mask); the ones that exist hold from now on. Once per team size reached.
+// oneDNN runs its GEMMs on the calling thread's OpenMP team, whose workers only compute:
+// they hold asynchronous signals for good (async_signals.h says why). The runtime keeps
+// a pool of workers per calling thread, but not always the same threads: a smaller team
+// of two or more ends the extra workers, and a larger one after it starts new ones, with
+// the mask their creator had then, maybe outside any hold. So once per hold of the
+// caller (and again if the team grows within it) a region checks every worker: one that
+// does not hold yet starts to. Called with the caller's signals held, so that workers
+// the region itself creates start held.
 void hold_signals_in_openmp_workers(int threads) {
-  static thread_local int held_up_to = 1;
-  if (threads <= held_up_to) return;
+  static thread_local uint64_t checked_in = 0;  // the caller's hold whose team was checked
+  static thread_local int checked_threads = 0;
+  const uint64_t hold = AsynchronousSignalsHeld::generation();
+  if (threads <= 1 || (hold == checked_in && threads <= checked_threads)) return;
 #pragma omp parallel num_threads(threads)
-  if (omp_get_thread_num() != 0) pthread_sigmask(SIG_BLOCK, &asynchronous_signals(), nullptr);
-  held_up_to = threads;
+  {
+    static thread_local bool holds = false;
+    if (!holds && omp_get_thread_num() != 0) {
+      pthread_sigmask(SIG_BLOCK, &asynchronous_signals(), nullptr);
+      holds = true;
+    }
+  }
+  checked_in = hold;
+  checked_threads = threads;
 }
 }  // namespace
 #endif

@@ -170,6 +170,15 @@ def count(signum, frame):
     handled += 1
 signal.signal(signal.SIGUSR2, count)
 code = main(sys.argv[1:])
+# GEMMs outside a training step: each model call holds signals on its own.
+import hashlib
+direct = mgpu.MLP([50, 512, 512, 3], seed=1, threads=threads)
+x = np.random.default_rng(0).standard_normal((64, 50)).astype(np.float32)
+losses = [direct.loss_and_grad(x, x[:, :3], "mse", step=i) for i in range(300)]
+digest = hashlib.sha1(np.array(losses, np.float32).tobytes())
+for g in direct.get_gradients():
+    digest.update(g.tobytes())
+print("direct calls", digest.hexdigest(), file=sys.stderr)
 print("\\n{_TRAINED}", flush=True)
 sys.stdin.read()
 signal.signal(signal.SIGUSR2, signal.SIG_IGN)  # drops those still pending on threads that hold it
@@ -234,7 +243,7 @@ def test_signals_during_gemms_leave_the_heap_and_the_result_intact(tmp_path, thr
     env.update(MGPU_CPU_GEMM=library, OMPI_MCA_opal_signal="", **_malloc_checks())
     args = ["train", "--layers", "50,512,512,3", "--batch-size", "64", "--optimizer", "adamw", "--dropout", "0.1",
             "--no-progress", "--device", "cpu", "--threads", str(threads), "--seed", "5", "--steps", "600"]
-    handled = {}
+    handled, direct = {}, {}
     for name in ("quiet", "signalled"):
         child = subprocess.Popen([sys.executable, "-c", _COUNTING_TRAINER, *args, "--save", tmp_path / f"{name}.npz"],
                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
@@ -247,6 +256,48 @@ def test_signals_during_gemms_leave_the_heap_and_the_result_intact(tmp_path, thr
         err = err.decode(errors="replace")
         assert child.returncode == 0, f"{name}: exit {child.returncode} after {sent} signals: {err[-2000:]}"
         handled[name] = int(err.split("handled ")[-1].split()[0])
+        direct[name] = err.split("direct calls ")[-1].split()[0]
     assert handled["quiet"] == 0 and handled["signalled"] > 1000, handled
+    assert direct["quiet"] == direct["signalled"], "direct model calls gave other results under signals"
     with np.load(tmp_path / "quiet.npz") as a, np.load(tmp_path / "signalled.npz") as b:
         assert a.files == b.files and all(np.array_equal(a[k], b[k]) for k in a.files)
+
+
+_WORKER_MASKS = """
+import os, signal, threading
+import numpy as np
+from mgpu import _core
+
+def holding():  # threads other than this one that hold SIGUSR2
+    me, count = threading.get_native_id(), 0
+    for tid in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{tid}/status") as f:
+            blocked = int(next(l.split()[1] for l in f if l.startswith("SigBlk:")), 16)
+        if blocked >> (signal.SIGUSR2 - 1) & 1:
+            assert int(tid) != me, "the calling thread still holds signals after the call"
+            count += 1
+    return count
+
+backend = _core.make_backend("cpu", 0, 4)
+rng = np.random.default_rng(0)
+x, w, b = (rng.standard_normal(s).astype(np.float32) for s in ((256, 64), (1024, 64), (1024,)))
+def forward(threads, library):  # one GEMM, then the bias on a parallel region (256 x 1024)
+    backend.threads = threads
+    _core.set_cpu_gemm(backend, library)
+    _core.backend_ops.linear_forward(backend, x, w, b)
+before = holding()
+forward(4, "onednn")
+first = holding() - before
+forward(2, "openblas")  # a smaller team ends two workers...
+forward(4, "openblas")  # ...and a larger one starts two, outside any hold
+forward(4, "onednn")
+print(first, holding() - before)
+"""
+
+
+@pytest.mark.skipif(not HAS_ONEDNN, reason="the OpenMP workers hold signals for oneDNN's GEMMs only")
+def test_openmp_workers_hold_signals_after_their_team_shrinks_and_regrows():
+    r = subprocess.run([sys.executable, "-c", _WORKER_MASKS], capture_output=True, text=True, timeout=120,
+                       env={k: v for k, v in os.environ.items() if k != "MGPU_CPU_GEMM"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == ["3", "3"], r.stdout  # 4 threads: the caller and 3 workers
