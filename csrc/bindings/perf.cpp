@@ -75,6 +75,35 @@ std::vector<double> time_axpy(Backend& be, size_t n, int repeats) {
   return time_calls(be, repeats, [&] { be.axpy(y.data(), x.data(), n, 0.5f); });
 }
 
+// One captured graph of `nodes` dependent 1-element axpys, replayed as training
+// replays a step (argument update + launch): the replay's fixed cost plus nodes x
+// the per-node cost, which two node counts separate. Releases the backend's graphs.
+std::vector<double> time_graph_replay(Backend& be, int nodes, int repeats) {
+  MGPU_CHECK(nodes >= 1, ConfigError, "nodes must be >= 1");
+  MGPU_CHECK(be.supports_capture(), ConfigError, "the ", be.name(), " backend cannot capture");
+  BackendArray<float> x(&be, 1), y(&be, 1);
+  be.zero(x.data(), 1);
+  be.zero(y.data(), 1);
+  be.synchronize();
+  be.begin_capture();
+  try {
+    for (int i = 0; i < nodes; ++i) be.axpy(y.data(), x.data(), 1, 0.5f);
+  } catch (...) {
+    be.abort_capture();
+    throw;
+  }
+  const int graph = be.end_capture();
+  std::vector<double> out;
+  try {
+    out = time_calls(be, repeats, [&] { be.replay(graph, ReplayArgs{0, 0, 1.0f, 1.0f, UpdateScalars{}}); });
+  } catch (...) {
+    be.release_captures();
+    throw;
+  }
+  be.release_captures();
+  return out;
+}
+
 // h (B, C) -> h: the ReLU that follows each hidden layer's GEMM, with dropout p
 // (p = 0: the plain ReLU, whose cost the layer's pass already prices). Zeros stay
 // zeros, so every call does the same work on the same values.
@@ -163,6 +192,10 @@ void bind_perf(py::module_& m) {
         py::arg("p"), py::arg("repeats") = 5, py::call_guard<py::gil_scoped_release>(),
         "Seconds of each timed in-place ReLU with dropout p (p = 0: plain ReLU) over a (batch, features) "
         "activation, the mask drawn as training draws it.");
+  m.def("time_graph_replay", &time_graph_replay, py::arg("backend"), py::arg("nodes"), py::arg("repeats") = 5,
+        py::call_guard<py::gil_scoped_release>(),
+        "Seconds of each timed replay (with its wait) of one captured graph of `nodes` tiny kernels: the "
+        "difference between two node counts is the per-node cost of a replayed step.");
   m.def("time_axpy", &time_axpy, py::arg("backend"), py::arg("n"), py::arg("repeats") = 5,
         py::call_guard<py::gil_scoped_release>(),
         "Seconds of each timed y += a x over n floats (12 bytes per element): bandwidth and, for tiny n, "
@@ -215,6 +248,7 @@ void bind_perf(py::module_& m) {
       .def_readwrite("memory_bandwidth", &DeviceProfile::memory_bandwidth)
       .def_readwrite("host_to_device_bandwidth", &DeviceProfile::host_to_device_bandwidth)
       .def_readwrite("launch_overhead_s", &DeviceProfile::launch_overhead_s)
+      .def_readwrite("graph_node_s", &DeviceProfile::graph_node_s)
       .def_readwrite("context_bytes", &DeviceProfile::context_bytes)
       .def_readwrite("dropout_s_per_unit", &DeviceProfile::dropout_s_per_unit)
       .def_readwrite("layers", &DeviceProfile::layers)
@@ -269,6 +303,7 @@ void bind_perf(py::module_& m) {
       .def_readwrite("dropout", &Workload::dropout)
       .def_readwrite("bucket_elems", &Workload::bucket_elems)
       .def_readwrite("grad_dtype", &Workload::grad_dtype)
+      .def_readwrite("cuda_graph", &Workload::cuda_graph)
       .def("resolved_layers", &Workload::resolved_layers);
   py::class_<Options>(pm, "Options")
       .def(py::init<>())
@@ -286,6 +321,7 @@ void bind_perf(py::module_& m) {
       .def_readonly("optimizer_s", &Prediction::optimizer_s)
       .def_readonly("overhead_s", &Prediction::overhead_s)
       .def_readonly("bucket_elems", &Prediction::bucket_elems)
+      .def_readonly("graphs", &Prediction::graphs)
       .def_readonly("comm_s", &Prediction::comm_s)
       .def_readonly("exposed_comm_s", &Prediction::exposed_comm_s)
       .def_readonly("step_s", &Prediction::step_s)

@@ -64,15 +64,26 @@ struct DeviceTimes {
   std::vector<double> backward_done;  // [l]: time from backward start until layer l's gradients exist
 };
 
+// Whether training replays its steps as graphs: DataParallelStep's rule for
+// --cuda-graph (StepOptions::graph).
+bool replays_graphs(const Workload& w, const HardwareProfile& hw, int devices, double params) {
+  if (w.cuda_graph != "auto") return w.cuda_graph == "on";
+  for (int i = 0; i < devices; ++i)
+    if (hw.devices[i].kind == "cpu") return false;  // host backends capture only when asked to
+  return params <= double(StepOptions::kGraphAutoMaxParams);
+}
+
 DeviceTimes device_times(const std::vector<int>& sizes, int64_t b, const DeviceProfile& d,
-                         const Workload& w, double step_overhead, bool alone, bool use_phases) {
+                         const Workload& w, double step_overhead, bool alone, bool use_phases, bool graphs) {
   const GemmRate& rate = d.gemm(w.precision);
   // Measured layer times, where topo took them, at the precision they were taken at.
   const LayerTimes* measured = alone && d.layers_alone.enabled() ? &d.layers_alone : &d.layers;
   if (w.precision != "fp32" || !measured->enabled()) measured = nullptr;
   MGPU_CHECK(rate.peak_flops > 0, ConfigError, "device '", d.name, "' has no GEMM rate in its profile");
   MGPU_CHECK(d.memory_bandwidth > 0, ConfigError, "device '", d.name, "' has no memory bandwidth in its profile");
-  const double L = d.launch_overhead_s, B = double(b);
+  // A kernel's cost beyond its work: a launch, or inside a replayed graph its node's
+  // time (the graph's own launches are step overhead, below).
+  const double L = graphs && d.graph_node_s > 0 ? d.graph_node_s : d.launch_overhead_s, B = double(b);
   auto gemm = [&](double m, double n, double k) {
     const double work = 2.0 * m * n * k;
     return work > 0 ? work / rate.at(work) + L : 0.0;
@@ -122,8 +133,11 @@ DeviceTimes device_times(const std::vector<int>& sizes, int64_t b, const DeviceP
   if (half) t.optimizer += pass(2.0 * P);
   if (w.grad_dtype != "fp32") t.optimizer += 2.0 * pass(6.0 * P);  // gradients narrowed, then the sum widened
   t.overhead = step_overhead;
-  if (d.host_to_device_bandwidth > 0)
-    t.overhead += 4.0 * B * (sizes.front() + sizes.back()) / d.host_to_device_bandwidth + L;
+  // Graphs: per step an argument update and a launch of the forward/backward graph,
+  // and on several devices of the update's graph after the allreduce too.
+  if (graphs) t.overhead += (alone ? 2.0 : 4.0) * d.launch_overhead_s;
+  if (d.host_to_device_bandwidth > 0)  // the batch's copy, outside any graph
+    t.overhead += 4.0 * B * (sizes.front() + sizes.back()) / d.host_to_device_bandwidth + d.launch_overhead_s;
   return t;
 }
 
@@ -174,7 +188,12 @@ void validate(const Workload& w, const HardwareProfile& hw, const Options& o) {
   MGPU_CHECK(w.grad_dtype == "fp32" || w.grad_dtype == "bf16" || w.grad_dtype == "fp16", ConfigError,
              "unknown gradient dtype '", w.grad_dtype, "' (expected fp32, bf16 or fp16)");
   MGPU_CHECK(w.dropout >= 0 && w.dropout < 1, ConfigError, "dropout must be in [0, 1), got ", w.dropout);
+  MGPU_CHECK(w.cuda_graph == "auto" || w.cuda_graph == "on" || w.cuda_graph == "off", ConfigError,
+             "unknown CUDA graph mode '", w.cuda_graph, "' (expected auto, on or off)");
   for (const DeviceProfile& d : hw.devices) {
+    MGPU_CHECK(d.launch_overhead_s >= 0 && std::isfinite(d.launch_overhead_s) && d.graph_node_s >= 0 &&
+                   std::isfinite(d.graph_node_s),
+               ConfigError, "device '", d.name, "' launch and graph-node times must be finite and >= 0");
     d.layers.check("device '" + d.name + "' layer times");
     d.layers_alone.check("device '" + d.name + "' layer times (alone)");
     d.step_phases.check("device '" + d.name + "' step phases");
@@ -412,6 +431,8 @@ Prediction predict(const Workload& w, const HardwareProfile& hw, int devices, co
   Prediction p;
   p.devices = devices;
   const int64_t batch = w.global_batch;
+  const double params = parameter_count(sizes);
+  p.graphs = replays_graphs(w, hw, devices, params);
   // Shares: proportional to each device's throughput at an equal split.
   // Measured in-step phases count only where every device has them: a device
   // without would add its modelled health check beside the measured wait.
@@ -421,7 +442,7 @@ Prediction predict(const Workload& w, const HardwareProfile& hw, int devices, co
   std::vector<double> speed(devices);
   for (int i = 0; i < devices; ++i) {
     const int64_t b = std::max<int64_t>(1, batch / devices);
-    const DeviceTimes t = device_times(sizes, b, hw.devices[i], w, 0.0, devices == 1, use_phases);
+    const DeviceTimes t = device_times(sizes, b, hw.devices[i], w, 0.0, devices == 1, use_phases, p.graphs);
     speed[i] = b / std::max(t.forward + t.backward, 1e-30);
   }
   p.batch_shares = shares_by_weight(batch, o.equal_shares ? std::vector<double>(devices, 1.0) : speed);
@@ -430,7 +451,8 @@ Prediction predict(const Workload& w, const HardwareProfile& hw, int devices, co
   double compute_end = 0, optimizer = 0, overhead = 0, memory = 0, usable = 1e300;
   for (int i = 0; i < devices; ++i) {
     times.push_back(
-        device_times(sizes, p.batch_shares[i], hw.devices[i], w, hw.step_overhead_s, devices == 1, use_phases));
+        device_times(sizes, p.batch_shares[i], hw.devices[i], w, hw.step_overhead_s, devices == 1, use_phases,
+                     p.graphs));
     const DeviceTimes& t = times.back();
     compute_end = std::max(compute_end, t.forward + t.backward);
     p.forward_s = std::max(p.forward_s, t.forward);
@@ -440,14 +462,15 @@ Prediction predict(const Workload& w, const HardwareProfile& hw, int devices, co
     memory = std::max(memory, memory_per_device(sizes, p.batch_shares[i], w, hw.devices[i], hw.link, devices));
     usable = std::min(usable, hw.devices[i].memory_bytes * o.memory_margin);
   }
-  // The allreduce of each bucket can start once every device has its gradients.
+  // The allreduce of each bucket can start once every device has its gradients;
+  // replayed steps allreduce after the whole backward (DataParallelStep::overlaps()).
   if (devices > 1) {
     double channel_free = 0;
     for (const Bucket& bucket : plan_buckets(sizes, MLP::kGradExtraSlots, static_cast<size_t>(w.bucket_elems))) {
       const double t = hw.link.allreduce_seconds(devices, (w.grad_dtype == "fp32" ? 4.0 : 2.0) * bucket.count);
       p.comm_s += t;
       double ready = compute_end;
-      if (hw.link.overlaps_compute) {
+      if (hw.link.overlaps_compute && !p.graphs) {
         ready = 0;
         for (const DeviceTimes& d : times) ready = std::max(ready, d.forward + d.backward_done[bucket.ready_layer]);
       }
@@ -459,7 +482,6 @@ Prediction predict(const Workload& w, const HardwareProfile& hw, int devices, co
   // training met it at the calibration's world and bucket size, moved by what
   // the link model says this world and bucket size change. It holds the health
   // check, and with several ranks their skew and control messages.
-  const double params = parameter_count(sizes);
   double measured_wait = -1;
   int measured_ranks = 0;
   for (const DeviceTimes& t : times) {
@@ -635,6 +657,30 @@ Recommendation recommend(const Workload& w, const HardwareProfile& hw, const Opt
                        ms(p.comm_s) + ", " + ms(p.exposed_comm_s) + " of it not hidden behind backward";
     if (p.comm_s > 0) line += fmt("; communication/computation %.2f", p.comm_s / std::max(p.forward_s + p.backward_s, 1e-30));
     r.reasons.push_back(line);
+  }
+  const Prediction& shown = best_multi ? *best_multi : one ? *one : r.candidates.front();
+  if (shown.graphs) {
+    const DeviceProfile& d = hw.devices[0];
+    std::string line = std::string("steps replay as CUDA graphs (") +
+                       (w.cuda_graph == "on" ? std::string("--cuda-graph on")
+                                              : "--cuda-graph auto: GPUs, models up to " +
+                                                    count_text(double(StepOptions::kGraphAutoMaxParams)) + " parameters") +
+                       "): ";
+    line += d.graph_node_s > 0 ? fmt("a kernel costs %.2g us as a graph node", d.graph_node_s * 1e6) +
+                                     fmt(" instead of a %.2g us launch", d.launch_overhead_s * 1e6)
+                               : std::string("kernels priced as launches (the profile has no graph-node time)");
+    if (best_multi) line += "; the allreduce follows backward instead of overlapping it";
+    r.reasons.push_back(line);
+    // Overlap can be worth more than the launches graphs save (a slow link, a large allreduce).
+    if (best_multi && w.cuda_graph == "auto" && hw.link.overlaps_compute) {
+      Workload uncaptured = w;
+      uncaptured.cuda_graph = "off";
+      const Prediction off = predict_candidate(uncaptured, hw, best_multi->devices, o);
+      if (off.step_s < best_multi->step_s * 0.98)
+        r.reasons.push_back("--cuda-graph off would be faster on " + device_word(hw, off.devices) + ": " +
+                            ms(off.step_s) + " a step (" + fmt("%.2fx", best_multi->step_s / off.step_s) +
+                            "), the allreduce overlapping backward (" + ms(off.exposed_comm_s) + " exposed)");
+    }
   }
   for (const Prediction& p : r.candidates) {
     // Unequal devices: say what the slower ones add over the first (fastest) alone, and the shares.

@@ -83,6 +83,9 @@ struct DeviceProfile {
   double memory_bandwidth = 0.0; // bytes/s reached by elementwise kernels
   double host_to_device_bandwidth = 0.0;  // bytes/s for staging batches (0: host memory)
   double launch_overhead_s = 0.0;  // per kernel launch
+  // Per node of a replayed graph (a captured step): what a kernel costs beyond its
+  // work when it runs inside a graph. 0: unknown, priced as a launch.
+  double graph_node_s = 0.0;
   double context_bytes = 0.0;    // fixed per-process memory (CUDA context, libraries)
   double dropout_s_per_unit = 0.0;  // what dropout adds per hidden unit and sample: the forward's mask (the backward's ReLU costs the same)
   // fp32 layer times measured by `mgpu topo` on CPU ranks, which share caches and
@@ -172,6 +175,10 @@ struct Workload {
   double dropout = 0.0;          // after every hidden layer
   int64_t bucket_elems = 1 << 20;
   std::string grad_dtype = "fp32";  // fp32 | bf16 | fp16: the type gradients travel in (2 bytes halve the allreduce)
+  // auto | on | off: whether training replays its steps as graphs, as `train
+  // --cuda-graph` decides it (StepOptions::graph): auto captures on GPUs for models
+  // of at most StepOptions::kGraphAutoMaxParams parameters, never on CPUs.
+  std::string cuda_graph = "auto";
   // The layers that stand in for a bare parameter count: four square hidden
   // layers holding the same number of parameters.
   std::vector<int> resolved_layers() const;
@@ -193,6 +200,7 @@ struct Prediction {
   std::vector<int64_t> batch_shares;  // samples per device (unequal devices get unequal shares)
   double forward_s = 0, backward_s = 0, optimizer_s = 0, overhead_s = 0;
   int64_t bucket_elems = 0;      // the gradient bucket the prediction assumes
+  bool graphs = false;           // steps replay as graphs: kernels at graph-node cost, the allreduce after backward
   double comm_s = 0;             // total allreduce time of one step
   double exposed_comm_s = 0;     // the part not hidden behind backward
   double step_s = 0;

@@ -334,8 +334,10 @@ def add_derived(rows: list, profile: Optional[dict], thread_scaling: bool = Fals
             r["efficiency"] = r["speedup"] / scale
         if profile is not None:
             try:
-                w = perf._workload(None, r["layers"], None, r["batch_size"], "fp32", r.get("optimizer", "sgd"), 4.0,
-                                   r.get("dropout", 0.0))
+                # as the rows ran: their precision, and whether their steps replayed graphs
+                w = perf._workload(None, r["layers"], None, r["batch_size"], r.get("precision", "fp32"),
+                                   r.get("optimizer", "sgd"), 4.0, r.get("dropout", 0.0), r.get("grad_dtype", "fp32"),
+                                   "on" if r.get("cuda_graph") else "off")
                 hw = perf.to_core(profile, r["ranks"])
                 options = perf.P.Options()
                 options.equal_shares = True  # as measured: the benchmark splits the batch evenly

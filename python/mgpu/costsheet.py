@@ -36,6 +36,11 @@ class GpuSpec:
     sources: tuple = ()
 
 
+# A replayed straight-line CUDA graph's device time per node beyond the kernels' work,
+# the one published figure found (the selector prices captured steps with it too).
+GRAPH_NODE_S = 0.58e-6
+GRAPH_NODE_SOURCE = "https://github.com/ahrefs/ocannl/issues/488"
+
 H100_SXM = GpuSpec(
     name="H100 SXM (80 GB HBM3)",
     gemm_tflops={
@@ -50,7 +55,7 @@ H100_SXM = GpuSpec(
     hbm_bytes_per_s=0.9 * 3.35e12,   # datasheet 3.35 TB/s; 90 % reached: assumed
     h2d_bytes_per_s=0.8 * 64e9,      # PCIe 5.0 x16, 64 GB/s a direction; 80 % from pinned memory: assumed
     launch_s=2.7e-6,                 # async enqueue per launch, 2.62-2.81 us (ahrefs/ocannl#488, RTX 5070 Ti)
-    graph_node_s=0.58e-6,            # per node of a replayed straight-line graph (same source)
+    graph_node_s=GRAPH_NODE_S,       # per node of a replayed straight-line graph (same source)
     stream_gap_s=1.0e-6,             # assumed
     sync_s=12e-6,                    # graph launch + sync intercept 14.8 us less one launch (same source)
     min_kernel_s=2.0e-6,             # assumed

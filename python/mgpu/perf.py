@@ -23,7 +23,8 @@ import time
 from typing import Optional, Sequence
 
 from . import _core, gemm_fit
-from .config import GRAD_DTYPES, PRESETS
+from .costsheet import GRAPH_NODE_S, GRAPH_NODE_SOURCE
+from .config import GRAD_DTYPES, GRAPH_MODES, PRESETS
 from .errors import ConfigError
 
 P = _core.perf
@@ -63,6 +64,9 @@ _SPEC = {
                  "figure": "RTX 5080: 960 GB/s, 16 GB"},
     "rtx-4060": {"url": "https://www.nvidia.com/en-us/geforce/graphics-cards/40-series/rtx-4060-4060ti/",
                  "figure": "RTX 4060: 272 GB/s, 8 GB"},
+    "graph-node": {"url": GRAPH_NODE_SOURCE,
+                   "figure": f"a replayed CUDA graph costs {GRAPH_NODE_S * 1e6:.2f} us per node beyond its kernels' "
+                             "work (RTX 5070 Ti, CUDA 13; the one published figure found, used for every GPU)"},
 }
 
 
@@ -153,14 +157,14 @@ def _device_entry(gpu: str) -> dict:
     """A profile's device entry of a _GPU_TYPES kind."""
     g = _GPU_TYPES[gpu]
     return {"name": g["name"], "kind": "cuda", "memory_bytes": g["memory"], "memory_bandwidth": g["bandwidth"],
-            "host_to_device_bandwidth": g["h2d"], "launch_overhead_s": g["launch"], "context_bytes": g["context"],
-            **_gemm_rates(gpu)}
+            "host_to_device_bandwidth": g["h2d"], "launch_overhead_s": g["launch"], "graph_node_s": GRAPH_NODE_S,
+            "context_bytes": g["context"], **_gemm_rates(gpu)}
 
 
 def _profile_sources(spec: dict) -> list:
     """Where a named profile's figures come from: allreduce tables, GEMM tables, specs."""
     gemm = [src for gpu in dict.fromkeys(spec["devices"]) for src in gemm_fit.sources(gpu)]
-    return _link_sources(spec["link"]) + gemm + [_SPEC[k] for k in spec["specs"]]
+    return _link_sources(spec["link"]) + gemm + [_SPEC[k] for k in spec["specs"]] + [_SPEC["graph-node"]]
 
 
 def _fitted_link(link: str) -> dict:
@@ -252,7 +256,7 @@ def detected_profile(devices: Optional[int] = None) -> Optional[dict]:
             "fp32": fp32, "tf32": fp32 * tensor / 2, "bf16": fp32 * tensor, "fp16": fp32 * tensor}
         entries.append({"name": g.get("name", "GPU"), "kind": "cuda", "memory_bytes": float(g.get("total_memory_mib", 0)) * 2 ** 20,
                         "memory_bandwidth": 1e12, "host_to_device_bandwidth": 20e9, "launch_overhead_s": 5e-6,
-                        "context_bytes": 0.6e9,
+                        "graph_node_s": GRAPH_NODE_S, "context_bytes": 0.6e9,
                         # a GEMM's fixed time as the fitted GPUs' small kernels take it
                         **{p: _gemm_dict(peak, peak * gemm_fit.TYPICAL_FIXED_S) for p, peak in rates.items()}})
     if devices and devices > len(entries):
@@ -381,6 +385,7 @@ def to_core(profile: dict, devices: Optional[int] = None):
             d.memory_bandwidth = float(e["memory_bandwidth"])
             d.host_to_device_bandwidth = float(e.get("host_to_device_bandwidth", 0.0))
             d.launch_overhead_s = float(e.get("launch_overhead_s", 0.0))
+            d.graph_node_s = float(e.get("graph_node_s", 0.0))  # profiles before it: graph nodes priced as launches
             d.context_bytes = float(e.get("context_bytes", 0.0))
             d.dropout_s_per_unit = float(e.get("dropout_s_per_unit", 0.0))
             if e.get("layer_times"):
@@ -418,11 +423,14 @@ def to_core(profile: dict, devices: Optional[int] = None):
 # --- the selector --------------------------------------------------------------------
 def _workload(model: Optional[str], layers: Optional[Sequence[int]], params: Optional[int], batch_size: int,
               precision: str, optimizer: str, bucket_mb: float, dropout: Optional[float] = None,
-              grad_dtype: str = "fp32"):
+              grad_dtype: str = "fp32", cuda_graph: str = "auto"):
     w = P.Workload()
     if grad_dtype not in GRAD_DTYPES:
         raise ConfigError(f"unknown gradient dtype '{grad_dtype}' (expected {', '.join(GRAD_DTYPES)})")
     w.grad_dtype = grad_dtype
+    if cuda_graph not in GRAPH_MODES:
+        raise ConfigError(f"unknown CUDA graph mode '{cuda_graph}' (expected {', '.join(GRAPH_MODES)})")
+    w.cuda_graph = cuda_graph
     if dropout is not None:
         if not 0 <= dropout < 1:
             raise ConfigError(f"dropout must be in [0, 1), got {dropout}")
@@ -515,7 +523,7 @@ def _as_dict(rec) -> dict:
               "forward_ms": c.forward_s * 1e3, "backward_ms": c.backward_s * 1e3, "optimizer_ms": c.optimizer_s * 1e3,
               "overhead_ms": c.overhead_s * 1e3, "allreduce_ms": c.comm_s * 1e3,
               "exposed_allreduce_ms": c.exposed_comm_s * 1e3, "timing_spread_ms": c.timing_spread_s * 1e3,
-              "bucket_mb": c.bucket_elems * 4 / 2 ** 20,
+              "bucket_mb": c.bucket_elems * 4 / 2 ** 20, "cuda_graph": c.graphs,
               "memory_bytes": c.memory_bytes,
               "memory_usable_bytes": c.memory_usable_bytes,
               **({"cost_per_million_samples": c.cost_per_million_samples} if c.cost_per_million_samples else {})}
@@ -584,12 +592,14 @@ def recommend(*, model: Optional[str] = None, layers: Optional[Sequence[int]] = 
               batch_size: int, devices: Optional[Sequence[int]] = None, profile=None, precision: str = "fp32",
               optimizer: str = "adamw", bucket_mb="auto", memory_margin: float = 0.8,
               price_per_device_hour: float = 0.0, dropout: Optional[float] = None, grad_dtype: str = "fp32",
-              nodes: Optional[int] = None) -> dict:
+              nodes: Optional[int] = None, cuda_graph: str = "auto") -> dict:
     """Single device or several, how many, and why, for a model and global batch.
 
     profile: None/'auto', 'calibrated', a named profile, a JSON path, or a
     profile dict. devices: candidate counts (default: 1 and the profile's GPUs
-    per node, plus nodes x that with `nodes`). bucket_mb: MB or 'auto' (default:
+    per node, plus nodes x that with `nodes`). cuda_graph: auto | on | off, as
+    `train --cuda-graph` (captured steps cost less per kernel and allreduce after
+    backward instead of during it). bucket_mb: MB or 'auto' (default:
     each multi-device candidate at the bucket the model prefers for it). Returns a dict: strategy (single_gpu | multi_gpu |
     benchmark_required | does_not_fit), devices, candidates (per count:
     predicted_step_ms, predicted_speedup, efficiency, memory_fits, ...),
@@ -603,7 +613,7 @@ def recommend(*, model: Optional[str] = None, layers: Optional[Sequence[int]] = 
         raise ConfigError(f"unknown optimizer '{optimizer}' (expected sgd or adamw)")
     auto = bucket_mb == "auto"
     w = _workload(model, layers, params, batch_size, precision, optimizer, 4.0 if auto else bucket_mb, dropout,
-                  grad_dtype)
+                  grad_dtype, cuda_graph)
     prof = profile if isinstance(profile, dict) else resolve_profile(profile, None)
     counts = _candidate_counts(prof, devices, nodes)
     if counts[0] < 1:
@@ -693,6 +703,9 @@ def add_parser(sub) -> None:
     r.add_argument("--optimizer", choices=("sgd", "adamw"), default="adamw")
     r.add_argument("--grad-dtype", choices=GRAD_DTYPES, default="fp32",
                    help="type the gradients travel in: bf16/fp16 halve the allreduce (NCCL; default fp32)")
+    r.add_argument("--cuda-graph", choices=GRAPH_MODES, default="auto",
+                   help="as `train --cuda-graph`: auto (GPUs, models up to 2^24 parameters), on, off; captured "
+                        "steps pay less per kernel and allreduce after backward")
     r.add_argument("--bucket-mb", type=_bucket_mb, default="auto",
                    help="gradient bucket size in MB, or 'auto' (default: each multi-device candidate at the "
                         "bucket the model prefers for it)")
@@ -742,7 +755,7 @@ def cmd_recommend(a, pg) -> int:
     result = recommend(model=a.model, layers=a.layers, params=params, batch_size=a.batch_size, devices=a.devices,
                        profile=a.profile, precision=a.precision, optimizer=a.optimizer, bucket_mb=a.bucket_mb,
                        memory_margin=a.memory_margin, price_per_device_hour=a.price, dropout=a.dropout,
-                       grad_dtype=a.grad_dtype, nodes=a.nodes)
+                       grad_dtype=a.grad_dtype, nodes=a.nodes, cuda_graph=a.cuda_graph)
     if pg.is_root:
         print(format_recommendation(result))
         if a.json:

@@ -201,7 +201,7 @@ def homogenize(entries: list) -> None:
     for same in groups.values():
         if len(same) < 2:
             continue
-        for key in ("memory_bandwidth", "launch_overhead_s", "host_to_device_bandwidth", "step_overhead_s",
+        for key in ("memory_bandwidth", "launch_overhead_s", "graph_node_s", "host_to_device_bandwidth", "step_overhead_s",
                     "dropout_s_per_unit", "memory_bytes"):
             if all(key in e for e in same):
                 value = float(np.median([e[key] for e in same]))
@@ -268,6 +268,7 @@ def measure_device(pg, device: str, device_index: int, threads: int, quick: bool
     n = (16 if quick else 64) * MiB // 4
     entry["memory_bandwidth"] = 12.0 * n / _median(_core.time_axpy(backend, n, 5))
     entry["launch_overhead_s"] = _median(_core.time_axpy(backend, 1, 200))
+    entry["graph_node_s"] = measure_graph_node(backend, quick)
     if device == "cpu":
         entry["host_to_device_bandwidth"] = 0.0
         entry["context_bytes"] = 0.1e9
@@ -275,6 +276,21 @@ def measure_device(pg, device: str, device_index: int, threads: int, quick: bool
         entry["host_to_device_bandwidth"] = 64 * MiB / _median(_core.time_copy_to_backend(backend, 64 * MiB, 5))
         entry["context_bytes"] = 0.6e9
     return entry, backend
+
+
+GRAPH_NODES = (8, 136)  # the two graph sizes whose replays' difference is the per-node cost
+
+
+def measure_graph_node(backend, quick: bool) -> float:
+    """Seconds a kernel costs beyond its work as a node of a replayed graph (a captured
+    step): the difference between replays of two graph sizes over their node counts,
+    the two timed in alternating rounds. On CPUs a replay runs the recorded calls."""
+    few, many = GRAPH_NODES
+    times = {few: [], many: []}
+    for r in range(3 if quick else 7):
+        for n in ((few, many) if r % 2 == 0 else (many, few)):
+            times[n].append(_median(_core.time_graph_replay(backend, n, 10 if quick else 30)))
+    return max(0.0, (_median(times[many]) - _median(times[few])) / (many - few))
 
 
 def _bandwidths(size: int, seconds: float, n: int) -> tuple:
@@ -581,7 +597,8 @@ def format_topo(profile: dict) -> str:
         fp = ", ".join(f"{p} {d[p]['peak_flops'] / 1e9:,.0f} GFLOP/s" for p in PRECISIONS if p in d)
         lines.append(f"  rank {d['rank']} on {d['host']}: {d['name']}; GEMM peak {fp}; "
                      f"memory bw {d['memory_bandwidth'] / 1e9:.1f} GB/s; kernel overhead "
-                     f"{d['launch_overhead_s'] * 1e6:.2f} us; step overhead {d['step_overhead_s'] * 1e6:.0f} us; "
+                     f"{d['launch_overhead_s'] * 1e6:.2f} us (as a graph node "
+                     f"{d.get('graph_node_s', 0.0) * 1e6:.2f} us); step overhead {d['step_overhead_s'] * 1e6:.0f} us; "
                      f"dropout {d['dropout_s_per_unit'] * 1e9:.2f} ns/unit")
         if "cpu" in d:
             cpu = d["cpu"]

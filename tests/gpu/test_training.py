@@ -262,6 +262,22 @@ def test_auto_graphs_only_for_small_models_on_gpus(gpu):
     assert not step.uses_graphs
 
 
+def test_the_selector_prices_graphs_where_the_training_step_captures(gpu):
+    from mgpu import perf
+    be = _core.make_backend("cuda", gpu, 1)
+    profile = perf.named_profile("h100-sxm-8")
+    for sizes in ([4095, 4096], [4096, 4096]):  # 2^24 parameters exactly, and 4096 more
+        model = _core.MLP(be, sizes, 0.0, 0)
+        for mode in ("auto", "on", "off"):
+            step = _core.DataParallelStep(model, _core.Optimizer(model, "sgd"), _core.LocalCommunicator(), "mse",
+                                          graph=mode)
+            w = perf._workload(None, sizes, None, 64, "fp32", "sgd", 4.0, cuda_graph=mode)
+            assert perf.P.predict(w, perf.to_core(profile), 1, perf.P.Options()).graphs == step.uses_graphs, \
+                (sizes, mode)
+            del step
+        del model
+
+
 def test_precision_change_recaptures_after_an_uncaptured_run(gpu):
     # A shape first seen in fp32 must run uncaptured again after a switch to
     # bf16 (which needs half-precision scratch that a capture may not allocate).

@@ -209,6 +209,7 @@ def test_profiles_round_trip_and_bad_ones_are_refused(tmp_path):
     (dict(batch_size=0), "batch size"), (dict(batch_size=64, devices=[0, 1]), "device counts"),
     (dict(batch_size=64, precision="fp8"), "precision"), (dict(batch_size=64, devices=[1, 16]), "cannot predict 16"),
     (dict(batch_size=64, optimizer="lion"), "optimizer"), (dict(batch_size=1, devices=[2, 4]), "smaller than every"),
+    (dict(batch_size=64, cuda_graph="maybe"), "CUDA graph mode"),
 ])
 def test_bad_requests_raise_config_errors(kwargs, message):
     prof = profile([device()] * 4)
@@ -488,3 +489,102 @@ def test_training_memory_is_the_selectors_memory_of_one_device():
     small = perf.training_memory_bytes([50, 1024, 1024, 3], 64, optimizer="sgd")
     assert perf.training_memory_bytes([50, 1024, 1024, 3], 64, optimizer="adamw") > small
     assert perf.training_memory_bytes([50, 1024, 1024, 3], 4096, optimizer="sgd") > small
+
+
+# --- captured steps (CUDA graphs) ------------------------------------------------------
+SMALL = (64, 256, 256, 10)  # 3 layers, 85K parameters: captured under auto on GPUs
+
+
+def graph_predict(prof, n, mode, layers=SMALL, batch=512):
+    # 64 kB buckets: a bucket per layer, the later ones ready before backward ends
+    w = perf._workload(None, list(layers), None, batch, "fp32", "sgd", 0.0625, cuda_graph=mode)
+    return P.predict(w, perf.to_core(prof), n, P.Options())
+
+
+def test_captured_steps_price_kernels_as_graph_nodes_and_allreduce_after_backward():
+    launch, node = 5e-6, 0.5e-6
+    gpu = {**device(launch=launch), "graph_node_s": node}
+    prof = profile([gpu] * 2, alpha=1e-6, busbw=1e10, overlap=True)
+    for n in (1, 2):
+        on, off, auto = (graph_predict(prof, n, mode) for mode in ("on", "off", "auto"))
+        assert on.graphs and auto.graphs and not off.graphs
+        assert auto.step_s == pytest.approx(on.step_s)
+        # Kernels of 3 layers: forward 3 GEMMs + 3 bias passes + 2 ReLUs + the loss; backward
+        # 3 dW + 3 bias sums + 2 dX + 2 ReLU backwards. Each costs a node instead of a launch.
+        assert off.forward_s - on.forward_s == pytest.approx(9 * (launch - node), rel=1e-6)
+        assert off.backward_s - on.backward_s == pytest.approx(10 * (launch - node), rel=1e-6)
+        # The graphs' own launches (an argument update each): one graph on one device, and
+        # the update's graph after the allreduce on several.
+        assert on.overhead_s - off.overhead_s == pytest.approx((2 if n == 1 else 4) * launch, rel=1e-6)
+    on, off = graph_predict(prof, 2, "on"), graph_predict(prof, 2, "off")
+    assert on.comm_s == pytest.approx(off.comm_s)
+    assert on.exposed_comm_s == pytest.approx(on.comm_s)  # nothing hidden behind backward
+    assert off.exposed_comm_s < 0.9 * off.comm_s
+
+
+def test_graph_mode_auto_follows_the_training_step_rule():
+    gpu, cpu = {**device(launch=5e-6), "graph_node_s": 1e-6}, device(launch=5e-6, kind="cpu")
+    from mgpu import costsheet
+    big = (4096, 4096, 10)  # above StepOptions::kGraphAutoMaxParams
+    assert 4096 * 4096 + 4096 + 4096 * 10 + 10 > costsheet.GRAPH_AUTO_MAX_PARAMS
+    assert not graph_predict(profile([gpu] * 2), 2, "auto", layers=big).graphs
+    assert graph_predict(profile([gpu] * 2), 2, "on", layers=big).graphs
+    assert not graph_predict(profile([cpu] * 2), 2, "auto").graphs  # host backends: only when asked
+    assert graph_predict(profile([cpu] * 2), 2, "on").graphs
+    # A profile without a graph-node time (older calibrations) prices nodes as launches.
+    plain = profile([device(launch=5e-6)] * 2)
+    assert graph_predict(plain, 1, "on").forward_s == pytest.approx(graph_predict(plain, 1, "off").forward_s)
+    with pytest.raises(mgpu.ConfigError, match="graph-node"):
+        graph_predict(profile([{**gpu, "graph_node_s": -1e-6}] * 2), 2, "on")
+
+
+def test_recommend_says_when_steps_replay_as_graphs_and_when_overlap_would_beat_them():
+    launch = 5e-6
+    gpu = {**device(flops=2e13, launch=launch), "graph_node_s": 0.5e-6}
+    slow = profile([gpu] * 2, alpha=1e-5, busbw=2e9, overlap=True)
+    r = perf.recommend(layers=[1024, 1024, 1024, 1024, 10], batch_size=4096, devices=[1, 2], profile=slow)
+    assert all(c["cuda_graph"] for c in r["candidates"])
+    assert any("replay as CUDA graphs" in line and "follows backward" in line for line in r["reasons"])
+    advice = [line for line in r["reasons"] if line.startswith("--cuda-graph off would be faster on 2 GPUs")]
+    assert len(advice) == 1
+    off = perf.recommend(layers=[1024, 1024, 1024, 1024, 10], batch_size=4096, devices=[1, 2], profile=slow,
+                         cuda_graph="off")
+    assert not any(c["cuda_graph"] for c in off["candidates"])
+    assert not any("CUDA graph" in line for line in off["reasons"])
+    assert off["candidates"][1]["predicted_step_ms"] < r["candidates"][1]["predicted_step_ms"]
+    # A fast link: overlap saves less than the launches cost, no advice.
+    fast = profile([gpu] * 2, alpha=1e-6, busbw=2e11, overlap=True)
+    r = perf.recommend(layers=[256, 256, 256, 10], batch_size=256, devices=[1, 2], profile=fast)
+    assert not any(line.startswith("--cuda-graph off") for line in r["reasons"])
+
+
+def test_named_gpu_profiles_carry_the_published_graph_node_time_and_its_source():
+    from mgpu import costsheet
+    prof = perf.named_profile("h100-sxm-8")
+    assert all(d["graph_node_s"] == costsheet.GRAPH_NODE_S for d in prof["devices"])
+    assert any(s["url"] == costsheet.GRAPH_NODE_SOURCE for s in prof["sources"])
+    assert perf.to_core(prof).devices[0].graph_node_s == costsheet.GRAPH_NODE_S
+
+
+def test_graph_replay_timer_checks_its_input_and_topo_measures_a_node_cost():
+    from mgpu import _core, topo
+    be = _core.make_backend("cpu", 0, 1)
+    with pytest.raises(mgpu.ConfigError, match="nodes"):
+        _core.time_graph_replay(be, 0, 3)
+    times = _core.time_graph_replay(be, 16, 4)
+    assert len(times) == 4 and all(t > 0 for t in times)
+    node = topo.measure_graph_node(be, quick=True)
+    assert math.isfinite(node) and node >= 0
+
+
+@pytest.mark.parametrize("mode, captured", [(None, True), ("off", False), ("on", True)])
+def test_recommend_cli_takes_the_training_graph_mode(mode, captured, tmp_path, capfd):
+    from mgpu import cli
+    out = tmp_path / "r.json"
+    argv = ["recommend", "--profile", "h100-sxm-8", "--model", "medium", "--batch-size", "256", "--json", str(out)]
+    assert cli.main(argv + (["--cuda-graph", mode] if mode else [])) == 0
+    r = json.loads(out.read_text())
+    assert [c["cuda_graph"] for c in r["candidates"]] == [captured, captured]
+    assert ("replay as CUDA graphs" in capfd.readouterr().out) == captured
+    with pytest.raises(cli.UsageError, match="argument --cuda-graph: invalid choice"):
+        cli.build_parser().parse_args(argv + ["--cuda-graph", "sometimes"])
