@@ -24,20 +24,32 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-// Seconds of each of `repeats` timed calls of fn (after one untimed warm-up).
+// Seconds of each of `repeats` timed calls of fn (after one untimed warm-up). On
+// a device backend a call is what it costs in a step's stream of calls: a sample
+// is the mean of back-to-back calls filling about a millisecond between two waits
+// (a step waits once, not after every kernel; one call with its wait would add the
+// wait's latency to every GEMM and kernel priced from it). Host backends: one call.
 template <typename Fn>
 std::vector<double> time_calls(Backend& be, int repeats, Fn fn) {
   MGPU_CHECK(repeats >= 1, ConfigError, "repeats must be >= 1");
   // As in a step: one hold for all the calls, so that a oneDNN GEMM's own costs nothing.
   const AsynchronousSignalsHeld signals_after_the_timing;
+  auto seconds_since = [](Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); };
   fn();
   be.synchronize();
-  std::vector<double> out;
-  for (int i = 0; i < repeats; ++i) {
+  int calls = 1;
+  if (!be.host_accessible()) {
     const auto t0 = Clock::now();
     fn();
     be.synchronize();
-    out.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+    calls = static_cast<int>(std::clamp(1e-3 / std::max(seconds_since(t0), 1e-9), 1.0, 1000.0));
+  }
+  std::vector<double> out;
+  for (int i = 0; i < repeats; ++i) {
+    const auto t0 = Clock::now();
+    for (int c = 0; c < calls; ++c) fn();
+    be.synchronize();
+    out.push_back(seconds_since(t0) / calls);
   }
   return out;
 }
@@ -80,19 +92,21 @@ std::vector<double> time_axpy(Backend& be, size_t n, int repeats) {
 // the per-node cost, which two node counts separate. Releases the backend's graphs.
 std::vector<double> time_graph_replay(Backend& be, int nodes, int repeats) {
   MGPU_CHECK(nodes >= 1, ConfigError, "nodes must be >= 1");
+  MGPU_CHECK(repeats >= 1, ConfigError, "repeats must be >= 1");
   MGPU_CHECK(be.supports_capture(), ConfigError, "the ", be.name(), " backend cannot capture");
   BackendArray<float> x(&be, 1), y(&be, 1);
   be.zero(x.data(), 1);
   be.zero(y.data(), 1);
   be.synchronize();
   be.begin_capture();
+  int graph = -1;
   try {
     for (int i = 0; i < nodes; ++i) be.axpy(y.data(), x.data(), 1, 0.5f);
+    graph = be.end_capture();
   } catch (...) {
     be.abort_capture();
     throw;
   }
-  const int graph = be.end_capture();
   std::vector<double> out;
   try {
     out = time_calls(be, repeats, [&] { be.replay(graph, ReplayArgs{0, 0, 1.0f, 1.0f, UpdateScalars{}}); });
@@ -304,6 +318,7 @@ void bind_perf(py::module_& m) {
       .def_readwrite("bucket_elems", &Workload::bucket_elems)
       .def_readwrite("grad_dtype", &Workload::grad_dtype)
       .def_readwrite("cuda_graph", &Workload::cuda_graph)
+      .def_readwrite("accumulate", &Workload::accumulate)
       .def("resolved_layers", &Workload::resolved_layers);
   py::class_<Options>(pm, "Options")
       .def(py::init<>())

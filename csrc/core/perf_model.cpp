@@ -73,6 +73,15 @@ bool replays_graphs(const Workload& w, const HardwareProfile& hw, int devices, d
   return params <= double(StepOptions::kGraphAutoMaxParams);
 }
 
+// Launches of a bias gradient's column sums on a GPU (kernels/reduce.cu's
+// column_splits): one pass, or partial sums over row splits and then their sum.
+int column_sum_launches(double rows, double out) {
+  constexpr double kReduceBlocks = 528, kColTile = 32, kRowsPerSplit = 64, kMaxSplits = 64;
+  const double splits = std::min({std::ceil(kReduceBlocks / std::ceil(out / kColTile)), std::ceil(rows / kRowsPerSplit),
+                                   kMaxSplits, std::floor(2 * kReduceBlocks * kColTile / out)});
+  return splits > 1 ? 2 : 1;
+}
+
 DeviceTimes device_times(const std::vector<int>& sizes, int64_t b, const DeviceProfile& d,
                          const Workload& w, double step_overhead, bool alone, bool use_phases, bool graphs) {
   const GemmRate& rate = d.gemm(w.precision);
@@ -89,37 +98,75 @@ DeviceTimes device_times(const std::vector<int>& sizes, int64_t b, const DeviceP
     return work > 0 ? work / rate.at(work) + L : 0.0;
   };
   auto pass = [&](double bytes) { return bytes / d.bandwidth_at(bytes, alone) + L; };
+  // A GPU step's kernels as the CUDA backend launches them (costsheet.step_ops lists
+  // them; tests/unit/test_perf.py counts them against it); a CPU's calls need no more.
+  const bool gpu = d.kind != "cpu";
+  const bool half = w.precision == "bf16" || w.precision == "fp16";
   const int layers = static_cast<int>(sizes.size()) - 1;
   DeviceTimes t;
   t.backward_done.assign(layers, 0.0);
-  if (b > 0) {
+  // Forward, loss and backward of one micro-batch of R rows; done[l]: from its
+  // backward's start until layer l's gradients exist.
+  struct MicroBatch {
+    double forward = 0, backward = 0;
+    std::vector<double> done;
+  };
+  auto micro_batch = [&](double R) {
+    MicroBatch m;
+    m.done.assign(layers, 0.0);
     for (int l = 0; l < layers; ++l) {
       const double in = sizes[l], out = sizes[l + 1];
-      t.forward += (measured ? measured->at(measured->forward, B, in, out)
-                             : gemm(B, out, in) + pass(4.0 * B * out) /* bias */) +
-                   (l + 1 < layers ? pass(8.0 * B * out) : 0.0) /* relu, dropout */;
+      m.forward += (measured ? measured->at(measured->forward, R, in, out)
+                             : gemm(R, out, in) + pass(4.0 * R * out) /* bias */) +
+                   (l + 1 < layers ? pass(8.0 * R * out) : 0.0) /* relu, dropout */;
+      if (gpu && half && l == 0) m.forward += pass(6.0 * R * in);  // the input's half copy
     }
-    t.forward += pass(16.0 * B * sizes.back());  // loss and its gradient
+    m.forward += pass(16.0 * R * sizes.back());  // loss and its gradient
+    if (gpu) m.forward += L;                     // the loss partials' sum
     if (w.dropout > 0) {
       double hidden = 0;
       for (int l = 1; l < layers; ++l) hidden += sizes[l];
-      t.forward += B * hidden * d.dropout_s_per_unit;
+      m.forward += R * hidden * d.dropout_s_per_unit;
     }
-    double elapsed = 0;
     for (int l = layers - 1; l >= 0; --l) {
       const double in = sizes[l], out = sizes[l + 1];
       if (measured)
-        elapsed += measured->at(l > 0 ? measured->backward : measured->backward_weights, B, in, out);
+        m.backward += measured->at(l > 0 ? measured->backward : measured->backward_weights, R, in, out);
       else
-        elapsed += gemm(out, in, B) /* dW */ + pass(4.0 * B * out) /* db */ + (l > 0 ? gemm(B, in, out) /* dX */ : 0.0);
-      if (l > 0) elapsed += pass(12.0 * B * in) /* relu backward */;
-      t.backward_done[l] = elapsed;
+        m.backward += gemm(out, in, R) /* dW */ + pass(4.0 * R * out) /* db */ +
+                      (l > 0 ? gemm(R, in, out) /* dX */ : 0.0) + (gpu ? (column_sum_launches(R, out) - 1) * L : 0.0);
+      if (gpu && half && l == layers - 1) m.backward += pass(6.0 * R * out);  // the loss gradient's half copy
+      if (l > 0) m.backward += pass(12.0 * R * in) /* relu backward */;
+      m.done[l] = m.backward;
     }
-    t.backward = elapsed;
+    return m;
+  };
+  // With --accumulate K the step runs K micro-batches one after another, the rows
+  // split as the trainer splits them (b mod K of them one row larger, the last among
+  // them), and only the last one's backward releases buckets: the others' come first.
+  const int64_t micro_batches = std::min<int64_t>(w.accumulate, std::max<int64_t>(b, 1));
+  if (b > 0) {
+    const int64_t small = b / micro_batches, larger = b % micro_batches;
+    const MicroBatch last = micro_batch(double(larger > 0 ? small + 1 : small));
+    MicroBatch others;  // the other K - 1
+    if (micro_batches > 1) {
+      const MicroBatch s = micro_batch(double(small));
+      const double n_small = double(micro_batches - larger) - (larger > 0 ? 0.0 : 1.0);
+      const double n_larger = double(larger > 0 ? larger - 1 : 0);
+      others.forward = n_small * s.forward;
+      others.backward = n_small * s.backward;
+      if (n_larger > 0) {
+        others.forward += n_larger * last.forward;
+        others.backward += n_larger * last.backward;
+      }
+      if (gpu) others.forward += double(micro_batches - 1) * L;  // each adds its loss to the step's
+    }
+    t.forward = others.forward + last.forward;
+    for (int l = 0; l < layers; ++l) t.backward_done[l] = others.backward + last.done[l];
+    t.backward = others.backward + last.backward;
   }
   const double P = parameter_count(sizes);
   const double update_bytes = (w.optimizer == "sgd" ? 20.0 : 28.0) * P;
-  const bool half = w.precision == "bf16" || w.precision == "fp16";
   const StepPhases& phases = alone && d.step_phases_alone.enabled() ? d.step_phases_alone : d.step_phases;
   if (use_phases && phases.enabled()) {
     // The update as measured in training, scaled by the bytes this optimizer moves;
@@ -127,17 +174,21 @@ DeviceTimes device_times(const std::vector<int>& sizes, int64_t b, const DeviceP
     t.measured = &phases;
     t.optimizer = phases.update_at(P) * update_bytes / (StepPhases::kUpdateBytesPerParam * P);
   } else {
-    t.optimizer = pass(update_bytes) + pass(4.0 * P) /* health check */;
+    // the health check: the gradients' sum of squares, its partials' sum, the verdict
+    t.optimizer = pass(update_bytes) + pass(4.0 * P) + (gpu ? 2.0 * L : 0.0);
   }
-  // With half-precision GEMMs the update also writes the weights' half copy (2 B each).
-  if (half) t.optimizer += pass(2.0 * P);
-  if (w.grad_dtype != "fp32") t.optimizer += 2.0 * pass(6.0 * P);  // gradients narrowed, then the sum widened
+  // With half-precision GEMMs the update also writes the weights' half copy (2 B each, same kernel).
+  if (half) t.optimizer += 2.0 * P / d.bandwidth_at(2.0 * P, alone);
+  // Compressed gradients: narrowed, then the sum widened, outside any graph.
+  if (w.grad_dtype != "fp32") t.optimizer += 2.0 * (6.0 * P / d.bandwidth_at(6.0 * P, alone) + d.launch_overhead_s);
   t.overhead = step_overhead;
-  // Graphs: per step an argument update and a launch of the forward/backward graph,
-  // and on several devices of the update's graph after the allreduce too.
-  if (graphs) t.overhead += (alone ? 2.0 : 4.0) * d.launch_overhead_s;
-  if (d.host_to_device_bandwidth > 0)  // the batch's copy, outside any graph
-    t.overhead += 4.0 * B * (sizes.front() + sizes.back()) / d.host_to_device_bandwidth + d.launch_overhead_s;
+  // Graphs: an argument update and a launch each: the forward/backward graph, and
+  // the update's own after the allreduce on several devices or with compressed
+  // gradients (on one device with fp32 ones the first graph holds the update too).
+  if (graphs) t.overhead += (2.0 * double(micro_batches) + (alone && w.grad_dtype == "fp32" ? 0.0 : 2.0)) * d.launch_overhead_s;
+  if (d.host_to_device_bandwidth > 0)  // the micro-batches' copies, outside any graph
+    t.overhead += 4.0 * B * (sizes.front() + sizes.back()) / d.host_to_device_bandwidth +
+                  double(micro_batches) * d.launch_overhead_s;
   return t;
 }
 
@@ -188,6 +239,7 @@ void validate(const Workload& w, const HardwareProfile& hw, const Options& o) {
   MGPU_CHECK(w.grad_dtype == "fp32" || w.grad_dtype == "bf16" || w.grad_dtype == "fp16", ConfigError,
              "unknown gradient dtype '", w.grad_dtype, "' (expected fp32, bf16 or fp16)");
   MGPU_CHECK(w.dropout >= 0 && w.dropout < 1, ConfigError, "dropout must be in [0, 1), got ", w.dropout);
+  MGPU_CHECK(w.accumulate >= 1, ConfigError, "micro-batches per step (accumulate) must be >= 1, got ", w.accumulate);
   MGPU_CHECK(w.cuda_graph == "auto" || w.cuda_graph == "on" || w.cuda_graph == "off", ConfigError,
              "unknown CUDA graph mode '", w.cuda_graph, "' (expected auto, on or off)");
   for (const DeviceProfile& d : hw.devices) {
@@ -459,7 +511,9 @@ Prediction predict(const Workload& w, const HardwareProfile& hw, int devices, co
     p.backward_s = std::max(p.backward_s, t.backward);
     optimizer = std::max(optimizer, t.optimizer);
     overhead = std::max(overhead, t.overhead);
-    memory = std::max(memory, memory_per_device(sizes, p.batch_shares[i], w, hw.devices[i], hw.link, devices));
+    // activations for the largest micro-batch: they are reused from one to the next
+    const int64_t share = p.batch_shares[i], k = std::min<int64_t>(w.accumulate, std::max<int64_t>(share, 1));
+    memory = std::max(memory, memory_per_device(sizes, (share + k - 1) / k, w, hw.devices[i], hw.link, devices));
     usable = std::min(usable, hw.devices[i].memory_bytes * o.memory_margin);
   }
   // The allreduce of each bucket can start once every device has its gradients;
@@ -671,15 +725,21 @@ Recommendation recommend(const Workload& w, const HardwareProfile& hw, const Opt
                                : std::string("kernels priced as launches (the profile has no graph-node time)");
     if (best_multi) line += "; the allreduce follows backward instead of overlapping it";
     r.reasons.push_back(line);
-    // Overlap can be worth more than the launches graphs save (a slow link, a large allreduce).
-    if (best_multi && w.cuda_graph == "auto" && hw.link.overlaps_compute) {
+    // Overlap can be worth more than the launches graphs save (a slow link, a large
+    // allreduce): say so where uncaptured steps beat this answer's pick.
+    if (best && w.cuda_graph == "auto" && hw.link.overlaps_compute) {
       Workload uncaptured = w;
       uncaptured.cuda_graph = "off";
-      const Prediction off = predict_candidate(uncaptured, hw, best_multi->devices, o);
-      if (off.step_s < best_multi->step_s * 0.98)
-        r.reasons.push_back("--cuda-graph off would be faster on " + device_word(hw, off.devices) + ": " +
-                            ms(off.step_s) + " a step (" + fmt("%.2fx", best_multi->step_s / off.step_s) +
-                            "), the allreduce overlapping backward (" + ms(off.exposed_comm_s) + " exposed)");
+      const Prediction* faster = nullptr;
+      std::vector<Prediction> off;
+      for (const Prediction& p : r.candidates) off.push_back(predict_candidate(uncaptured, hw, p.devices, o));
+      for (const Prediction& p : off)
+        if (p.memory_fits && p.step_s < best->step_s * 0.98 && (!faster || p.step_s < faster->step_s)) faster = &p;
+      if (faster)
+        r.reasons.push_back("--cuda-graph off would be faster: " + device_word(hw, faster->devices) + " at " +
+                            ms(faster->step_s) + " a step against " + ms(best->step_s) + " for " +
+                            device_word(hw, best->devices) + " with graphs, the allreduce overlapping backward (" +
+                            ms(faster->exposed_comm_s) + " exposed)");
     }
   }
   for (const Prediction& p : r.candidates) {

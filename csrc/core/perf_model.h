@@ -179,6 +179,9 @@ struct Workload {
   // --cuda-graph` decides it (StepOptions::graph): auto captures on GPUs for models
   // of at most StepOptions::kGraphAutoMaxParams parameters, never on CPUs.
   std::string cuda_graph = "auto";
+  // Micro-batches per step (train --accumulate): each runs forward and backward on its
+  // share of the rows; only the last one's backward overlaps the allreduce.
+  int64_t accumulate = 1;
   // The layers that stand in for a bare parameter count: four square hidden
   // layers holding the same number of parameters.
   std::vector<int> resolved_layers() const;

@@ -337,7 +337,7 @@ def add_derived(rows: list, profile: Optional[dict], thread_scaling: bool = Fals
                 # as the rows ran: their precision, and whether their steps replayed graphs
                 w = perf._workload(None, r["layers"], None, r["batch_size"], r.get("precision", "fp32"),
                                    r.get("optimizer", "sgd"), 4.0, r.get("dropout", 0.0), r.get("grad_dtype", "fp32"),
-                                   "on" if r.get("cuda_graph") else "off")
+                                   "on" if r.get("cuda_graph") else "off", int(r.get("accumulate", 1)))
                 hw = perf.to_core(profile, r["ranks"])
                 options = perf.P.Options()
                 options.equal_shares = True  # as measured: the benchmark splits the batch evenly
@@ -372,6 +372,13 @@ def format_table(rows: list) -> str:
     return "\n".join(out)
 
 
+def _graph_mode_used(cells: dict, a) -> str:
+    """The --cuda-graph mode that prices these rows as they ran (a failed capture under
+    auto runs uncaptured): on or off where every row agrees, else the one asked for."""
+    used = {bool(c.get("cuda_graph")) for c in cells.values()}
+    return ("on" if True in used else "off") if len(used) == 1 else a.cuda_graph
+
+
 def validate_selector(rows: list, profile: dict, a) -> list:
     """Per batch: measured vs predicted speedup per rank count, and whether the selector's pick was the faster."""
     from . import perf
@@ -381,7 +388,9 @@ def validate_selector(rows: list, profile: dict, a) -> list:
         cells = {r["ranks"]: r for r in rows if r["batch_size"] == batch}
         rec = perf.recommend(layers=cells[ranks[0]]["layers"], batch_size=batch, devices=ranks, profile=profile,
                              optimizer=a.optimizer, dropout=cells[ranks[0]].get("dropout", 0.0),
-                             bucket_mb=4.0)  # the bucket bench trains with (Trainer's default)
+                             bucket_mb=4.0,  # the bucket bench trains with (Trainer's default)
+                             precision=a.precision, grad_dtype=a.grad_dtype, cuda_graph=_graph_mode_used(cells, a),
+                             accumulate=a.accumulate)
         # by the same measure as the speedup printed (paired rounds when alternated)
         measure = "speedup" if all("speedup" in c for c in cells.values()) else "samples_per_sec"
         fastest = max(cells.values(), key=lambda r: r[measure])["ranks"]

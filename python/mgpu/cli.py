@@ -186,7 +186,7 @@ def _auto_bucket_mb(cfg, pg, sizes, device: str) -> tuple:
     if differs:
         return 4.0, f"bucket 4 MB: {differs}"
     w = perf._workload(None, sizes, None, cfg.batch_size, cfg.precision, cfg.optimizer, 4.0, cfg.effective_dropout(),
-                       cfg.grad_dtype, cfg.cuda_graph)
+                       cfg.grad_dtype, cfg.cuda_graph, cfg.accumulate)
     b = perf.auto_bucket(profile, w, pg.size)
     return b["bucket_mb"], f"bucket {b['bucket_mb']:g} MiB (auto): {b['reason']}"
 
@@ -224,7 +224,7 @@ def _auto_batch_shares(cfg, pg, sizes, device: str) -> list:
     if differs:
         raise ConfigError(f"--batch-shares auto: {differs}")
     w = perf._workload(None, sizes, None, cfg.batch_size, cfg.precision, cfg.optimizer, cfg.bucket_mb,
-                       cfg.effective_dropout(), cfg.grad_dtype, cfg.cuda_graph)
+                       cfg.effective_dropout(), cfg.grad_dtype, cfg.cuda_graph, cfg.accumulate)
     prediction = perf.P.predict(w, perf.to_core(profile), pg.size, perf.P.Options())
     return [float(s) for s in prediction.batch_shares]
 

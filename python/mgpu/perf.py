@@ -385,7 +385,9 @@ def to_core(profile: dict, devices: Optional[int] = None):
             d.memory_bandwidth = float(e["memory_bandwidth"])
             d.host_to_device_bandwidth = float(e.get("host_to_device_bandwidth", 0.0))
             d.launch_overhead_s = float(e.get("launch_overhead_s", 0.0))
-            d.graph_node_s = float(e.get("graph_node_s", 0.0))  # profiles before it: graph nodes priced as launches
+            # Calibrations before topo measured it: the published figure on GPUs (a CPU's
+            # recorded calls cost what its launches do).
+            d.graph_node_s = float(e.get("graph_node_s", GRAPH_NODE_S if d.kind != "cpu" else 0.0))
             d.context_bytes = float(e.get("context_bytes", 0.0))
             d.dropout_s_per_unit = float(e.get("dropout_s_per_unit", 0.0))
             if e.get("layer_times"):
@@ -423,8 +425,11 @@ def to_core(profile: dict, devices: Optional[int] = None):
 # --- the selector --------------------------------------------------------------------
 def _workload(model: Optional[str], layers: Optional[Sequence[int]], params: Optional[int], batch_size: int,
               precision: str, optimizer: str, bucket_mb: float, dropout: Optional[float] = None,
-              grad_dtype: str = "fp32", cuda_graph: str = "auto"):
+              grad_dtype: str = "fp32", cuda_graph: str = "auto", accumulate: int = 1):
     w = P.Workload()
+    if isinstance(accumulate, bool) or not isinstance(accumulate, int) or not 1 <= accumulate <= 2 ** 62:
+        raise ConfigError(f"micro-batches per step (accumulate) must be an integer in 1..2^62, got {accumulate}")
+    w.accumulate = accumulate
     if grad_dtype not in GRAD_DTYPES:
         raise ConfigError(f"unknown gradient dtype '{grad_dtype}' (expected {', '.join(GRAD_DTYPES)})")
     w.grad_dtype = grad_dtype
@@ -592,14 +597,15 @@ def recommend(*, model: Optional[str] = None, layers: Optional[Sequence[int]] = 
               batch_size: int, devices: Optional[Sequence[int]] = None, profile=None, precision: str = "fp32",
               optimizer: str = "adamw", bucket_mb="auto", memory_margin: float = 0.8,
               price_per_device_hour: float = 0.0, dropout: Optional[float] = None, grad_dtype: str = "fp32",
-              nodes: Optional[int] = None, cuda_graph: str = "auto") -> dict:
+              nodes: Optional[int] = None, cuda_graph: str = "auto", accumulate: int = 1) -> dict:
     """Single device or several, how many, and why, for a model and global batch.
 
     profile: None/'auto', 'calibrated', a named profile, a JSON path, or a
     profile dict. devices: candidate counts (default: 1 and the profile's GPUs
     per node, plus nodes x that with `nodes`). cuda_graph: auto | on | off, as
     `train --cuda-graph` (captured steps cost less per kernel and allreduce after
-    backward instead of during it). bucket_mb: MB or 'auto' (default:
+    backward instead of during it). accumulate: micro-batches per step, as `train
+    --accumulate`. bucket_mb: MB or 'auto' (default:
     each multi-device candidate at the bucket the model prefers for it). Returns a dict: strategy (single_gpu | multi_gpu |
     benchmark_required | does_not_fit), devices, candidates (per count:
     predicted_step_ms, predicted_speedup, efficiency, memory_fits, ...),
@@ -613,7 +619,7 @@ def recommend(*, model: Optional[str] = None, layers: Optional[Sequence[int]] = 
         raise ConfigError(f"unknown optimizer '{optimizer}' (expected sgd or adamw)")
     auto = bucket_mb == "auto"
     w = _workload(model, layers, params, batch_size, precision, optimizer, 4.0 if auto else bucket_mb, dropout,
-                  grad_dtype, cuda_graph)
+                  grad_dtype, cuda_graph, accumulate)
     prof = profile if isinstance(profile, dict) else resolve_profile(profile, None)
     counts = _candidate_counts(prof, devices, nodes)
     if counts[0] < 1:
@@ -706,6 +712,8 @@ def add_parser(sub) -> None:
     r.add_argument("--cuda-graph", choices=GRAPH_MODES, default="auto",
                    help="as `train --cuda-graph`: auto (GPUs, models up to 2^24 parameters), on, off; captured "
                         "steps pay less per kernel and allreduce after backward")
+    r.add_argument("--accumulate", type=bounded_int("--accumulate", 2 ** 62), default=1,
+                   help="micro-batches per step, as `train --accumulate` (default 1)")
     r.add_argument("--bucket-mb", type=_bucket_mb, default="auto",
                    help="gradient bucket size in MB, or 'auto' (default: each multi-device candidate at the "
                         "bucket the model prefers for it)")
@@ -755,7 +763,7 @@ def cmd_recommend(a, pg) -> int:
     result = recommend(model=a.model, layers=a.layers, params=params, batch_size=a.batch_size, devices=a.devices,
                        profile=a.profile, precision=a.precision, optimizer=a.optimizer, bucket_mb=a.bucket_mb,
                        memory_margin=a.memory_margin, price_per_device_hour=a.price, dropout=a.dropout,
-                       grad_dtype=a.grad_dtype, nodes=a.nodes, cuda_graph=a.cuda_graph)
+                       grad_dtype=a.grad_dtype, nodes=a.nodes, cuda_graph=a.cuda_graph, accumulate=a.accumulate)
     if pg.is_root:
         print(format_recommendation(result))
         if a.json:

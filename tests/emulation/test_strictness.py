@@ -164,3 +164,23 @@ def test_stress_defaults_scale_down_on_the_emulation(tmp_path):
     (dev,) = json.loads((tmp_path / "s.json").read_text())["devices"]
     assert dev["verdict"] == "OK" and dev["buffer_bytes"] <= 8 << 20
     assert elapsed < 45, elapsed
+
+
+def test_device_timers_time_back_to_back_calls_between_waits():
+    # A step waits once, not after every kernel: topo's device timers share one wait
+    # among the calls of a sample (a wait per call priced its latency into every kernel).
+    be = _core.make_backend("cuda", 0, 1)
+    repeats = 4
+    before = _core.emulation.counters()
+    samples = _core.time_axpy(be, 1, repeats)
+    after = _core.emulation.counters()
+    launched = {k: after[k] - before[k] for k in ("kernel_launches", "host_syncs")}
+    assert len(samples) == repeats and all(t > 0 for t in samples)
+    assert launched["host_syncs"] == repeats + 2  # after the warm-up, the sizing call and each sample
+    assert launched["kernel_launches"] >= 2 + 2 * repeats + 2, launched  # zeros, warm-up, sizing, >= 2 a sample
+    # The graph-node timer's replays go back to back too, and it releases its graph.
+    before = _core.emulation.counters()
+    _core.time_graph_replay(be, 8, repeats)
+    after = _core.emulation.counters()
+    assert after["graph_launches"] - before["graph_launches"] >= 2 + repeats  # warm-up, sizing, the samples
+    assert after["host_syncs"] - before["host_syncs"] <= repeats + 4  # + before the capture and at the release
