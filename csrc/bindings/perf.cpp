@@ -263,6 +263,7 @@ void bind_perf(py::module_& m) {
       .def_readwrite("host_to_device_bandwidth", &DeviceProfile::host_to_device_bandwidth)
       .def_readwrite("launch_overhead_s", &DeviceProfile::launch_overhead_s)
       .def_readwrite("graph_node_s", &DeviceProfile::graph_node_s)
+      .def_readwrite("captures", &DeviceProfile::captures)
       .def_readwrite("context_bytes", &DeviceProfile::context_bytes)
       .def_readwrite("dropout_s_per_unit", &DeviceProfile::dropout_s_per_unit)
       .def_readwrite("layers", &DeviceProfile::layers)

@@ -68,8 +68,8 @@ struct DeviceTimes {
 // --cuda-graph (StepOptions::graph).
 bool replays_graphs(const Workload& w, const HardwareProfile& hw, int devices, double params) {
   if (w.cuda_graph != "auto") return w.cuda_graph == "on";
-  for (int i = 0; i < devices; ++i)
-    if (hw.devices[i].kind == "cpu") return false;  // host backends capture only when asked to
+  for (int i = 0; i < devices; ++i)  // host backends capture only when asked to; a failed capture runs uncaptured
+    if (hw.devices[i].kind == "cpu" || !hw.devices[i].captures) return false;
   return params <= double(StepOptions::kGraphAutoMaxParams);
 }
 
@@ -188,7 +188,7 @@ DeviceTimes device_times(const std::vector<int>& sizes, int64_t b, const DeviceP
   if (graphs) t.overhead += (2.0 * double(micro_batches) + (alone && w.grad_dtype == "fp32" ? 0.0 : 2.0)) * d.launch_overhead_s;
   if (d.host_to_device_bandwidth > 0)  // the micro-batches' copies, outside any graph
     t.overhead += 4.0 * B * (sizes.front() + sizes.back()) / d.host_to_device_bandwidth +
-                  double(micro_batches) * d.launch_overhead_s;
+                  (2.0 * double(micro_batches) + 1.0) * d.launch_overhead_s;  // inputs and targets, the stop flag
   return t;
 }
 

@@ -86,6 +86,7 @@ struct DeviceProfile {
   // Per node of a replayed graph (a captured step): what a kernel costs beyond its
   // work when it runs inside a graph. 0: unknown, priced as a launch.
   double graph_node_s = 0.0;
+  bool captures = true;            // false: capturing failed on it (topo), so steps run uncaptured
   double context_bytes = 0.0;    // fixed per-process memory (CUDA context, libraries)
   double dropout_s_per_unit = 0.0;  // what dropout adds per hidden unit and sample: the forward's mask (the backward's ReLU costs the same)
   // fp32 layer times measured by `mgpu topo` on CPU ranks, which share caches and

@@ -185,8 +185,9 @@ def _auto_bucket_mb(cfg, pg, sizes, device: str) -> tuple:
     differs = _calibrated_kind_differs(profile, pg.size, device)
     if differs:
         return 4.0, f"bucket 4 MB: {differs}"
-    w = perf._workload(None, sizes, None, cfg.batch_size, cfg.precision, cfg.optimizer, 4.0, cfg.effective_dropout(),
-                       cfg.grad_dtype, cfg.cuda_graph, cfg.accumulate)
+    # a step of train's: --accumulate micro-batches of --batch-size each
+    w = perf._workload(None, sizes, None, cfg.batch_size * cfg.accumulate, cfg.precision, cfg.optimizer, 4.0,
+                       cfg.effective_dropout(), cfg.grad_dtype, cfg.cuda_graph, cfg.accumulate)
     b = perf.auto_bucket(profile, w, pg.size)
     return b["bucket_mb"], f"bucket {b['bucket_mb']:g} MiB (auto): {b['reason']}"
 
@@ -223,8 +224,8 @@ def _auto_batch_shares(cfg, pg, sizes, device: str) -> list:
     differs = _calibrated_kind_differs(profile, pg.size, device)
     if differs:
         raise ConfigError(f"--batch-shares auto: {differs}")
-    w = perf._workload(None, sizes, None, cfg.batch_size, cfg.precision, cfg.optimizer, cfg.bucket_mb,
-                       cfg.effective_dropout(), cfg.grad_dtype, cfg.cuda_graph, cfg.accumulate)
+    w = perf._workload(None, sizes, None, cfg.batch_size * cfg.accumulate, cfg.precision, cfg.optimizer,
+                       cfg.bucket_mb, cfg.effective_dropout(), cfg.grad_dtype, cfg.cuda_graph, cfg.accumulate)
     prediction = perf.P.predict(w, perf.to_core(profile), pg.size, perf.P.Options())
     return [float(s) for s in prediction.batch_shares]
 

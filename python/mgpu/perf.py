@@ -16,6 +16,7 @@ With none of them (no calibration, no GPU) the selector falls back to seed
 from __future__ import annotations
 
 import json
+import operator
 import os
 import socket
 import tempfile
@@ -388,6 +389,7 @@ def to_core(profile: dict, devices: Optional[int] = None):
             # Calibrations before topo measured it: the published figure on GPUs (a CPU's
             # recorded calls cost what its launches do).
             d.graph_node_s = float(e.get("graph_node_s", GRAPH_NODE_S if d.kind != "cpu" else 0.0))
+            d.captures = e.get("captures", True) is not False  # topo found capture failing: training runs uncaptured
             d.context_bytes = float(e.get("context_bytes", 0.0))
             d.dropout_s_per_unit = float(e.get("dropout_s_per_unit", 0.0))
             if e.get("layer_times"):
@@ -427,9 +429,13 @@ def _workload(model: Optional[str], layers: Optional[Sequence[int]], params: Opt
               precision: str, optimizer: str, bucket_mb: float, dropout: Optional[float] = None,
               grad_dtype: str = "fp32", cuda_graph: str = "auto", accumulate: int = 1):
     w = P.Workload()
-    if isinstance(accumulate, bool) or not isinstance(accumulate, int) or not 1 <= accumulate <= 2 ** 62:
-        raise ConfigError(f"micro-batches per step (accumulate) must be an integer in 1..2^62, got {accumulate}")
-    w.accumulate = accumulate
+    try:
+        k = operator.index(accumulate) if not isinstance(accumulate, bool) else None
+    except TypeError:
+        k = None
+    if k is None or not 1 <= k <= 2 ** 62:
+        raise ConfigError(f"micro-batches per step (accumulate) must be an integer in 1..2^62, got {accumulate!r}")
+    w.accumulate = k
     if grad_dtype not in GRAD_DTYPES:
         raise ConfigError(f"unknown gradient dtype '{grad_dtype}' (expected {', '.join(GRAD_DTYPES)})")
     w.grad_dtype = grad_dtype
@@ -604,8 +610,8 @@ def recommend(*, model: Optional[str] = None, layers: Optional[Sequence[int]] = 
     profile dict. devices: candidate counts (default: 1 and the profile's GPUs
     per node, plus nodes x that with `nodes`). cuda_graph: auto | on | off, as
     `train --cuda-graph` (captured steps cost less per kernel and allreduce after
-    backward instead of during it). accumulate: micro-batches per step, as `train
-    --accumulate`. bucket_mb: MB or 'auto' (default:
+    backward instead of during it). accumulate: micro-batches the global batch is
+    split into a step (train's step is --batch-size x --accumulate rows). bucket_mb: MB or 'auto' (default:
     each multi-device candidate at the bucket the model prefers for it). Returns a dict: strategy (single_gpu | multi_gpu |
     benchmark_required | does_not_fit), devices, candidates (per count:
     predicted_step_ms, predicted_speedup, efficiency, memory_fits, ...),
@@ -713,7 +719,8 @@ def add_parser(sub) -> None:
                    help="as `train --cuda-graph`: auto (GPUs, models up to 2^24 parameters), on, off; captured "
                         "steps pay less per kernel and allreduce after backward")
     r.add_argument("--accumulate", type=bounded_int("--accumulate", 2 ** 62), default=1,
-                   help="micro-batches per step, as `train --accumulate` (default 1)")
+                   help="micro-batches the global batch is split into a step (default 1); train's step of "
+                        "`--batch-size B --accumulate K` is --batch-size B*K --accumulate K here")
     r.add_argument("--bucket-mb", type=_bucket_mb, default="auto",
                    help="gradient bucket size in MB, or 'auto' (default: each multi-device candidate at the "
                         "bucket the model prefers for it)")

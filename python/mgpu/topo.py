@@ -269,7 +269,8 @@ def measure_device(pg, device: str, device_index: int, threads: int, quick: bool
     n = (16 if quick else 64) * MiB // 4
     entry["memory_bandwidth"] = 12.0 * n / _median(_core.time_axpy(backend, n, 5))
     entry["launch_overhead_s"] = _median(_core.time_axpy(backend, 1, 200))
-    entry["graph_node_s"] = measure_graph_node(backend, quick)
+    node = measure_graph_node(backend, quick)
+    entry.update({"graph_node_s": node} if node is not None else {"graph_node_s": 0.0, "captures": False})
     if device == "cpu":
         entry["host_to_device_bandwidth"] = 0.0
         entry["context_bytes"] = 0.1e9
@@ -285,8 +286,8 @@ GRAPH_NODES = (8, 136)  # the two graph sizes whose replays' difference is the p
 def measure_graph_node(backend, quick: bool) -> float:
     """Seconds a kernel costs beyond its work as a node of a replayed graph (a captured
     step): the difference between replays of two graph sizes over their node counts,
-    the two timed in alternating rounds. On CPUs a replay runs the recorded calls. 0
-    where the device cannot capture (training falls back to launches there too)."""
+    the two timed in alternating rounds. On CPUs a replay runs the recorded calls.
+    None where the device cannot capture (training under auto runs uncaptured there)."""
     few, many = GRAPH_NODES
     times = {few: [], many: []}
     try:
@@ -294,8 +295,8 @@ def measure_graph_node(backend, quick: bool) -> float:
             for n in ((few, many) if r % 2 == 0 else (many, few)):
                 times[n].append(_median(_core.time_graph_replay(backend, n, 10 if quick else 30)))
     except (ConfigError, DeviceError) as e:
-        print(f"mgpu topo: no graph-node time ({e}): captured steps are priced as launches", file=sys.stderr)
-        return 0.0
+        print(f"mgpu topo: capturing a graph failed ({e}): steps are priced uncaptured", file=sys.stderr)
+        return None
     return max(0.0, (_median(times[many]) - _median(times[few])) / (many - few))
 
 

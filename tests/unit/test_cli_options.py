@@ -309,3 +309,27 @@ def test_write_line_from_a_signal_during_tqdms_import(monkeypatch, capfd):
     monkeypatch.setitem(__import__("sys").modules, "tqdm", types.ModuleType("tqdm"))
     write_line("mgpu: SIGUSR1 on rank 0: stopping at the next step boundary")
     assert capfd.readouterr().err == "mgpu: SIGUSR1 on rank 0: stopping at the next step boundary\n"
+
+
+def test_auto_bucket_and_shares_price_trains_whole_step(tmp_path, monkeypatch):
+    # train's step is --accumulate micro-batches of --batch-size rows, in its precision,
+    # gradient type and graph mode: the selector must price that step, not one micro-batch.
+    from types import SimpleNamespace
+
+    from mgpu import perf
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    perf.save_profile(perf.named_profile("h100-sxm-8", 8))
+    seen = []
+    real_predict = perf.P.predict
+    monkeypatch.setattr(perf, "auto_bucket", lambda prof, w, n, options=None: seen.append(w) or
+                        {"bucket_mb": 1.0, "reason": "test"})
+    monkeypatch.setattr(perf.P, "predict", lambda w, hw, n, o: seen.append(w) or real_predict(w, hw, n, o))
+    cfg = mgpu.TrainConfig(layers=[50, 64, 3], batch_size=64, accumulate=3, optimizer="sgd", precision="bf16",
+                           grad_dtype="bf16", cuda_graph="off")
+    pg, sizes = SimpleNamespace(size=2), [50, 64, 3]
+    cli._auto_bucket_mb(cfg, pg, sizes, "cuda")
+    cli._auto_batch_shares(cfg, SimpleNamespace(size=8), sizes, "cuda")
+    assert len(seen) == 2
+    for w in seen:
+        assert (w.global_batch, w.accumulate) == (64 * 3, 3)
+        assert (w.precision, w.grad_dtype, w.cuda_graph) == ("bf16", "bf16", "off")
