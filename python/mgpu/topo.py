@@ -283,7 +283,7 @@ def measure_device(pg, device: str, device_index: int, threads: int, quick: bool
 GRAPH_NODES = (8, 136)  # the two graph sizes whose replays' difference is the per-node cost
 
 
-def measure_graph_node(backend, quick: bool) -> float:
+def measure_graph_node(backend, quick: bool) -> Optional[float]:
     """Seconds a kernel costs beyond its work as a node of a replayed graph (a captured
     step): the difference between replays of two graph sizes over their node counts,
     the two timed in alternating rounds. On CPUs a replay runs the recorded calls.
@@ -295,7 +295,7 @@ def measure_graph_node(backend, quick: bool) -> float:
             for n in ((few, many) if r % 2 == 0 else (many, few)):
                 times[n].append(_median(_core.time_graph_replay(backend, n, 10 if quick else 30)))
     except (ConfigError, DeviceError) as e:
-        print(f"mgpu topo: capturing a graph failed ({e}): steps are priced uncaptured", file=sys.stderr)
+        print(f"mgpu: warning: topo: capturing a graph failed ({e}): steps are priced uncaptured", file=sys.stderr)
         return None
     return max(0.0, (_median(times[many]) - _median(times[few])) / (many - few))
 

@@ -6,7 +6,7 @@ import math
 import pytest
 
 import mgpu
-from mgpu import perf
+from mgpu import costsheet, perf
 from mgpu.bench import summarize
 
 P = perf.P
@@ -506,7 +506,6 @@ def graph_kernels(layers, batch, ranks, precision, accumulate=1):
     """Kernels and GEMMs a captured step runs inside its graphs, and the launches of the
     graphs themselves with their argument updates, as the cost sheet lists the CUDA
     backend's step (its counts match the emulated GPU's, tests/emulation)."""
-    from mgpu import costsheet
     ops = costsheet.step_ops(costsheet.Workload(list(layers), batch, precision=precision, optimizer="sgd",
                                                 graph=True, ranks=ranks, accumulate=accumulate))
     inside = sum(o.count for o in ops if o.in_graph and o.kind in ("kernel", "gemm"))
@@ -539,7 +538,6 @@ def test_captured_steps_price_kernels_as_graph_nodes_and_allreduce_after_backwar
 
 def test_graph_mode_auto_follows_the_training_step_rule():
     gpu, cpu = {**device(launch=5e-6), "graph_node_s": 1e-6}, device(launch=5e-6, kind="cpu")
-    from mgpu import costsheet
     big = (4096, 4096, 10)  # above StepOptions::kGraphAutoMaxParams
     assert 4096 * 4096 + 4096 + 4096 * 10 + 10 > costsheet.GRAPH_AUTO_MAX_PARAMS
     assert not graph_predict(profile([gpu] * 2), 2, "auto", layers=big).graphs
@@ -548,7 +546,6 @@ def test_graph_mode_auto_follows_the_training_step_rule():
     assert graph_predict(profile([cpu] * 2), 2, "on").graphs
     # Calibrations from before topo measured it: a GPU's nodes at the published figure,
     # a CPU's recorded calls at its launch cost.
-    from mgpu import costsheet
     assert perf.to_core(profile([device(launch=5e-6)])).devices[0].graph_node_s == costsheet.GRAPH_NODE_S
     plain = profile([device(launch=5e-6, kind="cpu")] * 2)
     assert graph_predict(plain, 1, "on").forward_s == pytest.approx(graph_predict(plain, 1, "off").forward_s)
@@ -587,7 +584,6 @@ def test_recommend_says_when_steps_replay_as_graphs_and_when_overlap_would_beat_
 
 
 def test_named_gpu_profiles_carry_the_published_graph_node_time_and_its_source():
-    from mgpu import costsheet
     prof = perf.named_profile("h100-sxm-8")
     assert all(d["graph_node_s"] == costsheet.GRAPH_NODE_S for d in prof["devices"])
     assert any(s["url"] == costsheet.GRAPH_NODE_SOURCE for s in prof["sources"])
@@ -603,6 +599,18 @@ def test_graph_replay_timer_checks_its_input_and_topo_measures_a_node_cost():
     assert len(times) == 4 and all(t > 0 for t in times)
     node = topo.measure_graph_node(be, quick=True)
     assert math.isfinite(node) and node >= 0
+
+
+def test_a_device_that_cannot_capture_is_marked_and_priced_uncaptured(monkeypatch, capsys):
+    from mgpu import _core, topo
+
+    def cannot(*args):
+        raise mgpu.ConfigError("the test backend cannot capture")
+    monkeypatch.setattr(_core, "time_graph_replay", cannot)
+    assert topo.measure_graph_node(_core.make_backend("cpu", 0, 1), quick=True) is None
+    err = capsys.readouterr().err
+    assert err.startswith("mgpu: warning: topo: capturing a graph failed (the test backend cannot capture)")
+    assert err.count("\n") == 1
 
 
 @pytest.mark.parametrize("mode, captured", [(None, True), ("off", False), ("on", True)])
