@@ -1,13 +1,23 @@
 """Shared test helpers: launching mpirun from a test (as root, oversubscribed)."""
+import atexit
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
+
+# No test reads the developer's calibration (~/.cache/mgpu/profile.json): with one,
+# `train` takes --bucket-mb auto and --batch-shares auto from it and a run differs from
+# CI's, which has none. Tests that need a calibration write their own.
+_TEST_CACHE = tempfile.mkdtemp(prefix="mgpu-test-cache-")
+os.environ["XDG_CACHE_HOME"] = _TEST_CACHE
+atexit.register(shutil.rmtree, _TEST_CACHE, True)
 
 
 def mpi_env(**extra):

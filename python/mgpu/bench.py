@@ -203,7 +203,9 @@ def run_worker(pg, a, repeats: Optional[int] = None) -> list:
                 raise ConfigError(f"batch size {batch} is smaller than the number of ranks ({pg.size})")
             check_training_memory(sizes, max(1, -(-batch // (pg.size * a.accumulate))), optimizer=a.optimizer,
                                   precision=a.precision, dropout=dropout, device=device, device_index=device_index,
-                                  local_ranks=pg.local_size, nccl=device == "cuda" and pg.size > 1)
+                                  local_ranks=pg.local_size, nccl=device == "cuda" and pg.size > 1,
+                                  # bench trains at the Trainer's default bucket
+                                  mpi_bucket_bytes=4 * 2 ** 20 if device != "cuda" and pg.size > 1 else 0.0)
     except ConfigError as e:
         error = e
     pg.agree(error, what="checking memory")

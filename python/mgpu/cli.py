@@ -380,6 +380,7 @@ def cmd_train(a, pg) -> int:
     if cfg.comm == "nccl" and device != "cuda":
         raise ConfigError("--comm nccl needs GPUs (--device cuda); CPU ranks use MPI")
     from .perf import check_training_memory
+    nccl = device == "cuda" and pg.size > 1 and cfg.comm != "mpi"
     # this rank's rows of a micro-batch (a step takes no more rows than the dataset holds)
     rows = max(1, split_counts(min(cfg.batch_size, len(data.x_train)), pg.size, a.batch_shares)[pg.rank])
     model, error = None, None
@@ -387,7 +388,7 @@ def cmd_train(a, pg) -> int:
         check_training_memory(sizes, rows, optimizer=cfg.optimizer, precision=cfg.precision,
                               dropout=cfg.effective_dropout(), device=device, device_index=device_index,
                               local_ranks=pg.local_size, eval_rows=split_counts(len(data.x_val), pg.size)[pg.rank],
-                              nccl=device == "cuda" and pg.size > 1 and cfg.comm != "mpi")
+                              nccl=nccl, mpi_bucket_bytes=4.0 * cfg.bucket_elems() if pg.size > 1 and not nccl else 0.0)
         model = MLP(sizes, seed=cfg.seed, dropout=cfg.effective_dropout(), device=device,
                     device_index=device_index, threads=threads, precision=cfg.precision)
     except (ConfigError, DeviceError) as e:

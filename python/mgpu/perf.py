@@ -486,6 +486,10 @@ def training_memory_bytes(layers: Sequence[int], rows: int, *, optimizer: str = 
 # GPUs the same figures stand for cuBLAS's and cuRAND's buffers, not measured there.
 RUNTIME_OVERHEAD_BYTES = 64 * 2 ** 20
 RUNTIME_OVERHEAD_FRACTION = 0.10
+# OpenMPI's allreduce of a bucket allocates temporaries of about its size: 2 ranks'
+# train at 16 MiB buckets grew rank 0's peak RSS 21-40 MB more than at 4 MiB (Zen 4,
+# 9.5M parameters); priced as this many buckets on every multi-rank MPI run.
+MPI_TEMPORARY_BUCKETS = 2
 
 
 def _buffer_rows(rows: int, eval_rows: int) -> tuple:
@@ -497,24 +501,27 @@ def _buffer_rows(rows: int, eval_rows: int) -> tuple:
 
 
 def rank_memory_bytes(layers: Sequence[int], rows: int, *, optimizer: str, precision: str, dropout: float,
-                      eval_rows: int = 0, nccl: bool = False) -> float:
+                      eval_rows: int = 0, nccl: bool = False, mpi_bucket_bytes: float = 0.0) -> float:
     """Bytes a training rank allocates: training_memory_bytes at the most rows its buffers
     hold (eval_rows: the validation rows it evaluates, in chunks of EVAL_CHUNK_ROWS), with
-    the runtime's buffers and margin, and NCCL's buffers where it allreduces over NCCL."""
+    the runtime's buffers and margin, NCCL's buffers where it allreduces over NCCL, and
+    MPI's temporaries for a bucket of mpi_bucket_bytes where it allreduces over MPI."""
     _, activation_rows = _buffer_rows(rows, eval_rows)
     model = training_memory_bytes(layers, activation_rows, optimizer=optimizer, precision=precision, dropout=dropout)
-    return model * (1 + RUNTIME_OVERHEAD_FRACTION) + RUNTIME_OVERHEAD_BYTES + (NCCL_BUFFER_BYTES if nccl else 0.0)
+    gradient_bytes = 4.0 * sum(fan_out * (fan_in + 1) for fan_in, fan_out in zip(layers, layers[1:]))
+    return (model * (1 + RUNTIME_OVERHEAD_FRACTION) + RUNTIME_OVERHEAD_BYTES + (NCCL_BUFFER_BYTES if nccl else 0.0) +
+            MPI_TEMPORARY_BUCKETS * min(max(mpi_bucket_bytes, 0.0), gradient_bytes))
 
 
 def check_training_memory(layers: Sequence[int], rows: int, *, optimizer: str, precision: str, dropout: float,
                           device: str, device_index: int, local_ranks: int, eval_rows: int = 0,
-                          nccl: bool = False) -> None:
+                          nccl: bool = False, mpi_bucket_bytes: float = 0.0) -> None:
     """ConfigError when training `layers` on `rows` samples a rank cannot fit the memory a
     rank may use (its GPU's free memory, or the host's available memory over its ranks),
     instead of an allocation failing inside the run or the kernel's OOM killer ending a rank."""
     from .process_group import available_memory
     need = rank_memory_bytes(layers, rows, optimizer=optimizer, precision=precision, dropout=dropout,
-                             eval_rows=eval_rows, nccl=nccl)
+                             eval_rows=eval_rows, nccl=nccl, mpi_bucket_bytes=mpi_bucket_bytes)
     usable = available_memory(device, device_index, local_ranks)
     if need > usable:
         params = sum(fan_out * (fan_in + 1) for fan_in, fan_out in zip(layers, layers[1:]))

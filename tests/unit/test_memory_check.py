@@ -30,7 +30,8 @@ check = perf.check_training_memory
 def noted(layers, rows, **kw):
     seen["rss"] = status("VmRSS")
     seen["need"] = perf.rank_memory_bytes(layers, rows, optimizer=kw["optimizer"], precision=kw["precision"],
-                                          dropout=kw["dropout"], eval_rows=kw["eval_rows"], nccl=kw["nccl"])
+                                          dropout=kw["dropout"], eval_rows=kw["eval_rows"], nccl=kw["nccl"],
+                                          mpi_bucket_bytes=kw["mpi_bucket_bytes"])
     return check(layers, rows, **kw)
 perf.check_training_memory = noted
 def report():  # a file per rank: mpirun may join the ranks' stdout lines
@@ -67,10 +68,11 @@ def test_the_check_covers_what_a_run_allocates(args, tmp_path):
     assert need <= 4 * growth + perf.RUNTIME_OVERHEAD_BYTES, "the check prices several times what the run takes"
 
 
-def test_the_check_covers_each_rank_of_a_two_rank_run(tmp_path):
+@pytest.mark.parametrize("bucket_mb", ["4", "16"])  # 16: what --bucket-mb auto picks for it on a calibrated VM
+def test_the_check_covers_each_rank_of_a_two_rank_run(tmp_path, bucket_mb):
     report = tmp_path / "memory"
     r = mpirun(2, [sys.executable, "-c", PROBE, "--layers", "512,2048,2048,2048,10", "--batch-size", "8000",
-                   "--optimizer", "adamw", "--dropout", "0.2"], timeout=300,
+                   "--optimizer", "adamw", "--dropout", "0.2", "--bucket-mb", bucket_mb], timeout=300,
                env=mpi_env(MEMORY_REPORT=str(report)), cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
     seen = _need_and_growth(report)
