@@ -208,8 +208,9 @@ void bind_perf(py::module_& m) {
         "activation, the mask drawn as training draws it.");
   m.def("time_graph_replay", &time_graph_replay, py::arg("backend"), py::arg("nodes"), py::arg("repeats") = 5,
         py::call_guard<py::gil_scoped_release>(),
-        "Seconds of each timed replay (with its wait) of one captured graph of `nodes` tiny kernels: the "
-        "difference between two node counts is the per-node cost of a replayed step.");
+        "Seconds of each timed replay of one captured graph of `nodes` tiny kernels (as time_calls times "
+        "them: on a device, back to back between two waits): the difference between two node counts is the "
+        "per-node cost of a replayed step.");
   m.def("time_axpy", &time_axpy, py::arg("backend"), py::arg("n"), py::arg("repeats") = 5,
         py::call_guard<py::gil_scoped_release>(),
         "Seconds of each timed y += a x over n floats (12 bytes per element): bandwidth and, for tiny n, "

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdio>
 #include <numeric>
+#include <optional>
 
 #include "errors.h"
 #include "model.h"
@@ -147,23 +148,12 @@ DeviceTimes device_times(const std::vector<int>& sizes, int64_t b, const DeviceP
   const int64_t micro_batches = std::min<int64_t>(w.accumulate, std::max<int64_t>(b, 1));
   if (b > 0) {
     const int64_t small = b / micro_batches, larger = b % micro_batches;
-    const MicroBatch last = micro_batch(double(larger > 0 ? small + 1 : small));
-    MicroBatch others;  // the other K - 1
-    if (micro_batches > 1) {
-      const MicroBatch s = micro_batch(double(small));
-      const double n_small = double(micro_batches - larger) - (larger > 0 ? 0.0 : 1.0);
-      const double n_larger = double(larger > 0 ? larger - 1 : 0);
-      others.forward = n_small * s.forward;
-      others.backward = n_small * s.backward;
-      if (n_larger > 0) {
-        others.forward += n_larger * last.forward;
-        others.backward += n_larger * last.backward;
-      }
-      if (gpu) others.forward += double(micro_batches - 1) * L;  // each adds its loss to the step's
-    }
-    t.forward = others.forward + last.forward;
-    for (int l = 0; l < layers; ++l) t.backward_done[l] = others.backward + last.done[l];
-    t.backward = others.backward + last.backward;
+    const MicroBatch s = micro_batch(double(small)), big = larger > 0 ? micro_batch(double(small + 1)) : s;
+    const MicroBatch& last = larger > 0 ? big : s;
+    t.forward = double(micro_batches - larger) * s.forward + double(larger) * big.forward;
+    if (gpu) t.forward += double(micro_batches - 1) * L;  // each later one adds its loss to the step's
+    t.backward = double(micro_batches - larger) * s.backward + double(larger) * big.backward;
+    for (int l = 0; l < layers; ++l) t.backward_done[l] = t.backward - last.backward + last.done[l];
   }
   const double P = parameter_count(sizes);
   const double update_bytes = (w.optimizer == "sgd" ? 20.0 : 28.0) * P;
@@ -730,11 +720,12 @@ Recommendation recommend(const Workload& w, const HardwareProfile& hw, const Opt
     if (best && w.cuda_graph == "auto" && hw.link.overlaps_compute) {
       Workload uncaptured = w;
       uncaptured.cuda_graph = "off";
-      const Prediction* faster = nullptr;
-      std::vector<Prediction> off;
-      for (const Prediction& p : r.candidates) off.push_back(predict_candidate(uncaptured, hw, p.devices, o));
-      for (const Prediction& p : off)
-        if (p.memory_fits && p.step_s < best->step_s * 0.98 && (!faster || p.step_s < faster->step_s)) faster = &p;
+      std::optional<Prediction> faster;
+      for (const Prediction& p : r.candidates) {
+        Prediction q = predict_candidate(uncaptured, hw, p.devices, o);
+        if (q.memory_fits && q.step_s < best->step_s * 0.98 && (!faster || q.step_s < faster->step_s))
+          faster = std::move(q);
+      }
       if (faster)
         r.reasons.push_back("--cuda-graph off would be faster: " + device_word(hw, faster->devices) + " at " +
                             ms(faster->step_s) + " a step against " + ms(best->step_s) + " for " +

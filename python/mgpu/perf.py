@@ -500,6 +500,10 @@ def _buffer_rows(rows: int, eval_rows: int) -> tuple:
     return chunk, rows if chunk <= rows else max(chunk, rows + rows // 2)
 
 
+def _parameter_count(layers: Sequence[int]) -> int:
+    return sum(fan_out * (fan_in + 1) for fan_in, fan_out in zip(layers, layers[1:]))
+
+
 def rank_memory_bytes(layers: Sequence[int], rows: int, *, optimizer: str, precision: str, dropout: float,
                       eval_rows: int = 0, nccl: bool = False, mpi_bucket_bytes: float = 0.0) -> float:
     """Bytes a training rank allocates: training_memory_bytes at the most rows its buffers
@@ -508,7 +512,7 @@ def rank_memory_bytes(layers: Sequence[int], rows: int, *, optimizer: str, preci
     MPI's temporaries for a bucket of mpi_bucket_bytes where it allreduces over MPI."""
     _, activation_rows = _buffer_rows(rows, eval_rows)
     model = training_memory_bytes(layers, activation_rows, optimizer=optimizer, precision=precision, dropout=dropout)
-    gradient_bytes = 4.0 * sum(fan_out * (fan_in + 1) for fan_in, fan_out in zip(layers, layers[1:]))
+    gradient_bytes = 4.0 * _parameter_count(layers)
     return (model * (1 + RUNTIME_OVERHEAD_FRACTION) + RUNTIME_OVERHEAD_BYTES + (NCCL_BUFFER_BYTES if nccl else 0.0) +
             MPI_TEMPORARY_BUCKETS * min(max(mpi_bucket_bytes, 0.0), gradient_bytes))
 
@@ -524,7 +528,7 @@ def check_training_memory(layers: Sequence[int], rows: int, *, optimizer: str, p
                              eval_rows=eval_rows, nccl=nccl, mpi_bucket_bytes=mpi_bucket_bytes)
     usable = available_memory(device, device_index, local_ranks)
     if need > usable:
-        params = sum(fan_out * (fan_in + 1) for fan_in, fan_out in zip(layers, layers[1:]))
+        params = _parameter_count(layers)
         where = "its GPU's free memory" if device == "cuda" else f"this host's available memory over its {local_ranks} rank(s)"
         evaluated, buffers = _buffer_rows(rows, eval_rows)
         rows_said = f"{rows} rows" + (f" ({evaluated} when it evaluates" + (
