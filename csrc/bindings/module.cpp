@@ -241,6 +241,14 @@ PYBIND11_MODULE(MGPU_MODULE_NAME, m) {
   }, py::arg("sizes"), py::arg("bucket_elems"),
         "The gradient bucket plan training uses for layer sizes [in, hidden..., out]: "
         "(offset, count, ready_layer) of each bucket, in launch order.");
+  m.def("plan_bucket_runs", [](const std::vector<int>& sizes, size_t bucket_elems) {
+    std::vector<std::tuple<size_t, size_t, int, size_t>> out;
+    for (const BucketRun& r : plan_bucket_runs(sizes, MLP::kGradExtraSlots, bucket_elems))
+      out.emplace_back(r.offset, r.count, r.ready_layer, r.repeat);
+    return out;
+  }, py::arg("sizes"), py::arg("bucket_elems"),
+        "plan_buckets run-length encoded, as the performance model reads it: (offset, count, ready_layer, "
+        "repeat) of each run of equal buckets, the run's next bucket `count` below the last.");
 
   py::class_<Backend, std::shared_ptr<Backend>>(m, "Backend")
       .def_property_readonly("name", &Backend::name)

@@ -454,12 +454,17 @@ std::string LinkProfile::allreduce_choice(int devices, double bytes) const {
 }
 
 std::vector<int> Workload::resolved_layers() const {
+  // Gradient buffers and bucket offsets count elements in 64 bits: 2^62 keeps their sums exact.
+  constexpr double kMaxParams = 4611686018427387904.0;  // 2^62
   if (!layers.empty()) {
     MGPU_CHECK(layers.size() >= 2, ConfigError, "layers need at least an input and an output size");
     for (int s : layers) MGPU_CHECK(s >= 1, ConfigError, "layer sizes must be >= 1");
+    MGPU_CHECK(parameter_count(layers) <= kMaxParams, ConfigError, "the layers hold ", parameter_count(layers),
+               " parameters; at most 2^62 can be priced");
     return layers;
   }
-  MGPU_CHECK(params >= 1, ConfigError, "give layer sizes or a parameter count >= 1");
+  MGPU_CHECK(params >= 1 && params <= kMaxParams, ConfigError,
+             "give layer sizes or a parameter count in 1..2^62, got ", params);
   // Four square layers of width w hold 4 (w^2 + w) parameters.
   const int width = std::max(1, static_cast<int>(std::lround((-1.0 + std::sqrt(1.0 + params)) / 2.0)));
   return std::vector<int>(5, width);
@@ -510,15 +515,16 @@ Prediction predict(const Workload& w, const HardwareProfile& hw, int devices, co
   // replayed steps allreduce after the whole backward (DataParallelStep::overlaps()).
   if (devices > 1) {
     double channel_free = 0;
-    for (const Bucket& bucket : plan_buckets(sizes, MLP::kGradExtraSlots, static_cast<size_t>(w.bucket_elems))) {
-      const double t = hw.link.allreduce_seconds(devices, (w.grad_dtype == "fp32" ? 4.0 : 2.0) * bucket.count);
-      p.comm_s += t;
+    for (const BucketRun& run : plan_bucket_runs(sizes, MLP::kGradExtraSlots, static_cast<size_t>(w.bucket_elems))) {
+      const double t = hw.link.allreduce_seconds(devices, (w.grad_dtype == "fp32" ? 4.0 : 2.0) * run.count);
+      p.comm_s += double(run.repeat) * t;
       double ready = compute_end;
       if (hw.link.overlaps_compute && !p.graphs) {
         ready = 0;
-        for (const DeviceTimes& d : times) ready = std::max(ready, d.forward + d.backward_done[bucket.ready_layer]);
+        for (const DeviceTimes& d : times) ready = std::max(ready, d.forward + d.backward_done[run.ready_layer]);
       }
-      channel_free = std::max(channel_free, ready) + t;
+      // the run's buckets are ready together: the first waits for them, the rest queue behind it
+      channel_free = std::max(channel_free, ready) + double(run.repeat) * t;
     }
     p.exposed_comm_s = std::max(0.0, channel_free - compute_end);
   }
@@ -539,8 +545,8 @@ Prediction predict(const Workload& w, const HardwareProfile& hw, int devices, co
   if (measured_wait >= 0) {
     double reference = 0;  // what the measured wait already holds of the allreduce
     if (measured_ranks > 1)
-      for (const Bucket& bucket : plan_buckets(sizes, MLP::kGradExtraSlots, size_t(StepPhases::kBucketElems)))
-        reference += hw.link.allreduce_seconds(measured_ranks, 4.0 * bucket.count);
+      for (const BucketRun& run : plan_bucket_runs(sizes, MLP::kGradExtraSlots, size_t(StepPhases::kBucketElems)))
+        reference += double(run.repeat) * hw.link.allreduce_seconds(measured_ranks, 4.0 * run.count);
     if (devices == 1)  // the health check and bookkeeping, without any allreduce
       optimizer += std::max(0.0, measured_wait - reference);
     else
@@ -807,12 +813,14 @@ BucketChoice choose_bucket(const Workload& workload, const HardwareProfile& hw, 
   // Powers of two from 256 KiB of fp32 up to the first that puts the whole gradient in
   // one bucket. That can take up to twice the gradient: a bucket closes at a layer
   // boundary once half full (plan_buckets), so a size just above the gradient still
-  // splits it in two; larger sizes plan the same single bucket.
+  // splits it in two; larger sizes plan the same single bucket. 2^62 elements at
+  // most: a workload's parameter count is capped there (validate), and int64 overflows.
   std::vector<int64_t> sizes;
   const std::vector<int> layers = w.resolved_layers();
   for (int64_t e = int64_t{1} << 16;; e *= 2) {
     sizes.push_back(e);
-    if (plan_buckets(layers, MLP::kGradExtraSlots, static_cast<size_t>(e)).size() == 1) break;
+    const std::vector<BucketRun> runs = plan_bucket_runs(layers, MLP::kGradExtraSlots, static_cast<size_t>(e));
+    if ((runs.size() == 1 && runs[0].repeat == 1) || e >= int64_t{1} << 62) break;
   }
   bool capped = false;
   for (int64_t e : sizes) {

@@ -11,14 +11,21 @@
 
 namespace mgpu {
 
-std::vector<Bucket> plan_buckets(const std::vector<int>& sizes, size_t extra_slots, size_t bucket_elems) {
+std::vector<BucketRun> plan_bucket_runs(const std::vector<int>& sizes, size_t extra_slots, size_t bucket_elems) {
   MGPU_CHECK(bucket_elems >= 1, ConfigError, "bucket size must be >= 1 element");
   MGPU_CHECK(sizes.size() >= 2, ConfigError, "a model needs at least an input and an output size");
   const int layers = static_cast<int>(sizes.size()) - 1;
   std::vector<size_t> start(layers + 1, 0);  // start[l]: offset of layer l's weights
   for (int l = 0; l < layers; ++l)
     start[l + 1] = start[l] + static_cast<size_t>(sizes[l]) * sizes[l + 1] + sizes[l + 1];
-  std::vector<Bucket> buckets;
+  std::vector<BucketRun> runs;
+  auto append = [&runs](size_t offset, size_t count, int layer, size_t repeat) {
+    if (!runs.empty() && runs.back().count == count && runs.back().ready_layer == layer &&
+        runs.back().offset - runs.back().repeat * count == offset)  // continues the last run
+      runs.back().repeat += repeat;
+    else
+      runs.push_back({offset, count, layer, repeat});
+  };
   // Bucket starts are rounded up to 4 elements (16 bytes) when buckets hold at
   // least that many: collectives read aligned vectors whatever the layer sizes.
   // Rounding up keeps a bucket within its layer; the few elements it leaves go
@@ -31,17 +38,32 @@ std::vector<Bucket> plan_buckets(const std::vector<int>& sizes, size_t extra_slo
     const size_t begin = start[l];
     // Cut full buckets out of this layer while it overflows the open bucket
     // (open_end - bucket_elems > begin here, so the aligned cut stays < open_end).
-    while (open_end - begin > bucket_elems) {
+    // After the first cut open_end is aligned, so every further cut is the same
+    // size: they are counted, not walked.
+    if (open_end - begin > bucket_elems) {
       const size_t cut = aligned_up(open_end - bucket_elems);
-      buckets.push_back({cut, open_end - cut, l});
+      append(cut, open_end - cut, l, 1);
       open_end = cut;
+      const size_t step = open_end - aligned_up(open_end - bucket_elems);
+      if (open_end - begin > bucket_elems) {
+        const size_t more = (open_end - begin - bucket_elems + step - 1) / step;
+        append(open_end - step, step, l, more);
+        open_end -= more * step;
+      }
     }
     if (open_end - begin >= bucket_elems / 2 || l == 0) {
       const size_t first = l == 0 ? 0 : aligned_up(begin);
-      if (open_end > first) buckets.push_back({first, open_end - first, l});
+      if (open_end > first) append(first, open_end - first, l, 1);
       open_end = std::min(open_end, first);
     }
   }
+  return runs;
+}
+
+std::vector<Bucket> plan_buckets(const std::vector<int>& sizes, size_t extra_slots, size_t bucket_elems) {
+  std::vector<Bucket> buckets;
+  for (const BucketRun& run : plan_bucket_runs(sizes, extra_slots, bucket_elems))
+    for (size_t i = 0; i < run.repeat; ++i) buckets.push_back({run.offset - i * run.count, run.count, run.ready_layer});
   return buckets;
 }
 

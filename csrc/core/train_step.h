@@ -39,6 +39,18 @@ std::vector<Bucket> plan_buckets(const MLP& model, size_t bucket_elems);
 // with extra_slots after the parameters (used by the performance model).
 std::vector<Bucket> plan_buckets(const std::vector<int>& sizes, size_t extra_slots, size_t bucket_elems);
 
+// The same plan run-length encoded: `repeat` buckets of `count` elements, all
+// ready at `ready_layer`, the first at `offset` and each next one `count` lower.
+// A layer cut into many buckets is one run, so a plan costs O(layers) whatever
+// the model's size: the performance model prices trillion-parameter models.
+struct BucketRun {
+  size_t offset = 0;
+  size_t count = 0;
+  int ready_layer = 0;
+  size_t repeat = 1;
+};
+std::vector<BucketRun> plan_bucket_runs(const std::vector<int>& sizes, size_t extra_slots, size_t bucket_elems);
+
 struct StepOptions {
   size_t bucket_elems = size_t{1} << 20;  // 4 MiB of float32: well under MPI's large-message cliffs
   // Start each bucket's allreduce during backward where that can pay (see

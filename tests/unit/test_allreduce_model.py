@@ -291,6 +291,30 @@ def test_chosen_bucket_is_never_worse_than_4mb_and_tries_the_whole_gradient(mode
     assert choice.exposed_comm_s <= four_mb.exposed_comm_s * 1.01 + 1e-12
 
 
+@pytest.mark.parametrize("params", [1e12, 1e15, 2.0 ** 62])
+def test_huge_models_are_priced(params):
+    # The bucket schedule is priced per run of equal buckets: a 2^62-parameter gradient in
+    # 256 KiB buckets (2^46 of them) once failed with std::bad_alloc, and 1e12 took minutes.
+    prof = perf.named_profile("h100-ib-2x8")
+    hw = perf.to_core(prof, 16)
+    w = perf._workload(None, None, params, 4096, "bf16", "adamw", 4.0)
+    choice = P.choose_bucket(w, hw, 16, P.Options())
+    assert 1 << 16 <= choice.bucket_elems <= 1 << 62 and choice.comm_s > 0
+    # every bucket is priced: their sum is no less than one allreduce of the whole fp32 gradient
+    w.bucket_elems = 1 << 20
+    p = P.predict(w, hw, 16, P.Options())
+    assert p.comm_s >= hw.link.allreduce_seconds(16, 4.0 * params) * 0.99
+
+
+def test_more_than_2_to_the_62_parameters_is_a_clear_error():
+    w = perf._workload(None, None, 2.0 ** 62 * 1.01, 64, "fp32", "sgd", 4.0)
+    with pytest.raises(ValueError, match="2\\^62"):
+        w.resolved_layers()
+    w = perf._workload(None, [2 ** 31 - 1] * 3, None, 64, "fp32", "sgd", 4.0)
+    with pytest.raises(ValueError, match="at most 2\\^62"):
+        w.resolved_layers()
+
+
 def test_no_p2p_pair_allreduce_runs_below_its_copy_bandwidth():
     # host-staged: NCCL reached 0.70 of the copy bandwidth on a pair measured both ways
     pub = af.load_published()

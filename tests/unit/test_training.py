@@ -89,6 +89,55 @@ def test_bucket_plan_covers_the_gradient_buffer_once_in_backward_order(layers, b
         assert all(off % 4 == 0 for off in offsets), offsets
 
 
+def walked_bucket_plan(sizes, extra_slots, bucket_elems):
+    """The plan the way the trainer describes it, one bucket at a time: from the
+    buffer's end, cut full buckets out of a layer that overflows the open one
+    (cuts rounded up to 4 elements for buckets of >= 4), close the open bucket
+    at a layer boundary once half full, and at layer 0."""
+    start = [0]
+    for a, b in zip(sizes, sizes[1:]):
+        start.append(start[-1] + a * b + b)
+    align = 4 if bucket_elems >= 4 else 1
+    up = lambda x: (x + align - 1) // align * align  # noqa: E731
+    plan, open_end = [], start[-1] + extra_slots
+    for layer in range(len(sizes) - 2, -1, -1):
+        begin = start[layer]
+        while open_end - begin > bucket_elems:
+            cut = up(open_end - bucket_elems)
+            plan.append((cut, open_end - cut, layer))
+            open_end = cut
+        if open_end - begin >= bucket_elems // 2 or layer == 0:
+            first = 0 if layer == 0 else up(begin)
+            if open_end > first:
+                plan.append((first, open_end - first, layer))
+            open_end = min(open_end, first)
+    return plan
+
+
+def test_counted_bucket_runs_are_the_walked_plan():
+    # The core counts a layer's equal cuts instead of walking them (so the performance
+    # model prices huge models in O(layers)); the plan must be the walked one, bucket for bucket.
+    rng = np.random.default_rng(13)
+    for _ in range(3000):
+        layers = [int(rng.choice([1, 2, 3, 5, 7, 8, 13, 64, 100, 255, 256, 1000]))
+                  for _ in range(int(rng.integers(2, 7)))]
+        bucket_elems = int(rng.choice([1, 2, 3, 4, 5, 7, 9, 16, 17, 63, 100, 1023, 4096, rng.integers(1, 30000)]))
+        plan = _core.plan_buckets(layers, bucket_elems)
+        assert plan == walked_bucket_plan(layers, 2, bucket_elems), (layers, bucket_elems)
+        runs = _core.plan_bucket_runs(layers, bucket_elems)
+        assert [(off - i * n, n, layer) for off, n, layer, repeat in runs for i in range(repeat)] == plan
+        assert len(runs) <= 3 * (len(layers) - 1)  # a first cut, the equal ones, a boundary bucket per layer
+
+
+def test_bucket_runs_of_a_huge_model_stay_few():
+    # 5 layers of 2^30 (2^62 parameters) in 2^16-element buckets: 2^46 buckets, a handful of runs
+    layers = [1 << 30] * 5
+    runs = _core.plan_bucket_runs(layers, 1 << 16)
+    assert len(runs) <= 12
+    assert sum(n * repeat for _, n, _, repeat in runs) == 4 * ((1 << 60) + (1 << 30)) + 2
+    assert sum(repeat for *_, repeat in runs) > 1 << 45
+
+
 def test_timed_steps_report_each_buckets_allreduce_and_untimed_steps_nothing():
     m = mgpu.MLP([8, 16, 4], seed=1)
     x = np.random.default_rng(0).standard_normal((6, 8)).astype(np.float32)
