@@ -129,6 +129,9 @@ def test_sigterm_stops_cleanly_with_a_report(tmp_path):
     (["--max-memory-percent", "200"], "--max-memory-percent"), (["--power-limit", "0"], "--power-limit"),
     (["--interval", "inf"], "--interval"), (["--interval", "1e10"], "at most 604800 seconds"),
     (["--hang-timeout", "1e300"], "--hang-timeout"), (["--max-memory-percent", "100.0001"], "got 100.0001"),
+    # a buffer beyond the host (it failed mid-run with a DeviceError, or swapped), both sizes, an idle fault
+    (["--memory-mb", "1e12"], "is more than the"), (["--memory-mb", "8", "--memory-fraction", "0.5"], "not both"),
+    (["--kernel", "gemm", "--inject-fault", "memory"], "--inject-fault memory needs the memory kernel"),
 ])
 def test_stress_bad_input_one_line_on_every_rank(args, message):
     r = mpirun(2, [*MGPU, "stress", "--no-progress", *args], timeout=120)

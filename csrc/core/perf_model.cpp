@@ -220,7 +220,8 @@ void validate(const Workload& w, const HardwareProfile& hw, const Options& o) {
   MGPU_CHECK(w.global_batch >= 1, ConfigError, "global batch must be >= 1, got ", w.global_batch);
   MGPU_CHECK(!hw.devices.empty(), ConfigError, "hardware profile '", hw.name, "' lists no devices");
   MGPU_CHECK(o.memory_margin > 0 && o.memory_margin <= 1, ConfigError, "memory margin must be in (0, 1]");
-  MGPU_CHECK(o.price_per_device_hour >= 0, ConfigError, "price must be >= 0");
+  MGPU_CHECK(o.price_per_device_hour >= 0 && std::isfinite(o.price_per_device_hour), ConfigError,
+             "price must be a finite number >= 0");
   MGPU_CHECK(w.precision == "fp32" || w.precision == "tf32" || w.precision == "bf16" || w.precision == "fp16",
              ConfigError, "unknown precision '", w.precision, "' (expected fp32, tf32, bf16 or fp16)");
   MGPU_CHECK(w.optimizer == "sgd" || w.optimizer == "adamw", ConfigError, "unknown optimizer '", w.optimizer,
@@ -232,10 +233,39 @@ void validate(const Workload& w, const HardwareProfile& hw, const Options& o) {
   MGPU_CHECK(w.accumulate >= 1, ConfigError, "micro-batches per step (accumulate) must be >= 1, got ", w.accumulate);
   MGPU_CHECK(w.cuda_graph == "auto" || w.cuda_graph == "on" || w.cuda_graph == "off", ConfigError,
              "unknown CUDA graph mode '", w.cuda_graph, "' (expected auto, on or off)");
+  // A profile is a file users edit: every number it gives must be one a step can have
+  // (a NaN or a negative size would print as a prediction).
+  auto finite_at_least_0 = [](double x) { return std::isfinite(x) && x >= 0; };
+  MGPU_CHECK(finite_at_least_0(hw.step_overhead_s), ConfigError, "profile '", hw.name,
+             "': step overhead must be finite and >= 0, got ", hw.step_overhead_s);
+  MGPU_CHECK(std::isfinite(hw.model_error) && hw.model_error >= 0 && hw.model_error < 1, ConfigError, "profile '",
+             hw.name, "': model error is a relative error in [0, 1), got ", hw.model_error);
+  const LinkProfile& link = hw.link;
+  MGPU_CHECK(finite_at_least_0(link.alpha_s) && finite_at_least_0(link.buffer_bytes) &&
+                 finite_at_least_0(link.step_sync_s) && !(link.bus_bandwidth < 0) && !std::isnan(link.bus_bandwidth),
+             ConfigError, "profile '", hw.name, "': link latency, bandwidth, buffers and step sync must be finite "
+             "(bandwidth may be unbounded) and >= 0");
+  for (const CollectiveModel* m : {&link.intra, &link.inter}) {
+    bool ok = finite_at_least_0(m->ring_busbw) && finite_at_least_0(m->tree_busbw) && finite_at_least_0(m->nvls_busbw);
+    for (int i = 0; i < 3; ++i)
+      ok = ok && finite_at_least_0(m->latency_s[i]) && finite_at_least_0(m->hop_s[i]) &&
+           finite_at_least_0(m->bw_fraction[i]) && std::isfinite(m->bw_scale_beyond_two[i]) &&
+           m->bw_scale_beyond_two[i] > 0;
+    MGPU_CHECK(ok, ConfigError, "profile '", hw.name, "': the link's collective model needs finite latencies, "
+               "bandwidths and fractions >= 0 (scales > 0)");
+  }
   for (const DeviceProfile& d : hw.devices) {
     MGPU_CHECK(d.launch_overhead_s >= 0 && std::isfinite(d.launch_overhead_s) && d.graph_node_s >= 0 &&
                    std::isfinite(d.graph_node_s),
                ConfigError, "device '", d.name, "' launch and graph-node times must be finite and >= 0");
+    MGPU_CHECK(finite_at_least_0(d.memory_bytes) && finite_at_least_0(d.memory_bandwidth) &&
+                   finite_at_least_0(d.host_to_device_bandwidth) && finite_at_least_0(d.context_bytes) &&
+                   finite_at_least_0(d.dropout_s_per_unit),
+               ConfigError, "device '", d.name, "': memory, bandwidths, context bytes and dropout cost must be "
+               "finite and >= 0");
+    for (const GemmRate* r : {&d.fp32, &d.tf32, &d.bf16, &d.fp16})
+      MGPU_CHECK(finite_at_least_0(r->peak_flops) && finite_at_least_0(r->half_work_flops), ConfigError, "device '",
+                 d.name, "': GEMM rates must be finite and >= 0");
     d.layers.check("device '" + d.name + "' layer times");
     d.layers_alone.check("device '" + d.name + "' layer times (alone)");
     d.step_phases.check("device '" + d.name + "' step phases");
@@ -628,15 +658,25 @@ Recommendation recommend(const Workload& w, const HardwareProfile& hw, const Opt
   r.profile = hw.name;
   r.profile_source = hw.source;
   r.params = parameter_count(sizes);
+  // Every device needs a sample of every micro-batch (train refuses a step that leaves
+  // a rank without one): the smallest micro-batch bounds the devices.
+  MGPU_CHECK(w.accumulate <= w.global_batch, ConfigError, "accumulate ", w.accumulate,
+             " is larger than the global batch ", w.global_batch, ": a micro-batch needs at least one sample");
+  const int64_t micro_rows = w.global_batch / w.accumulate;
+  const std::string rows_text = w.accumulate > 1 ? "micro-batches of " + std::to_string(micro_rows) +
+                                                       (micro_rows == 1 ? " sample" : " samples") + " (a global batch of " + std::to_string(w.global_batch) +
+                                                       " in " + std::to_string(w.accumulate) + ")"
+                                                 : "a global batch of " + std::to_string(w.global_batch);
   std::vector<int> too_many;  // more devices than samples: some would get none
   for (int n : o.candidates) {
-    if (w.global_batch >= n)
+    if (micro_rows >= n)
       r.candidates.push_back(predict_candidate(w, hw, n, o));
     else
       too_many.push_back(n);
   }
-  MGPU_CHECK(!r.candidates.empty(), ConfigError, "global batch ", w.global_batch,
-             " is smaller than every candidate device count");
+  const std::string verb = w.accumulate > 1 ? " give" : " gives";
+  MGPU_CHECK(!r.candidates.empty(), ConfigError, rows_text, verb,
+             " some device of every candidate count no sample");
   const Prediction* one = nullptr;
   const Prediction* best = nullptr;        // fastest that fits
   const Prediction* best_multi = nullptr;  // fastest multi-device that fits
@@ -774,8 +814,7 @@ Recommendation recommend(const Workload& w, const HardwareProfile& hw, const Opt
   else if (o.candidates.back() > 1)
     r.reasons.push_back("several devices never beat one for this model up to a global batch of 16M");
   for (int n : too_many)
-    r.reasons.push_back(device_word(hw, n) + " left out: a global batch of " + std::to_string(w.global_batch) +
-                        " gives some of them no sample");
+    r.reasons.push_back(device_word(hw, n) + " left out: " + rows_text + verb + " some of them no sample");
   const Prediction& chosen = best ? *best : r.candidates.front();
   r.reasons.push_back("memory: " + bytes_text(chosen.memory_bytes) + " per device" +
                       (chosen.memory_usable_bytes > 0 ? " of " + bytes_text(chosen.memory_usable_bytes) + " usable" : ""));

@@ -35,6 +35,7 @@ from typing import Optional
 import numpy as np
 
 from . import __version__, _core
+from .atomic import atomic_file
 from .config import GRAD_DTYPES, GRAPH_MODES, PRECISIONS, PRESETS
 from .errors import ConfigError
 
@@ -440,8 +441,7 @@ def write_csv(path: str, rows: list) -> None:
               "ci95_low_ms", "ci95_high_ms", "forward_ms", "backward_ms", "comm_wait_ms", "optimizer_ms", "speedup",
               "efficiency", "peak_memory_bytes", "compute_floor_ms", "allreduce_floor_ms", "predicted_step_ms",
               "torch_samples_per_sec", "torch_ratio_median", "torch_ratio_min", "torch_ratio_max"]
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w", newline="") as f:
+    with atomic_file(path) as f:
         w = csv.DictWriter(f, fieldnames=fields)
         w.writeheader()
         for r in rows:
@@ -456,7 +456,6 @@ def write_csv(path: str, rows: list) -> None:
                         "allreduce_floor_ms": r.get("allreduce_floor_ms"), "predicted_step_ms": r.get("predicted_step_ms"),
                         "torch_samples_per_sec": r.get("torch", {}).get("samples_per_sec"),
                         **{f"torch_ratio_{k}": r.get("torch_ratio", {}).get(k) for k in ("median", "min", "max")}})
-    os.replace(tmp, path)
 
 
 def _plot_subtitle(rows: list, meta: dict) -> str:

@@ -17,17 +17,17 @@ import io
 import json
 import os
 import re
-import tempfile
 import zipfile
 from typing import Optional
 
 import numpy as np
 
+from .atomic import atomic_file
 from .errors import ConfigError
 
 FORMAT = "mgpu-checkpoint"
 VERSION = 1
-_NAME = re.compile(r"^ckpt-(\d{9})\.npz$")
+CHECKPOINT_NAME = re.compile(r"^ckpt-(\d{9})\.npz$")
 
 
 class CheckpointError(ConfigError):
@@ -40,7 +40,7 @@ def checkpoint_name(step: int) -> str:
 
 def step_of(path: str) -> Optional[int]:
     """The step in a checkpoint's file name (None for a name mgpu did not give)."""
-    m = _NAME.match(os.path.basename(path))
+    m = CHECKPOINT_NAME.match(os.path.basename(path))
     return int(m.group(1)) if m else None
 
 
@@ -56,7 +56,7 @@ def list_checkpoints(directory: str) -> list:
         return []
     except OSError as e:
         raise CheckpointError(f"cannot list checkpoint directory '{directory}': {e.strerror}") from None
-    found = sorted((int(m.group(1)), n) for n in names if (m := _NAME.match(n)))
+    found = sorted((int(m.group(1)), n) for n in names if (m := CHECKPOINT_NAME.match(n)))
     return [os.path.join(directory, n) for _, n in found]
 
 
@@ -87,15 +87,9 @@ def save_checkpoint(directory: str, step: int, arrays: dict, meta: dict, keep: i
                 checksums={k: _digest(v) for k, v in arrays.items()})
     payload = dict(arrays, meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8))
     path = os.path.join(directory, checkpoint_name(step))
-    tmp = None
     try:
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-ckpt-", suffix=".npz", dir=directory)
-        with os.fdopen(fd, "wb") as f:
+        with atomic_file(path, binary=True, prefix=".tmp-ckpt-") as f:
             np.savez(f, **payload)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        tmp = None
         dir_fd = os.open(directory, os.O_RDONLY)
         try:
             os.fsync(dir_fd)  # the rename itself survives a power loss
@@ -106,9 +100,6 @@ def save_checkpoint(directory: str, step: int, arrays: dict, meta: dict, keep: i
         previous = latest_checkpoint(directory)
         kept = f"; previous checkpoint {os.path.basename(previous)} kept" if previous else ""
         raise CheckpointError(f"cannot write checkpoint for step {step} in '{directory}': {reason}{kept}") from None
-    finally:
-        if tmp is not None and os.path.exists(tmp):
-            os.unlink(tmp)
     for old in list_checkpoints(directory)[:-keep]:
         if os.path.abspath(old) == os.path.abspath(path):
             continue  # a resumed run's older step, below one the run it rewound wrote: never the one just saved

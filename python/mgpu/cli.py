@@ -18,7 +18,7 @@ import traceback
 from . import __version__, build_info
 from .config import COMMS, DEVICES, GRAD_DTYPES, GRAPH_MODES, LOSSES, OPTIMIZERS, PRECISIONS, PRESETS, TrainConfig
 from .cliutil import (EXIT_USAGE, MAX_THREADS, Parser, UsageError, bounded_int, check_output_dir, check_outputs,
-                      float_list, int_list, write_json_atomic, write_line)
+                      check_outputs_outside_dirs, float_list, int_list, write_json_atomic, write_line)
 from .errors import CommError, ConfigError, DataError, DeviceError, NumericsError
 from .observe import DEFAULT_TRACE_STEPS, Observer, import_summary_writer, parse_step_range
 from .schedule import SCHEDULES
@@ -301,6 +301,9 @@ def _check_outputs(a) -> None:
     if a.telemetry is not None:
         outputs.update(output_options(a.telemetry))
     check_outputs(outputs, {"--dataset": a.dataset, "--resume": a.resume if a.resume != "latest" else None})
+    from .checkpoint import CHECKPOINT_NAME
+    check_outputs_outside_dirs(outputs, {"--checkpoint-dir": a.checkpoint_dir, "--tensorboard": a.tensorboard},
+                               {"--checkpoint-dir": CHECKPOINT_NAME})
     if a.trace_steps is not None and not a.trace:
         raise ConfigError("--trace-steps chooses the steps of --trace: give --trace PATH too")
     if a.tensorboard is not None:
@@ -509,6 +512,15 @@ def _train_single_process(a, pg) -> int:
         raise ConfigError(f"--gpus must be >= 1, got {a.gpus}")
     if a.device == "cpu":
         raise ConfigError("--gpus drives GPUs; CPU ranks run under mpirun (mpirun -np N python -m mgpu train)")
+    # Before any rank thread starts: a thread per GPU asked for, whatever is there.
+    from .process_group import cuda_device_count, no_gpu_reason
+    visible = cuda_device_count()
+    if visible == 0:
+        raise ConfigError(f"--gpus drives GPUs, and no GPU is visible ({no_gpu_reason()}); CPU ranks run under "
+                          "mpirun (mpirun -np N python -m mgpu train --device cpu)")
+    if a.gpus > visible and os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE") != "1":
+        raise ConfigError(f"--gpus {a.gpus} asked for, but {visible} GPU(s) visible: one thread drives one GPU "
+                          "(NCCL >= 2.30 shares a GPU with NCCL_MULTI_RANK_GPU_ENABLE=1)")
     try:
         codes = run_on_gpus(lambda tg: cmd_train(copy.copy(a), tg), gpus=a.gpus)
     except KeyboardInterrupt:
@@ -674,6 +686,14 @@ def main(argv=None) -> int:
         if pg is not None and pg.size > 1:
             pg.abort(EXIT_BROKEN_PIPE)
         return EXIT_BROKEN_PIPE
+    except OSError as e:
+        # a file the run reads or writes (an output the checks could not foresee): one line
+        where = f": '{e.filename}'" if e.filename else ""
+        write_line(("mgpu: error: " if pg is None or pg.size == 1 else f"mgpu: error (rank {pg.rank}): ")
+                   + f"{e.strerror or e}{where}")
+        if pg is not None and pg.size > 1:
+            pg.abort(EXIT_USAGE)
+        return EXIT_USAGE
     except Exception as e:  # noqa: BLE001 - last line of defence: never leave peers hanging
         from .errors import MgpuError
         if isinstance(e, MgpuError):

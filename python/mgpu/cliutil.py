@@ -2,7 +2,7 @@
 parser with one-line errors, the value types of the list options, the error line
 each rank writes, and the checks and atomic writes of output files.
 
-It imports nothing of mgpu but errors, so the command modules import it and cli.py
+It imports nothing of mgpu but errors and atomic, so the command modules import it and cli.py
 imports them: the imports run one way, from the CLI down.
 """
 from __future__ import annotations
@@ -13,8 +13,10 @@ import math
 import os
 import re
 import sys
+import tempfile
 from collections import Counter
 
+from .atomic import atomic_file
 from .errors import ConfigError
 
 EXIT_USAGE = 2
@@ -137,8 +139,7 @@ def check_output_path(path: str, what: str) -> None:
     directory = os.path.dirname(os.path.abspath(path)) or "."
     if not os.path.isdir(directory):
         raise ConfigError(f"{what} '{path}': directory '{directory}' does not exist")
-    if not os.access(directory, os.W_OK):
-        raise ConfigError(f"{what} '{path}': directory '{directory}' is not writable")
+    _check_writable_directory(directory, f"{what} '{path}': directory")
     if os.path.isdir(path):
         raise ConfigError(f"{what} '{path}' is a directory")
     if os.path.exists(path) and not os.path.isfile(path):  # a FIFO would block the write until read
@@ -164,6 +165,39 @@ def check_outputs(outputs: dict, inputs: dict = None) -> None:
             raise ConfigError(f"{other} and {what} name the same file '{path}': one would overwrite the other")
 
 
+def _check_writable_directory(directory: str, what: str) -> None:
+    """ConfigError unless a file can be created in `directory`: tried, as os.access answers
+    yes for root where a read-only mount or /sys refuses the write (after the work)."""
+    if not os.access(directory, os.W_OK):
+        raise ConfigError(f"{what} '{directory}' is not writable")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".mgpu-write-probe-", dir=directory)
+    except OSError as e:
+        raise ConfigError(f"{what} '{directory}' is not writable ({e.strerror})") from None
+    os.close(fd)
+    os.unlink(probe)
+
+
+def check_outputs_outside_dirs(outputs: dict, dirs: dict, reserved: dict = None) -> None:
+    """ConfigError if an output file (option -> path) is a directory the run will write
+    (option -> path; made if missing), or inside one under a name the run reserves there
+    (option -> regex of file names: a checkpoint's, which the next --resume would take)."""
+    for what_dir, directory in dirs.items():
+        if not directory:
+            continue
+        real_dir = os.path.realpath(directory)
+        for what, path in outputs.items():
+            if not path:
+                continue
+            real = os.path.realpath(path)
+            if real == real_dir:
+                raise ConfigError(f"{what} '{path}' is the directory {what_dir} writes into")
+            pattern = (reserved or {}).get(what_dir)
+            if pattern and os.path.dirname(real) == real_dir and pattern.match(os.path.basename(real)):
+                raise ConfigError(f"{what} '{path}' is named like the files {what_dir} keeps there: "
+                                  "it would overwrite one, or be taken for one")
+
+
 def check_output_dir(path: str, what: str) -> None:
     """ConfigError unless `path` is a writable directory or can be made one, parents and all
     (plots go there)."""
@@ -174,14 +208,10 @@ def check_output_dir(path: str, what: str) -> None:
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing):
         raise ConfigError(f"{what} '{path}': '{existing}' is not a directory")
-    if not os.access(existing, os.W_OK):
-        raise ConfigError(f"{what} '{path}': directory '{existing}' is not writable")
+    _check_writable_directory(existing, f"{what} '{path}': directory")
 
 
 def write_json_atomic(path: str, obj) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
+    """Write JSON whole or not at all: a failed write leaves the old file and no temporary."""
+    with atomic_file(path) as f:
         json.dump(obj, f, indent=2)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)

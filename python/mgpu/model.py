@@ -6,12 +6,12 @@ of float32 arrays (copies of the core's flat buffers).
 from __future__ import annotations
 
 import os
-import tempfile
 from typing import Optional, Sequence
 
 import numpy as np
 
 from . import _core
+from .atomic import atomic_file
 from .errors import ConfigError, DataError
 
 
@@ -136,14 +136,5 @@ def save_npz_atomic(path: str, arrays: dict) -> None:
     directory = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(directory):
         raise ConfigError(f"cannot save to '{path}': directory '{directory}' does not exist")
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".npz", dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.savez(f, **arrays)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    with atomic_file(path, binary=True) as f:
+        np.savez(f, **arrays)

@@ -16,14 +16,15 @@ With none of them (no calibration, no GPU) the selector falls back to seed
 from __future__ import annotations
 
 import json
+import math
 import operator
 import os
 import socket
-import tempfile
 import time
 from typing import Optional, Sequence
 
 from . import _core, gemm_fit
+from .atomic import atomic_file
 from .costsheet import GRAPH_NODE_S, GRAPH_NODE_SOURCE
 from .config import GRAD_DTYPES, GRAPH_MODES, PRESETS
 from .errors import ConfigError
@@ -275,12 +276,8 @@ def save_profile(profile: dict, path: Optional[str] = None) -> str:
     directory = os.path.dirname(os.path.abspath(path))
     try:
         os.makedirs(directory, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-profile-", suffix=".json", dir=directory)
-        with os.fdopen(fd, "w") as f:
+        with atomic_file(path, prefix=".tmp-profile-") as f:
             json.dump(profile, f, indent=2)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
     except OSError as e:
         raise ConfigError(f"cannot write the profile to '{path}': {e.strerror or e}") from None
     return path
@@ -771,12 +768,14 @@ def cmd_recommend(a, pg) -> int:
     check_outputs({"--json": a.json}, {"--profile": a.profile})
     if not (0 < a.memory_margin <= 1):
         raise ConfigError(f"--memory-margin must be in (0, 1], got {a.memory_margin}")
-    if a.price < 0:
-        raise ConfigError(f"--price must be >= 0, got {a.price}")
+    if not 0 <= a.price < math.inf:  # NaN too
+        raise ConfigError(f"--price must be a finite number >= 0, got {a.price}")
     params = None
     if a.params is not None:
         if not 1 <= a.params <= 2 ** 62:  # NaN and inf too; the core counts parameters in 64 bits
             raise ConfigError(f"--params must be in 1..2^62, got {a.params}")
+        if a.params != int(a.params):
+            raise ConfigError(f"--params must be a whole number of parameters, got {a.params}")
         params = int(a.params)
     result = recommend(model=a.model, layers=a.layers, params=params, batch_size=a.batch_size, devices=a.devices,
                        profile=a.profile, precision=a.precision, optimizer=a.optimizer, bucket_mb=a.bucket_mb,

@@ -216,6 +216,8 @@ def cmd_stress(a, pg) -> int:
     from .cliutil import check_outputs, write_json_atomic
     from .train_telemetry import output_options
     device, index = pg.resolve_device(a.device)
+    if a.memory_mb is not None and a.memory_fraction is not None:
+        raise ConfigError("give the buffer as --memory-mb or as --memory-fraction, not both")
     scaled = resolve_defaults(a, device)
     if scaled and pg.is_root:
         print("mgpu stress: GPU EMULATION (the CPU running mgpu's CUDA code, not a real GPU): defaults scaled down to "
@@ -237,10 +239,17 @@ def cmd_stress(a, pg) -> int:
         raise ConfigError(f"--threads must be >= 1, got {a.threads}")
     check_outputs({"--json": a.json, **(output_options(a.telemetry) if a.telemetry is not None else {})})
     kernels = KERNELS if a.kernel == "all" else (a.kernel,)
+    if a.inject_fault is not None and a.inject_fault not in kernels:
+        raise ConfigError(f"--inject-fault {a.inject_fault} needs the {a.inject_fault} kernel to run "
+                          f"(--kernel {a.inject_fault} or all); with --kernel {a.kernel} nothing would catch it")
     if a.gemm_precision != "fp32" and device != "cuda":
         raise ConfigError(f"--gemm-precision {a.gemm_precision} needs a GPU; the CPU GEMM burn runs in fp32")
     threads = a.threads or pg.default_threads()
-    memory = a.memory_mb * MiB if a.memory_mb else a.memory_fraction * available_memory(device, index, pg.local_size)
+    available = available_memory(device, index, pg.local_size)
+    memory = a.memory_mb * MiB if a.memory_mb else a.memory_fraction * available
+    if memory > available:  # refused before any kernel runs, on every rank
+        raise ConfigError(f"--memory-mb {a.memory_mb:g} is more than the {available / MiB:,.0f} MiB "
+                          f"{'free on the GPU' if device == 'cuda' else 'of host memory available to this rank'}")
     pg.timeout = a.hang_timeout
     stop = threading.Event()
     previous = {}

@@ -291,6 +291,26 @@ def test_chosen_bucket_is_never_worse_than_4mb_and_tries_the_whole_gradient(mode
     assert choice.exposed_comm_s <= four_mb.exposed_comm_s * 1.01 + 1e-12
 
 
+def test_a_larger_bucket_is_taken_only_where_it_exposes_clearly_less():
+    # Without latency and without overlap every size exposes the same allreduce: the
+    # smallest stays (larger buckets hold more memory and start later).
+    prof = {"format": perf.PROFILE_FORMAT, "version": 1, "name": "flat", "source": "calibrated",
+            "devices": [{"name": "dev", "kind": "cuda", "fp32": {"peak_flops": 1e13, "half_work_flops": 0.0},
+                         "memory_bytes": 16e9, "memory_bandwidth": 1e12, "launch_overhead_s": 0.0}] * 2,
+            "step_overhead_s": 0.0, "model_error": 0.1,
+            "link": {"name": "flat", "alpha_s": 0.0, "bus_bandwidth": 1e10, "overlaps_compute": False}}
+    hw = perf.to_core(prof, 2)
+    w = perf._workload("large", None, None, 256, "fp32", "sgd", 4.0)
+    choice = P.choose_bucket(w, hw, 2, P.Options())
+    exposed = [e for _, e in choice.tried]
+    assert len(exposed) > 3 and max(exposed) == pytest.approx(min(exposed), rel=1e-9)
+    assert choice.bucket_elems == choice.tried[0][0]
+    # with a latency per allreduce, fewer buckets expose clearly less: the largest is taken
+    prof["link"]["alpha_s"] = 1e-4
+    choice = P.choose_bucket(w, perf.to_core(prof, 2), 2, P.Options())
+    assert choice.bucket_elems == choice.tried[-1][0]
+
+
 @pytest.mark.parametrize("params", [1e12, 1e15, 2.0 ** 62])
 def test_huge_models_are_priced(params):
     # The bucket schedule is priced per run of equal buckets: a 2^62-parameter gradient in

@@ -232,6 +232,56 @@ def test_outputs_may_not_be_empty_special_shared_or_an_input(tmp_path):
             check_outputs(outputs, inputs)
 
 
+def test_outputs_may_not_be_or_shadow_what_the_run_keeps_in_its_directories(tmp_path):
+    from mgpu.checkpoint import CHECKPOINT_NAME
+    from mgpu.cliutil import check_outputs_outside_dirs
+    ckpt, board = tmp_path / "ckpt", tmp_path / "board"
+    dirs, reserved = {"--checkpoint-dir": str(ckpt), "--tensorboard": str(board)}, {"--checkpoint-dir": CHECKPOINT_NAME}
+    check_outputs_outside_dirs({"--json": str(ckpt / "results.json"), "--save": str(tmp_path / "ckpt-000000001.npz")},
+                               dirs, reserved)  # beside the checkpoints, or so named elsewhere: fine
+    for outputs, message in [
+        ({"--json": str(ckpt)}, "--json .* is the directory --checkpoint-dir writes into"),
+        ({"--save": str(board)}, "--save .* is the directory --tensorboard writes into"),
+        ({"--save": str(ckpt / "ckpt-000000002.npz")}, "named like the files --checkpoint-dir keeps"),
+    ]:
+        with pytest.raises(mgpu.ConfigError, match=message):
+            check_outputs_outside_dirs(outputs, dirs, reserved)
+
+
+def test_an_output_is_refused_where_no_file_can_be_created():
+    # os.access answers yes for root in /sys; creating a file there fails (after the work)
+    from mgpu.cliutil import check_output_dir, check_outputs
+    with pytest.raises(mgpu.ConfigError, match="'/sys' is not writable"):
+        check_outputs({"--json": "/sys/results.json"})
+    with pytest.raises(mgpu.ConfigError, match="'/sys' is not writable"):
+        check_output_dir("/sys/plots", "--plots")
+
+
+def test_a_failed_json_write_keeps_the_old_file_and_leaves_no_temporary(tmp_path):
+    from mgpu.cliutil import write_json_atomic
+    target = tmp_path / "a.json"
+    write_json_atomic(str(target), {"kept": 1})
+    with pytest.raises(TypeError):
+        write_json_atomic(str(target), {"unserialisable": object()})
+    with pytest.raises(IsADirectoryError):
+        write_json_atomic(str(tmp_path), {"x": 1})
+    assert json.loads(target.read_text()) == {"kept": 1}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.json"]
+
+
+def test_save_may_not_overwrite_a_checkpoint_of_the_run(tmp_path, capfd):
+    ckpt = tmp_path / "ckpt"
+    base = ["train", "--layers", "20,16,3", "--steps", "2", "--batch-size", "16", "--no-progress",
+            "--checkpoint-dir", str(ckpt)]
+    assert cli.main(base) == 0
+    kept = (ckpt / "ckpt-000000002.npz").read_bytes()
+    capfd.readouterr()
+    assert cli.main(base + ["--save", str(ckpt / "ckpt-000000002.npz")]) == 2
+    err = capfd.readouterr().err
+    assert "named like the files --checkpoint-dir keeps" in err and err.count("\n") == 1, err
+    assert (ckpt / "ckpt-000000002.npz").read_bytes() == kept
+
+
 @pytest.mark.parametrize("field, value", [("devices", [1, 2]), ("devices", "abc"), ("link", "garbage"),
                                           ("link", [1]), ("gpus_per_node", "garbage"),
                                           ("bw_scale_beyond_two", [0, 1, 1])])
@@ -248,6 +298,24 @@ def test_a_malformed_profile_is_one_config_error(tmp_path, field, value):
         perf.load_profile(str(path))
     with pytest.raises(mgpu.ConfigError, match="is a directory"):
         perf.load_profile(str(tmp_path))
+
+
+@pytest.mark.parametrize("where, field, value", [
+    ("profile", "step_overhead_s", float("nan")), ("profile", "step_overhead_s", -1.0),
+    ("profile", "model_error", 100.0), ("profile", "model_error", -0.1),
+    ("link", "step_sync_s", float("nan")), ("link", "buffer_bytes", -5.0), ("link", "alpha_s", float("inf")),
+    ("device", "context_bytes", -1.0), ("device", "memory_bytes", -1.0), ("device", "dropout_s_per_unit", float("inf")),
+    ("device", "host_to_device_bandwidth", float("nan")), ("intra", "ring_busbw", float("nan")),
+])
+def test_a_profile_number_no_step_can_have_is_one_config_error(where, field, value):
+    # a NaN or negative figure once printed as a prediction ("nan nanx", "+-10000%")
+    from mgpu import perf
+    profile = perf.named_profile("h100-sxm-8")
+    target = {"profile": profile, "link": profile["link"], "device": profile["devices"][0],
+              "intra": profile["link"]["nccl"]["intra"]}[where]
+    target[field] = value
+    with pytest.raises(mgpu.ConfigError, match="must be|needs finite|model error"):
+        perf.recommend(model="medium", batch_size=64, profile=profile)
 
 
 def test_a_profile_can_come_through_a_pipe(tmp_path):
@@ -294,7 +362,10 @@ def test_sizes_the_core_cannot_hold_are_refused_when_parsed(argv, message):
 def test_recommend_refuses_counts_beyond_64_bits(capfd):
     for argv, message in ((["--model", "medium", "--batch-size", str(10 ** 20)], "--batch-size must be at most 2^62"),
                           (["--params", "inf", "--batch-size", "8"], "--params must be in 1..2^62"),
-                          (["--params", "1e300", "--batch-size", "8"], "--params must be in 1..2^62")):
+                          (["--params", "1e300", "--batch-size", "8"], "--params must be in 1..2^62"),
+                          (["--params", "1.9", "--batch-size", "8"], "--params must be a whole number"),
+                          (["--model", "medium", "--batch-size", "8", "--price", "inf"], "--price must be a finite"),
+                          (["--model", "medium", "--batch-size", "8", "--price", "nan"], "--price must be a finite")):
         assert cli.main(["recommend", *argv]) == 2
         err = capfd.readouterr().err
         assert message in err and "Traceback" not in err, err

@@ -136,8 +136,22 @@ def test_unequal_devices_get_batch_shares_by_speed():
     two = predict(prof, 2, batch=3000)
     fast, slow = two.batch_shares
     assert fast + slow == 3000 and fast == pytest.approx(2000, abs=60)
+    # whole rows: the floors (6 and 3 of 6.7 and 3.3), the row left over to the largest remainder
+    assert predict(prof, 2, batch=10).batch_shares == [7, 3]
     r = perf.recommend(layers=[1024, 4096, 4096, 10], batch_size=3000, devices=[1, 2], profile=prof)
     assert any("batch shares" in reason for reason in r["reasons"])
+
+
+def test_every_device_needs_a_sample_of_every_micro_batch():
+    # train's `--batch-size 4 --accumulate 16` on 8 GPUs is refused (a rank without a sample):
+    # recommend's --batch-size 64 --accumulate 16 leaves 8 GPUs out, and 4 stay
+    prof = perf.named_profile("h100-sxm-8")
+    r = perf.recommend(model="medium", batch_size=64, devices=[1, 4, 8], accumulate=16, profile=prof)
+    assert [c["devices"] for c in r["candidates"]] == [1, 4]
+    assert "8 GPUs left out: micro-batches of 4 samples (a global batch of 64 in 16) give some of them no sample" \
+        in r["reasons"]
+    with pytest.raises(mgpu.ConfigError, match="accumulate 65 is larger than the global batch 64"):
+        perf.recommend(model="medium", batch_size=64, accumulate=65, profile=prof)
 
 
 def test_break_even_batch_is_where_several_devices_start_to_win():
@@ -208,7 +222,7 @@ def test_profiles_round_trip_and_bad_ones_are_refused(tmp_path):
 @pytest.mark.parametrize("kwargs, message", [
     (dict(batch_size=0), "batch size"), (dict(batch_size=64, devices=[0, 1]), "device counts"),
     (dict(batch_size=64, precision="fp8"), "precision"), (dict(batch_size=64, devices=[1, 16]), "cannot predict 16"),
-    (dict(batch_size=64, optimizer="lion"), "optimizer"), (dict(batch_size=1, devices=[2, 4]), "smaller than every"),
+    (dict(batch_size=64, optimizer="lion"), "optimizer"), (dict(batch_size=1, devices=[2, 4]), "gives some device of every candidate count no sample"),
     (dict(batch_size=64, cuda_graph="maybe"), "CUDA graph mode"),
 ])
 def test_bad_requests_raise_config_errors(kwargs, message):
@@ -249,7 +263,8 @@ def test_half_precision_gemms_hold_a_half_copy_of_the_weights_and_write_it_in_th
     prof = perf.to_core(profile([device()], alpha=0.0, busbw=1e9))
     fp32, bf16 = (P.predict(perf._workload(None, layers, None, batch, p, "sgd", 4.0), prof, 1, P.Options())
                   for p in ("fp32", "bf16"))
-    assert bf16.memory_bytes - fp32.memory_bytes >= 2 * params
+    # and two half operand buffers (activations, output gradients) of the widest layer's rows
+    assert bf16.memory_bytes - fp32.memory_bytes == pytest.approx(2 * params + 2 * 2 * batch * 4096, rel=1e-12)
     tf32 = P.predict(perf._workload(None, layers, None, batch, "tf32", "sgd", 4.0), prof, 1, P.Options())
     assert tf32.memory_bytes == fp32.memory_bytes and tf32.optimizer_s == fp32.optimizer_s
     assert bf16.optimizer_s > fp32.optimizer_s
@@ -432,10 +447,11 @@ def test_a_calibrated_wait_spread_widens_the_error_band_where_steps_are_short():
     assert jittery["confidence"] < steady["confidence"]
 
 
-def test_one_rank_read_from_a_multi_rank_wait_leaves_its_allreduce_out():
+@pytest.mark.parametrize("width", [1000, 2000])  # at 2000 each layer fills four 4 MiB buckets
+def test_one_rank_read_from_a_multi_rank_wait_leaves_its_allreduce_out(width):
     # no alone table (a hand-made or merged profile): the 2-rank wait holds an allreduce
-    layers, batch = (1000, 1000, 1000), 64
-    n_params = 2 * (1000 * 1000 + 1000)
+    layers, batch = (width, width, width), 64
+    n_params = 2 * (width * width + width)
     base = device(flops=1e12, bandwidth=50e9, kind="cpu")
     prof = profile([{**base, "step_phases": phases()}] * 2, alpha=1e-5, busbw=50e9, overlap=False)
     t, two = perf._phases_to_core(phases(), "t"), predict(prof, 2, layers, batch)
@@ -536,11 +552,33 @@ def test_captured_steps_price_kernels_as_graph_nodes_and_allreduce_after_backwar
     assert off.exposed_comm_s < 0.9 * off.comm_s
 
 
+@pytest.mark.parametrize("mode", ["on", "off"])
+@pytest.mark.parametrize("accumulate", [1, 3])
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_host_copies_are_each_micro_batchs_inputs_and_targets_and_the_stop_flag(mode, accumulate, ranks):
+    # Outside any graph: a launch and the bytes over the host link for every copy the
+    # cost sheet lists (its counts match the emulated GPU's, tests/emulation).
+    launch, bandwidth, overhead, batch = 5e-6, 1e9, 1e-4, 512
+    gpu = {**device(launch=launch), "graph_node_s": 0.5e-6, "host_to_device_bandwidth": bandwidth}
+    p = graph_predict(profile([gpu] * 2, overhead=overhead), ranks, mode, batch=batch, accumulate=accumulate)
+    ops = costsheet.step_ops(costsheet.Workload(list(SMALL), batch, optimizer="sgd", graph=mode == "on",
+                                                ranks=ranks, accumulate=accumulate))
+    copies = [o for o in ops if o.kind == "h2d"]
+    graph_launches = graph_kernels(SMALL, batch, ranks, "fp32", accumulate)[1] if mode == "on" else 0
+    expected = ((sum(o.count for o in copies) + graph_launches) * launch
+                + sum(o.count * o.bytes for o in copies) / bandwidth)
+    assert p.overhead_s - overhead == pytest.approx(expected, rel=1e-4)
+
+
 def test_graph_mode_auto_follows_the_training_step_rule():
     gpu, cpu = {**device(launch=5e-6), "graph_node_s": 1e-6}, device(launch=5e-6, kind="cpu")
     big = (4096, 4096, 10)  # above StepOptions::kGraphAutoMaxParams
     assert 4096 * 4096 + 4096 + 4096 * 10 + 10 > costsheet.GRAPH_AUTO_MAX_PARAMS
     assert not graph_predict(profile([gpu] * 2), 2, "auto", layers=big).graphs
+    # at most 2^24 parameters, as DataParallelStep decides: 4095 x 4096 + 4096 is exactly 2^24
+    assert 4095 * 4096 + 4096 == costsheet.GRAPH_AUTO_MAX_PARAMS
+    assert graph_predict(profile([gpu] * 2), 2, "auto", layers=(4095, 4096)).graphs
+    assert not graph_predict(profile([gpu] * 2), 2, "auto", layers=(4096, 4096)).graphs
     assert graph_predict(profile([gpu] * 2), 2, "on", layers=big).graphs
     assert not graph_predict(profile([cpu] * 2), 2, "auto").graphs  # host backends: only when asked
     assert graph_predict(profile([cpu] * 2), 2, "on").graphs
@@ -642,6 +680,9 @@ def test_accumulated_micro_batches_share_the_rows_and_only_the_last_backward_ove
     assert one.exposed_comm_s < 0.9 * one.comm_s  # hidden behind the whole backward
     assert four.exposed_comm_s > one.exposed_comm_s  # only behind the last quarter of it
     assert four.memory_bytes < one.memory_bytes
+    # activations for the largest micro-batch (512 rows), as one step of 512 rows a device holds
+    w = perf._workload(None, [256, 1024, 1024, 1024, 10], None, 1024, "fp32", "sgd", 1.0, cuda_graph="off")
+    assert four.memory_bytes == pytest.approx(P.predict(w, perf.to_core(prof), 2, P.Options()).memory_bytes, rel=1e-12)
     assert at(10 ** 6).step_s > 0  # more micro-batches than rows: one row each
     # priced per micro-batch size, not one by one: 2^61 micro-batches take no time to price
     w = perf._workload(None, [8, 8], None, 2 ** 62, "fp32", "sgd", 1.0, accumulate=2 ** 61 + 1)

@@ -150,14 +150,15 @@ def test_cli_refuses_gpus_where_it_cannot_work(args, message):
     assert len(lines) == 1 and message in lines[0], r.stderr
 
 
-def test_cli_gpus_without_a_gpu_is_one_clear_line():
+@pytest.mark.parametrize("gpus", ["1", "2", "1000000"])  # a million once started a thread each before any check
+def test_cli_gpus_without_a_gpu_is_one_clear_line(gpus):
     if mgpu.process_group.cuda_device_count() > 0:
         pytest.skip("a GPU is visible: tests/gpu runs --gpus for real")
-    r = subprocess.run([sys.executable, "-m", "mgpu", "train", "--gpus", "2", "--steps", "2", "--no-progress"],
+    r = subprocess.run([sys.executable, "-m", "mgpu", "train", "--gpus", gpus, "--steps", "2", "--no-progress"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2, r.stderr
     lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and "drives GPUs" in lines[0], r.stderr
+    assert len(lines) == 1 and "drives GPUs" in lines[0] and "no GPU is visible" in lines[0], r.stderr
 
 
 @pytest.mark.parametrize("size", [1, 3])
