@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import os
 import resource
 import shutil
@@ -58,7 +59,8 @@ def summarize(samples) -> dict:
     except ImportError:
         t = 1.96
     half = t * sd / np.sqrt(n) if n > 1 else 0.0
-    return {"median": float(np.median(keep)), "mean": mean, "ci95": [mean - half, mean + half],
+    # times are positive: a t-interval of a few skewed samples can reach below zero
+    return {"median": float(np.median(keep)), "mean": mean, "ci95": [max(0.0, mean - half), mean + half],
             "n": n, "outliers": int(len(x) - n)}
 
 
@@ -177,13 +179,18 @@ def count_emulated_work(model, timed_trainer, pg, data, batch: int, first_sample
 
 
 def gemm_rate(device: str, device_index: int, threads: int, sizes, local_batch: int, precision: str = "fp32") -> float:
-    """FLOP/s of this model's own GEMMs at this local batch and precision: the compute floor's rate."""
+    """FLOP/s of this model's own GEMMs at this local batch and precision: the compute floor's rate.
+    A floor is a best case: each layer's fastest of 5 timings after a discarded one (a fresh
+    backend's first call starts its threads; on a loaded 2-core machine a 2-thread GEMM
+    sometimes waited ~0.5 ms for a worker, and a median of 3 put the floor above the step)."""
     backend = _core.make_backend(device, device_index, threads)
     backend.precision = precision
     work = time_total = 0.0
     for l in range(len(sizes) - 1):
-        t = float(np.median(_core.time_linear(backend, max(local_batch, 1), sizes[l], sizes[l + 1], 3)))
-        work += 2.0 * max(local_batch, 1) * sizes[l] * sizes[l + 1]
+        rows = max(local_batch, 1)
+        _core.time_linear(backend, rows, sizes[l], sizes[l + 1], 1)
+        t = float(np.min(_core.time_linear(backend, rows, sizes[l], sizes[l + 1], 5)))
+        work += 2.0 * rows * sizes[l] * sizes[l + 1]
         time_total += t
     return work / time_total
 
@@ -360,6 +367,12 @@ def format_table(rows: list) -> str:
     head = (f"{'batch':>6} {'ranks':>5} {'thr':>3} {'samples/s':>10} {'95% CI step ms':>17} {'fwd':>6} {'bwd':>6} {'comm':>6} "
             f"{'opt':>5} {'speedup':>7} {'effic':>5} {'mem MB':>7} {'floor ms':>8} {'ar floor':>8} {'torch/s':>9} {'ratio':>5}")
     out = [head]
+
+    def cell(value, spec: str, width: int, suffix: str = "") -> str:
+        """A number, or '-' where the row has none (no 1-rank row to compare with, no peer)."""
+        if value is None or (isinstance(value, float) and math.isnan(value)):
+            return f"{'-':>{width + len(suffix)}}"
+        return f"{value:>{width}{spec}}{suffix}"
     for r in rows:
         b = r["breakdown_ms"]
         ci = r["step"]["ci95"]
@@ -367,11 +380,11 @@ def format_table(rows: list) -> str:
         out.append(
             f"{r['batch_size']:>6} {r['ranks']:>5} {r['threads']:>3} {r['samples_per_sec']:>10,.0f} "
             f"{ci[0] * 1e3:>7.2f}-{ci[1] * 1e3:<8.2f} {b['forward']:>6.2f} {b['backward']:>6.2f} {b['comm_wait']:>6.2f} "
-            f"{b['optimizer']:>5.2f} {r.get('speedup', float('nan')):>6.2f}x {r.get('efficiency', float('nan')):>5.0%} "
+            f"{b['optimizer']:>5.2f} {cell(r.get('speedup'), '.2f', 6, 'x')} {cell(r.get('efficiency'), '.0%', 5)} "
             f"{r['peak_memory_bytes'] / 2**20:>7.0f} {r['compute_floor_ms']:>8.2f} "
-            f"{r.get('allreduce_floor_ms', float('nan')):>8.2f} "
-            f"{torch.get('samples_per_sec', float('nan')):>9,.0f} "
-            f"{r['samples_per_sec'] / torch['samples_per_sec'] if torch else float('nan'):>5.2f}")
+            f"{cell(r.get('allreduce_floor_ms'), '.2f', 8)} "
+            f"{cell(torch.get('samples_per_sec'), ',.0f', 9)} "
+            f"{cell(r['samples_per_sec'] / torch['samples_per_sec'] if torch else None, '.2f', 5)}")
     return "\n".join(out)
 
 
@@ -793,14 +806,30 @@ def explain_step(a, pg) -> int:
                                    accumulate=a.accumulate, ranks=ranks)
             w.graph = costsheet.uses_graph(a.cuda_graph, w.params)
             sheets.append(costsheet.explain(w, costsheet.GPUS[a.gpu]))
+    # What a GPU holds, as the selector prices it (the sheet prices time only): the
+    # largest micro-batch's activations, the weights, gradients and optimizer state.
+    from .perf import _GPU_TYPES, MEMORY_MARGIN, training_memory_bytes
+    spec = _GPU_TYPES[a.gpu]
+    memory = []
+    for sheet in sheets:
+        w = sheet.workload
+        per_gpu = -(-w.batch // w.ranks)  # the largest share, in ceil divisions
+        rows = -(-per_gpu // w.accumulate)
+        need = training_memory_bytes(w.sizes, rows, optimizer=w.optimizer, precision=w.precision,
+                                     dropout=w.dropout) + spec["context"]
+        memory.append({"bytes": need, "usable_bytes": spec["memory"] * MEMORY_MARGIN,
+                       "fits": need <= spec["memory"] * MEMORY_MARGIN})
     if pg.is_root:
-        for sheet in sheets:
+        for sheet, mem in zip(sheets, memory):
             print(costsheet.format_sheet(sheet))
+            print(f"  memory: {mem['bytes'] / 1e9:.2f} GB a GPU of {mem['usable_bytes'] / 1e9:.0f} GB usable"
+                  + ("" if mem["fits"] else ": DOES NOT FIT (fewer rows a GPU, bf16, or SGD instead of AdamW)"))
             if sheet.workload.ranks > 1:
                 print("  (per GPU, without the gradient allreduce: `mgpu recommend` models it)")
         print("sources: " + "; ".join(costsheet.GPUS[a.gpu].sources))
         if a.json:
-            write_json_atomic(a.json, {"version": __version__, "cost_sheets": [s.as_dict() for s in sheets]})
+            write_json_atomic(a.json, {"version": __version__,
+                                       "cost_sheets": [{**s.as_dict(), "memory": m} for s, m in zip(sheets, memory)]})
     return 0
 
 

@@ -425,7 +425,7 @@ def cmd_train(a, pg) -> int:
     say(f"mgpu {__version__}: {pg.size} rank(s) x {threads} thread(s) on {on}; "
         f"model {'-'.join(map(str, sizes))} ({model.num_params:,} params, {loss}, {cfg.optimizer}); "
         f"{cfg.dataset}: {len(data.x_train)} train / {len(data.x_val)} val; "
-        f"global batch {cfg.batch_size} ({per_rank} per rank){accum}", flush=True)
+        f"global batch {cfg.batch_size} ({per_rank} per rank){accum}{_whole_dataset_note(cfg, data)}", flush=True)
     if resume:
         say(f"resuming from {resume}", flush=True)
 
@@ -466,7 +466,8 @@ def cmd_train(a, pg) -> int:
         "version": __version__, "world_size": pg.size, "device": device, "threads_per_rank": threads,
         "grad_dtype": cfg.grad_dtype,
         "config": {**cfg.to_dict(), "loss": loss, "layers": sizes, "dropout": cfg.effective_dropout(),
-                   "batch_shares": a.batch_shares, "effective_batch": cfg.batch_size * cfg.accumulate},
+                   "batch_shares": a.batch_shares, "effective_batch": cfg.batch_size * cfg.accumulate,
+                   "samples_per_step": min(cfg.batch_size * cfg.accumulate, len(data.x_train))},
         "model": {"layers": sizes, "params": model.num_params},
         "dataset": {"name": cfg.dataset, "train": len(data.x_train), "val": len(data.x_val),
                     "task": data.task},
@@ -500,6 +501,16 @@ def cmd_train(a, pg) -> int:
     pg.barrier()
     pg.close()  # the collective end of the communicator (NCCL: finalize, destroy)
     return 0
+
+
+def _whole_dataset_note(cfg, data) -> str:
+    """The header's word that a step takes every training sample, where the batch (x the
+    micro-batches) is larger than the dataset: the step is the dataset, not the batch."""
+    effective, n = cfg.batch_size * cfg.accumulate, len(data.x_train)
+    if effective <= n:
+        return ""
+    per_micro = f", micro-batches of about {max(1, n // cfg.accumulate)}" if cfg.accumulate > 1 else ""
+    return f" (larger than the {n} training samples: every step takes all {n}{per_micro})"
 
 
 def _train_single_process(a, pg) -> int:

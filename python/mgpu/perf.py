@@ -469,6 +469,9 @@ def _workload(model: Optional[str], layers: Optional[Sequence[int]], params: Opt
     return w
 
 
+MEMORY_MARGIN = 0.8  # the fraction of a device's memory a recommendation plans to use
+
+
 def training_memory_bytes(layers: Sequence[int], rows: int, *, optimizer: str = "adamw", precision: str = "fp32",
                           dropout: float = 0.0) -> float:
     """Bytes one rank holds to train `layers` on `rows` samples a step: weights, gradients,
@@ -609,7 +612,7 @@ def auto_bucket(prof: dict, w, devices: int, options=None) -> dict:
 
 def recommend(*, model: Optional[str] = None, layers: Optional[Sequence[int]] = None, params: Optional[int] = None,
               batch_size: int, devices: Optional[Sequence[int]] = None, profile=None, precision: str = "fp32",
-              optimizer: str = "adamw", bucket_mb="auto", memory_margin: float = 0.8,
+              optimizer: str = "adamw", bucket_mb="auto", memory_margin: float = MEMORY_MARGIN,
               price_per_device_hour: float = 0.0, dropout: Optional[float] = None, grad_dtype: str = "fp32",
               nodes: Optional[int] = None, cuda_graph: str = "auto", accumulate: int = 1) -> dict:
     """Single device or several, how many, and why, for a model and global batch.
@@ -733,7 +736,7 @@ def add_parser(sub) -> None:
                    help="gradient bucket size in MB, or 'auto' (default: each multi-device candidate at the "
                         "bucket the model prefers for it)")
     r.add_argument("--dropout", type=float, default=None, help="default: the preset's, 0 otherwise")
-    r.add_argument("--memory-margin", type=float, default=0.8, help="usable fraction of device memory")
+    r.add_argument("--memory-margin", type=float, default=MEMORY_MARGIN, help="usable fraction of device memory")
     r.add_argument("--price", type=float, default=0.0, metavar="PER_DEVICE_HOUR",
                    help="price of one device-hour: adds cost per million samples and an ROI line")
     r.add_argument("--json", metavar="PATH", help="write the recommendation as JSON")
@@ -758,8 +761,15 @@ def _bucket_mb(text: str):
 def cmd_recommend(a, pg) -> int:
     from .cliutil import check_outputs, write_json_atomic
     if a.list_profiles:
+        check_outputs({"--json": a.json})
         if pg.is_root:
             print(list_profiles())
+            if a.json:  # the same list, machine-readable
+                write_json_atomic(a.json, {
+                    "profiles": {name: {"title": spec["title"], "gpus_per_node": spec["gpus_per_node"],
+                                        "sources": _profile_sources(spec) if spec["link"] else []}
+                                 for name, spec in NAMED_PROFILES.items()},
+                    "aliases": dict(PROFILE_ALIASES)})
         return 0
     if a.batch_size is None:
         raise ConfigError("recommend needs --batch-size (the global batch)")

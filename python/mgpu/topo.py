@@ -752,6 +752,10 @@ def cmd_topo(a, pg) -> int:
     from .cliutil import check_output_dir, check_outputs, write_json_atomic
     if a.max_bytes < 4:
         raise ConfigError(f"--max-mb must be at least 4 bytes, got {a.max_bytes} bytes")
+    if a.threads is not None and a.threads < 1:
+        raise ConfigError(f"--threads must be >= 1, got {a.threads}")
+    if a.no_save and a.out:
+        raise ConfigError("--out names the file the profile is saved to, and --no-save saves none: give one of them")
     check_outputs({"--out": a.out, "--json": a.json})
     if a.plots is not None:
         check_output_dir(a.plots, "--plots")

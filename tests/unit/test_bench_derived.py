@@ -23,6 +23,19 @@ def test_without_one_rank_a_rank_sweep_has_no_speedup():
     rows = [_row(2, 1, [6.0]), _row(4, 1, [4.0])]
     bench.add_derived(rows, None)
     assert all("speedup" not in r and "efficiency" not in r for r in rows)
+    # and the table says so with a dash (it printed 'nanx nan%')
+    for r in rows:
+        r.update(step={"ci95": [0.004, 0.006]}, breakdown_ms=dict.fromkeys(("forward", "backward", "comm_wait",
+                                                                            "optimizer"), 1.0),
+                 peak_memory_bytes=1e8, compute_floor_ms=0.5)
+    table = bench.format_table(rows)
+    assert "nan" not in table and table.splitlines()[1].split().count("-") == 5  # speedup to the peer's ratio
+
+
+def test_a_steps_confidence_interval_stays_at_or_above_zero():
+    # three skewed samples: the t-interval of their mean reached below zero
+    s = bench.summarize([1e-3, 5e-3, 0.2e-3])
+    assert s["ci95"][0] == 0.0 < s["mean"] < s["ci95"][1]
 
 
 @pytest.mark.parametrize("ranks", [1, 2])

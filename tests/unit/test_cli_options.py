@@ -73,6 +73,9 @@ def test_every_list_option_is_checked_by_the_parser(argv, option):
     (["recommend", "--model", "large", "--batch-size", "8", "--profile", "h100-ib-2x8", "--nodes", "1025"],
      "--nodes must be at most 1024"),
     (["bench", "--model", "medium", "--batch-sizes", "2000000000", "--no-progress"], "rows a rank needs about"),
+    # flags that were silently ignored: topo measured with the default threads, or saved nowhere
+    (["topo", "--threads", "0"], "--threads must be >= 1, got 0"),
+    (["topo", "--no-save", "--out", "profile.json"], "--no-save saves none"),
 ])
 def test_counts_beyond_what_can_run_are_refused_before_anything_starts(argv, message, capfd):
     assert cli.main(argv) == 2  # an mpirun of 100000 ranks would not come back
@@ -213,6 +216,26 @@ def test_auto_bucket_and_shares_need_a_calibration_of_the_jobs_devices(tmp_path,
     with pytest.raises(mgpu.ConfigError, match="--batch-shares auto: the calibration measured cpu devices"):
         cli._auto_batch_shares(cfg, pg, sizes, "cuda")
     assert len(cli._auto_batch_shares(cfg, pg, sizes, "cpu")) == 2
+
+
+def test_a_batch_beyond_the_dataset_says_every_step_takes_the_dataset(tmp_path, capfd):
+    out = tmp_path / "r.json"
+    assert cli.main(["train", "--layers", "50,16,3", "--steps", "1", "--batch-size", "32", "--accumulate", "1000",
+                     "--no-progress", "--json", str(out)]) == 0
+    header = capfd.readouterr().out.splitlines()[0]
+    assert "x 1000 accumulated (larger than the 8000 training samples: every step takes all 8000" in header, header
+    config = json.loads(out.read_text())["config"]
+    assert config["samples_per_step"] == 8000 and config["effective_batch"] == 32000
+
+
+def test_list_profiles_writes_the_list_as_json_too(tmp_path, capfd):
+    from mgpu import perf
+    out = tmp_path / "profiles.json"
+    assert cli.main(["recommend", "--list-profiles", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert list(doc["profiles"]) == list(perf.NAMED_PROFILES) and doc["aliases"] == perf.PROFILE_ALIASES
+    assert all(s["url"].startswith("http") for p in doc["profiles"].values() for s in p["sources"])
+    assert "h100-sxm-8" in capfd.readouterr().out
 
 
 def test_outputs_may_not_be_empty_special_shared_or_an_input(tmp_path):

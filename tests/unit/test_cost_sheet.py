@@ -127,6 +127,16 @@ def test_bench_explain_prints_and_writes_the_sheet_without_running(tmp_path):
     assert [s["workload"]["batch"] for s in sheets] == [1024, 2048]
     assert all(not s["workload"]["cuda_graph"] for s in sheets)   # xl is above the auto graph limit
     assert math.isclose(sheets[0]["totals"]["floor_ms"] * 2, sheets[1]["totals"]["floor_ms"])
+    # what a GPU holds, as the selector prices it: it grows with the rows
+    assert sheets[0]["memory"]["fits"] and sheets[0]["memory"]["bytes"] < sheets[1]["memory"]["bytes"]
+    assert r.stdout.count("GB usable") == 2 and "DOES NOT FIT" not in r.stdout
+
+
+def test_bench_explain_says_when_a_gpu_cannot_hold_the_step():
+    # 20G parameters: it priced the step and never said an 80 GB GPU cannot hold it
+    r = run_cli("--explain", "--layers", "100000,100000,100000", "--batch-sizes", "64")
+    assert r.returncode == 0, r.stderr
+    assert "DOES NOT FIT" in r.stdout
 
 
 @pytest.mark.parametrize("args, message", [

@@ -270,6 +270,14 @@ def test_half_precision_gemms_hold_a_half_copy_of_the_weights_and_write_it_in_th
     assert bf16.optimizer_s > fp32.optimizer_s
 
 
+def test_several_devices_hold_the_links_buffers_and_one_device_none():
+    prof = profile([device()] * 2, alpha=1e-6, busbw=1e10)
+    with_buffers = {**prof, "link": {**prof["link"], "buffer_bytes": 64e6}}
+    one, two = predict(prof, 1), predict(prof, 2)
+    assert predict(with_buffers, 2).memory_bytes - two.memory_bytes == pytest.approx(64e6)
+    assert predict(with_buffers, 1).memory_bytes == one.memory_bytes
+
+
 def layer_grid(time, rows=(1, 4, 16, 64), widths=(8, 32, 128)):
     """A LayerTimes dict whose every table holds time(r, i, o) (and kind-scaled copies)."""
     cells = [(r, i, o) for r in rows for i in widths for o in widths]
