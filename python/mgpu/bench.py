@@ -454,7 +454,7 @@ def write_csv(path: str, rows: list) -> None:
               "ci95_low_ms", "ci95_high_ms", "forward_ms", "backward_ms", "comm_wait_ms", "optimizer_ms", "speedup",
               "efficiency", "peak_memory_bytes", "compute_floor_ms", "allreduce_floor_ms", "predicted_step_ms",
               "torch_samples_per_sec", "torch_ratio_median", "torch_ratio_min", "torch_ratio_max"]
-    with atomic_file(path) as f:
+    with atomic_file(path, private=False) as f:
         w = csv.DictWriter(f, fieldnames=fields)
         w.writeheader()
         for r in rows:
@@ -807,8 +807,9 @@ def explain_step(a, pg) -> int:
             w.graph = costsheet.uses_graph(a.cuda_graph, w.params)
             sheets.append(costsheet.explain(w, costsheet.GPUS[a.gpu]))
     # What a GPU holds, as the selector prices it (the sheet prices time only): the
-    # largest micro-batch's activations, the weights, gradients and optimizer state.
-    from .perf import _GPU_TYPES, MEMORY_MARGIN, training_memory_bytes
+    # largest micro-batch's activations, the weights, gradients and optimizer state,
+    # the CUDA context, and NCCL's buffers on several GPUs.
+    from .perf import _GPU_TYPES, MEMORY_MARGIN, NCCL_BUFFER_BYTES, training_memory_bytes
     spec = _GPU_TYPES[a.gpu]
     memory = []
     for sheet in sheets:
@@ -816,7 +817,7 @@ def explain_step(a, pg) -> int:
         per_gpu = -(-w.batch // w.ranks)  # the largest share, in ceil divisions
         rows = -(-per_gpu // w.accumulate)
         need = training_memory_bytes(w.sizes, rows, optimizer=w.optimizer, precision=w.precision,
-                                     dropout=w.dropout) + spec["context"]
+                                     dropout=w.dropout) + spec["context"] + (NCCL_BUFFER_BYTES if w.ranks > 1 else 0.0)
         memory.append({"bytes": need, "usable_bytes": spec["memory"] * MEMORY_MARGIN,
                        "fits": need <= spec["memory"] * MEMORY_MARGIN})
     if pg.is_root:

@@ -519,8 +519,8 @@ def _train_single_process(a, pg) -> int:
     if pg.size > 1:
         raise ConfigError(f"--gpus runs every GPU from one process; under mpirun ({pg.size} ranks) each rank "
                           f"already drives one GPU: leave --gpus out")
-    if a.gpus < 1:
-        raise ConfigError(f"--gpus must be >= 1, got {a.gpus}")
+    if not 1 <= a.gpus <= MAX_THREADS:  # a thread each, even where NCCL lets threads share a GPU
+        raise ConfigError(f"--gpus must be in 1..{MAX_THREADS}, got {a.gpus}")
     if a.device == "cpu":
         raise ConfigError("--gpus drives GPUs; CPU ranks run under mpirun (mpirun -np N python -m mgpu train)")
     # Before any rank thread starts: a thread per GPU asked for, whatever is there.

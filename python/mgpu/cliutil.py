@@ -189,7 +189,8 @@ def check_outputs_outside_dirs(outputs: dict, dirs: dict, reserved: dict = None)
         for what, path in outputs.items():
             if not path:
                 continue
-            real = os.path.realpath(path)
+            # the file's own name as written (an atomic write replaces a symlink, not its target)
+            real = os.path.join(os.path.realpath(os.path.dirname(os.path.abspath(path))), os.path.basename(path))
             if real == real_dir:
                 raise ConfigError(f"{what} '{path}' is the directory {what_dir} writes into")
             pattern = (reserved or {}).get(what_dir)
@@ -213,5 +214,5 @@ def check_output_dir(path: str, what: str) -> None:
 
 def write_json_atomic(path: str, obj) -> None:
     """Write JSON whole or not at all: a failed write leaves the old file and no temporary."""
-    with atomic_file(path) as f:
+    with atomic_file(path, private=False) as f:
         json.dump(obj, f, indent=2)

@@ -61,8 +61,10 @@ def fit_rate(rows: list, harness: Optional[list] = None, fixed_s: Optional[float
     the time w / peak + half / peak (+ the harness's cost a call, for rows whose harness[i]
     names a table timed per call by events, which bracket its dispatch: fitted per table).
     A linear least squares in (1 / peak, fixed time, harness costs) with the fixed time in
-    [MIN_FIXED_S, MAX_FIXED_S] (or at fixed_s where given) and the costs >= 0, by trying each
-    bound active or not."""
+    [MIN_FIXED_S, MAX_FIXED_S] (or at fixed_s where given: the caller's for tables that cannot
+    show one) and the costs >= 0, by trying each bound active or not."""
+    if fixed_s is not None and not MIN_FIXED_S <= fixed_s <= MAX_FIXED_S:
+        raise ValueError(f"a fixed time must lie in {MIN_FIXED_S}-{MAX_FIXED_S} s, got {fixed_s}")
     harness = harness or [None] * len(rows)
     if not rows:
         raise ValueError("no rows to fit")
@@ -184,7 +186,9 @@ def markdown() -> str:
              "error of the time); 'holdout' tables are never fitted. Error = predicted / measured time - 1. The "
              f"fixed time lies in {MIN_FIXED_S * 1e6:.0f}-{MAX_FIXED_S * 1e6:.0f} us (small GEMMs measured kernel "
              "by kernel take 5-7 us; tables from 1024^3 up cannot tell a fixed time from a slow mid-size kernel, "
-             "nor show one a table slower per FLOP at its largest sizes would fit below zero). Tables timed per "
+             "nor show one a table slower per FLOP at its largest sizes would fit below zero: a GPU and "
+             f"precision fitted to host-loop tables alone takes the {TYPICAL_FIXED_S * 1e6:.0f} us small kernels "
+             "take). Tables timed per "
              "call by CUDA events also time their harness's dispatch: a cost a call fitted per table, with the "
              f"GEMM's fixed time then at the {TYPICAL_FIXED_S * 1e6:.0f} us small kernels take. Rows of "
              f"host-timed loops under {HOST_BOUND_S * 1e6:.0f} us a call are left out (the host's dispatch, not "

@@ -245,11 +245,21 @@ def cmd_stress(a, pg) -> int:
     if a.gemm_precision != "fp32" and device != "cuda":
         raise ConfigError(f"--gemm-precision {a.gemm_precision} needs a GPU; the CPU GEMM burn runs in fp32")
     threads = a.threads or pg.default_threads()
-    available = available_memory(device, index, pg.local_size)
-    memory = a.memory_mb * MiB if a.memory_mb else a.memory_fraction * available
-    if memory > available:  # refused before any kernel runs, on every rank
-        raise ConfigError(f"--memory-mb {a.memory_mb:g} is more than the {available / MiB:,.0f} MiB "
-                          f"{'free on the GPU' if device == 'cuda' else 'of host memory available to this rank'}")
+    if a.memory_mb:
+        # Refused before any kernel runs; ranks of unequal devices may disagree, so every
+        # rank raises where one does (the others would burn on, then wait at the report).
+        memory, too_big = a.memory_mb * MiB, None
+        try:
+            available = available_memory(device, index, pg.local_size)
+            if memory > available:
+                where = "free on the GPU" if device == "cuda" else "of host memory available to this rank"
+                too_big = ConfigError(f"--memory-mb {a.memory_mb:g} is more than the {available / MiB:,.0f} MiB "
+                                      f"{where}")
+        except ConfigError:  # the available memory cannot be read: the size given stands
+            pass
+        pg.agree(too_big, "the stress buffer size")
+    else:
+        memory = a.memory_fraction * available_memory(device, index, pg.local_size)
     pg.timeout = a.hang_timeout
     stop = threading.Event()
     previous = {}

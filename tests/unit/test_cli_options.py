@@ -290,6 +290,17 @@ def test_a_failed_json_write_keeps_the_old_file_and_leaves_no_temporary(tmp_path
         write_json_atomic(str(tmp_path), {"x": 1})
     assert json.loads(target.read_text()) == {"kept": 1}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.json"]
+    # results others read: the umask decides, as for open()'s files (not mkstemp's 0600)
+    old = os.umask(0o022)
+    try:
+        write_json_atomic(str(target), {"x": 1})
+    finally:
+        os.umask(old)
+    assert target.stat().st_mode & 0o777 == 0o644
+    # a failure names the file asked for, not the temporary
+    with pytest.raises(OSError) as failed:
+        write_json_atomic("/sys/results.json", {"x": 1})
+    assert failed.value.filename == "/sys/results.json"
 
 
 def test_save_may_not_overwrite_a_checkpoint_of_the_run(tmp_path, capfd):
