@@ -349,10 +349,10 @@ def format_sheet(sheet: Sheet) -> str:
             f"{f' over {w.ranks} GPUs' if w.ranks > 1 else ''}, {w.precision}, {w.optimizer}, "
             f"accumulate {w.accumulate}, CUDA graph {'on' if w.graph else 'off'}, on an {sheet.gpu.name} "
             f"(analytic, from published figures: nothing was run)")
-    lines = [head, f"  {'what':<18}{'launches':>9}{'GEMMs':>7}{'GFLOP':>10}{'MB':>10}{'ms':>9}"]
-    for k, v in sheet.rows.items():
-        lines.append(f"  {k:<18}{v['launches']:>9}{v['gemms']:>7}{v['gflop']:>10.2f}{v['mbytes']:>10.2f}"
-                     f"{v['ms']:>9.4f}")
+    lines = [head, f"  {'what':<18}{'launches':>9} {'GEMMs':>6} {'GFLOP':>9} {'MB':>9} {'ms':>8}"]
+    for k, v in sheet.rows.items():  # a space between columns: huge models widen them, never merge them
+        lines.append(f"  {k:<18}{v['launches']:>9} {v['gemms']:>6} {v['gflop']:>9.2f} {v['mbytes']:>9.2f} "
+                     f"{v['ms']:>8.4f}")
     lines.append(f"  device work {t['device_ms']:.4f} ms + launch gaps {t['launch_gaps_ms']:.4f} ms; host issue "
                  f"{t['host_issue_ms']:.4f} ms{' (host-bound)' if t['host_bound'] else ''}; "
                  f"{t['host_syncs']} host sync {t['sync_ms']:.4f} ms")

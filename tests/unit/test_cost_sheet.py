@@ -186,3 +186,10 @@ def test_bias_gradients_split_rows_as_the_kernel_does():
     split = cs.counts(cs.step_ops(cs.Workload(sizes=[4, 8, 2], batch=512)))
     whole = cs.counts(cs.step_ops(cs.Workload(sizes=[4, 8, 2], batch=64)))
     assert split["kernel_launches"] == whole["kernel_launches"] + 2   # one more per layer
+
+
+def test_the_sheets_columns_stay_apart_for_huge_models():
+    # 2^31-wide layers: the GFLOP, MB and ms columns ran together into one number
+    text = cs.format_sheet(cs.explain(cs.Workload(sizes=[2 ** 31 - 1, 2 ** 31 - 1], batch=64)))
+    rows = [line.split() for line in text.splitlines() if line.startswith("  GEMM forward")]
+    assert rows and len(rows[0]) == 2 + 5, rows  # name (two words) + launches, GEMMs, GFLOP, MB, ms
