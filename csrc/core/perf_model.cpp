@@ -238,11 +238,11 @@ void validate(const Workload& w, const HardwareProfile& hw, const Options& o) {
   auto finite_at_least_0 = [](double x) { return std::isfinite(x) && x >= 0; };
   MGPU_CHECK(finite_at_least_0(hw.step_overhead_s), ConfigError, "profile '", hw.name,
              "': step overhead must be finite and >= 0, got ", hw.step_overhead_s);
-  MGPU_CHECK(std::isfinite(hw.model_error) && hw.model_error >= 0 && hw.model_error < 1, ConfigError, "profile '",
+  MGPU_CHECK(finite_at_least_0(hw.model_error) && hw.model_error < 1, ConfigError, "profile '",
              hw.name, "': model error is a relative error in [0, 1), got ", hw.model_error);
   const LinkProfile& link = hw.link;
   MGPU_CHECK(finite_at_least_0(link.alpha_s) && finite_at_least_0(link.buffer_bytes) &&
-                 finite_at_least_0(link.step_sync_s) && !(link.bus_bandwidth < 0) && !std::isnan(link.bus_bandwidth),
+                 finite_at_least_0(link.step_sync_s) && link.bus_bandwidth >= 0 /* NaN fails too */,
              ConfigError, "profile '", hw.name, "': link latency, bandwidth, buffers and step sync must be finite "
              "(bandwidth may be unbounded) and >= 0");
   for (const CollectiveModel* m : {&link.intra, &link.inter}) {
@@ -255,9 +255,8 @@ void validate(const Workload& w, const HardwareProfile& hw, const Options& o) {
                "bandwidths and fractions >= 0 (scales > 0)");
   }
   for (const DeviceProfile& d : hw.devices) {
-    MGPU_CHECK(d.launch_overhead_s >= 0 && std::isfinite(d.launch_overhead_s) && d.graph_node_s >= 0 &&
-                   std::isfinite(d.graph_node_s),
-               ConfigError, "device '", d.name, "' launch and graph-node times must be finite and >= 0");
+    MGPU_CHECK(finite_at_least_0(d.launch_overhead_s) && finite_at_least_0(d.graph_node_s), ConfigError,
+               "device '", d.name, "' launch and graph-node times must be finite and >= 0");
     MGPU_CHECK(finite_at_least_0(d.memory_bytes) && finite_at_least_0(d.memory_bandwidth) &&
                    finite_at_least_0(d.host_to_device_bandwidth) && finite_at_least_0(d.context_bytes) &&
                    finite_at_least_0(d.dropout_s_per_unit),
@@ -663,10 +662,11 @@ Recommendation recommend(const Workload& w, const HardwareProfile& hw, const Opt
   MGPU_CHECK(w.accumulate <= w.global_batch, ConfigError, "accumulate ", w.accumulate,
              " is larger than the global batch ", w.global_batch, ": a micro-batch needs at least one sample");
   const int64_t micro_rows = w.global_batch / w.accumulate;
-  const std::string rows_text = w.accumulate > 1 ? "micro-batches of " + std::to_string(micro_rows) +
-                                                       (micro_rows == 1 ? " sample" : " samples") + " (a global batch of " + std::to_string(w.global_batch) +
-                                                       " in " + std::to_string(w.accumulate) + ")"
-                                                 : "a global batch of " + std::to_string(w.global_batch);
+  const std::string batch_text = "a global batch of " + std::to_string(w.global_batch);
+  const std::string rows_text =
+      w.accumulate == 1 ? batch_text
+                        : "micro-batches of " + std::to_string(micro_rows) + (micro_rows == 1 ? " sample" : " samples") +
+                              " (" + batch_text + " in " + std::to_string(w.accumulate) + ")";
   std::vector<int> too_many;  // more devices than samples: some would get none
   for (int n : o.candidates) {
     if (micro_rows >= n)
