@@ -52,6 +52,9 @@ def test_topo_measures_devices_and_a_bit_exact_allreduce_sweep(calibration):
         assert together["wait_s"][-1] > alone["wait_s"][-1]
         assert all(len(t["wait_spread_s"]) == len(t["params"]) and min(t["wait_spread_s"]) >= 0
                    for t in (together, alone))
+        # the step overhead: the probe's step less the model's price of the probe's own work
+        assert 0 <= dev["step_overhead_s"] < dev["probe_step_s"]
+    assert profile["step_overhead_s"] == max(dev["step_overhead_s"] for dev in profile["devices"])
     for key in ("layer_times", "pass_bandwidth", "step_phases", "layer_times_alone", "pass_bandwidth_alone",
                 "step_phases_alone"):
         assert profile["devices"][0][key] == profile["devices"][1][key], key  # identical devices: one table

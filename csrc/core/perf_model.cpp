@@ -91,18 +91,28 @@ DeviceTimes device_times(const std::vector<int>& sizes, int64_t b, const DeviceP
   if (w.precision != "fp32" || !measured->enabled()) measured = nullptr;
   MGPU_CHECK(rate.peak_flops > 0, ConfigError, "device '", d.name, "' has no GEMM rate in its profile");
   MGPU_CHECK(d.memory_bandwidth > 0, ConfigError, "device '", d.name, "' has no memory bandwidth in its profile");
-  // A kernel's cost beyond its work: a launch, or inside a replayed graph its node's
-  // time (the graph's own launches are step overhead, below).
-  const double L = graphs && d.graph_node_s > 0 ? d.graph_node_s : d.launch_overhead_s, B = double(b);
-  auto gemm = [&](double m, double n, double k) {
-    const double work = 2.0 * m * n * k;
-    return work > 0 ? work / rate.at(work) + L : 0.0;
-  };
-  auto pass = [&](double bytes) { return bytes / d.bandwidth_at(bytes, alone) + L; };
   // A GPU step's kernels as the CUDA backend launches them (costsheet.step_ops lists
   // them; tests/unit/test_perf.py counts them against it); a CPU's calls need no more.
   const bool gpu = d.kind != "cpu";
+  // A kernel's cost beyond its work: a launch, or inside a replayed graph its node's
+  // time, a short kernel's run included (the graph's own launches are step overhead,
+  // below). A GPU kernel launched on its own costs its work or a short kernel's cost in
+  // a stream (launch_overhead_s), whichever is longer: the host enqueues the next while
+  // the device runs a longer one. A CPU's calls are synchronous: work, then the call.
+  const double L = graphs && d.graph_node_s > 0 ? d.graph_node_s : d.launch_overhead_s, B = double(b);
+  const bool overlapped_launches = gpu && L == d.launch_overhead_s;
+  auto launched = [&](double work_s) { return overlapped_launches ? std::max(work_s, L) : work_s + L; };
+  // A GEMM takes its work at the fitted rate, or its operands' and output's traffic at
+  // the memory's bandwidth where that is longer (a few rows against a large weight
+  // matrix in half precision reads more than it computes). bytes: as the cost sheet
+  // (costsheet.step_ops) counts them.
+  auto gemm = [&](double m, double n, double k, double bytes) {
+    const double work = 2.0 * m * n * k;
+    return work > 0 ? launched(std::max(work / rate.at(work), bytes / d.bandwidth_at(bytes, alone))) : 0.0;
+  };
+  auto pass = [&](double bytes) { return launched(bytes / d.bandwidth_at(bytes, alone)); };
   const bool half = w.precision == "bf16" || w.precision == "fp16";
+  const double eb = half ? 2.0 : 4.0;  // a GEMM operand's bytes (outputs and gradients stay fp32)
   const int layers = static_cast<int>(sizes.size()) - 1;
   DeviceTimes t;
   t.backward_done.assign(layers, 0.0);
@@ -112,13 +122,16 @@ DeviceTimes device_times(const std::vector<int>& sizes, int64_t b, const DeviceP
     double forward = 0, backward = 0;
     std::vector<double> done;
   };
-  auto micro_batch = [&](double R) {
+  // accumulating: a later micro-batch, whose weight gradients add onto the step's
+  // (their GEMMs read the gradient as well as write it).
+  auto micro_batch = [&](double R, bool accumulating) {
     MicroBatch m;
     m.done.assign(layers, 0.0);
     for (int l = 0; l < layers; ++l) {
       const double in = sizes[l], out = sizes[l + 1];
       m.forward += (measured ? measured->at(measured->forward, R, in, out)
-                             : gemm(R, out, in) + pass(4.0 * R * out) /* bias */) +
+                             : gemm(R, out, in, (out * in + R * in) * eb + 8.0 * R * out) +
+                                   pass(4.0 * R * out) /* bias */) +
                    (l + 1 < layers ? pass(8.0 * R * out) : 0.0) /* relu, dropout */;
       if (gpu && half && l == 0) m.forward += pass(6.0 * R * in);  // the input's half copy
     }
@@ -134,8 +147,10 @@ DeviceTimes device_times(const std::vector<int>& sizes, int64_t b, const DeviceP
       if (measured)
         m.backward += measured->at(l > 0 ? measured->backward : measured->backward_weights, R, in, out);
       else
-        m.backward += gemm(out, in, R) /* dW */ + pass(4.0 * R * out) /* db */ +
-                      (l > 0 ? gemm(R, in, out) /* dX */ : 0.0) + (gpu ? (column_sum_launches(R, out) - 1) * L : 0.0);
+        m.backward += gemm(out, in, R, (R * in + R * out) * eb + (accumulating ? 8.0 : 4.0) * out * in) /* dW */ +
+                      pass(4.0 * R * out) /* db */ +
+                      (l > 0 ? gemm(R, in, out, (out * in + R * out) * eb + 4.0 * R * in) /* dX */ : 0.0) +
+                      (gpu ? (column_sum_launches(R, out) - 1) * L : 0.0);
       if (gpu && half && l == layers - 1) m.backward += pass(6.0 * R * out);  // the loss gradient's half copy
       if (l > 0) m.backward += pass(12.0 * R * in) /* relu backward */;
       m.done[l] = m.backward;
@@ -148,11 +163,15 @@ DeviceTimes device_times(const std::vector<int>& sizes, int64_t b, const DeviceP
   const int64_t micro_batches = std::min<int64_t>(w.accumulate, std::max<int64_t>(b, 1));
   if (b > 0) {
     const int64_t small = b / micro_batches, larger = b % micro_batches;
-    const MicroBatch s = micro_batch(double(small)), big = larger > 0 ? micro_batch(double(small + 1)) : s;
+    // the first is one of the smaller ones (Trainer.step's bounds), and writes the gradients
+    const MicroBatch first = micro_batch(double(small), false);
+    const MicroBatch s = micro_batches > 1 ? micro_batch(double(small), true) : first;
+    const MicroBatch big = larger > 0 ? micro_batch(double(small + 1), true) : s;
     const MicroBatch& last = larger > 0 ? big : s;
-    t.forward = double(micro_batches - larger) * s.forward + double(larger) * big.forward;
+    const double later_small = double(micro_batches - larger - 1);
+    t.forward = first.forward + later_small * s.forward + double(larger) * big.forward;
     if (gpu) t.forward += double(micro_batches - 1) * L;  // each later one adds its loss to the step's
-    t.backward = double(micro_batches - larger) * s.backward + double(larger) * big.backward;
+    t.backward = first.backward + later_small * s.backward + double(larger) * big.backward;
     for (int l = 0; l < layers; ++l) t.backward_done[l] = t.backward - last.backward + last.done[l];
   }
   const double P = parameter_count(sizes);
@@ -165,10 +184,11 @@ DeviceTimes device_times(const std::vector<int>& sizes, int64_t b, const DeviceP
     t.optimizer = phases.update_at(P) * update_bytes / (StepPhases::kUpdateBytesPerParam * P);
   } else {
     // the health check: the gradients' sum of squares, its partials' sum, the verdict
-    t.optimizer = pass(update_bytes) + pass(4.0 * P) + (gpu ? 2.0 * L : 0.0);
+    // (with half-precision GEMMs the update's kernel also writes the weights' half copy, 2 B each)
+    t.optimizer = pass(update_bytes + (half ? 2.0 * P : 0.0)) + pass(4.0 * P) + (gpu ? 2.0 * L : 0.0);
   }
-  // With half-precision GEMMs the update also writes the weights' half copy (2 B each, same kernel).
-  if (half) t.optimizer += 2.0 * P / d.bandwidth_at(2.0 * P, alone);
+  // A measured update is fp32's: with half-precision GEMMs its kernel also writes the weights' half copy.
+  if (half && t.measured) t.optimizer += 2.0 * P / d.bandwidth_at(2.0 * P, alone);
   // Compressed gradients: narrowed, then the sum widened, outside any graph.
   if (w.grad_dtype != "fp32") t.optimizer += 2.0 * (6.0 * P / d.bandwidth_at(6.0 * P, alone) + d.launch_overhead_s);
   t.overhead = step_overhead;

@@ -12,10 +12,11 @@ counters (tests/gpu/test_cost_sheet.py), so the sheet cannot drift from the code
 """
 from __future__ import annotations
 
-import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import List, Optional
+
+from . import gemm_fit
 
 # --- the GPU ---------------------------------------------------------------------------------
 
@@ -24,49 +25,60 @@ from typing import List, Optional
 class GpuSpec:
     """Published figures of one GPU; each field says where its value comes from."""
     name: str
-    # precision -> ((n, TFLOP/s), ...): cuBLAS GEMMs of n x n x n, measured
-    gemm_tflops: dict
+    gemm_type: str              # gemm_fit's GPU type: GEMMs at the curve fitted to its published tables
     hbm_bytes_per_s: float      # what a streaming kernel reaches
     h2d_bytes_per_s: float      # a host -> device copy from pinned memory
     launch_s: float             # host time to enqueue one kernel (or graph) launch
-    graph_node_s: float         # device time per node of a replayed graph, beyond its work
+    graph_node_s: float         # device time per node of a replayed graph, a short kernel's run included
     stream_gap_s: float         # device time between two dependent kernels of a stream
     sync_s: float               # a host synchronisation: the queue drains, then refills
-    min_kernel_s: float         # the shortest a kernel or GEMM takes
+    min_kernel_s: float         # the shortest a kernel launched on its own takes
     sources: tuple = ()
 
+    @property
+    def stream_kernel_s(self) -> float:
+        """What a short kernel costs in a stream of them, launched one by one: the host's
+        enqueue or the device's shortest kernel and gap, whichever is longer. The
+        selector's launch overhead for GPUs of named profiles (topo measures the same on a
+        GPU: a stream of one-element kernels)."""
+        return max(self.launch_s, self.min_kernel_s + self.stream_gap_s)
 
-# A replayed straight-line CUDA graph's device time per node beyond the kernels' work,
-# the one published figure found (the selector prices captured steps with it too).
+
+# A replayed straight-line CUDA graph's device time per node, the one published figure
+# found: chains of N no-op kernels replayed at about 15 us + 0.58 us a node, where the
+# same kernels launched one by one took 6.3-7.5 us each (the selector prices captured
+# steps with it too).
 GRAPH_NODE_S = 0.58e-6
 GRAPH_NODE_SOURCE = "https://github.com/ahrefs/ocannl/issues/488"
 
+# mgpu's own host work in a step beyond the backend's calls (Python, the bindings, the
+# trainer's bookkeeping), the same code on every backend: `topo`'s step overhead on the
+# CPU backend, a step of [8, 8, 8] at 8 rows less the model's price of its math, was
+# 8.4 - 3.2 = 5.2 us on a 2-core AMD EPYC Zen 4 VM (2026-11-25). On a GPU the backend's
+# own host costs (launches, copies, the verdict's synchronisation) are priced apart.
+HOST_LOOP_S = 5e-6
+
 H100_SXM = GpuSpec(
     name="H100 SXM (80 GB HBM3)",
-    gemm_tflops={
-        # PyTorch 2.7 / CUDA 12.8 torch.matmul on an "NVIDIA H100 80GB HBM3", n x n x n
-        # (github.com/zzc0721/torch-performance-test-data/issues/79). Dense peaks for
-        # comparison (NVIDIA H100 datasheet): fp32 66.9, tf32 494.7, bf16/fp16 989.4.
-        "fp32": ((1024, 37.39), (2048, 49.58), (4096, 51.88), (8192, 51.81)),
-        "tf32": ((1024, 119.60), (2048, 334.99), (4096, 402.15), (8192, 372.05)),
-        "bf16": ((1024, 176.62), (2048, 676.59), (4096, 788.72), (8192, 797.51)),
-        "fp16": ((1024, 179.13), (2048, 645.12), (4096, 760.04), (8192, 736.19)),
-    },
-    hbm_bytes_per_s=0.9 * 3.35e12,   # datasheet 3.35 TB/s; 90 % reached: assumed
-    h2d_bytes_per_s=0.8 * 64e9,      # PCIe 5.0 x16, 64 GB/s a direction; 80 % from pinned memory: assumed
+    # GEMMs: the curve data/gemm_published.json's H100 tables fit (gemm_fit), as the selector prices them
+    gemm_type="h100-sxm",
+    hbm_bytes_per_s=2.90e12,         # HBM copy measured on Azure ND H100 v5 (the selector's figure)
+    h2d_bytes_per_s=50e9,            # host -> device, 51 GB/s measured there
     launch_s=2.7e-6,                 # async enqueue per launch, 2.62-2.81 us (ahrefs/ocannl#488, RTX 5070 Ti)
     graph_node_s=GRAPH_NODE_S,       # per node of a replayed straight-line graph (same source)
     stream_gap_s=1.0e-6,             # assumed
     sync_s=12e-6,                    # graph launch + sync intercept 14.8 us less one launch (same source)
     min_kernel_s=2.0e-6,             # assumed
-    sources=("GEMM rates: github.com/zzc0721/torch-performance-test-data/issues/79 (H100 80GB HBM3, "
-             "torch 2.7 + cu128)",
-             "peaks: NVIDIA H100 Tensor Core GPU datasheet (HBM3 3.35 TB/s, 132 SMs, PCIe 5.0)",
+    sources=("GEMM rates: the curve fitted to data/gemm_published.json's H100 tables (docs/gemm-validation.md: "
+             "github.com/zzc0721/torch-performance-test-data/issues/79 for FP32, XLA's sm_90 table for TF32 "
+             "and BF16)",
+             "HBM 2.90 TB/s and host-to-device 51 GB/s measured: github.com/Azure/AI-benchmarking-guide "
+             "(ND H100 v5)",
              "launch, graph node and sync latencies: github.com/ahrefs/ocannl/issues/488 (RTX 5070 Ti, "
              "CUDA 13.3; no published H100 figure found; scripts/gpu_session.sh's sheet stage sets "
              "measured H100 steps beside the predictions)",
-             "assumed: 90 % of HBM peak for streaming kernels, pinned copies at 80 % of the PCIe rate, "
-             "1 us between dependent stream kernels, 2 us shortest kernel"),
+             f"mgpu's host loop, {HOST_LOOP_S * 1e6:.0f} us a step: measured on the CPU backend",
+             "assumed: 1 us between dependent stream kernels, 2 us shortest kernel launched on its own"),
 )
 
 GPUS = {"h100-sxm": H100_SXM}
@@ -109,22 +121,16 @@ def uses_graph(mode: str, params: int) -> bool:
     return mode == "on" or (mode == "auto" and params <= GRAPH_AUTO_MAX_PARAMS)
 
 
-def gemm_rate(gpu: GpuSpec, precision: str, m: int, n: int, k: int) -> float:
-    """FLOP/s of an m x n x k GEMM: the measured square rate at the same work (log-log
-    interpolation in n = (m n k)^(1/3); the end values beyond the table)."""
-    table = gpu.gemm_tflops[precision]
-    size = max(float(m) * n * k, 1.0) ** (1.0 / 3.0)
-    if size <= table[0][0]:
-        return table[0][1] * 1e12
-    for (s0, r0), (s1, r1) in zip(table, table[1:]):
-        if size <= s1:
-            t = math.log(size / s0) / math.log(s1 / s0)
-            return math.exp(math.log(r0) + t * (math.log(r1) - math.log(r0))) * 1e12
-    return table[-1][1] * 1e12
+def gemm_seconds(gpu: GpuSpec, precision: str, flops: float) -> float:
+    """A GEMM's time by its work, as the selector prices it (GemmRate in perf_model.h):
+    flops / peak plus the fitted fixed time half / peak."""
+    fit = gemm_fit.rate(gpu.gemm_type, precision)
+    return float((flops + fit["half_work_flops"]) / fit["peak_flops"])
 
 
 def best_gemm_rate(gpu: GpuSpec, precision: str) -> float:
-    return max(r for _, r in gpu.gemm_tflops[precision]) * 1e12
+    """The fitted peak: the rate a large GEMM approaches."""
+    return float(gemm_fit.rate(gpu.gemm_type, precision)["peak_flops"])
 
 
 # --- the step's operations ------------------------------------------------------------------
@@ -143,12 +149,10 @@ class Op:
 
     def seconds(self, gpu: GpuSpec, precision: str) -> float:
         """Device time of one operation (copies: bus time; syncs and graph launches: 0)."""
-        if self.kind == "gemm":
-            m, n, k = self.gemm_shape
-            return max(self.flops / gemm_rate(gpu, precision, m, n, k), self.bytes / gpu.hbm_bytes_per_s,
-                       gpu.min_kernel_s)
-        if self.kind == "kernel":
-            return max(self.bytes / gpu.hbm_bytes_per_s, gpu.min_kernel_s)
+        if self.kind == "gemm":  # the fitted fixed time is its shortest
+            return max(gemm_seconds(gpu, precision, self.flops), self.bytes / gpu.hbm_bytes_per_s)
+        if self.kind == "kernel":  # in a graph a short kernel's run is part of its node's cost
+            return max(self.bytes / gpu.hbm_bytes_per_s, 0.0 if self.in_graph else gpu.min_kernel_s)
         if self.kind in ("h2d", "d2h"):
             return self.bytes / gpu.h2d_bytes_per_s
         return 0.0
@@ -316,18 +320,20 @@ def explain(w: Workload, gpu: GpuSpec = H100_SXM) -> Sheet:
     # Launch costs. On the device: a gap before each stream operation, a node's cost
     # inside a graph. On the host: an enqueue per operation outside graphs; when the
     # host is slower than the device, the device waits for it. A synchronisation drains
-    # the queue, so its latency adds to the step.
+    # the queue, so its latency adds to the step, and so does the host loop after it
+    # (the device is idle until the next step's first launch).
     issued = [o for o in ops if o.kind in ("kernel", "gemm", "h2d", "d2h", "graph")]
     gaps = sum(o.count * (gpu.graph_node_s if o.in_graph else gpu.stream_gap_s)
                for o in issued if o.kind != "graph")
     host = sum(o.count * gpu.launch_s for o in issued if not o.in_graph)
     syncs = sum(o.count for o in ops if o.kind == "sync")
     busy = device + gaps
-    step = max(busy, host) + syncs * gpu.sync_s
+    step = HOST_LOOP_S + max(busy, host) + syncs * gpu.sync_s
     floor = 6.0 * w.params * w.batch / w.ranks / best_gemm_rate(gpu, w.precision)
     c = counts(ops)
     sheet.totals = {"device_ms": device * 1e3, "launch_gaps_ms": gaps * 1e3, "host_issue_ms": host * 1e3,
-                    "host_bound": host > busy, "sync_ms": syncs * gpu.sync_s * 1e3, "in_graph_ms": in_graph * 1e3,
+                    "host_bound": host > busy, "sync_ms": syncs * gpu.sync_s * 1e3,
+                    "host_loop_ms": HOST_LOOP_S * 1e3, "in_graph_ms": in_graph * 1e3,
                     "step_ms": step * 1e3, "floor_ms": floor * 1e3, "ratio_to_floor": step / floor,
                     "samples_per_s": w.batch / step, **c}
     # What separates the step from the floor, largest first.
@@ -338,6 +344,8 @@ def explain(w: Workload, gpu: GpuSpec = H100_SXM) -> Sheet:
     causes.append(("launch gaps and host issue" + (" (host-bound: the GPU waits for launches)"
                                                     if host > busy else ""), (max(busy, host) - device) * 1e3))
     causes.append(("host synchronisation", syncs * gpu.sync_s * 1e3))
+    causes.append(("host loop: mgpu's Python and bookkeeping a step, while the drained device waits",
+                   HOST_LOOP_S * 1e3))
     sheet.gaps = [{"cause": k, "ms": v, "of_floor": v / (floor * 1e3)}
                   for k, v in sorted(causes, key=lambda kv: -kv[1]) if v > 1e-6]
     return sheet
@@ -355,7 +363,7 @@ def format_sheet(sheet: Sheet) -> str:
                      f"{v['ms']:>8.4f}")
     lines.append(f"  device work {t['device_ms']:.4f} ms + launch gaps {t['launch_gaps_ms']:.4f} ms; host issue "
                  f"{t['host_issue_ms']:.4f} ms{' (host-bound)' if t['host_bound'] else ''}; "
-                 f"{t['host_syncs']} host sync {t['sync_ms']:.4f} ms")
+                 f"{t['host_syncs']} host sync {t['sync_ms']:.4f} ms; host loop {t['host_loop_ms']:.4f} ms")
     if w.graph:
         lines.append(f"  the graph replay: {t['in_graph_ms']:.4f} ms of the step ({100 * t['in_graph_ms'] / t['step_ms']:.0f} %)")
     lines.append(f"  predicted step {t['step_ms']:.4f} ms ({t['samples_per_s']:,.0f} samples/s); floor 6 x params "

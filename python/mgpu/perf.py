@@ -25,7 +25,7 @@ from typing import Optional, Sequence
 
 from . import _core, gemm_fit
 from .atomic import atomic_file
-from .costsheet import GRAPH_NODE_S, GRAPH_NODE_SOURCE
+from .costsheet import GRAPH_NODE_S, GRAPH_NODE_SOURCE, H100_SXM, HOST_LOOP_S
 from .config import GRAD_DTYPES, GRAPH_MODES, PRESETS
 from .errors import ConfigError
 
@@ -34,6 +34,13 @@ PROFILE_FORMAT = "mgpu-hardware-profile"
 PROFILE_VERSION = 1
 PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
 NCCL_BUFFER_BYTES = 64e6  # NCCL's communication buffers per GPU (a profile's buffer_bytes)
+# A GPU's per-step latencies, from the cost sheet's published figures (costsheet.py; one
+# consumer GPU measured, used for every GPU until topo measures one): a short kernel in a
+# stream of them, and the step's overhead, the host loop and the verdict's
+# synchronisation that ends each step. So `recommend` and `bench --explain` price a
+# step alike.
+GPU_LAUNCH_S = H100_SXM.stream_kernel_s
+GPU_STEP_OVERHEAD_S = HOST_LOOP_S + H100_SXM.sync_s
 
 # Device figures. GEMM rates: fitted to published GEMM benchmarks per GPU and
 # precision (gemm_fit, data/gemm_published.json) where a table has them; else the
@@ -42,19 +49,20 @@ NCCL_BUFFER_BYTES = 64e6  # NCCL's communication buffers per GPU (a profile's bu
 # bandwidth: about 0.85 of the spec unless a published measurement is named.
 _GPU_TYPES = {
     "rtx-4070-ti-super": dict(name="RTX 4070 Ti SUPER", fp32=30e12, tf32=40e12, bf16=80e12, fp16=80e12,
-                              half=3e8, memory=16e9, bandwidth=600e9, h2d=12e9, launch=5e-6, context=0.5e9),
+                              half=3e8, memory=16e9, bandwidth=600e9, h2d=12e9, context=0.5e9),
     # NVIDIA RTX 5080 spec: 960 GB/s GDDR7, 16 GB
-    "rtx-5080": dict(name="RTX 5080", memory=16e9, bandwidth=816e9, h2d=24e9, launch=5e-6, context=0.5e9),
+    "rtx-5080": dict(name="RTX 5080", memory=16e9, bandwidth=816e9, h2d=24e9, context=0.5e9),
     # NVIDIA RTX 4060 spec: 272 GB/s GDDR6, 8 GB (PCIe 4.0 x8)
-    "rtx-4060": dict(name="RTX 4060", memory=8e9, bandwidth=230e9, h2d=12e9, launch=5e-6, context=0.5e9),
+    "rtx-4060": dict(name="RTX 4060", memory=8e9, bandwidth=230e9, h2d=12e9, context=0.5e9),
     # A100 SXM4 80GB: HBM copy 1.61 TB/s (Azure ND A100 v4 measurements)
-    "a100-80gb": dict(name="A100 SXM4 80GB", memory=80e9, bandwidth=1.61e12, h2d=24e9, launch=5e-6, context=0.6e9),
+    "a100-80gb": dict(name="A100 SXM4 80GB", memory=80e9, bandwidth=1.61e12, h2d=24e9, context=0.6e9),
     # A100 SXM4 40GB: the 80GB part's SMs and clocks (its GEMM tables), 1.56 TB/s HBM2 spec
-    "a100-40gb": dict(name="A100 SXM4 40GB", memory=40e9, bandwidth=1.33e12, h2d=24e9, launch=5e-6, context=0.6e9),
+    "a100-40gb": dict(name="A100 SXM4 40GB", memory=40e9, bandwidth=1.33e12, h2d=24e9, context=0.6e9),
     # H100 SXM 80GB: HBM copy 2.90 TB/s, host<->device 51 GB/s (Azure ND H100 v5)
-    "h100-sxm": dict(name="H100 SXM 80GB", memory=80e9, bandwidth=2.9e12, h2d=50e9, launch=4e-6, context=0.6e9),
+    "h100-sxm": dict(name="H100 SXM 80GB", memory=80e9, bandwidth=H100_SXM.hbm_bytes_per_s,
+                     h2d=H100_SXM.h2d_bytes_per_s, context=0.6e9),
     # H100 PCIe 80GB spec: 2.0 TB/s
-    "h100-pcie": dict(name="H100 PCIe 80GB", memory=80e9, bandwidth=1.7e12, h2d=25e9, launch=4e-6, context=0.6e9),
+    "h100-pcie": dict(name="H100 PCIe 80GB", memory=80e9, bandwidth=1.7e12, h2d=25e9, context=0.6e9),
 }
 _AZURE = "https://github.com/Azure/AI-benchmarking-guide/blob/main/Azure_Results/"
 _SPEC = {
@@ -69,6 +77,12 @@ _SPEC = {
     "graph-node": {"url": GRAPH_NODE_SOURCE,
                    "figure": f"a replayed CUDA graph costs {GRAPH_NODE_S * 1e6:.2f} us per node beyond its kernels' "
                              "work (RTX 5070 Ti, CUDA 13; the one published figure found, used for every GPU)"},
+    "latencies": {"url": GRAPH_NODE_SOURCE,
+                  "figure": f"a short kernel in a stream {GPU_LAUNCH_S * 1e6:.1f} us (the larger of a "
+                            f"{H100_SXM.launch_s * 1e6:.1f} us enqueue, measured there, and an assumed 2 us kernel + "
+                            f"1 us gap); a step's overhead {GPU_STEP_OVERHEAD_S * 1e6:.0f} us: the "
+                            f"{H100_SXM.sync_s * 1e6:.0f} us synchronisation measured there and mgpu's "
+                            f"{HOST_LOOP_S * 1e6:.0f} us host loop, measured on its CPU backend (as bench --explain)"},
 }
 
 
@@ -159,14 +173,15 @@ def _device_entry(gpu: str) -> dict:
     """A profile's device entry of a _GPU_TYPES kind."""
     g = _GPU_TYPES[gpu]
     return {"name": g["name"], "kind": "cuda", "memory_bytes": g["memory"], "memory_bandwidth": g["bandwidth"],
-            "host_to_device_bandwidth": g["h2d"], "launch_overhead_s": g["launch"], "graph_node_s": GRAPH_NODE_S,
+            "host_to_device_bandwidth": g["h2d"], "launch_overhead_s": GPU_LAUNCH_S, "graph_node_s": GRAPH_NODE_S,
             "context_bytes": g["context"], **_gemm_rates(gpu)}
 
 
 def _profile_sources(spec: dict) -> list:
     """Where a named profile's figures come from: allreduce tables, GEMM tables, specs."""
     gemm = [src for gpu in dict.fromkeys(spec["devices"]) for src in gemm_fit.sources(gpu)]
-    return _link_sources(spec["link"]) + gemm + [_SPEC[k] for k in spec["specs"]] + [_SPEC["graph-node"]]
+    return (_link_sources(spec["link"]) + gemm + [_SPEC[k] for k in spec["specs"]]
+            + [_SPEC["graph-node"], _SPEC["latencies"]])
 
 
 def _fitted_link(link: str) -> dict:
@@ -208,7 +223,7 @@ def named_profile(name: str, devices: Optional[int] = None) -> dict:
             "devices": entries,
             "link": {"name": spec["title"], "alpha_s": 0.0, "bus_bandwidth": ring, "overlaps_compute": True,
                      "buffer_bytes": NCCL_BUFFER_BYTES, "nccl": nccl},
-            "step_overhead_s": 1e-4, "model_error": 0.3}
+            "step_overhead_s": GPU_STEP_OVERHEAD_S, "model_error": 0.3}
 
 
 def _known_gpu_type(name: str) -> Optional[str]:
@@ -257,7 +272,7 @@ def detected_profile(devices: Optional[int] = None) -> Optional[dict]:
         rates = {"fp32": fp32, "fp16": fp32 * 8.0} if cc.startswith("7.") else {
             "fp32": fp32, "tf32": fp32 * tensor / 2, "bf16": fp32 * tensor, "fp16": fp32 * tensor}
         entries.append({"name": g.get("name", "GPU"), "kind": "cuda", "memory_bytes": float(g.get("total_memory_mib", 0)) * 2 ** 20,
-                        "memory_bandwidth": 1e12, "host_to_device_bandwidth": 20e9, "launch_overhead_s": 5e-6,
+                        "memory_bandwidth": 1e12, "host_to_device_bandwidth": 20e9, "launch_overhead_s": GPU_LAUNCH_S,
                         "graph_node_s": GRAPH_NODE_S, "context_bytes": 0.6e9,
                         # a GEMM's fixed time as the fitted GPUs' small kernels take it
                         **{p: _gemm_dict(peak, peak * gemm_fit.TYPICAL_FIXED_S) for p, peak in rates.items()}})
@@ -267,7 +282,7 @@ def detected_profile(devices: Optional[int] = None) -> Optional[dict]:
             "source": "detected", "devices": entries,
             "link": {"name": "assumed PCIe P2P", "alpha_s": 10e-6, "bus_bandwidth": 20e9, "overlaps_compute": True,
                      "buffer_bytes": 64e6},
-            "step_overhead_s": 1e-4, "model_error": 0.35}
+            "step_overhead_s": GPU_STEP_OVERHEAD_S, "model_error": 0.35}
 
 
 def save_profile(profile: dict, path: Optional[str] = None) -> str:

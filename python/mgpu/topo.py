@@ -492,9 +492,30 @@ def _self_group():
     return ProcessGroup()
 
 
+PROBE_LAYERS, PROBE_ROWS = [8, 8, 8], 8   # the step-overhead probe: a step whose math is next to nothing
+
+
 def measure_step_overhead(device: str, device_index: int, threads: int) -> float:
-    """Host time of a training step whose math is negligible: Python, binding, bookkeeping."""
-    return _step_seconds(_self_group(), [8, 8, 8], 0.0, 8, device, device_index, threads, 200)
+    """Wall time of a training step whose math is next to nothing: Python, bindings,
+    bookkeeping, and the probe's own GEMMs, kernels and update (net_step_overheads
+    takes those out)."""
+    return _step_seconds(_self_group(), PROBE_LAYERS, 0.0, PROBE_ROWS, device, device_index, threads, 200)
+
+
+def net_step_overheads(profile: dict) -> None:
+    """Each device's step overhead as the model adds it to a step: the probe's measured
+    step less the model's price of the probe's own work, which every predicted step
+    prices already (on a CPU 3 of 8 us; on a GPU the probe's launches and kernels, most
+    of it). The probe's time stays beside it as probe_step_s (and is what a second call
+    starts from)."""
+    from . import perf
+    w = perf._workload(None, PROBE_LAYERS, None, PROBE_ROWS, "fp32", "sgd", 4.0, 0.0, "fp32", "auto", 1)
+    for e in profile["devices"]:
+        e["probe_step_s"] = e.get("probe_step_s", e["step_overhead_s"])
+        alone = {**profile, "devices": [{**e, "step_overhead_s": 0.0}], "step_overhead_s": 0.0}
+        priced = perf.P.predict(w, perf.to_core(alone, 1), 1, perf.P.Options()).step_s
+        e["step_overhead_s"] = max(0.0, e["probe_step_s"] - priced)
+    profile["step_overhead_s"] = max(e["step_overhead_s"] for e in profile["devices"])
 
 
 DROPOUT_WIDTHS = (64, 256, 1024)  # hidden widths the dropout cost is taken at (it varies ~25 % across them)
@@ -570,7 +591,7 @@ def run_topo(pg, *, device: str = "auto", threads=None, max_bytes: int = 256 * M
     if link is None:  # one rank: nothing to measure; the named CPU link stands in
         link = {"name": "not measured (1 rank): run `mpirun -np N python -m mgpu topo`", "alpha_s": 5e-6,
                 "bus_bandwidth": 5e9, "overlaps_compute": device == "cuda", "buffer_bytes": 0.0}
-    return {
+    profile = {
         "format": PROFILE_FORMAT, "version": PROFILE_VERSION, "source": "calibrated",
         "name": f"calibrated: {socket.gethostname()} ({pg.size} x {device})",
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "mgpu_version": __version__,
@@ -583,6 +604,8 @@ def run_topo(pg, *, device: str = "auto", threads=None, max_bytes: int = 256 * M
                         "gomp_spincount": os.environ.get("GOMP_SPINCOUNT"), "world_size": pg.size,
                         "threads_per_rank": threads, "communicator": kind if pg.size > 1 else None},
     }
+    net_step_overheads(profile)
+    return profile
 
 
 def _cpu_tables_line(d: dict) -> str:
@@ -602,6 +625,12 @@ def _us_or_not_measured(seconds) -> str:
     return f"{seconds * 1e6:.2f} us" if seconds else "not measured"
 
 
+def _probe_text(d: dict) -> str:
+    if "probe_step_s" not in d:  # a profile from before the probe's work was taken out
+        return ""
+    return f" (a step of {'x'.join(map(str, PROBE_LAYERS))} took {d['probe_step_s'] * 1e6:.1f} us, less its priced work)"
+
+
 def format_topo(profile: dict) -> str:
     lines = [f"{profile['name']}  (mgpu {profile['mgpu_version']})"]
     for d in profile["devices"]:
@@ -609,7 +638,8 @@ def format_topo(profile: dict) -> str:
         lines.append(f"  rank {d['rank']} on {d['host']}: {d['name']}; GEMM peak {fp}; "
                      f"memory bw {d['memory_bandwidth'] / 1e9:.1f} GB/s; kernel overhead "
                      f"{d['launch_overhead_s'] * 1e6:.2f} us (as a graph node "
-                     f"{_us_or_not_measured(d.get('graph_node_s'))}); step overhead {d['step_overhead_s'] * 1e6:.0f} us; "
+                     f"{_us_or_not_measured(d.get('graph_node_s'))}); step overhead {d['step_overhead_s'] * 1e6:.1f} us"
+                     f"{_probe_text(d)}; "
                      f"dropout {d['dropout_s_per_unit'] * 1e9:.2f} ns/unit")
         if "cpu" in d:
             cpu = d["cpu"]

@@ -590,19 +590,29 @@ def graph_kernels(layers, batch, ranks, precision, accumulate=1):
 @pytest.mark.parametrize("batch", [64, 128, 512])
 @pytest.mark.parametrize("accumulate", [1, 3])
 def test_captured_steps_price_kernels_as_graph_nodes_and_allreduce_after_backward(precision, batch, accumulate):
-    launch, node = 5e-6, 0.5e-6
-    gpu = {**device(launch=launch), "graph_node_s": node}
-    prof = profile([gpu] * 2, alpha=1e-6, busbw=1e10, overlap=True)
-    for n in (1, 2):
-        on, off, auto = (graph_predict(prof, n, mode, batch=batch, precision=precision, accumulate=accumulate)
-                         for mode in ("on", "off", "auto"))
-        assert on.graphs and auto.graphs and not off.graphs
-        assert auto.step_s == pytest.approx(on.step_s)
-        inside, graph_launches = graph_kernels(SMALL, batch, n, precision, accumulate)
-        kernels = lambda p: p.forward_s + p.backward_s + p.optimizer_s
-        # Each kernel of the step costs a node instead of a launch; the graphs' own launches are overhead.
-        assert kernels(off) - kernels(on) == pytest.approx(inside * (launch - node), rel=1e-6)
-        assert on.overhead_s - off.overhead_s == pytest.approx(graph_launches * launch, rel=1e-6)
+    node = 0.5e-6
+    kernels = lambda p: p.forward_s + p.backward_s + p.optimizer_s
+    for launch in (5e-6, 1.0):  # shorter than the larger kernels' work; longer than any
+        gpu = {**device(launch=launch), "graph_node_s": node}
+        prof = profile([gpu] * 2, alpha=1e-6, busbw=1e10, overlap=True)
+        for n in (1, 2):
+            on, off, auto = (graph_predict(prof, n, mode, batch=batch, precision=precision, accumulate=accumulate)
+                             for mode in ("on", "off", "auto"))
+            assert on.graphs and auto.graphs and not off.graphs
+            assert auto.step_s == pytest.approx(on.step_s)
+            inside, graph_launches = graph_kernels(SMALL, batch, n, precision, accumulate)
+            # In a graph each kernel costs its work and a node; launched on its own, its work
+            # or a launch, whichever is longer (the host enqueues while a longer one runs).
+            work = kernels(on) - inside * node
+            assert work > 0 and kernels(on) == pytest.approx(kernels(graph_predict(
+                profile([{**gpu, "launch_overhead_s": 7e-6}] * 2, alpha=1e-6, busbw=1e10), n, "on", batch=batch,
+                precision=precision, accumulate=accumulate)))  # a launch's cost does not reach inside
+            if launch == 1.0:
+                assert kernels(off) == pytest.approx(inside * launch, rel=1e-9)
+            else:
+                assert max(work, inside * launch) * (1 - 1e-9) <= kernels(off) < work + inside * launch
+            # the graphs' own launches are overhead
+            assert on.overhead_s - off.overhead_s == pytest.approx(graph_launches * launch, rel=1e-6)
     on, off = graph_predict(prof, 2, "on", batch=batch), graph_predict(prof, 2, "off", batch=batch)
     assert on.comm_s == pytest.approx(off.comm_s)
     assert on.exposed_comm_s == pytest.approx(on.comm_s)  # nothing hidden behind backward
@@ -672,7 +682,7 @@ def test_recommend_says_when_steps_replay_as_graphs_and_when_overlap_would_beat_
                       f"the allreduce overlapping backward ({off['candidates'][1]['exposed_allreduce_ms']:.3g} ms "
                       "exposed)"], advice
     # A slower link: 2 GPUs without graphs beat 2 with them, but not the 1 GPU picked: no advice.
-    r, off = answer(5e9), answer(5e9, "off")
+    r, off = answer(4e9), answer(4e9, "off")
     assert off["candidates"][1]["predicted_step_ms"] < r["candidates"][1]["predicted_step_ms"]
     assert r["devices"] == 1 and off["candidates"][1]["predicted_step_ms"] > r["candidates"][0]["predicted_step_ms"]
     assert not any(line.startswith("--cuda-graph off") for line in r["reasons"])
@@ -747,3 +757,41 @@ def test_accumulated_micro_batches_share_the_rows_and_only_the_last_backward_ove
     for bad in (0, 2.0, True, "3"):
         with pytest.raises(mgpu.ConfigError, match=f"accumulate.*got {bad!r}"):
             at(bad)
+
+
+def test_a_gemm_costs_its_memory_traffic_where_that_is_longer_than_its_work():
+    # 8 rows against a 8192 x 8192 weight matrix: 1 GFLOP at 1 PFLOP/s is 1 us, reading
+    # the 268 MB of fp32 weights at 1 TB/s 268 us. Backward's two GEMMs read the weights
+    # (input gradient) and write the weight gradient.
+    fast = profile([device(flops=1e15, bandwidth=1e12)])
+    layer = 8192 * 8192 * 4 / 1e12
+    one = predict(fast, 1, layers=(8192, 8192), batch=8)
+    assert layer < one.forward_s < 1.01 * layer
+    assert layer < one.backward_s < 1.01 * layer   # the first layer has no input gradient: dW only
+    # with --accumulate 2 the second micro-batch's weight gradient adds onto the first's: read and written
+    w = perf._workload(None, [8192, 8192], None, 16, "fp32", "sgd", 4.0, accumulate=2)
+    two = P.predict(w, perf.to_core(fast), 1, P.Options())
+    assert two.backward_s == pytest.approx(one.backward_s + 2 * layer, rel=0.01)
+
+
+@pytest.mark.parametrize("kind", ["cpu", "cuda"])
+def test_the_step_overhead_is_the_probes_step_less_its_priced_work(kind):
+    # topo's probe (a step of PROBE_LAYERS at PROBE_ROWS) measures its own GEMMs, kernels
+    # and update too, which every predicted step prices already: calibrated, the model
+    # predicts the probe's step as measured, and no overhead goes below zero.
+    from mgpu import topo
+    slow = {**device(flops=1e9, bandwidth=1e9, launch=2e-6, kind=kind), "graph_node_s": 1e-6}
+    w = perf._workload(None, topo.PROBE_LAYERS, None, topo.PROBE_ROWS, "fp32", "sgd", 4.0, 0.0)
+    for measured in (1e-3, 1e-6):
+        prof = profile([{**slow, "step_overhead_s": measured}] * 2, overhead=measured)
+        topo.net_step_overheads(prof)
+        priced = P.predict(w, perf.to_core(prof), 1, P.Options()).step_s
+        for dev in prof["devices"]:
+            assert dev["probe_step_s"] == measured
+        if measured == 1e-3:
+            assert 0 < prof["step_overhead_s"] < measured and priced == pytest.approx(measured, rel=1e-9)
+        else:  # the probe ran faster than its work's price: nothing left over
+            assert prof["step_overhead_s"] == 0 and priced > measured
+        before = prof["step_overhead_s"]
+        topo.net_step_overheads(prof)  # again: from the probe's time, not from the last result
+        assert prof["step_overhead_s"] == before
