@@ -795,3 +795,15 @@ def test_the_step_overhead_is_the_probes_step_less_its_priced_work(kind):
         before = prof["step_overhead_s"]
         topo.net_step_overheads(prof)  # again: from the probe's time, not from the last result
         assert prof["step_overhead_s"] == before
+
+
+def test_half_precision_updates_write_the_weights_half_copy_in_the_same_kernel():
+    # 2 B a parameter more for the update's pass (csrc/cuda's optimizer writes the bf16
+    # copy the next step's GEMMs read), and no launch more
+    gpu = {**device(flops=1e12, bandwidth=1e11, launch=5e-6), "bf16": {"peak_flops": 1e13, "half_work_flops": 0.0}}
+    layers, params = (1024, 4096, 4096, 10), 1024 * 4096 + 4096 + 4096 * 4096 + 4096 + 4096 * 10 + 10
+
+    def optimizer(precision):
+        w = perf._workload(None, list(layers), None, 256, precision, "sgd", 4.0, 0.0, cuda_graph="off")
+        return P.predict(w, perf.to_core(profile([gpu])), 1, P.Options()).optimizer_s
+    assert optimizer("bf16") - optimizer("fp32") == pytest.approx(2 * params / 1e11, rel=1e-9)
