@@ -806,20 +806,11 @@ def explain_step(a, pg) -> int:
                                    accumulate=a.accumulate, ranks=ranks)
             w.graph = costsheet.uses_graph(a.cuda_graph, w.params)
             sheets.append(costsheet.explain(w, costsheet.GPUS[a.gpu]))
-    # What a GPU holds, as the selector prices it (the sheet prices time only): the
-    # largest micro-batch's activations, the weights, gradients and optimizer state,
-    # the CUDA context, and NCCL's buffers on several GPUs.
-    from .perf import _GPU_TYPES, MEMORY_MARGIN, NCCL_BUFFER_BYTES, training_memory_bytes
-    spec = _GPU_TYPES[a.gpu]
-    memory = []
-    for sheet in sheets:
-        w = sheet.workload
-        per_gpu = -(-w.batch // w.ranks)  # the largest share, in ceil divisions
-        rows = -(-per_gpu // w.accumulate)
-        need = training_memory_bytes(w.sizes, rows, optimizer=w.optimizer, precision=w.precision,
-                                     dropout=w.dropout) + spec["context"] + (NCCL_BUFFER_BYTES if w.ranks > 1 else 0.0)
-        memory.append({"bytes": need, "usable_bytes": spec["memory"] * MEMORY_MARGIN,
-                       "fits": need <= spec["memory"] * MEMORY_MARGIN})
+    # What a GPU holds, as the selector prices it (the sheet prices time only).
+    from .perf import gpu_step_memory
+    memory = [gpu_step_memory(a.gpu, s.workload.sizes, s.workload.batch, s.workload.ranks,
+                              optimizer=s.workload.optimizer, precision=s.workload.precision,
+                              dropout=s.workload.dropout, accumulate=s.workload.accumulate) for s in sheets]
     if pg.is_root:
         for sheet, mem in zip(sheets, memory):
             print(costsheet.format_sheet(sheet))

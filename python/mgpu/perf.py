@@ -494,6 +494,22 @@ def training_memory_bytes(layers: Sequence[int], rows: int, *, optimizer: str = 
     return P.training_memory_bytes(_workload(None, layers, None, rows, precision, optimizer, 4.0, dropout), rows)
 
 
+def gpu_step_memory(gpu: str, layers: Sequence[int], batch: int, ranks: int, *, optimizer: str, precision: str,
+                    dropout: float, accumulate: int = 1) -> dict:
+    """What each of `ranks` GPUs of a named type (_GPU_TYPES) holds for a step, as the
+    selector prices it (the largest share's micro-batch, weights, gradients, optimizer
+    state, the CUDA context, NCCL's buffers on several): bytes, usable_bytes, fits."""
+    prof = {"format": PROFILE_FORMAT, "version": PROFILE_VERSION, "name": f"{ranks} x {gpu}", "source": "named",
+            "devices": [_device_entry(gpu) for _ in range(ranks)], "step_overhead_s": GPU_STEP_OVERHEAD_S,
+            "model_error": 0.3, "link": {"name": "NCCL", "alpha_s": 0.0, "bus_bandwidth": 1e11,
+                                         "overlaps_compute": True, "buffer_bytes": NCCL_BUFFER_BYTES}}
+    options = P.Options()
+    options.memory_margin = MEMORY_MARGIN
+    w = _workload(None, layers, None, batch, precision, optimizer, 4.0, dropout, accumulate=accumulate)
+    p = P.predict(w, to_core(prof, ranks), ranks, options)
+    return {"bytes": p.memory_bytes, "usable_bytes": p.memory_usable_bytes, "fits": bool(p.memory_fits)}
+
+
 # What a rank allocates beyond what training_memory_bytes prices, measured with train on
 # Zen 4 (peak RSS growth from the check to the end of a run, 0.07-1.2 GB models, 8-8000
 # rows, 1-2 ranks; tests/unit/test_memory_check.py): a fixed 29-62 MB (the BLAS threads'
