@@ -705,6 +705,10 @@ def recommend(*, model: Optional[str] = None, layers: Optional[Sequence[int]] = 
     result["bucket"] = bucket
     result["bucket_mb_used"] = (fastest.bucket_elems if fastest else w.bucket_elems) * 4 / 2 ** 20
     result["sources"] = prof.get("sources", [])
+    result["gpu_emulation"] = bool(prof.get("gpu_emulation", False))
+    if result["gpu_emulation"]:  # never mistakable for a real GPU's answer
+        result["reasons"].insert(0, "GPU EMULATION: this profile was measured on mgpu's GPU emulation (the CPU "
+                                    "running its CUDA code); its times are not a GPU's, and neither is this answer")
     return result
 
 

@@ -81,6 +81,11 @@ class ProcessGroup:
         self._core_comm_kind = kind
         return self._core_comm
 
+    @property
+    def communicator_in_use(self) -> Optional["_core.Communicator"]:
+        """The core communicator created so far (MPI or NCCL), or None."""
+        return self._core_comm
+
     def _mpi_communicator(self) -> "_core.Communicator":
         if not hasattr(_core, "MpiCommunicator"):
             raise ConfigError("this build of mgpu has no MPI support; rebuild with MPI to run several ranks")

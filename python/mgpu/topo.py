@@ -132,8 +132,9 @@ def _timeouts_kept(pg):
     """Trainers set their watchdog's timeout on the process group and its communicator:
     a probe that trains must leave both as it found them, or the measurements after it
     (the allreduce sweep) time the deadline path (the MPI communicator's blocking
-    allreduce handed to a worker thread) as if it were the plain call."""
-    comm = pg.communicator()
+    allreduce handed to a worker thread) as if it were the plain call. The communicator
+    in use: on GPUs the sweep's NCCL one, which asking for MPI's would refuse."""
+    comm = pg.communicator_in_use or pg.communicator()
     kept = pg.timeout, comm.timeout
     try:
         yield
@@ -492,6 +493,7 @@ def _self_group():
     return ProcessGroup()
 
 
+EMULATED_NAME = ", EMULATED: the CPU running mgpu's CUDA code"  # a profile of the GPU emulation says so in its name
 PROBE_LAYERS, PROBE_ROWS = [8, 8, 8], 8   # the step-overhead probe: a step whose math is next to nothing
 
 
@@ -591,9 +593,11 @@ def run_topo(pg, *, device: str = "auto", threads=None, max_bytes: int = 256 * M
     if link is None:  # one rank: nothing to measure; the named CPU link stands in
         link = {"name": "not measured (1 rank): run `mpirun -np N python -m mgpu topo`", "alpha_s": 5e-6,
                 "bus_bandwidth": 5e9, "overlaps_compute": device == "cuda", "buffer_bytes": 0.0}
+    emulated = device == "cuda" and bool(_core.build_info().get("gpu_emulation", False))
     profile = {
         "format": PROFILE_FORMAT, "version": PROFILE_VERSION, "source": "calibrated",
-        "name": f"calibrated: {socket.gethostname()} ({pg.size} x {device})",
+        "name": f"calibrated: {socket.gethostname()} ({pg.size} x {device}{EMULATED_NAME if emulated else ''})",
+        "gpu_emulation": emulated,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "mgpu_version": __version__,
         "devices": entries, "link": link, "allreduce": rows, "nodes": levels,
         "gpus_per_node": levels["ranks_per_node"] if levels else 0,
