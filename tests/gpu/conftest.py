@@ -72,6 +72,15 @@ def gpu():
 
 
 @pytest.fixture
+def two_gpus(gpu):
+    """Two GPUs and NCCL between them (MGPU_EMULATE_GPU=2 on the emulation), or skip."""
+    if gpu_count() < 2:
+        pytest.skip("needs 2 GPUs (MGPU_EMULATE_GPU=2 on the emulation)")
+    if not hasattr(_core, "NcclCommunicator"):
+        pytest.skip("mgpu was built without NCCL")
+
+
+@pytest.fixture
 def cuda_backend(gpu):
     be = _core.make_backend("cuda", gpu)
     assert be.precision == "fp32"

@@ -7,18 +7,12 @@ import sys
 import numpy as np
 import pytest
 
-from mgpu import MLP, _core
+from mgpu import MLP
 from conftest import mpi_env, mpirun  # tests/conftest.py helpers
 
 LAYERS = [64, 32, 10]
 ARGS = ["--dataset", "digits", "--layers", ",".join(map(str, LAYERS)), "--batch-size", "64", "--optimizer", "sgd",
         "--momentum", "0", "--lr", "0.1", "--seed", "3", "--no-progress"]
-
-
-@pytest.fixture
-def two_gpus(gpu):
-    if _core.cuda_device_count() < 2 or not hasattr(_core, "NcclCommunicator"):
-        pytest.skip("needs 2 GPUs and NCCL (MGPU_EMULATE_GPU=2 on the emulation)")
 
 
 def train(tmp_path, name, ranks, *extra):

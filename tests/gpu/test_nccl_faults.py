@@ -27,12 +27,6 @@ RUN = ["train", "--device", "cuda", "--comm", "nccl", "--layers", "20,64,64,3", 
        "--optimizer", "adamw", "--no-progress", "--seed", "5"]
 
 
-@pytest.fixture
-def two_gpus(gpu):
-    if _core.cuda_device_count() < 2 or not hasattr(_core, "NcclCommunicator"):
-        pytest.skip("needs 2 GPUs and NCCL (MGPU_EMULATE_GPU=2 on the emulation)")
-
-
 @pytest.mark.parametrize("frozen", [0, 1])
 def test_frozen_rank_in_an_nccl_collective_is_named(two_gpus, tmp_path, frozen):
     timeout = 3

@@ -8,20 +8,10 @@ NCCL one."""
 import json
 import sys
 
-import pytest
-
 from mgpu import _core
 from conftest import mpi_env, mpirun, run_cli  # tests/conftest.py helpers
 
 EMULATED = bool(_core.build_info().get("gpu_emulation", False))
-
-
-@pytest.fixture
-def two_gpus(gpu):
-    if _core.cuda_device_count() < 2:
-        pytest.skip("needs 2 GPUs (MGPU_EMULATE_GPU=2 on the emulation)")
-    if not hasattr(_core, "NcclCommunicator"):
-        pytest.skip("mgpu was built without NCCL")
 
 
 def test_topo_on_two_gpus_measures_devices_and_nccl_and_recommend_reads_it(two_gpus, tmp_path):

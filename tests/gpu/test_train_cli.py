@@ -18,14 +18,6 @@ DATA = ["--dataset", "digits", "--layers", "64,32,10", "--batch-size", "64", "--
 ARGS = ["--device", "cuda", "--optimizer", "adamw", "--lr", "0.003", *DATA]
 
 
-@pytest.fixture
-def two_gpus(gpu):
-    if _core.cuda_device_count() < 2:
-        pytest.skip("needs 2 GPUs (MGPU_EMULATE_GPU=2 on the emulation)")
-    if not hasattr(_core, "NcclCommunicator"):
-        pytest.skip("mgpu was built without NCCL")
-
-
 def train(tmp_path, name, ranks, *extra, args=ARGS):
     out = tmp_path / f"{name}.json"
     params = tmp_path / f"{name}.npz"
