@@ -99,8 +99,9 @@ DeviceTimes device_times(const std::vector<int>& sizes, int64_t b, const DeviceP
   // below). A GPU kernel launched on its own costs its work or a short kernel's cost in
   // a stream (launch_overhead_s), whichever is longer: the host enqueues the next while
   // the device runs a longer one. A CPU's calls are synchronous: work, then the call.
-  const double L = graphs && d.graph_node_s > 0 ? d.graph_node_s : d.launch_overhead_s, B = double(b);
-  const bool overlapped_launches = gpu && L == d.launch_overhead_s;
+  const bool nodes = graphs && d.graph_node_s > 0;
+  const double L = nodes ? d.graph_node_s : d.launch_overhead_s, B = double(b);
+  const bool overlapped_launches = gpu && !nodes;
   auto launched = [&](double work_s) { return overlapped_launches ? std::max(work_s, L) : work_s + L; };
   // A GEMM takes its work at the fitted rate, or its operands' and output's traffic at
   // the memory's bandwidth where that is longer (a few rows against a large weight

@@ -82,7 +82,9 @@ struct DeviceProfile {
   double memory_bytes = 0.0;     // capacity
   double memory_bandwidth = 0.0; // bytes/s reached by elementwise kernels
   double host_to_device_bandwidth = 0.0;  // bytes/s for staging batches (0: host memory)
-  double launch_overhead_s = 0.0;  // per kernel launch
+  // A short kernel's cost in a stream of them (topo: one-element kernels back to back);
+  // a GPU kernel whose work is longer hides it, a CPU call adds it.
+  double launch_overhead_s = 0.0;
   // Per node of a replayed graph (a captured step): what a kernel costs beyond its
   // work when it runs inside a graph. 0: unknown, priced as a launch.
   double graph_node_s = 0.0;
