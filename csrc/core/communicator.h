@@ -108,6 +108,7 @@ class Communicator {
 // that have not reached the current step, ranks that reached it but went
 // silent; none: the collective itself is stuck (every_rank_watched), or only
 // rank 0 can tell.
+inline constexpr char kStuckTail[] = ", but the collective is stuck";  // what a timeout adds, an error does not
 inline std::string describe_stall(const std::vector<int>& missing, const std::vector<int>& silent,
                                   bool every_rank_watched) {
   auto join = [](const std::vector<int>& ranks) {
@@ -123,7 +124,7 @@ inline std::string describe_stall(const std::vector<int>& missing, const std::ve
     msg += std::string(missing.empty() ? "" : "; ") + "rank" + (silent.size() > 1 ? "s " : " ") + join(silent) +
            " stopped responding during it";
   if (!missing.empty() || !silent.empty()) return msg + " (stopped, hung or dead)";
-  return every_rank_watched ? "every rank reached this step and is responding, but the collective is stuck"
+  return every_rank_watched ? std::string("every rank reached this step and is responding") + kStuckTail
                             : "rank 0 reached this step; it names the missing rank";
 }
 

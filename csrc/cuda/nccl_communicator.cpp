@@ -241,7 +241,7 @@ struct NcclCommunicator::Impl {
         const char* last = ncclGetLastError(comm);
         fail(what, detail::concat("NCCL reported an error: ", ncclGetErrorString(state),
                                   last && *last ? std::string(" (") + last + ")" : std::string(), "; ",
-                                  missing_ranks_text(1e300)),
+                                  ranks_at_error()),
              during_step);
       }
       const auto now = clock::now();
@@ -279,6 +279,15 @@ struct NcclCommunicator::Impl {
     if (!sidecar) return "no heartbeat sidecar, so the missing ranks are unknown";
     std::lock_guard<std::mutex> lock(sidecar_m);
     return sidecar->diagnose_stall(silence);
+  }
+
+  // Beside an error NCCL reported, nothing is stuck: only who, if anyone, had not arrived.
+  std::string ranks_at_error() {
+    std::string text = missing_ranks_text(1e300);
+    const std::string stuck = kStuckTail;
+    if (text.size() >= stuck.size() && text.compare(text.size() - stuck.size(), stuck.size(), stuck) == 0)
+      text.resize(text.size() - stuck.size());
+    return text;
   }
 
   void sidecar_heartbeat() {
@@ -323,7 +332,7 @@ struct NcclCommunicator::Impl {
         const char* last = ncclGetLastError(comm);
         watchdog_fail(detail::concat("NCCL reported an asynchronous error: ", ncclGetErrorString(state),
                                      last && *last ? std::string(" (") + last + ")" : std::string(), "; ",
-                                     missing_ranks_text(1e300)));
+                                     ranks_at_error()));
         continue;
       }
       const cudaError_t rc = cudaEventQuery(comm_done);
@@ -370,7 +379,7 @@ struct NcclCommunicator::Impl {
       const char* last = ncclGetLastError(comm);
       fail(what, detail::concat("NCCL reported an asynchronous error: ", ncclGetErrorString(state),
                                 last && *last ? std::string(" (") + last + ")" : std::string(), "; ",
-                                missing_ranks_text(1e300)));
+                                ranks_at_error()));
     }
   }
 

@@ -689,9 +689,10 @@ void print_leaks() {
 
 int physical(int device) { return state().devices.at(size_t(device)).physical; }
 
-std::string device_name(int device) {
-  return "Emulated GPU " + std::to_string(physical(device)) + " (mgpu CPU emulation, not a real GPU)";
-}
+// One name for every emulated GPU, as identical real GPUs share theirs: tools that
+// group devices by name (topo's medians, the selector's mixed-device rule) see them
+// as the equal devices they are. The index is the device number, beside the name.
+std::string device_name(int /*device*/) { return "Emulated GPU (mgpu CPU emulation, not a real GPU)"; }
 
 }  // namespace
 

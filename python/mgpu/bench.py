@@ -24,6 +24,7 @@ import csv
 import json
 import math
 import os
+import re
 import resource
 import shutil
 import socket
@@ -274,6 +275,19 @@ def torch_python() -> Optional[str]:
     return None
 
 
+def peer_error(stderr: str) -> str:
+    """The line of a failed peer's stderr that says why: its last exception, else its
+    last line that is not mpirun's own (banners of dashes, its abort notice)."""
+    lines = [line.strip() for line in stderr.splitlines() if line.strip().strip("-")]
+    raised = [line for line in lines if re.match(r"^[\w.]+(Error|Exception)\b.*:", line)]
+    if raised:
+        return raised[-1]
+    ours = [line for line in lines if not re.match(r"^(Primary job|mpirun |Process name:|Exit code:|a non-zero exit|"
+                                                    r"the job to be terminated|Per user-direction|"
+                                                    r"The first process to do so)", line)]
+    return (ours or lines or ["(no error output)"])[-1]
+
+
 def run_torch(py: str, ranks: int, sizes, dropout, batch, a, device: str, threads: int) -> dict:
     """One round of the PyTorch peer (warm-up, then --steps timed steps) at this cell."""
     cmd = ["mpirun", "-np", str(ranks), "--oversubscribe", "--bind-to", "none", py, PEER,
@@ -287,7 +301,7 @@ def run_torch(py: str, ranks: int, sizes, dropout, batch, a, device: str, thread
     except subprocess.TimeoutExpired:
         raise ConfigError(f"the PyTorch peer did not finish within {limit} s at {ranks} rank(s)") from None
     if r.returncode != 0:
-        raise ConfigError(f"the PyTorch peer failed at {ranks} rank(s): {r.stderr.strip().splitlines()[-1:]}")
+        raise ConfigError(f"the PyTorch peer failed at {ranks} rank(s): {peer_error(r.stderr)}")
     result = json.loads(r.stdout.strip().splitlines()[-1])
     stats = summarize(result["step_seconds"])
     return {"version": result["version"], "step": stats, "samples_per_sec": batch / stats["median"],
@@ -680,6 +694,9 @@ def cmd_bench(a, pg) -> int:
                           "with --ranks N instead of under mpirun")
     py = None
     if a.compare == "torch":
+        if pg.resolve_device(a.device)[0] == "cuda" and _core.build_info().get("gpu_emulation", False):
+            raise ConfigError("--compare torch: PyTorch cannot run on the GPU emulation's GPUs (the CPU running "
+                              "mgpu's CUDA code); compare on real GPUs, or on the CPU with --device cpu")
         py = torch_python()
         if py is None:
             raise ConfigError("--compare torch: no interpreter here can import torch "

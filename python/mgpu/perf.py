@@ -278,8 +278,11 @@ def detected_profile(devices: Optional[int] = None) -> Optional[dict]:
                         **{p: _gemm_dict(peak, peak * gemm_fit.TYPICAL_FIXED_S) for p, peak in rates.items()}})
     if devices and devices > len(entries):
         entries += [dict(entries[-1]) for _ in range(devices - len(entries))]
-    return {"format": PROFILE_FORMAT, "version": PROFILE_VERSION, "name": f"detected: {socket.gethostname()}",
-            "source": "detected", "devices": entries,
+    emulated = bool(_core.build_info().get("gpu_emulation", False))
+    return {"format": PROFILE_FORMAT, "version": PROFILE_VERSION, "source": "detected", "devices": entries,
+            "name": f"detected: {socket.gethostname()}" + (" (EMULATED GPUs: the CPU running mgpu's CUDA code)"
+                                                           if emulated else ""),
+            "gpu_emulation": emulated,
             "link": {"name": "assumed PCIe P2P", "alpha_s": 10e-6, "bus_bandwidth": 20e9, "overlaps_compute": True,
                      "buffer_bytes": 64e6},
             "step_overhead_s": GPU_STEP_OVERHEAD_S, "model_error": 0.35}
@@ -707,8 +710,9 @@ def recommend(*, model: Optional[str] = None, layers: Optional[Sequence[int]] = 
     result["sources"] = prof.get("sources", [])
     result["gpu_emulation"] = bool(prof.get("gpu_emulation", False))
     if result["gpu_emulation"]:  # never mistakable for a real GPU's answer
-        result["reasons"].insert(0, "GPU EMULATION: this profile was measured on mgpu's GPU emulation (the CPU "
-                                    "running its CUDA code); its times are not a GPU's, and neither is this answer")
+        result["reasons"].insert(0, "GPU EMULATION: this profile is of mgpu's emulated GPUs (the CPU running its "
+                                    "CUDA code), not of real ones; its times are not a GPU's, and neither is this "
+                                    "answer")
     return result
 
 

@@ -64,6 +64,10 @@ def _resume_state(meta: dict, path: str) -> dict:
         if not ok:
             raise CheckpointError(f"checkpoint '{path}' has malformed metadata: state.{key} is {value!r}")
         out[key] = value
+    dynamic = s.get("dynamic_loss_scale", out["loss_scale"] != 1.0)  # before the flag: a scale other than 1 was
+    if not isinstance(dynamic, bool):
+        raise CheckpointError(f"checkpoint '{path}' has malformed metadata: state.dynamic_loss_scale is {dynamic!r}")
+    out["dynamic_loss_scale"] = dynamic
     return out
 
 
@@ -123,6 +127,8 @@ class Trainer:
             dynamic_loss_scale = fp16 and loss_scale is None
         if loss_scale is None:
             loss_scale = 2.0 ** 16 if fp16 else 1.0
+        self.dynamic_loss_scale = bool(dynamic_loss_scale)
+        self._scale_note_shown = False  # the overflow note: once per run of skipped steps
         self._optimizer = _core.Optimizer(model._core, optimizer, momentum, weight_decay, betas[0], betas[1], eps)
         # timed: separate the phases of a step on device backends too (benchmarks; costs overlap)
         # graph: capture each step's forward/backward in a CUDA graph (auto: small models on GPUs)
@@ -200,6 +206,16 @@ class Trainer:
         self.global_step += 1
         if result.applied:
             self.bad_steps = 0
+            self._scale_note_shown = False
+        elif self._scaler_absorbs(result):
+            # Dynamic loss scaling skips a step whose scaled gradients overflowed and halves
+            # the scale (fp16 starts at 2^16, which most models' gradients overflow for a
+            # few steps): its own business, not a numerical failure, so not a bad step.
+            if self.pg.is_root and not self._scale_note_shown:
+                print(f"mgpu: note: step {self.global_step - 1}: the gradients overflowed fp16 at loss scale "
+                      f"{result.loss_scale:g}; dynamic loss scaling skips such steps and halves the scale "
+                      f"until they fit", file=sys.stderr, flush=True)
+            self._scale_note_shown = True
         else:
             self.bad_steps += 1
             if self.pg.is_root:
@@ -213,6 +229,11 @@ class Trainer:
                     f"{self.global_step - 1}); stopping. Parameters are those of the last good step; "
                     f"lower the learning rate or set a gradient-norm limit")
         return result.loss
+
+    def _scaler_absorbs(self, result) -> bool:
+        """Whether a skipped step is dynamic loss scaling's to absorb: a finite loss whose
+        gradients overflowed at a scale above 1 (at 1 or below they overflow unscaled)."""
+        return self.dynamic_loss_scale and math.isfinite(result.loss) and result.loss_scale > 1.0
 
     def drain_trace(self) -> list:
         """The traced spans (TraceSpan) no step has handed over yet, after waiting for the device."""
@@ -256,6 +277,7 @@ class Trainer:
                       "epoch_loss_sum": self._epoch_loss_sum, "epoch_samples": self._epoch_samples,
                       "epoch_seconds": self._epoch_seconds, "optimizer_steps": self._optimizer.steps_taken,
                       "loss_scale": self._step.loss_scale, "good_steps": self._step.good_steps_in_a_row,
+                      "dynamic_loss_scale": self.dynamic_loss_scale,
                       "bad_steps": self.bad_steps, "accumulate": self.accumulate},
             "schedule": self.schedule.to_dict(), "history": self.history,
         }
@@ -308,8 +330,11 @@ class Trainer:
                 self._optimizer.set_state(key[len("opt."):], buf)
         s = _resume_state(meta, path)
         self._optimizer.steps_taken = s["optimizer_steps"]
-        self._step.loss_scale = s["loss_scale"]
-        self._step.good_steps_in_a_row = s["good_steps"]
+        # The saved scale continues a dynamically scaled run; a run of another kind (fp32,
+        # a fixed --loss-scale) keeps its own.
+        if self.dynamic_loss_scale and s["dynamic_loss_scale"]:
+            self._step.loss_scale = s["loss_scale"]
+            self._step.good_steps_in_a_row = s["good_steps"]
         self.global_step, self.epoch, self.batch_in_epoch = s["global_step"], s["epoch"], s["batch_in_epoch"]
         self._epoch_loss_sum, self._epoch_samples = s["epoch_loss_sum"], s["epoch_samples"]
         self._epoch_seconds = s["epoch_seconds"]

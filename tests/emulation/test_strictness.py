@@ -90,6 +90,21 @@ def test_emulated_devices_say_so():
         assert "emulat" in d["name"].lower() and "not a real GPU" in d["name"]
 
 
+def test_emulated_gpus_are_alike_as_identical_gpus_are():
+    # one name for all: topo's medians and the selector's mixed-device rule group by name,
+    # and two emulated GPUs were told apart as "unequal devices"
+    names = {d["name"] for d in _core.build_info()["cuda"]["devices"]}
+    assert len(names) == 1, names
+
+
+def test_bench_refuses_the_pytorch_peer_on_emulated_gpus():
+    from conftest import run_cli  # tests/conftest.py
+    r = run_cli(["bench", "--device", "cuda", "--model", "medium", "--batch-sizes", "64", "--steps", "2",
+                 "--compare", "torch"])
+    assert r.returncode == 2 and "PyTorch cannot run on the GPU emulation" in r.stderr, r.stderr
+    assert len([line for line in r.stderr.splitlines() if line.startswith("mgpu: error")]) == 1
+
+
 def test_info_says_the_gpus_are_emulated():
     from conftest import run_cli  # tests/conftest.py
     r = run_cli(["info"])

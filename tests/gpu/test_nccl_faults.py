@@ -64,7 +64,7 @@ def emulated_faults(two_gpus):
     ("1:init:error", r"injected failure \(MGPU_EMULATE_NCCL_FAULT\) on rank 1"),
     # Rank 1's 3rd group never completes (every process alive), or fails asynchronously.
     ("1:3:hang", r"at step \d+ on rank [01] \(GPU \d\): did not complete within 3 s: every rank reached "
-                 r"this step and is responding"),
+                 r"this step and is responding, but the collective is stuck"),
     # (reported by the watchdog's async-error query or by the next NCCL call, whichever sees it first)
     ("1:3:error", r"on rank 1 \(GPU \d\): NCCL reported an (asynchronous )?error: .*injected failure"),
 ])
@@ -76,6 +76,8 @@ def test_an_injected_nccl_fault_ends_the_job_within_the_timeout(emulated_faults,
     assert r.returncode != 0 and elapsed < 60, (r.returncode, elapsed, r.stderr[-2000:])
     assert re.search(said, r.stderr), r.stderr[-2000:]
     assert "Traceback" not in r.stderr
+    if fault.endswith("error"):  # an error NCCL reported is not a stuck collective
+        assert "stuck" not in r.stderr, r.stderr[-2000:]
 
 
 def train_two_threads(layers, steps, errors_per_thread, before_step=lambda rank, step: None, params=None,

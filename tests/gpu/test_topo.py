@@ -40,5 +40,13 @@ def test_topo_on_two_gpus_measures_devices_and_nccl_and_recommend_reads_it(two_g
     assert rec.returncode == 0, rec.stdout + rec.stderr
     answer = json.loads((tmp_path / "rec.json").read_text())
     assert [c["devices"] for c in answer["candidates"]] == [1, 2]
+    assert not any("unequal devices" in line for line in answer["reasons"])  # two of one kind
     assert answer["gpu_emulation"] is EMULATED
-    assert ("GPU EMULATION: this profile was measured on mgpu's GPU emulation" in rec.stdout) is EMULATED
+    assert ("GPU EMULATION: this profile is of mgpu's emulated GPUs" in rec.stdout) is EMULATED
+    # without a calibration: the profile detected from the visible GPUs says so too
+    rec = run_cli(["recommend", "--model", "medium", "--batch", "256", "--json", tmp_path / "detected.json"],
+                  env=mpi_env(XDG_CACHE_HOME=tmp_path / "empty-cache"))
+    assert rec.returncode == 0, rec.stdout + rec.stderr
+    detected = json.loads((tmp_path / "detected.json").read_text())
+    assert detected["profile_source"] == "detected" and detected["gpu_emulation"] is EMULATED
+    assert ("GPU EMULATION" in rec.stdout) is EMULATED

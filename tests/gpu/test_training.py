@@ -4,6 +4,8 @@ steps, with dropout and gradient accumulation; bf16 and fp16 (dynamic loss
 scaling) train digits; 1000 steps allocate no device memory; a step replayed
 from a CUDA graph gives the bits of the uncaptured step (and so does the CPU's
 reference capture, tested everywhere)."""
+import math
+
 import numpy as np
 import pytest
 
@@ -98,6 +100,59 @@ def test_fp16_with_dynamic_loss_scaling_trains_digits(gpu):
     assert sum(applied) > 0.9 * len(applied)
     assert step.loss_scale < 2.0 ** 24
     assert accuracy >= 0.93, accuracy
+
+
+def fp16_trainer(**kwargs):
+    from mgpu import MLP, Trainer
+    model = MLP([10, 32, 1], seed=0, device="cuda", precision="fp16")
+    return Trainer(model, lr=1e-5, **kwargs)
+
+
+def test_fp16_overflows_while_the_scale_comes_down_are_not_bad_steps(gpu, capfd):
+    # Targets near 1000: at the starting scale 2^16 the gradients overflow fp16 for the
+    # first steps. Dynamic loss scaling skips them and halves the scale; they used to
+    # count as non-finite steps, and the default 3 of them stopped the run.
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((64, 10)).astype(np.float32)
+    y = (1000 + rng.standard_normal((64, 1))).astype(np.float32)
+    trainer = fp16_trainer()
+    assert trainer.dynamic_loss_scale and trainer.max_bad_steps == 3
+    applied = []
+    for _ in range(20):
+        trainer.step(x, y)
+        applied.append(trainer.last_result.applied)
+    assert applied[:3] == [False] * 3 and all(applied[-5:]), applied
+    assert trainer.bad_steps == 0 and trainer.last_result.loss_scale < 2.0 ** 16
+    err = capfd.readouterr().err
+    assert err.count("gradients overflowed fp16 at loss scale 65536") == 1 and "non-finite" not in err
+    # a non-finite loss is a bad step whatever the scale
+    trainer.step(x, np.full_like(y, np.inf))
+    assert not math.isfinite(trainer.last_result.loss) and trainer.bad_steps == 1
+
+
+def test_resuming_keeps_the_loss_scale_only_between_dynamically_scaled_runs(gpu, tmp_path):
+    from mgpu import MLP, Trainer
+    from mgpu.checkpoint import save_checkpoint
+    compat = {"layers": [10, 32, 1]}
+    fp32 = Trainer(MLP([10, 32, 1], seed=0), lr=1e-3)
+    arrays, meta = fp32.state(compat)
+    assert meta["state"]["loss_scale"] == 1.0 and meta["state"]["dynamic_loss_scale"] is False
+    path = save_checkpoint(str(tmp_path), 0, arrays, meta, 2)
+    fp16 = fp16_trainer()
+    fp16.load_checkpoint(path, compat)
+    assert fp16._step.loss_scale == 2.0 ** 16   # not fp32's 1.0: fp16 gradients would underflow
+    # a dynamically scaled checkpoint continues at its scale (older ones, without the flag, too)
+    for flag in (True, None):
+        fp16._step.loss_scale = 512.0
+        arrays, meta = fp16.state(compat)
+        if flag is None:
+            del meta["state"]["dynamic_loss_scale"]
+        path = save_checkpoint(str(tmp_path), 1, arrays, meta, 2)
+        again = fp16_trainer()
+        again.load_checkpoint(path, compat)
+        assert again._step.loss_scale == 512.0
+        fp32.load_checkpoint(path, compat)
+        assert fp32._step.loss_scale == 1.0   # an fp32 run keeps its own
 
 
 def test_no_device_memory_growth_over_1000_steps(gpu):

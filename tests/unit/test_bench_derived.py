@@ -55,3 +55,13 @@ def test_ranks_and_threads_together_scale_by_both():
     two_by_two = next(r for r in rows if (r["ranks"], r["threads"]) == (2, 2))
     assert two_by_two["speedup"] == pytest.approx(12 / 3.4)
     assert two_by_two["efficiency"] == pytest.approx(12 / 3.4 / 4)
+
+
+def test_a_failed_peer_is_reported_by_its_exception_not_by_mpiruns_banner():
+    from mgpu.bench import peer_error
+    banner = ("-" * 74 + "\nPrimary job  terminated normally, but 1 process returned\na non-zero exit code. "
+              "Per user-direction, the job has been aborted.\n" + "-" * 74 + "\n")
+    raised = "Traceback (most recent call last):\n  File \"peer.py\", line 3\nRuntimeError: no NCCL built in\n"
+    assert peer_error(raised + banner) == "RuntimeError: no NCCL built in"
+    assert peer_error("peer: cannot bind port 29500\n" + banner) == "peer: cannot bind port 29500"
+    assert peer_error("") == "(no error output)"
