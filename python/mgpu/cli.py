@@ -413,7 +413,9 @@ def cmd_train(a, pg) -> int:
     policy = (CheckpointPolicy(cfg.checkpoint_dir, cfg.checkpoint_every, cfg.keep_checkpoints)
               if cfg.checkpoint_dir else None)
     say = print if pg.is_root else (lambda *x, **k: None)
-    per_rank = ", ".join(str(c) for c in split_counts(cfg.batch_size, pg.size, a.batch_shares))
+    # a batch larger than the dataset: a step takes every sample, in its micro-batches
+    micro_rows = min(cfg.batch_size, max(1, len(data.x_train) // cfg.accumulate))
+    per_rank = ", ".join(str(c) for c in split_counts(micro_rows, pg.size, a.batch_shares))
     accum = f" x {cfg.accumulate} accumulated" if cfg.accumulate > 1 else ""
     on = f"{device}, {cfg.precision}, {trainer.communicator_kind} allreduce" if device == "cuda" else device
     if cfg.grad_dtype != "fp32":

@@ -629,6 +629,11 @@ def _us_or_not_measured(seconds) -> str:
     return f"{seconds * 1e6:.2f} us" if seconds else "not measured"
 
 
+def _bandwidth(bytes_per_s: float) -> str:
+    """GB/s with a decimal, or MB/s below 1 GB/s (an emulated GPU's read 0.0 GB/s)."""
+    return f"{bytes_per_s / 1e9:.1f} GB/s" if bytes_per_s >= 1e9 else f"{bytes_per_s / 1e6:.1f} MB/s"
+
+
 def _probe_text(d: dict) -> str:
     if "probe_step_s" not in d:  # a profile from before the probe's work was taken out
         return ""
@@ -640,7 +645,7 @@ def format_topo(profile: dict) -> str:
     for d in profile["devices"]:
         fp = ", ".join(f"{p} {d[p]['peak_flops'] / 1e9:,.0f} GFLOP/s" for p in PRECISIONS if p in d)
         lines.append(f"  rank {d['rank']} on {d['host']}: {d['name']}; GEMM peak {fp}; "
-                     f"memory bw {d['memory_bandwidth'] / 1e9:.1f} GB/s; kernel overhead "
+                     f"memory bw {_bandwidth(d['memory_bandwidth'])}; kernel overhead "
                      f"{d['launch_overhead_s'] * 1e6:.2f} us (as a graph node "
                      f"{_us_or_not_measured(d.get('graph_node_s'))}); step overhead {d['step_overhead_s'] * 1e6:.1f} us"
                      f"{_probe_text(d)}; "
