@@ -114,6 +114,9 @@ DeviceTimes device_times(const std::vector<int>& sizes, int64_t b, const DeviceP
   auto pass = [&](double bytes) { return launched(bytes / d.bandwidth_at(bytes, alone)); };
   const bool half = w.precision == "bf16" || w.precision == "fp16";
   const double eb = half ? 2.0 : 4.0;  // a GEMM operand's bytes (outputs and gradients stay fp32)
+  // An activation's ReLU (and dropout) pass: fp32 read and written, + its half copy written
+  // for the next GEMM with half-precision operands; backward reads one more array.
+  const double act_bytes = half ? 10.0 : 8.0;
   const int layers = static_cast<int>(sizes.size()) - 1;
   DeviceTimes t;
   t.backward_done.assign(layers, 0.0);
@@ -133,10 +136,10 @@ DeviceTimes device_times(const std::vector<int>& sizes, int64_t b, const DeviceP
       m.forward += (measured ? measured->at(measured->forward, R, in, out)
                              : gemm(R, out, in, (out * in + R * in) * eb + 8.0 * R * out) +
                                    pass(4.0 * R * out) /* bias */) +
-                   (l + 1 < layers ? pass(8.0 * R * out) : 0.0) /* relu, dropout */;
+                   (l + 1 < layers ? pass(act_bytes * R * out) : 0.0) /* relu, dropout */;
       if (gpu && half && l == 0) m.forward += pass(6.0 * R * in);  // the input's half copy
     }
-    m.forward += pass(16.0 * R * sizes.back());  // loss and its gradient
+    m.forward += pass(12.0 * R * sizes.back());  // loss and its gradient: prediction and target read, gradient written
     if (gpu) m.forward += L;                     // the loss partials' sum
     if (w.dropout > 0) {
       double hidden = 0;
@@ -153,7 +156,7 @@ DeviceTimes device_times(const std::vector<int>& sizes, int64_t b, const DeviceP
                       (l > 0 ? gemm(R, in, out, (out * in + R * out) * eb + 4.0 * R * in) /* dX */ : 0.0) +
                       (gpu ? (column_sum_launches(R, out) - 1) * L : 0.0);
       if (gpu && half && l == layers - 1) m.backward += pass(6.0 * R * out);  // the loss gradient's half copy
-      if (l > 0) m.backward += pass(12.0 * R * in) /* relu backward */;
+      if (l > 0) m.backward += pass((act_bytes + 4.0) * R * in) /* relu backward */;
       m.done[l] = m.backward;
     }
     return m;

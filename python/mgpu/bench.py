@@ -275,17 +275,22 @@ def torch_python() -> Optional[str]:
     return None
 
 
+# Lines of mpirun's (Open MPI 4's and 5's prterun's) own reports around a failed rank.
+_MPIRUN_LINE = re.compile(r"^(Primary job|mpirun |prterun |Process name:|Exit code:|a non-zero exit|"
+                          r"the job to be terminated|thus causing|Per user-direction|The first process to do so|"
+                          r"We reiterate|\[[\w.-]+:\d+\])")
+
+
 def peer_error(stderr: str) -> str:
-    """The line of a failed peer's stderr that says why: its last exception, else its
-    last line that is not mpirun's own (banners of dashes, its abort notice)."""
+    """The line of a failed peer's stderr that says why: its first exception (the rank
+    that failed first; the others' follow from it), else its first line that is not
+    mpirun's own (banners of dashes, its abort notices)."""
     lines = [line.strip() for line in stderr.splitlines() if line.strip().strip("-")]
     raised = [line for line in lines if re.match(r"^[\w.]+(Error|Exception)\b.*:", line)]
     if raised:
-        return raised[-1]
-    ours = [line for line in lines if not re.match(r"^(Primary job|mpirun |Process name:|Exit code:|a non-zero exit|"
-                                                    r"the job to be terminated|Per user-direction|"
-                                                    r"The first process to do so)", line)]
-    return (ours or lines or ["(no error output)"])[-1]
+        return raised[0]
+    ours = [line for line in lines if not _MPIRUN_LINE.match(line)]
+    return (ours or lines or ["(no error output)"])[0]
 
 
 def run_torch(py: str, ranks: int, sizes, dropout, batch, a, device: str, threads: int) -> dict:
@@ -689,6 +694,9 @@ def cmd_bench(a, pg) -> int:
         profile = perf.resolve_profile(a.profile or "calibrated", max(a.ranks or [pg.size]))
         if profile is None:
             raise ConfigError("--validate-selector needs a calibration: run `python -m mgpu topo` under mpirun first")
+        mismatch = perf.emulation_mismatch(profile, pg.resolve_device(a.device)[0]) if a.validate_selector else None
+        if mismatch:
+            raise ConfigError(f"--validate-selector: {mismatch}")
     if a.compare == "torch" and pg.size > 1:
         raise ConfigError("--compare torch alternates launches of mgpu and PyTorch: run it from one process "
                           "with --ranks N instead of under mpirun")
@@ -875,7 +883,7 @@ def add_parser(sub) -> None:
     b.add_argument("--profile", default=None, help="hardware profile for the floors and predictions")
     b.add_argument("--explain", action="store_true",
                    help="print the analytic cost sheet of the CUDA step (FLOPs, bytes, launches priced on "
-                        "--gpu's published figures) and the floor 6 x params x batch / GEMM rate; runs nothing")
+                        "--gpu's published figures) and the floor 6 x params x rows a GPU / GEMM rate; runs nothing")
     b.add_argument("--gpu", choices=("h100-sxm",), default="h100-sxm", help="the GPU --explain prices on")
     b.add_argument("--observe", action="store_true",
                    help="also time steps with train's --trace, --log-json, --tensorboard and straggler check on, "

@@ -161,11 +161,12 @@ def _bucket_mb_arg(text: str):
 def _calibrated_kind_differs(profile, ranks: int, device: str):
     """Why the calibration does not describe a job on `ranks` devices of kind `device`
     (a CPU calibration says nothing of NCCL on GPUs, nor the reverse), or None."""
+    from .perf import emulation_mismatch
     kinds = sorted({d.get("kind", "cuda") for d in profile["devices"][:ranks]})
     if kinds != [device]:
         return (f"the calibration measured {'/'.join(kinds)} devices, this job runs on {device} "
                 f"(calibrate with `mgpu topo --device {device}` under the job's launcher)")
-    return None
+    return emulation_mismatch(profile, device)
 
 
 def _auto_bucket_mb(cfg, pg, sizes, device: str) -> tuple:
@@ -413,9 +414,10 @@ def cmd_train(a, pg) -> int:
     policy = (CheckpointPolicy(cfg.checkpoint_dir, cfg.checkpoint_every, cfg.keep_checkpoints)
               if cfg.checkpoint_dir else None)
     say = print if pg.is_root else (lambda *x, **k: None)
-    # a batch larger than the dataset: a step takes every sample, in its micro-batches
-    micro_rows = min(cfg.batch_size, max(1, len(data.x_train) // cfg.accumulate))
-    per_rank = ", ".join(str(c) for c in split_counts(micro_rows, pg.size, a.batch_shares))
+    # a batch larger than the dataset: a step takes every sample, split among the ranks
+    whole = cfg.batch_size * cfg.accumulate > len(data.x_train)
+    per_rank = ", ".join(str(c) for c in split_counts(len(data.x_train) if whole else cfg.batch_size, pg.size,
+                                                       a.batch_shares)) + (" per rank a step" if whole else " per rank")
     accum = f" x {cfg.accumulate} accumulated" if cfg.accumulate > 1 else ""
     on = f"{device}, {cfg.precision}, {trainer.communicator_kind} allreduce" if device == "cuda" else device
     if cfg.grad_dtype != "fp32":
@@ -427,7 +429,7 @@ def cmd_train(a, pg) -> int:
     say(f"mgpu {__version__}: {pg.size} rank(s) x {threads} thread(s) on {on}; "
         f"model {'-'.join(map(str, sizes))} ({model.num_params:,} params, {loss}, {cfg.optimizer}); "
         f"{cfg.dataset}: {len(data.x_train)} train / {len(data.x_val)} val; "
-        f"global batch {cfg.batch_size} ({per_rank} per rank){accum}{_whole_dataset_note(cfg, data)}", flush=True)
+        f"global batch {cfg.batch_size} ({per_rank}){accum}{_whole_dataset_note(cfg, data)}", flush=True)
     if resume:
         say(f"resuming from {resume}", flush=True)
 

@@ -5,7 +5,7 @@ csrc/cuda/cuda_backend.cu, kernels/): every GEMM, kernel, copy and host synchron
 with its FLOPs, bytes and launches, priced on a named GPU from published figures: GEMMs
 at cuBLAS's measured rate for their size, other kernels at HBM bandwidth, input copies at
 PCIe bandwidth, launches and synchronisations at measured latencies. It compares the
-predicted step with the floor 6 x params x batch / (best GEMM rate) and names what makes
+predicted step with the floor 6 x params x rows / (fitted peak GEMM rate) and names what makes
 up the difference. Arithmetic only: nothing here runs on a GPU. The counts of launches,
 GEMM calls, host synchronisations and copied bytes are checked against the GPU emulation's
 counters (tests/gpu/test_cost_sheet.py), so the sheet cannot drift from the code.
@@ -329,7 +329,8 @@ def explain(w: Workload, gpu: GpuSpec = H100_SXM) -> Sheet:
     syncs = sum(o.count for o in ops if o.kind == "sync")
     busy = device + gaps
     step = HOST_LOOP_S + max(busy, host) + syncs * gpu.sync_s
-    floor = 6.0 * w.params * w.batch / w.ranks / best_gemm_rate(gpu, w.precision)
+    # rank 0 holds the most rows (a share of the batch, rounded up): the slowest GPU's floor
+    floor = 6.0 * w.params * sum(micro_batches(w.batch, w.ranks, w.accumulate)) / best_gemm_rate(gpu, w.precision)
     c = counts(ops)
     sheet.totals = {"device_ms": device * 1e3, "launch_gaps_ms": gaps * 1e3, "host_issue_ms": host * 1e3,
                     "host_bound": host > busy, "sync_ms": syncs * gpu.sync_s * 1e3,
@@ -337,12 +338,12 @@ def explain(w: Workload, gpu: GpuSpec = H100_SXM) -> Sheet:
                     "step_ms": step * 1e3, "floor_ms": floor * 1e3, "ratio_to_floor": step / floor,
                     "samples_per_s": w.batch / step, **c}
     # What separates the step from the floor, largest first; they add up to step - floor.
-    # The GEMMs' work is below 6 x params x batch (the first layer computes no input
+    # The GEMMs' work is below 6 x params x rows (the first layer computes no input
     # gradient, a bias no product): a negative entry, so that the rest are not understated.
     gemm_ms = sum(v["ms"] for k, v in sheet.rows.items() if k.startswith("GEMM"))
     gemm_at_peak_ms = sum(o.count * o.flops for o in ops if o.kind == "gemm") / best_gemm_rate(gpu, w.precision) * 1e3
     causes = [("GEMM shapes below cuBLAS's best rate (and their fp32 output traffic)", gemm_ms - gemm_at_peak_ms),
-              ("GEMM work below 6 x params x batch: the first layer computes no input gradient, a bias no product",
+              ("GEMM work below 6 x params x rows: the first layer computes no input gradient, a bias no product",
                gemm_at_peak_ms - floor * 1e3)]
     causes += [(f"{k}: " + REMEDIES.get(k, "memory-bound, or the shortest kernel time"), v["ms"])
                for k, v in sheet.rows.items() if not k.startswith("GEMM") and v["ms"] > 0]
@@ -372,7 +373,7 @@ def format_sheet(sheet: Sheet) -> str:
     if w.graph:
         lines.append(f"  the graph replay: {t['in_graph_ms']:.4f} ms of the step ({100 * t['in_graph_ms'] / t['step_ms']:.0f} %)")
     lines.append(f"  predicted step {t['step_ms']:.4f} ms ({t['samples_per_s']:,.0f} samples/s); floor 6 x params "
-                 f"x batch / best {w.precision} GEMM rate = {t['floor_ms']:.4f} ms; step / floor = "
+                 f"x rows a GPU / peak {w.precision} GEMM rate = {t['floor_ms']:.4f} ms; step / floor = "
                  f"{t['ratio_to_floor']:.2f}x")
     lines.append("  gaps to the floor:")
     for g in sheet.gaps:

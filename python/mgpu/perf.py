@@ -80,7 +80,9 @@ _SPEC = {
     "latencies": {"url": GRAPH_NODE_SOURCE,
                   "figure": f"a short kernel in a stream {GPU_LAUNCH_S * 1e6:.1f} us (the larger of a "
                             f"{H100_SXM.launch_s * 1e6:.1f} us enqueue, measured there, and an assumed 2 us kernel + "
-                            f"1 us gap); a step's overhead {GPU_STEP_OVERHEAD_S * 1e6:.0f} us: the "
+                            f"1 us gap; the same source timed 6.3-7.5 us a kernel launched one by one, on a WSL2 "
+                            f"laptop, which this assumes a Linux server's GPU does not pay: topo measures it); "
+                            f"a step's overhead {GPU_STEP_OVERHEAD_S * 1e6:.0f} us: the "
                             f"{H100_SXM.sync_s * 1e6:.0f} us synchronisation measured there and mgpu's "
                             f"{HOST_LOOP_S * 1e6:.0f} us host loop, measured on its CPU backend (as bench --explain)"},
 }
@@ -497,6 +499,28 @@ def training_memory_bytes(layers: Sequence[int], rows: int, *, optimizer: str = 
     return P.training_memory_bytes(_workload(None, layers, None, rows, precision, optimizer, 4.0, dropout), rows)
 
 
+def profile_is_emulated(prof: dict) -> bool:
+    """Whether a profile describes mgpu's emulated GPUs: its flag, or (profiles from before
+    the flag) a device named as the emulation names its GPUs."""
+    if "gpu_emulation" in prof:
+        return bool(prof["gpu_emulation"])
+    return any("mgpu cpu emulation" in str(d.get("name", "")).lower() for d in prof.get("devices") or [])
+
+
+def emulation_mismatch(prof: dict, device: str) -> Optional[str]:
+    """Why a calibration cannot price a job on `device` here as to emulation (measured on
+    emulated GPUs for a real one, or the reverse), or None."""
+    if device != "cuda":
+        return None
+    here = bool(_core.build_info().get("gpu_emulation", False))
+    there = profile_is_emulated(prof)
+    if here == there:
+        return None
+    return (f"the calibration was measured on {'emulated' if there else 'real'} GPUs and this job runs on "
+            f"{'emulated' if here else 'real'} ones (calibrate with `mgpu topo --device cuda` "
+            f"{'under MGPU_EMULATE_GPU' if here else 'without MGPU_EMULATE_GPU'})")
+
+
 def gpu_step_memory(gpu: str, layers: Sequence[int], batch: int, ranks: int, *, optimizer: str, precision: str,
                     dropout: float, accumulate: int = 1) -> dict:
     """What each of `ranks` GPUs of a named type (_GPU_TYPES) holds for a step, as the
@@ -708,7 +732,7 @@ def recommend(*, model: Optional[str] = None, layers: Optional[Sequence[int]] = 
     result["bucket"] = bucket
     result["bucket_mb_used"] = (fastest.bucket_elems if fastest else w.bucket_elems) * 4 / 2 ** 20
     result["sources"] = prof.get("sources", [])
-    result["gpu_emulation"] = bool(prof.get("gpu_emulation", False))
+    result["gpu_emulation"] = profile_is_emulated(prof)
     if result["gpu_emulation"]:  # never mistakable for a real GPU's answer
         result["reasons"].insert(0, "GPU EMULATION: this profile is of mgpu's emulated GPUs (the CPU running its "
                                     "CUDA code), not of real ones; its times are not a GPU's, and neither is this "

@@ -466,13 +466,14 @@ def node_sweeps(pg, backend, max_bytes: int, quick: bool) -> Optional[dict]:
             "intra_allreduce": intra_rows, "inter_allreduce": inter_rows}
 
 
-def _step_seconds(pg, sizes, dropout, batch, device, device_index, threads, steps) -> float:
-    """Median wall time of a training step of an MLP on this process group."""
+def _step_seconds(pg, sizes, dropout, batch, device, device_index, threads, steps, communicator="auto") -> float:
+    """Median wall time of a training step of an MLP on this process group (communicator:
+    the kind the group already uses, where it uses one)."""
     from .data import local_slice
     from .model import MLP
     from .trainer import Trainer
     model = MLP(sizes, seed=0, dropout=dropout, device=device, device_index=device_index, threads=threads)
-    trainer = Trainer(model, lr=1e-3, process_group=pg)
+    trainer = Trainer(model, lr=1e-3, process_group=pg, communicator=communicator)
     part = local_slice(batch, pg.rank, pg.size)
     x = np.zeros((part.stop - part.start, sizes[0]), np.float32)
     y = np.zeros((part.stop - part.start, sizes[-1]), np.float32)
@@ -543,12 +544,12 @@ def measure_dropout_cost(backend, quick: bool) -> float:
     return _median(costs)
 
 
-def measure_step_sync(pg, device: str, device_index: int, threads: int) -> float:
+def measure_step_sync(pg, device: str, device_index: int, threads: int, communicator: str = "auto") -> float:
     """Collective: what a step on this world costs beyond the same step alone (tiny model):
     the collective's latency and the ranks' skew."""
     alone = measure_step_overhead(device, device_index, threads)
     with _timeouts_kept(pg):
-        together = _step_seconds(pg, [8, 8, 8], 0.0, 8 * pg.size, device, device_index, threads, 200)
+        together = _step_seconds(pg, [8, 8, 8], 0.0, 8 * pg.size, device, device_index, threads, 200, communicator)
     return pg.allreduce(max(0.0, together - alone), op="max")
 
 
@@ -580,7 +581,7 @@ def run_topo(pg, *, device: str = "auto", threads=None, max_bytes: int = 256 * M
         link = fit_link(rows, pg.size)
         link.update(name=f"{comm.name} ({pg.size} ranks)", overlaps_compute=(kind == "nccl"),
                     buffer_bytes=64e6 if kind == "nccl" else 0.0,
-                    step_sync_s=measure_step_sync(pg, device, device_index, threads))
+                    step_sync_s=measure_step_sync(pg, device, device_index, threads, kind))
         if kind == "mpi":  # (NCCL between nodes: not measurable here, and not modelled from a sweep)
             levels = node_sweeps(pg, backend, max_bytes, quick)
         if levels is not None and levels["intra"] is not None:

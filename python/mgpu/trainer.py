@@ -212,7 +212,7 @@ class Trainer:
             # the scale (fp16 starts at 2^16, which most models' gradients overflow for a
             # few steps): its own business, not a numerical failure, so not a bad step.
             if self.pg.is_root and not self._scale_note_shown:
-                print(f"mgpu: note: step {self.global_step - 1}: the gradients overflowed fp16 at loss scale "
+                print(f"mgpu: note: step {self.global_step - 1}: the scaled gradients overflowed at loss scale "
                       f"{result.loss_scale:g}; dynamic loss scaling skips such steps and halves the scale "
                       f"until they fit", file=sys.stderr, flush=True)
             self._scale_note_shown = True
@@ -232,8 +232,13 @@ class Trainer:
 
     def _scaler_absorbs(self, result) -> bool:
         """Whether a skipped step is dynamic loss scaling's to absorb: a finite loss whose
-        gradients overflowed at a scale above 1 (at 1 or below they overflow unscaled)."""
-        return self.dynamic_loss_scale and math.isfinite(result.loss) and result.loss_scale > 1.0
+        gradients overflowed at a scale above 1. At 1 or below they overflow unscaled,
+        and that is a bad step, as is one refused with finite gradients (labels out of
+        range, an aborted allreduce). A true blow-up so counts after the scale's halvings
+        down to 1 (16 steps from fp16's 2^16): the price of never stopping on overflows
+        the scale exists to absorb."""
+        return (self.dynamic_loss_scale and math.isfinite(result.loss) and not math.isfinite(result.grad_norm)
+                and result.loss_scale > 1.0)
 
     def drain_trace(self) -> list:
         """The traced spans (TraceSpan) no step has handed over yet, after waiting for the device."""

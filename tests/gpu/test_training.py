@@ -124,7 +124,7 @@ def test_fp16_overflows_while_the_scale_comes_down_are_not_bad_steps(gpu, capfd)
     assert applied[:3] == [False] * 3 and all(applied[-5:]), applied
     assert trainer.bad_steps == 0 and trainer.last_result.loss_scale < 2.0 ** 16
     err = capfd.readouterr().err
-    assert err.count("gradients overflowed fp16 at loss scale 65536") == 1 and "non-finite" not in err
+    assert err.count("scaled gradients overflowed at loss scale 65536") == 1 and "non-finite" not in err
     # a non-finite loss is a bad step whatever the scale
     trainer.step(x, np.full_like(y, np.inf))
     assert not math.isfinite(trainer.last_result.loss) and trainer.bad_steps == 1

@@ -65,3 +65,9 @@ def test_a_failed_peer_is_reported_by_its_exception_not_by_mpiruns_banner():
     assert peer_error(raised + banner) == "RuntimeError: no NCCL built in"
     assert peer_error("peer: cannot bind port 29500\n" + banner) == "peer: cannot bind port 29500"
     assert peer_error("") == "(no error output)"
+    # the rank that failed first, not the one that printed last; Open MPI 5's prterun notice skipped
+    first = "Traceback (most recent call last):\nValueError: bad shape\n"
+    later = "Traceback (most recent call last):\nRuntimeError: peer aborted\n"
+    assert peer_error(first + later + banner) == "ValueError: bad shape"
+    assert peer_error("prterun detected that one or more processes exited with non-zero status,\n"
+                      "thus causing the job to be terminated.\npeer: out of memory\n") == "peer: out of memory"

@@ -224,7 +224,7 @@ def test_a_batch_beyond_the_dataset_says_every_step_takes_the_dataset(tmp_path, 
                      "--no-progress", "--json", str(out)]) == 0
     header = capfd.readouterr().out.splitlines()[0]
     assert "x 1000 accumulated (larger than the 8000 training samples: every step takes all 8000" in header, header
-    assert "global batch 32 (8 per rank)" in header, header   # 8000 / 1000 a micro-batch, not 32
+    assert "global batch 32 (8000 per rank a step)" in header, header   # the whole dataset, not 32
     config = json.loads(out.read_text())["config"]
     assert config["samples_per_step"] == 8000 and config["effective_batch"] == 32000
 
@@ -232,7 +232,7 @@ def test_a_batch_beyond_the_dataset_says_every_step_takes_the_dataset(tmp_path, 
 def test_the_header_splits_the_rows_a_step_takes_when_the_batch_exceeds_the_dataset(tmp_path, capfd):
     assert cli.main(["train", "--layers", "50,16,3", "--steps", "1", "--batch-size", "20000", "--no-progress"]) == 0
     header = capfd.readouterr().out.splitlines()[0]
-    assert "global batch 20000 (8000 per rank) (larger than the 8000 training samples" in header, header
+    assert "global batch 20000 (8000 per rank a step) (larger than the 8000 training samples" in header, header
 
 
 def test_list_profiles_writes_the_list_as_json_too(tmp_path, capfd):

@@ -134,7 +134,7 @@ def test_bench_explain_prints_and_writes_the_sheet_without_running(tmp_path):
     r = run_cli("--explain", "--model", "xl", "--precision", "bf16", "--batch-sizes", "1024,2048", "--json", str(out))
     assert r.returncode == 0, r.stderr
     assert r.stdout.count("cost sheet: layers 4096,8192") == 2 and "nothing was run" in r.stdout
-    assert "floor 6 x params x batch" in r.stdout and "sources:" in r.stdout
+    assert "floor 6 x params x rows a GPU" in r.stdout and "sources:" in r.stdout
     sheets = json.loads(out.read_text())["cost_sheets"]
     assert [s["workload"]["batch"] for s in sheets] == [1024, 2048]
     assert all(not s["workload"]["cuda_graph"] for s in sheets)   # xl is above the auto graph limit
@@ -207,14 +207,20 @@ def test_the_sheets_columns_stay_apart_for_huge_models():
     assert rows and len(rows[0]) == 2 + 5, rows  # name (two words) + launches, GEMMs, GFLOP, MB, ms
 
 
-@pytest.mark.parametrize("model", ["medium", "large", "xl"])
-def test_recommend_and_the_sheet_price_one_gpus_step_alike(model):
+@pytest.mark.parametrize("model, bound", [("medium", 0.15), ("large", 0.15), ("xl", 0.15),
+                                          # all launches: the selector adds a graph's launches to the step,
+                                          # the sheet overlaps them with the previous replay (15.0 % at 8 rows)
+                                          ("8,8,8", 0.2)])
+def test_recommend_and_the_sheet_price_one_gpus_step_alike(model, bound):
     # `recommend --profile h100-sxm-8` and `bench --explain` price the same step from the
     # same figures (GEMM fits, HBM, launches, the host loop and the verdict's sync): they
     # disagreed by 2x on small models while the selector assumed a 100 us step overhead.
     from mgpu import config, perf
-    p = config.PRESETS[model]
-    sizes = [p.in_features or 50, *p.hidden, p.out_features or 3]
+    if model in config.PRESETS:
+        p = config.PRESETS[model]
+        sizes = [p.in_features or 50, *p.hidden, p.out_features or 3]
+    else:
+        sizes = [int(n) for n in model.split(",")]
     errors = []
     for batch in (8, 64, 1024, 4096):
         for precision in ("fp32", "tf32", "bf16"):
@@ -226,4 +232,4 @@ def test_recommend_and_the_sheet_price_one_gpus_step_alike(model):
                     sheet = cs.explain(cs.Workload(sizes=sizes, batch=batch, precision=precision, optimizer=optimizer,
                                                    graph=graph == "on", accumulate=accumulate))
                     errors.append(r["candidates"][0]["predicted_step_ms"] / sheet.totals["step_ms"] - 1)
-    assert max(map(abs, errors)) <= 0.15, errors
+    assert max(map(abs, errors)) <= bound, errors
