@@ -356,6 +356,8 @@ def cmd_train(a, pg) -> int:
             raise DataError(f"loss cross_entropy needs integer class labels, but dataset '{cfg.dataset}' has float targets")
         if loss == "mse" and data.num_classes is not None:
             raise DataError(f"loss mse needs float targets, but dataset '{cfg.dataset}' has class labels")
+        if cfg.precision == "fp16" and device == "cuda":
+            _check_fp16_inputs(data)
         sizes = cfg.layer_sizes(data.in_features, data.out_features)
         if a.batch_shares == "auto":  # the model as built for this dataset
             a.batch_shares = _auto_batch_shares(cfg, pg, sizes, device)
@@ -505,6 +507,18 @@ def cmd_train(a, pg) -> int:
     pg.barrier()
     pg.close()  # the collective end of the communicator (NCCL: finalize, destroy)
     return 0
+
+
+FP16_MAX = 65504.0  # the largest finite fp16 value
+
+
+def _check_fp16_inputs(data) -> None:
+    """fp16 GEMMs take the inputs cast to fp16: a feature beyond its range becomes inf,
+    and every step's gradients NaN, which loss scaling cannot help (refused up front)."""
+    peak = max(float(abs(x).max(initial=0.0)) for x in (data.x_train, data.x_val))
+    if peak > FP16_MAX:
+        raise DataError(f"--precision fp16: the inputs reach {peak:g}, beyond fp16's largest value {FP16_MAX:g} "
+                        "(they would become inf): scale them, or use --precision bf16")
 
 
 def _whole_dataset_note(cfg, data) -> str:

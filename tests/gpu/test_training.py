@@ -130,6 +130,25 @@ def test_fp16_overflows_while_the_scale_comes_down_are_not_bad_steps(gpu, capfd)
     assert not math.isfinite(trainer.last_result.loss) and trainer.bad_steps == 1
 
 
+def test_fp16_training_refuses_inputs_beyond_fp16s_range(gpu, tmp_path):
+    # cast to fp16 they become inf: every step's gradients NaN, which no loss scale helps
+    import subprocess
+    import sys
+    from conftest import mpi_env  # tests/conftest.py
+    data = tmp_path / "big.npz"
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((256, 10)).astype(np.float32)
+    x[7, 3] = 1e6
+    np.savez(data, x=x, y=rng.standard_normal((256, 1)).astype(np.float32))
+    args = [sys.executable, "-m", "mgpu", "train", "--device", "cuda", "--dataset", str(data), "--layers", "10,8,1",
+            "--batch-size", "32", "--steps", "2", "--no-progress"]
+    r = subprocess.run([*args, "--precision", "fp16"], capture_output=True, text=True, timeout=300, env=mpi_env())
+    assert r.returncode == 2 and "the inputs reach 1e+06, beyond fp16's largest value 65504" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    r = subprocess.run([*args, "--precision", "bf16"], capture_output=True, text=True, timeout=300, env=mpi_env())
+    assert r.returncode == 0, r.stderr   # bf16 holds them
+
+
 def test_resuming_keeps_the_loss_scale_only_between_dynamically_scaled_runs(gpu, tmp_path):
     from mgpu import MLP, Trainer
     from mgpu.checkpoint import save_checkpoint
