@@ -689,12 +689,14 @@ def cmd_bench(a, pg) -> int:
         if pg.is_root:
             write_json_atomic(a.worker_out, rows)
         return 0
+    # the device this run measures, where a check needs it (resolving it may refuse the run)
+    device = pg.resolve_device(a.device)[0] if a.validate_selector or a.compare == "torch" else None
     profile = None
     if a.validate_selector or a.profile:
         profile = perf.resolve_profile(a.profile or "calibrated", max(a.ranks or [pg.size]))
         if profile is None:
             raise ConfigError("--validate-selector needs a calibration: run `python -m mgpu topo` under mpirun first")
-        mismatch = perf.emulation_mismatch(profile, pg.resolve_device(a.device)[0]) if a.validate_selector else None
+        mismatch = perf.emulation_mismatch(profile, device) if a.validate_selector else None
         if mismatch:
             raise ConfigError(f"--validate-selector: {mismatch}")
     if a.compare == "torch" and pg.size > 1:
@@ -702,7 +704,7 @@ def cmd_bench(a, pg) -> int:
                           "with --ranks N instead of under mpirun")
     py = None
     if a.compare == "torch":
-        if pg.resolve_device(a.device)[0] == "cuda" and _core.build_info().get("gpu_emulation", False):
+        if device == "cuda" and _core.build_info().get("gpu_emulation", False):
             raise ConfigError("--compare torch: PyTorch cannot run on the GPU emulation's GPUs (the CPU running "
                               "mgpu's CUDA code); compare on real GPUs, or on the CPU with --device cpu")
         py = torch_python()

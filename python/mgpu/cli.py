@@ -417,7 +417,7 @@ def cmd_train(a, pg) -> int:
               if cfg.checkpoint_dir else None)
     say = print if pg.is_root else (lambda *x, **k: None)
     # a batch larger than the dataset: a step takes every sample, split among the ranks
-    whole = cfg.batch_size * cfg.accumulate > len(data.x_train)
+    whole = _samples_per_step(cfg, data) < cfg.batch_size * cfg.accumulate
     per_rank = ", ".join(str(c) for c in split_counts(len(data.x_train) if whole else cfg.batch_size, pg.size,
                                                        a.batch_shares)) + (" per rank a step" if whole else " per rank")
     accum = f" x {cfg.accumulate} accumulated" if cfg.accumulate > 1 else ""
@@ -473,7 +473,7 @@ def cmd_train(a, pg) -> int:
         "grad_dtype": cfg.grad_dtype,
         "config": {**cfg.to_dict(), "loss": loss, "layers": sizes, "dropout": cfg.effective_dropout(),
                    "batch_shares": a.batch_shares, "effective_batch": cfg.batch_size * cfg.accumulate,
-                   "samples_per_step": min(cfg.batch_size * cfg.accumulate, len(data.x_train))},
+                   "samples_per_step": _samples_per_step(cfg, data)},
         "model": {"layers": sizes, "params": model.num_params},
         "dataset": {"name": cfg.dataset, "train": len(data.x_train), "val": len(data.x_val),
                     "task": data.task},
@@ -521,11 +521,17 @@ def _check_fp16_inputs(data) -> None:
                         "(they would become inf): scale them, or use --precision bf16")
 
 
+def _samples_per_step(cfg, data) -> int:
+    """The samples a step takes: the batch x the micro-batches, or the whole training set
+    where that is smaller."""
+    return min(cfg.batch_size * cfg.accumulate, len(data.x_train))
+
+
 def _whole_dataset_note(cfg, data) -> str:
     """The header's word that a step takes every training sample, where the batch (x the
     micro-batches) is larger than the dataset: the step is the dataset, not the batch."""
-    effective, n = cfg.batch_size * cfg.accumulate, len(data.x_train)
-    if effective <= n:
+    n = len(data.x_train)
+    if _samples_per_step(cfg, data) == cfg.batch_size * cfg.accumulate:
         return ""
     per_micro = f", micro-batches of about {max(1, n // cfg.accumulate)}" if cfg.accumulate > 1 else ""
     return f" (larger than the {n} training samples: every step takes all {n}{per_micro})"

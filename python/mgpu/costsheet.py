@@ -3,8 +3,10 @@
 Lists what the CUDA backend issues in one steady-state step (csrc/core/train_step.cpp,
 csrc/cuda/cuda_backend.cu, kernels/): every GEMM, kernel, copy and host synchronisation,
 with its FLOPs, bytes and launches, priced on a named GPU from published figures: GEMMs
-at cuBLAS's measured rate for their size, other kernels at HBM bandwidth, input copies at
-PCIe bandwidth, launches and synchronisations at measured latencies. It compares the
+on the curve the selector fits to published GEMM tables (gemm_fit), other kernels at the
+measured HBM bandwidth, input copies at the measured host-to-device rate, launches and
+synchronisations at measured latencies (and the assumptions each figure names); the
+selector's named GPU profiles take the same figures. It compares the
 predicted step with the floor 6 x params x rows / (fitted peak GEMM rate) and names what makes
 up the difference. Arithmetic only: nothing here runs on a GPU. The counts of launches,
 GEMM calls, host synchronisations and copied bytes are checked against the GPU emulation's
