@@ -193,8 +193,12 @@ DeviceTimes device_times(const std::vector<int>& sizes, int64_t b, const DeviceP
   }
   // A measured update is fp32's: with half-precision GEMMs its kernel also writes the weights' half copy.
   if (half && t.measured) t.optimizer += 2.0 * P / d.bandwidth_at(2.0 * P, alone);
-  // Compressed gradients: narrowed, then the sum widened, outside any graph.
-  if (w.grad_dtype != "fp32") t.optimizer += 2.0 * (6.0 * P / d.bandwidth_at(6.0 * P, alone) + d.launch_overhead_s);
+  // Compressed gradients: narrowed, then the sum widened, each a kernel launched
+  // outside any graph (fp32 read and half written, or the reverse: 6 B a parameter).
+  if (w.grad_dtype != "fp32") {
+    const double cast = 6.0 * P / d.bandwidth_at(6.0 * P, alone);
+    t.optimizer += 2.0 * (gpu ? std::max(cast, d.launch_overhead_s) : cast + d.launch_overhead_s);
+  }
   t.overhead = step_overhead;
   // Graphs: an argument update and a launch each: the forward/backward graph, and
   // the update's own after the allreduce on several devices or with compressed

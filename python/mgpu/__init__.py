@@ -20,6 +20,14 @@ if _EMULATED:
                           "libboost-context-dev and MPI") from None
     _sys.modules[__name__ + "._core"] = _core
 from ._core import __version__, build_info
+
+
+def gpus_emulated(device: str = "cuda") -> bool:
+    """Whether `device`'s GPUs are mgpu's emulation (the CPU running the CUDA code):
+    everything that shows a GPU, its speed or a calibration of it says so."""
+    return device == "cuda" and bool(build_info().get("gpu_emulation", False))
+
+
 from .errors import CommError, ConfigError, DataError, DeviceError, MgpuError, NumericsError
 from .process_group import ProcessGroup
 from .thread_group import ThreadGroup, run_on_gpus
@@ -31,7 +39,7 @@ from .checkpoint import CheckpointError
 from .trainer import CheckpointPolicy, Trainer
 
 __all__ = [
-    "__version__", "build_info", "ProcessGroup", "ThreadGroup", "run_on_gpus", "TrainConfig", "PRESETS", "MLP", "Trainer",
+    "__version__", "build_info", "gpus_emulated", "ProcessGroup", "ThreadGroup", "run_on_gpus", "TrainConfig", "PRESETS", "MLP", "Trainer",
     "CheckpointPolicy", "LRSchedule", "Dataset", "load_dataset", "split_counts", "MgpuError",
     "ConfigError", "DataError", "CheckpointError", "DeviceError", "CommError", "NumericsError",
 ]

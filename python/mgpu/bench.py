@@ -36,7 +36,7 @@ from typing import Optional
 
 import numpy as np
 
-from . import __version__, _core
+from . import __version__, _core, gpus_emulated
 from .atomic import atomic_file
 from .config import GRAD_DTYPES, GRAPH_MODES, PRECISIONS, PRESETS
 from .errors import ConfigError
@@ -148,7 +148,7 @@ def measure(pg, sizes, dropout: float, batch: int, *, optimizer: str, warmup: in
     peak = pg.allreduce(peak, op="max")
     stats = summarize(times)
     counted = (count_emulated_work(model, trainer, pg, data, batch, part.start)
-               if device == "cuda" and _core.build_info().get("gpu_emulation", False) else None)
+               if gpus_emulated(device) else None)
     return {"emulation_counters_per_step": counted, "observe_overhead": overhead,
             "batch_size": batch, "ranks": pg.size, "threads": threads, "device": device,
             "step": stats, "samples_per_sec": batch / stats["median"], "step_seconds": times,
@@ -704,7 +704,7 @@ def cmd_bench(a, pg) -> int:
                           "with --ranks N instead of under mpirun")
     py = None
     if a.compare == "torch":
-        if device == "cuda" and _core.build_info().get("gpu_emulation", False):
+        if gpus_emulated(device):
             raise ConfigError("--compare torch: PyTorch cannot run on the GPU emulation's GPUs (the CPU running "
                               "mgpu's CUDA code); compare on real GPUs, or on the CPU with --device cpu")
         py = torch_python()
@@ -796,7 +796,7 @@ def report(a, pg, rows: list, profile) -> int:
               "optimizer": a.optimizer, "precision": a.precision, "warmup": a.warmup, "steps": a.steps, "repeats": a.repeats,
               "openblas_coretype": os.environ.get("OPENBLAS_CORETYPE"),
               "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "gomp_spincount": os.environ.get("GOMP_SPINCOUNT"),
-              "gpu_emulation": bool(_core.build_info().get("gpu_emulation", False)) and rows[0]["device"] == "cuda",
+              "gpu_emulation": gpus_emulated(rows[0]["device"]),
               "rows": rows}
     if a.validate_selector:
         result["validation"] = validate_selector(rows, profile, a)

@@ -15,7 +15,7 @@ import threading
 import time
 import traceback
 
-from . import __version__, build_info
+from . import __version__, build_info, gpus_emulated
 from .config import COMMS, DEVICES, GRAD_DTYPES, GRAPH_MODES, LOSSES, OPTIMIZERS, PRECISIONS, PRESETS, TrainConfig
 from .cliutil import (EXIT_USAGE, MAX_THREADS, Parser, UsageError, bounded_int, check_output_dir, check_outputs,
                       check_outputs_outside_dirs, float_list, int_list, write_json_atomic, write_line)
@@ -425,7 +425,7 @@ def cmd_train(a, pg) -> int:
     if cfg.grad_dtype != "fp32":
         on += f" of {cfg.grad_dtype} gradients"
     # On the GPU emulation every line that shows a GPU or its speed says so.
-    emulated = device == "cuda" and bool(build_info().get("gpu_emulation", False))
+    emulated = gpus_emulated(device)
     if emulated:
         on = f"EMULATED GPUs (CPU emulation, not real GPUs; speeds are not GPU speeds): {on}"
     say(f"mgpu {__version__}: {pg.size} rank(s) x {threads} thread(s) on {on}; "
@@ -682,7 +682,7 @@ def main(argv=None) -> int:
         args = build_parser().parse_args(argv)
         from .process_group import ProcessGroup
         pg = ProcessGroup()
-        if pg.is_root and build_info().get("gpu_emulation", False) and args.command in ("bench", "topo"):
+        if pg.is_root and gpus_emulated() and args.command in ("bench", "topo"):
             # Their tables are timings: say first that these GPUs are the CPU emulating them
             # (train says it in its header line, stress and info in the device names).
             print(_emulation_banner() + "; their timings are not GPU timings", flush=True)

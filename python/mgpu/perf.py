@@ -23,7 +23,7 @@ import socket
 import time
 from typing import Optional, Sequence
 
-from . import _core, gemm_fit
+from . import _core, gemm_fit, gpus_emulated
 from .atomic import atomic_file
 from .costsheet import GRAPH_NODE_S, GRAPH_NODE_SOURCE, H100_SXM, HOST_LOOP_S
 from .config import GRAD_DTYPES, GRAPH_MODES, PRESETS
@@ -41,6 +41,8 @@ NCCL_BUFFER_BYTES = 64e6  # NCCL's communication buffers per GPU (a profile's bu
 # step alike.
 GPU_LAUNCH_S = H100_SXM.stream_kernel_s
 GPU_STEP_OVERHEAD_S = HOST_LOOP_S + H100_SXM.sync_s
+# topo's step-overhead probe: a training step whose math is next to nothing
+PROBE_LAYERS, PROBE_ROWS = [8, 8, 8], 8
 
 # Device figures. GEMM rates: fitted to published GEMM benchmarks per GPU and
 # precision (gemm_fit, data/gemm_published.json) where a table has them; else the
@@ -280,7 +282,7 @@ def detected_profile(devices: Optional[int] = None) -> Optional[dict]:
                         **{p: _gemm_dict(peak, peak * gemm_fit.TYPICAL_FIXED_S) for p, peak in rates.items()}})
     if devices and devices > len(entries):
         entries += [dict(entries[-1]) for _ in range(devices - len(entries))]
-    emulated = bool(_core.build_info().get("gpu_emulation", False))
+    emulated = gpus_emulated()
     return {"format": PROFILE_FORMAT, "version": PROFILE_VERSION, "source": "detected", "devices": entries,
             "name": f"detected: {socket.gethostname()}" + (" (EMULATED GPUs: the CPU running mgpu's CUDA code)"
                                                            if emulated else ""),
@@ -327,6 +329,12 @@ def load_profile(path: str) -> dict:
         raise
     except (AttributeError, TypeError, ValueError, KeyError, IndexError) as e:  # a field of the wrong shape
         raise ConfigError(f"hardware profile '{path}' is malformed ({type(e).__name__}: {e})") from None
+    entries = profile["devices"]
+    if profile.get("source") == "calibrated" and all(isinstance(e.get("step_overhead_s"), (int, float)) and
+                                                     "probe_step_s" not in e for e in entries):
+        # calibrated before topo took the probe's own work out of its step: the model
+        # would price that work twice in every step (on a GPU, most of the probe)
+        net_step_overheads(profile)
     return profile
 
 
@@ -492,6 +500,21 @@ def _workload(model: Optional[str], layers: Optional[Sequence[int]], params: Opt
 MEMORY_MARGIN = 0.8  # the fraction of a device's memory a recommendation plans to use
 
 
+def net_step_overheads(profile: dict) -> None:
+    """Each device's step overhead as the model adds it to a step: topo's probe step
+    (PROBE_LAYERS at PROBE_ROWS) less the model's price of the probe's own work, which
+    every predicted step prices already (on a CPU 3 of 8 us; on a GPU the probe's
+    launches and kernels, most of it). The probe's time stays beside it as probe_step_s
+    (and is what a second call starts from)."""
+    w = _workload(None, PROBE_LAYERS, None, PROBE_ROWS, "fp32", "sgd", 4.0, 0.0, "fp32", "auto", 1)
+    for e in profile["devices"]:
+        e["probe_step_s"] = e.get("probe_step_s", e["step_overhead_s"])
+        alone = {**profile, "devices": [{**e, "step_overhead_s": 0.0}], "step_overhead_s": 0.0}
+        priced = P.predict(w, to_core(alone, 1), 1, P.Options()).step_s
+        e["step_overhead_s"] = max(0.0, e["probe_step_s"] - priced)
+    profile["step_overhead_s"] = max(e["step_overhead_s"] for e in profile["devices"])
+
+
 def training_memory_bytes(layers: Sequence[int], rows: int, *, optimizer: str = "adamw", precision: str = "fp32",
                           dropout: float = 0.0) -> float:
     """Bytes one rank holds to train `layers` on `rows` samples a step: weights, gradients,
@@ -512,7 +535,7 @@ def emulation_mismatch(prof: dict, device: str) -> Optional[str]:
     emulated GPUs for a real one, or the reverse), or None."""
     if device != "cuda":
         return None
-    here = bool(_core.build_info().get("gpu_emulation", False))
+    here = gpus_emulated()
     there = profile_is_emulated(prof)
     if here == there:
         return None

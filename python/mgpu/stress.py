@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
-from . import _core
+from . import _core, gpus_emulated
 from .cliutil import INT32_MAX, MAX_THREADS, bounded_int, write_line
 from .errors import ConfigError
 from .process_group import available_memory
@@ -46,7 +46,7 @@ EMULATION_DEFAULTS = {"duration": 10.0, "compute_size": 1 << 14, "gemm_size": 64
 
 def resolve_defaults(a, device: str) -> list:
     """Fill the options left unset (None); returns those given emulation defaults."""
-    emulated = device == "cuda" and bool(_core.build_info().get("gpu_emulation", False))
+    emulated = gpus_emulated(device)
     memory_given = a.memory_mb is not None or a.memory_fraction is not None
     scaled = []
     for name in ("duration", "compute_size", "gemm_size"):

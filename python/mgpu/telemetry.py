@@ -19,7 +19,7 @@ import threading
 import time
 from typing import Callable, Optional
 
-from . import _core
+from . import gpus_emulated
 from .errors import ConfigError
 
 METRICS = ("temperature_c", "power_w", "power_limit_w", "utilization_pct", "sm_clock_mhz", "mem_clock_mhz",
@@ -115,7 +115,7 @@ def _smi_reader(index: int) -> Optional[Callable[[], dict]]:
 
 def reader_for(device: str, index: int = 0) -> tuple:
     """(source name, function returning one reading) for a device."""
-    if device == "cuda" and _core.build_info().get("gpu_emulation", False):
+    if gpus_emulated(device):
         # The emulated GPU is this CPU: its readings, under a name that says so.
         return "emulated GPU: host CPU readings (/proc)", cpu_reading
     if device == "cuda":

@@ -28,9 +28,10 @@ from typing import Optional
 
 import numpy as np
 
-from . import __version__, _core
+from . import __version__, _core, gpus_emulated
 from .errors import ConfigError, DeviceError
-from .perf import PRECISIONS, PROFILE_FORMAT, PROFILE_VERSION, default_profile_path, save_profile
+from .perf import (PRECISIONS, PROBE_LAYERS, PROBE_ROWS, PROFILE_FORMAT, PROFILE_VERSION, default_profile_path,
+                   net_step_overheads, save_profile)
 from .telemetry import host_meminfo
 
 GEMM_SIZES = (32, 64, 128, 256, 512, 1024, 2048)
@@ -495,7 +496,6 @@ def _self_group():
 
 
 EMULATED_NAME = ", EMULATED: the CPU running mgpu's CUDA code"  # a profile of the GPU emulation says so in its name
-PROBE_LAYERS, PROBE_ROWS = [8, 8, 8], 8   # the step-overhead probe: a step whose math is next to nothing
 
 
 def measure_step_overhead(device: str, device_index: int, threads: int) -> float:
@@ -503,22 +503,6 @@ def measure_step_overhead(device: str, device_index: int, threads: int) -> float
     bookkeeping, and the probe's own GEMMs, kernels and update (net_step_overheads
     takes those out)."""
     return _step_seconds(_self_group(), PROBE_LAYERS, 0.0, PROBE_ROWS, device, device_index, threads, 200)
-
-
-def net_step_overheads(profile: dict) -> None:
-    """Each device's step overhead as the model adds it to a step: the probe's measured
-    step less the model's price of the probe's own work, which every predicted step
-    prices already (on a CPU 3 of 8 us; on a GPU the probe's launches and kernels, most
-    of it). The probe's time stays beside it as probe_step_s (and is what a second call
-    starts from)."""
-    from . import perf
-    w = perf._workload(None, PROBE_LAYERS, None, PROBE_ROWS, "fp32", "sgd", 4.0, 0.0, "fp32", "auto", 1)
-    for e in profile["devices"]:
-        e["probe_step_s"] = e.get("probe_step_s", e["step_overhead_s"])
-        alone = {**profile, "devices": [{**e, "step_overhead_s": 0.0}], "step_overhead_s": 0.0}
-        priced = perf.P.predict(w, perf.to_core(alone, 1), 1, perf.P.Options()).step_s
-        e["step_overhead_s"] = max(0.0, e["probe_step_s"] - priced)
-    profile["step_overhead_s"] = max(e["step_overhead_s"] for e in profile["devices"])
 
 
 DROPOUT_WIDTHS = (64, 256, 1024)  # hidden widths the dropout cost is taken at (it varies ~25 % across them)
@@ -594,7 +578,7 @@ def run_topo(pg, *, device: str = "auto", threads=None, max_bytes: int = 256 * M
     if link is None:  # one rank: nothing to measure; the named CPU link stands in
         link = {"name": "not measured (1 rank): run `mpirun -np N python -m mgpu topo`", "alpha_s": 5e-6,
                 "bus_bandwidth": 5e9, "overlaps_compute": device == "cuda", "buffer_bytes": 0.0}
-    emulated = device == "cuda" and bool(_core.build_info().get("gpu_emulation", False))
+    emulated = gpus_emulated(device)
     profile = {
         "format": PROFILE_FORMAT, "version": PROFILE_VERSION, "source": "calibrated",
         "name": f"calibrated: {socket.gethostname()} ({pg.size} x {device}{EMULATED_NAME if emulated else ''})",

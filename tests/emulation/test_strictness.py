@@ -4,6 +4,7 @@ kernel and the rule, where a GPU would hang, crash later or silently compute
 garbage."""
 import pytest
 
+import mgpu
 from mgpu import _core
 
 
@@ -86,6 +87,7 @@ def test_a_captured_graph_replays():
 def test_emulated_devices_say_so():
     info = _core.build_info()
     assert info["gpu_emulation"] and info["cuda"]["emulated"]
+    assert mgpu.gpus_emulated("cuda") and not mgpu.gpus_emulated("cpu")  # what every tool asks
     for d in info["cuda"]["devices"]:
         assert "emulat" in d["name"].lower() and "not a real GPU" in d["name"]
 

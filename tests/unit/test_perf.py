@@ -81,6 +81,22 @@ def test_compressed_gradients_halve_the_bandwidth_term_and_add_two_casts():
         perf._workload(None, layers, None, batch, "fp32", "sgd", 4.0, grad_dtype="int8")
 
 
+@pytest.mark.parametrize("kind", ["cuda", "cpu"])
+def test_the_gradients_casts_are_launched_kernels_on_a_gpu_and_calls_on_a_cpu(kind):
+    # each cast (fp32 read, half written, 6 B a parameter) is a kernel launched outside any
+    # graph: on a GPU its work or a launch, whichever is longer (the host enqueues the next
+    # while one runs); a CPU's call is its work and then the call's cost
+    layers, launch = [1024, 1024, 10], 1e-3
+    params = 1024 * 1024 + 1024 + 1024 * 10 + 10
+    for bandwidth in (1e12, 1e8):  # a cast far below a launch, and far above it
+        prof = perf.to_core(profile([device(bandwidth=bandwidth, launch=launch, kind=kind)] * 2))
+        fp32, bf16 = (P.predict(perf._workload(None, layers, None, 64, "fp32", "sgd", 4.0, grad_dtype=g, cuda_graph="off"),
+                                prof, 2, P.Options()) for g in ("fp32", "bf16"))
+        cast = 6.0 * params / bandwidth
+        expected = 2 * (max(cast, launch) if kind == "cuda" else cast + launch)
+        assert bf16.optimizer_s - fp32.optimizer_s == pytest.approx(expected, rel=1e-6)
+
+
 def test_overlap_hides_allreduce_behind_backward():
     args = dict(alpha=1e-5, busbw=2e10)
     overlapped, serial = predict(profile([device()] * 2, overlap=True, **args), 2), predict(
@@ -779,12 +795,11 @@ def test_the_step_overhead_is_the_probes_step_less_its_priced_work(kind):
     # topo's probe (a step of PROBE_LAYERS at PROBE_ROWS) measures its own GEMMs, kernels
     # and update too, which every predicted step prices already: calibrated, the model
     # predicts the probe's step as measured, and no overhead goes below zero.
-    from mgpu import topo
     slow = {**device(flops=1e9, bandwidth=1e9, launch=2e-6, kind=kind), "graph_node_s": 1e-6}
-    w = perf._workload(None, topo.PROBE_LAYERS, None, topo.PROBE_ROWS, "fp32", "sgd", 4.0, 0.0)
+    w = perf._workload(None, perf.PROBE_LAYERS, None, perf.PROBE_ROWS, "fp32", "sgd", 4.0, 0.0)
     for measured in (1e-3, 1e-6):
         prof = profile([{**slow, "step_overhead_s": measured}] * 2, overhead=measured)
-        topo.net_step_overheads(prof)
+        perf.net_step_overheads(prof)
         priced = P.predict(w, perf.to_core(prof), 1, P.Options()).step_s
         for dev in prof["devices"]:
             assert dev["probe_step_s"] == measured
@@ -793,8 +808,27 @@ def test_the_step_overhead_is_the_probes_step_less_its_priced_work(kind):
         else:  # the probe ran faster than its work's price: nothing left over
             assert prof["step_overhead_s"] == 0 and priced > measured
         before = prof["step_overhead_s"]
-        topo.net_step_overheads(prof)  # again: from the probe's time, not from the last result
+        perf.net_step_overheads(prof)  # again: from the probe's time, not from the last result
         assert prof["step_overhead_s"] == before
+
+
+def test_a_calibration_from_before_the_netting_is_netted_on_load(tmp_path):
+    # topo wrote the probe's whole step as the overhead until the probe's priced work was
+    # taken out: loading such a profile nets it (in memory; the file stays as it was)
+    slow = {**device(flops=1e9, bandwidth=1e9, launch=2e-6, kind="cuda"), "step_overhead_s": 1e-3}
+    old = {**profile([slow] * 2, overhead=1e-3), "source": "calibrated"}
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(old))
+    loaded = perf.load_profile(str(path))
+    assert [d["probe_step_s"] for d in loaded["devices"]] == [1e-3, 1e-3]
+    assert 0 < loaded["step_overhead_s"] < 1e-3
+    assert json.loads(path.read_text()) == old
+    again = tmp_path / "new.json"
+    again.write_text(json.dumps(loaded))  # netted already: loading it again changes nothing
+    assert perf.load_profile(str(again)) == loaded
+    named = {**old, "source": "named"}  # published figures carry no probe: left as they are
+    path.write_text(json.dumps(named))
+    assert perf.load_profile(str(path))["step_overhead_s"] == 1e-3
 
 
 def test_half_precision_updates_write_the_weights_half_copy_in_the_same_kernel():
@@ -810,8 +844,8 @@ def test_half_precision_updates_write_the_weights_half_copy_in_the_same_kernel()
 
 
 def test_a_calibration_of_emulated_gpus_is_told_from_a_real_ones():
-    from mgpu import _core
-    here = bool(_core.build_info().get("gpu_emulation", False))
+    here = mgpu.gpus_emulated("cuda")
+    assert not mgpu.gpus_emulated("cpu")
     emulated = {"gpu_emulation": True, "devices": [{"name": "x", "kind": "cuda"}]}
     legacy = {"devices": [{"name": "Emulated GPU 1 (mgpu CPU emulation, not a real GPU)", "kind": "cuda"}]}
     real = {"gpu_emulation": False, "devices": [{"name": "NVIDIA H100 80GB HBM3", "kind": "cuda"}]}
