@@ -286,9 +286,19 @@ def inputs(tmp_path):
     raw = good.read_bytes()
     files["truncated_npz"] = tmp_path / "truncated_data.npz"
     files["truncated_npz"].write_bytes(raw[: len(raw) // 2])
+    for name, bad in (("nullcompat", {"compat": None}), ("emptyhistory", {"history": [{}]}),
+                      ("farbatch", {"state": {**meta["state"], "global_step": 3, "batch_in_epoch": 10 ** 9}})):
+        (tmp_path / name).mkdir()
+        save_checkpoint(str(tmp_path / name), 3, arrays, {**meta, **bad}, keep=1)
+        files[name] = tmp_path / name / "ckpt-000000003.npz"
     (tmp_path / "newer").mkdir()
     files["newer_ckpt"] = tmp_path / "newer" / "ckpt-000000009.npz"
     files["newer_ckpt"].write_bytes(files["other_ckpt"].read_bytes())
+    files["renamed_ckpt"] = tmp_path / "step3.npz"  # a name mgpu did not give: its step is in its metadata
+    files["renamed_ckpt"].write_bytes(files["other_ckpt"].read_bytes())
+    (tmp_path / "lower").mkdir()
+    files["lower_ckpt"] = tmp_path / "lower" / "ckpt-000000001.npz"
+    files["lower_ckpt"].write_bytes(files["other_ckpt"].read_bytes())
     files["fifo"] = tmp_path / "fifo.npz"
     os.mkfifo(files["fifo"])  # opening it would wait for a writer (or reader) forever
     return files
@@ -313,6 +323,20 @@ BAD_INPUT = [
     (lambda f: ["--layers", "4,8,2", "--dataset", f["good"], "--resume"], "needs --checkpoint-dir"),
     (lambda f: ["--layers", "4,8,2", "--dataset", f["good"], "--batch-size", "8", "--resume", f["other_ckpt"],
                 "--checkpoint-dir", f["newer_ckpt"].parent], "holds checkpoints newer than the one resumed"),
+    (lambda f: ["--layers", "4,8,2", "--dataset", f["good"], "--batch-size", "8", "--resume", f["renamed_ckpt"],
+                "--checkpoint-dir", f["newer_ckpt"].parent], r"newer than the one resumed \(step 3\), newest ckpt-0+9"),
+    (lambda f: ["--layers", "4,8,2", "--dataset", f["good"], "--batch-size", "8", "--resume", f["other_ckpt"],
+                "--checkpoint-dir", f["lower_ckpt"].parent], "holds checkpoints other than the one resumed"),
+    (lambda f: ["--layers", "4,8,2", "--dataset", f["good"], "--checkpoint-every", "2"],
+     "--checkpoint-every applies to the checkpoints of --checkpoint-dir"),
+    (lambda f: ["--layers", "4,8,2", "--dataset", f["good"], "--keep-checkpoints", "2"],
+     "--keep-checkpoints applies to the checkpoints of --checkpoint-dir"),
+    (lambda f: ["--layers", "4,8,2", "--dataset", f["good"], "--batch-size", "8", "--resume", f["nullcompat"]],
+     "malformed metadata: compat is None"),
+    (lambda f: ["--layers", "4,8,2", "--dataset", f["good"], "--batch-size", "8", "--resume", f["emptyhistory"]],
+     r"malformed metadata: history\[0\]\.epoch is None"),
+    (lambda f: ["--layers", "4,8,2", "--dataset", f["good"], "--batch-size", "8", "--resume", f["farbatch"]],
+     r"malformed metadata: state.batch_in_epoch is 1000000000, beyond the \d+ steps of an epoch"),
     (lambda f: ["--layers", "4,8,2", "--dataset", f["good"], "--checkpoint-dir", f["good"]], "checkpoint directory"),
     (lambda f: ["--layers", "4,8,2", "--dataset", f["npy_as_npz"]], "not an .npz archive"),
     (lambda f: ["--layers", "4,8,2", "--dataset", f["truncated_npz"]], "cannot read dataset .*BadZipFile"),
@@ -368,6 +392,36 @@ def test_a_setting_bad_on_one_rank_only_ends_every_rank(tmp_path):
     assert "Traceback" not in r.stderr and time.monotonic() - t0 < 60
 
 
+def test_a_resumed_dataset_is_known_by_its_contents_not_its_path(tmp_path):
+    # The same samples under another path (a requeued job started elsewhere) continue the
+    # run; other samples under the same path are refused, and nothing saved is touched.
+    rng = np.random.default_rng(1)
+    data = tmp_path / "d.npz"
+    _npz(data, x=rng.standard_normal((40, 4)), y=rng.standard_normal((40, 2)))
+    ckpt = tmp_path / "ckpt"
+    line = [*MGPU, "train", "--layers", "4,8,2", "--batch-size", "8", "--no-progress", "--checkpoint-dir", ckpt]
+    assert mpirun(2, [*line, "--dataset", data, "--steps", "2"]).returncode == 0
+    copy = tmp_path / "elsewhere" / "same.npz"
+    copy.parent.mkdir()
+    copy.write_bytes(data.read_bytes())
+    moved = mpirun(2, [*line, "--dataset", copy, "--steps", "4", "--resume"])
+    assert moved.returncode == 0 and "resuming from" in moved.stdout, moved.stderr[-2000:]
+    before = {p: open(p, "rb").read() for p in list_checkpoints(str(ckpt))}
+    _npz(data, x=rng.standard_normal((40, 4)), y=rng.standard_normal((40, 2)))  # same path and size, new samples
+    other = mpirun(2, [*line, "--dataset", data, "--steps", "6", "--resume"])
+    assert other.returncode == 2 and other.stderr.count("its dataset held other samples") == 2, other.stderr[-2000:]
+    assert {p: open(p, "rb").read() for p in list_checkpoints(str(ckpt))} == before
+
+
+def test_a_run_that_ends_on_a_skipped_step_says_no_checkpoint_holds_it(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    r = mpirun(2, [*MGPU, "train", "--layers", "50,16,3", "--steps", "2", "--lr", "1e30", "--momentum", "0",
+                   "--no-progress", "--checkpoint-dir", ckpt], timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert len(re.findall(r"no checkpoint of step 2: the last \d step\(s\) were skipped", r.stderr)) == 1, r.stderr
+    assert "none was written" in r.stderr and list_checkpoints(str(ckpt)) == []
+
+
 def test_one_command_line_starts_a_job_and_restarts_it(tmp_path):
     # `--resume` with an empty --checkpoint-dir starts a new run (a requeued job's first
     # launch); the same line then continues it, and without --resume the directory of an
@@ -379,6 +433,7 @@ def test_one_command_line_starts_a_job_and_restarts_it(tmp_path):
     assert [os.path.basename(p) for p in list_checkpoints(str(ckpt))] == ["ckpt-000000004.npz"]
     again = mpirun(2, [*line, "--resume"])
     assert again.returncode == 0 and "resuming from" in again.stdout, again.stderr[-2000:]
+    assert "nothing to train" in again.stderr  # 4 steps done of the 4 asked: said, not silently "done"
     before = {p: open(p, "rb").read() for p in list_checkpoints(str(ckpt))}
     fresh = mpirun(2, line)
     assert fresh.returncode == 2 and fresh.stderr.count("of an earlier run") == 2, fresh.stderr[-2000:]

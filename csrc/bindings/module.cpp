@@ -227,7 +227,9 @@ PYBIND11_MODULE(MGPU_MODULE_NAME, m) {
   m.attr("__version__") = MGPU_VERSION;
 
   auto base = py::register_exception<Error>(m, "MgpuError", PyExc_RuntimeError);
-  py::register_exception<ConfigError>(m, "ConfigError", PyExc_ValueError);
+  // A ValueError (bad input) and an MgpuError both: `except mgpu.MgpuError` catches all mgpu raises.
+  const py::tuple config_bases = py::make_tuple(py::handle(PyExc_ValueError), base);
+  py::register_exception<ConfigError>(m, "ConfigError", config_bases);
   py::register_exception<DeviceError>(m, "DeviceError", base.ptr());
   py::register_exception<CommError>(m, "CommError", base.ptr());
   py::register_exception<NumericsError>(m, "NumericsError", base.ptr());

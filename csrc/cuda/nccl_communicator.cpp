@@ -19,6 +19,13 @@ namespace mgpu {
 
 namespace {
 
+// How errors name a rank's GPU: the emulation's are never mistakable for real ones.
+#ifdef MGPU_GPU_EMULATION
+constexpr const char* kGpuWord = " (emulated GPU ";
+#else
+constexpr const char* kGpuWord = " (GPU ";
+#endif
+
 [[noreturn]] void throw_nccl(ncclResult_t rc, ncclComm_t comm, const char* call, const char* file, int line) {
   const char* last = ncclGetLastError(comm);
   throw CommError(detail::concat(call, " failed: ", ncclGetErrorString(rc),
@@ -270,7 +277,7 @@ struct NcclCommunicator::Impl {
 
   [[noreturn]] void fail(const std::string& what, const std::string& why, bool during_step = true) {
     const std::string where = during_step ? detail::concat(" at step ", step) : std::string();
-    const std::string message = detail::concat(what, where, " on rank ", rank, " (GPU ", device, "): ", why);
+    const std::string message = detail::concat(what, where, " on rank ", rank, kGpuWord, device, "): ", why);
     abort_comm(message);
     throw CommError(message);
   }
@@ -363,7 +370,7 @@ struct NcclCommunicator::Impl {
   }
 
   void watchdog_fail(const std::string& why) {  // m held
-    failure = detail::concat("allreduce at step ", watch_step, " on rank ", rank, " (GPU ", device, "): ", why);
+    failure = detail::concat("allreduce at step ", watch_step, " on rank ", rank, kGpuWord, device, "): ", why);
     watching = false;
     flag_failure();  // before the abort lets the compute stream run on to the step's verdict
     broken = true;

@@ -44,6 +44,20 @@ def step_of(path: str) -> Optional[int]:
     return int(m.group(1)) if m else None
 
 
+def checkpoint_step(path: str) -> Optional[int]:
+    """The step a checkpoint holds, by its metadata (whatever the file's name), or None
+    where that cannot be read (load_checkpoint then says why)."""
+    if not os.path.isfile(path):  # a FIFO would block the read
+        return None
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            meta = json.loads(z["meta"].tobytes().decode())
+        step = meta["state"]["global_step"]
+    except Exception:  # noqa: BLE001 - any unreadable file: the full load reports it
+        return None
+    return step if isinstance(step, int) and not isinstance(step, bool) and step >= 0 else None
+
+
 def _digest(array: np.ndarray) -> str:
     return hashlib.sha256(np.ascontiguousarray(array).tobytes()).hexdigest()
 
@@ -155,7 +169,17 @@ def check_compatible(meta: dict, expected: dict, path: str) -> None:
     """Refuse a checkpoint whose run cannot be continued by this one: each key of
     `expected` (architecture, loss, optimizer, batch, seed, ...) must match."""
     saved = meta.get("compat", {})
+    if not isinstance(saved, dict):
+        raise CheckpointError(f"checkpoint '{path}' has malformed metadata: compat is {saved!r}")
+    # The dataset by its contents where both runs have them (the same file under another
+    # path is the same dataset; another file under the same path is not), else by name.
+    by_contents = "dataset_sha256" in saved and "dataset_sha256" in expected
     for key, value in expected.items():
+        if key == ("dataset" if by_contents else "dataset_sha256"):
+            continue
         if saved.get(key) != value:
+            if key == "dataset_sha256":
+                raise CheckpointError(f"checkpoint '{path}' does not fit this run: its dataset held other samples "
+                                      f"than {expected.get('dataset', 'this one')!r} holds here")
             raise CheckpointError(f"checkpoint '{path}' does not fit this run: {key} is "
                                   f"{saved.get(key)!r} there but {value!r} here")

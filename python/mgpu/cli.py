@@ -25,6 +25,7 @@ from .schedule import SCHEDULES
 from .train_telemetry import output_options
 
 _SHARES = float_list("batch shares")
+RESUME_LATEST = "latest"  # bare --resume (or this word): the newest in --checkpoint-dir; ./latest is a file
 # train's telemetry options, filled in when --telemetry is given (None until then: given
 # without it, they are refused rather than ignored)
 TELEMETRY_DEFAULTS = {"telemetry_interval": 1.0, "max_temp": 85.0, "max_memory_percent": 95.0,
@@ -92,12 +93,13 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--min-lr", type=float, default=0.0, help="cosine schedule: final learning rate")
     c = t.add_argument_group("checkpoints and faults")
     c.add_argument("--checkpoint-dir", metavar="DIR", help="write checkpoints here (rank 0, atomically)")
-    c.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
+    c.add_argument("--checkpoint-every", type=int, metavar="N",
                    help="checkpoint every N steps (default 0: at the end and when stopped by a signal)")
-    c.add_argument("--keep-checkpoints", type=int, default=3, metavar="K", help="newest checkpoints kept")
-    c.add_argument("--resume", nargs="?", const="latest", metavar="PATH",
+    c.add_argument("--keep-checkpoints", type=int, metavar="K", help="newest checkpoints kept (default 3)")
+    c.add_argument("--resume", nargs="?", const=RESUME_LATEST, metavar="PATH",
                    help="continue from a checkpoint: PATH, or the newest in --checkpoint-dir (none there yet: "
-                        "start a new run, so one command line starts a job and restarts it)")
+                        "start a new run, so one command line starts a job and restarts it; a file named "
+                        "'latest': ./latest)")
     c.add_argument("--watchdog-timeout", type=float, default=300.0, metavar="S",
                    help="end the job when a peer has not joined a collective for S seconds (0: wait forever)")
     c.add_argument("--max-bad-steps", type=int, default=3, metavar="N",
@@ -204,8 +206,10 @@ def _config_from_args(a) -> TrainConfig:
                        bucket_mb=a.bucket_mb if isinstance(a.bucket_mb, float) else 4.0, overlap=not a.no_overlap,
                        accumulate=a.accumulate, max_grad_norm=a.max_grad_norm, lr_schedule=a.lr_schedule,
                        warmup_steps=a.warmup_steps, lr_step_size=a.lr_step_size, lr_gamma=a.lr_gamma,
-                       min_lr=a.min_lr, checkpoint_dir=a.checkpoint_dir, checkpoint_every=a.checkpoint_every,
-                       keep_checkpoints=a.keep_checkpoints, watchdog_timeout=a.watchdog_timeout,
+                       min_lr=a.min_lr, checkpoint_dir=a.checkpoint_dir,
+                       checkpoint_every=a.checkpoint_every if a.checkpoint_every is not None else 0,
+                       keep_checkpoints=a.keep_checkpoints if a.keep_checkpoints is not None else 3,
+                       watchdog_timeout=a.watchdog_timeout,
                        max_bad_steps=a.max_bad_steps, precision=a.precision, comm=a.comm,
                        cuda_graph=a.cuda_graph, grad_dtype=a.grad_dtype)
 
@@ -245,8 +249,8 @@ def _refuse_another_runs_checkpoints(directory: str) -> None:
 def _resolve_resume(a, cfg):
     """The checkpoint --resume names: a path, or the newest in --checkpoint-dir (None
     when it holds none yet: the same command line starts a job and restarts it)."""
-    from .checkpoint import CheckpointError, latest_checkpoint, step_of
-    if a.resume == "latest":
+    from .checkpoint import CheckpointError, checkpoint_step, latest_checkpoint, step_of
+    if a.resume == RESUME_LATEST:
         if not cfg.checkpoint_dir:
             raise CheckpointError("--resume without a PATH needs --checkpoint-dir to look in")
         path = latest_checkpoint(cfg.checkpoint_dir)
@@ -254,11 +258,26 @@ def _resolve_resume(a, cfg):
             print(f"mgpu: note: no checkpoint in '{cfg.checkpoint_dir}' yet: starting a new run", flush=True)
         return path
     newest = latest_checkpoint(cfg.checkpoint_dir) if cfg.checkpoint_dir else None
-    if newest is not None and step_of(a.resume) is not None and step_of(newest) > step_of(a.resume):
-        # the rewound run would write steps among the newer ones: two runs in one directory
-        raise CheckpointError(f"--checkpoint-dir '{cfg.checkpoint_dir}' holds checkpoints newer than the one "
-                              f"resumed ({os.path.basename(newest)}): move them away, or give another directory")
+    # (a PATH that is no file, or none: the load says what it is)
+    if newest is not None and os.path.isfile(a.resume) and not _same_file(newest, a.resume):
+        # The resumed run writes ckpt-<step> files there and prunes the oldest: beside
+        # another run's, or a rewound run's among the newer ones it would replace.
+        step = checkpoint_step(a.resume)
+        step = step if step is not None else step_of(a.resume)
+        if step is not None and step < step_of(newest):
+            raise CheckpointError(f"--checkpoint-dir '{cfg.checkpoint_dir}' holds checkpoints newer than the one "
+                                  f"resumed (step {step}), newest {os.path.basename(newest)}: resume that one, move "
+                                  "them away, or give another directory")
+        raise CheckpointError(f"--checkpoint-dir '{cfg.checkpoint_dir}' holds checkpoints other than the one resumed "
+                              f"(newest {os.path.basename(newest)}): give an empty directory, or move them away")
     return a.resume
+
+
+def _same_file(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
 
 
 class _StopOnSignals:
@@ -301,12 +320,15 @@ def _check_outputs(a) -> None:
     _check_telemetry(a)
     if a.telemetry is not None:
         outputs.update(output_options(a.telemetry))
-    check_outputs(outputs, {"--dataset": a.dataset, "--resume": a.resume if a.resume != "latest" else None})
+    check_outputs(outputs, {"--dataset": a.dataset, "--resume": a.resume if a.resume != RESUME_LATEST else None})
     from .checkpoint import CHECKPOINT_NAME
     check_outputs_outside_dirs(outputs, {"--checkpoint-dir": a.checkpoint_dir, "--tensorboard": a.tensorboard},
                                {"--checkpoint-dir": CHECKPOINT_NAME})
     if a.trace_steps is not None and not a.trace:
         raise ConfigError("--trace-steps chooses the steps of --trace: give --trace PATH too")
+    for option, value in (("--checkpoint-every", a.checkpoint_every), ("--keep-checkpoints", a.keep_checkpoints)):
+        if value is not None and not a.checkpoint_dir:
+            raise ConfigError(f"{option} applies to the checkpoints of --checkpoint-dir: give --checkpoint-dir DIR too")
     if a.tensorboard is not None:
         check_output_dir(a.tensorboard, "--tensorboard")
         import_summary_writer()  # optional: say so before training, not after it
@@ -439,8 +461,9 @@ def cmd_train(a, pg) -> int:
         if pg.is_root:
             from tqdm.auto import tqdm
             acc = f"  val_acc {e['val_accuracy']:.4f}" if "val_accuracy" in e else ""
+            on_emulation = " on EMULATED GPUs" if e.get("gpu_emulation") else ""
             tqdm.write(f"epoch {e['epoch']:3d}  train_loss {e['train_loss']:.5f}  val_loss {e['val_loss']:.5f}"
-                       f"{acc}  {e['samples_per_sec']:,.0f} samples/s")
+                       f"{acc}  {e['samples_per_sec']:,.0f} samples/s{on_emulation}")
 
     telemetry = None
     if a.telemetry:
@@ -466,6 +489,8 @@ def cmd_train(a, pg) -> int:
                               progress=not a.no_progress, on_epoch=on_epoch, checkpoint=policy, resume=resume,
                               observer=observer)
     wall = time.perf_counter() - t0
+    # a resumed run's figures hold its earlier epochs' too: emulated where any of them was
+    emulated_figures = emulated or any(e.get("gpu_emulation") for e in history)
     train_seconds = sum(e["seconds"] for e in history)
     samples = sum(e["samples"] for e in history)
     result = {
@@ -480,19 +505,19 @@ def cmd_train(a, pg) -> int:
         "history": history, "steps": trainer.global_step,
         "samples_per_sec": samples / train_seconds if train_seconds > 0 else 0.0,
         "wall_seconds": wall, "resumed_from": resume, "stopped": trainer.stop_reason,
-        "checkpoint": trainer.last_checkpoint, "gpu_emulation": emulated, "stragglers": trainer.stragglers,
+        "checkpoint": trainer.last_checkpoint, "gpu_emulation": emulated_figures, "stragglers": trainer.stragglers,
     }
     if telemetry is not None:
         result["telemetry"] = {"files": observer.telemetry_files, "source": telemetry.source,
                                "events": telemetry.events}
-    if trainer.stop_reason:
+    if trainer.stop_reason and trainer.global_step < trainer.run_end:  # (on the last step: done all the same)
         where = f"; checkpoint {trainer.last_checkpoint} (continue with --resume)" if trainer.last_checkpoint else ""
         say(f"stopped at step {trainer.global_step} ({trainer.stop_reason}){where}")
     elif history:
         final = history[-1]
         acc = f", val accuracy {final['val_accuracy']:.4f}" if "val_accuracy" in final else ""
         say(f"done: {trainer.global_step} steps in {wall:.1f}s, {result['samples_per_sec']:,.0f} samples/s"
-            f"{' on the GPU emulation' if emulated else ''}; final train loss {final['train_loss']:.5f}, val loss {final['val_loss']:.5f}{acc}")
+            f"{_emulation_words(emulated, emulated_figures)}; final train loss {final['train_loss']:.5f}, val loss {final['val_loss']:.5f}{acc}")
     if pg.is_root:
         if a.json:
             write_json_atomic(a.json, result)
@@ -519,6 +544,13 @@ def _check_fp16_inputs(data) -> None:
     if peak > FP16_MAX:
         raise DataError(f"--precision fp16: the inputs reach {peak:g}, beyond fp16's largest value {FP16_MAX:g} "
                         "(they would become inf): scale them, or use --precision bf16")
+
+
+def _emulation_words(emulated: bool, emulated_figures: bool) -> str:
+    """What train's last line says of emulated GPUs: this run's, or earlier epochs' in its figures."""
+    if emulated:
+        return " on the GPU emulation"
+    return " (with epochs run on EMULATED GPUs before the resume)" if emulated_figures else ""
 
 
 def _samples_per_step(cfg, data) -> int:

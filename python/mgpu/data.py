@@ -10,6 +10,7 @@ same model as one.
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import zipfile
 from dataclasses import dataclass
@@ -46,6 +47,16 @@ class Dataset:
     @property
     def default_loss(self) -> str:
         return "cross_entropy" if self.num_classes is not None else "mse"
+
+    def fingerprint(self) -> str:
+        """A SHA-256 of the samples, their shapes and types (what a resumed run must
+        train on again, whatever path names the file)."""
+        h = hashlib.sha256()
+        for a in (self.x_train, self.y_train, self.x_val, self.y_val):
+            a = np.ascontiguousarray(a)
+            h.update(f"{a.dtype.str}{a.shape};".encode())
+            h.update(a)  # its bytes, uncopied (an empty array too)
+        return h.hexdigest()
 
 
 def synthetic_regression(n: int = 10000, in_features: int = 50, out_features: int = 3,

@@ -610,7 +610,8 @@ def check_training_memory(layers: Sequence[int], rows: int, *, optimizer: str, p
     usable = available_memory(device, device_index, local_ranks)
     if need > usable:
         params = _parameter_count(layers)
-        where = "its GPU's free memory" if device == "cuda" else f"this host's available memory over its {local_ranks} rank(s)"
+        where = (f"its {'EMULATED ' if gpus_emulated(device) else ''}GPU's free memory" if device == "cuda" else
+                 f"this host's available memory over its {local_ranks} rank(s)")
         evaluated, buffers = _buffer_rows(rows, eval_rows)
         rows_said = f"{rows} rows" + (f" ({evaluated} when it evaluates" + (
             f"; buffers for {buffers})" if buffers > evaluated else ")") if evaluated > rows else "")

@@ -17,7 +17,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from . import _core
+from . import _core, gpus_emulated
 from .errors import CommError, ConfigError
 from .telemetry import host_meminfo
 
@@ -168,7 +168,8 @@ class ProcessGroup:
             if now > deadline:
                 why = comm.diagnose_stall(2.5 * beat_interval) if comm is not None else "a peer did not arrive"
                 where = f" at step {comm.current_step}" if comm is not None else ""
-                gpu = f" (GPU {self._gpu})" if self._gpu is not None else ""
+                gpu = (f" ({'emulated ' if gpus_emulated() else ''}GPU {self._gpu})"
+                       if self._gpu is not None else "")
                 raise CommError(f"{what}{where} did not complete within {self.timeout:g} s on rank {self.rank}"
                                 f"{gpu}: {why}")
             if now - start > 1e-3:
@@ -363,13 +364,17 @@ def raise_if_gpu_shared(seen: list, ranks: str = "ranks") -> None:
         return
     code = _core.build_info()["cuda"].get("nccl_loaded_code", 0)
     version = _core.build_info()["cuda"].get("nccl_loaded", "?")
+    if gpus_emulated():  # the emulation's NCCL, as strict as the real one it stands for
+        ranks_word, version = f"{ranks} (on EMULATED GPUs)", f"{version} (emulated)"
+    else:
+        ranks_word = ranks
     instead = "use --comm mpi" if ranks == "ranks" else "ask for at most as many GPUs as are visible"
     if code < 23000:
         raise ConfigError(
-            f"{len(seen)} {ranks} share {len(set(seen))} GPU(s), but NCCL {version} allows one rank per "
+            f"{len(seen)} {ranks_word} share {len(set(seen))} GPU(s), but NCCL {version} allows one rank per "
             f"GPU (it fails with 'duplicate GPU'); run at most one {ranks[:-1]} per GPU, {instead}, or use "
             "NCCL >= 2.30 with NCCL_MULTI_RANK_GPU_ENABLE=1")
     if os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE") != "1":
         raise ConfigError(
-            f"{len(seen)} {ranks} share {len(set(seen))} GPU(s): set NCCL_MULTI_RANK_GPU_ENABLE=1 "
+            f"{len(seen)} {ranks_word} share {len(set(seen))} GPU(s): set NCCL_MULTI_RANK_GPU_ENABLE=1 "
             f"(NCCL {version}) to let NCCL run several ranks on one GPU, or {instead}")

@@ -17,7 +17,7 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from . import __version__, _core
+from . import __version__, _core, gpus_emulated
 from .checkpoint import (CheckpointError, check_compatible, load_checkpoint, prepare_directory,
                          save_checkpoint)
 from .config import GRAD_DTYPES, GRAPH_MODES
@@ -45,6 +45,8 @@ class CheckpointPolicy:
 
 _STATE_INTS = ("optimizer_steps", "good_steps", "global_step", "epoch", "batch_in_epoch", "epoch_samples", "bad_steps")
 _STATE_FLOATS = ("loss_scale", "epoch_loss_sum", "epoch_seconds")
+_HISTORY_COUNTS = ("epoch", "steps", "samples")
+_HISTORY_NUMBERS = _HISTORY_COUNTS + ("train_loss", "val_loss", "seconds", "samples_per_sec", "val_accuracy")
 
 
 def _resume_state(meta: dict, path: str) -> dict:
@@ -54,6 +56,14 @@ def _resume_state(meta: dict, path: str) -> dict:
     s, history = meta.get("state"), meta.get("history", [])
     if not isinstance(s, dict) or not isinstance(history, list) or not all(isinstance(h, dict) for h in history):
         raise CheckpointError(f"checkpoint '{path}' has malformed metadata (state or history)")
+    for i, record in enumerate(history):  # what the loop, the CLI and its JSON read of each epoch
+        for key in _HISTORY_NUMBERS:
+            value = record.get(key)
+            if key == "val_accuracy" and key not in record:  # regression runs have none
+                continue
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or (
+                    key in _HISTORY_COUNTS and (not isinstance(value, int) or value < 0)):
+                raise CheckpointError(f"checkpoint '{path}' has malformed metadata: history[{i}].{key} is {value!r}")
     out = {}
     for key in _STATE_INTS + _STATE_FLOATS:
         value = s.get(key)
@@ -68,6 +78,10 @@ def _resume_state(meta: dict, path: str) -> dict:
     if not isinstance(dynamic, bool):
         raise CheckpointError(f"checkpoint '{path}' has malformed metadata: state.dynamic_loss_scale is {dynamic!r}")
     out["dynamic_loss_scale"] = dynamic
+    out["epoch_emulated"] = s.get("epoch_emulated", False)
+    if not isinstance(out["epoch_emulated"], bool):
+        raise CheckpointError(f"checkpoint '{path}' has malformed metadata: state.epoch_emulated is "
+                              f"{out['epoch_emulated']!r}")
     return out
 
 
@@ -144,12 +158,17 @@ class Trainer:
         self.batch_in_epoch = 0       # sampler position within it
         self._epoch_loss_sum, self._epoch_samples, self._epoch_seconds = 0.0, 0, 0.0
         self.bad_steps = 0            # consecutive steps with non-finite loss or gradients
+        # mgpu's emulated GPUs: every figure of their steps says so (an epoch begun on them
+        # and resumed elsewhere too: its time holds theirs)
+        self.emulated = gpus_emulated(model.device)
+        self._epoch_emulated = self.emulated
         self.history: list = []
         self.stragglers: list = []    # rank 0: slow ranks found by the observer's check
         self._epoch_stragglers: list = []
         self._straggler_note = ""
         self.last_result = None
         self.stop_reason: Optional[str] = None  # set once every rank agreed to stop early
+        self.run_end = 0              # the step fit's run ends at (stopped early: global_step is short of it)
         self._stop_request: Optional[str] = None
         self._last_checkpoint_step = -1
         self.last_checkpoint: Optional[str] = None
@@ -258,12 +277,17 @@ class Trainer:
         return out
 
     # --- checkpoints -----------------------------------------------------------
-    def _compat(self, data: Optional[Dataset], batch_size: Optional[int], seed: Optional[int]) -> dict:
+    def _compat(self, data: Optional[Dataset], batch_size: Optional[int], seed: Optional[int],
+                fingerprint: bool = True) -> dict:
+        """What a checkpoint of this run must match to be continued by it (fingerprint:
+        the dataset's contents too, a pass over them: only where checkpoints are involved)."""
         compat = {"layers": list(self.model.layers), "loss": self.loss, "optimizer": self.optimizer_name,
                   "optimizer_state": list(self._optimizer.state_names()), "dropout": self.model.dropout,
                   "model_seed": self.model.seed}
         if data is not None:
             compat.update(dataset=data.name, train_samples=len(data.x_train))
+            if fingerprint:
+                compat["dataset_sha256"] = data.fingerprint()
         if batch_size is not None:
             compat["effective_batch"] = batch_size * self.accumulate
         if seed is not None:
@@ -283,7 +307,8 @@ class Trainer:
                       "epoch_seconds": self._epoch_seconds, "optimizer_steps": self._optimizer.steps_taken,
                       "loss_scale": self._step.loss_scale, "good_steps": self._step.good_steps_in_a_row,
                       "dynamic_loss_scale": self.dynamic_loss_scale,
-                      "bad_steps": self.bad_steps, "accumulate": self.accumulate},
+                      "bad_steps": self.bad_steps, "accumulate": self.accumulate,
+                      "epoch_emulated": self._epoch_emulated and self._epoch_samples > 0},
             "schedule": self.schedule.to_dict(), "history": self.history,
         }
         return arrays, meta
@@ -306,10 +331,11 @@ class Trainer:
         self.last_checkpoint = self.pg.bcast(path)
         return self.last_checkpoint
 
-    def load_checkpoint(self, path: str, compat: dict) -> dict:
+    def load_checkpoint(self, path: str, compat: dict, steps_per_epoch: Optional[int] = None) -> dict:
         """Collective: restore the state saved in `path`. Rank 0 reads and verifies
         it and broadcasts it (no shared file system needed); a bad file fails on
-        every rank with the same one-line error. Returns the checkpoint's meta."""
+        every rank with the same one-line error. Returns the checkpoint's meta.
+        steps_per_epoch: the run's, which the saved sampler position cannot pass."""
         error, arrays, meta = None, None, None
         n = self.model.num_params
         names = ["params", *(f"opt.{s}" for s in self._optimizer.state_names())]
@@ -320,7 +346,10 @@ class Trainer:
                 for key in names:
                     if key not in arrays or arrays[key].shape != (n,) or arrays[key].dtype != np.float32:
                         raise CheckpointError(f"checkpoint '{path}' does not hold '{key}' for {n:,} parameters")
-                _resume_state(meta, path)  # the checksums cover the arrays, not the metadata
+                s = _resume_state(meta, path)  # the checksums cover the arrays, not the metadata
+                if steps_per_epoch is not None and s["batch_in_epoch"] > steps_per_epoch:
+                    raise CheckpointError(f"checkpoint '{path}' has malformed metadata: state.batch_in_epoch is "
+                                          f"{s['batch_in_epoch']}, beyond the {steps_per_epoch} steps of an epoch")
             except CheckpointError as e:
                 error = e
         self.pg.agree(error, what="checkpoint")
@@ -344,6 +373,7 @@ class Trainer:
         self._epoch_loss_sum, self._epoch_samples = s["epoch_loss_sum"], s["epoch_samples"]
         self._epoch_seconds = s["epoch_seconds"]
         self.bad_steps = s["bad_steps"]
+        self._epoch_emulated = self.emulated or s["epoch_emulated"]
         self.history = list(meta.get("history", []))
         self._last_checkpoint_step = self.global_step
         self.last_checkpoint = path
@@ -376,7 +406,9 @@ class Trainer:
             raise ConfigError("give exactly one of epochs or steps")
         check_dataset_fits(data, self.model.layers)
         effective = batch_size * self.accumulate
-        compat = self._compat(data, batch_size, seed)
+        # the dataset's hash where rank 0 writes or checks a checkpoint (only it reads compat)
+        compat = self._compat(data, batch_size, seed,
+                              fingerprint=(checkpoint is not None or resume is not None) and self.pg.is_root)
         if checkpoint is not None:
             error = None
             try:
@@ -384,18 +416,25 @@ class Trainer:
             except CheckpointError as e:
                 error = e
             self.pg.agree(error, what="checkpoint")
-        if resume is not None:
-            self.load_checkpoint(resume, compat)
         batches = GlobalBatches(len(data.x_train), effective, seed)
+        if resume is not None:
+            self.load_checkpoint(resume, compat, batches.steps_per_epoch)
         length = steps if steps is not None else epochs * batches.steps_per_epoch
         # A resumed run ends where the interrupted one would have; otherwise each
         # call trains `length` more steps (so fit can be called again to go on).
-        total = length if resume is not None else self.global_step + length
+        total = self.run_end = length if resume is not None else self.global_step + length
+        if resume is not None and self.global_step >= total:
+            if self.pg.is_root:
+                print(f"mgpu: note: the checkpoint is at step {self.global_step}, at or past this run's end (step "
+                      f"{total}): nothing to train (the steps or epochs count from the start of the run)",
+                      file=sys.stderr, flush=True)
+            if self._epoch_samples > 0:  # an epoch left open (stopped on its last step, by an older mgpu)
+                self._close_epoch(data, on_epoch)
         bar = None
         if progress and self.pg.is_root:
             from tqdm.auto import tqdm
             bar = tqdm(total=total, initial=min(self.global_step, total), unit="step", dynamic_ncols=True,
-                       desc="train")
+                       desc="train on EMULATED GPUs" if self.emulated else "train")
         obs = self.observer = observer
         if obs is not None:
             obs.start(self)
@@ -431,12 +470,20 @@ class Trainer:
                         self._checkpoint(checkpoint, compat)
                 self._epoch_seconds += time.perf_counter() - t0
                 epoch_done = self.batch_in_epoch >= batches.steps_per_epoch
-                if epoch_done or (self.global_step >= total and self.stop_reason is None):
+                # a partial epoch closes where the run ends (a stop asked on its last step too);
+                # a run stopped before its end resumes within that epoch
+                if epoch_done or self.global_step >= total:
                     self._close_epoch(data, on_epoch)
                     if epoch_done:
                         self.epoch, self.batch_in_epoch = self.epoch + 1, 0
-            if checkpoint is not None and self._last_checkpoint_step != self.global_step and self.bad_steps == 0:
-                self._checkpoint(checkpoint, compat)
+            if checkpoint is not None and self._last_checkpoint_step != self.global_step:
+                if self.bad_steps == 0:
+                    self._checkpoint(checkpoint, compat)
+                elif self.pg.is_root:  # a skipped step's state is not checkpointed: say what is kept
+                    kept = (f"the newest is {self.last_checkpoint} (step {self._last_checkpoint_step})"
+                            if self.last_checkpoint else "none was written")
+                    print(f"mgpu: warning: no checkpoint of step {self.global_step}: the last {self.bad_steps} "
+                          f"step(s) were skipped (non-finite loss or gradients); {kept}", file=sys.stderr, flush=True)
             if obs is not None:
                 obs.close(self)
             finished = True
@@ -464,7 +511,7 @@ class Trainer:
         self.stragglers.append(found)
         self._epoch_stragglers.append(found)
         text = (f"rank {found['rank']} {found['slower_by']:.0%} slower ({found['phase']} "
-                f"+{found['phase_excess_seconds'] * 1e3:.1f} ms/step)")
+                f"+{found['phase_excess_seconds'] * 1e3:.1f} ms/step{' on EMULATED GPUs' if self.emulated else ''})")
         if bar is not None:
             self._straggler_note = f"rank {found['rank']} +{found['slower_by']:.0%} {found['phase']}"  # stays on the bar
             bar.write(f"straggler: {text} over steps {found['steps'][0]}-{found['steps'][1]}")
@@ -488,6 +535,9 @@ class Trainer:
             entry["val_accuracy"] = val["accuracy"]
         if self._epoch_stragglers:
             entry["stragglers"], self._epoch_stragglers = self._epoch_stragglers, []
+        if self._epoch_emulated:
+            entry["gpu_emulation"] = True
+        self._epoch_emulated = self.emulated
         self.history.append(entry)
         if self.observer is not None:
             self.observer.on_epoch(entry)

@@ -302,5 +302,5 @@ def test_emulated_gpus_across_hosts(cluster, tmp_path, fault):
     report(f"emulated GPUs, mgpu-h1 {fault}", times)
     cluster.signal_host(1, signal.SIGCONT)
     assert times.get(0, 1e9) <= WATCHDOG + GRACE, (times, f.run.stderr[-3000:])
-    assert re.search(r"on rank 0 \(mgpu-h0\) \(GPU 0\): .*rank 1 \(mgpu-h1\)", f.run.stderr), f.run.stderr[-3000:]
+    assert re.search(r"on rank 0 \(mgpu-h0\) \(emulated GPU 0\): .*rank 1 \(mgpu-h1\)", f.run.stderr), f.run.stderr[-3000:]
     f.check_checkpoints()

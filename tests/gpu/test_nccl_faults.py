@@ -15,13 +15,20 @@ import time
 import numpy as np
 import pytest
 
+import mgpu
 from mgpu import MLP, DeviceError, Trainer, _core, run_on_gpus
 from mgpu.checkpoint import list_checkpoints, load_checkpoint
 from conftest import mpi_env, mpirun  # tests/conftest.py helpers
 from procs import wait_for  # tests/procs.py
 from test_faults import MGPU, Job, first_checkpoint, freeze_a_rank  # tests/test_faults.py: the fault harness
 
-EMULATED = bool(_core.build_info().get("gpu_emulation", False))
+EMULATED = mgpu.gpus_emulated("cuda")
+
+
+def gpu_named(pattern: str) -> str:
+    """An error's regex with its rank's GPU as the errors name it: '(emulated GPU N)' on
+    the emulation, never mistakable for a real one."""
+    return pattern.replace(r"\(GPU ", r"\(emulated GPU " if EMULATED else r"\(GPU ")
 
 RUN = ["train", "--device", "cuda", "--comm", "nccl", "--layers", "20,64,64,3", "--batch-size", "64",
        "--optimizer", "adamw", "--no-progress", "--seed", "5"]
@@ -32,7 +39,7 @@ def test_frozen_rank_in_an_nccl_collective_is_named(two_gpus, tmp_path, frozen):
     timeout = 3
     stderr, elapsed = freeze_a_rank(RUN, tmp_path, frozen, timeout)
     survivor = 1 - frozen
-    named = re.search(rf"[^\n]*on rank {survivor} \(GPU \d\): [^\n]*rank {frozen}[^\n]*", stderr)
+    named = re.search(gpu_named(rf"[^\n]*on rank {survivor} \(GPU \d\): [^\n]*rank {frozen}[^\n]*"), stderr)
     assert named, stderr[-3000:]
     print(f"SIGSTOP of rank {frozen}: ended in {elapsed:.1f} s: {named.group(0)}")
     assert f"did not complete within {timeout} s" in stderr, stderr[-3000:]
@@ -74,7 +81,7 @@ def test_an_injected_nccl_fault_ends_the_job_within_the_timeout(emulated_faults,
                env=mpi_env(MGPU_EMULATE_NCCL_FAULT=fault))
     elapsed = time.monotonic() - t0
     assert r.returncode != 0 and elapsed < 60, (r.returncode, elapsed, r.stderr[-2000:])
-    assert re.search(said, r.stderr), r.stderr[-2000:]
+    assert re.search(gpu_named(said), r.stderr), r.stderr[-2000:]
     assert "Traceback" not in r.stderr
     if fault.endswith("error"):  # an error NCCL reported is not a stuck collective
         assert "stuck" not in r.stderr, r.stderr[-2000:]
@@ -146,8 +153,8 @@ def test_a_stalled_thread_of_run_on_gpus_is_named_by_the_others_watchdog(two_gpu
 
     errors = train_two_threads([20, 16, 3], 3, 1, before_step=stall, timeout=1.5)
     assert errors[0] and isinstance(errors[0][0], _core.CommError), errors
-    assert re.search(r"at step 2 on rank 0 \(GPU \d\): did not complete within 1.5 s: rank 1 has not reached "
-                     r"this step \(stopped, hung or dead\)", str(errors[0][0])), errors
+    assert re.search(gpu_named(r"at step 2 on rank 0 \(GPU \d\): did not complete within 1.5 s: rank 1 has not "
+                               r"reached this step \(stopped, hung or dead\)"), str(errors[0][0])), errors
 
 
 def test_a_second_sigint_ends_train_gpus_at_once(two_gpus, tmp_path):

@@ -10,6 +10,7 @@ import sys
 import numpy as np
 import pytest
 
+import mgpu
 from mgpu import _core
 from conftest import mpi_env, mpirun  # tests/conftest.py helpers
 
@@ -38,6 +39,26 @@ def test_nccl_training_equals_one_rank_and_resumes_bit_identical(two_gpus, tmp_p
     _, resumed = train(tmp_path, "resumed", 2, "--steps", "12", "--comm", "nccl", "--checkpoint-dir", ckpt,
                        "--resume")
     assert np.array_equal(resumed, two)
+
+
+def test_every_figure_of_emulated_gpus_says_so_also_after_a_resume_on_the_cpu(two_gpus, tmp_path):
+    # The epoch lines and the last line of a run on the emulation say so; a run resumed on
+    # the CPU from its checkpoint still holds that epoch's figures, and says so too. On
+    # real GPUs none of it appears.
+    emulated = mgpu.gpus_emulated("cuda")
+    ckpt, out = tmp_path / "ckpt", tmp_path / "resumed.json"
+    first = mpirun(2, [sys.executable, "-m", "mgpu", "train", *ARGS, "--steps", "3", "--comm", "nccl",
+                       "--checkpoint-dir", ckpt], timeout=600, env=mpi_env())
+    assert first.returncode == 0, first.stdout + first.stderr
+    epochs = [line for line in first.stdout.splitlines() if line.startswith("epoch")]
+    assert epochs and all(("on EMULATED GPUs" in line) == emulated for line in epochs), first.stdout
+    cpu_args = ["--device", "cpu", *ARGS[2:]]
+    resumed = mpirun(2, [sys.executable, "-m", "mgpu", "train", *cpu_args, "--steps", "6", "--checkpoint-dir", ckpt,
+                         "--resume", "--json", out], timeout=600, env=mpi_env())
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    done = [line for line in resumed.stdout.splitlines() if line.startswith("done:")]
+    assert len(done) == 1 and ("with epochs run on EMULATED GPUs" in done[0]) == emulated, resumed.stdout
+    assert json.loads(out.read_text())["gpu_emulation"] == emulated
 
 
 @pytest.mark.parametrize("optimizer, lr", [("sgd", "0.05"), ("adamw", "0.003")])

@@ -130,3 +130,61 @@ def test_unreadable_or_missing_file(tmp_path):
     junk.write_bytes(b"not a zip file")
     with pytest.raises(mgpu.DataError, match="cannot read"):
         load_dataset(str(junk))
+
+
+# --- a user's .npz: what each check guards (each fails on a mutation of data.py) ----
+def _npz(tmp_path, **arrays):
+    path = tmp_path / "d.npz"
+    np.savez(path, **arrays)
+    return str(path)
+
+
+def test_a_label_at_the_int32_limit_is_refused(tmp_path):
+    from mgpu.data import MAX_CLASSES
+    y = np.zeros(4, np.int64)
+    y[0] = MAX_CLASSES
+    with pytest.raises(mgpu.DataError, match="class labels must be <"):
+        load_dataset(_npz(tmp_path, x=np.ones((4, 2)), y=y))
+
+
+def test_boolean_targets_are_refused(tmp_path):
+    with pytest.raises(mgpu.DataError, match="float targets"):
+        load_dataset(_npz(tmp_path, x=np.ones((4, 2)), y=np.array([True, False, True, False])))
+
+
+@pytest.mark.parametrize("fraction", [0.01, 0.99])
+def test_a_split_keeps_a_sample_on_each_side(tmp_path, fraction):
+    rng = np.random.default_rng(0)
+    ds = load_dataset(_npz(tmp_path, x=rng.standard_normal((40, 3)), y=rng.standard_normal(40)),
+                      val_fraction=fraction)
+    assert len(ds.x_train) >= 1 and len(ds.x_val) >= 1 and len(ds.x_train) + len(ds.x_val) == 40
+
+
+@pytest.mark.parametrize("val, match", [
+    (dict(x_val=np.ones((2, 2))), "both x_val and y_val"),
+    (dict(x_val=np.ones((2, 3)), y_val=np.zeros(2)), "x_val has 3 features"),
+])
+def test_validation_arrays_must_come_together_and_fit(tmp_path, val, match):
+    with pytest.raises(mgpu.DataError, match=match):
+        load_dataset(_npz(tmp_path, x=np.ones((4, 2)), y=np.zeros(4), **val))
+
+
+@pytest.mark.parametrize("y, y_val", [(np.array([0, 1, 0, 1]), np.array([0.5, 1.5])),  # labels, then floats
+                                      (np.zeros((4, 3)), np.zeros((2, 2)))])            # 3 targets, then 2
+def test_validation_targets_must_be_of_the_training_targets_kind(tmp_path, y, y_val):
+    with pytest.raises(mgpu.DataError, match="y_val does not match"):
+        load_dataset(_npz(tmp_path, x=np.ones((4, 2)), y=y, x_val=np.ones((2, 2)), y_val=y_val))
+
+
+def test_the_classes_cover_the_validation_labels(tmp_path):
+    ds = load_dataset(_npz(tmp_path, x=np.ones((4, 2)), y=np.array([0, 1, 2, 0]),
+                           x_val=np.ones((2, 2)), y_val=np.array([4, 0])))
+    assert ds.num_classes == 5
+
+
+def test_shares_split_by_largest_remainder_and_refuse_negatives():
+    assert split_counts(1001, 3, [5, 3, 2]) == [501, 300, 200]
+    assert split_counts(3, 2, [0.9, 0.1]) == [3, 0]
+    with pytest.raises(mgpu.ConfigError, match="non-negative"):
+        split_counts(10, 2, [2.0, -1.0])
+

@@ -843,6 +843,22 @@ def test_half_precision_updates_write_the_weights_half_copy_in_the_same_kernel()
     assert optimizer("bf16") - optimizer("fp32") == pytest.approx(2 * params / 1e11, rel=1e-9)
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_memory_bound_forward_moves_the_bytes_the_cuda_backend_moves(precision):
+    # GEMMs at an unbounded rate cost their operands' and output's traffic; the passes: bias
+    # (4 B an output), ReLU (fp32 read and written, + the half copy the next GEMM reads:
+    # 10 B, else 8), the input's half copy (fp32 read, half written: 6 B), the loss (12 B)
+    gpu = {**device(flops=1e30, bandwidth=1e9), "bf16": {"peak_flops": 1e30, "half_work_flops": 0.0}}
+    IN, H, OUT, R = 64, 256, 10, 32
+    w = perf._workload(None, [IN, H, OUT], None, R, precision, "sgd", 4.0, 0.0, cuda_graph="off")
+    half = precision == "bf16"
+    eb = 2 if half else 4
+    moved = ((H * IN + R * IN) * eb + 8 * R * H + 4 * R * H + (10 if half else 8) * R * H   # layer 1 and its ReLU
+             + (OUT * H + R * H) * eb + 8 * R * OUT + 4 * R * OUT                          # layer 2
+             + (6 * R * IN if half else 0) + 12 * R * OUT)                                  # input copy, loss
+    assert P.predict(w, perf.to_core(profile([gpu])), 1, P.Options()).forward_s == pytest.approx(moved / 1e9, rel=1e-9)
+
+
 def test_a_calibration_of_emulated_gpus_is_told_from_a_real_ones():
     here = mgpu.gpus_emulated("cuda")
     assert not mgpu.gpus_emulated("cpu")

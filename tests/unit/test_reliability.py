@@ -343,6 +343,26 @@ def test_incompatible_checkpoints_are_refused(tmp_path):
         sgd.fit(data, batch_size=16, steps=5, seed=0, progress=False, resume=path)
 
 
+def test_a_checkpoints_dataset_is_matched_by_contents_where_it_has_them():
+    from mgpu.checkpoint import check_compatible
+    data = load_dataset("synthetic", samples=300)
+    renamed = Dataset("/elsewhere/same.npz", data.x_train, data.y_train, data.x_val, data.y_val)
+    changed = Dataset(data.name, data.x_train[::-1].copy(), data.y_train, data.x_val, data.y_val)
+    assert renamed.fingerprint() == data.fingerprint() != changed.fingerprint()
+    compat = lambda d, fp=True: {"dataset": d.name, "train_samples": len(d.x_train),  # noqa: E731
+                                 **({"dataset_sha256": d.fingerprint()} if fp else {})}
+    saved = {"compat": compat(data)}
+    check_compatible(saved, compat(renamed), "c")           # the same samples under another path
+    with pytest.raises(CheckpointError, match="its dataset held other samples than"):
+        check_compatible(saved, compat(changed), "c")       # other samples under the same path
+    old = {"compat": compat(data, fp=False)}                # written before the fingerprint: by name
+    check_compatible(old, compat(changed), "c")
+    with pytest.raises(CheckpointError, match="dataset is"):
+        check_compatible(old, compat(renamed), "c")
+    with pytest.raises(CheckpointError, match="compat is None"):
+        check_compatible({"compat": None}, compat(data), "c")
+
+
 def test_non_finite_state_is_never_checkpointed(tmp_path):
     x = np.full((4, 2), 1e30, np.float32)
     data = Dataset("huge", x, np.full((4, 2), 1e30, np.float32), x[:2], np.zeros((2, 2), np.float32))
