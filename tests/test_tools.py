@@ -259,6 +259,7 @@ def test_output_whose_reader_is_gone_ends_quietly():
     (["bench", "--ranks", "2,2"], "rank counts must be distinct"),
     (["bench", "--threads", "1,1"], "thread counts must be distinct"),
     (["bench", "--threads", "1,2"], "not under mpirun"),
+    (["bench", "--ranks", "1,2", "--layers", "4,4"], "--ranks launches mpirun once per rank count"),
     (["bench", "--compare", "torch"], "alternates launches"),
     (["bench", "--plots", "/proc/version/plots"], "is not a directory"),
 ])

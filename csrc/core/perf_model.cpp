@@ -552,7 +552,11 @@ Prediction predict(const Workload& w, const HardwareProfile& hw, int devices, co
   p.batch_shares = shares_by_weight(batch, o.equal_shares ? std::vector<double>(devices, 1.0) : speed);
 
   std::vector<DeviceTimes> times;
-  double compute_end = 0, optimizer = 0, overhead = 0, memory = 0, usable = 1e300;
+  double compute_end = 0, optimizer = 0, overhead = 0;
+  // Memory: each device against its own capacity (mixed GPUs hold unequal shares); the
+  // prediction reports the device closest to its limit. A capacity of 0: unknown.
+  double memory = 0, usable = 0, tightest = -1;
+  bool fits = true;
   for (int i = 0; i < devices; ++i) {
     times.push_back(
         device_times(sizes, p.batch_shares[i], hw.devices[i], w, hw.step_overhead_s, devices == 1, use_phases,
@@ -565,8 +569,15 @@ Prediction predict(const Workload& w, const HardwareProfile& hw, int devices, co
     overhead = std::max(overhead, t.overhead);
     // activations for the largest micro-batch: they are reused from one to the next
     const int64_t share = p.batch_shares[i], k = std::min<int64_t>(w.accumulate, std::max<int64_t>(share, 1));
-    memory = std::max(memory, memory_per_device(sizes, (share + k - 1) / k, w, hw.devices[i], hw.link, devices));
-    usable = std::min(usable, hw.devices[i].memory_bytes * o.memory_margin);
+    const double need = memory_per_device(sizes, (share + k - 1) / k, w, hw.devices[i], hw.link, devices);
+    const double capacity = hw.devices[i].memory_bytes * o.memory_margin;
+    fits &= capacity <= 0 || need <= capacity;
+    const double load = capacity > 0 ? need / capacity : 0.0;
+    if (load > tightest || (load == tightest && need > memory)) {
+      tightest = load;
+      memory = need;
+      usable = std::max(0.0, capacity);
+    }
   }
   // The allreduce of each bucket can start once every device has its gradients;
   // replayed steps allreduce after the whole backward (DataParallelStep::overlaps()).
@@ -617,8 +628,8 @@ Prediction predict(const Workload& w, const HardwareProfile& hw, int devices, co
   p.step_s = overhead + compute_end + p.exposed_comm_s + optimizer;
   p.samples_per_s = batch / p.step_s;
   p.memory_bytes = memory;
-  p.memory_usable_bytes = hw.devices[0].memory_bytes > 0 ? usable : 0;
-  p.memory_fits = hw.devices[0].memory_bytes <= 0 || memory <= usable;
+  p.memory_usable_bytes = usable;
+  p.memory_fits = fits;
   if (o.price_per_device_hour > 0)
     p.cost_per_million_samples = devices * o.price_per_device_hour / 3600.0 * p.step_s / batch * 1e6;
   if (devices > 1) {
@@ -742,7 +753,9 @@ Recommendation recommend(const Workload& w, const HardwareProfile& hw, const Opt
   } else if (!best_multi) {
     r.strategy = "single_gpu";
     r.devices = 1;
-    r.reasons.push_back("no multi-device candidate to compare with");
+    bool multi = false;
+    for (const Prediction& p : r.candidates) multi |= p.devices > 1;
+    r.reasons.push_back(multi ? "no multi-device candidate fits in memory" : "no multi-device candidate to compare with");
   } else if (best_multi->speedup * (1.0 - err) > 1.0) {
     // model_error is relative: the band of a predicted speedup s is s(1 -+ err).
     r.strategy = "multi_gpu";
@@ -844,7 +857,10 @@ Recommendation recommend(const Workload& w, const HardwareProfile& hw, const Opt
   for (int n : too_many)
     r.reasons.push_back(device_word(hw, n) + " left out: " + rows_text + verb + " some of them no sample");
   const Prediction& chosen = best ? *best : r.candidates.front();
-  r.reasons.push_back("memory: " + bytes_text(chosen.memory_bytes) + " per device" +
+  bool unequal = false;  // unequal devices: the figures are the one nearest its capacity
+  for (int i = 1; i < chosen.devices; ++i) unequal |= hw.devices[i].name != hw.devices[0].name;
+  r.reasons.push_back("memory: " + bytes_text(chosen.memory_bytes) +
+                      (unequal ? " on the device nearest its capacity" : " per device") +
                       (chosen.memory_usable_bytes > 0 ? " of " + bytes_text(chosen.memory_usable_bytes) + " usable" : ""));
   r.reasons.push_back("profile '" + hw.name + "' (" + hw.source + ")" +
                       (hw.source == "calibrated" ? "" : ": run `python -m mgpu topo` on the machine to calibrate"));

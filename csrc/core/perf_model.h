@@ -212,8 +212,8 @@ struct Prediction {
   double step_s = 0;
   double samples_per_s = 0, speedup = 1, efficiency = 1;
   double timing_spread_s = 0;    // how far a measured step may wander from step_s (calibrated CPUs: the ranks' jitter)
-  double memory_bytes = 0;       // per device (the largest)
-  double memory_usable_bytes = 0;  // capacity x margin of the smallest device
+  double memory_bytes = 0;       // the device closest to its capacity: its need
+  double memory_usable_bytes = 0;  // and its capacity x margin (0: unknown)
   bool memory_fits = true;
   double cost_per_million_samples = 0;  // when priced
 };

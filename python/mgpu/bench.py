@@ -646,6 +646,9 @@ def cmd_bench(a, pg) -> int:
     a.thread_counts = a.threads or [None]
     a.threads = a.thread_counts[0]
     several_threads = len(a.thread_counts) > 1
+    if a.ranks and pg.size > 1 and a.ranks != [pg.size]:  # this world is measured as it is
+        raise ConfigError(f"--ranks launches mpirun once per rank count: run bench from one process, not under "
+                          f"mpirun (this world has {pg.size} ranks; --ranks {','.join(map(str, a.ranks))})")
     if several_threads:
         if pg.size > 1:
             raise ConfigError("several --threads values are launched one process group each: run bench from one "

@@ -646,6 +646,7 @@ CPU_MAX_BUCKET_BYTES = 16 * 2 ** 20
 
 NAMED_CONFIDENCE = 0.6  # the selector's base confidence for a profile it did not measure (perf_model.cpp)
 MAX_NODES = 1024  # recommend --nodes: beyond the largest published NCCL runs the model was checked on
+MAX_DEVICES = 16 * MAX_NODES  # recommend --devices: as many (a device's profile entry each is built)
 
 
 def _whole_nodes(prof: dict, count: int) -> dict:
@@ -679,6 +680,8 @@ def _candidate_counts(prof: Optional[dict], devices: Optional[Sequence[int]], no
         return sorted({1, per_node, nodes * per_node})
     if devices is None:
         return [1, per_node] if per_node > 1 else [1, 2]
+    if any(n > MAX_DEVICES for n in devices):
+        raise ConfigError(f"--devices: at most {MAX_DEVICES} devices, got {max(devices)}")
     return sorted({int(n) for n in devices})
 
 
@@ -736,6 +739,10 @@ def recommend(*, model: Optional[str] = None, layers: Optional[Sequence[int]] = 
     hw = to_core(prof, counts[-1])
     if len(hw.devices) < counts[-1]:
         raise ConfigError(f"profile '{hw.name}' has {len(hw.devices)} device(s); cannot predict {counts[-1]}")
+    if any(d.kind == "cpu" for d in hw.devices) and (precision, grad_dtype) != ("fp32", "fp32"):  # as train refuses
+        given = f"--precision {precision}" if precision != "fp32" else f"--grad-dtype {grad_dtype}"
+        raise ConfigError(f"{given}: profile '{hw.name}' is of CPUs, which compute and allreduce in fp32 "
+                          "(a GPU profile prices it)")
     # auto: every multi-device candidate at its own best bucket, so that e.g. a second
     # node is not judged at a bucket size chosen for one.
     options.choose_buckets = auto

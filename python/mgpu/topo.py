@@ -756,6 +756,9 @@ def _bytes_label(v: float) -> str:
     return f"{v:g} B"
 
 
+PLOT_FILES = ("gemm.png", "allreduce.png")
+
+
 def write_plots(directory: str, profile: dict) -> list:
     """gemm.png, and allreduce.png when the profile has a sweep (more than one rank)."""
     import matplotlib
@@ -780,7 +783,10 @@ def cmd_topo(a, pg) -> int:
         raise ConfigError(f"--threads must be >= 1, got {a.threads}")
     if a.no_save and a.out:
         raise ConfigError("--out names the file the profile is saved to, and --no-save saves none: give one of them")
-    check_outputs({"--out": a.out, "--json": a.json})
+    # the plots' files where their directory exists already (else it is made, empty)
+    plots = ({f"--plots {name}": os.path.join(a.plots, name) for name in PLOT_FILES}
+             if a.plots and os.path.isdir(a.plots) else {})
+    check_outputs({"--out": a.out, "--json": a.json, **plots})
     if a.plots is not None:
         check_output_dir(a.plots, "--plots")
     profile = run_topo(pg, device=a.device, threads=a.threads, max_bytes=a.max_bytes, quick=a.quick)
@@ -788,12 +794,12 @@ def cmd_topo(a, pg) -> int:
         print(format_topo(profile))
         if a.json:
             write_json_atomic(a.json, profile)
-        if not a.no_save:
-            path = save_profile(profile, a.out or default_profile_path())
-            print(f"profile written to {path}")
         if a.plots:
             for path in write_plots(a.plots, profile):
                 print(f"plot written to {path}")
+        if not a.no_save:  # last: an output that fails leaves the calibration there was
+            path = save_profile(profile, a.out or default_profile_path())
+            print(f"profile written to {path}")
         bad = sum(r["wrong"] for r in profile["allreduce"])
         if bad:
             print(f"mgpu: error: {bad} allreduce results were not bit-exact", flush=True)

@@ -262,6 +262,18 @@ def test_outputs_may_not_be_empty_special_shared_or_an_input(tmp_path):
             check_outputs(outputs, inputs)
 
 
+@pytest.mark.parametrize("option", ["--out", "--json"])
+@pytest.mark.parametrize("plot", ["gemm.png", "allreduce.png"])
+def test_topo_refuses_an_output_that_is_one_of_its_plots(tmp_path, option, plot, capfd):
+    plots = tmp_path / "plots"
+    plots.mkdir()
+    (plots / plot).write_text("kept")
+    assert cli.main(["topo", "--plots", str(plots), option, str(plots / plot)]) == 2
+    err = capfd.readouterr().err
+    assert f"{option} and --plots {plot} name the same file" in err and err.count("\n") == 1, err
+    assert (plots / plot).read_text() == "kept"
+
+
 def test_outputs_may_not_be_or_shadow_what_the_run_keeps_in_its_directories(tmp_path):
     from mgpu.checkpoint import CHECKPOINT_NAME
     from mgpu.cliutil import check_outputs_outside_dirs

@@ -873,3 +873,71 @@ def test_a_calibration_of_emulated_gpus_is_told_from_a_real_ones():
         if why:
             assert "measured on" in why and "MGPU_EMULATE_GPU" in why
         assert perf.emulation_mismatch(prof, "cpu") is None   # a CPU job: no GPU to mistake
+
+
+# --- memory on unequal devices -----------------------------------------------------------
+def _need(fast_memory, slow_memory, batch=4000):
+    fast = device(flops=3e12, memory=fast_memory, name="fast")
+    slow = device(flops=1e12, memory=slow_memory, name="slow")
+    return predict(profile([fast, slow]), 2, batch=batch)
+
+
+def test_unequal_devices_each_hold_their_own_share_against_their_own_memory():
+    # the fast device takes 3/4 of the rows, so it needs more memory than the slow one;
+    # a capacity so large its load is ~0 leaves the other device the tightest
+    fast_need = _need(1e12, 1e30).memory_bytes
+    slow_need = _need(1e30, 1e12).memory_bytes
+    assert fast_need > slow_need * 1.2
+    margin = P.Options().memory_margin
+    # the slow device holds its share but not the fast one's: it fits (a check of the
+    # largest need against the smallest memory said no)
+    slow_memory = (fast_need + slow_need) / 2 / margin
+    p = _need(1e30, slow_memory)
+    assert p.memory_fits
+    assert p.memory_bytes == pytest.approx(slow_need) and p.memory_usable_bytes == pytest.approx(slow_memory * margin)
+    # each device short of its own share: not fitting, whichever it is
+    assert not _need(1e30, slow_need / margin * 0.9).memory_fits
+    assert not _need(fast_need / margin * 0.9, 1e30).memory_fits
+    # the report names the device nearest its capacity, here the fast one
+    tight = _need(fast_need / margin * 1.01, 1e30)
+    assert tight.memory_fits and tight.memory_bytes == pytest.approx(fast_need)
+
+
+def test_recommend_says_which_device_its_memory_figure_is_and_when_only_one_fits():
+    fast_need = _need(1e12, 1e30).memory_bytes
+    slow_need = _need(1e30, 1e12).memory_bytes
+    margin = P.Options().memory_margin
+    fast = device(flops=3e12, memory=1e30, name="fast")
+    layers = (1024, 4096, 4096, 10)
+    fits = perf.recommend(layers=layers, batch_size=4000, devices=[1, 2], optimizer="sgd", bucket_mb=4.0,
+                          profile=profile([fast, device(flops=1e12, memory=(fast_need + slow_need) / 2 / margin,
+                                                        name="slow")]))
+    two = [c for c in fits["candidates"] if c["devices"] == 2][0]
+    assert two["memory_fits"]
+    memory_lines = [r for r in fits["reasons"] if r.startswith("memory:")]
+    assert len(memory_lines) == 1 and (" on the device nearest its capacity" in memory_lines[0]) == \
+        (fits["devices"] == 2), fits["reasons"]
+    # a second device too small for its share: one device, and that is why
+    short = perf.recommend(layers=layers, batch_size=4000, devices=[1, 2], optimizer="sgd", bucket_mb=4.0,
+                           profile=profile([fast, device(flops=1e12, memory=slow_need / margin * 0.5, name="slow")]))
+    assert short["strategy"] == "single_gpu" and short["devices"] == 1
+    assert "no multi-device candidate fits in memory" in short["reasons"], short["reasons"]
+    alone = perf.recommend(layers=layers, batch_size=4000, devices=[1], profile=profile([fast]))
+    assert "no multi-device candidate to compare with" in alone["reasons"]
+    equal = perf.recommend(layers=layers, batch_size=4000, devices=[1, 2], profile=profile([fast, fast]))
+    assert any(r.startswith("memory:") and " per device" in r for r in equal["reasons"])
+
+
+@pytest.mark.parametrize("kwargs, given", [(dict(precision="bf16"), "--precision bf16"),
+                                           (dict(grad_dtype="bf16"), "--grad-dtype bf16")])
+def test_a_cpu_profile_refuses_what_train_on_cpus_refuses(kwargs, given):
+    cpu = profile([device(kind="cpu", name="cpu")] * 2)
+    with pytest.raises(mgpu.ConfigError, match=f"{given}: profile 'test' is of CPUs"):
+        perf.recommend(layers=[16, 16], batch_size=64, devices=[1, 2], profile=cpu, **kwargs)
+    gpu = perf.recommend(layers=[16, 16], batch_size=64, devices=[1, 2], profile=profile([device()] * 2), **kwargs)
+    assert gpu["strategy"]
+
+
+def test_device_counts_beyond_the_models_reach_are_refused_before_a_profile_is_built():
+    with pytest.raises(mgpu.ConfigError, match=f"--devices: at most {perf.MAX_DEVICES} devices, got 100000"):
+        perf.recommend(model="medium", batch_size=64, devices=[1, 100000], profile="h100-sxm-8")
