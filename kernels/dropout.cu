@@ -72,7 +72,7 @@ __global__ void set_replay_args_kernel(ReplayArgs* dst, ReplayArgs args) { *dst 
 // next layer's GEMMs need no cast pass over the activations or their gradients.
 __global__ void relu_kernel(float* __restrict__ h, size_t n, HalfShadow shadow) {
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
-    const float v = h[i] > 0.0f ? h[i] : 0.0f;
+    const float v = h[i] <= 0.0f ? 0.0f : h[i];  // NaN passes, as in PyTorch
     h[i] = v;
     write_shadow(shadow, i, v);
   }
@@ -97,7 +97,7 @@ __global__ void relu_dropout_kernel(float* __restrict__ h, int B, MaskParams m, 
       const int j = k * m.groups + g;
       if (j < m.C) {
         const float v = row[j];
-        const float out = (v > 0.0f ? v : 0.0f) * keep_factor(m, word(w, k));
+        const float out = (v <= 0.0f ? 0.0f : v) * keep_factor(m, word(w, k));
         row[j] = out;
         write_shadow(shadow, size_t(b) * m.C + j, out);
       }
@@ -108,7 +108,7 @@ __global__ void relu_dropout_kernel(float* __restrict__ h, int B, MaskParams m, 
 __global__ void relu_dropout_backward_kernel(float* __restrict__ dh, const float* __restrict__ h, size_t n,
                                              float keep_scale, HalfShadow shadow) {
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
-    const float v = h[i] > 0.0f ? dh[i] * keep_scale : 0.0f;
+    const float v = h[i] <= 0.0f ? 0.0f : dh[i] * keep_scale;
     dh[i] = v;
     write_shadow(shadow, i, v);
   }

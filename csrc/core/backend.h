@@ -177,9 +177,11 @@ class Backend {
                                bool accumulate) = 0;
 
   // In place on h (B, C): h = relu(h), then inverted dropout with keep-probability 1-p.
+  // A NaN stays NaN, as in PyTorch: a diverging step shows in its loss, not only in its gradients.
   virtual void relu_dropout_forward(float* h, int B, int C, float p, const DropoutKey& key) = 0;
   // dh (n) *= d(relu_dropout)/dh given the forward output h (n): a unit passed
-  // the gradient iff its output is positive (dropped and negative units are 0).
+  // the gradient iff its output is not <= 0 (dropped and negative units are 0; a NaN
+  // passes it, as PyTorch's threshold_backward does).
   virtual void relu_dropout_backward(float* dh, const float* h, size_t n, float p) = 0;
 
   // Losses on a shard of B rows. Each writes grad_scale * (sum of per-element

@@ -385,7 +385,7 @@ void CpuBackend::relu_dropout_forward(float* h, int B, int C, float p, const Dro
   if (p <= 0.0f) {
     const long n = long(B) * C;
 #pragma omp parallel for simd num_threads(threads_) if (parallel: n > kParallelMin) schedule(static)
-    for (long i = 0; i < n; ++i) h[i] = h[i] > 0.0f ? h[i] : 0.0f;
+    for (long i = 0; i < n; ++i) h[i] = h[i] <= 0.0f ? 0.0f : h[i];
     return;
   }
   const float keep_scale = 1.0f / (1.0f - p);
@@ -408,7 +408,7 @@ void CpuBackend::relu_dropout_forward(float* h, int B, int C, float p, const Dro
       for (int j = 0; j < C; ++j) {
         const float v = row[j];
         const float keep = uniform01(bits[j]) >= p ? keep_scale : 0.0f;
-        row[j] = (v > 0.0f ? v : 0.0f) * keep;
+        row[j] = (v <= 0.0f ? 0.0f : v) * keep;
       }
     }
   }
@@ -423,7 +423,7 @@ void CpuBackend::relu_dropout_backward(float* dh, const float* h, size_t n, floa
     // The product computed on both paths: GCC does not speculate a (possibly trapping)
     // FP multiply, and a branch on a random mask is mispredicted half the time.
     const float scaled = dh[i] * keep_scale;
-    dh[i] = h[i] > 0.0f ? scaled : 0.0f;
+    dh[i] = h[i] <= 0.0f ? 0.0f : scaled;
   }
 }
 

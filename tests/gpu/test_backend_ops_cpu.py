@@ -67,6 +67,26 @@ def test_relu_dropout(cpu_backend, rows, cols, p):
     assert np.array_equal(ops.relu_dropout_backward(cpu_backend, dh, out, p), np.where(out > 0, dh * keep, 0))
 
 
+SPECIAL = np.array([[np.nan, np.inf, -np.inf, -0.0, 0.0, 1.5, -2.0, np.nan]], np.float32)
+
+
+@pytest.mark.parametrize("p", [0.0, 0.5])
+def test_relu_keeps_nan_as_pytorch_does(cpu_backend, p):
+    # torch.relu(nan) is nan and its backward passes the gradient there: a diverging
+    # step shows in its loss; -inf and -0 become 0, inf stays
+    h = np.repeat(SPECIAL, 3, axis=0)
+    out = ops.relu_dropout_forward(cpu_backend, h, p, seed=1, step=0, layer=0, first_sample=0)
+    mask = reference_mask(*h.shape, p, 1, 0, 0, 0) if p > 0 else np.ones(h.shape, np.float32)
+    with np.errstate(invalid="ignore"):  # a dropped inf is inf x 0 = nan, in PyTorch's dropout too
+        want = np.where(h <= 0, np.float32(0), h) * mask
+    assert np.array_equal(out, want, equal_nan=True) and np.isnan(out[:, 0]).all()
+    dh = np.full(h.shape, 0.25, np.float32)
+    keep = np.float32(1) / (np.float32(1) - np.float32(p))
+    got = ops.relu_dropout_backward(cpu_backend, dh, out, p)
+    assert np.array_equal(got, np.where(out <= 0, np.float32(0), dh * keep))
+    assert (got[:, 0] == 0.25 * keep).all()  # the NaN unit passes its gradient
+
+
 def test_dropout_mask_is_independent_of_the_split(cpu_backend):
     h = np.abs(rand(10, 21)) + 0.1
     whole = ops.relu_dropout_forward(cpu_backend, h, 0.3, seed=9, step=1, layer=0, first_sample=0)

@@ -81,6 +81,18 @@ def test_relu_dropout_bit_exact(cuda_backend, cpu_backend, rows, cols, p):
                           ops.relu_dropout_backward(cpu_backend, dh, want, p))
 
 
+@pytest.mark.parametrize("p", [0.0, 0.5])
+def test_relu_dropout_on_nan_and_inf_is_the_cpu_backends(cuda_backend, cpu_backend, p):
+    h = np.tile(np.array([np.nan, np.inf, -np.inf, -0.0, 0.0, 1.5, -2.0], np.float32), (9, 5))
+    key = dict(seed=7, step=3, layer=2, first_sample=11)
+    got = ops.relu_dropout_forward(cuda_backend, h, p, **key)
+    want = ops.relu_dropout_forward(cpu_backend, h, p, **key)
+    assert np.array_equal(got, want, equal_nan=True) and np.isnan(got).any()
+    dh = np.ones(h.shape, np.float32)
+    assert np.array_equal(ops.relu_dropout_backward(cuda_backend, dh, want, p),
+                          ops.relu_dropout_backward(cpu_backend, dh, want, p))
+
+
 @pytest.mark.parametrize("B, D", [(1, 1), (13, 3), (4096, 7), (100000, 3)])
 def test_mse(cuda_backend, cpu_backend, B, D):
     rng = np.random.default_rng(B)
