@@ -43,6 +43,10 @@ def test_topo_measures_devices_and_a_bit_exact_allreduce_sweep(calibration):
             per_rows = len(grid["widths"]) ** 2
             assert grid["forward"][-per_rows] > grid["forward"][0]
             assert grid["backward"][-1] > grid["backward_weights"][-1]
+            # and cold, each call after sweeping the last-level cache (where sysfs names it)
+            if dev["cache_bytes"] > 0:
+                assert all(len(grid[f"{k}_cold"]) == cells and min(grid[f"{k}_cold"]) > 0
+                           for k in ("forward", "backward", "backward_weights"))
         for key in ("pass_bandwidth", "pass_bandwidth_alone"):
             assert len(dev[key]) >= 3 and all(b > 0 and r > 1e8 for b, r in dev[key])
         # real steps: the wait after backward holds the allreduce with 2 ranks, not alone

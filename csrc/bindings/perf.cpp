@@ -29,9 +29,30 @@ using Clock = std::chrono::steady_clock;
 // is the mean of back-to-back calls filling about a millisecond between two waits
 // (a step waits once, not after every kernel; one call with its wait would add the
 // wait's latency to every GEMM and kernel priced from it). Host backends: one call.
+// Host memory swept between timed calls (read and written, a cache line at a time), so
+// that each call finds its arrays evicted from a last-level cache smaller than it.
+class CacheSweep {
+ public:
+  explicit CacheSweep(size_t bytes) : lines_(bytes / sizeof(Line)) {}
+  void operator()() {
+    for (Line& line : lines_) line.v[0] += 1;
+    sink_ = lines_.empty() ? 0 : lines_.back().v[0];
+  }
+
+ private:
+  struct alignas(64) Line {
+    uint64_t v[8] = {};
+  };
+  std::vector<Line> lines_;
+  volatile uint64_t sink_ = 0;
+};
+
 template <typename Fn>
-std::vector<double> time_calls(Backend& be, int repeats, Fn fn) {
+std::vector<double> time_calls(Backend& be, int repeats, Fn fn, size_t sweep_bytes = 0) {
   MGPU_CHECK(repeats >= 1, ConfigError, "repeats must be >= 1");
+  MGPU_CHECK(sweep_bytes == 0 || be.host_accessible(), ConfigError,
+             "a cold timing sweeps host caches: the ", be.name(), " backend's memory is not the host's");
+  CacheSweep sweep(sweep_bytes);
   // As in a step: one hold for all the calls, so that a oneDNN GEMM's own costs nothing.
   const AsynchronousSignalsHeld signals_after_the_timing;
   auto seconds_since = [](Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); };
@@ -46,6 +67,7 @@ std::vector<double> time_calls(Backend& be, int repeats, Fn fn) {
   }
   std::vector<double> out;
   for (int i = 0; i < repeats; ++i) {
+    if (sweep_bytes) sweep();
     const auto t0 = Clock::now();
     for (int c = 0; c < calls; ++c) fn();
     be.synchronize();
@@ -55,17 +77,20 @@ std::vector<double> time_calls(Backend& be, int repeats, Fn fn) {
 }
 
 // inp (B, IN), weight (OUT, IN) -> out (B, OUT): the forward GEMM of a Linear layer.
-std::vector<double> time_linear(Backend& be, int B, int IN, int OUT, int repeats) {
+// sweep_bytes > 0: each timed call after sweeping that much host memory (a cold layer).
+std::vector<double> time_linear(Backend& be, int B, int IN, int OUT, int repeats, size_t sweep_bytes) {
   MGPU_CHECK(B >= 1 && IN >= 1 && OUT >= 1, ConfigError, "GEMM sizes must be >= 1");
   BackendArray<float> inp(&be, size_t(B) * IN), w(&be, size_t(OUT) * IN), bias(&be, OUT), out(&be, size_t(B) * OUT);
   be.zero(inp.data(), inp.size());
   be.zero(w.data(), w.size());
   be.zero(bias.data(), bias.size());
-  return time_calls(be, repeats, [&] { be.linear_forward(out.data(), inp.data(), w.data(), bias.data(), B, IN, OUT); });
+  return time_calls(
+      be, repeats, [&] { be.linear_forward(out.data(), inp.data(), w.data(), bias.data(), B, IN, OUT); }, sweep_bytes);
 }
 
 // linear_backward: dinp and dweight GEMMs (and the bias column sums), as training calls it.
-std::vector<double> time_linear_backward(Backend& be, int B, int IN, int OUT, int repeats, bool input_gradient) {
+std::vector<double> time_linear_backward(Backend& be, int B, int IN, int OUT, int repeats, bool input_gradient,
+                                         size_t sweep_bytes) {
   MGPU_CHECK(B >= 1 && IN >= 1 && OUT >= 1, ConfigError, "GEMM sizes must be >= 1");
   BackendArray<float> inp(&be, size_t(B) * IN), w(&be, size_t(OUT) * IN), dout(&be, size_t(B) * OUT),
       dinp(&be, size_t(B) * IN), dw(&be, size_t(OUT) * IN), db(&be, OUT);
@@ -75,7 +100,7 @@ std::vector<double> time_linear_backward(Backend& be, int B, int IN, int OUT, in
   return time_calls(be, repeats, [&] {
     be.linear_backward(input_gradient ? dinp.data() : nullptr, dw.data(), db.data(), dout.data(), inp.data(), w.data(),
                        B, IN, OUT, false);
-  });
+  }, sweep_bytes);
 }
 
 // y += a x over n floats: 12 bytes of traffic per element.
@@ -196,12 +221,14 @@ void bind_perf(py::module_& m) {
            "(seconds per allreduce of `count` floats on this rank, elements not bit-exact).");
   m.def("time_linear_backward", &time_linear_backward, py::arg("backend"), py::arg("batch"),
         py::arg("in_features"), py::arg("out_features"), py::arg("repeats") = 5, py::arg("input_gradient") = true,
-        py::call_guard<py::gil_scoped_release>(),
+        py::arg("sweep_bytes") = 0, py::call_guard<py::gil_scoped_release>(),
         "Seconds of each timed linear_backward (input gradient unless input_gradient=False, weight gradients, "
-        "bias sums) of this shape.");
+        "bias sums) of this shape; sweep_bytes > 0: each after sweeping that much host memory (cold caches).");
   m.def("time_linear", &time_linear, py::arg("backend"), py::arg("batch"), py::arg("in_features"),
-        py::arg("out_features"), py::arg("repeats") = 5, py::call_guard<py::gil_scoped_release>(),
-        "Seconds of each timed Linear forward GEMM (work 2 x batch x in x out FLOP) on the backend.");
+        py::arg("out_features"), py::arg("repeats") = 5, py::arg("sweep_bytes") = 0,
+        py::call_guard<py::gil_scoped_release>(),
+        "Seconds of each timed Linear forward GEMM (work 2 x batch x in x out FLOP) on the backend; "
+        "sweep_bytes > 0: each after sweeping that much host memory (cold caches).");
   m.def("time_relu_dropout", &time_relu_dropout, py::arg("backend"), py::arg("batch"), py::arg("features"),
         py::arg("p"), py::arg("repeats") = 5, py::call_guard<py::gil_scoped_release>(),
         "Seconds of each timed in-place ReLU with dropout p (p = 0: plain ReLU) over a (batch, features) "
@@ -232,6 +259,9 @@ void bind_perf(py::module_& m) {
       .def_readwrite("forward", &LayerTimes::forward)
       .def_readwrite("backward", &LayerTimes::backward)
       .def_readwrite("backward_weights", &LayerTimes::backward_weights)
+      .def_readwrite("forward_cold", &LayerTimes::forward_cold)
+      .def_readwrite("backward_cold", &LayerTimes::backward_cold)
+      .def_readwrite("backward_weights_cold", &LayerTimes::backward_weights_cold)
       .def("enabled", &LayerTimes::enabled)
       .def("check", &LayerTimes::check, py::arg("what") = "layer times")
       .def("forward_s", [](const LayerTimes& t, double r, double i, double o) { return t.at(t.forward, r, i, o); },
@@ -267,6 +297,7 @@ void bind_perf(py::module_& m) {
       .def_readwrite("captures", &DeviceProfile::captures)
       .def_readwrite("context_bytes", &DeviceProfile::context_bytes)
       .def_readwrite("dropout_s_per_unit", &DeviceProfile::dropout_s_per_unit)
+      .def_readwrite("cache_bytes", &DeviceProfile::cache_bytes)
       .def_readwrite("layers", &DeviceProfile::layers)
       .def_readwrite("layers_alone", &DeviceProfile::layers_alone)
       .def_readwrite("pass_bandwidth", &DeviceProfile::pass_bandwidth)

@@ -83,12 +83,36 @@ int column_sum_launches(double rows, double out) {
   return splits > 1 ? 2 : 1;
 }
 
+double memory_per_device(const std::vector<int>& sizes, int64_t b, const Workload& w, const DeviceProfile& d,
+                         const LinkProfile& link, int devices);
+
+// The share of a step's arrays that the last-level cache cannot hold: `sharing` ranks
+// each with the arrays of `rows` rows (weights, gradients, optimizer state,
+// activations). 0 where the cache is unknown or holds them all.
+double cache_miss_share(const std::vector<int>& sizes, int64_t rows, const Workload& w, const DeviceProfile& d,
+                        int sharing) {
+  if (!(d.cache_bytes > 0)) return 0.0;
+  const double arrays = double(std::max(sharing, 1)) *
+                        memory_per_device(sizes, std::max<int64_t>(rows, 1), w, DeviceProfile{}, LinkProfile{}, 1);
+  return std::clamp(1.0 - d.cache_bytes / arrays, 0.0, 1.0);
+}
+
 DeviceTimes device_times(const std::vector<int>& sizes, int64_t b, const DeviceProfile& d,
-                         const Workload& w, double step_overhead, bool alone, bool use_phases, bool graphs) {
+                         const Workload& w, double step_overhead, bool alone, bool use_phases, bool graphs,
+                         int sharing) {
   const GemmRate& rate = d.gemm(w.precision);
   // Measured layer times, where topo took them, at the precision they were taken at.
   const LayerTimes* measured = alone && d.layers_alone.enabled() ? &d.layers_alone : &d.layers;
   if (w.precision != "fp32" || !measured->enabled()) measured = nullptr;
+  // Warm tables time a layer on arrays the caches hold; a step whose arrays outgrow the
+  // last-level cache meets its layers between them and the cold ones.
+  const int64_t micro_rows = (b + std::max<int64_t>(w.accumulate, 1) - 1) / std::max<int64_t>(w.accumulate, 1);
+  const double miss = measured && measured->has_cold() ? cache_miss_share(sizes, micro_rows, w, d, alone ? 1 : sharing)
+                                                       : 0.0;
+  auto layer = [&](const std::vector<double>& warm, const std::vector<double>& cold, double R, double in, double out) {
+    const double t = measured->at(warm, R, in, out);
+    return miss > 0 ? t + miss * (measured->at(cold, R, in, out) - t) : t;
+  };
   MGPU_CHECK(rate.peak_flops > 0, ConfigError, "device '", d.name, "' has no GEMM rate in its profile");
   MGPU_CHECK(d.memory_bandwidth > 0, ConfigError, "device '", d.name, "' has no memory bandwidth in its profile");
   // A GPU step's kernels as the CUDA backend launches them (costsheet.step_ops lists
@@ -133,7 +157,7 @@ DeviceTimes device_times(const std::vector<int>& sizes, int64_t b, const DeviceP
     m.done.assign(layers, 0.0);
     for (int l = 0; l < layers; ++l) {
       const double in = sizes[l], out = sizes[l + 1];
-      m.forward += (measured ? measured->at(measured->forward, R, in, out)
+      m.forward += (measured ? layer(measured->forward, measured->forward_cold, R, in, out)
                              : gemm(R, out, in, (out * in + R * in) * eb + 8.0 * R * out) +
                                    pass(4.0 * R * out) /* bias */) +
                    (l + 1 < layers ? pass(act_bytes * R * out) : 0.0) /* relu, dropout */;
@@ -149,7 +173,8 @@ DeviceTimes device_times(const std::vector<int>& sizes, int64_t b, const DeviceP
     for (int l = layers - 1; l >= 0; --l) {
       const double in = sizes[l], out = sizes[l + 1];
       if (measured)
-        m.backward += measured->at(l > 0 ? measured->backward : measured->backward_weights, R, in, out);
+        m.backward += l > 0 ? layer(measured->backward, measured->backward_cold, R, in, out)
+                            : layer(measured->backward_weights, measured->backward_weights_cold, R, in, out);
       else
         m.backward += gemm(out, in, R, (R * in + R * out) * eb + (accumulating ? 8.0 : 4.0) * out * in) /* dW */ +
                       pass(4.0 * R * out) /* db */ +
@@ -287,9 +312,9 @@ void validate(const Workload& w, const HardwareProfile& hw, const Options& o) {
                "device '", d.name, "' launch and graph-node times must be finite and >= 0");
     MGPU_CHECK(finite_at_least_0(d.memory_bytes) && finite_at_least_0(d.memory_bandwidth) &&
                    finite_at_least_0(d.host_to_device_bandwidth) && finite_at_least_0(d.context_bytes) &&
-                   finite_at_least_0(d.dropout_s_per_unit),
-               ConfigError, "device '", d.name, "': memory, bandwidths, context bytes and dropout cost must be "
-               "finite and >= 0");
+                   finite_at_least_0(d.dropout_s_per_unit) && finite_at_least_0(d.cache_bytes),
+               ConfigError, "device '", d.name, "': memory, bandwidths, context bytes, dropout cost and cache "
+               "size must be finite and >= 0");
     for (const GemmRate* r : {&d.fp32, &d.tf32, &d.bf16, &d.fp16})
       MGPU_CHECK(finite_at_least_0(r->peak_flops) && finite_at_least_0(r->half_work_flops), ConfigError, "device '",
                  d.name, "': GEMM rates must be finite and >= 0");
@@ -331,6 +356,12 @@ void LayerTimes::check(const std::string& what) const {
   for (const auto* table : {&forward, &backward, &backward_weights}) {
     MGPU_CHECK(table->size() == cells, ConfigError, what, ": a table holds ", table->size(), " times, the grid has ",
                cells, " cells");
+    for (double t : *table) MGPU_CHECK(t > 0 && std::isfinite(t), ConfigError, what, ": times must be positive");
+  }
+  if (forward_cold.empty() && backward_cold.empty() && backward_weights_cold.empty()) return;
+  for (const auto* table : {&forward_cold, &backward_cold, &backward_weights_cold}) {
+    MGPU_CHECK(table->size() == cells, ConfigError, what, ": a cold table holds ", table->size(),
+               " times, the grid has ", cells, " cells");
     for (double t : *table) MGPU_CHECK(t > 0 && std::isfinite(t), ConfigError, what, ": times must be positive");
   }
 }
@@ -543,10 +574,12 @@ Prediction predict(const Workload& w, const HardwareProfile& hw, int devices, co
   bool use_phases = true;
   for (int i = 0; i < devices; ++i)
     use_phases &= hw.devices[i].step_phases.enabled() || (devices == 1 && hw.devices[i].step_phases_alone.enabled());
+  // ranks on one node share its last-level cache
+  const int sharing = hw.link.gpus_per_node > 0 ? std::min(devices, hw.link.gpus_per_node) : devices;
   std::vector<double> speed(devices);
   for (int i = 0; i < devices; ++i) {
     const int64_t b = std::max<int64_t>(1, batch / devices);
-    const DeviceTimes t = device_times(sizes, b, hw.devices[i], w, 0.0, devices == 1, use_phases, p.graphs);
+    const DeviceTimes t = device_times(sizes, b, hw.devices[i], w, 0.0, devices == 1, use_phases, p.graphs, sharing);
     speed[i] = b / std::max(t.forward + t.backward, 1e-30);
   }
   p.batch_shares = shares_by_weight(batch, o.equal_shares ? std::vector<double>(devices, 1.0) : speed);
@@ -560,7 +593,7 @@ Prediction predict(const Workload& w, const HardwareProfile& hw, int devices, co
   for (int i = 0; i < devices; ++i) {
     times.push_back(
         device_times(sizes, p.batch_shares[i], hw.devices[i], w, hw.step_overhead_s, devices == 1, use_phases,
-                     p.graphs));
+                     p.graphs, sharing));
     const DeviceTimes& t = times.back();
     compute_end = std::max(compute_end, t.forward + t.backward);
     p.forward_s = std::max(p.forward_s, t.forward);

@@ -45,7 +45,12 @@ struct GemmRate {
 struct LayerTimes {
   std::vector<double> rows, widths;  // ascending, >= 2 each; in and out share the widths
   std::vector<double> forward, backward, backward_weights;  // [(r * W + i) * W + o] seconds
+  // The same grid timed with the last-level cache emptied before each call: a layer as a
+  // step meets it whose arrays outgrow that cache (every layer's weights, gradients and
+  // optimizer state in turn). Empty: not measured (the warm tables serve).
+  std::vector<double> forward_cold, backward_cold, backward_weights_cold;
   bool enabled() const { return !rows.empty(); }
+  bool has_cold() const { return !forward_cold.empty(); }
   void check(const std::string& what) const;  // throws ConfigError on a malformed grid
   double at(const std::vector<double>& table, double rows, double in, double out) const;
 };
@@ -96,6 +101,10 @@ struct DeviceProfile {
   // multi-rank step), `layers_alone` with one rank computing (a 1-rank step).
   // When present they replace the GEMM rate for fp32 layers.
   LayerTimes layers, layers_alone;
+  // The last-level cache the ranks of a node share (topo: sysfs), bytes; 0: unknown.
+  // A step whose ranks' arrays exceed it takes its layers between the warm and the cold
+  // tables, by the share of those arrays the cache cannot hold.
+  double cache_bytes = 0.0;
   // CPU: bytes/s of elementwise passes (y += a x) by the bytes a pass moves, as
   // topo measured them; caches make small passes faster. With every rank of the
   // node at once / one rank alone, as above; ascending bytes, interpolated in

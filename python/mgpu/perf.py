@@ -382,8 +382,13 @@ def _table_to_core(table, d: dict, what: str, lists: tuple, ints: tuple = ()):
     return table
 
 
+LAYER_COLD_KEYS = ("forward_cold", "backward_cold", "backward_weights_cold")
+
+
 def _layers_to_core(d: dict, what: str):
-    return _table_to_core(P.LayerTimes(), d, what, ("rows", "widths", "forward", "backward", "backward_weights"))
+    # the cold tables where topo timed them (calibrations from before have the warm ones only)
+    cold = LAYER_COLD_KEYS if any(key in d for key in LAYER_COLD_KEYS) else ()
+    return _table_to_core(P.LayerTimes(), d, what, ("rows", "widths", "forward", "backward", "backward_weights", *cold))
 
 
 def _phases_to_core(d: dict, what: str):
@@ -417,6 +422,7 @@ def to_core(profile: dict, devices: Optional[int] = None):
             d.captures = e.get("captures", True) is not False  # topo found capture failing: training runs uncaptured
             d.context_bytes = float(e.get("context_bytes", 0.0))
             d.dropout_s_per_unit = float(e.get("dropout_s_per_unit", 0.0))
+            d.cache_bytes = float(e.get("cache_bytes", 0.0))
             if e.get("layer_times"):
                 d.layers = _layers_to_core(e["layer_times"], f"{d.name} layer times")
             if e.get("layer_times_alone"):

@@ -18,8 +18,10 @@ then fits the alpha-beta allreduce model and writes the profile (JSON).
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
 import platform
+import re
 import socket
 import sys
 import time
@@ -30,8 +32,8 @@ import numpy as np
 
 from . import __version__, _core, gpus_emulated
 from .errors import ConfigError, DeviceError
-from .perf import (PRECISIONS, PROBE_LAYERS, PROBE_ROWS, PROFILE_FORMAT, PROFILE_VERSION, default_profile_path,
-                   net_step_overheads, save_profile)
+from .perf import (LAYER_COLD_KEYS, PRECISIONS, PROBE_LAYERS, PROBE_ROWS, PROFILE_FORMAT, PROFILE_VERSION,
+                   default_profile_path, net_step_overheads, save_profile)
 from .telemetry import host_meminfo
 
 GEMM_SIZES = (32, 64, 128, 256, 512, 1024, 2048)
@@ -96,23 +98,54 @@ def measure_gemm(backend, precision: str, quick: bool) -> list:
     return [(w, float(np.median(rs))) for w, rs in sorted(merged.items())]
 
 
-def measure_layer_times(backend, quick: bool, before_each=None) -> dict:
+# Cold layer times: only where a layer's weights are large enough for the caches to
+# matter and its GEMMs short enough for their loads to (elsewhere the warm time serves).
+COLD_MIN_WEIGHT_BYTES, COLD_MAX_ROWS = 256 * 1024, 256
+
+
+def last_level_cache_bytes() -> float:
+    """The largest CPU cache of this host as sysfs lists it (cpu0's), bytes; 0 if unknown."""
+    largest = 0.0
+    for index in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*"):
+        try:
+            with open(os.path.join(index, "size")) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        m = re.fullmatch(r"(\d+)([KMG]?)", text)
+        if m:
+            largest = max(largest, float(m.group(1)) * {"": 1, "K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30}[m.group(2)])
+    return largest
+
+
+def measure_layer_times(backend, quick: bool, before_each=None, cache_bytes: float = 0.0) -> dict:
     """fp32 seconds of a Linear layer on the grid rows x in x out, as training calls it:
     forward (GEMM and bias), backward (input and weight gradients, bias sums) and
     backward without the input gradient (the first layer). before_each(), when given,
-    runs before each shape: ranks measuring together stay in step, shape by shape."""
+    runs before each shape: ranks measuring together stay in step, shape by shape.
+    cache_bytes > 0: also the same shapes cold (`*_cold`), each call after sweeping
+    twice that much memory, as a step meets its layers when its arrays outgrow the cache."""
     rows, widths = (LAYER_ROWS_QUICK, LAYER_WIDTHS_QUICK) if quick else (LAYER_ROWS, LAYER_WIDTHS)
-    tables = {"forward": [], "backward": [], "backward_weights": []}
+    kinds = {"forward": lambda r, i, o, n, sweep: _core.time_linear(backend, r, i, o, n, sweep_bytes=sweep),
+             "backward": lambda r, i, o, n, sweep: _core.time_linear_backward(backend, r, i, o, n, sweep_bytes=sweep),
+             "backward_weights": lambda r, i, o, n, sweep: _core.time_linear_backward(
+                 backend, r, i, o, n, input_gradient=False, sweep_bytes=sweep)}
+    cold = cache_bytes > 0
+    tables = {name: [] for name in kinds}
+    tables.update({f"{name}_cold": [] for name in kinds} if cold else {})
     for r in rows:
         for i in widths:
             for o in widths:
                 if before_each is not None:
                     before_each()
                 repeats = max(3, min(25, int(3e8 / (6.0 * r * i * o))))
-                tables["forward"].append(_median(_core.time_linear(backend, r, i, o, repeats)))
-                tables["backward"].append(_median(_core.time_linear_backward(backend, r, i, o, repeats)))
-                tables["backward_weights"].append(
-                    _median(_core.time_linear_backward(backend, r, i, o, repeats, input_gradient=False)))
+                timed_cold = cold and 4.0 * i * o >= COLD_MIN_WEIGHT_BYTES and r <= COLD_MAX_ROWS
+                for name, time in kinds.items():
+                    warm = _median(time(r, i, o, repeats, 0))
+                    tables[name].append(warm)
+                    if cold:
+                        tables[f"{name}_cold"].append(
+                            _median(time(r, i, o, 3, int(2 * cache_bytes))) if timed_cold else warm)
     return {"rows": list(rows), "widths": list(widths), **tables}
 
 
@@ -178,17 +211,19 @@ def _sleeping_barrier(pg) -> None:
 
 
 def measure_cpu_tables(pg, backend, threads: int, quick: bool) -> dict:
-    """Collective: the layer times, pass bandwidths and in-step phases of this rank with
-    every rank computing at once (a multi-rank step's view of the machine: the ranks
-    share caches and memory bandwidth), and rank 0's while every other rank sleeps (a
-    1-rank step's)."""
+    """Collective: the layer times (warm and cold), pass bandwidths and in-step phases of
+    this rank with every rank computing at once (a multi-rank step's view of the
+    machine: the ranks share caches and memory bandwidth), and rank 0's while every
+    other rank sleeps (a 1-rank step's); the last-level cache they share."""
+    cache = last_level_cache_bytes()
+
     def measure(group, before_each) -> dict:
-        return {"layer_times": measure_layer_times(backend, quick, before_each),
+        return {"layer_times": measure_layer_times(backend, quick, before_each, cache),
                 "pass_bandwidth": measure_pass_bandwidth(backend, quick, before_each),
                 "step_phases": measure_step_phases(group, "cpu", threads, quick)}
     if pg.size == 1 or pg.comm is None:
-        return measure(pg, None)
-    tables = measure(pg, pg.barrier)
+        return {**measure(pg, None), "cache_bytes": cache}
+    tables = {**measure(pg, pg.barrier), "cache_bytes": cache}
     if pg.is_root:
         tables.update({f"{key}_alone": table for key, table in measure(_self_group(), None).items()})
     _sleeping_barrier(pg)
@@ -205,7 +240,7 @@ def homogenize(entries: list) -> None:
         if len(same) < 2:
             continue
         for key in ("memory_bandwidth", "launch_overhead_s", "graph_node_s", "host_to_device_bandwidth", "step_overhead_s",
-                    "dropout_s_per_unit", "memory_bytes"):
+                    "dropout_s_per_unit", "memory_bytes", "cache_bytes"):
             if all(key in e for e in same):
                 value = float(np.median([e[key] for e in same]))
                 for e in same:
@@ -220,11 +255,11 @@ def homogenize(entries: list) -> None:
                 for e in same:
                     e[prec] = fitted
         # measured tables: the median cell by cell, on the first rank's axes
-        for key, measured in (("layer_times", ("forward", "backward", "backward_weights")),
+        for key, measured in (("layer_times", ("forward", "backward", "backward_weights", *LAYER_COLD_KEYS)),
                               ("step_phases", ("update_s", "wait_s", "wait_spread_s"))):
             if all(key in e for e in same):
                 table = {**same[0][key], **{k: np.median([e[key][k] for e in same], axis=0).tolist()
-                                            for k in measured}}
+                                            for k in measured if all(k in e[key] for e in same)}}
                 for e in same:
                     e[key] = table
         if all("pass_bandwidth" in e for e in same):
@@ -602,7 +637,9 @@ def _cpu_tables_line(d: dict) -> str:
     wait in a real step, with every rank busy against rank 0 alone."""
     busy, alone = d["step_phases"], d.get("step_phases_alone", d["step_phases"])
     grid = d["layer_times"]
-    text = (f"layer times on {len(grid['rows'])} rows x {len(grid['widths'])}x{len(grid['widths'])} widths; "
+    cold = (f", warm and cold (after sweeping {2 * d['cache_bytes'] / 2 ** 20:.0f} MiB: a last-level cache of "
+            f"{d['cache_bytes'] / 2 ** 20:.0f} MiB)" if "forward_cold" in grid and d.get("cache_bytes") else "")
+    text = (f"layer times on {len(grid['rows'])} rows x {len(grid['widths'])}x{len(grid['widths'])} widths{cold}; "
             f"in training at {busy['params'][-1] / 1e6:.1f}M params: update {busy['update_s'][-1] * 1e3:.2f} ms, "
             f"wait after backward {busy['wait_s'][-1] * 1e3:.2f} ms with {busy['ranks']} rank(s) busy")
     if alone is not busy:

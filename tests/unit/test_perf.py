@@ -413,6 +413,53 @@ def test_measured_layer_times_replace_the_gemm_rate_and_one_rank_uses_its_alone_
     assert P.predict(w, perf.to_core(tabled), 1, P.Options()).forward_s < p_tab.forward_s
 
 
+def cold_grid(factor):
+    """layer_grid(multilinear) with cold tables `factor` times the warm ones."""
+    grid = layer_grid(multilinear)
+    grid.update({f"{k}_cold": [factor * t for t in grid[k]] for k in ("forward", "backward", "backward_weights")})
+    return grid
+
+
+def test_layers_take_the_cold_tables_by_the_share_of_the_steps_arrays_the_cache_cannot_hold():
+    layers, batch = (32, 128, 128, 8), 64
+    base = device(flops=1e11, bandwidth=1e11, kind="cpu")
+    warm = layer_grid(multilinear)
+    arrays = perf.training_memory_bytes(list(layers), batch // 2, optimizer="sgd")  # one rank of two
+
+    def at(cache, grid=cold_grid(3.0), n=2):
+        prof = profile([{**base, "layer_times": grid, "layer_times_alone": grid, "cache_bytes": cache}] * 2)
+        return predict(prof, n, layers, batch)
+    plain = at(0.0, warm)
+    # no cache size, or one that holds both ranks' arrays: the warm tables
+    assert at(0.0).forward_s == pytest.approx(plain.forward_s, rel=1e-12)
+    assert at(2 * arrays * 1.01).backward_s == pytest.approx(plain.backward_s, rel=1e-12)
+    # a cache holding half of the two ranks' arrays: halfway to the cold tables (3x): 2x the layers
+    layer_fwd = sum(perf._layers_to_core(warm, "w").forward_s(batch // 2, layers[l], layers[l + 1]) for l in range(3))
+    half = at(arrays)
+    assert half.forward_s - plain.forward_s == pytest.approx(layer_fwd, rel=1e-9)
+    assert plain.backward_s < half.backward_s < at(arrays / 100).backward_s
+    # one rank alone: its own arrays (of the whole batch) against the cache, no other rank's
+    alone = perf.training_memory_bytes(list(layers), batch, optimizer="sgd")
+    assert at(alone * 1.01, n=1).forward_s == pytest.approx(at(alone * 1.01, warm, n=1).forward_s, rel=1e-12)
+    assert at(alone / 2, n=1).forward_s > at(alone / 2, warm, n=1).forward_s
+    # a calibration from before the cold tables: the warm ones whatever the cache
+    assert at(arrays / 100, warm).forward_s == pytest.approx(plain.forward_s, rel=1e-12)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda g: g["forward_cold"].pop(), "a cold table holds"),
+    (lambda g: g.pop("backward_cold"), "malformed"),
+    (lambda g: g["backward_weights_cold"].__setitem__(2, -1.0), "positive"),
+])
+def test_malformed_cold_layer_times_are_refused(change, message):
+    grid = cold_grid(2.0)
+    change(grid)
+    with pytest.raises(mgpu.ConfigError, match=message):
+        predict(profile([{**device(kind="cpu"), "layer_times": grid}] * 2), 2)
+    with pytest.raises(mgpu.ConfigError, match="cache size must be finite"):
+        predict(profile([{**device(kind="cpu"), "cache_bytes": float("nan")}] * 2), 2)
+
+
 def test_pass_bandwidth_by_size_prices_the_update_and_one_rank_uses_its_alone_table():
     layers, batch = (256, 1024, 1024, 8), 64
     params = 256 * 1024 + 1024 + 1024 * 1024 + 1024 + 1024 * 8 + 8
@@ -720,6 +767,24 @@ def test_graph_replay_timer_checks_its_input_and_topo_measures_a_node_cost():
     assert len(times) == 4 and all(t > 0 for t in times)
     node = topo.measure_graph_node(be, quick=True)
     assert math.isfinite(node) and node >= 0
+
+
+def test_cold_layer_timings_sweep_the_cache_and_topo_times_them_where_weights_are_large(monkeypatch):
+    from mgpu import _core, topo
+    be = _core.make_backend("cpu", 0, 1)
+    for times in (_core.time_linear(be, 4, 256, 256, 3, sweep_bytes=4 << 20),
+                  _core.time_linear_backward(be, 4, 256, 256, 3, input_gradient=False, sweep_bytes=4 << 20)):
+        assert len(times) == 3 and min(times) > 0
+    monkeypatch.setattr(topo, "LAYER_ROWS_QUICK", (1, 512))
+    grid = topo.measure_layer_times(be, quick=True, cache_bytes=1 << 20)
+    widths, cells = grid["widths"], len(grid["rows"]) * len(grid["widths"]) ** 2
+    assert all(len(grid[f"{k}_cold"]) == cells for k in ("forward", "backward", "backward_weights"))
+    for n, (r, i, o) in enumerate((r, i, o) for r in grid["rows"] for i in widths for o in widths):
+        timed = 4 * i * o >= topo.COLD_MIN_WEIGHT_BYTES and r <= topo.COLD_MAX_ROWS
+        # elsewhere the warm time stands for the cold one
+        assert (grid["forward_cold"][n] == grid["forward"][n]) != timed, (r, i, o)
+    assert "forward_cold" not in topo.measure_layer_times(be, quick=True)  # no cache size: warm only
+    assert topo.last_level_cache_bytes() >= 0
 
 
 def test_a_device_that_cannot_capture_is_marked_and_priced_uncaptured(monkeypatch, capsys):
