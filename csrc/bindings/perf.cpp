@@ -24,29 +24,37 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-// Seconds of each of `repeats` timed calls of fn (after one untimed warm-up). On
-// a device backend a call is what it costs in a step's stream of calls: a sample
-// is the mean of back-to-back calls filling about a millisecond between two waits
-// (a step waits once, not after every kernel; one call with its wait would add the
-// wait's latency to every GEMM and kernel priced from it). Host backends: one call.
 // Host memory swept between timed calls (read and written, a cache line at a time), so
-// that each call finds its arrays evicted from a last-level cache smaller than it.
+// that each call finds its arrays evicted from a last-level cache smaller than it. One
+// buffer per thread, kept: topo sweeps before each of a few thousand timed calls.
 class CacheSweep {
  public:
-  explicit CacheSweep(size_t bytes) : lines_(bytes / sizeof(Line)) {}
+  explicit CacheSweep(size_t bytes) : count_(bytes / sizeof(Line)) {
+    if (buffer().size() < count_) buffer().resize(count_);
+  }
   void operator()() {
-    for (Line& line : lines_) line.v[0] += 1;
-    sink_ = lines_.empty() ? 0 : lines_.back().v[0];
+    Line* lines = buffer().data();
+    for (size_t i = 0; i < count_; ++i) lines[i].v[0] += 1;
+    sink_ = count_ ? lines[count_ - 1].v[0] : 0;
   }
 
  private:
   struct alignas(64) Line {
     uint64_t v[8] = {};
   };
-  std::vector<Line> lines_;
+  static std::vector<Line>& buffer() {
+    static thread_local std::vector<Line> lines;
+    return lines;
+  }
+  size_t count_;
   volatile uint64_t sink_ = 0;
 };
 
+// Seconds of each of `repeats` timed calls of fn (after one untimed warm-up). On
+// a device backend a call is what it costs in a step's stream of calls: a sample
+// is the mean of back-to-back calls filling about a millisecond between two waits
+// (a step waits once, not after every kernel; one call with its wait would add the
+// wait's latency to every GEMM and kernel priced from it). Host backends: one call.
 template <typename Fn>
 std::vector<double> time_calls(Backend& be, int repeats, Fn fn, size_t sweep_bytes = 0) {
   MGPU_CHECK(repeats >= 1, ConfigError, "repeats must be >= 1");

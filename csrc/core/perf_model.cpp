@@ -37,6 +37,12 @@ std::string device_word(const HardwareProfile& hw, int n) {
   const bool cpu = !hw.devices.empty() && hw.devices[0].kind == "cpu";
   return std::to_string(n) + (cpu ? (n == 1 ? " CPU rank" : " CPU ranks") : (n == 1 ? " GPU" : " GPUs"));
 }
+// Whether the first n devices differ (by name) from the first: mixed GPUs.
+bool mixed_devices(const HardwareProfile& hw, int n) {
+  for (int i = 1; i < n; ++i)
+    if (hw.devices[i].name != hw.devices[0].name) return true;
+  return false;
+}
 
 // y at x over measured points (ascending x): clamped at the ends, linear in log(x)
 // between them, and in log(y) too with log_y.
@@ -104,11 +110,15 @@ DeviceTimes device_times(const std::vector<int>& sizes, int64_t b, const DeviceP
   // Measured layer times, where topo took them, at the precision they were taken at.
   const LayerTimes* measured = alone && d.layers_alone.enabled() ? &d.layers_alone : &d.layers;
   if (w.precision != "fp32" || !measured->enabled()) measured = nullptr;
+  // With --accumulate K the step runs K micro-batches one after another, the rows
+  // split as the trainer splits them (b mod K of them one row larger, the last among
+  // them), and only the last one's backward releases buckets: the others' come first.
+  const int64_t micro_batches = std::min<int64_t>(w.accumulate, std::max<int64_t>(b, 1));
   // Warm tables time a layer on arrays the caches hold; a step whose arrays outgrow the
-  // last-level cache meets its layers between them and the cold ones.
-  const int64_t micro_rows = (b + std::max<int64_t>(w.accumulate, 1) - 1) / std::max<int64_t>(w.accumulate, 1);
-  const double miss = measured && measured->has_cold() ? cache_miss_share(sizes, micro_rows, w, d, alone ? 1 : sharing)
-                                                       : 0.0;
+  // last-level cache (its largest micro-batch's) meets its layers between them and the cold ones.
+  const double miss = measured && measured->has_cold()
+                          ? cache_miss_share(sizes, (b + micro_batches - 1) / micro_batches, w, d, alone ? 1 : sharing)
+                          : 0.0;
   auto layer = [&](const std::vector<double>& warm, const std::vector<double>& cold, double R, double in, double out) {
     const double t = measured->at(warm, R, in, out);
     return miss > 0 ? t + miss * (measured->at(cold, R, in, out) - t) : t;
@@ -186,10 +196,6 @@ DeviceTimes device_times(const std::vector<int>& sizes, int64_t b, const DeviceP
     }
     return m;
   };
-  // With --accumulate K the step runs K micro-batches one after another, the rows
-  // split as the trainer splits them (b mod K of them one row larger, the last among
-  // them), and only the last one's backward releases buckets: the others' come first.
-  const int64_t micro_batches = std::min<int64_t>(w.accumulate, std::max<int64_t>(b, 1));
   if (b > 0) {
     const int64_t small = b / micro_batches, larger = b % micro_batches;
     // the first is one of the smaller ones (Trainer.step's bounds), and writes the gradients
@@ -855,9 +861,7 @@ Recommendation recommend(const Workload& w, const HardwareProfile& hw, const Opt
   }
   for (const Prediction& p : r.candidates) {
     // Unequal devices: say what the slower ones add over the first (fastest) alone, and the shares.
-    bool mixed = false;
-    for (int i = 1; i < p.devices; ++i) mixed |= hw.devices[i].name != hw.devices[0].name;
-    if (!mixed || !one) continue;
+    if (!mixed_devices(hw, p.devices) || !one) continue;
     std::string names, shares, flag;
     for (int i = 0; i < p.devices; ++i) {
       names += (i ? " + " : "") + hw.devices[i].name;
@@ -890,10 +894,9 @@ Recommendation recommend(const Workload& w, const HardwareProfile& hw, const Opt
   for (int n : too_many)
     r.reasons.push_back(device_word(hw, n) + " left out: " + rows_text + verb + " some of them no sample");
   const Prediction& chosen = best ? *best : r.candidates.front();
-  bool unequal = false;  // unequal devices: the figures are the one nearest its capacity
-  for (int i = 1; i < chosen.devices; ++i) unequal |= hw.devices[i].name != hw.devices[0].name;
+  // unequal devices: the figures are the one nearest its capacity
   r.reasons.push_back("memory: " + bytes_text(chosen.memory_bytes) +
-                      (unequal ? " on the device nearest its capacity" : " per device") +
+                      (mixed_devices(hw, chosen.devices) ? " on the device nearest its capacity" : " per device") +
                       (chosen.memory_usable_bytes > 0 ? " of " + bytes_text(chosen.memory_usable_bytes) + " usable" : ""));
   r.reasons.push_back("profile '" + hw.name + "' (" + hw.source + ")" +
                       (hw.source == "calibrated" ? "" : ": run `python -m mgpu topo` on the machine to calibrate"));
