@@ -59,6 +59,22 @@ def test_topo_measures_devices_and_a_bit_exact_allreduce_sweep(calibration):
         # the step overhead: the probe's step less the model's price of the probe's own work
         assert 0 <= dev["step_overhead_s"] < dev["probe_step_s"]
     assert profile["step_overhead_s"] == max(dev["step_overhead_s"] for dev in profile["devices"])
+    # where the ranks' cores sat: a cache line's round trip between their CPUs, read at the
+    # calibration's start, around each try at the probe of the wait after backward (again
+    # while the cores moved during it), and at its end
+    placement = profile["placement"]
+    ns = placement["readings_ns"]
+    pairs = [ns[i:i + 2] for i in range(1, len(ns) - 1, 2)]  # [start, (before, after) per probe..., end]
+    assert len(set(placement["cpus"])) == 2 and len(ns) % 2 == 0 and 1 <= len(pairs) <= 4
+    assert placement["wait_probe_ns"] in pairs and all(5 < t < 1e5 for t in ns), placement
+    # the readings taken at times that did not depend on the placement: the start, the first
+    # probe's, the watch's (one or more), the end
+    samples = placement["samples_ns"]
+    assert samples[0] == ns[0] and samples[-1] == ns[-1] and len(samples) >= 4
+    if "other_wait_probe_ns" in placement:  # the cores went elsewhere: the wait was probed there too
+        assert placement["other_wait_probe_ns"] == pairs[-1] and 0 < placement["other_share"] <= 1
+        assert all(dev["step_phases_other_placement"]["ranks"] == 2 for dev in profile["devices"])
+    assert f"ranks' cores (CPUs {placement['cpus'][0]} and {placement['cpus'][1]})" in r.stdout
     for key in ("layer_times", "pass_bandwidth", "step_phases", "layer_times_alone", "pass_bandwidth_alone",
                 "step_phases_alone"):
         assert profile["devices"][0][key] == profile["devices"][1][key], key  # identical devices: one table
@@ -168,6 +184,11 @@ def test_bench_launches_each_rank_count_and_validates_the_selector(calibration, 
     assert len(result["validation"]) == 2
     assert all(len(v["measured_speedup_rounds"]) == 2 for v in result["validation"])
     assert "; rounds " in r.stdout
+    # where the ranks' cores sat before and after each round, beside topo's readings
+    for v in result["validation"]:
+        assert len(v["core_round_trip_ns"]) == 4 and len(v["calibrated_round_trip_ns"]) == 2
+        assert isinstance(v["placement_as_calibrated"], bool)
+    assert "the cores' round trip" in r.stdout
     two = {x["batch_size"]: x for x in rows if x["ranks"] == 2}
     for v in result["validation"]:
         assert v["predicted_speedup"] > 0 and v["selector_strategy"] in (

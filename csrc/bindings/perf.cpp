@@ -3,11 +3,17 @@
 // overhead of a backend), used by `mgpu topo`, `mgpu bench` and `mgpu recommend`.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
+#include <pthread.h>
+#include <sched.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cerrno>
 #include <chrono>
+#include <cstring>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "../core/async_signals.h"
@@ -216,6 +222,78 @@ class AllreduceProbe {
   BackendArray<float> buffer_;
 };
 
+// Nanoseconds for a cache line to go from CPU a to CPU b and back, the median of
+// `batches` batches of 64 round trips: about 50 ns between cores that share a
+// last-level cache on the machines we measured, several times that across cache
+// domains (chiplets, sockets). Two ranks' allreduce goes through that path, so on
+// a VM whose hypervisor moves the vCPUs between domains it tells which placement
+// a multi-rank timing ran in. Two threads, each pinned to its CPU; the caller's
+// affinity is left alone. A CPU that cannot be used throws; a partner that never
+// answers (its CPU taken away) ends the probe at the deadline instead of hanging.
+double core_round_trip_ns(int cpu_a, int cpu_b, int batches, double timeout_s) {
+  MGPU_CHECK(cpu_a >= 0 && cpu_b >= 0 && cpu_a != cpu_b && cpu_a < CPU_SETSIZE && cpu_b < CPU_SETSIZE,
+             ConfigError, "the round trip needs two different CPUs in [0, ", CPU_SETSIZE, "), got ", cpu_a,
+             " and ", cpu_b);
+  MGPU_CHECK(batches >= 1 && timeout_s > 0, ConfigError, "batches must be >= 1 and timeout_s > 0");
+  constexpr int kPerBatch = 64;
+  struct alignas(64) Shared {
+    std::atomic<int> ball{0};  // 1: the initiator's serve is in flight; 0: returned
+    char pad[60];
+    std::atomic<bool> give_up{false};
+    std::atomic<int> pin_errors[2] = {0, 0};
+  } shared;
+  const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s));
+  auto pin = [&](int cpu, int who) {
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    CPU_SET(cpu, &set);
+    const int rc = pthread_setaffinity_np(pthread_self(), sizeof(set), &set);
+    if (rc != 0) {
+      shared.pin_errors[who] = rc;
+      shared.give_up = true;
+    }
+    return rc == 0;
+  };
+  // Spins until `ball` reads `want`; false when the other side gave up or time ran out.
+  auto await = [&](int want) {
+    for (unsigned spins = 1;; ++spins) {
+      if (shared.ball.load(std::memory_order_acquire) == want) return true;
+      if ((spins & 4095) == 0 && (shared.give_up.load() || Clock::now() > deadline)) {
+        shared.give_up = true;
+        return false;
+      }
+    }
+  };
+  std::vector<double> ns(static_cast<size_t>(batches));
+  std::thread responder([&] {
+    if (!pin(cpu_b, 1)) return;
+    for (int i = 0; i < batches * kPerBatch; ++i) {
+      if (!await(1)) return;
+      shared.ball.store(0, std::memory_order_release);
+    }
+  });
+  std::thread initiator([&] {
+    if (!pin(cpu_a, 0)) return;
+    for (int b = 0; b < batches; ++b) {
+      const auto t0 = Clock::now();
+      for (int i = 0; i < kPerBatch; ++i) {
+        shared.ball.store(1, std::memory_order_release);
+        if (!await(0)) return;
+      }
+      ns[static_cast<size_t>(b)] = std::chrono::duration<double, std::nano>(Clock::now() - t0).count() / kPerBatch;
+    }
+  });
+  initiator.join();
+  responder.join();
+  for (int who = 0; who < 2; ++who)
+    MGPU_CHECK(shared.pin_errors[who] == 0, ConfigError, "cannot run a thread on CPU ", who == 0 ? cpu_a : cpu_b,
+               ": ", std::strerror(shared.pin_errors[who]));
+  MGPU_CHECK(!shared.give_up, DeviceError, "the cache-line round trip between CPUs ", cpu_a, " and ", cpu_b,
+             " did not finish within ", timeout_s, " s (a CPU busy with a higher-priority task?)");
+  std::nth_element(ns.begin(), ns.begin() + ns.size() / 2, ns.end());
+  return ns[ns.size() / 2];
+}
+
 }  // namespace
 
 void bind_perf(py::module_& m) {
@@ -246,6 +324,10 @@ void bind_perf(py::module_& m) {
         "Seconds of each timed replay of one captured graph of `nodes` tiny kernels (as time_calls times "
         "them: on a device, back to back between two waits): the difference between two node counts is the "
         "per-node cost of a replayed step.");
+  m.def("core_round_trip_ns", &core_round_trip_ns, py::arg("cpu_a"), py::arg("cpu_b"), py::arg("batches") = 32,
+        py::arg("timeout_s") = 2.0, py::call_guard<py::gil_scoped_release>(),
+        "Nanoseconds for a cache line to go from CPU cpu_a to cpu_b and back (median of batches of 64): "
+        "which cache domains two ranks' cores share.");
   m.def("time_axpy", &time_axpy, py::arg("backend"), py::arg("n"), py::arg("repeats") = 5,
         py::call_guard<py::gil_scoped_release>(),
         "Seconds of each timed y += a x over n floats (12 bytes per element): bandwidth and, for tiny n, "

@@ -223,11 +223,17 @@ def run_worker(pg, a, repeats: Optional[int] = None) -> list:
     if pg.is_root and not a.no_progress:
         from tqdm.auto import tqdm
         bar = tqdm(total=len(a.batch_sizes), desc=f"bench {pg.size} rank(s)", unit="batch", file=sys.stderr)
+    # where the ranks' cores sat, as `topo` records it: a multi-rank wait depends on it
+    placement = pg.core_round_trip_ns if device == "cpu" and pg.size > 1 else lambda: None
     for batch in a.batch_sizes:
+        before = placement()
         row = measure(pg, sizes, dropout, batch, optimizer=a.optimizer, warmup=a.warmup, steps=a.steps,
                       repeats=repeats or a.repeats, device=device, device_index=device_index, threads=threads,
                       precision=a.precision, graph=a.cuda_graph, accumulate=a.accumulate, grad_dtype=a.grad_dtype,
                       observe=a.observe)
+        after = placement()
+        if before is not None and after is not None:
+            row["core_round_trip_ns"] = [before["ns"], after["ns"]]
         local = -(-batch // pg.size)
         rate = gemm_rate(device, device_index, threads, sizes, local, a.precision)
         row["gemm_flops"] = pg.allreduce(rate, op="min")
@@ -327,6 +333,8 @@ def merge_rounds(rounds: list) -> list:
         row["breakdown_ms"] = {k: float(np.median([c["breakdown_ms"][k] for c in cells])) for k in row["breakdown_ms"]}
         row["peak_memory_bytes"] = max(c["peak_memory_bytes"] for c in cells)
         row["round_step_medians"] = [float(np.median(c["step_seconds"])) for c in cells]
+        if all("core_round_trip_ns" in c for c in cells):
+            row["core_round_trip_ns"] = [t for c in cells for t in c["core_round_trip_ns"]]
         if "torch" in row:
             peer = [t for c in cells for t in c["torch"]["step_seconds"]]
             stats = summarize(peer)
@@ -339,11 +347,22 @@ def merge_rounds(rounds: list) -> list:
     return merged
 
 
+def _predict(row: dict, profile: dict):
+    """The model's prediction of a row as it ran: its precision, whether its steps replayed
+    graphs, the batch split evenly (as the benchmark splits it)."""
+    from . import perf
+    w = perf._workload(None, row["layers"], None, row["batch_size"], row.get("precision", "fp32"),
+                       row.get("optimizer", "sgd"), 4.0, row.get("dropout", 0.0), row.get("grad_dtype", "fp32"),
+                       "on" if row.get("cuda_graph") else "off", int(row.get("accumulate", 1)))
+    options = perf.P.Options()
+    options.equal_shares = True
+    return perf.P.predict(w, perf.to_core(profile, row["ranks"]), row["ranks"], options)
+
+
 def add_derived(rows: list, profile: Optional[dict], thread_scaling: bool = False) -> None:
     """Speedup and efficiency against 1 rank (with `thread_scaling`, several thread counts
     measured: against the fewest ranks with the fewest threads, and efficiency per thread
     too); the allreduce floor and the selector's prediction."""
-    from . import perf
     by_batch = {}
     for r in rows:  # the base: 1 rank (its fewest threads); comparing threads, the fewest ranks
         if r["ranks"] == 1 or thread_scaling:
@@ -363,14 +382,7 @@ def add_derived(rows: list, profile: Optional[dict], thread_scaling: bool = Fals
             r["efficiency"] = r["speedup"] / scale
         if profile is not None:
             try:
-                # as the rows ran: their precision, and whether their steps replayed graphs
-                w = perf._workload(None, r["layers"], None, r["batch_size"], r.get("precision", "fp32"),
-                                   r.get("optimizer", "sgd"), 4.0, r.get("dropout", 0.0), r.get("grad_dtype", "fp32"),
-                                   "on" if r.get("cuda_graph") else "off", int(r.get("accumulate", 1)))
-                hw = perf.to_core(profile, r["ranks"])
-                options = perf.P.Options()
-                options.equal_shares = True  # as measured: the benchmark splits the batch evenly
-                p = perf.P.predict(w, hw, r["ranks"], options)
+                p = _predict(r, profile)
                 r["allreduce_floor_ms"] = p.comm_s * 1e3
                 r["predicted_step_ms"] = p.step_s * 1e3
                 r["predicted_speedup"] = p.speedup
@@ -414,6 +426,36 @@ def _graph_mode_used(cells: dict, a) -> str:
     return ("on" if True in used else "off") if len(used) == 1 else a.cuda_graph
 
 
+def _placement_against_calibration(cell: dict, profile: dict) -> dict:
+    """Where the ranks' cores sat in a multi-rank cell's rounds (read before and after
+    each) against where `topo` probed the wait: whether every round ran in the placement
+    of its first probe, and per placement it probed (first, and second where it found
+    the cores elsewhere), the rounds that ran wholly there, their measured speedup (the
+    median) and the prediction from that probe's wait. Nothing where either side is
+    unknown (one rank per node, GPUs, a profile from before)."""
+    from . import perf
+    from .process_group import placement_moved
+    measured, placement = cell.get("core_round_trip_ns"), profile.get("placement") or {}
+    if not measured or not placement.get("wait_probe_ns"):
+        return {"placement_as_calibrated": None}
+    out = {"core_round_trip_ns": measured, "calibrated_round_trip_ns": placement["wait_probe_ns"],
+           "placement_as_calibrated": not placement_moved(list(measured) + list(placement["wait_probe_ns"])),
+           "by_placement": []}
+    pairs = [measured[i:i + 2] for i in range(0, len(measured), 2)]
+    rounds = cell.get("speedup_rounds") or []
+    probes = [("first", placement["wait_probe_ns"], perf.placement_profile(profile, "first"))]
+    if placement.get("other_wait_probe_ns"):
+        probes.append(("second", placement["other_wait_probe_ns"], perf.placement_profile(profile, "second")))
+    for name, probed, prof in probes:
+        here = [s for s, pair in zip(rounds, pairs) if not placement_moved(list(pair) + list(probed))]
+        if here:
+            measured_speedup, predicted = float(np.median(here)), _predict(cell, prof).speedup
+            out["by_placement"].append({"probe": name, "calibrated_round_trip_ns": probed, "rounds": len(here),
+                                        "measured_speedup": measured_speedup, "predicted_speedup": predicted,
+                                        "relative_error": (predicted - measured_speedup) / measured_speedup})
+    return out
+
+
 def validate_selector(rows: list, profile: dict, a) -> list:
     """Per batch: measured vs predicted speedup per rank count, and whether the selector's pick was the faster."""
     from . import perf
@@ -442,6 +484,7 @@ def validate_selector(rows: list, profile: dict, a) -> list:
                         "predicted_step_1_ms": cells[1].get("predicted_step_ms"),
                         "measured_wait_ms": c["breakdown_ms"]["comm_wait"],
                         "predicted_wait_ms": (c.get("predicted_breakdown_ms") or {}).get("comm_wait"),
+                        **_placement_against_calibration(c, profile),
                         "selector_strategy": rec["strategy"], "selector_devices": rec["devices"],
                         "measured_fastest": fastest,
                         "picked_faster": None if rec["strategy"] == "benchmark_required" else rec["devices"] == fastest})
@@ -463,6 +506,16 @@ def format_validation(rows: list) -> str:
                        f"({v['predicted_step_1_ms']:.3g}), on {v['ranks']} {v['measured_step_ms']:.3g} "
                        f"({v['predicted_step_ms']:.3g}), wait after backward {v['measured_wait_ms']:.3g} "
                        f"({v['predicted_wait_ms']:.3g})")
+        if v.get("placement_as_calibrated") is not None:
+            seen, cal = v["core_round_trip_ns"], v["calibrated_round_trip_ns"]
+            spread += (f"; the cores' round trip {min(seen):.0f}-{max(seen):.0f} ns (topo's "
+                       f"{min(cal):.0f}-{max(cal):.0f}): "
+                       + ("as calibrated" if v["placement_as_calibrated"] else "ANOTHER PLACEMENT than topo's"))
+            spread += "".join(
+                f"; {b['rounds']} round(s) where topo's {b['probe']} probe of the wait ran "
+                f"({min(b['calibrated_round_trip_ns']):.0f}-{max(b['calibrated_round_trip_ns']):.0f} ns): "
+                f"{b['measured_speedup']:.2f}x, predicted {b['predicted_speedup']:.2f}x {b['relative_error']:+.0%}"
+                for b in v.get("by_placement", []))
         out.append(f"{v['batch_size']:>6} {v['ranks']:>5} {v['measured_speedup']:>8.2f}x {pred:>9} {err:>7}  "
                    f"{v['selector_strategy']} ({v['selector_devices']}) vs {v['measured_fastest']}: {verdict}{spread}")
     return "\n".join(out)

@@ -395,6 +395,84 @@ def _phases_to_core(d: dict, what: str):
     return _table_to_core(P.StepPhases(), d, what, ("params", "update_s", "wait_s", "wait_spread_s"), ("ranks",))
 
 
+def placement_moved_in(profile: dict) -> bool:
+    """Whether `topo` saw the ranks' cores change cache domains during the calibration
+    (profile["placement"], CPU calibrations of several ranks on a node since 2026-11-27)."""
+    from .process_group import placement_moved
+    placement = profile.get("placement")
+    if placement is None:
+        return False
+    try:
+        readings = [float(v) for v in placement["readings_ns"]]
+    except (KeyError, TypeError, ValueError):
+        readings = []
+    if not readings or not all(math.isfinite(v) and v > 0 for v in readings):
+        raise ConfigError(f"hardware profile '{profile.get('name', '?')}' is malformed (placement: readings_ns "
+                          "must be a list of positive round trips in ns)")
+    return placement_moved(readings)
+
+
+def placement_profile(profile: dict, probe: str) -> Optional[dict]:
+    """The calibration with the ranks' cores held where `topo`'s `probe` ("first", or
+    "second" where the watch found them elsewhere: profile["placement"]
+    ["other_wait_probe_ns"]) of the wait after backward found them: that probe's table on
+    every device, unweighted. None for "second" where topo probed one placement."""
+    placement = profile.get("placement") or {}
+    if "other_wait_probe_ns" not in placement:
+        return None if probe == "second" else profile
+    devices = list(profile.get("devices") or [])
+    if any("step_phases" in d and "step_phases_other_placement" not in d for d in devices):
+        raise ConfigError(f"hardware profile '{profile.get('name', '?')}' is malformed (placement: a second probe "
+                          "of the wait without every device's step_phases_other_placement)")
+    if probe == "first":
+        return {**profile, "placement": {**placement, "other_share": 0.0}}
+    return {**profile, "devices": [{**d, "step_phases": d["step_phases_other_placement"],
+                                    "step_phases_other_placement": d["step_phases"]}
+                                   if "step_phases" in d else d for d in devices],
+            "placement": {**placement, "wait_probe_ns": placement["other_wait_probe_ns"],
+                          "other_wait_probe_ns": placement["wait_probe_ns"], "other_share": 0.0}}
+
+
+def _other_share(profile: dict) -> float:
+    """The weight of the second probe's table (the share of topo's readings that found the
+    ranks' cores in its placement); 0 where there is none."""
+    placement = profile.get("placement") or {}
+    if "other_wait_probe_ns" not in placement:
+        return 0.0
+    try:
+        share = float(placement.get("other_share", 0.0))
+    except (TypeError, ValueError):
+        share = math.nan
+    if not 0.0 <= share <= 1.0:
+        raise ConfigError(f"hardware profile '{profile.get('name', '?')}' is malformed (placement: other_share "
+                          f"must be in [0, 1], got {placement.get('other_share')!r})")
+    return share
+
+
+def _placement_weighted(phases: dict, other: Optional[dict], share: float) -> dict:
+    """A device's multi-rank in-step phases where topo probed them in two placements of the
+    ranks' cores, which moved between them: each cell the two weighted by the share of
+    time the cores spent in each (a step's mean over a run that meets both)."""
+    if share == 0.0:
+        return phases
+    if other is None or list(other["params"]) != list(phases["params"]):
+        raise ConfigError("hardware profile is malformed (placement: step_phases_other_placement must be measured "
+                          "on the step_phases' parameter counts)")
+    return {**phases, **{k: [(1 - share) * float(a) + share * float(b) for a, b in zip(phases[k], other[k])]
+                         for k in ("update_s", "wait_s", "wait_spread_s")}}
+
+
+def _placement_widened(phases: dict, moved: bool) -> dict:
+    """A multi-rank wait measured in one placement of the cores may be met in another
+    (on our VMs the 2-rank wait after backward doubled across cache domains): where the
+    calibration saw them move, its spread, which widens the selector's error band, is at
+    least the wait itself."""
+    if not moved or int(phases.get("ranks", 1)) < 2:
+        return phases
+    return {**phases, "wait_spread_s": [max(float(s), float(w)) for s, w in zip(phases["wait_spread_s"],
+                                                                               phases["wait_s"])]}
+
+
 def to_core(profile: dict, devices: Optional[int] = None):
     """The C++ HardwareProfile of a profile dict (repeating the last device up to `devices`)."""
     try:
@@ -406,6 +484,7 @@ def to_core(profile: dict, devices: Optional[int] = None):
         if devices and devices > len(entries) and hw.source != "calibrated":
             entries += [entries[-1]] * (devices - len(entries))
         core_devices = []
+        moved, share = placement_moved_in(profile), _other_share(profile)
         for i, e in enumerate(entries):
             d = P.DeviceProfile()
             d.name, d.kind = str(e.get("name", f"device {i}")), str(e.get("kind", "cuda"))
@@ -430,7 +509,8 @@ def to_core(profile: dict, devices: Optional[int] = None):
             d.pass_bandwidth = [(float(b), float(r)) for b, r in e.get("pass_bandwidth", [])]
             d.pass_bandwidth_alone = [(float(b), float(r)) for b, r in e.get("pass_bandwidth_alone", [])]
             if e.get("step_phases"):
-                d.step_phases = _phases_to_core(e["step_phases"], f"{d.name} step phases")
+                phases = _placement_weighted(e["step_phases"], e.get("step_phases_other_placement"), share)
+                d.step_phases = _phases_to_core(_placement_widened(phases, moved), f"{d.name} step phases")
             if e.get("step_phases_alone"):
                 d.step_phases_alone = _phases_to_core(e["step_phases_alone"], f"{d.name} step phases (alone)")
             core_devices.append(d)
@@ -766,6 +846,22 @@ def recommend(*, model: Optional[str] = None, layers: Optional[Sequence[int]] = 
                                  f"{described // per_node}: more nodes of the same kind over the same inter-node "
                                  "link, priced by its model")
         result["confidence"] = min(result["confidence"], NAMED_CONFIDENCE)
+    if multi and placement_moved_in(prof):
+        readings = prof["placement"]["readings_ns"]
+        result["reasons"].append(f"the calibration saw the ranks' cores change cache domains (a cache line's round "
+                                 f"trip {min(readings):.0f}-{max(readings):.0f} ns), as a VM's vCPUs do when its "
+                                 "hypervisor moves them: a multi-rank wait after backward may be off by its own "
+                                 "size, and the error band widens by it")
+        second = placement_profile(prof, "second")
+        if second is not None:  # the same candidate with the cores held in either placement
+            here, there = (P.predict(w, to_core(p, counts[-1]), fastest.devices, options).speedup
+                           for p in (placement_profile(prof, "first"), second))
+            here_ns, there_ns = prof["placement"]["wait_probe_ns"], second["placement"]["wait_probe_ns"]
+            result["reasons"].append(
+                f"{fastest.devices} ranks: {here:.2f}x with the cores as the wait was first probed "
+                f"({min(here_ns):.0f}-{max(here_ns):.0f} ns), {there:.2f}x as it was probed again "
+                f"({min(there_ns):.0f}-{max(there_ns):.0f} ns); priced at {fastest.speedup:.2f}x, as "
+                f"{_other_share(prof):.0%} of topo's readings found them in the second placement")
     result["bucket"] = bucket
     result["bucket_mb_used"] = (fastest.bucket_elems if fastest else w.bucket_elems) * 4 / 2 ** 20
     result["sources"] = prof.get("sources", [])

@@ -18,8 +18,19 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from . import _core, gpus_emulated
-from .errors import CommError, ConfigError
+from .errors import CommError, ConfigError, MgpuError
 from .telemetry import host_meminfo
+
+
+# Round trips between the same two CPUs this many times apart come from two placements
+# of the cores (on our VMs: 50-100 ns within a last-level cache, 310-360 ns across), not
+# from one placement's noise (a few ns).
+PLACEMENT_RATIO = 2.0
+
+
+def placement_moved(readings_ns) -> bool:
+    """Whether core_round_trip_ns readings come from more than one placement of the cores."""
+    return bool(readings_ns) and max(readings_ns) > PLACEMENT_RATIO * min(readings_ns)
 
 
 def _import_mpi():
@@ -223,6 +234,36 @@ class ProcessGroup:
     def barrier(self, what: str = "barrier") -> None:
         if self.comm is not None:
             self._wait(self.comm.Ibarrier(), what)
+
+    def sleeping_barrier(self) -> None:
+        """A barrier that waits asleep: a rank left out of a measurement keeps off the cores
+        (and the memory bus) of the ranks that measure."""
+        if self.comm is None:
+            return
+        done = self.comm.Ibarrier()
+        while not done.Test():
+            time.sleep(0.002)
+
+    def core_round_trip_ns(self) -> Optional[dict]:
+        """Collective. On rank 0: {"cpus": [a, b], "ns": t}, a cache line's round trip
+        between rank 0's CPU and that of the next rank on its node (the first CPU each may
+        run on): tens of ns where the two share a last-level cache, several times more
+        across cache domains, which a hypervisor may move a VM's vCPUs between. None on
+        other ranks, with one rank on rank 0's node, or where the two have one CPU. The
+        other ranks wait asleep meanwhile, off the cores."""
+        cpus = self.allgather(sorted(os.sched_getaffinity(0)), what="CPU affinities")
+        reading, error = None, None
+        if self.is_root:
+            peers = [r for r in range(1, self.size) if self.hosts[r] == self.hosts[0]]
+            b = next((c for c in cpus[peers[0]] if c != cpus[0][0]), None) if peers else None
+            try:
+                if b is not None:
+                    reading = {"cpus": [cpus[0][0], b], "ns": _core.core_round_trip_ns(cpus[0][0], b)}
+            except MgpuError as e:  # the others must not wait for a reading that never comes
+                error = e
+        self.sleeping_barrier()
+        self.agree(error, what="the cores' round trip")
+        return reading
 
     def clock_offsets(self, clock: Callable[[], float], rounds: int = 8, what: str = "clock offsets") -> list:
         """Collective. On rank 0: for each rank, (offset, uncertainty) in seconds of its

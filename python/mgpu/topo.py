@@ -34,6 +34,7 @@ from . import __version__, _core, gpus_emulated
 from .errors import ConfigError, DeviceError
 from .perf import (LAYER_COLD_KEYS, PRECISIONS, PROBE_LAYERS, PROBE_ROWS, PROFILE_FORMAT, PROFILE_VERSION,
                    default_profile_path, net_step_overheads, save_profile)
+from .process_group import placement_moved
 from .telemetry import host_meminfo
 
 GEMM_SIZES = (32, 64, 128, 256, 512, 1024, 2048)
@@ -52,6 +53,11 @@ PASS_FLOATS, PASS_FLOATS_QUICK = tuple(1 << k for k in range(15, 26, 2)), (1 << 
 # a factor of 2 in parameters between them, as the caches' edges make steep steps.
 STEP_WIDTHS = (128, 181, 256, 362, 512, 724, 1024, 1448, 2048, 2896)
 STEP_WIDTHS_QUICK, STEP_ROWS = (128, 724), 8
+# Tries at a probe of the wait that starts and ends in one placement of the ranks' cores
+# (each 3-4 s here; on our VMs the hypervisor moved the vCPUs every few seconds to minutes).
+PLACEMENT_TRIES = 3
+# Then how long topo watches for the cores in a second placement, to probe the wait there too.
+PLACEMENT_WATCH_S, PLACEMENT_WATCH_QUICK_S = 10.0, 1.0
 MiB = 1 << 20
 
 
@@ -202,12 +208,60 @@ def measure_step_phases(pg, backend_kind: str, threads: int, quick: bool) -> dic
     return table
 
 
-def _sleeping_barrier(pg) -> None:
-    """A barrier that waits asleep: a rank left out of a measurement keeps off the cores
-    (and the memory bus) of the ranks that measure."""
-    done = pg.comm.Ibarrier()
-    while not done.Test():
-        time.sleep(0.002)
+def step_phases_in_one_placement(pg, threads: int, quick: bool, readings: list) -> dict:
+    """Collective: measure_step_phases between two readings of where the ranks' cores sit
+    (appended to `readings` on rank 0), measured again, up to PLACEMENT_TRIES times, while
+    the two differ: a wait timed partly in one placement and partly in another is
+    neither's. The last try is kept; the readings around it say whether it moved too."""
+    for _ in range(PLACEMENT_TRIES):
+        before = pg.core_round_trip_ns()
+        table = measure_step_phases(pg, "cpu", threads, quick)
+        after = pg.core_round_trip_ns()
+        if before is not None:
+            readings += [before, after]
+        if not pg.bcast(before is not None and placement_moved([before["ns"], after["ns"]]), what="placement"):
+            return table
+    return table
+
+
+def step_phases_by_placement(pg, threads: int, quick: bool, readings: list) -> dict:
+    """Collective: the wait's tables by placement of the ranks' cores: {"first": as
+    step_phases_in_one_placement measures it, "home": its [before, after] readings,
+    "second": the table in another placement or None, "other": its readings or None,
+    "watched": the watch's readings, "first_readings": how many of `readings` there were
+    up to the first's}. After the first, the cores are read every half
+    second for PLACEMENT_WATCH_S (a sample of how long they stay where: the selector
+    weighs the two tables by it), and where they are first found elsewhere the wait is
+    probed there too (kept if they stayed for the probe). Rank 0 reads; every rank gets
+    its decisions and its own tables."""
+    first = step_phases_in_one_placement(pg, threads, quick, readings)
+    home = [r["ns"] for r in readings[-2:]] if pg.is_root and readings[-1] is not None else None
+    out = {"first": first, "home": home, "second": None, "other": None, "watched": [], "first_readings": len(readings)}
+    deadline = time.monotonic() + (PLACEMENT_WATCH_QUICK_S if quick else PLACEMENT_WATCH_S)
+    # (a first probe the cores left in every try has no placement to tell another from)
+    while not pg.bcast(home is None or placement_moved(home) or time.monotonic() > deadline, what="placement"):
+        now = pg.core_round_trip_ns()
+        if pg.is_root:
+            out["watched"].append(now["ns"])
+        if not pg.bcast(pg.is_root and out["second"] is None and placement_moved(home + [now["ns"]]),
+                        what="placement"):
+            time.sleep(0.5)
+            continue
+        table = measure_step_phases(pg, "cpu", threads, quick)
+        after = pg.core_round_trip_ns()
+        if pg.is_root:
+            readings += [now, after]
+        if pg.bcast(pg.is_root and not placement_moved([now["ns"], after["ns"]]), what="placement"):
+            out["second"], out["other"] = table, [now["ns"], after["ns"]] if pg.is_root else None
+    return out
+
+
+def other_share(samples_ns: list, home: list, other: list) -> float:
+    """Of the readings taken at times that did not depend on where the cores were, the
+    share found in the second placement (among those in either)."""
+    there = sum(not placement_moved(other + [t]) for t in samples_ns)
+    here = sum(not placement_moved(home + [t]) for t in samples_ns)
+    return there / (here + there) if here + there else 0.0
 
 
 def measure_cpu_tables(pg, backend, threads: int, quick: bool) -> dict:
@@ -217,16 +271,32 @@ def measure_cpu_tables(pg, backend, threads: int, quick: bool) -> dict:
     other rank sleeps (a 1-rank step's); the last-level cache they share."""
     cache = last_level_cache_bytes()
 
-    def measure(group, before_each) -> dict:
+    def measure(group, before_each, step_phases=None) -> dict:
         return {"layer_times": measure_layer_times(backend, quick, before_each, cache),
                 "pass_bandwidth": measure_pass_bandwidth(backend, quick, before_each),
-                "step_phases": measure_step_phases(group, "cpu", threads, quick)}
+                "step_phases": (step_phases or (lambda: measure_step_phases(group, "cpu", threads, quick)))()}
     if pg.size == 1 or pg.comm is None:
         return {**measure(pg, None), "cache_bytes": cache}
-    tables = {**measure(pg, pg.barrier), "cache_bytes": cache}
+    readings = [pg.core_round_trip_ns()]
+    probes = {}
+
+    def step_phases():
+        probes.update(step_phases_by_placement(pg, threads, quick, readings))
+        return probes["first"]
+    tables = {**measure(pg, pg.barrier, step_phases), "cache_bytes": cache}
+    if probes["second"] is not None:  # every rank's own timings of it, as of step_phases
+        tables["step_phases_other_placement"] = probes["second"]
     if pg.is_root:
         tables.update({f"{key}_alone": table for key, table in measure(_self_group(), None).items()})
-    _sleeping_barrier(pg)
+        if readings[0] is not None:
+            ns = [r["ns"] for r in readings]
+            # readings at times the placement did not choose (not the second probe's): a sample
+            unbiased = ns[:probes["first_readings"]] + probes["watched"]
+            tables["placement"] = {"cpus": readings[0]["cpus"], "readings_ns": ns, "samples_ns": unbiased,
+                                   "wait_probe_ns": probes["home"]}
+            if probes["other"] is not None:
+                tables["placement"]["other_wait_probe_ns"] = probes["other"]
+    pg.sleeping_barrier()
     return tables
 
 
@@ -256,7 +326,8 @@ def homogenize(entries: list) -> None:
                     e[prec] = fitted
         # measured tables: the median cell by cell, on the first rank's axes
         for key, measured in (("layer_times", ("forward", "backward", "backward_weights", *LAYER_COLD_KEYS)),
-                              ("step_phases", ("update_s", "wait_s", "wait_spread_s"))):
+                              ("step_phases", ("update_s", "wait_s", "wait_spread_s")),
+                              ("step_phases_other_placement", ("update_s", "wait_s", "wait_spread_s"))):
             if all(key in e for e in same):
                 table = {**same[0][key], **{k: np.median([e[key][k] for e in same], axis=0).tolist()
                                             for k in measured if all(k in e[key] for e in same)}}
@@ -489,7 +560,7 @@ def node_sweeps(pg, backend, max_bytes: int, quick: bool) -> Optional[dict]:
         lead_pg = ProcessGroup(comm=leaders)
         inter_rows = allreduce_sweep(lead_pg, lead_pg.communicator(), backend, max_bytes, quick)
         lead_pg.close()
-    _sleeping_barrier(pg)
+    pg.sleeping_barrier()
     inter_rows = pg.bcast(inter_rows)
     node_pg.close()
     node_pg.comm.Free()
@@ -603,6 +674,15 @@ def run_topo(pg, *, device: str = "auto", threads=None, max_bytes: int = 256 * M
                     step_sync_s=measure_step_sync(pg, device, device_index, threads, kind))
         if kind == "mpi":  # (NCCL between nodes: not measurable here, and not modelled from a sweep)
             levels = node_sweeps(pg, backend, max_bytes, quick)
+        if device == "cpu":
+            last = pg.core_round_trip_ns()
+            placement = entry.get("placement")
+            if placement is not None and last is not None:
+                placement["readings_ns"].append(last["ns"])
+                placement["samples_ns"].append(last["ns"])
+                if "other_wait_probe_ns" in placement:
+                    placement["other_share"] = other_share(placement["samples_ns"], placement["wait_probe_ns"],
+                                                           placement["other_wait_probe_ns"])
         if levels is not None and levels["intra"] is not None:
             link["nccl"] = hierarchical_link(levels["intra"], levels["inter"], levels["ranks_per_node"])
         pg.close()
@@ -622,6 +702,7 @@ def run_topo(pg, *, device: str = "auto", threads=None, max_bytes: int = 256 * M
         "devices": entries, "link": link, "allreduce": rows, "nodes": levels,
         "gpus_per_node": levels["ranks_per_node"] if levels else 0,
         "step_overhead_s": max(e["step_overhead_s"] for e in entries),
+        "placement": entries[0].pop("placement", None),
         "model_error": 0.15,
         "environment": {"openblas_coretype": os.environ.get("OPENBLAS_CORETYPE"),
                         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
@@ -644,6 +725,30 @@ def _cpu_tables_line(d: dict) -> str:
             f"wait after backward {busy['wait_s'][-1] * 1e3:.2f} ms with {busy['ranks']} rank(s) busy")
     if alone is not busy:
         text += f"; {alone['update_s'][-1] * 1e3:.2f} and {alone['wait_s'][-1] * 1e3:.2f} ms alone"
+    return text
+
+
+def placement_line(placement: dict) -> str:
+    """Where rank 0 and its node's next rank ran during the calibration, read as a cache
+    line's round trip between their CPUs, and whether that moved."""
+    a, b = placement["cpus"]
+    at_wait, every = placement["wait_probe_ns"], placement["readings_ns"]
+    text = (f"ranks' cores (CPUs {a} and {b}): a cache line's round trip {min(at_wait):.0f}-{max(at_wait):.0f} ns "
+            f"around the probe of the wait after backward, {min(every):.0f}-{max(every):.0f} ns over "
+            f"{len(every)} readings")
+    if placement_moved(at_wait):
+        text += ("; the cores changed cache domains (as a VM's vCPUs do when its hypervisor moves them) during "
+                 f"each of {(len(every) - 2) // 2} tries at that probe: its wait mixes two placements, and "
+                 "predictions for several ranks hold in neither")
+    elif placement_moved(every):
+        other = placement.get("other_wait_probe_ns")
+        text += ("; the cores changed cache domains during the calibration (as a VM's vCPUs do when its "
+                 "hypervisor moves them), and a multi-rank wait changes with them: "
+                 + (f"the wait was probed again with them at {min(other):.0f}-{max(other):.0f} ns, where "
+                    f"{placement.get('other_share', 0.0):.0%} of the readings found them, and `recommend` prices "
+                    "several ranks in both placements, weighted so" if other else
+                    f"predictions for several ranks hold where the wait was probed, at "
+                    f"{min(at_wait):.0f}-{max(at_wait):.0f} ns"))
     return text
 
 
@@ -680,6 +785,8 @@ def format_topo(profile: dict) -> str:
             lines.append(f"    host-to-device {d['host_to_device_bandwidth'] / 1e9:.1f} GB/s")
         if "step_phases" in d:
             lines.append("    " + _cpu_tables_line(d))
+    if profile.get("placement"):
+        lines.append("  " + placement_line(profile["placement"]))
     if profile["allreduce"]:
         lines.append(f"  allreduce ({profile['link']['name']}), float32 sum, in place:")
         lines.append(f"  {'bytes':>12} {'count':>10} {'time us':>10} {'algbw GB/s':>11} {'busbw GB/s':>11} {'wrong':>6}"

@@ -71,3 +71,46 @@ def test_a_failed_peer_is_reported_by_its_exception_not_by_mpiruns_banner():
     assert peer_error(first + later + banner) == "ValueError: bad shape"
     assert peer_error("prterun detected that one or more processes exited with non-zero status,\n"
                       "thus causing the job to be terminated.\npeer: out of memory\n") == "peer: out of memory"
+
+
+@pytest.mark.parametrize("seen, as_calibrated", [([55.0, 60.0, 58.0, 61.0], True), ([55.0, 330.0, 58.0, 61.0], False)])
+def test_validation_says_whether_a_cell_ran_where_topo_found_the_cores(monkeypatch, seen, as_calibrated):
+    profile = {"placement": {"cpus": [0, 1], "readings_ns": [52.0, 54.0, 57.0, 60.0], "wait_probe_ns": [54.0, 57.0]}}
+    monkeypatch.setattr(bench, "_predict", lambda row, prof: type("P", (), {"speedup": 1.25}))
+    got = bench._placement_against_calibration({"core_round_trip_ns": seen, "speedup_rounds": [1.1, 1.3]}, profile)
+    # the rounds wholly in the probe's placement: both, or the second only
+    here = [1.1, 1.3] if as_calibrated else [1.3]
+    assert got == {"core_round_trip_ns": seen, "calibrated_round_trip_ns": [54.0, 57.0],
+                   "placement_as_calibrated": as_calibrated,
+                   "by_placement": [{"probe": "first", "calibrated_round_trip_ns": [54.0, 57.0], "rounds": len(here),
+                                     "measured_speedup": pytest.approx(sum(here) / len(here)), "predicted_speedup": 1.25,
+                                     "relative_error": pytest.approx(1.25 / (sum(here) / len(here)) - 1)}]}
+    row = {"batch_size": 64, "ranks": 2, "measured_speedup": 1.2, "measured_speedup_rounds": [1.1, 1.3],
+           "predicted_speedup": 1.25, "relative_error": 0.04, "predicted_step_ms": None, "selector_strategy": "multi_gpu",
+           "selector_devices": 2, "measured_fastest": 2, "picked_faster": True, **got}
+    text = bench.format_validation([row])
+    placement = "as calibrated" if as_calibrated else "ANOTHER PLACEMENT than topo's"
+    assert f"the cores' round trip {min(seen):.0f}-{max(seen):.0f} ns (topo's 54-57): {placement}" in text
+    assert f"; {len(here)} round(s) where topo's first probe of the wait ran (54-57 ns): " in text
+    # unknown on either side (a GPU, one rank per node, a calibration from before): nothing claimed
+    for cell, prof in (({}, profile), ({"core_round_trip_ns": seen}, {}), ({"core_round_trip_ns": seen},
+                                                                          {"placement": None})):
+        assert bench._placement_against_calibration(cell, prof) == {"placement_as_calibrated": None}
+    assert "round trip" not in bench.format_validation([{**row, "placement_as_calibrated": None}])
+
+
+def test_rounds_in_topos_second_placement_are_held_against_its_second_probe(monkeypatch):
+    from mgpu import perf
+    profile = {"placement": {"readings_ns": [54.0, 57.0, 330.0, 335.0], "wait_probe_ns": [54.0, 57.0],
+                             "other_wait_probe_ns": [330.0, 335.0], "other_share": 0.4}}
+    pinned = {probe: {"pinned": probe} for probe in ("first", "second")}
+    monkeypatch.setattr(perf, "placement_profile", lambda prof, probe: pinned[probe])
+    monkeypatch.setattr(bench, "_predict",
+                        lambda row, prof: type("P", (), {"speedup": 0.9 if prof is pinned["second"] else 1.3}))
+    # three rounds: near, far, and one the cores left during it (in neither)
+    cell = {"core_round_trip_ns": [55.0, 58.0, 331.0, 329.0, 60.0, 330.0], "speedup_rounds": [1.28, 0.93, 1.1]}
+    got = bench._placement_against_calibration(cell, profile)
+    assert got["placement_as_calibrated"] is False
+    assert [(b["probe"], b["rounds"], b["measured_speedup"], b["predicted_speedup"]) for b in got["by_placement"]] == [
+        ("first", 1, 1.28, 1.3), ("second", 1, 0.93, 0.9)]
+    assert got["by_placement"][1]["relative_error"] == pytest.approx(0.9 / 0.93 - 1)

@@ -2,6 +2,8 @@
 on synthetic hardware profiles whose right answer is known."""
 import json
 import math
+import os
+import re
 
 import pytest
 
@@ -565,6 +567,117 @@ def test_a_calibrated_wait_spread_widens_the_error_band_where_steps_are_short():
     widened = 0.1 + two["timing_spread_ms"] / two["predicted_step_ms"]
     assert any(f"+-{widened:.0%}" in r for r in jittery["reasons"]), jittery["reasons"]
     assert jittery["confidence"] < steady["confidence"]
+
+
+def test_cores_that_changed_cache_domains_during_calibration_widen_the_multi_rank_band():
+    # topo read a cache line's round trip between the ranks' CPUs 52 ns and later 330 ns
+    layers, batch = (64, 256, 256, 8), 32
+    base = device(flops=1e11, bandwidth=50e9, kind="cpu")
+    busy = {"params": [1e5, 1e6], "update_s": [1e-5, 1e-4], "wait_s": [5e-5, 5e-4], "wait_spread_s": [0.0, 1e-6],
+            "ranks": 2}
+    alone = {**busy, "wait_spread_s": [0.0, 0.0], "ranks": 1}
+
+    def rec(readings):
+        prof = profile([{**base, "step_phases": busy, "step_phases_alone": alone}] * 2, alpha=1e-6, busbw=10e9,
+                       overlap=False)
+        if readings is not None:
+            prof["placement"] = {"cpus": [0, 1], "readings_ns": readings, "wait_probe_ns": readings[1:3]}
+        return perf.recommend(layers=list(layers), batch_size=batch, devices=[1, 2], profile=prof)
+    before, steady, moved = rec(None), rec([52.0, 55.0, 61.0, 58.0]), rec([52.0, 55.0, 61.0, 330.0])
+    assert steady == before  # one placement throughout: as a calibration without readings
+    two = moved["candidates"][1]
+    assert two["predicted_speedup"] == pytest.approx(steady["candidates"][1]["predicted_speedup"])
+    # the wait may be met in the other placement: its spread is the wait itself (5e-4 s at 1e6 params)
+    n_params = sum(i * o + o for i, o in zip(layers, layers[1:]))
+    wait = perf._phases_to_core(busy, "busy").wait_at(n_params)
+    assert two["timing_spread_ms"] == pytest.approx(wait * 1e3, rel=1e-6)
+    assert two["timing_spread_ms"] > steady["candidates"][1]["timing_spread_ms"]
+    # a 1.6x gain promised in one placement; its band now reaches below 1.0x
+    assert steady["strategy"] == "multi_gpu" and moved["strategy"] == "benchmark_required"
+    assert moved["confidence"] < steady["confidence"]
+    assert any("change cache domains (a cache line's round trip 52-330 ns)" in r for r in moved["reasons"])
+    assert not any("cache domains" in r for r in steady["reasons"])
+    # one rank has no wait of another rank to meet: its band is left as it was
+    assert moved["candidates"][0]["timing_spread_ms"] == steady["candidates"][0]["timing_spread_ms"]
+
+
+def test_a_second_placements_wait_is_priced_beside_the_first_and_weighted_by_its_share():
+    # topo probed the wait with the cores at 52-55 ns, and again at 330-335 ns, where it was 3x
+    layers, batch = (64, 256, 256, 8), 256
+    base = device(flops=1e11, bandwidth=50e9, kind="cpu")
+    busy = {"params": [1e5, 1e6], "update_s": [1e-5, 1e-4], "wait_s": [5e-5, 5e-4], "wait_spread_s": [0.0, 0.0],
+            "ranks": 2}
+    far = {**busy, "wait_s": [1.5e-4, 1.5e-3]}
+    alone = {**busy, "ranks": 1}
+
+    def calibration(share):
+        prof = profile([{**base, "step_phases": busy, "step_phases_other_placement": far,
+                         "step_phases_alone": alone}] * 2, alpha=1e-6, busbw=10e9, overlap=False)
+        prof["placement"] = {"cpus": [0, 1], "readings_ns": [50.0, 52.0, 55.0, 330.0, 335.0, 60.0],
+                             "wait_probe_ns": [52.0, 55.0], "other_wait_probe_ns": [330.0, 335.0],
+                             "other_share": share}
+        return prof
+    prof = calibration(0.25)
+    first, second = perf.placement_profile(prof, "first"), perf.placement_profile(prof, "second")
+    assert [d["step_phases"] for d in second["devices"]] == [far, far]
+    assert second["placement"]["wait_probe_ns"] == [330.0, 335.0] and second["placement"]["other_share"] == 0.0
+    here, there, mixed = (predict(p, 2, layers, batch) for p in (first, second, prof))
+    assert here.exposed_comm_s < mixed.exposed_comm_s < there.exposed_comm_s
+    # a quarter of the time in the second placement: a quarter of the way to its wait
+    assert mixed.exposed_comm_s == pytest.approx(0.75 * here.exposed_comm_s + 0.25 * there.exposed_comm_s, rel=1e-9)
+    for share, pinned in ((0.0, here), (1.0, there)):
+        assert predict(calibration(share), 2, layers, batch).step_s == pytest.approx(pinned.step_s, rel=1e-12)
+    assert predict(prof, 1, layers, batch).step_s == predict(first, 1, layers, batch).step_s  # one rank: no wait
+    rec = perf.recommend(layers=list(layers), batch_size=batch, devices=[1, 2], profile=prof)
+    said = next(m for m in (re.search(
+        r"2 ranks: ([\d.]+)x with the cores as the wait was first probed \(52-55 ns\), ([\d.]+)x as it was probed "
+        r"again \(330-335 ns\); priced at ([\d.]+)x, as 25% of topo's readings found them in the second placement",
+        r) for r in rec["reasons"]) if m)
+    assert float(said[1]) > float(said[3]) == round(rec["candidates"][1]["predicted_speedup"], 2) > float(said[2])
+    # one placement probed: nothing to weigh, nothing to price beside it
+    assert perf.placement_profile({**prof, "placement": None}, "second") is None
+    assert perf.placement_profile({**prof, "placement": None}, "first")["placement"] is None
+    for bad in (-0.1, 1.5, "half", None):
+        with pytest.raises(mgpu.ConfigError, match="other_share must be in"):
+            perf.to_core(calibration(bad))
+    odd = calibration(0.5)
+    odd["devices"][0]["step_phases_other_placement"] = {**far, "params": [2e5, 1e6]}
+    with pytest.raises(mgpu.ConfigError, match="measured on the step_phases' parameter counts"):
+        perf.to_core(odd)
+    del odd["devices"][0]["step_phases_other_placement"]
+    with pytest.raises(mgpu.ConfigError, match="second probe of the wait without every device"):
+        perf.placement_profile(odd, "second")
+
+
+@pytest.mark.parametrize("placement", [{"cpus": [0, 1]}, {"readings_ns": []}, {"readings_ns": [50.0, -1.0]},
+                                       {"readings_ns": "fast"}, {"readings_ns": [50.0, float("nan")]}])
+def test_a_malformed_placement_is_refused_in_one_line(placement):
+    prof = profile([{**device(kind="cpu"), "step_phases": phases()}] * 2)
+    prof["placement"] = placement
+    with pytest.raises(mgpu.ConfigError, match="malformed .*placement"):
+        perf.to_core(prof)
+
+
+def test_placement_moved_tells_two_placements_from_one_placements_noise():
+    from mgpu.process_group import PLACEMENT_RATIO, placement_moved
+    assert not placement_moved([]) and not placement_moved([52.0]) and not placement_moved([52.0, 65.0, 58.0])
+    assert placement_moved([52.0, 330.0]) and placement_moved([330.0, 52.0, 340.0])
+    assert not placement_moved([100.0, 100.0 * PLACEMENT_RATIO]) and placement_moved([100.0, 100.0 * PLACEMENT_RATIO + 1])
+
+
+def test_core_round_trip_is_measured_between_two_cpus_and_refuses_others():
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) >= 2:  # CI's machines have 2 cores
+        ns = [mgpu._core.core_round_trip_ns(cpus[0], cpus[1], batches=8) for _ in range(3)]
+        assert all(5.0 < t < 1e5 for t in ns), ns  # a cache line there and back: tens to hundreds of ns
+    for a, b, message in ((0, 0, "two different CPUs"), (-1, 0, "two different CPUs"),
+                          (0, 1 << 20, "two different CPUs"), (0, max(cpus) + 1, "cannot run a thread on CPU")):
+        with pytest.raises(mgpu.ConfigError, match=message):
+            mgpu._core.core_round_trip_ns(a, b)
+    with pytest.raises(mgpu.ConfigError, match="batches"):
+        mgpu._core.core_round_trip_ns(0, 1, batches=0)
+    with pytest.raises(mgpu.ConfigError, match="timeout_s"):
+        mgpu._core.core_round_trip_ns(0, 1, timeout_s=0.0)
 
 
 @pytest.mark.parametrize("width", [1000, 2000])  # at 2000 each layer fills four 4 MiB buckets

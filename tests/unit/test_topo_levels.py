@@ -49,3 +49,109 @@ def test_a_calibration_of_two_hosts_answers_for_more_hosts_node_by_node():
     assert [c["devices"] for c in rec["candidates"]] == [1, 2, 8]
     del profile["link"]["nccl"]  # no inter-node model: nothing to repeat by
     assert perf._whole_nodes(profile, 8) is profile
+
+
+class _PlacementsInTurn:
+    """Rank 0 of a process group whose cores' round trips read as given, in turn."""
+    def __init__(self, readings_ns):
+        self.readings = iter(readings_ns)
+
+    def core_round_trip_ns(self):
+        return {"cpus": [0, 1], "ns": next(self.readings)}
+
+    def bcast(self, obj, what=""):
+        return obj
+
+
+@pytest.mark.parametrize("readings_ns, probes", [
+    ([55.0, 60.0], 1),                      # one placement throughout: measured once
+    ([55.0, 330.0, 340.0, 335.0], 2),       # moved during the first: again
+    ([55.0, 330.0, 340.0, 60.0, 58.0, 330.0], 3),  # moved each time: the last try is kept
+])
+def test_the_wait_is_probed_again_while_the_cores_moved_during_its_probe(monkeypatch, readings_ns, probes):
+    from mgpu import topo
+    tables = iter(range(1, 10))
+    monkeypatch.setattr(topo, "measure_step_phases", lambda *args: {"probe": next(tables)})
+    readings = []
+    table = topo.step_phases_in_one_placement(_PlacementsInTurn(readings_ns), 1, True, readings)
+    assert table == {"probe": probes} and [r["ns"] for r in readings] == readings_ns
+    assert probes <= topo.PLACEMENT_TRIES
+
+
+@pytest.mark.parametrize("readings_ns, says", [
+    ([52.0, 55.0, 54.0, 56.0], None),
+    ([52.0, 55.0, 54.0, 330.0], "hold where the wait was probed, at 54-55 ns"),
+    ([52.0, 55.0, 330.0, 54.0, 330.0, 60.0, 330.0, 58.0], "during each of 3 tries at that probe"),
+])
+def test_topo_says_whether_and_when_the_cores_changed_cache_domains(readings_ns, says):
+    from mgpu.topo import placement_line
+    placement = {"cpus": [0, 1], "readings_ns": readings_ns, "wait_probe_ns": readings_ns[-3:-1]}
+    text = placement_line(placement)
+    assert text.startswith("ranks' cores (CPUs 0 and 1): a cache line's round trip")
+    assert (says in text) if says else "cache domains" not in text
+    if says and "hold where" in says:  # and probed again where the cores went
+        text = placement_line({**placement, "other_wait_probe_ns": [330.0, 335.0], "other_share": 0.25})
+        assert ("probed again with them at 330-335 ns, where 25% of the readings found them, and `recommend` "
+                "prices several ranks in both placements, weighted so") in text
+
+
+class _WatchedPlacements(_PlacementsInTurn):
+    """As _PlacementsInTurn, on a clock that only the watch's half-second sleeps move."""
+    def __init__(self, readings_ns, monkeypatch):
+        from mgpu import topo
+        super().__init__(readings_ns)
+        self.clock = 0.0
+        monkeypatch.setattr(topo.time, "monotonic", lambda: self.clock)
+        monkeypatch.setattr(topo.time, "sleep", lambda s: setattr(self, "clock", self.clock + s))
+        self.is_root = True
+
+
+@pytest.mark.parametrize("readings_ns, first_tries, second_ns, kept, watched", [
+    # first probe at 55-60 ns; the watch (1 s in quick mode: 3 readings) sees nothing else
+    ([55.0, 60.0, 58.0, 57.0, 59.0], 1, None, [55.0, 60.0], [58.0, 57.0, 59.0]),
+    # the cores move to 330 ns: the wait is probed there and kept, and the watch goes on
+    ([55.0, 60.0, 330.0, 335.0, 331.0, 58.0, 57.0], 1, [330.0, 335.0], [55.0, 60.0, 330.0, 335.0],
+     [330.0, 331.0, 58.0, 57.0]),
+    # they move back during that probe: not kept, and the watch runs out
+    ([55.0, 60.0, 330.0, 58.0, 57.0, 59.0, 56.0], 1, None, [55.0, 60.0, 330.0, 58.0], [330.0, 57.0, 59.0, 56.0]),
+    # the first probe moved in every try: no placement to tell another from, no watch
+    ([55.0, 330.0, 58.0, 330.0, 60.0, 320.0], 3, None, [55.0, 330.0, 58.0, 330.0, 60.0, 320.0], []),
+])
+def test_the_wait_is_probed_in_a_second_placement_where_the_cores_go_during_the_watch(
+        monkeypatch, readings_ns, first_tries, second_ns, kept, watched):
+    from mgpu import topo
+    tables = iter(range(1, 10))
+    monkeypatch.setattr(topo, "measure_step_phases", lambda *args: {"probe": next(tables)})
+    pg, readings = _WatchedPlacements(readings_ns, monkeypatch), []
+    got = topo.step_phases_by_placement(pg, 1, True, readings)
+    assert got["first"] == {"probe": first_tries} and got["home"] == readings_ns[2 * first_tries - 2:2 * first_tries]
+    assert got["second"] == ({"probe": first_tries + 1} if second_ns else None) and got["other"] == second_ns
+    assert next(pg.readings, None) is None, "every reading given was taken"
+    # rank 0 keeps the readings around each probe, and the watch's apart (a sample of the time)
+    assert [r["ns"] for r in readings] == kept and got["watched"] == watched
+    assert got["first_readings"] == 2 * first_tries
+
+
+def test_the_second_placements_share_counts_the_readings_found_there():
+    assert topo_other_share([55.0, 330.0, 60.0, 335.0, 58.0], [52.0, 56.0], [330.0, 334.0]) == pytest.approx(2 / 5)
+    assert topo_other_share([55.0, 60.0], [52.0, 56.0], [330.0, 334.0]) == 0.0
+    assert topo_other_share([], [52.0, 56.0], [330.0, 334.0]) == 0.0
+    # a reading in neither (a third placement, or one taken as the cores moved) counts for neither
+    assert topo_other_share([55.0, 140.0, 330.0], [52.0, 56.0], [330.0, 334.0]) == pytest.approx(1 / 2)
+
+
+def topo_other_share(*args):
+    from mgpu.topo import other_share
+    return other_share(*args)
+
+
+def test_no_second_placement_is_looked_for_without_a_peer_on_the_node(monkeypatch):
+    from mgpu import topo
+    monkeypatch.setattr(topo, "measure_step_phases", lambda *args: {"probe": 1})
+
+    class Alone(_WatchedPlacements):
+        def core_round_trip_ns(self):
+            return None
+    got = topo.step_phases_by_placement(Alone([], monkeypatch), 1, True, [None])
+    assert got["first"] == {"probe": 1} and (got["home"], got["second"], got["other"], got["watched"]) == (
+        None, None, None, [])
