@@ -10,6 +10,7 @@ import subprocess
 import pytest
 
 from conftest import PYTHON, mpi_env, mpirun, run_cli
+from mgpu.process_group import placement_moved
 
 MGPU = [PYTHON, "-m", "mgpu"]
 
@@ -61,18 +62,20 @@ def test_topo_measures_devices_and_a_bit_exact_allreduce_sweep(calibration):
     assert profile["step_overhead_s"] == max(dev["step_overhead_s"] for dev in profile["devices"])
     # where the ranks' cores sat: a cache line's round trip between their CPUs, read at the
     # calibration's start, around each try at the probe of the wait after backward (again
-    # while the cores moved during it), and at its end
+    # while the cores moved during it), during a watch for a second placement, and at its end
     placement = profile["placement"]
+    if len(os.sched_getaffinity(0)) < 2:  # the two ranks share one CPU: no pair to read
+        assert placement is None
+        return
     ns = placement["readings_ns"]
-    pairs = [ns[i:i + 2] for i in range(1, len(ns) - 1, 2)]  # [start, (before, after) per probe..., end]
-    assert len(set(placement["cpus"])) == 2 and len(ns) % 2 == 0 and 1 <= len(pairs) <= 4
-    assert placement["wait_probe_ns"] in pairs and all(5 < t < 1e5 for t in ns), placement
+    assert len(set(placement["cpus"])) == 2 and all(5 < t < 1e5 for t in ns), placement
+    assert placement["wait_probe_ns"] == ns[1:3] or placement_moved(ns[1:3])  # a try moved: probed again
     # the readings taken at times that did not depend on the placement: the start, the first
     # probe's, the watch's (one or more), the end
-    samples = placement["samples_ns"]
+    samples = placement["samples_ns"]  # the start, the watch's (one a half second), the end
     assert samples[0] == ns[0] and samples[-1] == ns[-1] and len(samples) >= 4
     if "other_wait_probe_ns" in placement:  # the cores went elsewhere: the wait was probed there too
-        assert placement["other_wait_probe_ns"] == pairs[-1] and 0 < placement["other_share"] <= 1
+        assert 0 < placement["other_share"] <= 1
         assert all(dev["step_phases_other_placement"]["ranks"] == 2 for dev in profile["devices"])
     assert f"ranks' cores (CPUs {placement['cpus'][0]} and {placement['cpus'][1]})" in r.stdout
     for key in ("layer_times", "pass_bandwidth", "step_phases", "layer_times_alone", "pass_bandwidth_alone",
@@ -184,11 +187,13 @@ def test_bench_launches_each_rank_count_and_validates_the_selector(calibration, 
     assert len(result["validation"]) == 2
     assert all(len(v["measured_speedup_rounds"]) == 2 for v in result["validation"])
     assert "; rounds " in r.stdout
-    # where the ranks' cores sat before and after each round, beside topo's readings
-    for v in result["validation"]:
-        assert len(v["core_round_trip_ns"]) == 4 and len(v["calibrated_round_trip_ns"]) == 2
-        assert isinstance(v["placement_as_calibrated"], bool)
-    assert "the cores' round trip" in r.stdout
+    # where the ranks' cores sat before and after each round, beside topo's readings (bench's
+    # unbound ranks read CPUs 0 and 1, as topo's bound ones do on this VM)
+    if len(os.sched_getaffinity(0)) >= 2:
+        for v in result["validation"]:
+            assert len(v["core_round_trip_ns"]) == 4 and len(v["calibrated_round_trip_ns"]) == 2
+            assert isinstance(v["placement_as_calibrated"], bool)
+        assert "the cores' round trip" in r.stdout
     two = {x["batch_size"]: x for x in rows if x["ranks"] == 2}
     for v in result["validation"]:
         assert v["predicted_speedup"] > 0 and v["selector_strategy"] in (

@@ -13,6 +13,7 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -234,7 +235,8 @@ double core_round_trip_ns(int cpu_a, int cpu_b, int batches, double timeout_s) {
   MGPU_CHECK(cpu_a >= 0 && cpu_b >= 0 && cpu_a != cpu_b && cpu_a < CPU_SETSIZE && cpu_b < CPU_SETSIZE,
              ConfigError, "the round trip needs two different CPUs in [0, ", CPU_SETSIZE, "), got ", cpu_a,
              " and ", cpu_b);
-  MGPU_CHECK(batches >= 1 && timeout_s > 0, ConfigError, "batches must be >= 1 and timeout_s > 0");
+  MGPU_CHECK(batches >= 1 && timeout_s > 0 && timeout_s <= 3600, ConfigError,
+             "batches must be >= 1 and timeout_s in (0, 3600], got ", batches, " and ", timeout_s);
   constexpr int kPerBatch = 64;
   struct alignas(64) Shared {
     std::atomic<int> ball{0};  // 1: the initiator's serve is in flight; 0: returned
@@ -265,24 +267,42 @@ double core_round_trip_ns(int cpu_a, int cpu_b, int batches, double timeout_s) {
     }
   };
   std::vector<double> ns(static_cast<size_t>(batches));
-  std::thread responder([&] {
+  auto respond = [&] {
     if (!pin(cpu_b, 1)) return;
     for (int i = 0; i < batches * kPerBatch; ++i) {
       if (!await(1)) return;
       shared.ball.store(0, std::memory_order_release);
     }
-  });
-  std::thread initiator([&] {
-    if (!pin(cpu_a, 0)) return;
-    for (int b = 0; b < batches; ++b) {
-      const auto t0 = Clock::now();
-      for (int i = 0; i < kPerBatch; ++i) {
-        shared.ball.store(1, std::memory_order_release);
-        if (!await(0)) return;
+  };
+  std::thread responder;
+  try {
+    responder = std::thread(respond);
+  } catch (const std::system_error& e) {
+    throw DeviceError(std::string("the cache-line round trip could not start a thread: ") + e.what());
+  }
+  std::thread initiator;
+  try {
+    initiator = std::thread([&] {
+      if (!pin(cpu_a, 0)) return;
+      for (int b = 0; b < batches; ++b) {
+        const auto t0 = Clock::now();
+        for (int i = 0; i < kPerBatch; ++i) {
+          shared.ball.store(1, std::memory_order_release);
+          if (!await(0)) return;
+        }
+        const auto t1 = Clock::now();
+        ns[static_cast<size_t>(b)] = std::chrono::duration<double, std::nano>(t1 - t0).count() / kPerBatch;
+        if (t1 > deadline) {  // round trips too quick for await's own check: the deadline holds anyway
+          shared.give_up = true;
+          return;
+        }
       }
-      ns[static_cast<size_t>(b)] = std::chrono::duration<double, std::nano>(Clock::now() - t0).count() / kPerBatch;
-    }
-  });
+    });
+  } catch (const std::system_error& e) {  // no second thread: release the first, never terminate
+    shared.give_up = true;
+    responder.join();
+    throw DeviceError(std::string("the cache-line round trip could not start a thread: ") + e.what());
+  }
   initiator.join();
   responder.join();
   for (int who = 0; who < 2; ++who)

@@ -233,7 +233,7 @@ def run_worker(pg, a, repeats: Optional[int] = None) -> list:
                       observe=a.observe)
         after = placement()
         if before is not None and after is not None:
-            row["core_round_trip_ns"] = [before["ns"], after["ns"]]
+            row["core_round_trip_ns"], row["core_round_trip_cpus"] = [before["ns"], after["ns"]], before["cpus"]
         local = -(-batch // pg.size)
         rate = gemm_rate(device, device_index, threads, sizes, local, a.precision)
         row["gemm_flops"] = pg.allreduce(rate, op="min")
@@ -333,8 +333,12 @@ def merge_rounds(rounds: list) -> list:
         row["breakdown_ms"] = {k: float(np.median([c["breakdown_ms"][k] for c in cells])) for k in row["breakdown_ms"]}
         row["peak_memory_bytes"] = max(c["peak_memory_bytes"] for c in cells)
         row["round_step_medians"] = [float(np.median(c["step_seconds"])) for c in cells]
-        if all("core_round_trip_ns" in c for c in cells):
+        if all("core_round_trip_ns" in c and c["core_round_trip_cpus"] == cells[0]["core_round_trip_cpus"]
+               for c in cells):
             row["core_round_trip_ns"] = [t for c in cells for t in c["core_round_trip_ns"]]
+        else:  # a round without readings (or of other CPUs): the cell's placement is unknown
+            row.pop("core_round_trip_ns", None)
+            row.pop("core_round_trip_cpus", None)
         if "torch" in row:
             peer = [t for c in cells for t in c["torch"]["step_seconds"]]
             stats = summarize(peer)
@@ -429,27 +433,28 @@ def _graph_mode_used(cells: dict, a) -> str:
 def _placement_against_calibration(cell: dict, profile: dict) -> dict:
     """Where the ranks' cores sat in a multi-rank cell's rounds (read before and after
     each) against where `topo` probed the wait: whether every round ran in the placement
-    of its first probe, and per placement it probed (first, and second where it found
-    the cores elsewhere), the rounds that ran wholly there, their measured speedup (the
-    median) and the prediction from that probe's wait. Nothing where either side is
-    unknown (one rank per node, GPUs, a profile from before)."""
+    of its first probe (placement_as_calibrated) or of its second, and per placement it
+    probed, the rounds that ran wholly there, their measured speedup (the median) and the
+    prediction from that probe's wait alone. Nothing where either side is unknown or the
+    two read other CPUs (one rank per node, GPUs, a profile from before)."""
     from . import perf
     from .process_group import placement_moved
-    measured, placement = cell.get("core_round_trip_ns"), profile.get("placement") or {}
-    if not measured or not placement.get("wait_probe_ns"):
+    placement = perf.checked_placement(profile) or {}
+    measured = cell.get("core_round_trip_ns")
+    if not measured or not placement or cell.get("core_round_trip_cpus") != placement.get("cpus"):
         return {"placement_as_calibrated": None}
-    out = {"core_round_trip_ns": measured, "calibrated_round_trip_ns": placement["wait_probe_ns"],
-           "placement_as_calibrated": not placement_moved(list(measured) + list(placement["wait_probe_ns"])),
+    first, second = placement["wait_probe_ns"], placement.get("other_wait_probe_ns")
+    out = {"core_round_trip_ns": measured, "calibrated_round_trip_ns": first,
+           "placement_as_calibrated": not placement_moved(measured + first),
+           "placement_as_second_probe": bool(second) and not placement_moved(measured + second),
            "by_placement": []}
     pairs = [measured[i:i + 2] for i in range(0, len(measured), 2)]
     rounds = cell.get("speedup_rounds") or []
-    probes = [("first", placement["wait_probe_ns"], perf.placement_profile(profile, "first"))]
-    if placement.get("other_wait_probe_ns"):
-        probes.append(("second", placement["other_wait_probe_ns"], perf.placement_profile(profile, "second")))
-    for name, probed, prof in probes:
-        here = [s for s, pair in zip(rounds, pairs) if not placement_moved(list(pair) + list(probed))]
+    for name, probed in (("first", first), ("second", second)):
+        here = [s for s, pair in zip(rounds, pairs) if probed and not placement_moved(pair + probed)]
         if here:
-            measured_speedup, predicted = float(np.median(here)), _predict(cell, prof).speedup
+            measured_speedup = float(np.median(here))
+            predicted = _predict(cell, perf.placement_profile(profile, name)).speedup
             out["by_placement"].append({"probe": name, "calibrated_round_trip_ns": probed, "rounds": len(here),
                                         "measured_speedup": measured_speedup, "predicted_speedup": predicted,
                                         "relative_error": (predicted - measured_speedup) / measured_speedup})
@@ -491,6 +496,10 @@ def validate_selector(rows: list, profile: dict, a) -> list:
     return out
 
 
+# The CPU selector's bound on a predicted speedup against the measured one (issue 13, item 6).
+VALIDATION_BOUND = 0.10
+
+
 def format_validation(rows: list) -> str:
     out = [f"{'batch':>6} {'ranks':>5} {'measured':>9} {'predicted':>9} {'error':>7}  selector -> fastest measured"]
     for v in rows:
@@ -508,9 +517,13 @@ def format_validation(rows: list) -> str:
                        f"({v['predicted_wait_ms']:.3g})")
         if v.get("placement_as_calibrated") is not None:
             seen, cal = v["core_round_trip_ns"], v["calibrated_round_trip_ns"]
+            where = ("as calibrated" if v["placement_as_calibrated"] else
+                     "as topo's second probe" if v.get("placement_as_second_probe") else
+                     "in turn where topo's two probes ran" if v.get("by_placement") and
+                     sum(b["rounds"] for b in v["by_placement"]) == len(seen) // 2 else
+                     "ANOTHER PLACEMENT than topo's")
             spread += (f"; the cores' round trip {min(seen):.0f}-{max(seen):.0f} ns (topo's "
-                       f"{min(cal):.0f}-{max(cal):.0f}): "
-                       + ("as calibrated" if v["placement_as_calibrated"] else "ANOTHER PLACEMENT than topo's"))
+                       f"{min(cal):.0f}-{max(cal):.0f}): {where}")
             spread += "".join(
                 f"; {b['rounds']} round(s) where topo's {b['probe']} probe of the wait ran "
                 f"({min(b['calibrated_round_trip_ns']):.0f}-{max(b['calibrated_round_trip_ns']):.0f} ns): "
@@ -518,6 +531,12 @@ def format_validation(rows: list) -> str:
                 for b in v.get("by_placement", []))
         out.append(f"{v['batch_size']:>6} {v['ranks']:>5} {v['measured_speedup']:>8.2f}x {pred:>9} {err:>7}  "
                    f"{v['selector_strategy']} ({v['selector_devices']}) vs {v['measured_fastest']}: {verdict}{spread}")
+    errors = [v["relative_error"] for v in rows if v["relative_error"] is not None]
+    if errors:  # what issue 13 asks of a run: every cell within VALIDATION_BOUND, every pick right
+        picks = [v["picked_faster"] for v in rows]
+        out.append(f"within +-{VALIDATION_BOUND:.0%}: {sum(abs(e) <= VALIDATION_BOUND for e in errors)} of "
+                   f"{len(errors)} cells (worst {max(errors, key=abs):+.0%}); picks: {picks.count(True)} right, "
+                   f"{picks.count(False)} wrong, {picks.count(None)} asked for a benchmark")
     return "\n".join(out)
 
 

@@ -395,21 +395,40 @@ def _phases_to_core(d: dict, what: str):
     return _table_to_core(P.StepPhases(), d, what, ("params", "update_s", "wait_s", "wait_spread_s"), ("ranks",))
 
 
-def placement_moved_in(profile: dict) -> bool:
-    """Whether `topo` saw the ranks' cores change cache domains during the calibration
-    (profile["placement"], CPU calibrations of several ranks on a node since 2026-11-27)."""
-    from .process_group import placement_moved
+def checked_placement(profile: dict) -> Optional[dict]:
+    """profile["placement"]: `topo`'s readings of where the ranks' cores sat (CPU
+    calibrations of several ranks on a node since 2026-11-27), checked; None where there
+    is none. A malformed field (a hand-edited profile) is a one-line ConfigError."""
     placement = profile.get("placement")
     if placement is None:
-        return False
-    try:
-        readings = [float(v) for v in placement["readings_ns"]]
-    except (KeyError, TypeError, ValueError):
-        readings = []
-    if not readings or not all(math.isfinite(v) and v > 0 for v in readings):
-        raise ConfigError(f"hardware profile '{profile.get('name', '?')}' is malformed (placement: readings_ns "
-                          "must be a list of positive round trips in ns)")
-    return placement_moved(readings)
+        return None
+
+    def malformed(why: str) -> ConfigError:
+        return ConfigError(f"hardware profile '{profile.get('name', '?')}' is malformed (placement: {why})")
+
+    def round_trips(key: str, count: Optional[int] = None) -> None:
+        v = placement.get(key)
+        if (not isinstance(v, list) or not v or (count is not None and len(v) != count) or
+                not all(isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t) and t > 0
+                        for t in v)):
+            raise malformed(f"{key} must be a list of {count or 'one or more'} positive round trips in ns")
+    if not isinstance(placement, dict):
+        raise malformed("not an object")
+    round_trips("readings_ns")
+    round_trips("wait_probe_ns", 2)
+    if "other_wait_probe_ns" in placement:
+        round_trips("other_wait_probe_ns", 2)
+        share = placement.get("other_share")
+        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0.0 <= share <= 1.0:
+            raise malformed(f"other_share must be in [0, 1], got {share!r}")
+    return placement
+
+
+def placement_moved_in(profile: dict) -> bool:
+    """Whether `topo` saw the ranks' cores change cache domains during the calibration."""
+    from .process_group import placement_moved
+    placement = checked_placement(profile)
+    return placement is not None and placement_moved(placement["readings_ns"])
 
 
 def placement_profile(profile: dict, probe: str) -> Optional[dict]:
@@ -417,7 +436,7 @@ def placement_profile(profile: dict, probe: str) -> Optional[dict]:
     "second" where the watch found them elsewhere: profile["placement"]
     ["other_wait_probe_ns"]) of the wait after backward found them: that probe's table on
     every device, unweighted. None for "second" where topo probed one placement."""
-    placement = profile.get("placement") or {}
+    placement = checked_placement(profile) or {}
     if "other_wait_probe_ns" not in placement:
         return None if probe == "second" else profile
     devices = list(profile.get("devices") or [])
@@ -434,19 +453,10 @@ def placement_profile(profile: dict, probe: str) -> Optional[dict]:
 
 
 def _other_share(profile: dict) -> float:
-    """The weight of the second probe's table (the share of topo's readings that found the
+    """The weight of the second probe's table (the share of topo's samples that found the
     ranks' cores in its placement); 0 where there is none."""
-    placement = profile.get("placement") or {}
-    if "other_wait_probe_ns" not in placement:
-        return 0.0
-    try:
-        share = float(placement.get("other_share", 0.0))
-    except (TypeError, ValueError):
-        share = math.nan
-    if not 0.0 <= share <= 1.0:
-        raise ConfigError(f"hardware profile '{profile.get('name', '?')}' is malformed (placement: other_share "
-                          f"must be in [0, 1], got {placement.get('other_share')!r})")
-    return share
+    placement = checked_placement(profile) or {}
+    return float(placement["other_share"]) if "other_wait_probe_ns" in placement else 0.0
 
 
 def _placement_weighted(phases: dict, other: Optional[dict], share: float) -> dict:
@@ -455,7 +465,7 @@ def _placement_weighted(phases: dict, other: Optional[dict], share: float) -> di
     time the cores spent in each (a step's mean over a run that meets both)."""
     if share == 0.0:
         return phases
-    if other is None or list(other["params"]) != list(phases["params"]):
+    if not isinstance(other, dict) or not isinstance(phases, dict) or list(other["params"]) != list(phases["params"]):
         raise ConfigError("hardware profile is malformed (placement: step_phases_other_placement must be measured "
                           "on the step_phases' parameter counts)")
     return {**phases, **{k: [(1 - share) * float(a) + share * float(b) for a, b in zip(phases[k], other[k])]
@@ -467,8 +477,8 @@ def _placement_widened(phases: dict, moved: bool) -> dict:
     (on our VMs the 2-rank wait after backward doubled across cache domains): where the
     calibration saw them move, its spread, which widens the selector's error band, is at
     least the wait itself."""
-    if not moved or int(phases.get("ranks", 1)) < 2:
-        return phases
+    if not moved or not isinstance(phases, dict) or int(phases.get("ranks", 1)) < 2:
+        return phases  # (a malformed table is _phases_to_core's to refuse)
     return {**phases, "wait_spread_s": [max(float(s), float(w)) for s, w in zip(phases["wait_spread_s"],
                                                                                phases["wait_s"])]}
 
@@ -530,6 +540,8 @@ def to_core(profile: dict, devices: Optional[int] = None):
         hw.link = link
         hw.step_overhead_s = float(profile.get("step_overhead_s", 0.0))
         hw.model_error = float(profile.get("model_error", 0.25))
+    except ConfigError:
+        raise  # already one line that names what is wrong
     except (KeyError, TypeError, ValueError) as e:
         raise ConfigError(f"hardware profile '{profile.get('name', '?')}' is malformed ({type(e).__name__}: {e})") from None
     return hw
@@ -853,8 +865,11 @@ def recommend(*, model: Optional[str] = None, layers: Optional[Sequence[int]] = 
                                  "hypervisor moves them: a multi-rank wait after backward may be off by its own "
                                  "size, and the error band widens by it")
         second = placement_profile(prof, "second")
-        if second is not None:  # the same candidate with the cores held in either placement
-            here, there = (P.predict(w, to_core(p, counts[-1]), fastest.devices, options).speedup
+        if second is not None:  # the same candidate (its bucket) with the cores held in either placement
+            at_its_bucket = _workload(model, layers, params, batch_size, precision, optimizer,
+                                      fastest.bucket_elems * 4 / 2 ** 20, dropout, grad_dtype, cuda_graph, accumulate)
+            options.choose_buckets = False
+            here, there = (P.predict(at_its_bucket, to_core(p, counts[-1]), fastest.devices, options).speedup
                            for p in (placement_profile(prof, "first"), second))
             here_ns, there_ns = prof["placement"]["wait_probe_ns"], second["placement"]["wait_probe_ns"]
             result["reasons"].append(

@@ -8,6 +8,7 @@ ranks it names (name_hosts) when the job spans several.
 """
 from __future__ import annotations
 
+import math
 import os
 import pickle
 import re
@@ -18,12 +19,12 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from . import _core, gpus_emulated
-from .errors import CommError, ConfigError, MgpuError
+from .errors import CommError, ConfigError
 from .telemetry import host_meminfo
 
 
 # Round trips between the same two CPUs this many times apart come from two placements
-# of the cores (on our VMs: 50-100 ns within a last-level cache, 310-360 ns across), not
+# of the cores (on our VMs: 50-100 ns within a last-level cache, 300-360 ns across), not
 # from one placement's noise (a few ns).
 PLACEMENT_RATIO = 2.0
 
@@ -235,34 +236,37 @@ class ProcessGroup:
         if self.comm is not None:
             self._wait(self.comm.Ibarrier(), what)
 
-    def sleeping_barrier(self) -> None:
+    def sleeping_barrier(self, what: str = "barrier") -> None:
         """A barrier that waits asleep: a rank left out of a measurement keeps off the cores
-        (and the memory bus) of the ranks that measure."""
+        (and the memory bus) of the ranks that measure. Bounded by `timeout` as _wait is."""
         if self.comm is None:
             return
         done = self.comm.Ibarrier()
+        deadline = time.monotonic() + self.timeout if self.timeout > 0 else math.inf
         while not done.Test():
+            if time.monotonic() > deadline:
+                raise CommError(f"{what} on rank {self.rank}: not every rank arrived within {self.timeout:g} s")
             time.sleep(0.002)
 
     def core_round_trip_ns(self) -> Optional[dict]:
         """Collective. On rank 0: {"cpus": [a, b], "ns": t}, a cache line's round trip
-        between rank 0's CPU and that of the next rank on its node (the first CPU each may
-        run on): tens of ns where the two share a last-level cache, several times more
-        across cache domains, which a hypervisor may move a VM's vCPUs between. None on
-        other ranks, with one rank on rank 0's node, or where the two have one CPU. The
-        other ranks wait asleep meanwhile, off the cores."""
+        between a CPU rank 0 may run on and one of the next rank's on its node: tens of ns
+        where the two share a last-level cache, several times more across cache domains,
+        which a hypervisor may move a VM's vCPUs between. None on other ranks, with one
+        rank on rank 0's node, where the two have one CPU, or where the reading failed (it
+        is a diagnosis: a CPU refused or a partner that never answered must not end the
+        job). The other ranks wait asleep meanwhile, off the cores."""
         cpus = self.allgather(sorted(os.sched_getaffinity(0)), what="CPU affinities")
-        reading, error = None, None
+        reading = None
         if self.is_root:
             peers = [r for r in range(1, self.size) if self.hosts[r] == self.hosts[0]]
-            b = next((c for c in cpus[peers[0]] if c != cpus[0][0]), None) if peers else None
+            pair = next(((a, b) for a in cpus[0] for b in (cpus[peers[0]] if peers else []) if a != b), None)
             try:
-                if b is not None:
-                    reading = {"cpus": [cpus[0][0], b], "ns": _core.core_round_trip_ns(cpus[0][0], b)}
-            except MgpuError as e:  # the others must not wait for a reading that never comes
-                error = e
-        self.sleeping_barrier()
-        self.agree(error, what="the cores' round trip")
+                if pair is not None:
+                    reading = {"cpus": list(pair), "ns": _core.core_round_trip_ns(*pair)}
+            except Exception:  # noqa: BLE001 - whatever failed, the others are waiting for this rank
+                reading = None
+        self.sleeping_barrier("the cores' round trip")
         return reading
 
     def clock_offsets(self, clock: Callable[[], float], rounds: int = 8, what: str = "clock offsets") -> list:

@@ -137,6 +137,14 @@ class ThreadGroup(ProcessGroup):
         if self.size > 1:
             self._meet(what)
 
+    def sleeping_barrier(self, what: str = "barrier") -> None:
+        self.barrier(what)
+
+    def core_round_trip_ns(self) -> None:
+        """Threads of one process, a GPU each: no ranks' cores to place (see ProcessGroup's)."""
+        self.barrier("the cores' round trip")
+        return None
+
     def clock_offsets(self, clock: Callable[[], float], rounds: int = 8, what: str = "clock offsets") -> list:
         """ProcessGroup.clock_offsets for threads: one process, one perf_counter, so each
         rank's clock against rank 0's follows from one reading of `clock` between two of

@@ -208,57 +208,70 @@ def measure_step_phases(pg, backend_kind: str, threads: int, quick: bool) -> dic
     return table
 
 
-def step_phases_in_one_placement(pg, threads: int, quick: bool, readings: list) -> dict:
-    """Collective: measure_step_phases between two readings of where the ranks' cores sit
-    (appended to `readings` on rank 0), measured again, up to PLACEMENT_TRIES times, while
-    the two differ: a wait timed partly in one placement and partly in another is
-    neither's. The last try is kept; the readings around it say whether it moved too."""
+class PlacementLog:
+    """Rank 0's readings of where the ranks' cores sit (ProcessGroup.core_round_trip_ns)
+    during a calibration: every reading, and apart the samples, the readings taken at
+    times that the placement did not choose (not a probe's, which follow a move), from
+    which the share of time in each placement is estimated."""
+
+    def __init__(self, pg):
+        self.pg, self.cpus, self.readings, self.samples = pg, None, [], []
+
+    def read(self, sample: bool = False) -> Optional[float]:
+        """Collective: one reading in ns on rank 0 (None elsewhere, or where it failed)."""
+        reading = self.pg.core_round_trip_ns()
+        if reading is None:
+            return None
+        self.cpus = reading["cpus"]
+        self.readings.append(reading["ns"])
+        if sample:
+            self.samples.append(reading["ns"])
+        return reading["ns"]
+
+
+def step_phases_in_one_placement(pg, threads: int, quick: bool, log: PlacementLog) -> tuple:
+    """Collective: (measure_step_phases between two readings of where the ranks' cores sit,
+    those readings or None), measured again, up to PLACEMENT_TRIES times, while the two
+    differ: a wait timed partly in one placement and partly in another is neither's. The
+    last try is kept; its readings say whether it moved too."""
     for _ in range(PLACEMENT_TRIES):
-        before = pg.core_round_trip_ns()
+        before = log.read()
         table = measure_step_phases(pg, "cpu", threads, quick)
-        after = pg.core_round_trip_ns()
-        if before is not None:
-            readings += [before, after]
-        if not pg.bcast(before is not None and placement_moved([before["ns"], after["ns"]]), what="placement"):
-            return table
-    return table
+        after = log.read()
+        pair = [before, after] if before is not None and after is not None else None
+        if not pg.bcast(pair is not None and placement_moved(pair), what="placement"):
+            return table, pair
+    return table, pair
 
 
-def step_phases_by_placement(pg, threads: int, quick: bool, readings: list) -> dict:
+def step_phases_by_placement(pg, threads: int, quick: bool, log: PlacementLog) -> dict:
     """Collective: the wait's tables by placement of the ranks' cores: {"first": as
-    step_phases_in_one_placement measures it, "home": its [before, after] readings,
-    "second": the table in another placement or None, "other": its readings or None,
-    "watched": the watch's readings, "first_readings": how many of `readings` there were
-    up to the first's}. After the first, the cores are read every half
-    second for PLACEMENT_WATCH_S (a sample of how long they stay where: the selector
-    weighs the two tables by it), and where they are first found elsewhere the wait is
-    probed there too (kept if they stayed for the probe). Rank 0 reads; every rank gets
-    its decisions and its own tables."""
-    first = step_phases_in_one_placement(pg, threads, quick, readings)
-    home = [r["ns"] for r in readings[-2:]] if pg.is_root and readings[-1] is not None else None
-    out = {"first": first, "home": home, "second": None, "other": None, "watched": [], "first_readings": len(readings)}
+    step_phases_in_one_placement measures it, "home": its readings, "second": the table
+    in another placement or None, "other": its readings or None}. After the first, the
+    cores are read every half second for PLACEMENT_WATCH_S (samples of how long they stay
+    where: the selector weighs the two tables by them), and where they are first found
+    elsewhere the wait is probed there too (kept if they stayed for the probe). Rank 0
+    reads; every rank gets its decisions and its own tables."""
+    first, home = step_phases_in_one_placement(pg, threads, quick, log)
+    out = {"first": first, "home": home, "second": None, "other": None}
     deadline = time.monotonic() + (PLACEMENT_WATCH_QUICK_S if quick else PLACEMENT_WATCH_S)
     # (a first probe the cores left in every try has no placement to tell another from)
     while not pg.bcast(home is None or placement_moved(home) or time.monotonic() > deadline, what="placement"):
-        now = pg.core_round_trip_ns()
-        if pg.is_root:
-            out["watched"].append(now["ns"])
-        if not pg.bcast(pg.is_root and out["second"] is None and placement_moved(home + [now["ns"]]),
+        now = log.read(sample=True)
+        if not pg.bcast(pg.is_root and now is not None and out["second"] is None and placement_moved(home + [now]),
                         what="placement"):
             time.sleep(0.5)
             continue
         table = measure_step_phases(pg, "cpu", threads, quick)
-        after = pg.core_round_trip_ns()
-        if pg.is_root:
-            readings += [now, after]
-        if pg.bcast(pg.is_root and not placement_moved([now["ns"], after["ns"]]), what="placement"):
-            out["second"], out["other"] = table, [now["ns"], after["ns"]] if pg.is_root else None
+        after = log.read()
+        if pg.bcast(pg.is_root and after is not None and not placement_moved([now, after]), what="placement"):
+            out["second"], out["other"] = table, [now, after] if pg.is_root else None
     return out
 
 
 def other_share(samples_ns: list, home: list, other: list) -> float:
-    """Of the readings taken at times that did not depend on where the cores were, the
-    share found in the second placement (among those in either)."""
+    """Of the samples of where the cores sat, the share found in the second placement
+    (among those in either)."""
     there = sum(not placement_moved(other + [t]) for t in samples_ns)
     here = sum(not placement_moved(home + [t]) for t in samples_ns)
     return there / (here + there) if here + there else 0.0
@@ -277,25 +290,24 @@ def measure_cpu_tables(pg, backend, threads: int, quick: bool) -> dict:
                 "step_phases": (step_phases or (lambda: measure_step_phases(group, "cpu", threads, quick)))()}
     if pg.size == 1 or pg.comm is None:
         return {**measure(pg, None), "cache_bytes": cache}
-    readings = [pg.core_round_trip_ns()]
+    log = PlacementLog(pg)
+    log.read(sample=True)
     probes = {}
 
     def step_phases():
-        probes.update(step_phases_by_placement(pg, threads, quick, readings))
+        probes.update(step_phases_by_placement(pg, threads, quick, log))
         return probes["first"]
     tables = {**measure(pg, pg.barrier, step_phases), "cache_bytes": cache}
     if probes["second"] is not None:  # every rank's own timings of it, as of step_phases
         tables["step_phases_other_placement"] = probes["second"]
     if pg.is_root:
         tables.update({f"{key}_alone": table for key, table in measure(_self_group(), None).items()})
-        if readings[0] is not None:
-            ns = [r["ns"] for r in readings]
-            # readings at times the placement did not choose (not the second probe's): a sample
-            unbiased = ns[:probes["first_readings"]] + probes["watched"]
-            tables["placement"] = {"cpus": readings[0]["cpus"], "readings_ns": ns, "samples_ns": unbiased,
+        if probes["home"] is not None:  # (unknown where the probe's readings failed)
+            tables["placement"] = {"cpus": log.cpus, "readings_ns": log.readings, "samples_ns": log.samples,
                                    "wait_probe_ns": probes["home"]}
             if probes["other"] is not None:
-                tables["placement"]["other_wait_probe_ns"] = probes["other"]
+                tables["placement"].update(other_wait_probe_ns=probes["other"],
+                                           other_share=other_share(log.samples, probes["home"], probes["other"]))
     pg.sleeping_barrier()
     return tables
 
@@ -738,7 +750,7 @@ def placement_line(placement: dict) -> str:
             f"{len(every)} readings")
     if placement_moved(at_wait):
         text += ("; the cores changed cache domains (as a VM's vCPUs do when its hypervisor moves them) during "
-                 f"each of {(len(every) - 2) // 2} tries at that probe: its wait mixes two placements, and "
+                 f"each of {PLACEMENT_TRIES} tries at that probe: its wait mixes two placements, and "
                  "predictions for several ranks hold in neither")
     elif placement_moved(every):
         other = placement.get("other_wait_probe_ns")

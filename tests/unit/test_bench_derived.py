@@ -77,11 +77,12 @@ def test_a_failed_peer_is_reported_by_its_exception_not_by_mpiruns_banner():
 def test_validation_says_whether_a_cell_ran_where_topo_found_the_cores(monkeypatch, seen, as_calibrated):
     profile = {"placement": {"cpus": [0, 1], "readings_ns": [52.0, 54.0, 57.0, 60.0], "wait_probe_ns": [54.0, 57.0]}}
     monkeypatch.setattr(bench, "_predict", lambda row, prof: type("P", (), {"speedup": 1.25}))
-    got = bench._placement_against_calibration({"core_round_trip_ns": seen, "speedup_rounds": [1.1, 1.3]}, profile)
+    cell = {"core_round_trip_ns": seen, "core_round_trip_cpus": [0, 1], "speedup_rounds": [1.1, 1.3]}
+    got = bench._placement_against_calibration(cell, profile)
     # the rounds wholly in the probe's placement: both, or the second only
     here = [1.1, 1.3] if as_calibrated else [1.3]
     assert got == {"core_round_trip_ns": seen, "calibrated_round_trip_ns": [54.0, 57.0],
-                   "placement_as_calibrated": as_calibrated,
+                   "placement_as_calibrated": as_calibrated, "placement_as_second_probe": False,
                    "by_placement": [{"probe": "first", "calibrated_round_trip_ns": [54.0, 57.0], "rounds": len(here),
                                      "measured_speedup": pytest.approx(sum(here) / len(here)), "predicted_speedup": 1.25,
                                      "relative_error": pytest.approx(1.25 / (sum(here) / len(here)) - 1)}]}
@@ -92,25 +93,70 @@ def test_validation_says_whether_a_cell_ran_where_topo_found_the_cores(monkeypat
     placement = "as calibrated" if as_calibrated else "ANOTHER PLACEMENT than topo's"
     assert f"the cores' round trip {min(seen):.0f}-{max(seen):.0f} ns (topo's 54-57): {placement}" in text
     assert f"; {len(here)} round(s) where topo's first probe of the wait ran (54-57 ns): " in text
+    assert text.splitlines()[-1] == ("within +-10%: 1 of 1 cells (worst +4%); picks: 1 right, 0 wrong, "
+                                     "0 asked for a benchmark")
     # unknown on either side (a GPU, one rank per node, a calibration from before): nothing claimed
-    for cell, prof in (({}, profile), ({"core_round_trip_ns": seen}, {}), ({"core_round_trip_ns": seen},
-                                                                          {"placement": None})):
+    # ... or read between other CPUs than topo's (bench's unbound ranks, topo's bound ones)
+    for cell, prof in (({}, profile), (cell, {}), (cell, {"placement": None}),
+                       ({**cell, "core_round_trip_cpus": [0, 2]}, profile)):
         assert bench._placement_against_calibration(cell, prof) == {"placement_as_calibrated": None}
     assert "round trip" not in bench.format_validation([{**row, "placement_as_calibrated": None}])
 
 
 def test_rounds_in_topos_second_placement_are_held_against_its_second_probe(monkeypatch):
     from mgpu import perf
-    profile = {"placement": {"readings_ns": [54.0, 57.0, 330.0, 335.0], "wait_probe_ns": [54.0, 57.0],
+    profile = {"placement": {"cpus": [0, 1], "readings_ns": [54.0, 57.0, 330.0, 335.0], "wait_probe_ns": [54.0, 57.0],
                              "other_wait_probe_ns": [330.0, 335.0], "other_share": 0.4}}
     pinned = {probe: {"pinned": probe} for probe in ("first", "second")}
     monkeypatch.setattr(perf, "placement_profile", lambda prof, probe: pinned[probe])
     monkeypatch.setattr(bench, "_predict",
                         lambda row, prof: type("P", (), {"speedup": 0.9 if prof is pinned["second"] else 1.3}))
     # three rounds: near, far, and one the cores left during it (in neither)
-    cell = {"core_round_trip_ns": [55.0, 58.0, 331.0, 329.0, 60.0, 330.0], "speedup_rounds": [1.28, 0.93, 1.1]}
+    cell = {"core_round_trip_ns": [55.0, 58.0, 331.0, 329.0, 60.0, 330.0], "core_round_trip_cpus": [0, 1],
+            "speedup_rounds": [1.28, 0.93, 1.1]}
     got = bench._placement_against_calibration(cell, profile)
-    assert got["placement_as_calibrated"] is False
+    assert got["placement_as_calibrated"] is False and got["placement_as_second_probe"] is False
     assert [(b["probe"], b["rounds"], b["measured_speedup"], b["predicted_speedup"]) for b in got["by_placement"]] == [
         ("first", 1, 1.28, 1.3), ("second", 1, 0.93, 0.9)]
     assert got["by_placement"][1]["relative_error"] == pytest.approx(0.9 / 0.93 - 1)
+
+
+def test_the_validation_counts_its_cells_within_the_bound_and_its_picks():
+    def cell(batch, error, picked):
+        return {"batch_size": batch, "ranks": 2, "measured_speedup": 1.5, "predicted_speedup": 1.5 * (1 + error),
+                "relative_error": error, "predicted_step_ms": None, "selector_strategy": "multi_gpu",
+                "selector_devices": 2, "measured_fastest": 2, "picked_faster": picked}
+    text = bench.format_validation([cell(64, 0.12, None), cell(256, -0.10, True), cell(1024, -0.31, False)])
+    assert text.splitlines()[-1] == ("within +-10%: 1 of 3 cells (worst -31%); picks: 1 right, 1 wrong, "
+                                     "1 asked for a benchmark")
+    # no prediction (a profile that could not price the rows): no count
+    none = {**cell(64, 0.0, None), "predicted_speedup": None, "relative_error": None}
+    assert "within" not in bench.format_validation([none])
+
+
+def test_a_cell_is_named_by_the_placements_its_rounds_ran_in(monkeypatch):
+    from mgpu import perf
+    profile = {"placement": {"cpus": [0, 1], "readings_ns": [54.0, 57.0, 330.0, 335.0], "wait_probe_ns": [54.0, 57.0],
+                             "other_wait_probe_ns": [330.0, 335.0], "other_share": 0.4}}
+    monkeypatch.setattr(perf, "placement_profile", lambda prof, probe: {"pinned": probe})
+    monkeypatch.setattr(bench, "_predict", lambda row, prof: type("P", (), {"speedup": 1.2}))
+    row = {"batch_size": 64, "ranks": 2, "measured_speedup": 1.2, "predicted_speedup": 1.2, "relative_error": 0.0,
+           "predicted_step_ms": None, "selector_strategy": "multi_gpu", "selector_devices": 2, "measured_fastest": 2,
+           "picked_faster": True}
+    for readings, where in (([331.0, 329.0, 334.0, 330.0], "as topo's second probe"),
+                            ([55.0, 58.0, 331.0, 329.0], "in turn where topo's two probes ran"),
+                            ([55.0, 330.0, 56.0, 58.0], "ANOTHER PLACEMENT than topo's")):
+        cell = {"core_round_trip_ns": readings, "core_round_trip_cpus": [0, 1], "speedup_rounds": [1.2, 1.2]}
+        text = bench.format_validation([{**row, **bench._placement_against_calibration(cell, profile)}])
+        assert f"(topo's 54-57): {where}" in text, text
+
+
+def test_rounds_without_readings_leave_a_cells_placement_unknown():
+    def cell(readings):
+        c = {"batch_size": 64, "ranks": 2, "step_seconds": [1e-3], "breakdown_ms": {"forward": 1.0},
+             "peak_memory_bytes": 1}
+        return {**c, "core_round_trip_ns": readings, "core_round_trip_cpus": [0, 1]} if readings else c
+    merged = bench.merge_rounds([[cell([55.0, 56.0])], [cell(None)]])
+    assert "core_round_trip_ns" not in merged[0] and "core_round_trip_cpus" not in merged[0]
+    merged = bench.merge_rounds([[cell([55.0, 56.0])], [cell([330.0, 331.0])]])
+    assert merged[0]["core_round_trip_ns"] == [55.0, 56.0, 330.0, 331.0]

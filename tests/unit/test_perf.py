@@ -1,5 +1,6 @@
 """The performance model and strategy selector: formulas, limits and decisions
 on synthetic hardware profiles whose right answer is known."""
+import copy
 import json
 import math
 import os
@@ -649,12 +650,50 @@ def test_a_second_placements_wait_is_priced_beside_the_first_and_weighted_by_its
         perf.placement_profile(odd, "second")
 
 
-@pytest.mark.parametrize("placement", [{"cpus": [0, 1]}, {"readings_ns": []}, {"readings_ns": [50.0, -1.0]},
-                                       {"readings_ns": "fast"}, {"readings_ns": [50.0, float("nan")]}])
-def test_a_malformed_placement_is_refused_in_one_line(placement):
-    prof = profile([{**device(kind="cpu"), "step_phases": phases()}] * 2)
+GOOD_PLACEMENT = {"cpus": [0, 1], "readings_ns": [50.0, 52.0, 55.0, 330.0, 335.0], "wait_probe_ns": [52.0, 55.0],
+                  "other_wait_probe_ns": [330.0, 335.0], "other_share": 0.25}
+
+
+@pytest.mark.parametrize("change, says", [
+    (lambda p: p.pop("readings_ns"), "readings_ns must be a list"),
+    (lambda p: p.update(readings_ns=[]), "readings_ns must be a list"),
+    (lambda p: p.update(readings_ns=[50.0, -1.0]), "readings_ns must be a list"),
+    (lambda p: p.update(readings_ns="123"), "readings_ns must be a list"),  # not read as [1, 2, 3]
+    (lambda p: p.update(readings_ns=[50.0, float("nan")]), "readings_ns must be a list"),
+    (lambda p: p.update(readings_ns=[50.0, True]), "readings_ns must be a list"),
+    (lambda p: p.pop("wait_probe_ns"), "wait_probe_ns must be a list of 2"),
+    (lambda p: p.update(wait_probe_ns=55.0), "wait_probe_ns must be a list of 2"),
+    (lambda p: p.update(wait_probe_ns=["a", "b"]), "wait_probe_ns must be a list of 2"),
+    (lambda p: p.update(other_wait_probe_ns=[]), "other_wait_probe_ns must be a list of 2"),
+    (lambda p: p.update(other_wait_probe_ns=None), "other_wait_probe_ns must be a list of 2"),
+    (lambda p: p.pop("other_share"), "other_share must be in"),
+    (lambda p: p.update(other_share=True), "other_share must be in"),
+    (lambda p: p.update(other_share=1.5), "other_share must be in"),
+    (lambda p: p.update(other_share="half"), "other_share must be in"),
+])
+def test_a_malformed_placement_is_refused_in_one_line_everywhere_it_is_read(change, says):
+    # a hand-edited calibration: to_core, recommend and bench's validation refuse it alike
+    from mgpu import bench
+    placement = copy.deepcopy(GOOD_PLACEMENT)
+    change(placement)
+    prof = profile([{**device(kind="cpu"), "step_phases": phases(), "step_phases_other_placement": phases()}] * 2)
     prof["placement"] = placement
-    with pytest.raises(mgpu.ConfigError, match="malformed .*placement"):
+    for read in (lambda: perf.to_core(prof),
+                 lambda: perf.recommend(layers=[64, 256, 256, 8], batch_size=256, devices=[1, 2], profile=prof),
+                 lambda: bench._placement_against_calibration(
+                     {"core_round_trip_ns": [55.0, 56.0], "core_round_trip_cpus": [0, 1]}, prof)):
+        with pytest.raises(mgpu.ConfigError, match=f"malformed \\(placement: {says}") as e:
+            read()
+        assert "\n" not in str(e.value) and str(e.value).count("malformed") == 1
+    prof["placement"] = "here"
+    with pytest.raises(mgpu.ConfigError, match="placement: not an object"):
+        perf.to_core(prof)
+
+
+def test_a_malformed_step_phases_table_is_refused_where_the_cores_moved_too():
+    prof = profile([{**device(kind="cpu"), "step_phases": [1, 2]}] * 2)
+    prof["placement"] = {k: v for k, v in GOOD_PLACEMENT.items() if "other" not in k}
+    with pytest.raises(mgpu.ConfigError, match="malformed"):
         perf.to_core(prof)
 
 
@@ -676,8 +715,30 @@ def test_core_round_trip_is_measured_between_two_cpus_and_refuses_others():
             mgpu._core.core_round_trip_ns(a, b)
     with pytest.raises(mgpu.ConfigError, match="batches"):
         mgpu._core.core_round_trip_ns(0, 1, batches=0)
-    with pytest.raises(mgpu.ConfigError, match="timeout_s"):
-        mgpu._core.core_round_trip_ns(0, 1, timeout_s=0.0)
+    for timeout in (0.0, -1.0, float("nan"), float("inf"), 1e10):  # 1e10 s overflowed the deadline
+        with pytest.raises(mgpu.ConfigError, match="timeout_s"):
+            mgpu._core.core_round_trip_ns(0, 1, timeout_s=timeout)
+
+
+def test_a_failed_reading_of_the_cores_is_unknown_not_an_error(monkeypatch):
+    # a diagnosis: whatever the probe raises (a refused CPU, a thread that could not start),
+    # rank 0 reports no reading and goes on to the barrier the other ranks wait in
+    from mgpu.process_group import ProcessGroup
+    pg = ProcessGroup(comm=None)
+    pg.size, pg.hosts = 2, [pg.hosts[0]] * 2
+    monkeypatch.setattr(pg, "allgather", lambda obj, what="": [[0, 1], [0, 1]])
+    for error in (RuntimeError("thread"), mgpu.DeviceError("no answer"), mgpu.ConfigError("CPU 1 refused")):
+        def fail(a, b, error=error):
+            raise error
+        monkeypatch.setattr(mgpu._core, "core_round_trip_ns", fail)
+        assert pg.core_round_trip_ns() is None
+    monkeypatch.setattr(mgpu._core, "core_round_trip_ns", lambda a, b: 60.0)
+    assert pg.core_round_trip_ns() == {"cpus": [0, 1], "ns": 60.0}
+    # the first pair of different CPUs the two may run on: rank 0 on {0, 1}, its peer on {0} only
+    monkeypatch.setattr(pg, "allgather", lambda obj, what="": [[0, 1], [0]])
+    assert pg.core_round_trip_ns() == {"cpus": [1, 0], "ns": 60.0}
+    monkeypatch.setattr(pg, "allgather", lambda obj, what="": [[0], [0]])
+    assert pg.core_round_trip_ns() is None  # one CPU between them: nothing to measure
 
 
 @pytest.mark.parametrize("width", [1000, 2000])  # at 2000 each layer fills four 4 MiB buckets

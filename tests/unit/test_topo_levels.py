@@ -72,10 +72,11 @@ def test_the_wait_is_probed_again_while_the_cores_moved_during_its_probe(monkeyp
     from mgpu import topo
     tables = iter(range(1, 10))
     monkeypatch.setattr(topo, "measure_step_phases", lambda *args: {"probe": next(tables)})
-    readings = []
-    table = topo.step_phases_in_one_placement(_PlacementsInTurn(readings_ns), 1, True, readings)
-    assert table == {"probe": probes} and [r["ns"] for r in readings] == readings_ns
-    assert probes <= topo.PLACEMENT_TRIES
+    log = topo.PlacementLog(_PlacementsInTurn(readings_ns))
+    table, pair = topo.step_phases_in_one_placement(log.pg, 1, True, log)
+    assert table == {"probe": probes} and pair == readings_ns[-2:] and log.readings == readings_ns
+    assert probes <= topo.PLACEMENT_TRIES and log.cpus == [0, 1]
+    assert log.samples == []  # a probe's readings follow the cores' moves: no sample of their time
 
 
 @pytest.mark.parametrize("readings_ns, says", [
@@ -106,30 +107,28 @@ class _WatchedPlacements(_PlacementsInTurn):
         self.is_root = True
 
 
-@pytest.mark.parametrize("readings_ns, first_tries, second_ns, kept, watched", [
+@pytest.mark.parametrize("readings_ns, first_tries, second_ns, watched", [
     # first probe at 55-60 ns; the watch (1 s in quick mode: 3 readings) sees nothing else
-    ([55.0, 60.0, 58.0, 57.0, 59.0], 1, None, [55.0, 60.0], [58.0, 57.0, 59.0]),
-    # the cores move to 330 ns: the wait is probed there and kept, and the watch goes on
-    ([55.0, 60.0, 330.0, 335.0, 331.0, 58.0, 57.0], 1, [330.0, 335.0], [55.0, 60.0, 330.0, 335.0],
-     [330.0, 331.0, 58.0, 57.0]),
-    # they move back during that probe: not kept, and the watch runs out
-    ([55.0, 60.0, 330.0, 58.0, 57.0, 59.0, 56.0], 1, None, [55.0, 60.0, 330.0, 58.0], [330.0, 57.0, 59.0, 56.0]),
+    ([55.0, 60.0, 58.0, 57.0, 59.0], 1, None, [58.0, 57.0, 59.0]),
+    # the cores move to 330 ns: the wait is probed there (330 -> 335) and kept, and the watch goes on
+    ([55.0, 60.0, 330.0, 335.0, 331.0, 58.0, 57.0], 1, [330.0, 335.0], [330.0, 331.0, 58.0, 57.0]),
+    # they move back during that probe (330 -> 58): not kept, and the watch runs out
+    ([55.0, 60.0, 330.0, 58.0, 57.0, 59.0, 56.0], 1, None, [330.0, 57.0, 59.0, 56.0]),
     # the first probe moved in every try: no placement to tell another from, no watch
-    ([55.0, 330.0, 58.0, 330.0, 60.0, 320.0], 3, None, [55.0, 330.0, 58.0, 330.0, 60.0, 320.0], []),
+    ([55.0, 330.0, 58.0, 330.0, 60.0, 320.0], 3, None, []),
 ])
 def test_the_wait_is_probed_in_a_second_placement_where_the_cores_go_during_the_watch(
-        monkeypatch, readings_ns, first_tries, second_ns, kept, watched):
+        monkeypatch, readings_ns, first_tries, second_ns, watched):
     from mgpu import topo
     tables = iter(range(1, 10))
     monkeypatch.setattr(topo, "measure_step_phases", lambda *args: {"probe": next(tables)})
-    pg, readings = _WatchedPlacements(readings_ns, monkeypatch), []
-    got = topo.step_phases_by_placement(pg, 1, True, readings)
+    log = topo.PlacementLog(_WatchedPlacements(readings_ns, monkeypatch))
+    got = topo.step_phases_by_placement(log.pg, 1, True, log)
     assert got["first"] == {"probe": first_tries} and got["home"] == readings_ns[2 * first_tries - 2:2 * first_tries]
     assert got["second"] == ({"probe": first_tries + 1} if second_ns else None) and got["other"] == second_ns
-    assert next(pg.readings, None) is None, "every reading given was taken"
-    # rank 0 keeps the readings around each probe, and the watch's apart (a sample of the time)
-    assert [r["ns"] for r in readings] == kept and got["watched"] == watched
-    assert got["first_readings"] == 2 * first_tries
+    assert next(log.pg.readings, None) is None, "every reading given was taken"
+    # every reading is kept; the watch's, taken every half second, are the samples of the time
+    assert log.readings == readings_ns and log.samples == watched
 
 
 def test_the_second_placements_share_counts_the_readings_found_there():
@@ -152,6 +151,7 @@ def test_no_second_placement_is_looked_for_without_a_peer_on_the_node(monkeypatc
     class Alone(_WatchedPlacements):
         def core_round_trip_ns(self):
             return None
-    got = topo.step_phases_by_placement(Alone([], monkeypatch), 1, True, [None])
-    assert got["first"] == {"probe": 1} and (got["home"], got["second"], got["other"], got["watched"]) == (
-        None, None, None, [])
+    log = topo.PlacementLog(Alone([], monkeypatch))
+    got = topo.step_phases_by_placement(log.pg, 1, True, log)
+    assert got["first"] == {"probe": 1} and (got["home"], got["second"], got["other"]) == (None, None, None)
+    assert log.readings == log.samples == [] and log.cpus is None
