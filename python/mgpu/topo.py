@@ -305,9 +305,8 @@ def measure_cpu_tables(pg, backend, threads: int, quick: bool) -> dict:
         if probes["home"] is not None:  # (unknown where the probe's readings failed)
             tables["placement"] = {"cpus": log.cpus, "readings_ns": log.readings, "samples_ns": log.samples,
                                    "wait_probe_ns": probes["home"]}
-            if probes["other"] is not None:
-                tables["placement"].update(other_wait_probe_ns=probes["other"],
-                                           other_share=other_share(log.samples, probes["home"], probes["other"]))
+            if probes["other"] is not None:  # (its share of the samples: run_topo's, with the last one)
+                tables["placement"]["other_wait_probe_ns"] = probes["other"]
     pg.sleeping_barrier()
     return tables
 
@@ -692,9 +691,9 @@ def run_topo(pg, *, device: str = "auto", threads=None, max_bytes: int = 256 * M
             if placement is not None and last is not None:
                 placement["readings_ns"].append(last["ns"])
                 placement["samples_ns"].append(last["ns"])
-                if "other_wait_probe_ns" in placement:
-                    placement["other_share"] = other_share(placement["samples_ns"], placement["wait_probe_ns"],
-                                                           placement["other_wait_probe_ns"])
+            if placement is not None and "other_wait_probe_ns" in placement:
+                placement["other_share"] = other_share(placement["samples_ns"], placement["wait_probe_ns"],
+                                                       placement["other_wait_probe_ns"])
         if levels is not None and levels["intra"] is not None:
             link["nccl"] = hierarchical_link(levels["intra"], levels["inter"], levels["ranks_per_node"])
         pg.close()
