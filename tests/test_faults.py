@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from conftest import PYTHON, ROOT, mpi_env, mpirun
-from mgpu.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
+from mgpu.train.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
 from procs import mpi_ranks, wait_for  # tests/procs.py
 
 MGPU = [PYTHON, "-m", "mgpu"]

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from conftest import mpi_env, mpirun
-from mgpu.observe import FIELDS, find_straggler, parse_step_range
+from mgpu.train.observe import FIELDS, find_straggler, parse_step_range
 
 TRAIN = [sys.executable, "-m", "mgpu", "train", "--model", "medium", "--batch-size", "96", "--no-progress",
          "--watchdog-timeout", "120"]
@@ -126,7 +126,7 @@ def test_clock_offsets_find_a_shifted_clock(tmp_path):
     script = tmp_path / "offsets.py"
     script.write_text(
         "import json, sys, time\n"
-        "from mgpu.process_group import ProcessGroup\n"
+        "from mgpu.train.process_group import ProcessGroup\n"
         "pg = ProcessGroup()\n"
         "out = pg.clock_offsets(lambda: time.perf_counter() + 5.0 * pg.rank)\n"
         "if pg.is_root:\n"

@@ -12,8 +12,8 @@ import pytest
 
 from conftest import PYTHON, ROOT, mpi_env, mpirun, run_cli
 from mgpu import _core
-from mgpu.stress import SafetyMonitor, Thresholds
-from mgpu.telemetry import Sampler, summarize
+from mgpu.monitor.safety import SafetyMonitor, Thresholds
+from mgpu.monitor.telemetry import Sampler, summarize
 
 MGPU = [PYTHON, "-m", "mgpu"]
 SMALL = ["--memory-mb", "8", "--compute-size", "4096", "--gemm-size", "128", "--no-progress"]

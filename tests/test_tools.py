@@ -10,7 +10,7 @@ import subprocess
 import pytest
 
 from conftest import PYTHON, mpi_env, mpirun, run_cli
-from mgpu.process_group import placement_moved
+from mgpu.hostinfo import placement_moved
 
 MGPU = [PYTHON, "-m", "mgpu"]
 
@@ -105,8 +105,8 @@ def test_topo_step_probe_leaves_the_communicators_timeout_alone(tmp_path):
     # deadline path (a worker-thread handoff per call) as if it were the plain call.
     script = tmp_path / "probe.py"
     script.write_text(
-        "from mgpu.process_group import ProcessGroup\n"
-        "from mgpu.topo import measure_step_phases\n"
+        "from mgpu.train.process_group import ProcessGroup\n"
+        "from mgpu.calibrate.topo import measure_step_phases\n"
         "pg = ProcessGroup()\n"
         "comm = pg.communicator()\n"
         "kept = []\n"
@@ -221,7 +221,7 @@ def test_bench_under_mpirun_measures_that_world(tmp_path):
 
 
 def _torch_available():
-    from mgpu.bench import torch_python
+    from mgpu.calibrate.bench import torch_python
     return torch_python() is not None
 
 

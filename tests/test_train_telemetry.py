@@ -10,8 +10,9 @@ import sys
 import pytest
 
 from conftest import mpirun  # tests/conftest.py helpers
-from mgpu import telemetry, train_telemetry
-from mgpu.stress import Thresholds
+from mgpu.monitor import telemetry
+from mgpu.monitor import training as train_telemetry
+from mgpu.monitor.safety import Thresholds
 
 TRAIN = [sys.executable, "-m", "mgpu", "train", "--dataset", "digits", "--layers", "64,32,10", "--batch-size", "64",
          "--no-progress", "--straggler-threshold", "0", "--watchdog-timeout", "60"]

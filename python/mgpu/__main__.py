@@ -1,6 +1,6 @@
-"""python -m mgpu: the command line (see mgpu.cli)."""
+"""python -m mgpu: the command line (mgpu.commands.main)."""
 import sys
 
-from .cli import main
+from .commands.main import main
 
 sys.exit(main())

@@ -4,6 +4,7 @@ as it was and no temporary. Imports nothing of mgpu: every layer may use it."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import tempfile
 
@@ -42,3 +43,9 @@ def atomic_file(path: str, binary: bool = False, prefix: str = ".tmp-", private:
         if isinstance(e, OSError) and e.errno is not None:
             raise OSError(e.errno, e.strerror, path) from e
         raise
+
+
+def write_json_atomic(path: str, obj) -> None:
+    """Write JSON whole or not at all: a failed write leaves the old file and no temporary."""
+    with atomic_file(path, private=False) as f:
+        json.dump(obj, f, indent=2)

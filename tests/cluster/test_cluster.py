@@ -18,7 +18,7 @@ import pytest
 from clusterrun import ClusterRun, ended
 from conftest import run_cli  # tests/conftest.py
 from procs import wait_for  # tests/procs.py
-from mgpu.checkpoint import list_checkpoints, load_checkpoint
+from mgpu.train.checkpoint import list_checkpoints, load_checkpoint
 
 MGPU = ["-m", "mgpu"]
 LAYERS = (50, 64, 3)
@@ -45,7 +45,7 @@ PROBE = """
 import json, socket, sys
 from mpi4py import MPI
 import mgpu
-from mgpu.process_group import ProcessGroup
+from mgpu import ProcessGroup
 pg = ProcessGroup()
 dev = pg.resolve_device("auto")
 # a file per rank: the ranks' stdout lines can interleave on their way to mpirun

@@ -12,7 +12,7 @@ by close() (also at exit, and by the sweep of namespaces whose owner pid is dead
 
 Needs root, iproute2 (ip, tc) and util-linux (unshare). Run by hand:
     python tests/cluster/vcluster.py --hosts 2 -- mpirun -np 4 python -m mgpu info
-(scripts/cluster.sh wraps it; README "Several nodes").
+(scripts/cluster.sh wraps it; docs/several-nodes.md).
 """
 from __future__ import annotations
 

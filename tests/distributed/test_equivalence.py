@@ -8,7 +8,7 @@ import pytest
 from mpi4py import MPI
 
 import mgpu
-from mgpu.data import local_slice
+from mgpu.train.data import local_slice
 from reference import rel_err
 
 WORLD = MPI.COMM_WORLD

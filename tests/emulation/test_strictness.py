@@ -131,8 +131,8 @@ def test_bench_reports_the_cuda_work_of_a_step(tmp_path, graph, accumulate, prec
     import sys
 
     from conftest import mpi_env  # tests/conftest.py
-    from mgpu import costsheet
-    from mgpu.bench import resolve_layers
+    from mgpu.selector import costsheet
+    from mgpu.calibrate.bench import resolve_layers
     out = tmp_path / "bench.json"
     model = ["--layers", layers] if layers else ["--model", "medium"]
     r = subprocess.run([sys.executable, "-m", "mgpu", "bench", "--device", "cuda", *model,

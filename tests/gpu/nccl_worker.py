@@ -13,7 +13,7 @@ from mpi4py import MPI
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import mgpu  # noqa: E402
 from mgpu import _core  # noqa: E402
-from mgpu.data import local_slice  # noqa: E402
+from mgpu.train.data import local_slice  # noqa: E402
 from mgpu.errors import ConfigError  # noqa: E402
 from reference import rel_err  # noqa: E402
 

@@ -17,7 +17,7 @@ import pytest
 
 import mgpu
 from mgpu import MLP, DeviceError, Trainer, _core, run_on_gpus
-from mgpu.checkpoint import list_checkpoints, load_checkpoint
+from mgpu.train.checkpoint import list_checkpoints, load_checkpoint
 from conftest import mpi_env, mpirun  # tests/conftest.py helpers
 from procs import wait_for  # tests/procs.py
 from test_faults import MGPU, Job, first_checkpoint, freeze_a_rank  # tests/test_faults.py: the fault harness

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from mgpu import _core
-from mgpu.data import load_dataset
+from mgpu.train.data import load_dataset
 from reference import rel_err
 
 EMULATED = _core.build_info().get("gpu_emulation", False)  # the CPU emulation runs ~1000x slower
@@ -151,7 +151,7 @@ def test_fp16_training_refuses_inputs_beyond_fp16s_range(gpu, tmp_path):
 
 def test_resuming_keeps_the_loss_scale_only_between_dynamically_scaled_runs(gpu, tmp_path):
     from mgpu import MLP, Trainer
-    from mgpu.checkpoint import save_checkpoint
+    from mgpu.train.checkpoint import save_checkpoint
     compat = {"layers": [10, 32, 1]}
     fp32 = Trainer(MLP([10, 32, 1], seed=0), lr=1e-3)
     arrays, meta = fp32.state(compat)
@@ -337,7 +337,8 @@ def test_auto_graphs_only_for_small_models_on_gpus(gpu):
 
 
 def test_the_selector_prices_graphs_where_the_training_step_captures(gpu):
-    from mgpu import perf
+    from mgpu.selector import profiles as perf
+    from mgpu.selector import workload
     be = _core.make_backend("cuda", gpu, 1)
     profile = perf.named_profile("h100-sxm-8")
     for sizes in ([4095, 4096], [4096, 4096]):  # 2^24 parameters exactly, and 4096 more
@@ -345,7 +346,7 @@ def test_the_selector_prices_graphs_where_the_training_step_captures(gpu):
         for mode in ("auto", "on", "off"):
             step = _core.DataParallelStep(model, _core.Optimizer(model, "sgd"), _core.LocalCommunicator(), "mse",
                                           graph=mode)
-            w = perf._workload(None, sizes, None, 64, "fp32", "sgd", 4.0, cuda_graph=mode)
+            w = workload.build_workload(None, sizes, None, 64, "fp32", "sgd", 4.0, cuda_graph=mode)
             assert perf.P.predict(w, perf.to_core(profile), 1, perf.P.Options()).graphs == step.uses_graphs, \
                 (sizes, mode)
             del step
@@ -535,7 +536,7 @@ def test_half_operands_save_the_weight_and_activation_casts(gpu):
     step.step([(x, y, 0)], 32, 2, 1e-2)
     model.backend.synchronize()
     per_step = _core.emulation.counters()["kernels_executed"] - before
-    from mgpu import costsheet
+    from mgpu.selector import costsheet
     sheet = costsheet.counts(costsheet.step_ops(costsheet.Workload(sizes=sizes, batch=32, precision="bf16",
                                                                    momentum=False)))
     assert per_step == sheet["kernels_executed"]

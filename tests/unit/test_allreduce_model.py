@@ -9,8 +9,10 @@ import numpy as np
 import pytest
 
 import mgpu
-from mgpu import allreduce_fit as af
-from mgpu import perf
+from mgpu.selector import allreduce_fit as af
+from mgpu.selector import profiles as perf
+from mgpu.selector import recommend as selector_recommend
+from mgpu.selector import workload
 
 P = perf.P
 
@@ -178,29 +180,29 @@ def test_a_tree_prices_one_edge_at_two_ranks_and_a_level_per_doubling():
 def test_recommend_nodes_compares_one_gpu_one_node_and_k_nodes(profile, nodes):
     # A 2-node profile answers for any number of its nodes: more of the same, priced by its
     # inter-node model (the named profiles list 16 GPUs; 3 and 16 nodes need more).
-    r = perf.recommend(model="xl", batch_size=4096, profile=profile, nodes=nodes)
+    r = selector_recommend.recommend(model="xl", batch_size=4096, profile=profile, nodes=nodes)
     assert [c["devices"] for c in r["candidates"]] == [1, 8, 8 * nodes]
     assert r["bucket"] and r["bucket"]["bucket_mb"] > 0
-    link = perf.to_core(perf._whole_nodes(perf.named_profile(profile), 8 * nodes)).link
+    link = perf.to_core(selector_recommend._whole_nodes(perf.named_profile(profile), 8 * nodes)).link
     assert f"across {nodes} nodes" in link.allreduce_choice(8 * nodes, 1 << 22)
     one_node, k_nodes = r["candidates"][1], r["candidates"][2]
     assert k_nodes["allreduce_ms"] > one_node["allreduce_ms"]  # the same gradient over the network
     with pytest.raises(mgpu.ConfigError, match="no inter-node link"):
-        perf.recommend(model="xl", batch_size=4096, profile="h100-sxm-8", nodes=2)
-    for bad in (0, perf.MAX_NODES + 1):
+        selector_recommend.recommend(model="xl", batch_size=4096, profile="h100-sxm-8", nodes=2)
+    for bad in (0, selector_recommend.MAX_NODES + 1):
         with pytest.raises(mgpu.ConfigError, match="--nodes must be"):
-            perf.recommend(model="xl", batch_size=4096, profile="h100-ib-2x8", nodes=bad)
+            selector_recommend.recommend(model="xl", batch_size=4096, profile="h100-ib-2x8", nodes=bad)
     with pytest.raises(mgpu.ConfigError, match="--nodes and --devices both choose"):
-        perf.recommend(model="xl", batch_size=4096, profile=profile, nodes=nodes, devices=[1, 8])
+        selector_recommend.recommend(model="xl", batch_size=4096, profile=profile, nodes=nodes, devices=[1, 8])
     # beyond the profile's own 2 nodes the answer says it extrapolates
     extrapolated = [reason for reason in r["reasons"] if "extrapolated" in reason]
     assert extrapolated == ([] if nodes == 2 else [f"{nodes} nodes extrapolated from the profile's 2: more nodes of "
                                                    "the same kind over the same inter-node link, priced by its model"])
-    assert r["confidence"] <= perf.NAMED_CONFIDENCE
+    assert r["confidence"] <= selector_recommend.NAMED_CONFIDENCE
 
 
 def test_devices_beyond_the_global_batch_are_left_out_with_the_reason():
-    r = perf.recommend(model="large", batch_size=4096, profile="h100-ib-2x8", nodes=1024)
+    r = selector_recommend.recommend(model="large", batch_size=4096, profile="h100-ib-2x8", nodes=1024)
     assert [c["devices"] for c in r["candidates"]] == [1, 8]
     assert any("8192 GPUs left out: a global batch of 4096" in reason for reason in r["reasons"])
 
@@ -218,7 +220,7 @@ def test_named_profiles_cite_their_sources_and_old_names_still_work():
 
 def test_chosen_bucket_exposes_the_least_of_every_size_tried():
     prof = perf.named_profile("h100-sxm-8", 8)
-    w = perf._workload("xl", None, None, 2048, "fp32", "adamw", 4.0)
+    w = workload.build_workload("xl", None, None, 2048, "fp32", "adamw", 4.0)
     choice = P.choose_bucket(w, perf.to_core(prof, 8), 8, P.Options())
     least = min(e for _, e in choice.tried)
     assert choice.exposed_comm_s <= least * 1.01 + 1e-9
@@ -229,15 +231,15 @@ def test_chosen_bucket_exposes_the_least_of_every_size_tried():
 def test_recommend_auto_gives_every_candidate_its_own_best_bucket():
     # One bucket for all would judge a second node at the size chosen for one node.
     args = dict(model="xl", batch_size=4096, profile="h100-efa-2x8", nodes=2)
-    auto, fixed = perf.recommend(**args), perf.recommend(**args, bucket_mb=4.0)
+    auto, fixed = selector_recommend.recommend(**args), selector_recommend.recommend(**args, bucket_mb=4.0)
     prof = perf.named_profile("h100-efa-2x8", 16)
-    w = perf._workload("xl", None, None, 4096, "fp32", "adamw", 4.0)
+    w = workload.build_workload("xl", None, None, 4096, "fp32", "adamw", 4.0)
     for c, c4 in zip(auto["candidates"], fixed["candidates"]):
         if c["devices"] == 1:
             assert c["predicted_step_ms"] == pytest.approx(c4["predicted_step_ms"])
             continue
         assert c4["bucket_mb"] == pytest.approx(4.0)
-        assert c["bucket_mb"] == pytest.approx(perf.auto_bucket(prof, w, c["devices"])["bucket_mb"])
+        assert c["bucket_mb"] == pytest.approx(selector_recommend.auto_bucket(prof, w, c["devices"])["bucket_mb"])
         assert c["predicted_step_ms"] <= c4["predicted_step_ms"] * (1 + 1e-9)
     fastest = min(auto["candidates"][1:], key=lambda c: c["predicted_step_ms"])
     assert auto["bucket_mb_used"] == pytest.approx(fastest["bucket_mb"])
@@ -246,15 +248,15 @@ def test_recommend_auto_gives_every_candidate_its_own_best_bucket():
 
 def test_cpu_buckets_stay_below_openmpis_slow_path():
     prof = perf.named_profile("cpu", 2)
-    w = perf._workload("xl", None, None, 256, "fp32", "adamw", 4.0)
-    b = perf.auto_bucket(prof, w, 2)
-    assert 0 < b["bucket_mb"] * 2 ** 20 <= perf.CPU_MAX_BUCKET_BYTES
-    r = perf.recommend(model="xl", batch_size=256, profile="cpu", devices=[1, 2], bucket_mb="auto")
+    w = workload.build_workload("xl", None, None, 256, "fp32", "adamw", 4.0)
+    b = selector_recommend.auto_bucket(prof, w, 2)
+    assert 0 < b["bucket_mb"] * 2 ** 20 <= selector_recommend.CPU_MAX_BUCKET_BYTES
+    r = selector_recommend.recommend(model="xl", batch_size=256, profile="cpu", devices=[1, 2], bucket_mb="auto")
     assert r["bucket_mb_used"] == pytest.approx(b["bucket_mb"])
 
 
 def test_mixed_pair_gets_speed_shares_and_says_whether_the_slow_gpu_helps():
-    r = perf.recommend(model="large", batch_size=1024, profile="rtx5080-rtx4060")
+    r = selector_recommend.recommend(model="large", batch_size=1024, profile="rtx5080-rtx4060")
     two = r["candidates"][1]
     fast, slow = two["batch_shares"]
     # the 5080's fitted FP32 GEMM rate is 4x the 4060's on large GEMMs; on `large`'s
@@ -283,7 +285,7 @@ def test_chosen_bucket_is_never_worse_than_4mb_and_tries_the_whole_gradient(mode
     # gradient still splits it: the sizes tried must reach one that plans a single bucket.
     prof = perf.named_profile(profile, devices)
     hw = perf.to_core(prof, devices)
-    w = perf._workload(model, None, None, 256, "fp32", "adamw", 4.0)
+    w = workload.build_workload(model, None, None, 256, "fp32", "adamw", 4.0)
     choice = P.choose_bucket(w, hw, devices, P.Options())
     assert len(mgpu._core.plan_buckets(w.resolved_layers(), choice.tried[-1][0])) == 1
     w.bucket_elems = 1 << 20
@@ -300,7 +302,7 @@ def test_a_larger_bucket_is_taken_only_where_it_exposes_clearly_less():
             "step_overhead_s": 0.0, "model_error": 0.1,
             "link": {"name": "flat", "alpha_s": 0.0, "bus_bandwidth": 1e10, "overlaps_compute": False}}
     hw = perf.to_core(prof, 2)
-    w = perf._workload("large", None, None, 256, "fp32", "sgd", 4.0)
+    w = workload.build_workload("large", None, None, 256, "fp32", "sgd", 4.0)
     choice = P.choose_bucket(w, hw, 2, P.Options())
     exposed = [e for _, e in choice.tried]
     assert len(exposed) > 3 and max(exposed) == pytest.approx(min(exposed), rel=1e-9)
@@ -317,7 +319,7 @@ def test_huge_models_are_priced(params):
     # 256 KiB buckets (2^46 of them) once failed with std::bad_alloc, and 1e12 took minutes.
     prof = perf.named_profile("h100-ib-2x8")
     hw = perf.to_core(prof, 16)
-    w = perf._workload(None, None, params, 4096, "bf16", "adamw", 4.0)
+    w = workload.build_workload(None, None, params, 4096, "bf16", "adamw", 4.0)
     choice = P.choose_bucket(w, hw, 16, P.Options())
     assert 1 << 16 <= choice.bucket_elems <= 1 << 62 and choice.comm_s > 0
     # every bucket is priced: their sum is no less than one allreduce of the whole fp32 gradient
@@ -327,10 +329,10 @@ def test_huge_models_are_priced(params):
 
 
 def test_more_than_2_to_the_62_parameters_is_a_clear_error():
-    w = perf._workload(None, None, 2.0 ** 62 * 1.01, 64, "fp32", "sgd", 4.0)
+    w = workload.build_workload(None, None, 2.0 ** 62 * 1.01, 64, "fp32", "sgd", 4.0)
     with pytest.raises(ValueError, match="2\\^62"):
         w.resolved_layers()
-    w = perf._workload(None, [2 ** 31 - 1] * 3, None, 64, "fp32", "sgd", 4.0)
+    w = workload.build_workload(None, [2 ** 31 - 1] * 3, None, 64, "fp32", "sgd", 4.0)
     with pytest.raises(ValueError, match="at most 2\\^62"):
         w.resolved_layers()
 

@@ -2,7 +2,8 @@
 efficiency divides by, for rank counts, thread counts and both."""
 import pytest
 
-from mgpu import bench
+from mgpu.calibrate import bench
+from mgpu.commands import bench as bench_command
 
 
 def _row(ranks, threads, rounds_ms, batch=64):
@@ -28,7 +29,7 @@ def test_without_one_rank_a_rank_sweep_has_no_speedup():
         r.update(step={"ci95": [0.004, 0.006]}, breakdown_ms=dict.fromkeys(("forward", "backward", "comm_wait",
                                                                             "optimizer"), 1.0),
                  peak_memory_bytes=1e8, compute_floor_ms=0.5)
-    table = bench.format_table(rows)
+    table = bench_command.format_table(rows)
     assert "nan" not in table and table.splitlines()[1].split().count("-") == 5  # speedup to the peer's ratio
 
 
@@ -58,7 +59,7 @@ def test_ranks_and_threads_together_scale_by_both():
 
 
 def test_a_failed_peer_is_reported_by_its_exception_not_by_mpiruns_banner():
-    from mgpu.bench import peer_error
+    from mgpu.calibrate.bench import peer_error
     banner = ("-" * 74 + "\nPrimary job  terminated normally, but 1 process returned\na non-zero exit code. "
               "Per user-direction, the job has been aborted.\n" + "-" * 74 + "\n")
     raised = "Traceback (most recent call last):\n  File \"peer.py\", line 3\nRuntimeError: no NCCL built in\n"
@@ -89,7 +90,7 @@ def test_validation_says_whether_a_cell_ran_where_topo_found_the_cores(monkeypat
     row = {"batch_size": 64, "ranks": 2, "measured_speedup": 1.2, "measured_speedup_rounds": [1.1, 1.3],
            "predicted_speedup": 1.25, "relative_error": 0.04, "predicted_step_ms": None, "selector_strategy": "multi_gpu",
            "selector_devices": 2, "measured_fastest": 2, "picked_faster": True, **got}
-    text = bench.format_validation([row])
+    text = bench_command.format_validation([row])
     placement = "as calibrated" if as_calibrated else "ANOTHER PLACEMENT than topo's"
     assert f"the cores' round trip {min(seen):.0f}-{max(seen):.0f} ns (topo's 54-57): {placement}" in text
     assert f"; {len(here)} round(s) where topo's first probe of the wait ran (54-57 ns): " in text
@@ -100,11 +101,11 @@ def test_validation_says_whether_a_cell_ran_where_topo_found_the_cores(monkeypat
     for cell, prof in (({}, profile), (cell, {}), (cell, {"placement": None}),
                        ({**cell, "core_round_trip_cpus": [0, 2]}, profile)):
         assert bench._placement_against_calibration(cell, prof) == {"placement_as_calibrated": None}
-    assert "round trip" not in bench.format_validation([{**row, "placement_as_calibrated": None}])
+    assert "round trip" not in bench_command.format_validation([{**row, "placement_as_calibrated": None}])
 
 
 def test_rounds_in_topos_second_placement_are_held_against_its_second_probe(monkeypatch):
-    from mgpu import perf
+    from mgpu.selector import profiles as perf
     profile = {"placement": {"cpus": [0, 1], "readings_ns": [54.0, 57.0, 330.0, 335.0], "wait_probe_ns": [54.0, 57.0],
                              "other_wait_probe_ns": [330.0, 335.0], "other_share": 0.4}}
     pinned = {probe: {"pinned": probe} for probe in ("first", "second")}
@@ -126,16 +127,16 @@ def test_the_validation_counts_its_cells_within_the_bound_and_its_picks():
         return {"batch_size": batch, "ranks": 2, "measured_speedup": 1.5, "predicted_speedup": 1.5 * (1 + error),
                 "relative_error": error, "predicted_step_ms": None, "selector_strategy": "multi_gpu",
                 "selector_devices": 2, "measured_fastest": 2, "picked_faster": picked}
-    text = bench.format_validation([cell(64, 0.12, None), cell(256, -0.10, True), cell(1024, -0.31, False)])
+    text = bench_command.format_validation([cell(64, 0.12, None), cell(256, -0.10, True), cell(1024, -0.31, False)])
     assert text.splitlines()[-1] == ("within +-10%: 1 of 3 cells (worst -31%); picks: 1 right, 1 wrong, "
                                      "1 asked for a benchmark")
     # no prediction (a profile that could not price the rows): no count
     none = {**cell(64, 0.0, None), "predicted_speedup": None, "relative_error": None}
-    assert "within" not in bench.format_validation([none])
+    assert "within" not in bench_command.format_validation([none])
 
 
 def test_a_cell_is_named_by_the_placements_its_rounds_ran_in(monkeypatch):
-    from mgpu import perf
+    from mgpu.selector import profiles as perf
     profile = {"placement": {"cpus": [0, 1], "readings_ns": [54.0, 57.0, 330.0, 335.0], "wait_probe_ns": [54.0, 57.0],
                              "other_wait_probe_ns": [330.0, 335.0], "other_share": 0.4}}
     monkeypatch.setattr(perf, "placement_profile", lambda prof, probe: {"pinned": probe})
@@ -147,7 +148,7 @@ def test_a_cell_is_named_by_the_placements_its_rounds_ran_in(monkeypatch):
                             ([55.0, 58.0, 331.0, 329.0], "in turn where topo's two probes ran"),
                             ([55.0, 330.0, 56.0, 58.0], "ANOTHER PLACEMENT than topo's")):
         cell = {"core_round_trip_ns": readings, "core_round_trip_cpus": [0, 1], "speedup_rounds": [1.2, 1.2]}
-        text = bench.format_validation([{**row, **bench._placement_against_calibration(cell, profile)}])
+        text = bench_command.format_validation([{**row, **bench._placement_against_calibration(cell, profile)}])
         assert f"(topo's 54-57): {where}" in text, text
 
 

@@ -11,8 +11,10 @@ from pathlib import Path
 import pytest
 
 import mgpu
-from mgpu import cli
-from mgpu.cliutil import INT32_MAX, float_list, int_list
+from mgpu.commands import info as info_command
+from mgpu.commands import main as cli
+from mgpu.selector import tuning
+from mgpu.commands.common import INT32_MAX, float_list, int_list
 
 PACKAGE = Path(mgpu.__file__).parent
 
@@ -128,7 +130,7 @@ def test_an_error_line_starts_after_an_open_progress_bar(capfd):
 
     from tqdm.auto import tqdm
 
-    from mgpu.cliutil import write_line
+    from mgpu.console import write_line
     bar = tqdm(total=4, desc="bench", file=sys.stderr)
     bar.update(1)
     write_line("mgpu: error: something")
@@ -136,10 +138,10 @@ def test_an_error_line_starts_after_an_open_progress_bar(capfd):
 
 
 def test_blas_kernel_from_the_openblas_config():
-    assert cli._blas_kernel("OpenBLAS 0.3.21 NO_LAPACKE DYNAMIC_ARCH NO_AFFINITY Zen MAX_THREADS=64") == "Zen"
-    assert cli._blas_kernel("OpenBLAS 0.3.26 USE_OPENMP HASWELL SINGLE_THREADED") == "HASWELL"
-    assert cli._blas_kernel("OpenBLAS 0.3.26 DYNAMIC_ARCH NO_AFFINITY MAX_THREADS=8") == ""
-    assert cli._blas_kernel("") == ""
+    assert info_command._blas_kernel("OpenBLAS 0.3.21 NO_LAPACKE DYNAMIC_ARCH NO_AFFINITY Zen MAX_THREADS=64") == "Zen"
+    assert info_command._blas_kernel("OpenBLAS 0.3.26 USE_OPENMP HASWELL SINGLE_THREADED") == "HASWELL"
+    assert info_command._blas_kernel("OpenBLAS 0.3.26 DYNAMIC_ARCH NO_AFFINITY MAX_THREADS=8") == ""
+    assert info_command._blas_kernel("") == ""
 
 
 def _info(**cuda):
@@ -150,7 +152,7 @@ def _info(**cuda):
 
 
 def test_info_summary_names_each_component():
-    text = cli.format_info(_info())
+    text = info_command.format_info(_info())
     with pytest.raises(json.JSONDecodeError):
         json.loads(text)
     heads = [line.split(":")[0] for line in text.splitlines() if not line.startswith(" ")]
@@ -162,11 +164,11 @@ def test_info_summary_names_each_component():
 def test_info_summary_without_cuda_and_with_mismatched_libraries():
     no_cuda = _info(compiled=False, backend=False, nccl_communicator=False, devices=[], device_count=0,
                     nccl_found=False)
-    text = cli.format_info(no_cuda)
+    text = info_command.format_info(no_cuda)
     assert "CUDA:     not built in" in text and "NCCL:     not built in" in text and "no CUDA backend" in text
     mixed = _info(compiled=True, runtime_compiled="12.4", runtime_loaded="12.8", nccl_communicator=True,
                   nccl_compiled="2.21.5", nccl_loaded="2.26.2", devices=[], no_device_reason="no driver")
-    text = cli.format_info(mixed)
+    text = info_command.format_info(mixed)
     assert "12.8 (built with 12.4)" in text and "2.26.2 (built with 2.21.5)" in text
     assert "none visible: no driver" in text
 
@@ -176,25 +178,11 @@ def test_info_summary_says_when_gpus_are_emulated():
            "compute_capability": "9.0", "pci_bus_id": "0000:E0:00.0"}
     info = _info(compiled=True, devices=[gpu], device_count=1, nccl_communicator=True)
     info["gpu_emulation"] = True
-    text = cli.format_info(info)
+    text = info_command.format_info(info)
     assert text.startswith("GPU EMULATION") and "1 EMULATED GPU(s)" in text
     assert all("EMULATED" in line for line in text.splitlines() if line.startswith(("CUDA:", "NCCL:")))
     info["gpu_emulation"] = False
-    assert "EMULAT" not in cli.format_info(info)
-
-
-def test_command_modules_never_import_the_cli():
-    """cli.py imports the command modules; they take shared helpers from cliutil, never from cli."""
-    offenders = []
-    for path in PACKAGE.rglob("*.py"):
-        if path.name in ("cli.py", "__main__.py"):
-            continue
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and (node.module == "cli" and node.level >= 1
-                                                     or node.module == "mgpu.cli"
-                                                     or node.module is None and any(a.name == "cli" for a in node.names)):
-                offenders.append(f"{path.name}:{node.lineno}")
-    assert not offenders
+    assert "EMULAT" not in info_command.format_info(info)
 
 
 def test_auto_bucket_and_shares_need_a_calibration_of_the_jobs_devices(tmp_path, monkeypatch):
@@ -203,19 +191,20 @@ def test_auto_bucket_and_shares_need_a_calibration_of_the_jobs_devices(tmp_path,
     # CPU ranks, and --batch-shares auto refuses; on CPU ranks the calibration serves.
     from types import SimpleNamespace
 
-    from mgpu import perf
+    from mgpu.selector import profiles as perf
+    from mgpu.selector import recommend as selector_recommend
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     perf.save_profile(perf.named_profile("cpu", 2))
     cfg = mgpu.TrainConfig(layers=[50, 64, 3], batch_size=64, optimizer="sgd")
     pg, sizes = SimpleNamespace(size=2), [50, 64, 3]
-    mb, note = cli._auto_bucket_mb(cfg, pg, sizes, "cuda")
+    mb, note = tuning.auto_bucket_mb(cfg, pg, sizes, "cuda")
     assert mb == 4.0 and "the calibration measured cpu devices, this job runs on cuda" in note
     assert "mgpu topo --device cuda" in note
-    mb, note = cli._auto_bucket_mb(cfg, pg, sizes, "cpu")
+    mb, note = tuning.auto_bucket_mb(cfg, pg, sizes, "cpu")
     assert "(auto)" in note and "measured cpu devices" not in note
     with pytest.raises(mgpu.ConfigError, match="--batch-shares auto: the calibration measured cpu devices"):
-        cli._auto_batch_shares(cfg, pg, sizes, "cuda")
-    assert len(cli._auto_batch_shares(cfg, pg, sizes, "cpu")) == 2
+        tuning.auto_batch_shares(cfg, pg, sizes, "cuda")
+    assert len(tuning.auto_batch_shares(cfg, pg, sizes, "cpu")) == 2
 
 
 def test_a_batch_beyond_the_dataset_says_every_step_takes_the_dataset(tmp_path, capfd):
@@ -236,7 +225,8 @@ def test_the_header_splits_the_rows_a_step_takes_when_the_batch_exceeds_the_data
 
 
 def test_list_profiles_writes_the_list_as_json_too(tmp_path, capfd):
-    from mgpu import perf
+    from mgpu.selector import profiles as perf
+    from mgpu.selector import recommend as selector_recommend
     out = tmp_path / "profiles.json"
     assert cli.main(["recommend", "--list-profiles", "--json", str(out)]) == 0
     doc = json.loads(out.read_text())
@@ -246,7 +236,7 @@ def test_list_profiles_writes_the_list_as_json_too(tmp_path, capfd):
 
 
 def test_outputs_may_not_be_empty_special_shared_or_an_input(tmp_path):
-    from mgpu.cliutil import check_outputs
+    from mgpu.commands.common import check_outputs
     data = tmp_path / "data.npz"
     data.write_bytes(b"x")
     fifo = tmp_path / "fifo"
@@ -275,8 +265,8 @@ def test_topo_refuses_an_output_that_is_one_of_its_plots(tmp_path, option, plot,
 
 
 def test_outputs_may_not_be_or_shadow_what_the_run_keeps_in_its_directories(tmp_path):
-    from mgpu.checkpoint import CHECKPOINT_NAME
-    from mgpu.cliutil import check_outputs_outside_dirs
+    from mgpu.train.checkpoint import CHECKPOINT_NAME
+    from mgpu.commands.common import check_outputs_outside_dirs
     ckpt, board = tmp_path / "ckpt", tmp_path / "board"
     dirs, reserved = {"--checkpoint-dir": str(ckpt), "--tensorboard": str(board)}, {"--checkpoint-dir": CHECKPOINT_NAME}
     check_outputs_outside_dirs({"--json": str(ckpt / "results.json"), "--save": str(tmp_path / "ckpt-000000001.npz")},
@@ -292,7 +282,7 @@ def test_outputs_may_not_be_or_shadow_what_the_run_keeps_in_its_directories(tmp_
 
 def test_an_output_is_refused_where_no_file_can_be_created():
     # os.access answers yes for root in /sys; creating a file there fails (after the work)
-    from mgpu.cliutil import check_output_dir, check_outputs
+    from mgpu.commands.common import check_output_dir, check_outputs
     with pytest.raises(mgpu.ConfigError, match="'/sys' is not writable"):
         check_outputs({"--json": "/sys/results.json"})
     with pytest.raises(mgpu.ConfigError, match="'/sys' is not writable"):
@@ -300,7 +290,7 @@ def test_an_output_is_refused_where_no_file_can_be_created():
 
 
 def test_a_failed_json_write_keeps_the_old_file_and_leaves_no_temporary(tmp_path):
-    from mgpu.cliutil import write_json_atomic
+    from mgpu.atomic import write_json_atomic
     target = tmp_path / "a.json"
     write_json_atomic(str(target), {"kept": 1})
     with pytest.raises(TypeError):
@@ -339,7 +329,8 @@ def test_save_may_not_overwrite_a_checkpoint_of_the_run(tmp_path, capfd):
                                           ("link", [1]), ("gpus_per_node", "garbage"),
                                           ("bw_scale_beyond_two", [0, 1, 1])])
 def test_a_malformed_profile_is_one_config_error(tmp_path, field, value):
-    from mgpu import perf
+    from mgpu.selector import profiles as perf
+    from mgpu.selector import recommend as selector_recommend
     profile = perf.named_profile("h100-ib-2x8")
     if field == "bw_scale_beyond_two":
         profile["link"]["nccl"]["inter"][field] = value
@@ -362,20 +353,22 @@ def test_a_malformed_profile_is_one_config_error(tmp_path, field, value):
 ])
 def test_a_profile_number_no_step_can_have_is_one_config_error(where, field, value):
     # a NaN or negative figure once printed as a prediction ("nan nanx", "+-10000%")
-    from mgpu import perf
+    from mgpu.selector import profiles as perf
+    from mgpu.selector import recommend as selector_recommend
     profile = perf.named_profile("h100-sxm-8")
     target = {"profile": profile, "link": profile["link"], "device": profile["devices"][0],
               "intra": profile["link"]["nccl"]["intra"]}[where]
     target[field] = value
     with pytest.raises(mgpu.ConfigError, match="must be|needs finite|model error"):
-        perf.recommend(model="medium", batch_size=64, profile=profile)
+        selector_recommend.recommend(model="medium", batch_size=64, profile=profile)
 
 
 def test_a_profile_can_come_through_a_pipe(tmp_path):
     # `recommend --profile <(jq ... p.json)` reads a pipe: only directories are refused
     import threading
 
-    from mgpu import perf
+    from mgpu.selector import profiles as perf
+    from mgpu.selector import recommend as selector_recommend
     fifo = tmp_path / "fifo.json"
     os.mkfifo(fifo)
     text = json.dumps(perf.named_profile("h100-sxm-8"))
@@ -386,7 +379,7 @@ def test_a_profile_can_come_through_a_pipe(tmp_path):
 
 
 def test_thread_counts_stop_where_openmp_would_crash():
-    from mgpu import cli as cli_module
+    from mgpu.commands import main as cli_module
     parser = cli_module.build_parser()
     for argv in (["train", "--threads", "100000"], ["topo", "--threads", "5000"], ["stress", "--threads", "2000"],
                  ["bench", "--threads", "1,5000"]):
@@ -396,7 +389,7 @@ def test_thread_counts_stop_where_openmp_would_crash():
 
 
 def test_batch_shares_near_the_float_limit_still_split_the_batch():
-    from mgpu.data import split_counts
+    from mgpu.train.data import split_counts
     assert split_counts(256, 3, [1e308, 1e308, 1e308]) == [86, 85, 85]
     with pytest.raises(mgpu.ConfigError, match="non-negative batch shares \\(finite"):
         split_counts(256, 2, [float("inf"), 1.0])
@@ -429,7 +422,7 @@ def test_write_line_from_a_signal_during_tqdms_import(monkeypatch, capfd):
     # also while tqdm is half imported (a first progress bar): an AttributeError there
     # ended a SIGUSR1-stopped train with a traceback and MPI_ABORT.
     import types
-    from mgpu.cliutil import write_line
+    from mgpu.console import write_line
     monkeypatch.setitem(__import__("sys").modules, "tqdm", types.ModuleType("tqdm"))
     write_line("mgpu: SIGUSR1 on rank 0: stopping at the next step boundary")
     assert capfd.readouterr().err == "mgpu: SIGUSR1 on rank 0: stopping at the next step boundary\n"
@@ -440,19 +433,20 @@ def test_auto_bucket_and_shares_price_trains_whole_step(tmp_path, monkeypatch):
     # gradient type and graph mode: the selector must price that step, not one micro-batch.
     from types import SimpleNamespace
 
-    from mgpu import perf
+    from mgpu.selector import profiles as perf
+    from mgpu.selector import recommend as selector_recommend
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     perf.save_profile(perf.named_profile("h100-sxm-8", 8))
     seen = []
     real_predict = perf.P.predict
-    monkeypatch.setattr(perf, "auto_bucket", lambda prof, w, n, options=None: seen.append(w) or
+    monkeypatch.setattr(selector_recommend, "auto_bucket", lambda prof, w, n, options=None: seen.append(w) or
                         {"bucket_mb": 1.0, "reason": "test"})
     monkeypatch.setattr(perf.P, "predict", lambda w, hw, n, o: seen.append(w) or real_predict(w, hw, n, o))
     cfg = mgpu.TrainConfig(layers=[50, 64, 3], batch_size=64, accumulate=3, optimizer="sgd", precision="bf16",
                            grad_dtype="bf16", cuda_graph="off")
     pg, sizes = SimpleNamespace(size=2), [50, 64, 3]
-    cli._auto_bucket_mb(cfg, pg, sizes, "cuda")
-    cli._auto_batch_shares(cfg, SimpleNamespace(size=8), sizes, "cuda")
+    tuning.auto_bucket_mb(cfg, pg, sizes, "cuda")
+    tuning.auto_batch_shares(cfg, SimpleNamespace(size=8), sizes, "cuda")
     assert len(seen) == 2
     for w in seen:
         assert (w.global_batch, w.accumulate) == (64 * 3, 3)

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 import mgpu
-from mgpu.data import GlobalBatches, load_dataset, local_slice, split_counts
+from mgpu.train.data import GlobalBatches, load_dataset, local_slice, split_counts
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -140,7 +140,7 @@ def _npz(tmp_path, **arrays):
 
 
 def test_a_label_at_the_int32_limit_is_refused(tmp_path):
-    from mgpu.data import MAX_CLASSES
+    from mgpu.train.data import MAX_CLASSES
     y = np.zeros(4, np.int64)
     y[0] = MAX_CLASSES
     with pytest.raises(mgpu.DataError, match="class labels must be <"):

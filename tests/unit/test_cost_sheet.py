@@ -8,13 +8,14 @@ import sys
 
 import pytest
 
-from mgpu import costsheet as cs
+from mgpu.selector import costsheet as cs
+from mgpu.selector import hardware
 
-GPU = cs.H100_SXM
+GPU = hardware.H100_SXM
 
 
 def test_a_gemm_is_priced_on_the_selectors_fitted_curve_and_its_memory_traffic():
-    from mgpu import gemm_fit
+    from mgpu.selector import gemm_fit
     for precision in ("fp32", "tf32", "bf16", "fp16"):
         fit = gemm_fit.rate("h100-sxm", precision)
         for flops in (1e6, 1e9, 1e12):   # (flops + half) / peak: the fixed time, then the peak
@@ -99,7 +100,7 @@ def test_the_sheet_adds_up_and_the_floor_is_six_params_batch_over_the_best_rate(
     assert t["device_ms"] == pytest.approx(sum(r["ms"] for r in sheet.rows.values()))
     assert t["step_ms"] == pytest.approx(t["host_loop_ms"] + max(t["device_ms"] + t["launch_gaps_ms"], t["host_issue_ms"])
                                          + t["sync_ms"])
-    assert t["host_loop_ms"] == pytest.approx(cs.HOST_LOOP_S * 1e3)
+    assert t["host_loop_ms"] == pytest.approx(hardware.HOST_LOOP_S * 1e3)
     assert t["ratio_to_floor"] == pytest.approx(t["step_ms"] / t["floor_ms"])
     ms = [g["ms"] for g in sheet.gaps]
     assert ms == sorted(ms, reverse=True)
@@ -215,7 +216,8 @@ def test_recommend_and_the_sheet_price_one_gpus_step_alike(model, bound):
     # `recommend --profile h100-sxm-8` and `bench --explain` price the same step from the
     # same figures (GEMM fits, HBM, launches, the host loop and the verdict's sync): they
     # disagreed by 2x on small models while the selector assumed a 100 us step overhead.
-    from mgpu import config, perf
+    from mgpu.train import config
+    from mgpu.selector import recommend as selector_recommend
     if model in config.PRESETS:
         p = config.PRESETS[model]
         sizes = [p.in_features or 50, *p.hidden, p.out_features or 3]
@@ -226,7 +228,7 @@ def test_recommend_and_the_sheet_price_one_gpus_step_alike(model, bound):
         for precision in ("fp32", "tf32", "bf16"):
             for graph in ("on", "off"):
                 for optimizer, accumulate in (("sgd", 1), ("adamw", 4)):
-                    r = perf.recommend(layers=sizes, batch_size=batch, devices=[1], profile="h100-sxm-8",
+                    r = selector_recommend.recommend(layers=sizes, batch_size=batch, devices=[1], profile="h100-sxm-8",
                                        precision=precision, optimizer=optimizer, cuda_graph=graph, dropout=0.0,
                                        accumulate=accumulate)
                     sheet = cs.explain(cs.Workload(sizes=sizes, batch=batch, precision=precision, optimizer=optimizer,

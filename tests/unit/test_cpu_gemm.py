@@ -114,7 +114,7 @@ def _import_in_fresh_process(**env_changes):
     env = {k: v for k, v in os.environ.items()
            if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY", "MGPU_CPU_GEMM", "MGPU_SET_OPENMP_ENV")}
     env.update(env_changes)
-    code = ("import json, os, mgpu\nfrom mgpu.bench import _mpi_env\npeer = _mpi_env(peer=True)\n"
+    code = ("import json, os, mgpu\nfrom mgpu.calibrate.bench import _mpi_env\npeer = _mpi_env(peer=True)\n"
             "print(json.dumps([os.environ.get('GOMP_SPINCOUNT'), os.environ.get('OMP_WAIT_POLICY'), "
             "mgpu.OPENMP_ONLY_ENV, peer.get('GOMP_SPINCOUNT'), peer.get('OMP_WAIT_POLICY')]))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
@@ -159,7 +159,7 @@ import signal, sys
 import numpy as np
 from mpi4py import MPI  # initialised here, before the signals: PMIx's start-up fails on them
 import mgpu
-from mgpu.cli import main
+from mgpu.commands.main import main
 threads = int(sys.argv[sys.argv.index("--threads") + 1])
 early = mgpu.MLP([64, 1024, 64], threads=threads)
 mgpu._core.set_cpu_gemm(early._backend, "openblas")

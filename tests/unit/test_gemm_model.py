@@ -6,8 +6,8 @@ import copy
 import numpy as np
 import pytest
 
-from mgpu import gemm_fit as gf
-from mgpu import perf
+from mgpu.selector import gemm_fit as gf
+from mgpu.selector import profiles as perf
 
 # Tables outside the bounds, each with why; strict: a table that comes within them
 # must leave this list.

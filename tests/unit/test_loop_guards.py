@@ -15,11 +15,10 @@ from mpi4py import MPI
 
 import mgpu
 from mgpu.atomic import atomic_file
-from mgpu.checkpoint import (CheckpointError, check_compatible, latest_checkpoint, list_checkpoints, load_checkpoint,
-                             prepare_directory, save_checkpoint)
-from mgpu.data import load_dataset
-from mgpu.schedule import LRSchedule
-from mgpu.trainer import CheckpointPolicy
+from mgpu.train.checkpoint import CheckpointError, check_compatible, latest_checkpoint, list_checkpoints, load_checkpoint, prepare_directory, save_checkpoint
+from mgpu.train.data import load_dataset
+from mgpu.train.schedule import LRSchedule
+from mgpu.train.trainer import CheckpointPolicy
 
 DATA = load_dataset("synthetic", samples=300)  # 240 training samples: 8 steps of 32 an epoch, the last 16
 
@@ -265,7 +264,7 @@ def test_an_unwritable_checkpoint_directory_is_refused(tmp_path, monkeypatch):
         prepare_directory(str(tmp_path))
 
 
-@pytest.mark.parametrize("load", ["mgpu.checkpoint.load_checkpoint", "mgpu.data.load_dataset"])
+@pytest.mark.parametrize("load", ["mgpu.train.checkpoint.load_checkpoint", "mgpu.train.data.load_dataset"])
 def test_a_fifo_given_as_a_file_is_refused_not_waited_on(tmp_path, load):
     fifo = tmp_path / "file.npz"
     os.mkfifo(fifo)
@@ -290,7 +289,7 @@ def test_a_newer_format_or_other_arrays_are_refused(tmp_path):
 
 
 def test_everything_mgpu_raises_is_an_mgpu_error_and_bad_input_a_value_error():
-    from mgpu.checkpoint import CheckpointError as checkpoint_error
+    from mgpu.train.checkpoint import CheckpointError as checkpoint_error
     for error in (mgpu.ConfigError, mgpu.DataError, checkpoint_error, mgpu.DeviceError, mgpu.CommError,
                   mgpu.NumericsError):
         assert issubclass(error, mgpu.MgpuError), error

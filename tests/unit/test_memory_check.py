@@ -1,5 +1,5 @@
 """train's memory check against what a run really allocates: the bytes the check prices
-(perf.rank_memory_bytes) must cover a rank's peak resident growth from the check to the
+(memory.rank_memory_bytes) must cover a rank's peak resident growth from the check to the
 end of a short run, or a run the check lets through can be ended by the OOM killer; and
 they must not price a run several times over what it takes, or runs that fit are refused.
 Peak RSS (VmHWM) is the kernel's count, not a timing: it does not swing with load."""
@@ -10,8 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mgpu import _core, perf
-from mgpu.model import MLP
+from mgpu import _core
+from mgpu.selector import hardware
+from mgpu.selector import memory
+from mgpu.train.model import MLP
 
 from conftest import mpi_env, mpirun
 
@@ -20,26 +22,27 @@ from conftest import mpi_env, mpirun
 # $MEMORY_REPORT.<rank>.
 PROBE = r"""
 import atexit, os, sys
-import mgpu.perf as perf
+from mgpu.commands import train as train_command
+from mgpu.selector import memory
 def status(key):
     for line in open("/proc/self/status"):
         if line.startswith(key):
             return int(line.split()[1]) * 1024
 seen = {}
-check = perf.check_training_memory
+check = memory.check_training_memory
 def noted(layers, rows, **kw):
     seen["rss"] = status("VmRSS")
-    seen["need"] = perf.rank_memory_bytes(layers, rows, optimizer=kw["optimizer"], precision=kw["precision"],
+    seen["need"] = memory.rank_memory_bytes(layers, rows, optimizer=kw["optimizer"], precision=kw["precision"],
                                           dropout=kw["dropout"], eval_rows=kw["eval_rows"], nccl=kw["nccl"],
                                           mpi_bucket_bytes=kw["mpi_bucket_bytes"])
     return check(layers, rows, **kw)
-perf.check_training_memory = noted
+train_command.check_training_memory = noted
 def report():  # a file per rank: mpirun may join the ranks' stdout lines
     rank = os.environ.get("OMPI_COMM_WORLD_RANK", "0")
     with open(os.environ["MEMORY_REPORT"] + "." + rank, "w") as f:
         f.write(f"{int(seen['need'])} {status('VmHWM') - seen['rss']}")
 atexit.register(report)
-from mgpu.cli import main
+from mgpu.commands.main import main
 sys.argv = ["mgpu", "train", "--steps", "3", "--no-progress", *sys.argv[1:]]
 sys.exit(main())
 """
@@ -65,7 +68,7 @@ def test_the_check_covers_what_a_run_allocates(args, tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     [(need, growth)] = _need_and_growth(report)
     assert growth <= need, f"the run grew by {growth / 1e6:.0f} MB, the check priced {need / 1e6:.0f} MB"
-    assert need <= 4 * growth + perf.RUNTIME_OVERHEAD_BYTES, "the check prices several times what the run takes"
+    assert need <= 4 * growth + memory.RUNTIME_OVERHEAD_BYTES, "the check prices several times what the run takes"
 
 
 @pytest.mark.parametrize("bucket_mb", ["4", "16"])  # 16: what --bucket-mb auto picks for it on a calibrated VM
@@ -84,17 +87,17 @@ def test_validation_chunks_are_priced_when_they_hold_more_rows_than_a_step():
     # rows, not the step's 8, size the buffers.
     layers, kw = [64, 4096, 4096, 10], dict(optimizer="sgd", precision="fp32", dropout=0.0)
     chunk = _core.MLP.EVAL_CHUNK_ROWS
-    step_only = perf.rank_memory_bytes(layers, 8, **kw)
-    assert perf.rank_memory_bytes(layers, 8, eval_rows=10 * chunk, **kw) == pytest.approx(
-        perf.rank_memory_bytes(layers, chunk, **kw))
-    assert perf.rank_memory_bytes(layers, 8, eval_rows=100, **kw) == pytest.approx(
-        perf.rank_memory_bytes(layers, 100, **kw))
+    step_only = memory.rank_memory_bytes(layers, 8, **kw)
+    assert memory.rank_memory_bytes(layers, 8, eval_rows=10 * chunk, **kw) == pytest.approx(
+        memory.rank_memory_bytes(layers, chunk, **kw))
+    assert memory.rank_memory_bytes(layers, 8, eval_rows=100, **kw) == pytest.approx(
+        memory.rank_memory_bytes(layers, 100, **kw))
     # the buffers grow by half again at least (MLP::ensure_capacity): 1000 step rows, then
     # a 1024-row chunk, leave buffers for 1500 (allocated in full on a GPU)
-    assert perf.rank_memory_bytes(layers, 1000, eval_rows=5000, **kw) == pytest.approx(
-        perf.rank_memory_bytes(layers, 1500, **kw))
-    assert perf.rank_memory_bytes(layers, 8, eval_rows=4, **kw) == pytest.approx(step_only)
-    assert perf.rank_memory_bytes(layers, 8, nccl=True, **kw) == pytest.approx(step_only + perf.NCCL_BUFFER_BYTES)
+    assert memory.rank_memory_bytes(layers, 1000, eval_rows=5000, **kw) == pytest.approx(
+        memory.rank_memory_bytes(layers, 1500, **kw))
+    assert memory.rank_memory_bytes(layers, 8, eval_rows=4, **kw) == pytest.approx(step_only)
+    assert memory.rank_memory_bytes(layers, 8, nccl=True, **kw) == pytest.approx(step_only + hardware.NCCL_BUFFER_BYTES)
 
 
 def test_predict_in_chunks_equals_row_by_row():

@@ -9,8 +9,13 @@ import re
 import pytest
 
 import mgpu
-from mgpu import costsheet, perf
-from mgpu.bench import summarize
+from mgpu.selector import costsheet
+from mgpu.selector import hardware
+from mgpu.selector import memory
+from mgpu.selector import profiles as perf
+from mgpu.selector import recommend as selector_recommend
+from mgpu.selector import workload
+from mgpu.calibrate.bench import summarize
 
 P = perf.P
 
@@ -28,7 +33,7 @@ def profile(devices, alpha=0.0, busbw=1e30, overlap=True, overhead=0.0, error=0.
 
 
 def predict(prof, n, layers=(1024, 4096, 4096, 10), batch=4096, optimizer="sgd"):
-    w = perf._workload(None, list(layers), None, batch, "fp32", optimizer, 4.0)
+    w = workload.build_workload(None, list(layers), None, batch, "fp32", optimizer, 4.0)
     return P.predict(w, perf.to_core(prof), n, P.Options())
 
 
@@ -59,11 +64,11 @@ def test_perfect_link_scales_compute_bound_work_linearly():
 
 
 def test_slow_link_makes_one_device_the_answer_and_fast_link_many():
-    slow = perf.recommend(layers=[1024, 4096, 4096, 10], batch_size=4096, devices=[1, 2, 4],
+    slow = selector_recommend.recommend(layers=[1024, 4096, 4096, 10], batch_size=4096, devices=[1, 2, 4],
                           profile=profile([device()] * 4, alpha=1e-3, busbw=1e8))
     assert slow["strategy"] == "single_gpu" and slow["devices"] == 1
     assert all(c["predicted_speedup"] < 1 for c in slow["candidates"][1:])
-    fast = perf.recommend(layers=[1024, 4096, 4096, 10], batch_size=4096, devices=[1, 2, 4],
+    fast = selector_recommend.recommend(layers=[1024, 4096, 4096, 10], batch_size=4096, devices=[1, 2, 4],
                           profile=profile([device()] * 4, alpha=1e-6, busbw=1e12))
     assert fast["strategy"] == "multi_gpu" and fast["devices"] == 4
     assert fast["confidence"] > slow["confidence"] * 0.5 and 0 < fast["confidence"] <= 1
@@ -75,13 +80,13 @@ def test_compressed_gradients_halve_the_bandwidth_term_and_add_two_casts():
     args = dict(alpha=0.0, busbw=1e9)  # bandwidth-bound: the bytes decide
     layers, batch = [1024, 4096, 4096, 10], 4096
     prof = perf.to_core(profile([device()] * 2, overlap=False, **args))
-    fp32, bf16 = (P.predict(perf._workload(None, layers, None, batch, "fp32", "sgd", 4.0, grad_dtype=g), prof, 2,
+    fp32, bf16 = (P.predict(workload.build_workload(None, layers, None, batch, "fp32", "sgd", 4.0, grad_dtype=g), prof, 2,
                             P.Options()) for g in ("fp32", "bf16"))
     assert bf16.comm_s == pytest.approx(fp32.comm_s / 2, rel=1e-3)
     assert bf16.optimizer_s > fp32.optimizer_s  # narrowing and widening the gradients
     assert bf16.step_s < fp32.step_s
     with pytest.raises(mgpu.ConfigError, match="gradient dtype"):
-        perf._workload(None, layers, None, batch, "fp32", "sgd", 4.0, grad_dtype="int8")
+        workload.build_workload(None, layers, None, batch, "fp32", "sgd", 4.0, grad_dtype="int8")
 
 
 @pytest.mark.parametrize("kind", ["cuda", "cpu"])
@@ -93,7 +98,7 @@ def test_the_gradients_casts_are_launched_kernels_on_a_gpu_and_calls_on_a_cpu(ki
     params = 1024 * 1024 + 1024 + 1024 * 10 + 10
     for bandwidth in (1e12, 1e8):  # a cast far below a launch, and far above it
         prof = perf.to_core(profile([device(bandwidth=bandwidth, launch=launch, kind=kind)] * 2))
-        fp32, bf16 = (P.predict(perf._workload(None, layers, None, 64, "fp32", "sgd", 4.0, grad_dtype=g, cuda_graph="off"),
+        fp32, bf16 = (P.predict(workload.build_workload(None, layers, None, 64, "fp32", "sgd", 4.0, grad_dtype=g, cuda_graph="off"),
                                 prof, 2, P.Options()) for g in ("fp32", "bf16"))
         cast = 6.0 * params / bandwidth
         expected = 2 * (max(cast, launch) if kind == "cuda" else cast + launch)
@@ -115,7 +120,7 @@ def test_overlap_hides_allreduce_behind_backward():
 def test_confidence_follows_the_source_and_the_error_bands_to_one(source, base, busbw):
     # base x min(1, 0.5 + 0.25 x the error bands (in log) between the speedup and 1.0x)
     prof = {**profile([device()] * 2, alpha=1e-5, busbw=busbw, error=0.2), "source": source}
-    r = perf.recommend(layers=[512, 2048, 2048, 10], batch_size=512, devices=[1, 2], profile=prof)
+    r = selector_recommend.recommend(layers=[512, 2048, 2048, 10], batch_size=512, devices=[1, 2], profile=prof)
     bands = abs(math.log(r["candidates"][1]["predicted_speedup"])) / math.log1p(0.2)
     assert r["confidence"] == pytest.approx(min(0.99, max(0.05, base * min(1.0, 0.5 + 0.25 * bands))))
     assert busbw not in (3e9, 5e9) or bands < 1.5  # below the saturation at 2 bands
@@ -124,7 +129,7 @@ def test_confidence_follows_the_source_and_the_error_bands_to_one(source, base, 
 def test_equally_fast_candidates_pick_the_fewest_devices():
     # nothing costs but the step's fixed overhead: 1 and 2 devices take the same time
     free = {**device(flops=1e30, bandwidth=1e30), "host_to_device_bandwidth": 0.0}
-    r = perf.recommend(layers=[8, 8, 2], batch_size=64, devices=[1, 2], cuda_graph="off",
+    r = selector_recommend.recommend(layers=[8, 8, 2], batch_size=64, devices=[1, 2], cuda_graph="off",
                        profile=profile([free] * 2, alpha=0.0, busbw=1e30, overhead=1e-3))
     one, two = r["candidates"]
     assert one["predicted_step_ms"] == two["predicted_step_ms"] and r["devices"] == 1  # a tie, exactly
@@ -134,7 +139,7 @@ def test_equally_fast_candidates_pick_the_fewest_devices():
 def test_gain_within_the_model_error_asks_for_a_benchmark(low, high):
     # pick a link speed at which two devices are predicted within the relative +-10% band of 1.0x
     for busbw in [10 ** (k / 32) for k in range(224, 384)]:
-        r = perf.recommend(layers=[512, 2048, 2048, 10], batch_size=512, devices=[1, 2],
+        r = selector_recommend.recommend(layers=[512, 2048, 2048, 10], batch_size=512, devices=[1, 2],
                            profile=profile([device()] * 2, alpha=1e-5, busbw=busbw, error=0.1))
         if low < r["candidates"][1]["predicted_speedup"] < high:
             assert r["strategy"] == "benchmark_required"
@@ -146,7 +151,7 @@ def test_gain_within_the_model_error_asks_for_a_benchmark(low, high):
 def test_a_slowdown_whose_whole_error_band_is_below_one_is_a_clear_single():
     # issue 13 item 6: 0.81x with +-20% tops out at 0.97x: one device, not benchmark_required
     for busbw in [10 ** (k / 16) for k in range(112, 192)]:
-        r = perf.recommend(layers=[512, 2048, 2048, 10], batch_size=512, devices=[1, 2],
+        r = selector_recommend.recommend(layers=[512, 2048, 2048, 10], batch_size=512, devices=[1, 2],
                            profile=profile([device()] * 2, alpha=1e-5, busbw=busbw, error=0.2))
         s = r["candidates"][1]["predicted_speedup"]
         if 0.75 < s < 0.82:
@@ -159,13 +164,13 @@ def test_a_slowdown_whose_whole_error_band_is_below_one_is_a_clear_single():
 def test_memory_decides_when_one_device_cannot_hold_the_batch():
     layers, batch = [1024, 8192, 8192, 10], 65536
     small = device(memory=6e9)
-    r = perf.recommend(layers=layers, batch_size=batch, devices=[1, 2, 4],
+    r = selector_recommend.recommend(layers=layers, batch_size=batch, devices=[1, 2, 4],
                        profile=profile([small] * 4, alpha=1e-3, busbw=1e8))
     one = r["candidates"][0]
     assert not one["memory_fits"] and one["memory_bytes"] > one["memory_usable_bytes"]
     assert r["strategy"] == "multi_gpu" and r["devices"] > 1
     assert any("cannot hold it" in reason for reason in r["reasons"])
-    none = perf.recommend(layers=layers, batch_size=batch, devices=[1, 2],
+    none = selector_recommend.recommend(layers=layers, batch_size=batch, devices=[1, 2],
                           profile=profile([device(memory=1e9)] * 2))
     assert none["strategy"] == "does_not_fit"
     assert not any(c["memory_fits"] for c in none["candidates"])
@@ -178,7 +183,7 @@ def test_unequal_devices_get_batch_shares_by_speed():
     assert fast + slow == 3000 and fast == pytest.approx(2000, abs=60)
     # whole rows: the floors (6 and 3 of 6.7 and 3.3), the row left over to the largest remainder
     assert predict(prof, 2, batch=10).batch_shares == [7, 3]
-    r = perf.recommend(layers=[1024, 4096, 4096, 10], batch_size=3000, devices=[1, 2], profile=prof)
+    r = selector_recommend.recommend(layers=[1024, 4096, 4096, 10], batch_size=3000, devices=[1, 2], profile=prof)
     assert any("batch shares" in reason for reason in r["reasons"])
 
 
@@ -187,7 +192,7 @@ def test_dropout_costs_its_measured_time_per_hidden_unit_and_sample():
     layers, batch = [64, 512, 256, 10], 128
 
     def at(p):
-        return P.predict(perf._workload(None, layers, None, batch, "fp32", "sgd", 4.0, dropout=p), prof, 1,
+        return P.predict(workload.build_workload(None, layers, None, batch, "fp32", "sgd", 4.0, dropout=p), prof, 1,
                          P.Options())
     assert at(0.3).forward_s - at(0.0).forward_s == pytest.approx(batch * (512 + 256) * 2e-9, rel=1e-9)
     assert at(0.3).backward_s == at(0.0).backward_s  # the backward's ReLU costs the same with a mask
@@ -208,34 +213,34 @@ def test_every_device_needs_a_sample_of_every_micro_batch():
     # train's `--batch-size 4 --accumulate 16` on 8 GPUs is refused (a rank without a sample):
     # recommend's --batch-size 64 --accumulate 16 leaves 8 GPUs out, and 4 stay
     prof = perf.named_profile("h100-sxm-8")
-    r = perf.recommend(model="medium", batch_size=64, devices=[1, 4, 8], accumulate=16, profile=prof)
+    r = selector_recommend.recommend(model="medium", batch_size=64, devices=[1, 4, 8], accumulate=16, profile=prof)
     assert [c["devices"] for c in r["candidates"]] == [1, 4]
     assert "8 GPUs left out: micro-batches of 4 samples (a global batch of 64 in 16) give some of them no sample" \
         in r["reasons"]
     with pytest.raises(mgpu.ConfigError, match="accumulate 65 is larger than the global batch 64"):
-        perf.recommend(model="medium", batch_size=64, accumulate=65, profile=prof)
+        selector_recommend.recommend(model="medium", batch_size=64, accumulate=65, profile=prof)
 
 
 def test_break_even_batch_is_where_several_devices_start_to_win():
     prof = profile([device(launch=5e-6)] * 2, alpha=2e-5, busbw=1e10, overhead=1e-4)
-    r = perf.recommend(layers=[256, 1024, 1024, 10], batch_size=64, devices=[1, 2], profile=prof)
+    r = selector_recommend.recommend(layers=[256, 1024, 1024, 10], batch_size=64, devices=[1, 2], profile=prof)
     b = r["break_even_batch"]
     assert b is not None and b > 2
-    above = perf.recommend(layers=[256, 1024, 1024, 10], batch_size=b, devices=[1, 2], profile=prof)
-    below = perf.recommend(layers=[256, 1024, 1024, 10], batch_size=b - 1, devices=[1, 2], profile=prof)
+    above = selector_recommend.recommend(layers=[256, 1024, 1024, 10], batch_size=b, devices=[1, 2], profile=prof)
+    below = selector_recommend.recommend(layers=[256, 1024, 1024, 10], batch_size=b - 1, devices=[1, 2], profile=prof)
     assert above["candidates"][1]["predicted_speedup"] > 1 >= below["candidates"][1]["predicted_speedup"]
 
 
 def test_prices_give_cost_per_sample_and_roi():
     prof = profile([device()] * 2, alpha=1e-6, busbw=1e11)
-    r = perf.recommend(layers=[1024, 4096, 4096, 10], batch_size=4096, devices=[1, 2], profile=prof,
+    r = selector_recommend.recommend(layers=[1024, 4096, 4096, 10], batch_size=4096, devices=[1, 2], profile=prof,
                        price_per_device_hour=3.6)
     one, two = r["candidates"]
     assert one["cost_per_million_samples"] == pytest.approx(3.6 / 3600 * one["predicted_step_ms"] / 1e3 / 4096 * 1e6)
     assert two["cost_per_million_samples"] == pytest.approx(2 * 3.6 / 3600 * two["predicted_step_ms"] / 1e3 / 4096 * 1e6)
     assert r["roi"] and "per million samples" in r["roi"]
     # the pick's own cost, against one device's (a link with latency: two cost more)
-    r = perf.recommend(layers=[1024, 4096, 4096, 10], batch_size=4096, devices=[1, 2], price_per_device_hour=3.6,
+    r = selector_recommend.recommend(layers=[1024, 4096, 4096, 10], batch_size=4096, devices=[1, 2], price_per_device_hour=3.6,
                        profile=profile([device()] * 2, alpha=1e-3, busbw=2e9))
     one, two = r["candidates"]
     assert r["devices"] == 2 and two["cost_per_million_samples"] > 1.01 * one["cost_per_million_samples"]
@@ -249,7 +254,7 @@ def test_prices_give_cost_per_sample_and_roi():
 def test_without_any_profile_the_seed_thresholds_answer(params, batch, strategy, monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # no calibration
     monkeypatch.setattr(perf, "detected_profile", lambda devices=None: None)  # and no GPU
-    r = perf.recommend(params=params, batch_size=batch, devices=[1, 2])
+    r = selector_recommend.recommend(params=params, batch_size=batch, devices=[1, 2])
     assert r["fallback"] is True and r["strategy"] == strategy
     assert any("threshold table" in reason for reason in r["reasons"])
     assert r["confidence"] < 0.5
@@ -259,7 +264,7 @@ def test_without_any_profile_the_seed_thresholds_answer(params, batch, strategy,
 def test_named_profiles_predict_every_preset(name):
     per_node = perf.NAMED_PROFILES[name]["gpus_per_node"]
     for model, batch in (("medium", 256), ("large", 1024), ("xl", 2048)):
-        r = perf.recommend(model=model, batch_size=batch, profile=name)
+        r = selector_recommend.recommend(model=model, batch_size=batch, profile=name)
         assert r["strategy"] in ("single_gpu", "multi_gpu", "benchmark_required", "does_not_fit")
         assert [c["devices"] for c in r["candidates"]] == [1, per_node if per_node > 1 else 2]
         assert all(c["predicted_step_ms"] > 0 and math.isfinite(c["predicted_speedup"]) for c in r["candidates"])
@@ -267,7 +272,7 @@ def test_named_profiles_predict_every_preset(name):
 
 
 def test_faster_interconnects_never_predict_slower_steps():
-    steps = {n: perf.recommend(model="xl", batch_size=2048, devices=[1, 2], profile=n)["candidates"][1]
+    steps = {n: selector_recommend.recommend(model="xl", batch_size=2048, devices=[1, 2], profile=n)["candidates"][1]
              for n in ("pcie-host-bridge", "pcie-p2p")}
     assert steps["pcie-p2p"]["allreduce_ms"] < steps["pcie-host-bridge"]["allreduce_ms"]
     assert steps["pcie-p2p"]["predicted_step_ms"] <= steps["pcie-host-bridge"]["predicted_step_ms"]
@@ -284,7 +289,7 @@ def test_profiles_round_trip_and_bad_ones_are_refused(tmp_path):
     with pytest.raises(mgpu.ConfigError, match="not an mgpu hardware profile"):
         perf.load_profile(str(tmp_path / "other.json"))
     with pytest.raises(mgpu.ConfigError, match="unknown hardware profile"):
-        perf.recommend(model="large", batch_size=64, profile="quantum")
+        selector_recommend.recommend(model="large", batch_size=64, profile="quantum")
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -296,7 +301,7 @@ def test_profiles_round_trip_and_bad_ones_are_refused(tmp_path):
 def test_bad_requests_raise_config_errors(kwargs, message):
     prof = profile([device()] * 4)
     with pytest.raises(mgpu.ConfigError, match=message):
-        perf.recommend(layers=[16, 16], profile=prof, **{"devices": [1, 2], **kwargs})
+        selector_recommend.recommend(layers=[16, 16], profile=prof, **{"devices": [1, 2], **kwargs})
 
 
 def test_summary_drops_outliers_by_modified_z_score():
@@ -309,14 +314,14 @@ def test_summary_drops_outliers_by_modified_z_score():
 @pytest.mark.parametrize("batch", [8, 16, 32, 64])
 def test_seed_001_grid_on_its_own_hardware_never_recommends_two_gpus(model, batch):
     """Seed 001 measured 0.78-0.90x for these cells on two PCIe GPUs behind a host bridge."""
-    r = perf.recommend(model=model, batch_size=batch, devices=[1, 2], profile="pcie-host-bridge")
+    r = selector_recommend.recommend(model=model, batch_size=batch, devices=[1, 2], profile="pcie-host-bridge")
     assert r["candidates"][1]["predicted_speedup"] < 1.0
     assert r["strategy"] in ("single_gpu", "benchmark_required")
 
 
 @pytest.mark.parametrize("profile_name", ["nvlink", "h100-nvswitch"])
 def test_large_models_on_fast_interconnects_go_multi_gpu(profile_name):
-    r = perf.recommend(model="xl", batch_size=4096, devices=[1, 2, 4, 8], profile=profile_name)
+    r = selector_recommend.recommend(model="xl", batch_size=4096, devices=[1, 2, 4, 8], profile=profile_name)
     assert r["strategy"] == "multi_gpu" and r["devices"] >= 4
     speedups = {c["devices"]: c["predicted_speedup"] for c in r["candidates"]}
     assert 1.5 < speedups[2] < 2 and speedups[4] > speedups[2]
@@ -329,11 +334,11 @@ def test_half_precision_gemms_hold_a_half_copy_of_the_weights_and_write_it_in_th
     layers, batch = [1024, 4096, 4096, 10], 256
     params = sum(a * b + b for a, b in zip(layers, layers[1:]))
     prof = perf.to_core(profile([device()], alpha=0.0, busbw=1e9))
-    fp32, bf16 = (P.predict(perf._workload(None, layers, None, batch, p, "sgd", 4.0), prof, 1, P.Options())
+    fp32, bf16 = (P.predict(workload.build_workload(None, layers, None, batch, p, "sgd", 4.0), prof, 1, P.Options())
                   for p in ("fp32", "bf16"))
     # and two half operand buffers (activations, output gradients) of the widest layer's rows
     assert bf16.memory_bytes - fp32.memory_bytes == pytest.approx(2 * params + 2 * 2 * batch * 4096, rel=1e-12)
-    tf32 = P.predict(perf._workload(None, layers, None, batch, "tf32", "sgd", 4.0), prof, 1, P.Options())
+    tf32 = P.predict(workload.build_workload(None, layers, None, batch, "tf32", "sgd", 4.0), prof, 1, P.Options())
     assert tf32.memory_bytes == fp32.memory_bytes and tf32.optimizer_s == fp32.optimizer_s
     assert bf16.optimizer_s > fp32.optimizer_s
 
@@ -395,7 +400,7 @@ def test_measured_layer_times_replace_the_gemm_rate_and_one_rank_uses_its_alone_
     tabled = profile([{**base, "layer_times": slow}] * 2)
     both = profile([{**base, "layer_times": slow, "layer_times_alone": fast}] * 2)
     p_plain, p_tab = predict(plain, 1, layers, batch), predict(tabled, 1, layers, batch)
-    w = perf._workload(None, list(layers), None, batch, "fp32", "sgd", 4.0)
+    w = workload.build_workload(None, list(layers), None, batch, "fp32", "sgd", 4.0)
     t = perf._layers_to_core(slow, "t")
     expected_forward = sum(t.forward_s(batch, layers[l], layers[l + 1]) for l in range(3))
     relu_dropout, loss = 2 * (8.0 * batch * 128 / 1e11), 12.0 * batch * 8 / 1e11  # passes at 100 GB/s
@@ -427,7 +432,7 @@ def test_layers_take_the_cold_tables_by_the_share_of_the_steps_arrays_the_cache_
     layers, batch = (32, 128, 128, 8), 64
     base = device(flops=1e11, bandwidth=1e11, kind="cpu")
     warm = layer_grid(multilinear)
-    arrays = perf.training_memory_bytes(list(layers), batch // 2, optimizer="sgd")  # one rank of two
+    arrays = memory.training_memory_bytes(list(layers), batch // 2, optimizer="sgd")  # one rank of two
 
     def at(cache, grid=cold_grid(3.0), n=2):
         prof = profile([{**base, "layer_times": grid, "layer_times_alone": grid, "cache_bytes": cache}] * 2)
@@ -442,7 +447,7 @@ def test_layers_take_the_cold_tables_by_the_share_of_the_steps_arrays_the_cache_
     assert half.forward_s - plain.forward_s == pytest.approx(layer_fwd, rel=1e-9)
     assert plain.backward_s < half.backward_s < at(arrays / 100).backward_s
     # one rank alone: its own arrays (of the whole batch) against the cache, no other rank's
-    alone = perf.training_memory_bytes(list(layers), batch, optimizer="sgd")
+    alone = memory.training_memory_bytes(list(layers), batch, optimizer="sgd")
     assert at(alone * 1.01, n=1).forward_s == pytest.approx(at(alone * 1.01, warm, n=1).forward_s, rel=1e-12)
     assert at(alone / 2, n=1).forward_s > at(alone / 2, warm, n=1).forward_s
     # a calibration from before the cold tables: the warm ones whatever the cache
@@ -522,7 +527,7 @@ def test_measured_step_phases_replace_the_update_health_check_and_allreduce_mode
                                        + two.optimizer_s, rel=1e-9)  # no step_sync_s on top
     # another bucket size moves the wait by what the link model says it changes
     core = perf.to_core(prof)
-    w_small = perf._workload(None, list(layers), None, batch, "fp32", "sgd", 1.0)
+    w_small = workload.build_workload(None, list(layers), None, batch, "fp32", "sgd", 1.0)
     small = P.predict(w_small, core, 2, P.Options())
     assert small.exposed_comm_s == pytest.approx(t.wait_at(n_params) + small.comm_s - two.comm_s, rel=1e-9)
     assert small.exposed_comm_s > two.exposed_comm_s  # four times the buckets, four times the latency
@@ -558,7 +563,7 @@ def test_a_calibrated_wait_spread_widens_the_error_band_where_steps_are_short():
         alone = {**busy, "wait_spread_s": [0.0, 0.0], "ranks": 1}
         prof = profile([{**base, "step_phases": busy, "step_phases_alone": alone}] * 2, alpha=1e-6, busbw=10e9,
                        overlap=False)
-        return perf.recommend(layers=list(layers), batch_size=batch, devices=[1, 2], profile=prof)
+        return selector_recommend.recommend(layers=list(layers), batch_size=batch, devices=[1, 2], profile=prof)
     steady, jittery = rec(0.0), rec(5e-4)
     one, two = jittery["candidates"]
     assert one["timing_spread_ms"] == 0.0 and two["timing_spread_ms"] > 0.2 * two["predicted_step_ms"]
@@ -583,7 +588,7 @@ def test_cores_that_changed_cache_domains_during_calibration_widen_the_multi_ran
                        overlap=False)
         if readings is not None:
             prof["placement"] = {"cpus": [0, 1], "readings_ns": readings, "wait_probe_ns": readings[1:3]}
-        return perf.recommend(layers=list(layers), batch_size=batch, devices=[1, 2], profile=prof)
+        return selector_recommend.recommend(layers=list(layers), batch_size=batch, devices=[1, 2], profile=prof)
     before, steady, moved = rec(None), rec([52.0, 55.0, 61.0, 58.0]), rec([52.0, 55.0, 61.0, 330.0])
     assert steady == before  # one placement throughout: as a calibration without readings
     two = moved["candidates"][1]
@@ -629,7 +634,7 @@ def test_a_second_placements_wait_is_priced_beside_the_first_and_weighted_by_its
     for share, pinned in ((0.0, here), (1.0, there)):
         assert predict(calibration(share), 2, layers, batch).step_s == pytest.approx(pinned.step_s, rel=1e-12)
     assert predict(prof, 1, layers, batch).step_s == predict(first, 1, layers, batch).step_s  # one rank: no wait
-    rec = perf.recommend(layers=list(layers), batch_size=batch, devices=[1, 2], profile=prof)
+    rec = selector_recommend.recommend(layers=list(layers), batch_size=batch, devices=[1, 2], profile=prof)
     said = next(m for m in (re.search(
         r"2 ranks: ([\d.]+)x with the cores as the wait was first probed \(52-55 ns\), ([\d.]+)x as it was probed "
         r"again \(330-335 ns\); priced at ([\d.]+)x, as 25% of topo's readings found them in the second placement",
@@ -673,13 +678,13 @@ GOOD_PLACEMENT = {"cpus": [0, 1], "readings_ns": [50.0, 52.0, 55.0, 330.0, 335.0
 ])
 def test_a_malformed_placement_is_refused_in_one_line_everywhere_it_is_read(change, says):
     # a hand-edited calibration: to_core, recommend and bench's validation refuse it alike
-    from mgpu import bench
+    from mgpu.calibrate import bench
     placement = copy.deepcopy(GOOD_PLACEMENT)
     change(placement)
     prof = profile([{**device(kind="cpu"), "step_phases": phases(), "step_phases_other_placement": phases()}] * 2)
     prof["placement"] = placement
     for read in (lambda: perf.to_core(prof),
-                 lambda: perf.recommend(layers=[64, 256, 256, 8], batch_size=256, devices=[1, 2], profile=prof),
+                 lambda: selector_recommend.recommend(layers=[64, 256, 256, 8], batch_size=256, devices=[1, 2], profile=prof),
                  lambda: bench._placement_against_calibration(
                      {"core_round_trip_ns": [55.0, 56.0], "core_round_trip_cpus": [0, 1]}, prof)):
         with pytest.raises(mgpu.ConfigError, match=f"malformed \\(placement: {says}") as e:
@@ -698,7 +703,7 @@ def test_a_malformed_step_phases_table_is_refused_where_the_cores_moved_too():
 
 
 def test_placement_moved_tells_two_placements_from_one_placements_noise():
-    from mgpu.process_group import PLACEMENT_RATIO, placement_moved
+    from mgpu.hostinfo import PLACEMENT_RATIO, placement_moved
     assert not placement_moved([]) and not placement_moved([52.0]) and not placement_moved([52.0, 65.0, 58.0])
     assert placement_moved([52.0, 330.0]) and placement_moved([330.0, 52.0, 340.0])
     assert not placement_moved([100.0, 100.0 * PLACEMENT_RATIO]) and placement_moved([100.0, 100.0 * PLACEMENT_RATIO + 1])
@@ -723,7 +728,7 @@ def test_core_round_trip_is_measured_between_two_cpus_and_refuses_others():
 def test_a_failed_reading_of_the_cores_is_unknown_not_an_error(monkeypatch):
     # a diagnosis: whatever the probe raises (a refused CPU, a thread that could not start),
     # rank 0 reports no reading and goes on to the barrier the other ranks wait in
-    from mgpu.process_group import ProcessGroup
+    from mgpu.train.process_group import ProcessGroup
     pg = ProcessGroup(comm=None)
     pg.size, pg.hosts = 2, [pg.hosts[0]] * 2
     monkeypatch.setattr(pg, "allgather", lambda obj, what="": [[0, 1], [0, 1]])
@@ -793,12 +798,12 @@ def test_training_memory_is_the_selectors_memory_of_one_device():
     prof = perf.named_profile("h100-sxm-8", 1)
     hw = perf.to_core(prof, 1)
     for optimizer, rows in (("sgd", 64), ("adamw", 64), ("adamw", 4096)):
-        w = perf._workload(None, [50, 1024, 1024, 3], None, rows, "fp32", optimizer, 4.0)
+        w = workload.build_workload(None, [50, 1024, 1024, 3], None, rows, "fp32", optimizer, 4.0)
         predicted = P.predict(w, hw, 1, P.Options()).memory_bytes - hw.devices[0].context_bytes
-        assert perf.training_memory_bytes([50, 1024, 1024, 3], rows, optimizer=optimizer) == pytest.approx(predicted)
-    small = perf.training_memory_bytes([50, 1024, 1024, 3], 64, optimizer="sgd")
-    assert perf.training_memory_bytes([50, 1024, 1024, 3], 64, optimizer="adamw") > small
-    assert perf.training_memory_bytes([50, 1024, 1024, 3], 4096, optimizer="sgd") > small
+        assert memory.training_memory_bytes([50, 1024, 1024, 3], rows, optimizer=optimizer) == pytest.approx(predicted)
+    small = memory.training_memory_bytes([50, 1024, 1024, 3], 64, optimizer="sgd")
+    assert memory.training_memory_bytes([50, 1024, 1024, 3], 64, optimizer="adamw") > small
+    assert memory.training_memory_bytes([50, 1024, 1024, 3], 4096, optimizer="sgd") > small
 
 
 # --- captured steps (CUDA graphs) ------------------------------------------------------
@@ -807,7 +812,7 @@ SMALL = (64, 256, 256, 10)  # 3 layers, 85K parameters: captured under auto on G
 
 def graph_predict(prof, n, mode, layers=SMALL, batch=512, precision="fp32", accumulate=1):
     # 64 kB buckets: a bucket per layer, the later ones ready before backward ends
-    w = perf._workload(None, list(layers), None, batch, precision, "sgd", 0.0625, cuda_graph=mode,
+    w = workload.build_workload(None, list(layers), None, batch, precision, "sgd", 0.0625, cuda_graph=mode,
                        accumulate=accumulate)
     return P.predict(w, perf.to_core(prof), n, P.Options())
 
@@ -888,7 +893,7 @@ def test_graph_mode_auto_follows_the_training_step_rule():
     assert graph_predict(profile([cpu] * 2), 2, "on").graphs
     # Calibrations from before topo measured it: a GPU's nodes at the published figure,
     # a CPU's recorded calls at its launch cost.
-    assert perf.to_core(profile([device(launch=5e-6)])).devices[0].graph_node_s == costsheet.GRAPH_NODE_S
+    assert perf.to_core(profile([device(launch=5e-6)])).devices[0].graph_node_s == hardware.GRAPH_NODE_S
     plain = profile([device(launch=5e-6, kind="cpu")] * 2)
     assert graph_predict(plain, 1, "on").forward_s == pytest.approx(graph_predict(plain, 1, "off").forward_s)
     # A device topo could not capture on: training under auto runs it uncaptured.
@@ -904,7 +909,7 @@ def test_recommend_says_when_steps_replay_as_graphs_and_when_overlap_would_beat_
     layers = [1024, 1024, 1024, 1024, 10]
 
     def answer(busbw, mode="auto"):
-        return perf.recommend(layers=layers, batch_size=4096, devices=[1, 2], cuda_graph=mode,
+        return selector_recommend.recommend(layers=layers, batch_size=4096, devices=[1, 2], cuda_graph=mode,
                               profile=profile([gpu] * 2, alpha=1e-5, busbw=busbw, overlap=True))
     r, off = answer(1e10), answer(1e10, "off")
     assert all(c["cuda_graph"] for c in r["candidates"]) and not any(c["cuda_graph"] for c in off["candidates"])
@@ -927,13 +932,15 @@ def test_recommend_says_when_steps_replay_as_graphs_and_when_overlap_would_beat_
 
 def test_named_gpu_profiles_carry_the_published_graph_node_time_and_its_source():
     prof = perf.named_profile("h100-sxm-8")
-    assert all(d["graph_node_s"] == costsheet.GRAPH_NODE_S for d in prof["devices"])
-    assert any(s["url"] == costsheet.GRAPH_NODE_SOURCE for s in prof["sources"])
-    assert perf.to_core(prof).devices[0].graph_node_s == costsheet.GRAPH_NODE_S
+    assert all(d["graph_node_s"] == hardware.GRAPH_NODE_S for d in prof["devices"])
+    assert any(s["url"] == hardware.GRAPH_NODE_SOURCE for s in prof["sources"])
+    assert perf.to_core(prof).devices[0].graph_node_s == hardware.GRAPH_NODE_S
 
 
 def test_graph_replay_timer_checks_its_input_and_topo_measures_a_node_cost():
-    from mgpu import _core, topo
+    from mgpu import _core
+    from mgpu.calibrate import topo
+    from mgpu import hostinfo
     be = _core.make_backend("cpu", 0, 1)
     with pytest.raises(mgpu.ConfigError, match="nodes"):
         _core.time_graph_replay(be, 0, 3)
@@ -944,7 +951,9 @@ def test_graph_replay_timer_checks_its_input_and_topo_measures_a_node_cost():
 
 
 def test_cold_layer_timings_sweep_the_cache_and_topo_times_them_where_weights_are_large(monkeypatch):
-    from mgpu import _core, topo
+    from mgpu import _core
+    from mgpu.calibrate import topo
+    from mgpu import hostinfo
     be = _core.make_backend("cpu", 0, 1)
     for times in (_core.time_linear(be, 4, 256, 256, 3, sweep_bytes=4 << 20),
                   _core.time_linear_backward(be, 4, 256, 256, 3, input_gradient=False, sweep_bytes=4 << 20)):
@@ -958,11 +967,13 @@ def test_cold_layer_timings_sweep_the_cache_and_topo_times_them_where_weights_ar
         # elsewhere the warm time stands for the cold one
         assert (grid["forward_cold"][n] == grid["forward"][n]) != timed, (r, i, o)
     assert "forward_cold" not in topo.measure_layer_times(be, quick=True)  # no cache size: warm only
-    assert topo.last_level_cache_bytes() >= 0
+    assert hostinfo.last_level_cache_bytes() >= 0
 
 
 def test_a_device_that_cannot_capture_is_marked_and_priced_uncaptured(monkeypatch, capsys):
-    from mgpu import _core, topo
+    from mgpu import _core
+    from mgpu.calibrate import topo
+    from mgpu import hostinfo
 
     def cannot(*args):
         raise mgpu.ConfigError("the test backend cannot capture")
@@ -975,7 +986,7 @@ def test_a_device_that_cannot_capture_is_marked_and_priced_uncaptured(monkeypatc
 
 @pytest.mark.parametrize("mode, captured", [(None, True), ("off", False), ("on", True)])
 def test_recommend_cli_takes_the_training_graph_mode(mode, captured, tmp_path, capfd):
-    from mgpu import cli
+    from mgpu.commands import main as cli
     out = tmp_path / "r.json"
     argv = ["recommend", "--profile", "h100-sxm-8", "--model", "medium", "--batch-size", "256", "--json", str(out)]
     assert cli.main(argv + (["--cuda-graph", mode] if mode else [])) == 0
@@ -993,7 +1004,7 @@ def test_accumulated_micro_batches_share_the_rows_and_only_the_last_backward_ove
     prof = profile([device(flops=1e12, bandwidth=1e12)] * 2, alpha=1e-6, busbw=4e9, overlap=True)
 
     def at(k):
-        w = perf._workload(None, [256, 1024, 1024, 1024, 10], None, 4094, "fp32", "sgd", 1.0, cuda_graph="off",
+        w = workload.build_workload(None, [256, 1024, 1024, 1024, 10], None, 4094, "fp32", "sgd", 1.0, cuda_graph="off",
                            accumulate=k)
         return P.predict(w, perf.to_core(prof), 2, P.Options())
     one, four = at(1), at(4)  # 2047 rows a device: micro-batches of 511 and 512
@@ -1003,11 +1014,11 @@ def test_accumulated_micro_batches_share_the_rows_and_only_the_last_backward_ove
     assert four.exposed_comm_s > one.exposed_comm_s  # only behind the last quarter of it
     assert four.memory_bytes < one.memory_bytes
     # activations for the largest micro-batch (512 rows), as one step of 512 rows a device holds
-    w = perf._workload(None, [256, 1024, 1024, 1024, 10], None, 1024, "fp32", "sgd", 1.0, cuda_graph="off")
+    w = workload.build_workload(None, [256, 1024, 1024, 1024, 10], None, 1024, "fp32", "sgd", 1.0, cuda_graph="off")
     assert four.memory_bytes == pytest.approx(P.predict(w, perf.to_core(prof), 2, P.Options()).memory_bytes, rel=1e-12)
     assert at(10 ** 6).step_s > 0  # more micro-batches than rows: one row each
     # priced per micro-batch size, not one by one: 2^61 micro-batches take no time to price
-    w = perf._workload(None, [8, 8], None, 2 ** 62, "fp32", "sgd", 1.0, accumulate=2 ** 61 + 1)
+    w = workload.build_workload(None, [8, 8], None, 2 ** 62, "fp32", "sgd", 1.0, accumulate=2 ** 61 + 1)
     assert math.isfinite(P.predict(w, perf.to_core(prof), 2, P.Options()).step_s)
     for bad in (0, 2.0, True, "3"):
         with pytest.raises(mgpu.ConfigError, match=f"accumulate.*got {bad!r}"):
@@ -1024,7 +1035,7 @@ def test_a_gemm_costs_its_memory_traffic_where_that_is_longer_than_its_work():
     assert layer < one.forward_s < 1.01 * layer
     assert layer < one.backward_s < 1.01 * layer   # the first layer has no input gradient: dW only
     # with --accumulate 2 the second micro-batch's weight gradient adds onto the first's: read and written
-    w = perf._workload(None, [8192, 8192], None, 16, "fp32", "sgd", 4.0, accumulate=2)
+    w = workload.build_workload(None, [8192, 8192], None, 16, "fp32", "sgd", 4.0, accumulate=2)
     two = P.predict(w, perf.to_core(fast), 1, P.Options())
     assert two.backward_s == pytest.approx(one.backward_s + 2 * layer, rel=0.01)
 
@@ -1035,7 +1046,7 @@ def test_the_step_overhead_is_the_probes_step_less_its_priced_work(kind):
     # and update too, which every predicted step prices already: calibrated, the model
     # predicts the probe's step as measured, and no overhead goes below zero.
     slow = {**device(flops=1e9, bandwidth=1e9, launch=2e-6, kind=kind), "graph_node_s": 1e-6}
-    w = perf._workload(None, perf.PROBE_LAYERS, None, perf.PROBE_ROWS, "fp32", "sgd", 4.0, 0.0)
+    w = workload.build_workload(None, perf.PROBE_LAYERS, None, perf.PROBE_ROWS, "fp32", "sgd", 4.0, 0.0)
     for measured in (1e-3, 1e-6):
         prof = profile([{**slow, "step_overhead_s": measured}] * 2, overhead=measured)
         perf.net_step_overheads(prof)
@@ -1077,7 +1088,7 @@ def test_half_precision_updates_write_the_weights_half_copy_in_the_same_kernel()
     layers, params = (1024, 4096, 4096, 10), 1024 * 4096 + 4096 + 4096 * 4096 + 4096 + 4096 * 10 + 10
 
     def optimizer(precision):
-        w = perf._workload(None, list(layers), None, 256, precision, "sgd", 4.0, 0.0, cuda_graph="off")
+        w = workload.build_workload(None, list(layers), None, 256, precision, "sgd", 4.0, 0.0, cuda_graph="off")
         return P.predict(w, perf.to_core(profile([gpu])), 1, P.Options()).optimizer_s
     assert optimizer("bf16") - optimizer("fp32") == pytest.approx(2 * params / 1e11, rel=1e-9)
 
@@ -1089,7 +1100,7 @@ def test_a_memory_bound_forward_moves_the_bytes_the_cuda_backend_moves(precision
     # 10 B, else 8), the input's half copy (fp32 read, half written: 6 B), the loss (12 B)
     gpu = {**device(flops=1e30, bandwidth=1e9), "bf16": {"peak_flops": 1e30, "half_work_flops": 0.0}}
     IN, H, OUT, R = 64, 256, 10, 32
-    w = perf._workload(None, [IN, H, OUT], None, R, precision, "sgd", 4.0, 0.0, cuda_graph="off")
+    w = workload.build_workload(None, [IN, H, OUT], None, R, precision, "sgd", 4.0, 0.0, cuda_graph="off")
     half = precision == "bf16"
     eb = 2 if half else 4
     moved = ((H * IN + R * IN) * eb + 8 * R * H + 4 * R * H + (10 if half else 8) * R * H   # layer 1 and its ReLU
@@ -1148,7 +1159,7 @@ def test_recommend_says_which_device_its_memory_figure_is_and_when_only_one_fits
     margin = P.Options().memory_margin
     fast = device(flops=3e12, memory=1e30, name="fast")
     layers = (1024, 4096, 4096, 10)
-    fits = perf.recommend(layers=layers, batch_size=4000, devices=[1, 2], optimizer="sgd", bucket_mb=4.0,
+    fits = selector_recommend.recommend(layers=layers, batch_size=4000, devices=[1, 2], optimizer="sgd", bucket_mb=4.0,
                           profile=profile([fast, device(flops=1e12, memory=(fast_need + slow_need) / 2 / margin,
                                                         name="slow")]))
     two = [c for c in fits["candidates"] if c["devices"] == 2][0]
@@ -1157,13 +1168,13 @@ def test_recommend_says_which_device_its_memory_figure_is_and_when_only_one_fits
     assert len(memory_lines) == 1 and (" on the device nearest its capacity" in memory_lines[0]) == \
         (fits["devices"] == 2), fits["reasons"]
     # a second device too small for its share: one device, and that is why
-    short = perf.recommend(layers=layers, batch_size=4000, devices=[1, 2], optimizer="sgd", bucket_mb=4.0,
+    short = selector_recommend.recommend(layers=layers, batch_size=4000, devices=[1, 2], optimizer="sgd", bucket_mb=4.0,
                            profile=profile([fast, device(flops=1e12, memory=slow_need / margin * 0.5, name="slow")]))
     assert short["strategy"] == "single_gpu" and short["devices"] == 1
     assert "no multi-device candidate fits in memory" in short["reasons"], short["reasons"]
-    alone = perf.recommend(layers=layers, batch_size=4000, devices=[1], profile=profile([fast]))
+    alone = selector_recommend.recommend(layers=layers, batch_size=4000, devices=[1], profile=profile([fast]))
     assert "no multi-device candidate to compare with" in alone["reasons"]
-    equal = perf.recommend(layers=layers, batch_size=4000, devices=[1, 2], profile=profile([fast, fast]))
+    equal = selector_recommend.recommend(layers=layers, batch_size=4000, devices=[1, 2], profile=profile([fast, fast]))
     assert any(r.startswith("memory:") and " per device" in r for r in equal["reasons"])
 
 
@@ -1172,11 +1183,11 @@ def test_recommend_says_which_device_its_memory_figure_is_and_when_only_one_fits
 def test_a_cpu_profile_refuses_what_train_on_cpus_refuses(kwargs, given):
     cpu = profile([device(kind="cpu", name="cpu")] * 2)
     with pytest.raises(mgpu.ConfigError, match=f"{given}: profile 'test' is of CPUs"):
-        perf.recommend(layers=[16, 16], batch_size=64, devices=[1, 2], profile=cpu, **kwargs)
-    gpu = perf.recommend(layers=[16, 16], batch_size=64, devices=[1, 2], profile=profile([device()] * 2), **kwargs)
+        selector_recommend.recommend(layers=[16, 16], batch_size=64, devices=[1, 2], profile=cpu, **kwargs)
+    gpu = selector_recommend.recommend(layers=[16, 16], batch_size=64, devices=[1, 2], profile=profile([device()] * 2), **kwargs)
     assert gpu["strategy"]
 
 
 def test_device_counts_beyond_the_models_reach_are_refused_before_a_profile_is_built():
-    with pytest.raises(mgpu.ConfigError, match=f"--devices: at most {perf.MAX_DEVICES} devices, got 100000"):
-        perf.recommend(model="medium", batch_size=64, devices=[1, 100000], profile="h100-sxm-8")
+    with pytest.raises(mgpu.ConfigError, match=f"--devices: at most {selector_recommend.MAX_DEVICES} devices, got 100000"):
+        selector_recommend.recommend(model="medium", batch_size=64, devices=[1, 100000], profile="h100-sxm-8")

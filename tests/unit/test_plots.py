@@ -10,7 +10,9 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from matplotlib.container import ErrorbarContainer  # noqa: E402
 
-from mgpu import bench, telemetry, topo  # noqa: E402
+from mgpu.commands import bench as bench_command
+from mgpu.monitor import telemetry
+from mgpu.commands import topo as topo_command
 
 LAYERS = [50, 256, 3]
 META = {"host": "testhost", "model": None, "optimizer": "sgd", "gpu_emulation": False}
@@ -47,7 +49,7 @@ def _labels(ax):
 
 
 def test_bench_plots_render(tmp_path):
-    paths = bench.write_plots(str(tmp_path / "plots"), bench_rows(), META)
+    paths = bench_command.write_plots(str(tmp_path / "plots"), bench_rows(), META)
     assert [p.rsplit("/", 1)[1] for p in paths] == ["throughput_vs_batch.png", "speedup_vs_ranks.png",
                                                      "breakdown.png"]
     for p in paths:
@@ -56,7 +58,7 @@ def test_bench_plots_render(tmp_path):
 
 def test_throughput_has_intervals_and_the_pytorch_peer():
     rows = bench_rows()
-    ax = bench.throughput_figure(rows, META).axes[0]
+    ax = bench_command.throughput_figure(rows, META).axes[0]
     assert sorted(_labels(ax)) == ["PyTorch DDP, 1 rank", "PyTorch DDP, 2 ranks", "mgpu, 1 rank", "mgpu, 2 ranks"]
     bars = [c for c in ax.containers if isinstance(c, ErrorbarContainer)]
     assert len(bars) == 4 and all(c.has_yerr for c in bars)
@@ -75,14 +77,14 @@ def test_throughput_has_intervals_and_the_pytorch_peer():
 
 
 def test_throughput_without_the_peer_draws_mgpu_only():
-    ax = bench.throughput_figure(bench_rows(torch=False), META).axes[0]
+    ax = bench_command.throughput_figure(bench_rows(torch=False), META).axes[0]
     assert not any("PyTorch" in label for label in _labels(ax))
     plt.close("all")
 
 
 def test_speedup_has_the_prediction_and_the_ideal():
     rows = bench_rows()
-    ax = bench.speedup_figure(rows, META).axes[0]
+    ax = bench_command.speedup_figure(rows, META).axes[0]
     labels = [t.get_text() for t in ax.get_legend().get_texts()]  # the legend's order: per batch
     assert labels[0] == "ideal (linear)"
     assert labels[1:] == ["measured, batch 64", "selector's prediction, batch 64", "measured, batch 256",
@@ -91,7 +93,7 @@ def test_speedup_has_the_prediction_and_the_ideal():
     assert list(lines["ideal (linear)"].get_ydata()) == [1, 2]
     want = [r["predicted_speedup"] for r in rows if r["batch_size"] == 64]
     assert list(lines["selector's prediction, batch 64"].get_ydata()) == pytest.approx(want)
-    ax = bench.speedup_figure(bench_rows(predicted=False), META).axes[0]
+    ax = bench_command.speedup_figure(bench_rows(predicted=False), META).axes[0]
     assert not any("prediction" in label for label in _labels(ax))
     assert any("no prediction" in t.get_text() for t in ax.texts)
     plt.close("all")
@@ -99,7 +101,7 @@ def test_speedup_has_the_prediction_and_the_ideal():
 
 def test_breakdown_names_model_batch_and_machine():
     rows = bench_rows()
-    ax = bench.breakdown_figure(rows, META).axes[0]
+    ax = bench_command.breakdown_figure(rows, META).axes[0]
     ticks = [t.get_text() for t in ax.get_xticklabels()]
     assert ticks == ["batch 64\n1 rank", "batch 64\n2 ranks", "batch 256\n1 rank", "batch 256\n2 ranks"]
     assert "50-256-3" in ax.get_title() and "testhost" in ax.get_title() and "13,827 params" in ax.get_title()
@@ -111,13 +113,13 @@ def test_the_threads_of_each_rank_count_are_named():
     rows = bench_rows()
     for r in rows:
         r["threads"] = 2 // r["ranks"]
-    title = bench.breakdown_figure(rows, META).axes[0].get_title()
+    title = bench_command.breakdown_figure(rows, META).axes[0].get_title()
     assert "2 thread(s) per rank at 1 rank(s), 1 thread(s) per rank at 2 rank(s)" in title
     plt.close("all")
 
 
 def test_emulated_results_say_so_on_every_bench_plot():
-    for make in (bench.throughput_figure, bench.speedup_figure, bench.breakdown_figure):
+    for make in (bench_command.throughput_figure, bench_command.speedup_figure, bench_command.breakdown_figure):
         assert "EMULATED" in make(bench_rows(), {**META, "gpu_emulation": True}).axes[0].get_title()
         assert "EMULATED" not in make(bench_rows(), META).axes[0].get_title()
     plt.close("all")
@@ -136,24 +138,24 @@ def topo_profile(ranks=2, name="Test CPU (1 thread)"):
 
 
 def test_topo_plots_render(tmp_path):
-    paths = topo.write_plots(str(tmp_path), topo_profile())
+    paths = topo_command.write_plots(str(tmp_path), topo_profile())
     assert [p.rsplit("/", 1)[1] for p in paths] == ["gemm.png", "allreduce.png"]
-    assert [p.rsplit("/", 1)[1] for p in topo.write_plots(str(tmp_path / "one"), topo_profile(1))] == ["gemm.png"]
+    assert [p.rsplit("/", 1)[1] for p in topo_command.write_plots(str(tmp_path / "one"), topo_profile(1))] == ["gemm.png"]
 
 
 def test_topo_plots_show_measurements_beside_their_fits():
     profile = topo_profile()
-    ax = topo.gemm_figure(profile).axes[0]
+    ax = topo_command.gemm_figure(profile).axes[0]
     labels = _labels(ax)
     assert len(labels) == 2 and labels[0] == "ranks 0, 1 (one fit), fp32: measured" and labels[1].startswith("fit: peak 50 GFLOP/s")
-    ax = topo.allreduce_figure(profile).axes[0]
+    ax = topo_command.allreduce_figure(profile).axes[0]
     labels = _labels(ax)
     assert labels[0].endswith("measured busbw") and any(label.startswith("alpha-beta fit") for label in labels)
     fit = next(line for line in ax.get_lines() if line.get_label().startswith("alpha-beta"))
     # the fitted busbw approaches the link's bus bandwidth at large messages
     assert fit.get_ydata()[-1] == pytest.approx(1.0, rel=0.05)
     assert "testhost" in ax.get_title() and "2 ranks" in ax.get_title()
-    assert "EMULATED" in topo.gemm_figure(topo_profile(name="Emulated GPU 0")).axes[0].get_title()
+    assert "EMULATED" in topo_command.gemm_figure(topo_profile(name="Emulated GPU 0")).axes[0].get_title()
     plt.close("all")
 
 

@@ -11,11 +11,10 @@ import pytest
 
 import mgpu
 from mgpu import _core
-from mgpu.checkpoint import (CheckpointError, latest_checkpoint, list_checkpoints, load_checkpoint,
-                             save_checkpoint)
-from mgpu.data import Dataset, load_dataset
-from mgpu.schedule import LRSchedule
-from mgpu.trainer import CheckpointPolicy
+from mgpu.train.checkpoint import CheckpointError, latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
+from mgpu.train.data import Dataset, load_dataset
+from mgpu.train.schedule import LRSchedule
+from mgpu.train.trainer import CheckpointPolicy
 from reference import loss_and_grad, rel_err
 
 
@@ -344,7 +343,7 @@ def test_incompatible_checkpoints_are_refused(tmp_path):
 
 
 def test_a_checkpoints_dataset_is_matched_by_contents_where_it_has_them():
-    from mgpu.checkpoint import check_compatible
+    from mgpu.train.checkpoint import check_compatible
     data = load_dataset("synthetic", samples=300)
     renamed = Dataset("/elsewhere/same.npz", data.x_train, data.y_train, data.x_val, data.y_val)
     changed = Dataset(data.name, data.x_train[::-1].copy(), data.y_train, data.x_val, data.y_val)
@@ -388,7 +387,7 @@ def test_fit_again_trains_more_and_continues_the_sampler():
 
 
 def test_watchdog_errors_name_the_hosts_of_the_ranks_they_name():
-    from mgpu.process_group import name_hosts
+    from mgpu.train.group import name_hosts
     hosts = ["h0", "h0", "h1", "h1"]
     cut = ("allreduce at step 15 did not complete within 3 s on rank 0: ranks 1, 3 have not reached this step; "
            "rank 2 stopped responding during it (stopped, hung or dead)")

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import mgpu
-from mgpu.thread_group import ThreadGroup, _Shared, run_on_gpus
+from mgpu.train.thread_group import ThreadGroup, _Shared, run_on_gpus
 
 
 def run_threads(fn, size, timeout=0.0):
@@ -152,7 +152,7 @@ def test_cli_refuses_gpus_where_it_cannot_work(args, message):
 
 @pytest.mark.parametrize("gpus", ["1", "2", "1024"])  # refused before any thread starts
 def test_cli_gpus_without_a_gpu_is_one_clear_line(gpus):
-    if mgpu.process_group.cuda_device_count() > 0:
+    if mgpu.hostinfo.cuda_device_count() > 0:
         pytest.skip("a GPU is visible: tests/gpu runs --gpus for real")
     r = subprocess.run([sys.executable, "-m", "mgpu", "train", "--gpus", gpus, "--steps", "2", "--no-progress"],
                        capture_output=True, text=True, timeout=120)

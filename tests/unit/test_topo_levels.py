@@ -4,8 +4,9 @@ a prediction over several nodes follows the hierarchical rule (latencies add, th
 slower transfer counts). The sweeps themselves run in tests/cluster."""
 import pytest
 
-from mgpu import perf
-from mgpu.topo import fit_link, hierarchical_link
+from mgpu.selector import profiles as perf
+from mgpu.selector import recommend as selector_recommend
+from mgpu.calibrate.topo import fit_link, hierarchical_link
 
 
 def sweep(alpha_step, busbw, n, sizes=(1 << 10, 1 << 14, 1 << 18, 1 << 20, 1 << 22)):
@@ -30,7 +31,7 @@ def test_the_fits_of_two_levels_predict_a_hierarchical_allreduce():
     # network's (each rank sends its half of the bytes between the nodes)
     expected = (2 * 1e-6 + 2 * 40e-6) + max(b / 10e9, (b / 2) / 1e9)
     assert link.allreduce_seconds(4, b) == pytest.approx(expected, rel=1e-3)
-    rec = perf.recommend(layers=[50, 256, 256, 3], batch_size=256, profile=profile, nodes=2)
+    rec = selector_recommend.recommend(layers=[50, 256, 256, 3], batch_size=256, profile=profile, nodes=2)
     assert 4 in [c["devices"] for c in rec["candidates"]]
 
 
@@ -43,12 +44,12 @@ def test_a_calibration_of_two_hosts_answers_for_more_hosts_node_by_node():
         d["name"] = f"rank {i % 2} of a host"
     profile["link"]["nccl"] = hierarchical_link(fit_link(sweep(1e-6, 10e9, 2), 2), fit_link(sweep(40e-6, 1e9, 2), 2), 2)
     profile["gpus_per_node"] = 2
-    wider = perf._whole_nodes(profile, 8)
+    wider = selector_recommend._whole_nodes(profile, 8)
     assert [d["name"] for d in wider["devices"]] == [f"rank {i % 2} of a host" for i in range(8)]
-    rec = perf.recommend(layers=[50, 256, 256, 3], batch_size=256, profile=profile, nodes=4)
+    rec = selector_recommend.recommend(layers=[50, 256, 256, 3], batch_size=256, profile=profile, nodes=4)
     assert [c["devices"] for c in rec["candidates"]] == [1, 2, 8]
     del profile["link"]["nccl"]  # no inter-node model: nothing to repeat by
-    assert perf._whole_nodes(profile, 8) is profile
+    assert selector_recommend._whole_nodes(profile, 8) is profile
 
 
 class _PlacementsInTurn:
@@ -69,7 +70,7 @@ class _PlacementsInTurn:
     ([55.0, 330.0, 340.0, 60.0, 58.0, 330.0], 3),  # moved each time: the last try is kept
 ])
 def test_the_wait_is_probed_again_while_the_cores_moved_during_its_probe(monkeypatch, readings_ns, probes):
-    from mgpu import topo
+    from mgpu.calibrate import topo
     tables = iter(range(1, 10))
     monkeypatch.setattr(topo, "measure_step_phases", lambda *args: {"probe": next(tables)})
     log = topo.PlacementLog(_PlacementsInTurn(readings_ns))
@@ -85,7 +86,7 @@ def test_the_wait_is_probed_again_while_the_cores_moved_during_its_probe(monkeyp
     ([52.0, 55.0, 330.0, 54.0, 330.0, 60.0, 330.0, 58.0], "during each of 3 tries at that probe"),
 ])
 def test_topo_says_whether_and_when_the_cores_changed_cache_domains(readings_ns, says):
-    from mgpu.topo import placement_line
+    from mgpu.commands.topo import placement_line
     placement = {"cpus": [0, 1], "readings_ns": readings_ns, "wait_probe_ns": readings_ns[-3:-1]}
     text = placement_line(placement)
     assert text.startswith("ranks' cores (CPUs 0 and 1): a cache line's round trip")
@@ -99,7 +100,7 @@ def test_topo_says_whether_and_when_the_cores_changed_cache_domains(readings_ns,
 class _WatchedPlacements(_PlacementsInTurn):
     """As _PlacementsInTurn, on a clock that only the watch's half-second sleeps move."""
     def __init__(self, readings_ns, monkeypatch):
-        from mgpu import topo
+        from mgpu.calibrate import topo
         super().__init__(readings_ns)
         self.clock = 0.0
         monkeypatch.setattr(topo.time, "monotonic", lambda: self.clock)
@@ -119,7 +120,7 @@ class _WatchedPlacements(_PlacementsInTurn):
 ])
 def test_the_wait_is_probed_in_a_second_placement_where_the_cores_go_during_the_watch(
         monkeypatch, readings_ns, first_tries, second_ns, watched):
-    from mgpu import topo
+    from mgpu.calibrate import topo
     tables = iter(range(1, 10))
     monkeypatch.setattr(topo, "measure_step_phases", lambda *args: {"probe": next(tables)})
     log = topo.PlacementLog(_WatchedPlacements(readings_ns, monkeypatch))
@@ -140,12 +141,12 @@ def test_the_second_placements_share_counts_the_readings_found_there():
 
 
 def topo_other_share(*args):
-    from mgpu.topo import other_share
+    from mgpu.calibrate.topo import other_share
     return other_share(*args)
 
 
 def test_no_second_placement_is_looked_for_without_a_peer_on_the_node(monkeypatch):
-    from mgpu import topo
+    from mgpu.calibrate import topo
     monkeypatch.setattr(topo, "measure_step_phases", lambda *args: {"probe": 1})
 
     class Alone(_WatchedPlacements):

@@ -5,7 +5,7 @@ import pytest
 
 import mgpu
 from mgpu import _core
-from mgpu.data import load_dataset
+from mgpu.train.data import load_dataset
 from reference import AdamW, SGD, loss_and_grad, rel_err
 
 

@@ -31,7 +31,9 @@ from typing import Optional
 
 import numpy as np
 
-from .errors import ConfigError
+from .. import _core
+from ..atomic import write_json_atomic
+from ..errors import ConfigError
 
 # One row per step and rank (float64): what the gather moves and the outputs read.
 FIELDS = ("step", "epoch", "t_begin", "t_call", "t_end", "forward", "backward", "comm_wait", "optimizer",
@@ -216,7 +218,6 @@ class Observer:
         if not self.pg.is_root:
             return
         if self.trace:
-            from .cliutil import write_json_atomic
             write_json_atomic(self.trace, self.trace_document())
         if self._writer is not None:
             self._publish()
@@ -377,7 +378,6 @@ def _us(seconds: float) -> float:
 def _core_clock_at(perf_time: float) -> float:
     """The core's clock (_core.steady_seconds) at time.perf_counter() == perf_time:
     the two are read back to back a few times, the closest pair wins."""
-    from . import _core
     best = None
     for _ in range(5):
         a = time.perf_counter()

@@ -1,5 +1,5 @@
-"""`mgpu topo`: what this machine is, how fast it computes and communicates, and
-the calibration profile the strategy selector predicts from.
+"""What `mgpu topo` measures: what this machine is, how fast it computes and
+communicates, and the calibration profile the strategy selector predicts from.
 
 Runs as one process or under mpirun (each rank measures its own device; rank 0
 reports). Measures, on the backend and communicator training would use:
@@ -18,24 +18,32 @@ then fits the alpha-beta allreduce model and writes the profile (JSON).
 from __future__ import annotations
 
 import contextlib
-import glob
 import os
-import platform
-import re
 import socket
 import sys
 import time
-
 from typing import Optional
 
 import numpy as np
 
-from . import __version__, _core, gpus_emulated
-from .errors import ConfigError, DeviceError
-from .perf import (LAYER_COLD_KEYS, PRECISIONS, PROBE_LAYERS, PROBE_ROWS, PROFILE_FORMAT, PROFILE_VERSION,
-                   default_profile_path, net_step_overheads, save_profile)
-from .process_group import placement_moved
-from .telemetry import host_meminfo
+from .. import _core
+from .._core import __version__
+from .._runtime import gpus_emulated
+from ..errors import ConfigError, DeviceError
+from ..hostinfo import cpu_description, last_level_cache_bytes, placement_moved
+from ..selector.hardware import PRECISIONS
+from ..selector.profiles import (
+    LAYER_COLD_KEYS,
+    PROBE_LAYERS,
+    PROBE_ROWS,
+    PROFILE_FORMAT,
+    PROFILE_VERSION,
+    net_step_overheads,
+)
+from ..train.data import local_slice
+from ..train.model import MLP
+from ..train.process_group import ProcessGroup
+from ..train.trainer import Trainer
 
 GEMM_SIZES = (32, 64, 128, 256, 512, 1024, 2048)
 # The layer-time grid (perf_model.h LayerTimes): rows are the local batch, widths
@@ -53,33 +61,12 @@ PASS_FLOATS, PASS_FLOATS_QUICK = tuple(1 << k for k in range(15, 26, 2)), (1 << 
 # a factor of 2 in parameters between them, as the caches' edges make steep steps.
 STEP_WIDTHS = (128, 181, 256, 362, 512, 724, 1024, 1448, 2048, 2896)
 STEP_WIDTHS_QUICK, STEP_ROWS = (128, 724), 8
-# Tries at a probe of the wait that starts and ends in one placement of the ranks' cores
-# (each 3-4 s here; on our VMs the hypervisor moved the vCPUs every few seconds to minutes).
+# Tries at a probe of the wait that starts and ends in one placement of the ranks' cores (a
+# VM's hypervisor may move its vCPUs every few seconds: docs/journal.md).
 PLACEMENT_TRIES = 3
 # Then how long topo watches for the cores in a second placement, to probe the wait there too.
 PLACEMENT_WATCH_S, PLACEMENT_WATCH_QUICK_S = 10.0, 1.0
 MiB = 1 << 20
-
-
-def _cpu_description() -> dict:
-    model, flags = platform.processor() or "unknown", set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    break
-    except OSError:
-        pass
-    isa = [f for f in ("sse4_2", "avx", "avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "amx_tile") if f in flags]
-    try:
-        memory = host_meminfo()["MemTotal"]
-    except (OSError, ValueError, KeyError):
-        memory = 0
-    return {"model": model, "cores": len(os.sched_getaffinity(0)), "isa": isa, "memory_bytes": memory,
-            "openblas_coretype": os.environ.get("OPENBLAS_CORETYPE")}
 
 
 def _median(values) -> float:
@@ -109,21 +96,6 @@ def measure_gemm(backend, precision: str, quick: bool) -> list:
 COLD_MIN_WEIGHT_BYTES, COLD_MAX_ROWS = 256 * 1024, 256
 
 
-def last_level_cache_bytes() -> float:
-    """The largest CPU cache of this host as sysfs lists it (cpu0's), bytes; 0 if unknown."""
-    largest = 0.0
-    for index in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*"):
-        try:
-            with open(os.path.join(index, "size")) as f:
-                text = f.read().strip()
-        except OSError:
-            continue
-        m = re.fullmatch(r"(\d+)([KMG]?)", text)
-        if m:
-            largest = max(largest, float(m.group(1)) * {"": 1, "K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30}[m.group(2)])
-    return largest
-
-
 def measure_layer_times(backend, quick: bool, before_each=None, cache_bytes: float = 0.0) -> dict:
     """fp32 seconds of a Linear layer on the grid rows x in x out, as training calls it:
     forward (GEMM and bias), backward (input and weight gradients, bias sums) and
@@ -146,12 +118,12 @@ def measure_layer_times(backend, quick: bool, before_each=None, cache_bytes: flo
                     before_each()
                 repeats = max(3, min(25, int(3e8 / (6.0 * r * i * o))))
                 timed_cold = cold and 4.0 * i * o >= COLD_MIN_WEIGHT_BYTES and r <= COLD_MAX_ROWS
-                for name, time in kinds.items():
-                    warm = _median(time(r, i, o, repeats, 0))
+                for name, timed in kinds.items():
+                    warm = _median(timed(r, i, o, repeats, 0))
                     tables[name].append(warm)
                     if cold:
                         tables[f"{name}_cold"].append(
-                            _median(time(r, i, o, 3, int(2 * cache_bytes))) if timed_cold else warm)
+                            _median(timed(r, i, o, 3, int(2 * cache_bytes))) if timed_cold else warm)
     return {"rows": list(rows), "widths": list(widths), **tables}
 
 
@@ -187,8 +159,6 @@ def measure_step_phases(pg, backend_kind: str, threads: int, quick: bool) -> dic
     skew, health check), and the wait's spread (90th percentile less the median), in
     real training steps of [h, h, h] MLPs on this process group, as the perf model's
     StepPhases holds them (SGD with momentum, default buckets)."""
-    from .model import MLP
-    from .trainer import Trainer
     table = {"params": [], "update_s": [], "wait_s": [], "wait_spread_s": [], "ranks": pg.size}
     with _timeouts_kept(pg):
         for h in STEP_WIDTHS_QUICK if quick else STEP_WIDTHS:
@@ -369,7 +339,7 @@ def measure_device(pg, device: str, device_index: int, threads: int, quick: bool
     backend = _core.make_backend(device, device_index, threads)
     entry = {"kind": device, "threads": threads if device == "cpu" else None}
     if device == "cpu":
-        cpu = _cpu_description()
+        cpu = cpu_description()
         entry.update(name=f"{cpu['model']} ({threads} thread{'s' if threads > 1 else ''})",
                      memory_bytes=cpu["memory_bytes"] / max(pg.local_size, 1), cpu=cpu)
         precisions = ["fp32"]
@@ -548,7 +518,6 @@ def node_sweeps(pg, backend, max_bytes: int, quick: bool) -> Optional[dict]:
     slowest counts) and between the nodes (one rank each), swept and fitted apart, since
     they are different links; None on one node. Ranks left out of the between-node
     sweep wait sleeping, so they do not take the cores of the ranks that measure."""
-    from .process_group import ProcessGroup
     MPI = pg._mpi
     nodes = len(dict.fromkeys(pg.hosts))
     if nodes < 2 or MPI is None:
@@ -587,9 +556,6 @@ def node_sweeps(pg, backend, max_bytes: int, quick: bool) -> Optional[dict]:
 def _step_seconds(pg, sizes, dropout, batch, device, device_index, threads, steps, communicator="auto") -> float:
     """Median wall time of a training step of an MLP on this process group (communicator:
     the kind the group already uses, where it uses one)."""
-    from .data import local_slice
-    from .model import MLP
-    from .trainer import Trainer
     model = MLP(sizes, seed=0, dropout=dropout, device=device, device_index=device_index, threads=threads)
     trainer = Trainer(model, lr=1e-3, process_group=pg, communicator=communicator)
     part = local_slice(batch, pg.rank, pg.size)
@@ -606,7 +572,6 @@ def _step_seconds(pg, sizes, dropout, batch, device, device_index, threads, step
 
 
 def _self_group():
-    from .process_group import ProcessGroup
     if _mpi_available():
         return ProcessGroup(comm=__import__("mpi4py.MPI", fromlist=["MPI"]).COMM_SELF)
     return ProcessGroup()
@@ -724,270 +689,3 @@ def run_topo(pg, *, device: str = "auto", threads=None, max_bytes: int = 256 * M
     return profile
 
 
-def _cpu_tables_line(d: dict) -> str:
-    """What a CPU rank's tables say at a glance: the largest measured model's update and
-    wait in a real step, with every rank busy against rank 0 alone."""
-    busy, alone = d["step_phases"], d.get("step_phases_alone", d["step_phases"])
-    grid = d["layer_times"]
-    cold = (f", warm and cold (after sweeping {2 * d['cache_bytes'] / 2 ** 20:.0f} MiB: a last-level cache of "
-            f"{d['cache_bytes'] / 2 ** 20:.0f} MiB)" if "forward_cold" in grid and d.get("cache_bytes") else "")
-    text = (f"layer times on {len(grid['rows'])} rows x {len(grid['widths'])}x{len(grid['widths'])} widths{cold}; "
-            f"in training at {busy['params'][-1] / 1e6:.1f}M params: update {busy['update_s'][-1] * 1e3:.2f} ms, "
-            f"wait after backward {busy['wait_s'][-1] * 1e3:.2f} ms with {busy['ranks']} rank(s) busy")
-    if alone is not busy:
-        text += f"; {alone['update_s'][-1] * 1e3:.2f} and {alone['wait_s'][-1] * 1e3:.2f} ms alone"
-    return text
-
-
-def placement_line(placement: dict) -> str:
-    """Where rank 0 and its node's next rank ran during the calibration, read as a cache
-    line's round trip between their CPUs, and whether that moved."""
-    a, b = placement["cpus"]
-    at_wait, every = placement["wait_probe_ns"], placement["readings_ns"]
-    text = (f"ranks' cores (CPUs {a} and {b}): a cache line's round trip {min(at_wait):.0f}-{max(at_wait):.0f} ns "
-            f"around the probe of the wait after backward, {min(every):.0f}-{max(every):.0f} ns over "
-            f"{len(every)} readings")
-    if placement_moved(at_wait):
-        text += ("; the cores changed cache domains (as a VM's vCPUs do when its hypervisor moves them) during "
-                 f"each of {PLACEMENT_TRIES} tries at that probe: its wait mixes two placements, and "
-                 "predictions for several ranks hold in neither")
-    elif placement_moved(every):
-        other = placement.get("other_wait_probe_ns")
-        text += ("; the cores changed cache domains during the calibration (as a VM's vCPUs do when its "
-                 "hypervisor moves them), and a multi-rank wait changes with them: "
-                 + (f"the wait was probed again with them at {min(other):.0f}-{max(other):.0f} ns, where "
-                    f"{placement.get('other_share', 0.0):.0%} of the readings found them, and `recommend` prices "
-                    "several ranks in both placements, weighted so" if other else
-                    f"predictions for several ranks hold where the wait was probed, at "
-                    f"{min(at_wait):.0f}-{max(at_wait):.0f} ns"))
-    return text
-
-
-def _us_or_not_measured(seconds) -> str:
-    return f"{seconds * 1e6:.2f} us" if seconds else "not measured"
-
-
-def _bandwidth(bytes_per_s: float) -> str:
-    """GB/s with a decimal, or MB/s below 1 GB/s (an emulated GPU's read 0.0 GB/s)."""
-    return f"{bytes_per_s / 1e9:.1f} GB/s" if bytes_per_s >= 1e9 else f"{bytes_per_s / 1e6:.1f} MB/s"
-
-
-def _probe_text(d: dict) -> str:
-    if "probe_step_s" not in d:  # a profile from before the probe's work was taken out
-        return ""
-    return f" (a step of {'x'.join(map(str, PROBE_LAYERS))} took {d['probe_step_s'] * 1e6:.1f} us, less its priced work)"
-
-
-def format_topo(profile: dict) -> str:
-    lines = [f"{profile['name']}  (mgpu {profile['mgpu_version']})"]
-    for d in profile["devices"]:
-        fp = ", ".join(f"{p} {d[p]['peak_flops'] / 1e9:,.0f} GFLOP/s" for p in PRECISIONS if p in d)
-        lines.append(f"  rank {d['rank']} on {d['host']}: {d['name']}; GEMM peak {fp}; "
-                     f"memory bw {_bandwidth(d['memory_bandwidth'])}; kernel overhead "
-                     f"{d['launch_overhead_s'] * 1e6:.2f} us (as a graph node "
-                     f"{_us_or_not_measured(d.get('graph_node_s'))}); step overhead {d['step_overhead_s'] * 1e6:.1f} us"
-                     f"{_probe_text(d)}; "
-                     f"dropout {d['dropout_s_per_unit'] * 1e9:.2f} ns/unit")
-        if "cpu" in d:
-            cpu = d["cpu"]
-            lines.append(f"    {cpu['cores']} cores, ISA {' '.join(cpu['isa'])}, "
-                         f"OPENBLAS_CORETYPE={cpu['openblas_coretype'] or '(unset)'}")
-        if d.get("host_to_device_bandwidth"):
-            lines.append(f"    host-to-device {d['host_to_device_bandwidth'] / 1e9:.1f} GB/s")
-        if "step_phases" in d:
-            lines.append("    " + _cpu_tables_line(d))
-    if profile.get("placement"):
-        lines.append("  " + placement_line(profile["placement"]))
-    if profile["allreduce"]:
-        lines.append(f"  allreduce ({profile['link']['name']}), float32 sum, in place:")
-        lines.append(f"  {'bytes':>12} {'count':>10} {'time us':>10} {'algbw GB/s':>11} {'busbw GB/s':>11} {'wrong':>6}"
-                     f" {'raw MPI busbw':>14} {'vs raw':>7} {'with deadline':>14} {'vs raw':>7}")
-        for r in profile["allreduce"]:
-            raw = (f" {r['raw_mpi_busbw_GBps']:>14.3f} {r['vs_raw_mpi']:>6.0%}" if "vs_raw_mpi" in r else "")
-            if "deadline_vs_raw_mpi" in r:
-                raw += f" {r['deadline_busbw_GBps']:>14.3f} {r['deadline_vs_raw_mpi']:>6.0%}"
-            lines.append(f"  {r['bytes']:>12,} {r['count']:>10,} {r['time_us']:>10.1f} {r['algbw_GBps']:>11.3f} "
-                         f"{r['busbw_GBps']:>11.3f} {r['wrong']:>6}{raw}")
-        link = profile["link"]
-        lines.append(f"  fit over {link['fit_bytes'][0]:,}-{link['fit_bytes'][1]:,} B: alpha {link['alpha_s'] * 1e6:.2f} us "
-                     f"per ring step, busbw {link['bus_bandwidth'] / 1e9:.2f} GB/s "
-                     f"(median error {link['fit_median_rel_error']:.0%}); a step on {profile['environment']['world_size']} "
-                     f"ranks costs {link['step_sync_s'] * 1e6:.0f} us more than alone (latency, skew)")
-        levels = profile.get("nodes")
-        if levels:
-            for level, ranks in (("intra", levels["ranks_per_node"]), ("inter", levels["nodes"])):
-                fit = levels[level]
-                if fit is None:
-                    lines.append("  within a node: 1 rank per node, nothing to measure")
-                    continue
-                what = "within each node" if level == "intra" else "between the nodes (one rank each)"
-                lines.append(f"  {what}, {ranks} ranks: alpha {fit['alpha_s'] * 1e6:.2f} us per ring step, busbw "
-                             f"{fit['bus_bandwidth'] / 1e9:.2f} GB/s (fit over {fit['fit_bytes'][0]:,}-"
-                             f"{fit['fit_bytes'][1]:,} B, median error {fit['fit_median_rel_error']:.0%})")
-            if "nccl" in link:
-                lines.append(f"  the selector models {levels['nodes']} nodes x {levels['ranks_per_node']} ranks from "
-                             "these two links (recommend --nodes)")
-        elif link.get("measured") and profile["environment"].get("communicator") == "mpi":
-            lines.append("  one node: no inter-node link to measure (run topo under mpirun across hosts "
-                         "with a hostfile)")
-    else:
-        lines.append("  allreduce: 1 rank, nothing to measure (run under mpirun -np N)")
-    return "\n".join(lines)
-
-
-def _plot_title(what: str, profile: dict) -> str:
-    emulated = any("emulat" in d["name"].lower() for d in profile["devices"])
-    return (f"{what}\n{profile['name']}, mgpu {profile['mgpu_version']}"
-            + ("\nEMULATED GPUs: the CPU running mgpu's CUDA code, not GPU speeds" if emulated else ""))
-
-
-def gemm_figure(profile: dict):
-    """Each rank's measured GEMM rate by work and precision, with the fitted peak w / (w + h) the model uses."""
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(7.5, 4.8))
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    seen = {}
-    for d in profile["devices"]:
-        for p in PRECISIONS:
-            if p not in d or (d["name"], p) in seen:  # identical devices were given the same fit
-                continue
-            color = colors[len(seen) % len(colors)]
-            seen[(d["name"], p)] = True
-            work, rate = np.array(d[p]["measured"], float).T
-            same = [e["rank"] for e in profile["devices"] if e["name"] == d["name"]]  # homogenize() merged them
-            label = f"rank {same[0]}" if len(same) == 1 else f"ranks {', '.join(map(str, same))} (one fit)"
-            if len({e["name"] for e in profile["devices"]}) > 1:
-                label = f"{d['name']}, {label}"
-            ax.plot(work, rate / 1e9, "o", color=color, label=f"{label}, {p}: measured")
-            w = np.geomspace(work.min(), work.max(), 100)
-            fit = d[p]["peak_flops"] * w / (w + d[p]["half_work_flops"])
-            ax.plot(w, fit / 1e9, "-", color=color, alpha=0.7,
-                    label=f"fit: peak {d[p]['peak_flops'] / 1e9:,.0f} GFLOP/s, half at "
-                          f"{d[p]['half_work_flops'] / 1e6:,.1f} MFLOP")
-    ax.set_xscale("log")
-    ax.set_ylim(bottom=0)
-    ax.set(xlabel="work of one Linear GEMM (FLOP = 2 x batch x in x out)", ylabel="GFLOP/s")
-    ax.set_title(_plot_title("GEMM rate by size", profile), fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    return fig
-
-
-def allreduce_figure(profile: dict):
-    """The allreduce sweep's bus bandwidth by message size, the alpha-beta fit, and bare MPI where measured."""
-    import matplotlib.pyplot as plt
-    rows, link = profile["allreduce"], profile["link"]
-    n = profile["environment"]["world_size"]
-    fig, ax = plt.subplots(figsize=(7.5, 4.8))
-    size = np.array([r["bytes"] for r in rows], float)
-    ax.plot(size, [r["busbw_GBps"] for r in rows], "o-", label=f"{link['name']}: measured busbw")
-    raw = [(r["bytes"], r["raw_mpi_busbw_GBps"]) for r in rows if "raw_mpi_busbw_GBps" in r]
-    if raw:
-        ax.plot(*zip(*raw), "s--", mfc="white", label="bare MPI_Allreduce (mpi4py): busbw")
-    steps = 2.0 * (n - 1)
-    model = steps * link["alpha_s"] + steps / n * size / link["bus_bandwidth"]
-    ax.plot(size, size / model / 1e9 * steps / n, ":", color="black",
-            label=f"alpha-beta fit: alpha {link['alpha_s'] * 1e6:.2f} us, busbw {link['bus_bandwidth'] / 1e9:.2f} GB/s")
-    lo, hi = link.get("fit_bytes", (size.min(), size.max()))
-    ax.axvspan(lo, hi, color="0.9", zorder=0, label="sizes the fit uses (gradient buckets)")
-    if any(r["wrong"] for r in rows):
-        ax.text(0.02, 0.97, "SOME RESULTS WERE NOT BIT-EXACT", transform=ax.transAxes, va="top", color="red")
-    ax.set_xscale("log", base=2)
-    ax.xaxis.set_major_formatter(lambda v, _: _bytes_label(v))
-    ax.set_ylim(bottom=0)
-    ax.set(xlabel="message size (float32 sum, in place)", ylabel="bus bandwidth, GB/s (algbw x 2(n-1)/n)")
-    ax.set_title(_plot_title(f"Allreduce on {n} ranks", profile), fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="upper left")
-    fig.tight_layout()
-    return fig
-
-
-def _bytes_label(v: float) -> str:
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if v >= scale:
-            return f"{v / scale:g} {unit}"
-    return f"{v:g} B"
-
-
-PLOT_FILES = ("gemm.png", "allreduce.png")
-
-
-def write_plots(directory: str, profile: dict) -> list:
-    """gemm.png, and allreduce.png when the profile has a sweep (more than one rank)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    os.makedirs(directory, exist_ok=True)
-    figures = [("gemm", gemm_figure)] + ([("allreduce", allreduce_figure)] if profile["allreduce"] else [])
-    paths = []
-    for name, make in figures:
-        fig = make(profile)
-        paths.append(os.path.join(directory, f"{name}.png"))
-        fig.savefig(paths[-1], dpi=120)
-        plt.close(fig)
-    return paths
-
-
-def cmd_topo(a, pg) -> int:
-    from .cliutil import check_output_dir, check_outputs, write_json_atomic
-    if a.max_bytes < 4:
-        raise ConfigError(f"--max-mb must be at least 4 bytes, got {a.max_bytes} bytes")
-    if a.threads is not None and a.threads < 1:
-        raise ConfigError(f"--threads must be >= 1, got {a.threads}")
-    if a.no_save and a.out:
-        raise ConfigError("--out names the file the profile is saved to, and --no-save saves none: give one of them")
-    # the plots' files where their directory exists already (else it is made, empty)
-    plots = ({f"--plots {name}": os.path.join(a.plots, name) for name in PLOT_FILES}
-             if a.plots and os.path.isdir(a.plots) else {})
-    check_outputs({"--out": a.out, "--json": a.json, **plots})
-    if a.plots is not None:
-        check_output_dir(a.plots, "--plots")
-    profile = run_topo(pg, device=a.device, threads=a.threads, max_bytes=a.max_bytes, quick=a.quick)
-    if pg.is_root:
-        print(format_topo(profile))
-        if a.json:
-            write_json_atomic(a.json, profile)
-        if a.plots:
-            for path in write_plots(a.plots, profile):
-                print(f"plot written to {path}")
-        if not a.no_save:  # last: an output that fails leaves the calibration there was
-            path = save_profile(profile, a.out or default_profile_path())
-            print(f"profile written to {path}")
-        bad = sum(r["wrong"] for r in profile["allreduce"])
-        if bad:
-            print(f"mgpu: error: {bad} allreduce results were not bit-exact", flush=True)
-            pg.barrier()
-            return 1
-    pg.barrier()
-    return 0
-
-
-def _mebibytes(text: str) -> int:
-    """argparse type of --max-mb: MiB (a number) -> bytes; a one-line error for nan and inf."""
-    import argparse
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of MiB, got '{text}'") from None
-    if not 0 <= value <= 1 << 20:
-        raise argparse.ArgumentTypeError(f"expected MiB between 0 and {1 << 20}, got '{text}'")
-    return int(value * MiB)
-
-
-def add_parser(sub) -> None:
-    from .cliutil import MAX_THREADS, bounded_int
-    t = sub.add_parser("topo", help="measure devices, GEMM rates and the allreduce; write the calibration profile",
-                       description="Measure this machine (under mpirun: every rank's device and the communicator) "
-                                   "and save the calibration profile the strategy selector uses.")
-    t.add_argument("--device", choices=("cpu", "cuda", "auto"), default="auto")
-    t.add_argument("--threads", type=bounded_int("threads per rank", MAX_THREADS), default=None,
-                   help="CPU threads per rank (default: cores / ranks per node)")
-    t.add_argument("--max-mb", dest="max_bytes", type=_mebibytes, default=256 * MiB,
-                   help="largest allreduce in MiB (default 256)")
-    t.add_argument("--quick", action="store_true", help="fewer sizes and repeats (seconds, not minutes)")
-    t.add_argument("--out", metavar="PATH", help=f"profile path (default {default_profile_path()})")
-    t.add_argument("--no-save", action="store_true", help="measure and print only")
-    t.add_argument("--json", metavar="PATH", help="also write the profile here")
-    t.add_argument("--plots", metavar="DIR", help="write PNG plots here: GEMM rate by size, the allreduce sweep")

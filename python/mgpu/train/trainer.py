@@ -9,7 +9,6 @@ validation, skipped steps, checkpoints, stop requests, progress and history.
 from __future__ import annotations
 
 import math
-import os
 import sys
 import time
 from dataclasses import dataclass
@@ -17,12 +16,20 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from . import __version__, _core, gpus_emulated
-from .checkpoint import (CheckpointError, check_compatible, load_checkpoint, prepare_directory,
-                         save_checkpoint)
+from .. import _core
+from .._core import __version__
+from .._runtime import gpus_emulated
+from ..errors import ConfigError, NumericsError
+from .checkpoint import (
+    CheckpointError,
+    check_compatible,
+    load_checkpoint,
+    prepare_directory,
+    save_checkpoint,
+)
 from .config import GRAD_DTYPES, GRAPH_MODES
 from .data import Dataset, GlobalBatches, check_dataset_fits, local_slice, split_counts
-from .errors import ConfigError, NumericsError
+from .group import Group
 from .model import MLP
 from .process_group import ProcessGroup
 from .schedule import LRSchedule
@@ -86,7 +93,7 @@ def _resume_state(meta: dict, path: str) -> dict:
 
 
 class Trainer:
-    """Data-parallel training of an MLP across the ranks of a ProcessGroup.
+    """Data-parallel training of an MLP across the ranks of a Group (ProcessGroup or ThreadGroup).
 
     Every rank must construct it (parameters are broadcast from rank 0) and call
     step/fit/evaluate collectively.
@@ -94,7 +101,7 @@ class Trainer:
 
     def __init__(self, model: MLP, *, loss: str = "mse", optimizer: str = "sgd", lr: float = 0.01,
                  momentum: float = 0.0, weight_decay: float = 0.0, betas=(0.9, 0.999), eps: float = 1e-8,
-                 process_group: Optional[ProcessGroup] = None, bucket_elems: int = 1 << 20,
+                 process_group: Optional[Group] = None, bucket_elems: int = 1 << 20,
                  overlap: bool = True, batch_shares: Optional[Sequence[float]] = None,
                  accumulate: int = 1, max_grad_norm: float = 0.0, schedule: Optional[LRSchedule] = None,
                  loss_scale: Optional[float] = None, dynamic_loss_scale: Optional[bool] = None,

@@ -18,8 +18,8 @@ import socket
 import time
 from typing import Iterable
 
-from .errors import ConfigError
-from .stress import SafetyMonitor, Thresholds
+from ..errors import ConfigError
+from .safety import SafetyMonitor, Thresholds
 from .telemetry import THROUGHPUT, Sampler, reader_for, write_series
 
 # The metrics that can stop training, and the flag that asks for it.

@@ -10,9 +10,9 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from . import _core
-from .atomic import atomic_file
-from .errors import ConfigError, DataError
+from .. import _core
+from ..atomic import atomic_file
+from ..errors import ConfigError, DataError
 
 
 class MLP:

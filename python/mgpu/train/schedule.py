@@ -10,7 +10,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Optional
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 SCHEDULES = ("constant", "step", "cosine")
 

@@ -1,23 +1,16 @@
-"""What every command module (cli, bench, perf, stress, topo) shares: the argparse
-parser with one-line errors, the value types of the list options, the error line
-each rank writes, and the checks and atomic writes of output files.
-
-It imports nothing of mgpu but errors and atomic, so the command modules import it and cli.py
-imports them: the imports run one way, from the CLI down.
+"""What the command modules share: the argparse parser with one-line errors, the value
+types of the list options, and the checks of output files before the work begins.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import re
-import sys
 import tempfile
 from collections import Counter
 
-from .atomic import atomic_file
-from .errors import ConfigError
+from ..errors import ConfigError
 
 EXIT_USAGE = 2
 INT32_MAX = 2**31 - 1  # the C++ core takes sizes and counts as int
@@ -38,25 +31,6 @@ class Parser(argparse.ArgumentParser):
         if missing:
             message += f" (a value starting with '-' reads as an option: write {missing.group(1)}=VALUE)"
         raise UsageError(f"{self.prog}: error: {message}")
-
-
-def write_line(text: str) -> None:
-    """Write `text` and its newline to stderr in one write: lines of ranks that fail
-    together then reach mpirun whole, never glued into one line."""
-    data = (text.replace("\n", " ") + "\n").encode("utf-8", "replace")
-    # A progress bar's line ends first (closing it writes its newline). tqdm may be half
-    # imported: a signal handler runs this between any two lines of the main thread.
-    bars = getattr(getattr(sys.modules.get("tqdm"), "tqdm", None), "_instances", ())
-    for bar in list(bars or ()):
-        bar.close()
-    try:
-        fd = sys.stderr.fileno()
-    except (AttributeError, OSError, ValueError):  # a stream without a descriptor (captured)
-        sys.stderr.write(data.decode("utf-8"))
-        sys.stderr.flush()
-        return
-    sys.stderr.flush()
-    os.write(fd, data)
 
 
 def _items(text: str, what: str, convert, kind: str) -> list:
@@ -210,7 +184,3 @@ def check_output_dir(path: str, what: str) -> None:
     _check_writable_directory(existing, f"{what} '{path}': directory")
 
 
-def write_json_atomic(path: str, obj) -> None:
-    """Write JSON whole or not at all: a failed write leaves the old file and no temporary."""
-    with atomic_file(path, private=False) as f:
-        json.dump(obj, f, indent=2)

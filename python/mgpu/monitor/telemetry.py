@@ -1,7 +1,7 @@
 """Telemetry: per-device temperature, power, utilisation, clocks and memory,
 sampled in a background thread, saved as a time series (CSV, JSON) and plotted.
 
-`train --telemetry` (train_telemetry.py) adds each rank's training samples/s to its samples.
+`train --telemetry` (monitor/training.py) adds each rank's training samples/s to its samples.
 Sources, in order: NVML through pynvml when importable, `nvidia-smi
 --query-gpu` otherwise (GPUs); /proc/stat (busy share since the last sample),
 /proc/meminfo and /sys/class/thermal (the CPU). A reading a source cannot give is None.
@@ -12,15 +12,15 @@ import csv
 import glob
 import json
 import math
-import os
 import shutil
 import subprocess
 import threading
 import time
 from typing import Callable, Optional
 
-from . import gpus_emulated
-from .errors import ConfigError
+from .._runtime import gpus_emulated
+from ..errors import ConfigError
+from ..hostinfo import host_meminfo
 
 METRICS = ("temperature_c", "power_w", "power_limit_w", "utilization_pct", "sm_clock_mhz", "mem_clock_mhz",
            "memory_used_pct")
@@ -41,17 +41,6 @@ def _cpu_busy_pct() -> Optional[float]:
     if not previous or total <= previous[1]:
         return None
     return 100.0 * (1.0 - (idle - previous[0]) / (total - previous[1]))
-
-
-def host_meminfo() -> dict:
-    """/proc/meminfo in bytes ('MemTotal', 'MemAvailable', ...); OSError/ValueError where unreadable."""
-    info = {}
-    with open("/proc/meminfo") as f:
-        for line in f:
-            key, value = line.split(":", 1)
-            fields = value.split()
-            info[key] = int(fields[0]) * (1024 if fields[1:] == ["kB"] else 1)
-    return info
 
 
 def cpu_reading() -> dict:

@@ -19,71 +19,10 @@ from dataclasses import dataclass, field
 from typing import List, Optional
 
 from . import gemm_fit
+from .hardware import H100_SXM, HOST_LOOP_S, GpuSpec
 
 # --- the GPU ---------------------------------------------------------------------------------
 
-
-@dataclass(frozen=True)
-class GpuSpec:
-    """Published figures of one GPU; each field says where its value comes from."""
-    name: str
-    gemm_type: str              # gemm_fit's GPU type: GEMMs at the curve fitted to its published tables
-    hbm_bytes_per_s: float      # what a streaming kernel reaches
-    h2d_bytes_per_s: float      # a host -> device copy from pinned memory
-    launch_s: float             # host time to enqueue one kernel (or graph) launch
-    graph_node_s: float         # device time per node of a replayed graph, a short kernel's run included
-    stream_gap_s: float         # device time between two dependent kernels of a stream
-    sync_s: float               # a host synchronisation: the queue drains, then refills
-    min_kernel_s: float         # the shortest a kernel launched on its own takes
-    sources: tuple = ()
-
-    @property
-    def stream_kernel_s(self) -> float:
-        """What a short kernel costs in a stream of them, launched one by one: the host's
-        enqueue or the device's shortest kernel and gap, whichever is longer. The
-        selector's launch overhead for GPUs of named profiles (topo measures the same on a
-        GPU: a stream of one-element kernels)."""
-        return max(self.launch_s, self.min_kernel_s + self.stream_gap_s)
-
-
-# A replayed straight-line CUDA graph's device time per node, the one published figure
-# found: chains of N no-op kernels replayed at about 15 us + 0.58 us a node, where the
-# same kernels launched one by one took 6.3-7.5 us each (the selector prices captured
-# steps with it too).
-GRAPH_NODE_S = 0.58e-6
-GRAPH_NODE_SOURCE = "https://github.com/ahrefs/ocannl/issues/488"
-
-# mgpu's own host work in a step beyond the backend's calls (Python, the bindings, the
-# trainer's bookkeeping), the same code on every backend: `topo`'s step overhead on the
-# CPU backend, a step of [8, 8, 8] at 8 rows less the model's price of its math, was
-# 8.4 - 3.2 = 5.2 us on a 2-core AMD EPYC Zen 4 VM (2026-11-25). On a GPU the backend's
-# own host costs (launches, copies, the verdict's synchronisation) are priced apart.
-HOST_LOOP_S = 5e-6
-
-H100_SXM = GpuSpec(
-    name="H100 SXM (80 GB HBM3)",
-    # GEMMs: the curve data/gemm_published.json's H100 tables fit (gemm_fit), as the selector prices them
-    gemm_type="h100-sxm",
-    hbm_bytes_per_s=2.90e12,         # HBM copy measured on Azure ND H100 v5 (the selector's figure)
-    h2d_bytes_per_s=50e9,            # host -> device, 51 GB/s measured there
-    launch_s=2.7e-6,                 # async enqueue per launch, 2.62-2.81 us (ahrefs/ocannl#488, RTX 5070 Ti)
-    graph_node_s=GRAPH_NODE_S,       # per node of a replayed straight-line graph (same source)
-    stream_gap_s=1.0e-6,             # assumed
-    sync_s=12e-6,                    # graph launch + sync intercept 14.8 us less one launch (same source)
-    min_kernel_s=2.0e-6,             # assumed
-    sources=("GEMM rates: the curve fitted to data/gemm_published.json's H100 tables (docs/gemm-validation.md: "
-             "github.com/zzc0721/torch-performance-test-data/issues/79 for FP32, XLA's sm_90 table for TF32 "
-             "and BF16)",
-             "HBM 2.90 TB/s and host-to-device 51 GB/s measured: github.com/Azure/AI-benchmarking-guide "
-             "(ND H100 v5)",
-             "launch, graph node and sync latencies: github.com/ahrefs/ocannl/issues/488 (RTX 5070 Ti, "
-             "CUDA 13.3; no published H100 figure found; scripts/gpu_session.sh's sheet stage sets "
-             "measured H100 steps beside the predictions)",
-             f"mgpu's host loop, {HOST_LOOP_S * 1e6:.0f} us a step: measured on the CPU backend",
-             "assumed: 1 us between dependent stream kernels, 2 us shortest kernel launched on its own"),
-)
-
-GPUS = {"h100-sxm": H100_SXM}
 
 # What would remove each family's cost (the gaps' causes, as the sheet prints them).
 REMEDIES = {

@@ -18,7 +18,7 @@ from typing import Iterator, Optional, Sequence
 
 import numpy as np
 
-from .errors import ConfigError, DataError
+from ..errors import ConfigError, DataError
 
 MAX_CLASSES = 2 ** 31 - 1  # class labels: the output layer's width is an int32 in the core
 

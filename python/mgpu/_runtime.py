@@ -1,24 +1,25 @@
-"""The OpenMP environment mgpu's process starts with, set before the native core loads
-(libgomp reads it once, then): imported first by mgpu/__init__.py, never after _core.
+"""The runtime under every mgpu module: the OpenMP environment, set before the native
+core loads (libgomp reads it once, then), and which core this process runs: `_core`, or
+the GPU emulation's `_core_emu` where MGPU_EMULATE_GPU is set. Imported first by
+mgpu/__init__.py; every module takes the core as `from mgpu import _core`.
 
-libgomp's default spins idle OpenMP workers for milliseconds, on the very cores
-OpenBLAS's own threads then compute on: a 2-thread step ran at 1.2x one thread instead
-of 1.9x (docs/benchmarks.md). So mgpu makes idle workers sleep (OMP_WAIT_POLICY=passive)
-unless the user chose a policy. The PyTorch peer inherits it (it mixes OpenMP and
-OpenBLAS too: its 2-thread steps ran 2.2-3.3x faster with it than with libgomp's default).
+libgomp's default spins idle OpenMP workers for milliseconds, on the very cores OpenBLAS's
+own threads then compute on, which cost a 2-thread step most of its second thread. So mgpu
+makes idle workers sleep (OMP_WAIT_POLICY=passive) unless the user chose a policy; the
+PyTorch peer, which mixes OpenMP and OpenBLAS too, inherits it.
 
-Where no OpenBLAS thread computes in a step (AVX-512 CPUs, where oneDNN takes every GEMM
-on several threads: CpuGemm), a short spin first (GOMP_SPINCOUNT) keeps the team awake
-between a step's many parallel regions: each passive wake-up cost more than `medium`'s
-small GEMMs themselves (2 threads ran 1.7-2.4x faster with it; with OpenBLAS in the step
-the same spin made them 0.54-0.87x). Only where mgpu chose the policy and the user set no
-spin, and only for mgpu's own steps: launches of other frameworks (the PyTorch peer) go
-without it (for_other_frameworks).
+Where no OpenBLAS thread computes in a step (AVX-512 CPUs, where oneDNN takes every GEMM on
+several threads: CpuGemm), a short spin first (GOMP_SPINCOUNT) keeps the team awake between
+a step's many parallel regions, whose passive wake-ups cost more than small GEMMs; with
+OpenBLAS in the step the same spin slows it (docs/journal.md has both A/B runs). Only where
+mgpu chose the policy and the user set no spin, and only for mgpu's own steps: launches of
+other frameworks (the PyTorch peer) go without it (for_other_frameworks).
 
 What mgpu sets is listed in MGPU_SET_OPENMP_ENV, so that a child process importing mgpu
 decides afresh (its MGPU_CPU_GEMM may differ) instead of taking it for the user's.
 """
 import os
+import sys
 
 SET_MARKER = "MGPU_SET_OPENMP_ENV"
 EMULATED = os.environ.get("MGPU_EMULATE_GPU", "").strip() not in ("", "0")
@@ -71,3 +72,24 @@ if "OMP_WAIT_POLICY" in _set_by_mgpu and "GOMP_SPINCOUNT" not in os.environ and 
     os.environ["GOMP_SPINCOUNT"] = OPENMP_ONLY_ENV["GOMP_SPINCOUNT"] = _set_by_mgpu["GOMP_SPINCOUNT"] = "10000"
 if _set_by_mgpu:
     os.environ[SET_MARKER] = ",".join(f"{k}={v}" for k, v in _set_by_mgpu.items())
+
+
+# MGPU_EMULATE_GPU=N: the CUDA code runs on N emulated GPUs on the CPU (emulation/README.md).
+# The emulation build of the core replaces _core for this process, so every module and every
+# `from mgpu import _core` sees it.
+if EMULATED:
+    try:
+        from . import _core_emu as _core
+    except ImportError as _e:  # built without the emulation (no CUDA headers, Boost.Context or MPI)
+        raise ImportError(f"MGPU_EMULATE_GPU is set but this mgpu has no GPU emulation build ({_e}); "
+                          "unset MGPU_EMULATE_GPU or rebuild with the CUDA toolkit headers, "
+                          "libboost-context-dev and MPI") from None
+    sys.modules[__package__ + "._core"] = _core
+else:
+    from . import _core
+
+
+def gpus_emulated(device: str = "cuda") -> bool:
+    """Whether `device`'s GPUs are mgpu's emulation (the CPU running the CUDA code):
+    everything that shows a GPU, its speed or a calibration of it says so."""
+    return device == "cuda" and bool(_core.build_info().get("gpu_emulation", False))

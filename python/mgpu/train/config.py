@@ -9,7 +9,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Optional
 
-from .errors import ConfigError
+from ..errors import ConfigError
 from .schedule import SCHEDULES, LRSchedule
 
 

@@ -1,4 +1,4 @@
-"""ProcessGroup: who this process is in a data-parallel job.
+"""ProcessGroup: the ranks of a data-parallel job as MPI processes (a Group, group.py).
 
 World rank and size come from mpi4py (COMM_WORLD by default), the node-local
 rank from a shared-memory split (so it is right across nodes), and the device
@@ -11,27 +11,16 @@ from __future__ import annotations
 import math
 import os
 import pickle
-import re
 import socket
 import time
 from typing import Any, Callable, Optional
 
 import numpy as np
 
-from . import _core, gpus_emulated
-from .errors import CommError, ConfigError
-from .telemetry import host_meminfo
-
-
-# Round trips between the same two CPUs this many times apart come from two placements
-# of the cores (on our VMs: 50-100 ns within a last-level cache, 300-360 ns across), not
-# from one placement's noise (a few ns).
-PLACEMENT_RATIO = 2.0
-
-
-def placement_moved(readings_ns) -> bool:
-    """Whether core_round_trip_ns readings come from more than one placement of the cores."""
-    return bool(readings_ns) and max(readings_ns) > PLACEMENT_RATIO * min(readings_ns)
+from .. import _core
+from .._runtime import gpus_emulated
+from ..errors import CommError, ConfigError
+from .group import GroupBase, error_report, raise_agreed, raise_if_gpu_shared
 
 
 def _import_mpi():
@@ -44,71 +33,28 @@ def _import_mpi():
     return MPI
 
 
-class ProcessGroup:
-    """Rank bookkeeping and the core communicator for one data-parallel job."""
+class ProcessGroup(GroupBase):
+    """The ranks of a job as MPI processes (a Group): rank bookkeeping, the core
+    communicator, and the control plane's collectives over mpi4py."""
 
     def __init__(self, comm: Any = None):
         MPI = _import_mpi() if comm is None else __import__("mpi4py.MPI", fromlist=["MPI"])
         self._mpi = MPI
         self.comm = comm if comm is not None else (MPI.COMM_WORLD if MPI is not None else None)
         if self.comm is None:
-            self.rank, self.size, self.local_rank, self.local_size = 0, 1, 0, 1
-            self.hosts = [socket.gethostname()]
-        else:
-            self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
-            node = self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
-            self.local_rank, self.local_size = node.Get_rank(), node.Get_size()
-            node.Free()
-            # Gathered now: once a peer is gone, nothing can be gathered any more.
-            self.hosts = self.comm.allgather(MPI.Get_processor_name())
-        self._core_comm: Optional[_core.Communicator] = None
-        self._core_comm_kind: Optional[str] = None
-        self._gpu: Optional[int] = None  # this rank's GPU once NCCL binds one; named in stall errors
-        self.timeout = 0.0  # seconds a control-plane collective may take (0: forever); see Trainer
-
-    @property
-    def is_root(self) -> bool:
-        return self.rank == 0
-
-    def communicator(self, kind: str = "mpi", device_index: Optional[int] = None) -> "_core.Communicator":
-        """The core communicator, created on first use and then reused.
-
-        kind="mpi": MPI over a duplicate of this group's comm (local for one rank).
-        kind="nccl": NCCL between the ranks' GPUs (device_index: this rank's GPU,
-        default as resolve_device("cuda") picks it), with the MPI communicator as
-        heartbeat sidecar so a timeout names the missing ranks.
-        """
-        if kind not in ("mpi", "nccl"):
-            raise ConfigError(f"unknown communicator '{kind}' (expected mpi or nccl)")
-        if self._core_comm is not None:
-            if self._core_comm_kind != kind:
-                raise ConfigError(f"this process group already uses the {self._core_comm_kind} communicator")
-            return self._core_comm
-        if kind == "nccl":
-            self._core_comm = self._nccl_communicator(device_index)
-        elif self.size == 1:
-            self._core_comm = _core.LocalCommunicator()
-        else:
-            self._core_comm = self._mpi_communicator()
-        self._core_comm_kind = kind
-        return self._core_comm
-
-    @property
-    def communicator_in_use(self) -> Optional["_core.Communicator"]:
-        """The core communicator created so far (MPI or NCCL), or None."""
-        return self._core_comm
+            super().__init__(0, 1, 0, 1, [socket.gethostname()])
+            return
+        rank, size = self.comm.Get_rank(), self.comm.Get_size()
+        node = self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+        local_rank, local_size = node.Get_rank(), node.Get_size()
+        node.Free()
+        # Gathered now: once a peer is gone, nothing can be gathered any more.
+        super().__init__(rank, size, local_rank, local_size, self.comm.allgather(MPI.Get_processor_name()))
 
     def _mpi_communicator(self) -> "_core.Communicator":
         if not hasattr(_core, "MpiCommunicator"):
             raise ConfigError("this build of mgpu has no MPI support; rebuild with MPI to run several ranks")
         return _core.MpiCommunicator(self._mpi._handleof(self.comm))
-
-    def _nccl_device(self, device_index: Optional[int]) -> int:
-        """This rank's GPU for NCCL (ConfigError when the build has no NCCL)."""
-        if not hasattr(_core, "NcclCommunicator"):
-            raise ConfigError("communicator 'nccl' requested, but this build of mgpu has no NCCL "
-                              "(built without the CUDA toolkit or NCCL); use --comm mpi")
-        return self.resolve_device("cuda")[1] if device_index is None else device_index
 
     def _nccl_communicator(self, device_index: Optional[int]) -> "_core.Communicator":
         # Every step of the setup is bounded by `timeout`: a rank that never
@@ -122,43 +68,12 @@ class ProcessGroup:
         return _core.NcclCommunicator(unique_id, self.rank, self.size, device_index, sidecar,
                                       setup_timeout=self.timeout)
 
-    def close(self) -> None:
-        """Collective, at the normal end of a job: completes what the core
-        communicator has in flight and releases it (NCCL: finalize, destroy).
-        Without it, the communicator is aborted when it is freed."""
-        if self._core_comm is not None:
-            self._core_comm.close()
-            self._core_comm = None
-            self._core_comm_kind = None
-
     def _check_gpu_sharing(self, device_index: int) -> None:
         """Collective: ConfigError on every rank when ranks would share a GPU NCCL cannot share."""
         bus = _core.cuda_device_info(device_index)["pci_bus_id"]
         host = self._mpi.Get_processor_name() if self.comm is not None else "localhost"
         seen = self.allgather((host, bus), what="NCCL setup")
         raise_if_gpu_shared(seen)
-
-    def default_threads(self) -> int:
-        """CPU threads per rank when the user gives none: the node's cores shared evenly."""
-        cores = _core.build_info()["cpu_threads_available"]
-        return max(1, cores // self.local_size)
-
-    def resolve_device(self, device: str) -> tuple[str, int]:
-        """'cpu' | 'cuda' | 'auto' -> (backend name, device index for this rank)."""
-        if device not in ("cpu", "cuda", "auto"):
-            raise ConfigError(f"unknown device '{device}' (expected cpu, cuda or auto)")
-        gpus = cuda_device_count()
-        if device == "auto":
-            device = "cuda" if gpus > 0 else "cpu"
-        if device == "cpu":
-            return "cpu", 0
-        if not _core.build_info()["cuda"]["backend"]:
-            raise ConfigError("device 'cuda' requested, but this build of mgpu has no CUDA backend "
-                              "(built without the CUDA toolkit); use --device cpu")
-        if gpus == 0:
-            raise ConfigError(f"device 'cuda' requested, but no GPU is visible ({no_gpu_reason()}); "
-                              "use --device cpu")
-        return "cuda", self.local_rank % gpus
 
     # --- small collectives (control plane), bounded by the watchdog timeout ----
     def _wait(self, request, what: str) -> None:
@@ -313,11 +228,6 @@ class ProcessGroup:
         reports = self.allgather(error_report(error), what)  # every rank is here: the flag arrived from all
         raise_agreed(error, reports)
 
-    def name_hosts(self, message: str) -> str:
-        """`message` (a watchdog CommError's text) with each rank it names followed by its
-        host, when this job spans several hosts; unchanged on one host."""
-        return name_hosts(message, self.hosts)
-
     def abort(self, code: int = 1) -> None:
         """End every rank of the job (after an unexpected error on this one)."""
         if self.comm is not None and self.size > 1:
@@ -328,98 +238,3 @@ class ProcessGroup:
                 f"local_size={self.local_size})")
 
 
-def error_report(error: Optional[BaseException]):
-    """What agree() tells the other ranks of this rank's error (None: no error)."""
-    return None if error is None else (type(error).__name__, str(error))
-
-
-def raise_agreed(error: Optional[BaseException], reports: list) -> None:
-    """agree()'s verdict from every rank's error_report: this rank's own error,
-    else the first other rank's, named; nothing when no rank failed."""
-    if error is not None:
-        raise error
-    for rank, report in enumerate(reports):
-        if report is not None:
-            user = report[0] in ("ConfigError", "DataError", "CheckpointError")
-            cls = ConfigError if user else _core.DeviceError if report[0] == "DeviceError" else RuntimeError
-            raise cls(f"rank {rank}: {report[1]}")
-
-
-# The rank lists of describe_stall (csrc/core/communicator.h) and of "on rank N".
-_RANKS = re.compile(r"\b(ranks?) (\d+(?:, \d+)*)")
-
-
-def name_hosts(message: str, hosts: list) -> str:
-    """Annotate every rank named in `message` with its host (hosts[rank]) when `hosts`
-    holds more than one name; then name each host all of whose ranks are named (none of
-    them reached the step or answered in it) as the one to suspect. A heuristic: the
-    heartbeats cannot yet tell a rank stuck behind another from a frozen one."""
-    if len(set(hosts)) < 2:
-        return message
-    named: set = set()
-
-    def annotate(m) -> str:
-        ranks = [int(r) for r in m.group(2).split(", ")]
-        if any(r >= len(hosts) for r in ranks):
-            return m.group(0)
-        named.update(ranks)
-        return f"{m.group(1)} " + ", ".join(f"{r} ({hosts[r]})" for r in ranks)
-
-    head, sep, diagnosis = message.partition(": ")
-    out = _RANKS.sub(annotate, head) + sep
-    named.clear()  # the reporting rank is not a suspect
-    out += _RANKS.sub(annotate, diagnosis)
-    suspects = [h for h in dict.fromkeys(hosts) if all(r in named for r, x in enumerate(hosts) if x == h)]
-    if suspects:
-        out += f"; every rank on {', '.join(suspects)} is named: suspect that host or its link (down, frozen or dead)"
-    return out
-
-
-def cuda_device_count() -> int:
-    """GPUs visible to this process (0 without a CUDA backend)."""
-    count = getattr(_core, "cuda_device_count", None)
-    return int(count()) if count is not None else 0
-
-
-def available_memory(device: str, index: int, local_size: int) -> float:
-    """Bytes one rank may use: its GPU's free memory, or its share of the host's
-    available memory (MemAvailable over the ranks on this host)."""
-    if device == "cuda":
-        free, _ = _core.cuda_memory_info(index)
-        return float(free)
-    try:
-        return host_meminfo()["MemAvailable"] / max(local_size, 1)
-    except (OSError, ValueError, KeyError):
-        raise ConfigError("cannot read the available memory from /proc/meminfo") from None
-
-
-def no_gpu_reason() -> str:
-    """Why no GPU is visible, in the CUDA runtime's words (with the GPU emulation's
-    reason where MGPU_EMULATE_GPU is unreadable), for the errors that need one."""
-    cuda = _core.build_info()["cuda"]
-    return cuda.get("no_device_reason") or "check nvidia-smi and CUDA_VISIBLE_DEVICES"
-
-
-def raise_if_gpu_shared(seen: list, ranks: str = "ranks") -> None:
-    """ConfigError when the GPUs of the ranks (one hashable id each; `ranks`
-    names them: "ranks" of mpirun, "threads" of run_on_gpus) repeat and the
-    loaded NCCL cannot share a GPU."""
-    shared = len(seen) != len(set(seen))
-    if not shared:
-        return
-    code = _core.build_info()["cuda"].get("nccl_loaded_code", 0)
-    version = _core.build_info()["cuda"].get("nccl_loaded", "?")
-    if gpus_emulated():  # the emulation's NCCL, as strict as the real one it stands for
-        ranks_word, version = f"{ranks} (on EMULATED GPUs)", f"{version} (emulated)"
-    else:
-        ranks_word = ranks
-    instead = "use --comm mpi" if ranks == "ranks" else "ask for at most as many GPUs as are visible"
-    if code < 23000:
-        raise ConfigError(
-            f"{len(seen)} {ranks_word} share {len(set(seen))} GPU(s), but NCCL {version} allows one rank per "
-            f"GPU (it fails with 'duplicate GPU'); run at most one {ranks[:-1]} per GPU, {instead}, or use "
-            "NCCL >= 2.30 with NCCL_MULTI_RANK_GPU_ENABLE=1")
-    if os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE") != "1":
-        raise ConfigError(
-            f"{len(seen)} {ranks_word} share {len(set(seen))} GPU(s): set NCCL_MULTI_RANK_GPU_ENABLE=1 "
-            f"(NCCL {version}) to let NCCL run several ranks on one GPU, or {instead}")

@@ -1,7 +1,7 @@
 """ThreadGroup: the ranks of a data-parallel job as threads of one process, one
 GPU each (single-process multi-GPU, the seeds' "DataParallel" mode: no mpirun).
 
-It has ProcessGroup's interface, so Trainer, the CLI's train command and user
+It is a Group as ProcessGroup is (group.py), so Trainer, the CLI's train command and user
 code run on it unchanged: each thread builds its model on its own GPU and
 steps its own Trainer. The NCCL communicators come from one ncclCommInitAll
 (made by rank 0 for every rank); the small control-plane collectives (batch
@@ -20,15 +20,17 @@ from __future__ import annotations
 import copy
 import os
 import signal
+import socket
 import threading
 import time
 from typing import Any, Callable, Optional
 
 import numpy as np
 
-from . import _core
-from .errors import CommError, ConfigError
-from .process_group import ProcessGroup, cuda_device_count, error_report, no_gpu_reason, raise_agreed, raise_if_gpu_shared
+from .. import _core
+from ..errors import CommError, ConfigError
+from ..hostinfo import cuda_device_count, no_gpu_reason
+from .group import GroupBase, error_report, raise_agreed, raise_if_gpu_shared
 
 
 class _Shared:
@@ -75,19 +77,13 @@ class _Shared:
             self.cond.notify_all()
 
 
-class ThreadGroup(ProcessGroup):
-    """Rank `rank` of a group of `shared.size` threads of this process."""
+class ThreadGroup(GroupBase):
+    """Rank `rank` of a group of `shared.size` threads of this process (a Group)."""
 
-    def __init__(self, shared: _Shared, rank: int):  # noqa: D107 - no MPI: nothing of ProcessGroup's init applies
+    def __init__(self, shared: _Shared, rank: int):
+        super().__init__(rank, shared.size, rank, shared.size, [socket.gethostname()] * shared.size)
         self._shared = shared
-        self._mpi = None
-        self.comm = None
-        self.rank, self.size = rank, shared.size
-        self.local_rank, self.local_size = rank, shared.size
-        self._core_comm = None
-        self._core_comm_kind = None
-        self._gpu = None
-        self.timeout = 0.0
+        self.comm = None  # no MPI communicator: the threads meet in _Shared
 
     # --- meeting the other threads ---------------------------------------------
     def _meet(self, what: str) -> None:
@@ -104,7 +100,7 @@ class ThreadGroup(ProcessGroup):
         self._meet(what)  # nobody writes (or mutates) the next round's slot before every rank has taken this one
         return kept
 
-    # --- ProcessGroup's collectives ---------------------------------------------
+    # --- the Group's collectives --------------------------------------------------
     def allreduce(self, value, op: str = "sum", what: str = "allreduce"):
         if self.size == 1:
             return value

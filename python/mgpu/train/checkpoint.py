@@ -22,8 +22,8 @@ from typing import Optional
 
 import numpy as np
 
-from .atomic import atomic_file
-from .errors import ConfigError
+from ..atomic import atomic_file
+from ..errors import ConfigError
 
 FORMAT = "mgpu-checkpoint"
 VERSION = 1
