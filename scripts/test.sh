@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Set up, then run the tests. Extra arguments go to pytest.
-#   bash scripts/test.sh [pytest options]    the whole suite: the CPU suite (unit tests,
-#       and tests that launch mpirun with 1-3 ranks themselves), then tests/gpu again
-#       on two emulated GPUs (MGPU_EMULATE_GPU=2, emulation/README.md)
+#   bash scripts/test.sh [pytest options]    the whole suite: the style checks of
+#       scripts/lint.sh, the CPU suite (unit tests, and tests that launch mpirun with 1-3
+#       ranks themselves), then tests/gpu again on two emulated GPUs (MGPU_EMULATE_GPU=2,
+#       emulation/README.md); a failed style check stops the run before the tests
 #   bash scripts/test.sh PATH... [options]   only those tests, in the environment given
 #       (e.g. MGPU_EMULATE_GPU=1 bash scripts/test.sh tests/gpu)
 set -euo pipefail
@@ -17,6 +18,7 @@ for arg in "$@"; do
     exec .venv/bin/python -m pytest "$@"
   fi
 done
+bash scripts/lint.sh  # the whole suite: the style first (ruff, clang-format)
 if [[ -n "${MGPU_EMULATE_GPU:-}" ]]; then
   exec .venv/bin/python -m pytest tests "$@"
 fi

@@ -2,7 +2,7 @@
 horizontal lane per rank (and one per GPU compute stream), each step's phases coloured, the
 layers of forward and backward as ticks along their bottom edge, steps labelled, and under
 them the rank's gradient buckets from launch to completion (its "allreduce" lane). For
-pictures in docs (README "Watching a run"); to explore a trace, open it in ui.perfetto.dev.
+pictures in docs (docs/observability.md); to explore a trace, open it in ui.perfetto.dev.
 
     python scripts/trace_png.py out/trace.json docs/trace.png [--steps A:B]
 """

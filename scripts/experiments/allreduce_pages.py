@@ -1,9 +1,10 @@
 """A/B of a bare MPI_Allreduce (mpi4py) on 4 KiB pages and on 2 MiB pages (madvise
 MADV_HUGEPAGE, as mgpu's CPU buffers), by message size, rounds alternated: the
-measurement behind MpiCommunicator's 8 MiB allreduce chunks (docs/benchmarks.md).
+measurement behind MpiCommunicator's 8 MiB allreduce chunks and the huge pages of mgpu's
+CPU buffers (docs/journal.md, 2026-11-24).
 
     OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \\
-        mpirun -np 2 .venv/bin/python scripts/allreduce_pages.py [--sizes-mb 4,8,16,32,64]
+        mpirun -np 2 .venv/bin/python scripts/experiments/allreduce_pages.py [--sizes-mb 4,8,16,32,64]
 """
 import argparse
 import mmap

@@ -3,8 +3,9 @@
 // size threshold, the BLAS for the rest) and libxsmm's JIT kernel asked for this
 // shape directly (libxsmm_smmdispatch; "nan" where it makes none), alternating
 // within every repeat so the machine's drift falls on all.
-// Driven by scripts/gemm_libraries.py, which compiles it and feeds it a model's
-// GEMM shapes; not part of the package (libxsmm is not one of mgpu's libraries).
+// Driven by scripts/experiments/gemm_libraries.py, which compiles it and feeds it a model's
+// GEMM shapes; not part of the package (libxsmm is not one of mgpu's libraries; the
+// answer, measured and not adopted, is in docs/journal.md).
 //
 //   gemm_libraries FORM M N K REPEATS    FORM: nt (forward), nn (input gradient),
 //                                              tn (weight gradient), row-major

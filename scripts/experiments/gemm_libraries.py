@@ -1,12 +1,13 @@
 """OpenBLAS, oneDNN and libxsmm on a model's own fp32 GEMM shapes, one thread: each
 layer's forward (row-major NT), input-gradient (NN) and weight-gradient (TN)
-product, timed by scripts/gemm_libraries.c (compiled here with the system's cc;
+product, timed by scripts/experiments/gemm_libraries.c (compiled here with the system's cc;
 needs libopenblas-dev, libdnnl-dev and libxsmm-dev), the libraries alternating
 within every repeat. libxsmm twice: through its BLAS interface (JIT kernels up to
 its size threshold, the BLAS beyond) and its JIT kernel asked for the shape
-directly. The measurement behind issue 14's "libxsmm" line in docs/benchmarks.md.
+directly. The measurement behind issue 14's "libxsmm" entry in docs/journal.md
+(2026-11-24: measured, not adopted).
 
-    .venv/bin/python scripts/gemm_libraries.py --model medium --batch 64
+    .venv/bin/python scripts/experiments/gemm_libraries.py --model medium --batch 64
 """
 import argparse
 import os
@@ -15,9 +16,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from mgpu.bench import resolve_layers
-from mgpu.config import PRESETS
-from mgpu.topo import _cpu_description
+from mgpu.calibrate.bench import resolve_layers
+from mgpu.train.config import PRESETS
+from mgpu.hostinfo import cpu_description
 
 HERE = Path(__file__).resolve().parent
 LIBRARIES = ("openblas", "onednn", "libxsmm", "libxsmm jit")
@@ -56,7 +57,7 @@ def main() -> int:
         sys.exit("gemm_libraries: --batch and --repeats must be >= 1")
     env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", DNNL_VERBOSE="0")
     sizes, _ = resolve_layers(a.model, None)
-    cpu = _cpu_description()
+    cpu = cpu_description()
     print(f"{a.model} {sizes}, batch {a.batch}, 1 thread, {cpu['model']} ({', '.join(cpu['isa'])})")
     print(f"{'GEMM':<12} {'form':>4} {'M':>5} {'N':>5} {'K':>5}" + "".join(f" {n + ' us':>15}" for n in LIBRARIES))
     totals = [0.0] * len(LIBRARIES)

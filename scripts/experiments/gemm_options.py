@@ -3,9 +3,9 @@
 GEMMs and the bias sums) timed with OpenBLAS, oneDNN and the `auto` rule, the
 libraries alternating within every repeat so the machine's drift falls on all.
 This is the measurement behind CpuGemm's rule (csrc/cpu/cpu_backend.h) and the
-GEMM table of docs/benchmarks.md.
+GEMM table of docs/benchmarks.md (its history in docs/journal.md).
 
-    .venv/bin/python scripts/gemm_options.py --model medium --batch 64 --threads 1
+    .venv/bin/python scripts/experiments/gemm_options.py --model medium --batch 64 --threads 1
 """
 import argparse
 import json
@@ -15,14 +15,14 @@ import sys
 import numpy as np
 
 from mgpu import _core, build_info
-from mgpu.bench import resolve_layers
-from mgpu.config import PRESETS
-from mgpu.topo import _cpu_description
+from mgpu.calibrate.bench import resolve_layers
+from mgpu.train.config import PRESETS
+from mgpu.hostinfo import cpu_description
 
 
 def cpu_name() -> str:
     """CPU model and vector extensions, as `mgpu topo` reports them."""
-    cpu = _cpu_description()
+    cpu = cpu_description()
     return f"{cpu['model']} ({', '.join(cpu['isa']) or 'no SSE4.2/AVX'})"
 
 

@@ -1,10 +1,10 @@
 """A/B of environment settings for `mgpu bench` cells, rounds alternated (the order
 reversed every other round) with a fresh process per cell and round: the measurement
-behind the GOMP_SPINCOUNT mgpu sets for OpenMP-only steps (mgpu/_openmp_env.py,
-docs/benchmarks.md). Prints each setting's median samples/s and the median and range of
-its ratio to the first setting's, round by round.
+behind the GOMP_SPINCOUNT mgpu sets for OpenMP-only steps (python/mgpu/_runtime.py,
+docs/benchmarks.md; its history in docs/journal.md). Prints each setting's median
+samples/s and the median and range of its ratio to the first setting's, round by round.
 
-    .venv/bin/python scripts/openmp_spin.py --settings "GOMP_SPINCOUNT=0;GOMP_SPINCOUNT=10000" \\
+    .venv/bin/python scripts/experiments/openmp_spin.py --settings "GOMP_SPINCOUNT=0;GOMP_SPINCOUNT=10000" \\
         --threads 2 --rounds 5
 """
 import argparse
