@@ -274,9 +274,8 @@ void CpuBackend::set_threads(int threads) {
 void* CpuBackend::allocate_bytes(size_t bytes) {
   // Buffers of a huge page or more are huge-page aligned and ask for transparent huge
   // pages (Debian's default THP mode serves only regions that ask): MPI's shared-memory
-  // allreduce over 4 KiB pages ran at 40-60 % of the same call on huge pages
-  // (docs/benchmarks.md), and GEMMs walk fewer TLB entries. Best effort: without THP
-  // the memory is simply 4 KiB pages.
+  // allreduce runs markedly slower over 4 KiB pages (docs/journal.md), and GEMMs walk
+  // fewer TLB entries. Best effort: without THP the memory is simply 4 KiB pages.
   const size_t align = bytes >= kHugePage ? kHugePage : kAlign;
   const size_t rounded = std::max((bytes + align - 1) / align * align, align);
   void* p = std::aligned_alloc(align, rounded);

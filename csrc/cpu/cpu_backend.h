@@ -15,17 +15,14 @@ namespace mgpu {
 // Which library computes a GEMM. kAuto is a rule of the shape and the CPU's vector
 // width, never a timing, so a run's results never depend on the machine's load:
 // - AVX2 CPUs: oneDNN for products of at most kOneDnnMaxWork multiply-adds (its JIT
-//   kernels win there, 1.2-5x per shape on Zen 3), OpenBLAS above (equal or better).
-//   On more threads OpenBLAS takes them all: idle OpenMP workers sleep there (mgpu's
-//   OMP_WAIT_POLICY=passive, for OpenBLAS's threads' sake), and each small oneDNN call
-//   then began by waking one (`medium` b256 on 2 threads 1.37-1.52x faster without).
-// - AVX-512 CPUs: oneDNN (5-15 % faster than OpenBLAS 0.3.21 on `large`'s GEMMs on
-//   Zen 4). On one thread, OpenBLAS keeps products narrower than
-//   kOneDnnMinWidthAvx512 output columns (the 3-wide output layer's forward: 1.5-6x
-//   faster; the 50-wide weight gradient: 10-40 %). On more threads oneDNN takes
-//   them too: OpenBLAS's worker threads spin after a call, and oneDNN's OpenMP team
-//   then found one core taken (2-thread `large` steps ran at 1-thread speed in 2 of
-//   5 rounds with the mix). docs/benchmarks.md has the tables.
+//   kernels win there), OpenBLAS above (equal or better). On more threads OpenBLAS
+//   takes them all: idle OpenMP workers sleep there (mgpu's OMP_WAIT_POLICY=passive, for
+//   OpenBLAS's threads' sake), and each small oneDNN call would begin by waking one.
+// - AVX-512 CPUs: oneDNN. On one thread, OpenBLAS keeps products narrower than
+//   kOneDnnMinWidthAvx512 output columns (a narrow output layer, a narrow weight
+//   gradient). On more threads oneDNN takes them too: OpenBLAS's worker threads spin
+//   after a call, and oneDNN's OpenMP team would find one core taken.
+// docs/benchmarks.md and docs/journal.md have the measurements behind each choice.
 // MGPU_CPU_GEMM=auto|openblas|onednn picks for the process.
 enum class CpuGemm { kAuto, kOpenBlas, kOneDnn };
 constexpr double kOneDnnMaxWork = double(1 << 22);

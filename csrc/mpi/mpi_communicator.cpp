@@ -23,11 +23,10 @@ void check(int rc, const char* what) {
 }
 // MPI counts are int: larger buffers go in chunks.
 constexpr size_t kMaxChunk = static_cast<size_t>(INT_MAX);
-// Allreduces go in chunks of at most 8 MiB. On our 2-core VMs (OpenMPI 4.1, shared
-// memory) one MPI_Allreduce ran at 11-12 GB/s busbw up to 8 MiB and collapsed from
-// 16-32 MiB on (32 MiB: 14-19 ms, against 4 x 0.7 ms in 8 MiB pieces; docs/
-// benchmarks.md). Elsewhere a chunk adds one collective's latency (microseconds)
-// per 8 MiB moved: at most a few percent even over a slow network.
+// Allreduces go in chunks of at most 8 MiB: OpenMPI's shared-memory MPI_Allreduce keeps
+// its bandwidth up to 8 MiB and collapses from 16-32 MiB on (docs/journal.md). Elsewhere
+// a chunk adds one collective's latency (microseconds) per 8 MiB moved: at most a few
+// percent even over a slow network.
 constexpr size_t kAllreduceChunk = size_t{8} << 20 >> 2;
 
 // Calls fn(offset, elements) for consecutive pieces of at most `chunk` of `count` elements.

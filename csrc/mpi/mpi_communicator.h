@@ -55,10 +55,10 @@ class MpiCommunicator final : public Communicator {
  private:
   void ensure_usable() const;
   // allreduce_sum under a deadline: the blocking MPI_Allreduce runs on worker_ while
-  // this thread waits for it against the deadline, sending heartbeats. OpenMPI 4.1's
-  // MPI_Iallreduce (libnbc) ran 2.2-3.7x slower than MPI_Allreduce at 1-8 MB on our
-  // machines (docs/benchmarks.md), whether tested in a loop or waited on. Needs
-  // MPI_THREAD_MULTIPLE; the caller waits, so comm_ never sees two collectives at once.
+  // this thread waits for it against the deadline, sending heartbeats. OpenMPI's
+  // MPI_Iallreduce (libnbc) is several times slower than MPI_Allreduce at gradient
+  // sizes, tested in a loop or waited on (docs/journal.md). Needs MPI_THREAD_MULTIPLE;
+  // the caller waits, so comm_ never sees two collectives at once.
   void allreduce_on_worker(float* data, size_t count);
   // Completes `requests` (cleared on return) or throws CommError after the timeout.
   void wait(std::vector<MPI_Request>& requests, const char* what);
