@@ -2,12 +2,12 @@
 #include "train_step.h"
 
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 
 #include "async_signals.h"
 #include "errors.h"
 #include "staged_communicator.h"
+#include "step_recorder.h"
 
 namespace mgpu {
 
@@ -117,8 +117,11 @@ DataParallelStep::DataParallelStep(std::shared_ptr<MLP> model, std::shared_ptr<O
                       model_->num_params() <= StepOptions::kGraphAutoMaxParams));
 }
 
-void DataParallelStep::forward_backward(int rows, const DropoutKey& key, float grad_scale, bool accumulate,
-                                        const std::function<void(int)>& layer_done) {
+// Forward, loss and backward of the staged rows, nothing between them (a graph
+// captures it): x (rows, IN) -> each layer's output (rows, OUT_l) -> loss and
+// its gradient (rows, OUT) -> gradients into grads() (added to with accumulate).
+void DataParallelStep::forward_loss_backward(int rows, const DropoutKey& key, float grad_scale, bool accumulate,
+                                             const std::function<void(int)>& layer_done) {
   MLP& m = *model_;
   m.forward(rows, &key);
   m.loss_forward_backward(loss_, rows, grad_scale, nullptr, accumulate);
@@ -175,11 +178,65 @@ void DataParallelStep::set_loss_scale(float scale) {
   loss_scale_ = scale;
 }
 
+// What one call of step() shares between its phases.
+struct DataParallelStep::Run {
+  const std::vector<MicroShard>& shards;
+  uint64_t index;         // the step's number (dropout keys, heartbeats, graph replays)
+  float lr;
+  float grad_scale;       // loss_scale / the global normaliser: the seed of each micro-batch's backward
+  UpdateScalars update;   // the optimizer's scalars at lr, for a replayed update
+  bool whole_step_graph;  // one device, nothing to reduce: the last micro-batch's graph holds the tail too
+  int last_with_rows;     // the last micro-batch with rows on this rank (-1: none)
+  StepRecorder& rec;
+  size_t next_bucket = 0;    // buckets launched so far
+  bool written = false;      // has a micro-batch written the gradient buffer yet?
+  bool tail_queued = false;  // did a micro-batch's graph queue the verdict and update?
+
+  ReplayArgs replay_args(const DropoutKey& key, float loss_scale) const {
+    return ReplayArgs{key.step, key.first_sample, grad_scale, loss_scale, update};
+  }
+};
+
+// One optimizer step: 1-4 forward and backward of each micro-batch (the last
+// one's backward launches the gradient allreduce), 5 the reduced gradients,
+// 6-7 the health check's verdict and the update, queued on the backend, 8 the
+// verdict read back once and the loss scale adjusted. The recorder takes the
+// timings and trace spans at named points in between.
 StepResult DataParallelStep::step(const std::vector<MicroShard>& shards, int64_t global_batch,
                                   uint64_t step_index, float lr, bool request_stop, bool trace) {
   const AsynchronousSignalsHeld signals_after_the_step;  // one mask change for all its GEMMs
-  MLP& m = *model_;
-  Backend& be = m.backend();
+  check_shards(shards, global_batch);
+  StepResult result;
+  StepRecorder rec(model_->backend(), *comm_, *trace_, result, step_index, options_.timed, trace, buckets_.size());
+  rec.record(StepEvent::kBegin);
+  Run run = plan_run(shards, global_batch, step_index, lr, rec);
+  write_stop_flag(request_stop);
+  try {
+    for (size_t k = 0; k < shards.size(); ++k) run_micro_batch(run, k);  // 1-4
+    if (!run.written) zero_gradients();
+    // tail_queued, not whole_step_graph: a capture that failed under kAuto may have turned the graphs off.
+    if (!run.tail_queued) reduce_gradients(run);  // 5
+  } catch (const std::exception& e) {
+    abort_buckets_in_flight(run, e);
+    throw;
+  }
+  if (!run.tail_queued && graphs_enabled_) {  // 6-7, one graph
+    replay_tail(run);
+  } else if (!run.tail_queued) {  // 6-7
+    decide();
+    rec.record(StepEvent::kHealthChecked);
+    apply_update(lr);
+    rec.record(StepEvent::kUpdated);
+  }
+  rec.record(StepEvent::kTailQueued);
+  const StepVerdict verdict = read_verdict(rec);  // the step's one synchronisation
+  finish(verdict, result, rec);                   // 8
+  rec.record(StepEvent::kEnd);
+  return result;
+}
+
+// Every shard fits the global batch, and together they hold no more than it.
+void DataParallelStep::check_shards(const std::vector<MicroShard>& shards, int64_t global_batch) const {
   MGPU_CHECK(!shards.empty(), ConfigError, "a step needs at least one micro-batch");
   MGPU_CHECK(global_batch >= 1, ConfigError, "global batch must be >= 1");
   int64_t local_rows = 0;
@@ -192,224 +249,203 @@ StepResult DataParallelStep::step(const std::vector<MicroShard>& shards, int64_t
   }
   MGPU_CHECK(local_rows <= global_batch, ConfigError, "this rank's ", local_rows,
              " rows exceed the global batch of ", global_batch);
+}
 
-  using Clock = std::chrono::steady_clock;
-  const bool sync_phases = options_.timed && !be.host_accessible();
-  auto now = [&] {
-    if (sync_phases) be.synchronize();
-    return Clock::now();
-  };
-  auto seconds = [](Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); };
-  StepResult result;
-  const auto t_start = now();
-  result.started = std::chrono::duration<double>(t_start.time_since_epoch()).count();
-  auto t_phase = t_start;
-  // Traced: spans between trace marks, which the backend takes in order with its work.
-  StepTrace& tr = *trace_;
-  if (trace) tr.begin_step(step_index);
-  // Spans of this step whose marks have happened, and those an earlier traced step left.
-  auto hand_over_spans = [&] {
-    if (tr.pending()) result.spans = tr.take_ready();
-  };
-  // Per-bucket spans (timed and traced steps): host clock reads around each
-  // launch, and the transport stamps what completes in the background.
-  const bool time_buckets = options_.timed || trace;
-  std::vector<int> bucket_queued;  // queued collectives of each launched bucket
-  if (time_buckets) {
-    comm_->start_collective_timing();
-    result.buckets.reserve(buckets_.size());
-    bucket_queued.reserve(buckets_.size());
-  }
-
-  size_t next_bucket = 0;
-  // Launches the buckets whose layer's gradients are complete. The launches are
-  // grouped by ready layer whatever the path (per-layer callbacks, one call
-  // after a replayed graph, a rank without rows): NCCL schedules a group as a
-  // whole, so every rank must group the same collectives the same way.
-  auto launch_ready = [&](int layer) {
-    if (next_bucket == 0) comm_->begin_step(step_index);  // heartbeat, just before the first collective
-    while (next_bucket < buckets_.size() && buckets_[next_bucket].ready_layer >= layer) {
-      const Bucket& b = buckets_[next_bucket++];
-      const double launched = time_buckets ? seconds(t_start, Clock::now()) : 0.0;
-      const int queued = launch_bucket(b);
-      if (time_buckets) {
-        // A blocking allreduce completed when it returned; queued ones are stamped after the wait.
-        const double done = queued ? -1.0 : seconds(t_start, Clock::now());
-        result.buckets.push_back({static_cast<int>(next_bucket - 1), b.offset, b.count, bucket_bytes(b),
-                                  launched, done});
-        bucket_queued.push_back(queued);
-      }
-      const bool layer_ends = next_bucket == buckets_.size() || buckets_[next_bucket].ready_layer != b.ready_layer;
-      if (overlap_ && layer_ends) comm_->progress();
-    }
-    // Nothing is queued here any more (the loop ends at a layer's end), so this
-    // only lets a host-driven transport (MPI) advance what is in flight.
-    if (overlap_) comm_->progress();
-  };
-
-  // 1-4. Per micro-batch: stage the shard, forward (dropout keyed by seed, step,
-  // layer and global sample index), loss and its gradient pre-scaled by
-  // loss_scale / global normaliser, backward into the gradient buffer (added
-  // after the first). Only the last micro-batch's backward starts the allreduce.
+// The step's scalars: each micro-batch's loss gradient is pre-scaled by
+// loss_scale / the global normaliser, so the allreduced sum is the global mean
+// (loss-scaled); the optimizer's scalars at lr (which checks lr before anything
+// is queued); and where the tail runs.
+DataParallelStep::Run DataParallelStep::plan_run(const std::vector<MicroShard>& shards, int64_t global_batch,
+                                                 uint64_t step_index, float lr, StepRecorder& rec) {
   const double normaliser = loss_ == LossKind::kMSE
-                                ? static_cast<double>(global_batch) * m.out_features()
+                                ? static_cast<double>(global_batch) * model_->out_features()
                                 : static_cast<double>(global_batch);
   const float grad_scale = static_cast<float>(loss_scale_ / normaliser);
-  const UpdateScalars update_args = optimizer_->next_scalars(lr);  // checks lr before anything is queued
-  auto replay_args = [&](const DropoutKey& key) {
-    return ReplayArgs{key.step, key.first_sample, grad_scale, loss_scale_, update_args};
-  };
-  // 6-8, the step's tail, on the backend with no host wait (see Backend::step_verdict):
-  // the health check's one reduction gives the gradient norm (non-finite when any
-  // gradient is) and, with the loss, the verdict: whether the update runs, and
-  // its unscale and clip factor g *= (1/scale) * min(1, max_norm / (norm + 1e-6)),
-  // which the identical update on every rank applies as it reads each gradient
-  // (no pass of its own; the gradient buffer keeps the reduced, still
-  // loss-scaled and unclipped values).
-  auto verdict = [&] {
-    be.step_verdict(verdict_.data(), m.grads(), m.num_params(), m.loss_slot(), loss_scale_, options_.max_grad_norm,
-                    comm_->failure_flag());
-  };
-  auto update = [&] { optimizer_->step(m.params(), m.grads(), lr, verdict_.data()); };
-  // One device with nothing to reduce: the last micro-batch's graph holds the
-  // tail too, and the whole step is one replay (with accumulation, K replays).
+  const UpdateScalars update = optimizer_->next_scalars(lr);
   const bool whole_step_graph = graphs_enabled_ && comm_->size() == 1 && !half_grads_.size();
   int last_with_rows = -1;
   for (size_t k = 0; k < shards.size(); ++k)
     if (shards[k].batch.rows > 0) last_with_rows = static_cast<int>(k);
-  bool tail_queued = false;
-  // The stop slot travels in the first bucket, which overlap launches during
-  // the last backward: write it before any backward runs.
-  const float stop_flag = request_stop ? 1.0f : 0.0f;
-  be.stage_to_backend(m.stop_slot(), &stop_flag, sizeof(float));
-  Clock::time_point t_waited{};
-  // An error once buckets are in flight (a failed allocation or launch in
-  // backward) aborts them: they use the gradient buffer, which may be freed
-  // next, and the peers wait for the buckets this rank will never launch.
-  try {
-    bool written = false;  // has any micro-batch written the gradient buffer yet?
-    for (size_t k = 0; k < shards.size(); ++k) {
-      const MicroShard& s = shards[k];
-      const bool last = k + 1 == shards.size();
-      if (s.batch.rows == 0) continue;
-      const int micro = shards.size() > 1 ? static_cast<int>(k) : -1;  // spans name micro-batches when several
-      m.stage(s.batch, loss_, /*own_copy=*/graphs_enabled_);
-      if (trace) tr.end("stage", "phase", micro);
-      const DropoutKey key{m.seed(), step_index, 0, s.first_sample};
-      if (graphs_enabled_) {
-        // One replay runs forward, loss and backward (and on one device, with
-        // the last micro-batch, the tail); the buckets go after it.
-        const auto t_staged = now();
-        result.timings.forward += seconds(t_phase, t_staged);
-        const int rows = s.batch.rows;
-        const bool accumulate = written;
-        const bool with_tail = whole_step_graph && static_cast<int>(k) == last_with_rows;
-        const char* how = run_captured({rows, accumulate, with_tail}, replay_args(key), [&] {
-          forward_backward(rows, key, grad_scale, accumulate, nullptr);
-          if (with_tail) {
-            verdict();
-            update();
-          }
-        });
-        if (trace)
-          tr.end(detail::concat("forward + loss + backward", with_tail ? " + health check + optimizer" : "", " (",
-                                how, ")"),
-                 "phase", micro);
-        t_phase = now();
-        result.timings.backward += seconds(t_staged, t_phase);
-        written = true;
-        tail_queued = with_tail;
-        continue;
-      }
-      const uint64_t forward_from = tr.here();
-      m.forward(s.batch.rows, &key,
-                trace ? std::function<void(int)>([&](int l) {
-                  tr.end(detail::concat("forward layer ", l), "layer", micro);
-                })
-                      : nullptr);
-      if (trace) tr.close("forward", "phase", micro, forward_from);
-      m.loss_forward_backward(loss_, s.batch.rows, grad_scale, nullptr, written);
-      if (trace) tr.end("loss", "phase", micro);
-      const auto t_forward = now();
-      result.timings.forward += seconds(t_phase, t_forward);
-      const bool launches = last && overlap_;
-      std::function<void(int)> layer_done;
-      if (trace)
-        layer_done = [&](int l) {
-          tr.end(detail::concat("backward layer ", l), "layer", micro);  // before its buckets launch
-          if (launches) launch_ready(l);
-        };
-      else if (launches)
-        layer_done = launch_ready;
-      const uint64_t backward_from = tr.here();
-      m.backward(s.batch.rows, layer_done, written);
-      if (trace) tr.close("backward", "phase", micro, backward_from);
-      t_phase = now();
-      result.timings.backward += seconds(t_forward, t_phase);
-      written = true;
-    }
-    // An empty share contributes zero gradient and zero loss.
-    if (!written) be.zero(m.grads(), m.num_params() + 1);
-    // (Not whole_step_graph: a capture that failed under kAuto may have turned the graphs off.)
-    if (!tail_queued) {
-      launch_ready(-1);  // every bucket not yet launched
-      // 5. All gradients summed on every rank; from here on every rank computes
-      // the same values and takes the same decisions.
-      comm_->wait_all();
-      if (time_buckets) t_waited = Clock::now();
-      if (half_grads_.size()) be.widen(m.grads(), half_grads_.data(), m.num_params(), options_.grad_dtype);
-      if (trace) tr.end("allreduce wait", "phase", -1);
-    }
-  } catch (const std::exception& e) {
-    if (next_bucket > 0) comm_->abort(detail::concat("step ", step_index, " failed on this rank: ", e.what()));
-    throw;
-  }
+  return Run{shards, step_index, lr, grad_scale, update, whole_step_graph, last_with_rows, rec};
+}
 
-  result.loss_scale = loss_scale_;
-  auto t_comm = t_phase;
-  if (!tail_queued && graphs_enabled_) {
-    t_comm = now();
-    const DropoutKey none{m.seed(), step_index, 0, 0};
-    const char* how = run_captured({-1, false, true}, replay_args(none), [&] {
-      verdict();
-      update();
-    });
-    if (trace) tr.end(detail::concat("health check + optimizer (", how, ")"), "phase", -1);
-  } else if (!tail_queued) {
-    verdict();
-    if (trace) tr.end("health check", "phase", -1);
-    t_comm = now();
-    update();
-    if (trace) tr.end("optimizer", "phase", -1);
+// The stop slot travels in the first bucket, which overlap launches during the
+// last backward: written before any backward runs.
+void DataParallelStep::write_stop_flag(bool request_stop) {
+  const float stop_flag = request_stop ? 1.0f : 0.0f;
+  model_->backend().stage_to_backend(model_->stop_slot(), &stop_flag, sizeof(float));
+}
+
+// 1-4. Micro-batch k: stage the shard, then forward (dropout keyed by seed,
+// step, layer and global sample index), loss and backward into the gradient
+// buffer (added to it after the first micro-batch). Only the last micro-batch's
+// backward launches buckets.
+void DataParallelStep::run_micro_batch(Run& run, size_t k) {
+  const MicroShard& s = run.shards[k];
+  if (s.batch.rows == 0) return;
+  const int micro = run.shards.size() > 1 ? static_cast<int>(k) : -1;  // spans name micro-batches when several
+  model_->stage(s.batch, loss_, /*own_copy=*/graphs_enabled_);
+  run.rec.record(StepEvent::kStaged, micro);
+  const DropoutKey key{model_->seed(), run.index, 0, s.first_sample};
+  if (graphs_enabled_) {
+    const bool with_tail = run.whole_step_graph && static_cast<int>(k) == run.last_with_rows;
+    replay_micro_batch(run, s, key, micro, with_tail);
+    run.tail_queued = with_tail;
+  } else {
+    compute_micro_batch(run, s, key, micro, /*launches=*/k + 1 == run.shards.size() && overlap_);
   }
-  const auto t_queued = now();  // a host backend has run the tail; a device one has queued it
+  run.written = true;
+}
+
+// Uncaptured: forward, loss and backward call by call, each layer a trace point;
+// launches: each bucket's allreduce starts as backward completes its layers.
+void DataParallelStep::compute_micro_batch(Run& run, const MicroShard& s, const DropoutKey& key, int micro,
+                                           bool launches) {
+  MLP& m = *model_;
+  StepRecorder& rec = run.rec;
+  const int rows = s.batch.rows;
+  const bool accumulate = run.written;
+  rec.record(StepEvent::kForwardBegin);
+  m.forward(rows, &key,
+            rec.traced() ? std::function<void(int)>([&](int l) { rec.record(StepEvent::kForwardLayer, micro, l); })
+                         : nullptr);
+  rec.record(StepEvent::kForwardEnd, micro);
+  m.loss_forward_backward(loss_, rows, run.grad_scale, nullptr, accumulate);
+  rec.record(StepEvent::kLoss, micro);
+  std::function<void(int)> layer_done;
+  if (rec.traced())
+    layer_done = [&](int l) {
+      rec.record(StepEvent::kBackwardLayer, micro, l);  // before its buckets launch
+      if (launches) launch_ready_buckets(run, l);
+    };
+  else if (launches)
+    layer_done = [&](int l) { launch_ready_buckets(run, l); };
+  rec.record(StepEvent::kBackwardBegin);
+  m.backward(rows, layer_done, accumulate);
+  rec.record(StepEvent::kBackwardEnd, micro);
+}
+
+// Captured: one replay runs forward, loss and backward (with_tail: the verdict
+// and update too, on one device); the buckets launch after it.
+void DataParallelStep::replay_micro_batch(Run& run, const MicroShard& s, const DropoutKey& key, int micro,
+                                          bool with_tail) {
+  run.rec.record(StepEvent::kReplayBegin);
+  const int rows = s.batch.rows;
+  const bool accumulate = run.written;
+  const float grad_scale = run.grad_scale;
+  const float lr = run.lr;
+  const char* how = run_captured({rows, accumulate, with_tail}, run.replay_args(key, loss_scale_), [&] {
+    forward_loss_backward(rows, key, grad_scale, accumulate, nullptr);
+    if (with_tail) {
+      decide();
+      apply_update(lr);
+    }
+  });
+  run.rec.record(with_tail ? StepEvent::kReplayWithTailEnd : StepEvent::kReplayEnd, micro, how);
+}
+
+// Launches the buckets whose layer's gradients are complete (layer -1: all the
+// rest). The launches are grouped by ready layer whatever the path (per-layer
+// callbacks, one call after a replayed graph, a rank without rows): NCCL
+// schedules a group as a whole, so every rank must group the same collectives
+// the same way.
+void DataParallelStep::launch_ready_buckets(Run& run, int layer) {
+  StepRecorder& rec = run.rec;
+  if (run.next_bucket == 0) comm_->begin_step(run.index);  // heartbeat, just before the first collective
+  while (run.next_bucket < buckets_.size() && buckets_[run.next_bucket].ready_layer >= layer) {
+    const int index = static_cast<int>(run.next_bucket);
+    const Bucket& b = buckets_[run.next_bucket++];
+    if (rec.stamps_buckets()) rec.launching();
+    const int queued = launch_bucket(b);
+    if (rec.stamps_buckets()) rec.launched(index, b.offset, b.count, bucket_bytes(b), queued);
+    const bool layer_ends =
+        run.next_bucket == buckets_.size() || buckets_[run.next_bucket].ready_layer != b.ready_layer;
+    if (overlap_ && layer_ends) comm_->progress();
+  }
+  // Nothing is queued here any more (the loop ends at a layer's end), so this
+  // only lets a host-driven transport (MPI) advance what is in flight.
+  if (overlap_) comm_->progress();
+}
+
+// An empty share contributes zero gradient and zero loss.
+void DataParallelStep::zero_gradients() { model_->backend().zero(model_->grads(), model_->num_params() + 1); }
+
+// 5. Launches every bucket not yet launched and waits: all gradients summed on
+// every rank. From here on every rank computes the same values and takes the
+// same decisions.
+void DataParallelStep::reduce_gradients(Run& run) {
+  launch_ready_buckets(run, -1);
+  comm_->wait_all();
+  run.rec.record(StepEvent::kAllreduceDone);
+  if (half_grads_.size())
+    model_->backend().widen(model_->grads(), half_grads_.data(), model_->num_params(), options_.grad_dtype);
+  run.rec.record(StepEvent::kGradientsReduced);
+}
+
+// An error once buckets are in flight (a failed allocation or launch in
+// backward) aborts them: they use the gradient buffer, which may be freed
+// next, and the peers wait for the buckets this rank will never launch.
+void DataParallelStep::abort_buckets_in_flight(const Run& run, const std::exception& e) {
+  if (run.next_bucket > 0) comm_->abort(detail::concat("step ", run.index, " failed on this rank: ", e.what()));
+}
+
+// 6-7 as one captured graph (no micro-batch in it).
+void DataParallelStep::replay_tail(Run& run) {
+  run.rec.record(StepEvent::kTailBegin);
+  const DropoutKey none{model_->seed(), run.index, 0, 0};
+  const float lr = run.lr;
+  const char* how = run_captured({-1, false, true}, run.replay_args(none, loss_scale_), [&] {
+    decide();
+    apply_update(lr);
+  });
+  run.rec.record(StepEvent::kTailReplayEnd, -1, how);
+}
+
+// 6. The health check, on the backend with no host wait (see Backend::step_verdict):
+// its one reduction gives the gradient norm (non-finite when any gradient is)
+// and, with the loss, the verdict: whether the update runs, and its unscale and
+// clip factor g *= (1/scale) * min(1, max_norm / (norm + 1e-6)).
+void DataParallelStep::decide() {
+  MLP& m = *model_;
+  m.backend().step_verdict(verdict_.data(), m.grads(), m.num_params(), m.loss_slot(), loss_scale_,
+                           options_.max_grad_norm, comm_->failure_flag());
+}
+
+// 7. The update, identical on every rank, applies the verdict's factor as it
+// reads each gradient (no pass of its own: the gradient buffer keeps the
+// reduced, still loss-scaled and unclipped values), or nothing if it refused.
+void DataParallelStep::apply_update(float lr) {
+  optimizer_->step(model_->params(), model_->grads(), lr, verdict_.data());
+}
+
+// The verdict on the host: the step's one synchronisation. After it a device
+// transport's completion events have all fired.
+StepVerdict DataParallelStep::read_verdict(StepRecorder& rec) {
   StepVerdict v;
-  be.copy_to_host(&v, verdict_.data(), sizeof(v));  // the step's one synchronisation
+  model_->backend().copy_to_host(&v, verdict_.data(), sizeof(v));
   comm_->raise_if_failed();
-  // After the read-back: a device transport's completion events have all fired.
-  if (time_buckets) stamp_queued_buckets(result.buckets, bucket_queued, seconds(t_start, t_waited));
+  rec.record(StepEvent::kVerdictRead);
+  return v;
+}
+
+// 8. The step's outcome, and the loss scale for the next one: a skipped step
+// (parameters and optimizer state as they were) halves a dynamic scale,
+// loss_scale_window good steps in a row double it.
+void DataParallelStep::finish(const StepVerdict& v, StepResult& result, StepRecorder& rec) {
+  result.loss_scale = loss_scale_;
   result.loss = v.loss;
   result.stop_requested = v.stop > 0.0f;
   result.grad_norm = v.grad_norm;
   result.applied = v.apply != 0;
   optimizer_->count_step(result.applied);
-  if (trace && !result.applied) tr.annotate_last(" [update skipped]");
   if (!result.applied) {
-    // Skipped: parameters and optimizer state stay as they were.
+    rec.record(StepEvent::kUpdateSkipped);
     if (options_.dynamic_loss_scale) loss_scale_ = std::max(loss_scale_ * 0.5f, 1e-30f);
     good_steps_ = 0;
   } else if (options_.dynamic_loss_scale && ++good_steps_ >= options_.loss_scale_window) {
     loss_scale_ = std::min(loss_scale_ * 2.0f, 3.0e38f);
     good_steps_ = 0;
   }
-  const auto t_end = now();
-  // The read-back waits for whatever the device still runs, the peers' allreduce
-  // included: waiting, as the straggler check reads it, not this rank's update.
-  result.timings.comm_wait = seconds(t_phase, t_comm) + seconds(t_queued, t_end);
-  result.timings.optimizer = seconds(t_comm, t_queued);
-  result.timings.total = seconds(t_start, t_end);
-  hand_over_spans();
-  return result;
 }
 
 size_t DataParallelStep::bucket_bytes(const Bucket& b) const {
@@ -417,26 +453,6 @@ size_t DataParallelStep::bucket_bytes(const Bucket& b) const {
   const size_t params = model_->num_params(), end = b.offset + b.count;
   const size_t half = b.offset < params ? std::min(end, params) - b.offset : 0;
   return half * sizeof(uint16_t) + (b.count - half) * sizeof(float);
-}
-
-void DataParallelStep::stamp_queued_buckets(std::vector<BucketTiming>& spans, const std::vector<int>& queued,
-                                            double waited) {
-  const auto times = comm_->collective_times();  // always called: it also ends the stamping
-  size_t expected = 0;
-  for (int q : queued) expected += static_cast<size_t>(q);
-  const bool stamped = times.size() == expected;
-  size_t next = 0;
-  for (size_t i = 0; i < spans.size(); ++i) {
-    if (!queued[i]) continue;
-    // A compressed bucket is two collectives (half gradients, fp32 slots): done when both are.
-    double done = -1.0;
-    for (int k = 0; k < queued[i]; ++k, ++next)
-      if (stamped) done = std::max(done, times[next].second);
-    // Unstamped (the transport cannot tell): completion was observed when wait_all returned.
-    if (!stamped) done = waited;
-    // A device clock (CUDA events) may read slightly before the host's launch stamp.
-    spans[i].done = std::max(done, spans[i].launch);
-  }
 }
 
 int DataParallelStep::launch_bucket(const Bucket& b) {

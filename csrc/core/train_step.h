@@ -6,6 +6,7 @@
 // however unevenly it is split.
 #pragma once
 #include <cstdint>
+#include <exception>
 #include <functional>
 #include <map>
 #include <memory>
@@ -136,6 +137,8 @@ struct StepResult {
   float loss_scale = 1.0f;    // the scale this step used
 };
 
+class StepRecorder;  // step_recorder.h
+
 class DataParallelStep {
  public:
   DataParallelStep(std::shared_ptr<MLP> model, std::shared_ptr<Optimizer> optimizer,
@@ -175,9 +178,28 @@ class DataParallelStep {
   const std::string& graph_fallback() const { return graph_fallback_; }
 
  private:
+  struct Run;  // one call of step(): what its phases share (train_step.cpp)
+  // The phases of step(), in the order it runs them.
+  void check_shards(const std::vector<MicroShard>& shards, int64_t global_batch) const;
+  Run plan_run(const std::vector<MicroShard>& shards, int64_t global_batch, uint64_t step_index, float lr,
+               StepRecorder& rec);
+  void write_stop_flag(bool request_stop);
+  void run_micro_batch(Run& run, size_t k);
+  void compute_micro_batch(Run& run, const MicroShard& s, const DropoutKey& key, int micro, bool launches);
+  void replay_micro_batch(Run& run, const MicroShard& s, const DropoutKey& key, int micro, bool with_tail);
+  void launch_ready_buckets(Run& run, int layer);
+  void zero_gradients();
+  void reduce_gradients(Run& run);
+  void abort_buckets_in_flight(const Run& run, const std::exception& e);
+  void replay_tail(Run& run);
+  void decide();
+  void apply_update(float lr);
+  StepVerdict read_verdict(StepRecorder& rec);
+  void finish(const StepVerdict& v, StepResult& result, StepRecorder& rec);
+
   // Forward, loss and backward of the staged micro-batch (layer_done: see MLP::backward).
-  void forward_backward(int rows, const DropoutKey& key, float grad_scale, bool accumulate,
-                        const std::function<void(int)>& layer_done);
+  void forward_loss_backward(int rows, const DropoutKey& key, float grad_scale, bool accumulate,
+                             const std::function<void(int)>& layer_done);
   // What a graph bakes in: rows (-1: no micro-batch), whether it adds to the
   // gradients, and whether it holds the step's tail (verdict and update).
   using GraphKey = std::tuple<int, bool, bool>;
@@ -190,9 +212,6 @@ class DataParallelStep {
   // Returns how many queued collectives it issued (0: it completed before returning).
   int launch_bucket(const Bucket& b);
   size_t bucket_bytes(const Bucket& b) const;
-  // Fills in the completion of the buckets launch_bucket queued (done < 0), from
-  // the transport's stamps, or `waited` (when wait_all returned) without them.
-  void stamp_queued_buckets(std::vector<BucketTiming>& spans, const std::vector<int>& queued, double waited);
 
   std::shared_ptr<MLP> model_;
   std::shared_ptr<Optimizer> optimizer_;
