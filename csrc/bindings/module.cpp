@@ -1,6 +1,7 @@
-// pybind11 bindings of the native core as mgpu._core. Only this file knows
-// Python; it converts NumPy arrays to HostBatch views, releases the GIL around
-// the math, and maps the core's typed errors to Python exceptions.
+// pybind11 bindings of the native core as mgpu._core: one bind_* function per
+// part, each checking and converting Python's arguments (NumPy arrays to HostBatch
+// views), releasing the GIL around the math and calling the core; the core's
+// typed errors map to Python exceptions. Only csrc/bindings knows Python.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -216,16 +217,8 @@ std::map<const Communicator*, std::vector<py::object>>& in_flight_buffers() {
   return *buffers;
 }
 
-}  // namespace
-
-#ifdef MGPU_GPU_EMULATION
-void bind_emulation(py::module_& m);  // csrc/bindings/emulation.cpp
-#endif
-
-PYBIND11_MODULE(MGPU_MODULE_NAME, m) {
-  m.doc() = "mgpu native core: backends, communicators, the MLP and the data-parallel step";
-  m.attr("__version__") = MGPU_VERSION;
-
+// The core's typed errors as Python exceptions.
+void bind_errors(py::module_& m) {
   auto base = py::register_exception<Error>(m, "MgpuError", PyExc_RuntimeError);
   // A ValueError (bad input) and an MgpuError both: `except mgpu.MgpuError` catches all mgpu raises.
   const py::tuple config_bases = py::make_tuple(py::handle(PyExc_ValueError), base);
@@ -233,25 +226,15 @@ PYBIND11_MODULE(MGPU_MODULE_NAME, m) {
   py::register_exception<DeviceError>(m, "DeviceError", base.ptr());
   py::register_exception<CommError>(m, "CommError", base.ptr());
   py::register_exception<NumericsError>(m, "NumericsError", base.ptr());
+}
 
+// What this build contains.
+void bind_build_info(py::module_& m) {
   m.def("build_info", &build_info, "What this build of the core contains (a dict).");
-  m.def("plan_buckets", [](const std::vector<int>& sizes, size_t bucket_elems) {
-    std::vector<std::tuple<size_t, size_t, int>> out;
-    for (const Bucket& b : plan_buckets(sizes, MLP::kGradExtraSlots, bucket_elems))
-      out.emplace_back(b.offset, b.count, b.ready_layer);
-    return out;
-  }, py::arg("sizes"), py::arg("bucket_elems"),
-        "The gradient bucket plan training uses for layer sizes [in, hidden..., out]: "
-        "(offset, count, ready_layer) of each bucket, in launch order.");
-  m.def("plan_bucket_runs", [](const std::vector<int>& sizes, size_t bucket_elems) {
-    std::vector<std::tuple<size_t, size_t, int, size_t>> out;
-    for (const BucketRun& r : plan_bucket_runs(sizes, MLP::kGradExtraSlots, bucket_elems))
-      out.emplace_back(r.offset, r.count, r.ready_layer, r.repeat);
-    return out;
-  }, py::arg("sizes"), py::arg("bucket_elems"),
-        "plan_buckets run-length encoded, as the performance model reads it: (offset, count, ready_layer, "
-        "repeat) of each run of equal buckets, the run's next bucket `count` below the last.");
+}
 
+// Backends and the CPU backend's GEMM library choice.
+void bind_backends(py::module_& m) {
   py::class_<Backend, std::shared_ptr<Backend>>(m, "Backend")
       .def_property_readonly("name", &Backend::name)
       .def_property("threads", &Backend::threads, &Backend::set_threads)
@@ -283,7 +266,10 @@ PYBIND11_MODULE(MGPU_MODULE_NAME, m) {
     return std::string(cpu_gemm_name(cpu_backend(b).gemm_library(M, N, K)));
   }, py::arg("backend"), py::arg("M"), py::arg("N"), py::arg("K"),
         "The library that computes an (M, N, K) product on this CPU backend now.");
+}
 
+// Communicators: local, MPI and NCCL.
+void bind_communicators(py::module_& m) {
   py::class_<Communicator, std::shared_ptr<Communicator>>(m, "Communicator")
       .def_property_readonly("name", &Communicator::name)
       .def_property_readonly("rank", &Communicator::rank)
@@ -374,8 +360,34 @@ PYBIND11_MODULE(MGPU_MODULE_NAME, m) {
       .def(py::init<uintptr_t>(), py::arg("handle"),
            "Wraps (a duplicate of) the MPI communicator whose handle is mpi4py's MPI._handleof(comm).");
 #endif
+#ifdef MGPU_HAVE_NCCL
+  m.def("nccl_unique_id", []() { return py::bytes(cuda::nccl_unique_id()); },
+        "A fresh ncclUniqueId (bytes); rank 0 creates it and broadcasts it to the others.");
+  py::class_<NcclCommunicator, Communicator, std::shared_ptr<NcclCommunicator>>(m, "NcclCommunicator")
+      .def(py::init([](py::bytes unique_id, int rank, int size, int device_index,
+                       std::shared_ptr<Communicator> sidecar, double setup_timeout) {
+             std::string id = unique_id;
+             py::gil_scoped_release nogil;  // setup waits for every rank
+             return std::make_shared<NcclCommunicator>(id, rank, size, device_index, std::move(sidecar),
+                                                       setup_timeout);
+           }),
+           py::arg("unique_id"), py::arg("rank"), py::arg("size"), py::arg("device_index"),
+           py::arg("sidecar") = nullptr, py::arg("setup_timeout") = 0.0,
+           "NCCL communicator of one rank on GPU device_index; sidecar: the MpiCommunicator whose "
+           "heartbeats name missing ranks on a timeout; setup_timeout: seconds the ranks may take to "
+           "meet (0: forever), CommError after.")
+      .def_property_readonly("device", &NcclCommunicator::device);
+  m.def("nccl_init_all", [](const std::vector<int>& devices) {
+          py::gil_scoped_release nogil;
+          return NcclCommunicator::init_all(devices);
+        }, py::arg("devices"),
+        "Single-process multi-GPU: one NcclCommunicator per device (ncclCommInitAll); rank i drives "
+        "devices[i], each from a thread of its own.");
+#endif
+}
 
-  // --- CUDA: discovery, properties, versions, test hooks ----------------------
+// CUDA: discovery, properties, versions, test hooks.
+void bind_cuda(py::module_& m) {
   m.def("cuda_device_count",
 #ifdef MGPU_HAVE_CUDA
         []() { return cuda::device_count(); },
@@ -416,31 +428,10 @@ PYBIND11_MODULE(MGPU_MODULE_NAME, m) {
         py::arg("layer") = 0, py::arg("first_sample") = 0,
         "The CUDA dropout kernel's per-element mask code run on the host: (rows, cols) of 0 or 1/(1-p).");
 #endif
-#ifdef MGPU_HAVE_NCCL
-  m.def("nccl_unique_id", []() { return py::bytes(cuda::nccl_unique_id()); },
-        "A fresh ncclUniqueId (bytes); rank 0 creates it and broadcasts it to the others.");
-  py::class_<NcclCommunicator, Communicator, std::shared_ptr<NcclCommunicator>>(m, "NcclCommunicator")
-      .def(py::init([](py::bytes unique_id, int rank, int size, int device_index,
-                       std::shared_ptr<Communicator> sidecar, double setup_timeout) {
-             std::string id = unique_id;
-             py::gil_scoped_release nogil;  // setup waits for every rank
-             return std::make_shared<NcclCommunicator>(id, rank, size, device_index, std::move(sidecar),
-                                                       setup_timeout);
-           }),
-           py::arg("unique_id"), py::arg("rank"), py::arg("size"), py::arg("device_index"),
-           py::arg("sidecar") = nullptr, py::arg("setup_timeout") = 0.0,
-           "NCCL communicator of one rank on GPU device_index; sidecar: the MpiCommunicator whose "
-           "heartbeats name missing ranks on a timeout; setup_timeout: seconds the ranks may take to "
-           "meet (0: forever), CommError after.")
-      .def_property_readonly("device", &NcclCommunicator::device);
-  m.def("nccl_init_all", [](const std::vector<int>& devices) {
-          py::gil_scoped_release nogil;
-          return NcclCommunicator::init_all(devices);
-        }, py::arg("devices"),
-        "Single-process multi-GPU: one NcclCommunicator per device (ncclCommInitAll); rank i drives "
-        "devices[i], each from a thread of its own.");
-#endif
+}
 
+// The MLP.
+void bind_model(py::module_& m) {
   py::class_<MLP, std::shared_ptr<MLP>> mlp_class(m, "MLP");
   mlp_class.attr("EVAL_CHUNK_ROWS") = MLP::kEvalChunkRows;
   mlp_class
@@ -506,7 +497,10 @@ PYBIND11_MODULE(MGPU_MODULE_NAME, m) {
           },
           py::arg("x"), py::arg("y"), py::arg("loss") = "mse",
           "(sum of losses, correct predictions) over the rows; MSE sums squared errors of every element.");
+}
 
+// The optimizer and its state.
+void bind_optimizer(py::module_& m) {
   py::class_<Optimizer, std::shared_ptr<Optimizer>>(m, "Optimizer")
       .def(py::init([](const std::shared_ptr<MLP>& model, const std::string& kind, float momentum,
                        float weight_decay, float beta1, float beta2, float eps) {
@@ -539,11 +533,26 @@ PYBIND11_MODULE(MGPU_MODULE_NAME, m) {
         py::gil_scoped_release nogil;
         o.set_state(name, a.data());
       });
+}
 
-  bind_probe(m);
-  bind_perf(m);
-  bind_stress(m);
-
+// The data-parallel step: its bucket plan, options, results and trace spans.
+void bind_step(py::module_& m) {
+  m.def("plan_buckets", [](const std::vector<int>& sizes, size_t bucket_elems) {
+    std::vector<std::tuple<size_t, size_t, int>> out;
+    for (const Bucket& b : plan_buckets(sizes, MLP::kGradExtraSlots, bucket_elems))
+      out.emplace_back(b.offset, b.count, b.ready_layer);
+    return out;
+  }, py::arg("sizes"), py::arg("bucket_elems"),
+        "The gradient bucket plan training uses for layer sizes [in, hidden..., out]: "
+        "(offset, count, ready_layer) of each bucket, in launch order.");
+  m.def("plan_bucket_runs", [](const std::vector<int>& sizes, size_t bucket_elems) {
+    std::vector<std::tuple<size_t, size_t, int, size_t>> out;
+    for (const BucketRun& r : plan_bucket_runs(sizes, MLP::kGradExtraSlots, bucket_elems))
+      out.emplace_back(r.offset, r.count, r.ready_layer, r.repeat);
+    return out;
+  }, py::arg("sizes"), py::arg("bucket_elems"),
+        "plan_buckets run-length encoded, as the performance model reads it: (offset, count, ready_layer, "
+        "repeat) of each run of equal buckets, the run's next bucket `count` below the last.");
   py::class_<StepTimings>(m, "StepTimings")
       .def_readonly("forward", &StepTimings::forward)
       .def_readonly("backward", &StepTimings::backward)
@@ -660,6 +669,29 @@ PYBIND11_MODULE(MGPU_MODULE_NAME, m) {
         for (const Bucket& b : s.buckets()) out.emplace_back(b.offset, b.count, b.ready_layer);
         return out;
       }, "(offset, count, ready_layer) of each gradient bucket, in launch order.");
+}
+
+}  // namespace
+
+#ifdef MGPU_GPU_EMULATION
+void bind_emulation(py::module_& m);  // csrc/bindings/emulation.cpp
+#endif
+
+PYBIND11_MODULE(MGPU_MODULE_NAME, m) {
+  m.doc() = "mgpu native core: backends, communicators, the MLP and the data-parallel step";
+  m.attr("__version__") = MGPU_VERSION;
+  // In this order: a signature names the Python classes registered before it.
+  bind_errors(m);
+  bind_build_info(m);
+  bind_backends(m);
+  bind_communicators(m);
+  bind_cuda(m);
+  bind_model(m);
+  bind_optimizer(m);
+  bind_probe(m);
+  bind_perf(m);
+  bind_stress(m);
+  bind_step(m);
 #ifdef MGPU_GPU_EMULATION
   bind_emulation(m);
 #endif
