@@ -217,6 +217,22 @@ std::map<const Communicator*, std::vector<py::object>>& in_flight_buffers() {
   return *buffers;
 }
 
+// StepOptions::graph as Python names it.
+StepOptions::Graph parse_graph_mode(const std::string& graph) {
+  if (graph == "off") return StepOptions::Graph::kOff;
+  if (graph == "auto") return StepOptions::Graph::kAuto;
+  if (graph == "on") return StepOptions::Graph::kOn;
+  throw ConfigError("unknown graph mode '" + graph + "' (expected auto, on or off)");
+}
+const char* graph_mode_name(StepOptions::Graph graph) {
+  switch (graph) {
+    case StepOptions::Graph::kOff: return "off";
+    case StepOptions::Graph::kAuto: return "auto";
+    case StepOptions::Graph::kOn: return "on";
+  }
+  return "off";
+}
+
 // The core's typed errors as Python exceptions.
 void bind_errors(py::module_& m) {
   auto base = py::register_exception<Error>(m, "MgpuError", PyExc_RuntimeError);
@@ -591,21 +607,17 @@ void bind_step(py::module_& m) {
       .def_readonly("stop_requested", &StepResult::stop_requested)
       .def_readonly("loss_scale", &StepResult::loss_scale);
 
-  py::class_<DataParallelStep, std::shared_ptr<DataParallelStep>>(m, "DataParallelStep")
-      .def(py::init([](std::shared_ptr<MLP> model, std::shared_ptr<Optimizer> opt,
-                       std::shared_ptr<Communicator> comm, const std::string& loss, size_t bucket_elems,
-                       bool overlap, float max_grad_norm, float loss_scale, bool dynamic_loss_scale,
-                       int loss_scale_window, bool timed, const std::string& graph, const std::string& grad_dtype) {
+  const StepOptions defaults;
+  py::class_<StepOptions>(m, "StepOptions",
+                          "How a DataParallelStep runs (C++ StepOptions): bucket size, overlap, clipping, loss "
+                          "scaling, captured steps (graph: 'off' | 'auto' | 'on'), the gradients' allreduce type "
+                          "(grad_dtype: 'fp32' | 'bf16' | 'fp16') and timing.")
+      .def(py::init([](size_t bucket_elems, bool overlap, float max_grad_norm, float loss_scale,
+                       bool dynamic_loss_scale, int loss_scale_window, const std::string& graph,
+                       const std::string& grad_dtype, bool timed) {
              StepOptions o;
              o.grad_dtype = parse_precision(grad_dtype);
-             if (graph == "off")
-               o.graph = StepOptions::Graph::kOff;
-             else if (graph == "auto")
-               o.graph = StepOptions::Graph::kAuto;
-             else if (graph == "on")
-               o.graph = StepOptions::Graph::kOn;
-             else
-               throw ConfigError("unknown graph mode '" + graph + "' (expected auto, on or off)");
+             o.graph = parse_graph_mode(graph);
              o.bucket_elems = bucket_elems;
              o.overlap = overlap;
              o.max_grad_norm = max_grad_norm;
@@ -613,14 +625,46 @@ void bind_step(py::module_& m) {
              o.dynamic_loss_scale = dynamic_loss_scale;
              o.loss_scale_window = loss_scale_window;
              o.timed = timed;
+             return o;
+           }),
+           py::kw_only(), py::arg("bucket_elems") = defaults.bucket_elems, py::arg("overlap") = defaults.overlap,
+           py::arg("max_grad_norm") = defaults.max_grad_norm, py::arg("loss_scale") = defaults.loss_scale,
+           py::arg("dynamic_loss_scale") = defaults.dynamic_loss_scale,
+           py::arg("loss_scale_window") = defaults.loss_scale_window,
+           py::arg("graph") = graph_mode_name(defaults.graph),
+           py::arg("grad_dtype") = precision_name(defaults.grad_dtype), py::arg("timed") = defaults.timed)
+      .def_readwrite("bucket_elems", &StepOptions::bucket_elems)
+      .def_readwrite("overlap", &StepOptions::overlap)
+      .def_readwrite("max_grad_norm", &StepOptions::max_grad_norm)
+      .def_readwrite("loss_scale", &StepOptions::loss_scale)
+      .def_readwrite("dynamic_loss_scale", &StepOptions::dynamic_loss_scale)
+      .def_readwrite("loss_scale_window", &StepOptions::loss_scale_window,
+                     "Good steps in a row after which a dynamic loss scale doubles.")
+      .def_property(
+          "graph", [](const StepOptions& o) { return graph_mode_name(o.graph); },
+          [](StepOptions& o, const std::string& mode) { o.graph = parse_graph_mode(mode); },
+          "Captured steps (CUDA graphs): 'off' | 'auto' | 'on'.")
+      .def_property(
+          "grad_dtype", [](const StepOptions& o) { return precision_name(o.grad_dtype); },
+          [](StepOptions& o, const std::string& name) { o.grad_dtype = parse_precision(name); },
+          "The type the gradients' allreduce carries: 'fp32' | 'bf16' | 'fp16'.")
+      .def_readwrite("timed", &StepOptions::timed)
+      .def("__repr__", [](const StepOptions& o) {
+        return detail::concat("StepOptions(bucket_elems=", o.bucket_elems, ", overlap=", o.overlap ? "True" : "False",
+                              ", max_grad_norm=", o.max_grad_norm, ", loss_scale=", o.loss_scale,
+                              ", dynamic_loss_scale=", o.dynamic_loss_scale ? "True" : "False",
+                              ", loss_scale_window=", o.loss_scale_window, ", graph='", graph_mode_name(o.graph),
+                              "', grad_dtype='", precision_name(o.grad_dtype), "', timed=",
+                              o.timed ? "True" : "False", ")");
+      });
+  py::class_<DataParallelStep, std::shared_ptr<DataParallelStep>>(m, "DataParallelStep")
+      .def(py::init([](std::shared_ptr<MLP> model, std::shared_ptr<Optimizer> opt,
+                       std::shared_ptr<Communicator> comm, const std::string& loss, const StepOptions& options) {
              return std::make_shared<DataParallelStep>(std::move(model), std::move(opt), std::move(comm),
-                                                       parse_loss(loss), o);
+                                                       parse_loss(loss), options);
            }),
            py::arg("model"), py::arg("optimizer"), py::arg("communicator"), py::arg("loss") = "mse",
-           py::arg("bucket_elems") = size_t{1} << 20, py::arg("overlap") = true,
-           py::arg("max_grad_norm") = 0.0f, py::arg("loss_scale") = 1.0f,
-           py::arg("dynamic_loss_scale") = false, py::arg("loss_scale_window") = 2000, py::arg("timed") = false,
-           py::arg("graph") = "off", py::arg("grad_dtype") = "fp32")
+           py::arg("options") = StepOptions())
       .def(
           "step",
           [](DataParallelStep& s, py::list micro_batches, int64_t global_batch, uint64_t step_index,

@@ -23,7 +23,7 @@ SIZES, BATCH, STEPS = [12, 48, 48, 5], 30, 15
 def train(comm, first, rows, gpu, graph="off"):
     model = _core.MLP(_core.make_backend("cuda", gpu), SIZES, 0.2, 11)
     step = _core.DataParallelStep(model, _core.Optimizer(model, "sgd", momentum=0.9), comm, "cross_entropy",
-                                  bucket_elems=600, graph=graph, max_grad_norm=0.5)
+                                  _core.StepOptions(bucket_elems=600, graph=graph, max_grad_norm=0.5))
     step.broadcast_parameters(0)
     rng = np.random.default_rng(5)
     losses = []
@@ -39,7 +39,8 @@ def train(comm, first, rows, gpu, graph="off"):
 def host_syncs_per_step(comm, gpu, steps=4):
     """On the emulation: host synchronisations per steady-state step, and the buckets."""
     model = _core.MLP(_core.make_backend("cuda", gpu), SIZES, 0.0, 11)
-    step = _core.DataParallelStep(model, _core.Optimizer(model, "sgd"), comm, "cross_entropy", bucket_elems=600)
+    step = _core.DataParallelStep(model, _core.Optimizer(model, "sgd"), comm, "cross_entropy",
+                                  _core.StepOptions(bucket_elems=600))
     x = np.random.default_rng(1).standard_normal((BATCH, SIZES[0])).astype(np.float32)
     y = np.arange(BATCH) % SIZES[-1]
     for t in range(2 + steps):

@@ -62,7 +62,7 @@ def test_single_rank_nccl_step_equals_local(gpu, overlap, graph):
         model = _core.MLP(_core.make_backend("cuda", gpu), sizes, 0.1, 7)
         comm = _core.LocalCommunicator() if kind == "local" else one_rank(gpu)
         step = _core.DataParallelStep(model, _core.Optimizer(model, "adamw"), comm, "cross_entropy",
-                                      bucket_elems=700, overlap=overlap, graph=graph)
+                                      _core.StepOptions(bucket_elems=700, overlap=overlap, graph=graph))
         assert step.overlaps == (overlap and graph == "off")  # a captured step allreduces after backward
         assert step.uses_graphs == (graph == "on")
         for t, (x, y) in enumerate(data):

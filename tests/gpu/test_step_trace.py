@@ -34,7 +34,7 @@ def make_step(device, graph="off"):
     model = _core.MLP(be, SIZES, 0.0, 7)
     opt = _core.Optimizer(model, "sgd", momentum=0.9)
     # bucket_elems small enough for several buckets
-    return _core.DataParallelStep(model, opt, _core.LocalCommunicator(), "mse", bucket_elems=400, graph=graph)
+    return _core.DataParallelStep(model, opt, _core.LocalCommunicator(), "mse", _core.StepOptions(bucket_elems=400, graph=graph))
 
 
 def expected_names(micro_batches: int, graph, applied: bool = True) -> list:

@@ -22,7 +22,8 @@ def make(device, sizes, dropout=0.0, seed=3, precision="fp32", optimizer="sgd", 
     model = _core.MLP(be, sizes, dropout, seed)
     opt = (_core.Optimizer(model, "sgd", momentum=0.9, weight_decay=0.01) if optimizer == "sgd"
            else _core.Optimizer(model, "adamw", weight_decay=0.01))
-    step = _core.DataParallelStep(model, opt, _core.LocalCommunicator(), loss, bucket_elems=500, **step_opts)
+    step = _core.DataParallelStep(model, opt, _core.LocalCommunicator(), loss,
+                                  _core.StepOptions(bucket_elems=500, **step_opts))
     return model, step
 
 
@@ -286,8 +287,9 @@ def test_a_whole_step_graph_skips_clips_and_scales_like_the_uncaptured_step(capt
         model = _core.MLP(be, sizes, 0.1, 3)
         opt = (_core.Optimizer(model, "sgd", momentum=0.9, weight_decay=0.01) if optimizer == "sgd"
                else _core.Optimizer(model, "adamw", weight_decay=0.01))
-        step = _core.DataParallelStep(model, opt, _core.LocalCommunicator(), "mse", graph=graph, max_grad_norm=0.5,
-                                      loss_scale=64.0, dynamic_loss_scale=True, loss_scale_window=2)
+        step = _core.DataParallelStep(model, opt, _core.LocalCommunicator(), "mse",
+                                      _core.StepOptions(graph=graph, max_grad_norm=0.5, loss_scale=64.0,
+                                                        dynamic_loss_scale=True, loss_scale_window=2))
         results = []
         for t, (x, y) in enumerate(batches(sizes, "mse", 12, batch, seed=4)):
             if t in bad:
@@ -332,7 +334,8 @@ def test_auto_graphs_only_for_small_models_on_gpus(gpu):
     assert small.uses_graphs
     be = _core.make_backend("cuda", gpu, 1)
     big = _core.MLP(be, [4096, 4096, 1024], 0.0, 0)  # 21M parameters: GEMM-bound, no graphs
-    step = _core.DataParallelStep(big, _core.Optimizer(big, "sgd"), _core.LocalCommunicator(), "mse", graph="auto")
+    step = _core.DataParallelStep(big, _core.Optimizer(big, "sgd"), _core.LocalCommunicator(), "mse",
+                                  _core.StepOptions(graph="auto"))
     assert not step.uses_graphs
 
 
@@ -345,7 +348,7 @@ def test_the_selector_prices_graphs_where_the_training_step_captures(gpu):
         model = _core.MLP(be, sizes, 0.0, 0)
         for mode in ("auto", "on", "off"):
             step = _core.DataParallelStep(model, _core.Optimizer(model, "sgd"), _core.LocalCommunicator(), "mse",
-                                          graph=mode)
+                                          _core.StepOptions(graph=mode))
             w = workload.build_workload(None, sizes, None, 64, "fp32", "sgd", 4.0, cuda_graph=mode)
             assert perf.P.predict(w, perf.to_core(profile), 1, perf.P.Options()).graphs == step.uses_graphs, \
                 (sizes, mode)
@@ -383,8 +386,8 @@ def test_unscale_and_clip_fused_into_the_update_equal_a_scale_pass_then_the_upda
     model = _core.MLP(be, sizes, 0.0, 3)
     opt = (_core.Optimizer(model, "sgd", momentum=0.9, weight_decay=0.01) if optimizer == "sgd"
            else _core.Optimizer(model, "adamw", weight_decay=0.01))
-    step = _core.DataParallelStep(model, opt, _core.LocalCommunicator(), "mse", bucket_elems=500,
-                                  max_grad_norm=0.05, loss_scale=1000.0)
+    step = _core.DataParallelStep(model, opt, _core.LocalCommunicator(), "mse",
+                                  _core.StepOptions(bucket_elems=500, max_grad_norm=0.05, loss_scale=1000.0))
     names = opt.state_names()
     for t, (x, y) in enumerate(batches(sizes, "mse", 3, 16)):
         params = model.get_parameters()

@@ -163,7 +163,7 @@ def test_trainer_applies_the_warm_up_rate_from_step_0(kind):
 # --- loss scaling ------------------------------------------------------------------
 def _core_step(model, **options):
     opt = _core.Optimizer(model._core, "sgd")
-    return _core.DataParallelStep(model._core, opt, _core.LocalCommunicator(), "mse", **options)
+    return _core.DataParallelStep(model._core, opt, _core.LocalCommunicator(), "mse", _core.StepOptions(**options))
 
 
 def test_static_loss_scale_gives_the_unscaled_update():

@@ -71,7 +71,7 @@ def test_uneven_shards_average_exactly(loss):
 def test_bucket_plan_covers_the_gradient_buffer_once_in_backward_order(layers, bucket_elems):
     m = mgpu.MLP(layers)
     step = _core.DataParallelStep(m._core, _core.Optimizer(m._core, "sgd"), _core.LocalCommunicator(), "mse",
-                                  bucket_elems)
+                                  _core.StepOptions(bucket_elems=bucket_elems))
     buckets = step.buckets()
     assert _core.plan_buckets(layers, bucket_elems) == buckets  # what the performance model and traces use
     covered = sorted((off, off + n) for off, n, _ in buckets)
@@ -145,7 +145,7 @@ def test_timed_steps_report_each_buckets_allreduce_and_untimed_steps_nothing():
 
     def run(timed):
         step = _core.DataParallelStep(m._core, _core.Optimizer(m._core, "sgd"), _core.LocalCommunicator(), "mse",
-                                      40, timed=timed)
+                                      _core.StepOptions(bucket_elems=40, timed=timed))
         return step, step.step([(x, y, 0)], 6, 0, 0.1)
     _, untimed = run(False)
     assert untimed.buckets == []  # the untimed path records nothing
@@ -163,7 +163,7 @@ def test_timed_steps_report_each_buckets_allreduce_and_untimed_steps_nothing():
 def test_cpu_backend_does_not_overlap_host_driven_collectives():
     m = mgpu.MLP([3, 2])
     step = _core.DataParallelStep(m._core, _core.Optimizer(m._core, "sgd"), _core.LocalCommunicator(), "mse",
-                                  overlap=True)
+                                  _core.StepOptions(overlap=True))
     assert step.overlaps is False  # measured faster: per-bucket blocking allreduce after backward
 
 
@@ -172,7 +172,7 @@ def test_graph_modes_on_the_cpu_backend():
 
     def step(graph):
         return _core.DataParallelStep(m._core, _core.Optimizer(m._core, "sgd"), _core.LocalCommunicator(), "mse",
-                                      graph=graph)
+                                      _core.StepOptions(graph=graph))
     assert step("auto").uses_graphs is False  # auto: device backends only (CUDA graphs)
     assert step("off").uses_graphs is False
     assert step("on").uses_graphs is True  # the CPU reference capture (tests/gpu/test_training.py)

@@ -54,6 +54,8 @@ _STATE_INTS = ("optimizer_steps", "good_steps", "global_step", "epoch", "batch_i
 _STATE_FLOATS = ("loss_scale", "epoch_loss_sum", "epoch_seconds")
 _HISTORY_COUNTS = ("epoch", "steps", "samples")
 _HISTORY_NUMBERS = _HISTORY_COUNTS + ("train_loss", "val_loss", "seconds", "samples_per_sec", "val_accuracy")
+# Dynamic loss scaling: the scale doubles after this many good steps in a row (StepOptions.loss_scale_window).
+_LOSS_SCALE_GROWTH_INTERVAL = 2000
 
 
 def _resume_state(meta: dict, path: str) -> dict:
@@ -154,9 +156,11 @@ class Trainer:
         # timed: separate the phases of a step on device backends too (benchmarks; costs overlap)
         # graph: capture each step's forward/backward in a CUDA graph (auto: small models on GPUs)
         # grad_dtype: the type gradients travel in (bf16/fp16 halve the allreduce; NCCL only)
-        self._step = _core.DataParallelStep(model._core, self._optimizer, comm, loss, bucket_elems, overlap,
-                                            max_grad_norm, loss_scale, dynamic_loss_scale, 2000, timed, graph,
-                                            grad_dtype)
+        options = _core.StepOptions(bucket_elems=bucket_elems, overlap=overlap, max_grad_norm=max_grad_norm,
+                                    loss_scale=loss_scale, dynamic_loss_scale=dynamic_loss_scale,
+                                    loss_scale_window=_LOSS_SCALE_GROWTH_INTERVAL, timed=timed, graph=graph,
+                                    grad_dtype=grad_dtype)
+        self._step = _core.DataParallelStep(model._core, self._optimizer, comm, loss, options)
         self._graph_fallback_reported = False
         self._step.broadcast_parameters(0)
         # Loop state: everything a checkpoint must hold to continue exactly.
