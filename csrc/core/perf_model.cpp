@@ -722,7 +722,22 @@ int64_t break_even_batch(Workload w, const HardwareProfile& hw, const Options& o
 
 }  // namespace
 
-Recommendation recommend(const Workload& w, const HardwareProfile& hw, const Options& options) {
+namespace {
+
+// "a global batch of B", or with accumulation "micro-batches of m samples (a global batch of B in K)".
+std::string rows_text(const Workload& w) {
+  const int64_t micro_rows = w.global_batch / w.accumulate;
+  const std::string batch_text = "a global batch of " + std::to_string(w.global_batch);
+  return w.accumulate == 1 ? batch_text
+                           : "micro-batches of " + std::to_string(micro_rows) +
+                                 (micro_rows == 1 ? " sample" : " samples") + " (" + batch_text + " in " +
+                                 std::to_string(w.accumulate) + ")";
+}
+const char* rows_verb(const Workload& w) { return w.accumulate > 1 ? " give" : " gives"; }
+
+}  // namespace
+
+Decision decide_strategy(const Workload& w, const HardwareProfile& hw, const Options& options) {
   Options o = options;
   if (o.candidates.empty())
     for (int n = 1; n <= static_cast<int>(hw.devices.size()); ++n) o.candidates.push_back(n);
@@ -731,192 +746,271 @@ Recommendation recommend(const Workload& w, const HardwareProfile& hw, const Opt
   o.candidates.erase(std::unique(o.candidates.begin(), o.candidates.end()), o.candidates.end());
   const std::vector<int> sizes = w.resolved_layers();
 
-  Recommendation r;
-  r.profile = hw.name;
-  r.profile_source = hw.source;
-  r.params = parameter_count(sizes);
+  Decision d;
+  d.params = parameter_count(sizes);
+  d.price_per_device_hour = o.price_per_device_hour;
   // Every device needs a sample of every micro-batch (train refuses a step that leaves
   // a rank without one): the smallest micro-batch bounds the devices.
   MGPU_CHECK(w.accumulate <= w.global_batch, ConfigError, "accumulate ", w.accumulate,
              " is larger than the global batch ", w.global_batch, ": a micro-batch needs at least one sample");
   const int64_t micro_rows = w.global_batch / w.accumulate;
-  const std::string batch_text = "a global batch of " + std::to_string(w.global_batch);
-  const std::string rows_text =
-      w.accumulate == 1 ? batch_text
-                        : "micro-batches of " + std::to_string(micro_rows) + (micro_rows == 1 ? " sample" : " samples") +
-                              " (" + batch_text + " in " + std::to_string(w.accumulate) + ")";
   std::vector<int> too_many;  // more devices than samples: some would get none
   for (int n : o.candidates) {
     if (micro_rows >= n)
-      r.candidates.push_back(predict_candidate(w, hw, n, o));
+      d.candidates.push_back(predict_candidate(w, hw, n, o));
     else
       too_many.push_back(n);
   }
-  const std::string verb = w.accumulate > 1 ? " give" : " gives";
-  MGPU_CHECK(!r.candidates.empty(), ConfigError, rows_text, verb,
+  MGPU_CHECK(!d.candidates.empty(), ConfigError, rows_text(w), rows_verb(w),
              " some device of every candidate count no sample");
-  const Prediction* one = nullptr;
-  const Prediction* best = nullptr;        // fastest that fits
-  const Prediction* best_multi = nullptr;  // fastest multi-device that fits
-  for (const Prediction& p : r.candidates) {
-    if (p.devices == 1) one = &p;
-    if (!p.memory_fits) continue;
-    if (!best || p.step_s < best->step_s) best = &p;
-    if (p.devices > 1 && (!best_multi || p.step_s < best_multi->step_s)) best_multi = &p;
+  const std::vector<Prediction>& c = d.candidates;
+  int best_multi = -1;  // the fastest multi-device candidate that fits
+  for (int i = 0; i < static_cast<int>(c.size()); ++i) {
+    if (c[i].devices == 1) d.one = i;
+    if (!c[i].memory_fits) continue;
+    if (d.pick < 0 || c[i].step_s < c[d.pick].step_s) d.pick = i;
+    if (c[i].devices > 1 && (best_multi < 0 || c[i].step_s < c[best_multi].step_s)) best_multi = i;
   }
+  const int one = d.one, best = d.pick;
   // The model's relative error, widened where the calibration saw steps wander by
   // an absolute amount (ranks' jitter), which weighs most on short steps.
   const double err = std::max(hw.model_error, 0.01) +
-                     (one && best_multi ? one->timing_spread_s / std::max(one->step_s, 1e-30) +
-                                              best_multi->timing_spread_s / std::max(best_multi->step_s, 1e-30)
-                                        : 0.0);
-  const std::string dev1 = device_word(hw, 1);
+                     (one >= 0 && best_multi >= 0
+                          ? c[one].timing_spread_s / std::max(c[one].step_s, 1e-30) +
+                                c[best_multi].timing_spread_s / std::max(c[best_multi].step_s, 1e-30)
+                          : 0.0);
+  using Kind = Reason::Kind;
+  auto reason = [&d](Kind kind, int candidate = -1) -> Reason& {
+    d.reasons.push_back(Reason{});
+    d.reasons.back().kind = kind;
+    d.reasons.back().candidate = candidate;
+    return d.reasons.back();
+  };
 
   // The decision.
-  if (!best) {
-    r.strategy = "does_not_fit";
-    const Prediction& smallest = *std::min_element(
-        r.candidates.begin(), r.candidates.end(),
-        [](const Prediction& a, const Prediction& b) { return a.memory_bytes < b.memory_bytes; });
-    r.devices = smallest.devices;
-    r.reasons.push_back("no candidate fits in memory: at best " + bytes_text(smallest.memory_bytes) +
-                        " per device against " + bytes_text(smallest.memory_usable_bytes) + " usable (" +
-                        fmt("%.0f%%", o.memory_margin * 100) +
-                        " of the device); lower the batch, use bf16/fp16, or SGD instead of AdamW");
-  } else if (one && !one->memory_fits) {
-    r.strategy = "multi_gpu";
-    r.devices = best->devices;
-    r.reasons.push_back("one device cannot hold it (" + bytes_text(one->memory_bytes) + " > " +
-                        bytes_text(one->memory_usable_bytes) + " usable); " + device_word(hw, best->devices) +
-                        " split the batch so each holds " + bytes_text(best->memory_bytes));
-  } else if (!best_multi) {
-    r.strategy = "single_gpu";
-    r.devices = 1;
+  if (best < 0) {
+    d.strategy = Decision::Strategy::kDoesNotFit;
+    const int smallest = static_cast<int>(
+        std::min_element(c.begin(), c.end(),
+                         [](const Prediction& a, const Prediction& b) { return a.memory_bytes < b.memory_bytes; }) -
+        c.begin());
+    d.devices = c[smallest].devices;
+    reason(Kind::kNoCandidateFits, smallest).value = o.memory_margin;
+  } else if (one >= 0 && !c[one].memory_fits) {
+    d.strategy = Decision::Strategy::kMultiGpu;
+    d.devices = c[best].devices;
+    reason(Kind::kOneCannotHold, one).other = best;
+  } else if (best_multi < 0) {
+    d.strategy = Decision::Strategy::kSingleGpu;
+    d.devices = 1;
     bool multi = false;
-    for (const Prediction& p : r.candidates) multi |= p.devices > 1;
-    r.reasons.push_back(multi ? "no multi-device candidate fits in memory" : "no multi-device candidate to compare with");
-  } else if (best_multi->speedup * (1.0 - err) > 1.0) {
+    for (const Prediction& p : c) multi |= p.devices > 1;
+    reason(Kind::kNoMultiToCompare).flag = multi;
+  } else if (c[best_multi].speedup * (1.0 - err) > 1.0) {
     // model_error is relative: the band of a predicted speedup s is s(1 -+ err).
-    r.strategy = "multi_gpu";
-    r.devices = best_multi->devices;
-  } else if (best_multi->speedup * (1.0 + err) < 1.0) {
-    r.strategy = "single_gpu";
-    r.devices = 1;
-    r.reasons.push_back(fmt("%.2fx", best_multi->speedup) + fmt(" with the model's +-%.0f%%", err * 100) +
-                        fmt(" is at most %.2fx: one device is faster", best_multi->speedup * (1.0 + err)));
+    d.strategy = Decision::Strategy::kMultiGpu;
+    d.devices = c[best_multi].devices;
+  } else if (c[best_multi].speedup * (1.0 + err) < 1.0) {
+    d.strategy = Decision::Strategy::kSingleGpu;
+    d.devices = 1;
+    reason(Kind::kOneIsFaster, best_multi).value = err;
   } else {
-    r.strategy = "benchmark_required";
-    r.devices = best->devices;
-    r.reasons.push_back(fmt("the predicted gain (%.2fx) is within the model's error", best_multi->speedup) +
-                        fmt(" (+-%.0f%%", err * 100) +
-                        fmt(": %.2fx", std::max(0.0, best_multi->speedup * (1.0 - err))) +
-                        fmt("-%.2fx): measure it with `mgpu bench`", best_multi->speedup * (1.0 + err)));
+    d.strategy = Decision::Strategy::kBenchmarkRequired;
+    d.devices = c[best].devices;
+    reason(Kind::kGainWithinError, best_multi).value = err;
   }
 
   // Why, in numbers.
-  if (one) {
-    r.reasons.push_back(dev1 + ": " + ms(one->step_s) + " a step (forward " + ms(one->forward_s) + ", backward " +
-                        ms(one->backward_s) + ", optimizer " + ms(one->optimizer_s) + ", overhead " +
-                        ms(one->overhead_s) + "), " + count_text(one->samples_per_s) + " samples/s");
-  }
-  for (const Prediction& p : r.candidates) {
-    if (p.devices == 1) continue;
-    std::string line = device_word(hw, p.devices) + ": " + ms(p.step_s) + " a step, " +
-                       fmt("%.2fx", p.speedup) + fmt(" (efficiency %.0f%%)", p.efficiency * 100) + "; the " +
-                       bytes_text(4.0 * (r.params + MLP::kGradExtraSlots)) + " gradient allreduce takes " +
-                       ms(p.comm_s) + ", " + ms(p.exposed_comm_s) + " of it not hidden behind backward";
-    if (p.comm_s > 0) line += fmt("; communication/computation %.2f", p.comm_s / std::max(p.forward_s + p.backward_s, 1e-30));
-    r.reasons.push_back(line);
-  }
-  const Prediction& shown = best_multi ? *best_multi : one ? *one : r.candidates.front();
-  if (shown.graphs) {
-    const DeviceProfile& d = hw.devices[0];
-    std::string line = std::string("steps replay as CUDA graphs (") +
-                       (w.cuda_graph == "on" ? std::string("--cuda-graph on")
-                                              : "--cuda-graph auto: GPUs, models up to " +
-                                                    count_text(double(StepOptions::kGraphAutoMaxParams)) + " parameters") +
-                       "): ";
-    line += d.graph_node_s > 0 ? fmt("a kernel costs %.2g us as a graph node", d.graph_node_s * 1e6) +
-                                     fmt(" instead of a %.2g us launch", d.launch_overhead_s * 1e6)
-                               : std::string("kernels priced as launches (the profile has no graph-node time)");
-    if (best_multi) line += "; the allreduce follows backward instead of overlapping it";
-    r.reasons.push_back(line);
+  if (one >= 0) reason(Kind::kOneDeviceStep, one);
+  for (int i = 0; i < static_cast<int>(c.size()); ++i)
+    if (c[i].devices != 1) reason(Kind::kMultiDeviceStep, i).value = 4.0 * (d.params + MLP::kGradExtraSlots);
+  const int shown = best_multi >= 0 ? best_multi : one >= 0 ? one : 0;
+  if (c[shown].graphs) {
+    reason(Kind::kGraphReplay, shown).flag = best_multi >= 0;
     // Overlap can be worth more than the launches graphs save (a slow link, a large
     // allreduce): say so where uncaptured steps beat this answer's pick.
-    if (best && w.cuda_graph == "auto" && hw.link.overlaps_compute) {
+    if (best >= 0 && w.cuda_graph == "auto" && hw.link.overlaps_compute) {
       Workload uncaptured = w;
       uncaptured.cuda_graph = "off";
       std::optional<Prediction> faster;
-      for (const Prediction& p : r.candidates) {
+      for (const Prediction& p : c) {
         Prediction q = predict_candidate(uncaptured, hw, p.devices, o);
-        if (q.memory_fits && q.step_s < best->step_s * 0.98 && (!faster || q.step_s < faster->step_s))
+        if (q.memory_fits && q.step_s < c[best].step_s * 0.98 && (!faster || q.step_s < faster->step_s))
           faster = std::move(q);
       }
-      if (faster)
-        r.reasons.push_back("--cuda-graph off would be faster: " + device_word(hw, faster->devices) + " at " +
-                            ms(faster->step_s) + " a step against " + ms(best->step_s) + " for " +
-                            device_word(hw, best->devices) + " with graphs, the allreduce overlapping backward (" +
-                            ms(faster->exposed_comm_s) + " exposed)");
+      if (faster) {
+        Reason& r = reason(Kind::kUncapturedFaster);
+        r.other = best;
+        r.alternative = std::move(faster);
+      }
     }
   }
-  for (const Prediction& p : r.candidates) {
-    // Unequal devices: say what the slower ones add over the first (fastest) alone, and the shares.
-    if (!mixed_devices(hw, p.devices) || !one) continue;
-    std::string names, shares, flag;
-    for (int i = 0; i < p.devices; ++i) {
-      names += (i ? " + " : "") + hw.devices[i].name;
-      shares += (i ? ", " : "") + std::to_string(p.batch_shares[i]);
-      flag += (i ? "," : "") + std::to_string(p.batch_shares[i]);
-    }
-    const double gain = p.speedup - 1.0;
-    r.reasons.push_back("unequal devices (" + names + "): batch shares " + shares + " by device speed; " +
-                        (gain > 0 ? fmt("adding the slower device helps: %.2fx", p.speedup) +
-                                        fmt(" (%+.0f%%) over ", gain * 100) + hw.devices[0].name + " alone"
-                                  : fmt("adding the slower device does not help: %.2fx", p.speedup) +
-                                        fmt(" (%+.0f%%) of ", gain * 100) + hw.devices[0].name + " alone") +
-                        "; train with --batch-shares " + flag);
-  }
-  if (best_multi) {
+  // Unequal devices: what the slower ones add over the first (fastest) alone, and the shares.
+  for (int i = 0; i < static_cast<int>(c.size()); ++i)
+    if (mixed_devices(hw, c[i].devices) && one >= 0) reason(Kind::kUnequalDevices, i);
+  if (best_multi >= 0) {
     const double bucket_bytes = (w.grad_dtype == "fp32" ? 4.0 : 2.0) *  // on the wire
-                                std::min<double>(double(best_multi->bucket_elems), r.params);
-    const std::string how = hw.link.allreduce_choice(best_multi->devices, bucket_bytes);
-    if (!how.empty())
-      r.reasons.push_back("allreduce of one " + bytes_text(bucket_bytes) +
-                          " bucket on " + device_word(hw, best_multi->devices) + ": " + how +
-                          " (NCCL-shaped model, fitted to published nccl-tests tables)");
+                                std::min<double>(double(c[best_multi].bucket_elems), d.params);
+    const std::string how = hw.link.allreduce_choice(c[best_multi].devices, bucket_bytes);
+    if (!how.empty()) {
+      Reason& r = reason(Kind::kAllreduceAlgorithm, best_multi);
+      r.value = bucket_bytes;
+      r.text = how;
+    }
   }
-  r.break_even_batch = break_even_batch(w, hw, o, o.candidates);
-  if (r.break_even_batch > 0)
-    r.reasons.push_back("several devices beat one from a global batch of " + std::to_string(r.break_even_batch) +
-                        (w.global_batch >= r.break_even_batch ? " (this one is above it)" : " (this one is below it)"));
-  else if (o.candidates.back() > 1)
-    r.reasons.push_back("several devices never beat one for this model up to a global batch of 16M");
-  for (int n : too_many)
-    r.reasons.push_back(device_word(hw, n) + " left out: " + rows_text + verb + " some of them no sample");
-  const Prediction& chosen = best ? *best : r.candidates.front();
-  // unequal devices: the figures are the one nearest its capacity
-  r.reasons.push_back("memory: " + bytes_text(chosen.memory_bytes) +
-                      (mixed_devices(hw, chosen.devices) ? " on the device nearest its capacity" : " per device") +
-                      (chosen.memory_usable_bytes > 0 ? " of " + bytes_text(chosen.memory_usable_bytes) + " usable" : ""));
-  r.reasons.push_back("profile '" + hw.name + "' (" + hw.source + ")" +
-                      (hw.source == "calibrated" ? "" : ": run `python -m mgpu topo` on the machine to calibrate"));
+  d.break_even_batch = break_even_batch(w, hw, o, o.candidates);
+  if (d.break_even_batch > 0) {
+    Reason& r = reason(Kind::kBreakEven);
+    r.count = d.break_even_batch;
+    r.flag = w.global_batch >= d.break_even_batch;
+  } else if (o.candidates.back() > 1) {
+    reason(Kind::kNeverBreaksEven);
+  }
+  for (int n : too_many) reason(Kind::kDevicesLeftOut).count = n;
+  reason(Kind::kMemory, best >= 0 ? best : 0);
+  reason(Kind::kProfile);
 
   // How sure: the source of the numbers, and how far the decision is from the error band.
   const double base = hw.source == "calibrated" ? 0.9 : hw.source == "detected" ? 0.7 : 0.6;
   // How many error bands the predicted speedup lies from 1.0x (in log space, as the band is relative).
-  const double margin = best_multi ? std::fabs(std::log(best_multi->speedup)) / std::log1p(err) : 2.0;
-  r.confidence = std::clamp(base * std::min(1.0, 0.5 + 0.25 * margin), 0.05, 0.99);
+  const double margin = best_multi >= 0 ? std::fabs(std::log(c[best_multi].speedup)) / std::log1p(err) : 2.0;
+  d.confidence = std::clamp(base * std::min(1.0, 0.5 + 0.25 * margin), 0.05, 0.99);
+  return d;
+}
 
-  if (o.price_per_device_hour > 0 && one) {
-    const Prediction& pick = best ? *best : *one;
-    r.roi = fmt("at %.2f per device-hour: ", o.price_per_device_hour) + dev1 +
-            fmt(" costs %.3f per million samples", one->cost_per_million_samples);
+namespace {
+
+std::string word_reason(const Reason& r, const Decision& d, const Workload& w, const HardwareProfile& hw) {
+  using Kind = Reason::Kind;
+  const Prediction* p = r.candidate >= 0 ? &d.candidates[r.candidate] : nullptr;
+  const Prediction* other = r.other >= 0 ? &d.candidates[r.other] : nullptr;
+  switch (r.kind) {
+    case Kind::kNoCandidateFits:
+      return "no candidate fits in memory: at best " + bytes_text(p->memory_bytes) + " per device against " +
+             bytes_text(p->memory_usable_bytes) + " usable (" + fmt("%.0f%%", r.value * 100) +
+             " of the device); lower the batch, use bf16/fp16, or SGD instead of AdamW";
+    case Kind::kOneCannotHold:
+      return "one device cannot hold it (" + bytes_text(p->memory_bytes) + " > " +
+             bytes_text(p->memory_usable_bytes) + " usable); " + device_word(hw, other->devices) +
+             " split the batch so each holds " + bytes_text(other->memory_bytes);
+    case Kind::kNoMultiToCompare:
+      return r.flag ? "no multi-device candidate fits in memory" : "no multi-device candidate to compare with";
+    case Kind::kOneIsFaster:
+      return fmt("%.2fx", p->speedup) + fmt(" with the model's +-%.0f%%", r.value * 100) +
+             fmt(" is at most %.2fx: one device is faster", p->speedup * (1.0 + r.value));
+    case Kind::kGainWithinError:
+      return fmt("the predicted gain (%.2fx) is within the model's error", p->speedup) +
+             fmt(" (+-%.0f%%", r.value * 100) + fmt(": %.2fx", std::max(0.0, p->speedup * (1.0 - r.value))) +
+             fmt("-%.2fx): measure it with `mgpu bench`", p->speedup * (1.0 + r.value));
+    case Kind::kOneDeviceStep:
+      return device_word(hw, 1) + ": " + ms(p->step_s) + " a step (forward " + ms(p->forward_s) + ", backward " +
+             ms(p->backward_s) + ", optimizer " + ms(p->optimizer_s) + ", overhead " + ms(p->overhead_s) + "), " +
+             count_text(p->samples_per_s) + " samples/s";
+    case Kind::kMultiDeviceStep: {
+      std::string line = device_word(hw, p->devices) + ": " + ms(p->step_s) + " a step, " +
+                         fmt("%.2fx", p->speedup) + fmt(" (efficiency %.0f%%)", p->efficiency * 100) + "; the " +
+                         bytes_text(r.value) + " gradient allreduce takes " + ms(p->comm_s) + ", " +
+                         ms(p->exposed_comm_s) + " of it not hidden behind backward";
+      if (p->comm_s > 0)
+        line += fmt("; communication/computation %.2f", p->comm_s / std::max(p->forward_s + p->backward_s, 1e-30));
+      return line;
+    }
+    case Kind::kGraphReplay: {
+      const DeviceProfile& dev = hw.devices[0];
+      std::string line = std::string("steps replay as CUDA graphs (") +
+                         (w.cuda_graph == "on" ? std::string("--cuda-graph on")
+                                                : "--cuda-graph auto: GPUs, models up to " +
+                                                      count_text(double(StepOptions::kGraphAutoMaxParams)) +
+                                                      " parameters") +
+                         "): ";
+      line += dev.graph_node_s > 0 ? fmt("a kernel costs %.2g us as a graph node", dev.graph_node_s * 1e6) +
+                                         fmt(" instead of a %.2g us launch", dev.launch_overhead_s * 1e6)
+                                   : std::string("kernels priced as launches (the profile has no graph-node time)");
+      if (r.flag) line += "; the allreduce follows backward instead of overlapping it";
+      return line;
+    }
+    case Kind::kUncapturedFaster: {
+      const Prediction& faster = *r.alternative;
+      return "--cuda-graph off would be faster: " + device_word(hw, faster.devices) + " at " + ms(faster.step_s) +
+             " a step against " + ms(other->step_s) + " for " + device_word(hw, other->devices) +
+             " with graphs, the allreduce overlapping backward (" + ms(faster.exposed_comm_s) + " exposed)";
+    }
+    case Kind::kUnequalDevices: {
+      std::string names, shares, flag;
+      for (int i = 0; i < p->devices; ++i) {
+        names += (i ? " + " : "") + hw.devices[i].name;
+        shares += (i ? ", " : "") + std::to_string(p->batch_shares[i]);
+        flag += (i ? "," : "") + std::to_string(p->batch_shares[i]);
+      }
+      const double gain = p->speedup - 1.0;
+      return "unequal devices (" + names + "): batch shares " + shares + " by device speed; " +
+             (gain > 0 ? fmt("adding the slower device helps: %.2fx", p->speedup) +
+                             fmt(" (%+.0f%%) over ", gain * 100) + hw.devices[0].name + " alone"
+                       : fmt("adding the slower device does not help: %.2fx", p->speedup) +
+                             fmt(" (%+.0f%%) of ", gain * 100) + hw.devices[0].name + " alone") +
+             "; train with --batch-shares " + flag;
+    }
+    case Kind::kAllreduceAlgorithm:
+      return "allreduce of one " + bytes_text(r.value) + " bucket on " + device_word(hw, p->devices) + ": " +
+             r.text + " (NCCL-shaped model, fitted to published nccl-tests tables)";
+    case Kind::kBreakEven:
+      return "several devices beat one from a global batch of " + std::to_string(r.count) +
+             (r.flag ? " (this one is above it)" : " (this one is below it)");
+    case Kind::kNeverBreaksEven:
+      return "several devices never beat one for this model up to a global batch of 16M";
+    case Kind::kDevicesLeftOut:
+      return device_word(hw, static_cast<int>(r.count)) + " left out: " + rows_text(w) + rows_verb(w) +
+             " some of them no sample";
+    case Kind::kMemory:
+      // unequal devices: the figures are the one nearest its capacity
+      return "memory: " + bytes_text(p->memory_bytes) +
+             (mixed_devices(hw, p->devices) ? " on the device nearest its capacity" : " per device") +
+             (p->memory_usable_bytes > 0 ? " of " + bytes_text(p->memory_usable_bytes) + " usable" : "");
+    case Kind::kProfile:
+      return "profile '" + hw.name + "' (" + hw.source + ")" +
+             (hw.source == "calibrated" ? "" : ": run `python -m mgpu topo` on the machine to calibrate");
+  }
+  return "";
+}
+
+const char* strategy_name(Decision::Strategy s) {
+  switch (s) {
+    case Decision::Strategy::kSingleGpu: return "single_gpu";
+    case Decision::Strategy::kMultiGpu: return "multi_gpu";
+    case Decision::Strategy::kBenchmarkRequired: return "benchmark_required";
+    case Decision::Strategy::kDoesNotFit: return "does_not_fit";
+  }
+  return "";
+}
+
+}  // namespace
+
+Recommendation word_decision(const Decision& d, const Workload& w, const HardwareProfile& hw) {
+  Recommendation r;
+  r.strategy = strategy_name(d.strategy);
+  r.devices = d.devices;
+  r.candidates = d.candidates;
+  r.break_even_batch = d.break_even_batch;
+  r.confidence = d.confidence;
+  r.profile = hw.name;
+  r.profile_source = hw.source;
+  r.params = d.params;
+  for (const Reason& reason : d.reasons) r.reasons.push_back(word_reason(reason, d, w, hw));
+  if (d.price_per_device_hour > 0 && d.one >= 0) {
+    const Prediction& one = d.candidates[d.one];
+    const Prediction& pick = d.pick >= 0 ? d.candidates[d.pick] : one;
+    r.roi = fmt("at %.2f per device-hour: ", d.price_per_device_hour) + device_word(hw, 1) +
+            fmt(" costs %.3f per million samples", one.cost_per_million_samples);
     if (pick.devices != 1)
       r.roi += ", " + device_word(hw, pick.devices) + fmt(" %.3f", pick.cost_per_million_samples) +
-               fmt(" (%+.0f%% cost", (pick.cost_per_million_samples / one->cost_per_million_samples - 1) * 100) +
+               fmt(" (%+.0f%% cost", (pick.cost_per_million_samples / one.cost_per_million_samples - 1) * 100) +
                fmt(" for %.2fx the speed)", pick.speedup);
   }
   return r;
+}
+
+Recommendation recommend(const Workload& w, const HardwareProfile& hw, const Options& options) {
+  return word_decision(decide_strategy(w, hw, options), w, hw);
 }
 
 BucketChoice choose_bucket(const Workload& workload, const HardwareProfile& hw, int devices, const Options& o,

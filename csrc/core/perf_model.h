@@ -17,6 +17,7 @@
 #pragma once
 #include <array>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -258,7 +259,59 @@ BucketChoice choose_bucket(const Workload& workload, const HardwareProfile& hw, 
 double training_memory_bytes(const Workload& workload, int64_t rows);
 // Step time and memory of one candidate device count.
 Prediction predict(const Workload& workload, const HardwareProfile& hw, int devices, const Options& options);
-// The decision over options.candidates, with reasons.
+// One reason behind a Decision, as data: what it is about and its numbers
+// (word_decision says it in a sentence). Fields a kind does not name stay unset.
+struct Reason {
+  enum class Kind {
+    // Why this strategy.
+    kNoCandidateFits,     // candidate: the one needing the least memory; value: the usable fraction of memory
+    kOneCannotHold,       // candidate: the one-device candidate; other: the pick
+    kNoMultiToCompare,    // flag: some multi-device candidate exists (none fits)
+    kOneIsFaster,         // candidate: the fastest multi-device one; value: the model's relative error
+    kGainWithinError,     // candidate: the fastest multi-device one; value: the model's relative error
+    // Why, in numbers.
+    kOneDeviceStep,       // candidate: the one-device candidate
+    kMultiDeviceStep,     // candidate: a multi-device candidate; value: bytes of the gradient allreduce
+    kGraphReplay,         // candidate: the one shown; flag: several devices (the allreduce follows backward)
+    kUncapturedFaster,    // alternative: the faster uncaptured step; other: the pick (captured)
+    kUnequalDevices,      // candidate: a candidate on unequal devices
+    kAllreduceAlgorithm,  // candidate: the fastest multi-device one; value: one bucket's bytes; text: the algorithm
+    kBreakEven,           // count: the smallest global batch where several devices win; flag: this one is at or above
+    kNeverBreaksEven,     // (up to a global batch of 2^24)
+    kDevicesLeftOut,      // count: a device count that would leave some device without a sample
+    kMemory,              // candidate: the pick (or the first candidate when nothing fits)
+    kProfile,             // the profile's name and source
+  };
+  Kind kind = Kind::kProfile;
+  int candidate = -1;  // an index into Decision::candidates (-1: none)
+  int other = -1;      // a second one
+  double value = 0.0;
+  int64_t count = 0;
+  bool flag = false;
+  std::string text;
+  std::optional<Prediction> alternative;
+};
+
+// The selector's decision over options.candidates before any wording: the
+// strategy, the device count, the candidates compared and the reasons in the
+// order a Recommendation lists them.
+struct Decision {
+  enum class Strategy { kSingleGpu, kMultiGpu, kBenchmarkRequired, kDoesNotFit };
+  Strategy strategy = Strategy::kSingleGpu;
+  int devices = 1;
+  std::vector<Prediction> candidates;  // the device counts that give every device a sample, ascending
+  int one = -1;                        // the one-device candidate (-1: not among them)
+  int pick = -1;                       // the fastest candidate that fits (-1: none fits)
+  int64_t break_even_batch = -1;
+  double confidence = 0.0;
+  double params = 0;
+  double price_per_device_hour = 0.0;  // > 0: the ROI is worded
+  std::vector<Reason> reasons;
+};
+Decision decide_strategy(const Workload& workload, const HardwareProfile& hw, const Options& options);
+// The decision in words: strategy names, one sentence per reason, the ROI line.
+Recommendation word_decision(const Decision& decision, const Workload& workload, const HardwareProfile& hw);
+// The decision over options.candidates, with reasons: word_decision(decide_strategy(...)).
 Recommendation recommend(const Workload& workload, const HardwareProfile& hw, const Options& options);
 // Without any profile: seed 001's parameter-count/batch thresholds, said so.
 Recommendation recommend_by_thresholds(const Workload& workload, const Options& options);
