@@ -15,7 +15,7 @@
 #undef QUALIFIERS
 
 #include "../csrc/core/philox.h"
-#include "../csrc/cuda/cuda_check.h"
+#include "cuda_check.cuh"
 #include "common.cuh"
 #include "kernels.cuh"
 

@@ -6,7 +6,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-#include "../csrc/cuda/cuda_check.h"
+#include "cuda_check.cuh"
 #include "common.cuh"
 #include "kernels.cuh"
 

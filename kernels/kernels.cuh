@@ -15,8 +15,9 @@ namespace kernels {
 
 // Deterministic reductions write one partial per block (at most this many
 // blocks, a function of the problem size only) and a single block sums them in
-// a fixed order: same input, same bits, on any GPU. 528 = 4 blocks of 256
-// threads on each of an H100 SXM's 132 SMs (one wave; reduce.cu says why).
+// a fixed order: same input, same bits, on any GPU. 528 blocks of 256 threads
+// fill one wave of 4 blocks per SM on the GPU the kernels were sized for
+// (reduce.cu says why; docs/ARCHITECTURE.md has the sizes).
 constexpr int kReduceBlocks = 528;
 // Doubles of scratch a backend must hand to the reducing launchers.
 constexpr int kPartialsSize = 2 * kReduceBlocks + 8;

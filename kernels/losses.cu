@@ -7,7 +7,7 @@
 // host (LabelErrors), as the CPU leaves it out and throws.
 #include <cuda_runtime.h>
 
-#include "../csrc/cuda/cuda_check.h"
+#include "cuda_check.cuh"
 #include "common.cuh"
 #include "kernels.cuh"
 

@@ -8,7 +8,7 @@
 // (CPU reference: CpuBackend::step_verdict) is decide_step, shared with the CPU.
 #include <cmath>
 
-#include "../csrc/cuda/cuda_check.h"
+#include "cuda_check.cuh"
 #include "common.cuh"
 #include "kernels.cuh"
 

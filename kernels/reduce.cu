@@ -4,30 +4,24 @@
 // `accumulate` semantics), and the fixed-order final pass shared by every
 // reducing kernel. No atomics: results are deterministic run to run.
 //
-// Why these shapes (H100 SXM: 132 SMs, ~3.35 TB/s; Little's law wants about
-// 3.35 TB/s x ~0.7 us = ~2.3 MB of loads in flight to saturate HBM):
+// Why these shapes (docs/ARCHITECTURE.md, "Reduction shapes", works the sizes out):
 // - sum_squares reads 4 bytes per element once and writes one double per block.
-//   Each thread issues kSumUnroll = 4 independent 16-byte loads (64 bytes)
-//   before it adds any, so a warp has 2 KB in flight, not 128 bytes. The grid is
-//   n / 4096 blocks (one unrolled round per thread) up to kReduceBlocks = 528 =
-//   4 blocks of 256 threads per SM: one wave, all resident, ~8.6 MB in flight.
-//   The `xl` gradient (n ~ 120M, 480 MB) takes 528 blocks x ~56 rounds; n ~ 1M
-//   takes 245 blocks of one round each (all of it in flight at once). The grid
-//   depends on n alone (never on the GPU), so the bits do too.
+//   Each thread issues kSumUnroll independent 16-byte loads before it adds any,
+//   so a warp keeps enough bytes in flight to saturate device memory. The grid is
+//   n / 4096 blocks (one unrolled round per thread) up to kReduceBlocks, one
+//   resident wave. The grid depends on n alone (never on the GPU), so the bits do too.
 // - column_sums reads dout (B, OUT) once. Rows are split across blocks as well
 //   as columns (column_splits: ~kReduceBlocks blocks in all), each thread keeps
-//   kColUnroll = 8 row loads in flight, and a second pass adds the splits'
-//   partial sums in split order (no atomics). A classifier head (B = 4096,
-//   OUT = 10) runs 64 blocks of one round each instead of one block walking 256
-//   dependent loads per thread; a wide layer (B = 1024, OUT = 4096) runs
-//   128 x 5 blocks. The partials (splits x OUT floats, <= kColumnPartialsSize)
-//   are scratch the backend allocates once.
+//   kColUnroll row loads in flight, and a second pass adds the splits' partial
+//   sums in split order (no atomics): a narrow head runs many short blocks instead
+//   of one block walking long chains of dependent loads. The partials (splits x
+//   OUT floats, <= kColumnPartialsSize) are scratch the backend allocates once.
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstdint>
 
-#include "../csrc/cuda/cuda_check.h"
+#include "cuda_check.cuh"
 #include "common.cuh"
 #include "kernels.cuh"
 

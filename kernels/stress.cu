@@ -22,7 +22,7 @@
 #include "../csrc/core/errors.h"
 #include "../csrc/core/stress.h"
 #include "../csrc/core/stress_math.h"
-#include "../csrc/cuda/cuda_check.h"
+#include "cuda_check.cuh"
 #include "common.cuh"
 #include "kernels.cuh"
 

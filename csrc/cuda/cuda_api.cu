@@ -9,9 +9,9 @@
 #include <nccl.h>
 #endif
 
+#include "../../kernels/cuda_check.cuh"
 #include "../../kernels/kernels.cuh"
 #include "cuda_backend.h"
-#include "cuda_check.h"
 
 namespace mgpu {
 

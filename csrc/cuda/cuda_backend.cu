@@ -11,8 +11,8 @@
 #include <memory>
 #include <string>
 
+#include "../../kernels/cuda_check.cuh"
 #include "../../kernels/kernels.cuh"
-#include "cuda_check.h"
 
 namespace mgpu {
 

@@ -10,10 +10,10 @@
 #include <sstream>
 #include <thread>
 
+#include "../../kernels/cuda_check.cuh"
 #include "../core/errors.h"
 #include "../core/thread_sidecar.h"
 #include "cuda_backend.h"
-#include "cuda_check.h"
 
 namespace mgpu {
 

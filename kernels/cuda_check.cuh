@@ -1,14 +1,15 @@
 // Error checking for CUDA runtime, cuBLAS and kernel launches: every failure
 // becomes an mgpu::DeviceError naming the call, the library's error string and
 // file:line, so Python sees a typed exception instead of a dead process.
-// Included by the CUDA translation units only (it needs the CUDA headers).
+// Shared by the kernels and the CUDA backend (csrc/cuda includes it from here:
+// csrc/cuda -> kernels -> csrc/core); needs the CUDA headers.
 #pragma once
 #include <cublas_v2.h>
 #include <cuda_runtime_api.h>
 
 #include <string>
 
-#include "../core/errors.h"
+#include "../csrc/core/errors.h"
 
 namespace mgpu {
 namespace cuda_detail {
