@@ -1,6 +1,6 @@
-"""The CLI's shared pieces (mgpu.cliutil) in one process: list options refuse empty
+"""The CLI's shared pieces (mgpu.commands.common) in one process: list options refuse empty
 items, signs, overflow and (for sweeps) duplicates; an error line is one write; the
-`mgpu info` summary; the command modules never import cli.py."""
+`mgpu info` summary."""
 import argparse
 import ast
 import copy

@@ -1,4 +1,4 @@
-"""The analytic cost sheet of the CUDA step (mgpu/costsheet.py, `bench --explain`): its
+"""The analytic cost sheet of the CUDA step (mgpu/selector/costsheet.py, `bench --explain`): its
 arithmetic, its operation counts on small hand-counted models, and the CLI. That its
 counts match the code's is checked on the GPU emulation (tests/emulation/test_strictness.py)."""
 import json

@@ -614,7 +614,7 @@ def add_parser(sub) -> None:
     o.add_argument("--observe-every", type=int, default=50, metavar="N",
                    help="steps between gathers of every rank's step times to rank 0 (the straggler check's "
                         "window and --log-json's delay; default 50)")
-    w = t.add_argument_group("telemetry and safety (train_telemetry.py; the thresholds of `mgpu stress`)")
+    w = t.add_argument_group("telemetry and safety (monitor/training.py; the thresholds of `mgpu stress`)")
     w.add_argument("--telemetry", metavar="PREFIX",
                    help="sample every rank's device (NVML on GPUs, /proc on CPUs) and its training samples/s "
                         "while training; rank 0 writes PREFIX.csv, PREFIX.json and PREFIX.png at the end")

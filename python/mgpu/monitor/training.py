@@ -6,10 +6,10 @@ Each sample holds the device's readings (telemetry.reader_for: NVML on GPUs, /pr
 the CPU; on the GPU emulation the host's readings under a source name that says so)
 plus this rank's training throughput since the previous sample: samples of its shard
 in steps that finished, per second (0 while it validates or checkpoints). Above a
-threshold (stress.SafetyMonitor.breaches) the monitor warns once per crossing, or, for
+threshold (safety.SafetyMonitor.breaches) the monitor warns once per crossing, or, for
 the metrics named in `stop_on`, asks the trainer to stop: the request travels in the
 next step's allreduce, so every rank stops at the same step and a checkpoint is written.
-Observer (observe.py) drives it: start after its clock barrier, on_step, close.
+Observer (train/observe.py) drives it: start after its clock barrier, on_step, close.
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def output_paths(prefix: str) -> list:
 
 def output_options(prefix: str) -> dict:
     """--telemetry PREFIX's files as output options ('--telemetry (.csv)' -> path), for
-    cliutil.check_outputs; ConfigError when the prefix names no file (empty, a directory)."""
+    commands.common.check_outputs; ConfigError when the prefix names no file (empty, a directory)."""
     if not prefix or not os.path.basename(prefix):
         raise ConfigError(f"--telemetry '{prefix}': give a file name prefix (PREFIX.csv, .json and .png are "
                           "written), not an empty path or a directory")

@@ -12,7 +12,7 @@ rank 0, which writes the JSON log, keeps the trace events of the traced steps, c
 for a straggler, and at the end writes the trace. TensorBoard scalars need nothing
 from other ranks (loss, learning rate, gradient norm, loss scale are agreed values),
 so rank 0 buffers them and hands them to the writer every `every` steps. `train
---telemetry` rides along (train_telemetry.py: started, told of each step and gathered
+--telemetry` rides along (monitor/training.py: started, told of each step and gathered
 here). With every output and the straggler check off, Trainer holds no Observer and
 pays nothing.
 
@@ -133,7 +133,7 @@ class Observer:
         self.skipped_steps = 0
         self.origin = 0.0
         self.on_straggler = None          # rank 0: called with each window's finding or None (Trainer)
-        self.telemetry = telemetry        # a train_telemetry.TrainTelemetry (train --telemetry) or None
+        self.telemetry = telemetry        # a monitor.training.TrainTelemetry (train --telemetry) or None
         self.telemetry_files: list = []   # rank 0: what it wrote at close
 
     @property
