@@ -1,7 +1,8 @@
 """The runtime under every mgpu module: the OpenMP environment, set before the native
 core loads (libgomp reads it once, then), and which core this process runs: `_core`, or
 the GPU emulation's `_core_emu` where MGPU_EMULATE_GPU is set. Imported first by
-mgpu/__init__.py; every module takes the core as `from mgpu import _core`.
+mgpu/__init__.py; every module of mgpu takes the core from here (`from .._runtime import
+_core`), and users' `from mgpu import _core` finds the same one.
 
 libgomp's default spins idle OpenMP workers for milliseconds, on the very cores OpenBLAS's
 own threads then compute on, which cost a 2-thread step most of its second thread. So mgpu
@@ -18,6 +19,7 @@ other frameworks (the PyTorch peer) go without it (for_other_frameworks).
 What mgpu sets is listed in MGPU_SET_OPENMP_ENV, so that a child process importing mgpu
 decides afresh (its MGPU_CPU_GEMM may differ) instead of taking it for the user's.
 """
+import importlib
 import os
 import sys
 
@@ -79,14 +81,14 @@ if _set_by_mgpu:
 # `from mgpu import _core` sees it.
 if EMULATED:
     try:
-        from . import _core_emu as _core
+        _core = importlib.import_module(__package__ + "._core_emu")
     except ImportError as _e:  # built without the emulation (no CUDA headers, Boost.Context or MPI)
         raise ImportError(f"MGPU_EMULATE_GPU is set but this mgpu has no GPU emulation build ({_e}); "
                           "unset MGPU_EMULATE_GPU or rebuild with the CUDA toolkit headers, "
                           "libboost-context-dev and MPI") from None
     sys.modules[__package__ + "._core"] = _core
 else:
-    from . import _core
+    _core = importlib.import_module(__package__ + "._core")
 
 
 def gpus_emulated(device: str = "cuda") -> bool:

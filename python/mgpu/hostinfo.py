@@ -8,7 +8,7 @@ import os
 import platform
 import re
 
-from . import _core
+from ._runtime import _core
 from .errors import ConfigError
 
 

@@ -19,7 +19,7 @@ from typing import Optional
 
 import numpy as np
 
-from .. import _core
+from .._runtime import _core
 from .._runtime import for_other_frameworks, gpus_emulated
 from ..errors import ConfigError
 from ..hostinfo import placement_moved

@@ -26,7 +26,7 @@ from typing import Optional
 
 import numpy as np
 
-from .. import _core
+from .._runtime import _core
 from .._core import __version__
 from .._runtime import gpus_emulated
 from ..errors import ConfigError, DeviceError

@@ -27,7 +27,7 @@ import threading
 import time
 from typing import Optional
 
-from .. import _core
+from .._runtime import _core
 from .._runtime import gpus_emulated
 from ..atomic import write_json_atomic
 from ..console import write_line

@@ -20,7 +20,7 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
-from .. import _core
+from .._runtime import _core
 from ..errors import ConfigError
 
 P = _core.perf

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from .. import _core
+from .._runtime import _core
 from .._runtime import gpus_emulated
 from ..errors import ConfigError
 from ..hostinfo import available_memory

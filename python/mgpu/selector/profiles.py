@@ -21,7 +21,7 @@ import os
 import socket
 from typing import Optional
 
-from .. import _core
+from .._runtime import _core
 from .._runtime import gpus_emulated
 from ..atomic import atomic_file
 from ..errors import ConfigError

@@ -7,7 +7,7 @@ from __future__ import annotations
 import operator
 from typing import Optional, Sequence
 
-from .. import _core
+from .._runtime import _core
 from ..errors import ConfigError
 from ..train.config import GRAD_DTYPES, GRAPH_MODES, PRESETS
 from .hardware import PRECISIONS

@@ -10,7 +10,7 @@ import os
 import re
 from typing import Any, Callable, Optional, Protocol
 
-from .. import _core
+from .._runtime import _core
 from .._runtime import gpus_emulated
 from ..errors import ConfigError
 from ..hostinfo import cuda_device_count, no_gpu_reason

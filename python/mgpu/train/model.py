@@ -10,7 +10,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from .. import _core
+from .._runtime import _core
 from ..atomic import atomic_file
 from ..errors import ConfigError, DataError
 

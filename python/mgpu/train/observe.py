@@ -31,7 +31,7 @@ from typing import Optional
 
 import numpy as np
 
-from .. import _core
+from .._runtime import _core
 from ..atomic import write_json_atomic
 from ..errors import ConfigError
 

@@ -17,7 +17,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from .. import _core
+from .._runtime import _core
 from .._runtime import gpus_emulated
 from ..errors import CommError, ConfigError
 from .group import GroupBase, error_report, raise_agreed, raise_if_gpu_shared

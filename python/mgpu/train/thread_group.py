@@ -27,7 +27,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from .. import _core
+from .._runtime import _core
 from ..errors import CommError, ConfigError
 from ..hostinfo import cuda_device_count, no_gpu_reason
 from .group import GroupBase, error_report, raise_agreed, raise_if_gpu_shared

@@ -16,7 +16,7 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from .. import _core
+from .._runtime import _core
 from .._core import __version__
 from .._runtime import gpus_emulated
 from ..errors import ConfigError, NumericsError
