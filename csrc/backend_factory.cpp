@@ -35,7 +35,8 @@ std::shared_ptr<Backend> make_backend(const std::string& device, int device_inde
     return make_cuda_backend(device_index);
 #else
     (void)device_index;
-    throw DeviceError("this build of mgpu has no CUDA backend (it was built without the CUDA toolkit); use device='cpu'");
+    throw DeviceError(
+        "this build of mgpu has no CUDA backend (it was built without the CUDA toolkit); use device='cpu'");
 #endif
   }
   throw ConfigError("unknown device '" + device + "' (expected 'cpu' or 'cuda')");

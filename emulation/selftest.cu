@@ -192,8 +192,8 @@ std::string run_scenario(const std::string& name) {
   }
   if (name == "misaligned_vector_load" || name == "aligned_vector_load")  // src one float past alignment
     return run([&] {
-      MGPU_LAUNCH(float4_copy_kernel, 1, 8, 0, b.s1)(reinterpret_cast<float4*>(b.e),
-                                                     b.d + (name == "misaligned_vector_load" ? 1 : 0));
+      MGPU_LAUNCH(float4_copy_kernel, 1, 8, 0, b.s1)
+      (reinterpret_cast<float4*>(b.e), b.d + (name == "misaligned_vector_load" ? 1 : 0));
       return cudaSuccess;
     });
   if (name == "atomics") {

@@ -18,8 +18,8 @@ namespace cuda_detail {
   // Clear the thread's last error: left behind, the next launch check would
   // report it again under another kernel's name (sticky errors stay anyway).
   cudaGetLastError();
-  throw DeviceError(detail::concat(call, " failed: ", cudaGetErrorName(rc), ": ",
-                                   cudaGetErrorString(rc), " (", file, ":", line, ")"));
+  throw DeviceError(detail::concat(call, " failed: ", cudaGetErrorName(rc), ": ", cudaGetErrorString(rc), " (", file,
+                                   ":", line, ")"));
 }
 
 inline const char* cublas_status_name(cublasStatus_t s) {
@@ -45,23 +45,22 @@ inline const char* cublas_status_name(cublasStatus_t s) {
 }  // namespace cuda_detail
 }  // namespace mgpu
 
-#define MGPU_CUDA_CHECK(call)                                                        \
-  do {                                                                               \
-    const cudaError_t mgpu_rc_ = (call);                                             \
+#define MGPU_CUDA_CHECK(call)                                                                          \
+  do {                                                                                                 \
+    const cudaError_t mgpu_rc_ = (call);                                                               \
     if (mgpu_rc_ != cudaSuccess) ::mgpu::cuda_detail::throw_cuda(mgpu_rc_, #call, __FILE__, __LINE__); \
   } while (0)
 
-#define MGPU_CUBLAS_CHECK(call)                                                      \
-  do {                                                                               \
-    const cublasStatus_t mgpu_rc_ = (call);                                          \
-    if (mgpu_rc_ != CUBLAS_STATUS_SUCCESS)                                           \
-      ::mgpu::cuda_detail::throw_cublas(mgpu_rc_, #call, __FILE__, __LINE__);        \
+#define MGPU_CUBLAS_CHECK(call)                                                                                    \
+  do {                                                                                                             \
+    const cublasStatus_t mgpu_rc_ = (call);                                                                        \
+    if (mgpu_rc_ != CUBLAS_STATUS_SUCCESS) ::mgpu::cuda_detail::throw_cublas(mgpu_rc_, #call, __FILE__, __LINE__); \
   } while (0)
 
 // After a kernel launch: launch-configuration errors surface here; faults
 // inside the kernel surface at the next synchronising call, also as DeviceError.
-#define MGPU_CUDA_CHECK_LAUNCH(name)                                                 \
-  do {                                                                               \
-    const cudaError_t mgpu_rc_ = cudaGetLastError();                                 \
+#define MGPU_CUDA_CHECK_LAUNCH(name)                                                                  \
+  do {                                                                                                \
+    const cudaError_t mgpu_rc_ = cudaGetLastError();                                                  \
     if (mgpu_rc_ != cudaSuccess) ::mgpu::cuda_detail::throw_cuda(mgpu_rc_, name, __FILE__, __LINE__); \
   } while (0)

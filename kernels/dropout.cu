@@ -15,8 +15,8 @@
 #undef QUALIFIERS
 
 #include "../csrc/core/philox.h"
-#include "cuda_check.cuh"
 #include "common.cuh"
+#include "cuda_check.cuh"
 #include "kernels.cuh"
 
 namespace mgpu {
@@ -155,8 +155,8 @@ void dropout_mask_on_host(float* mask, int B, int C, float p, const DropoutKey& 
 }
 
 void curand_philox_on_host(const uint32_t counter[4], const uint32_t key[2], uint32_t out[4]) {
-  const uint4 w = curand_Philox4x32_10(make_uint4(counter[0], counter[1], counter[2], counter[3]),
-                                       make_uint2(key[0], key[1]));
+  const uint4 w =
+      curand_Philox4x32_10(make_uint4(counter[0], counter[1], counter[2], counter[3]), make_uint2(key[0], key[1]));
   out[0] = w.x;
   out[1] = w.y;
   out[2] = w.z;

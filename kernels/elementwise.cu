@@ -6,8 +6,8 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-#include "cuda_check.cuh"
 #include "common.cuh"
+#include "cuda_check.cuh"
 #include "kernels.cuh"
 
 namespace mgpu {
@@ -15,8 +15,7 @@ namespace kernels {
 
 namespace {
 
-__global__ void broadcast_rows_kernel(float* __restrict__ out, const float* __restrict__ bias, size_t n,
-                                      int C) {
+__global__ void broadcast_rows_kernel(float* __restrict__ out, const float* __restrict__ bias, size_t n, int C) {
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
     out[i] = bias[i % C];
 }
@@ -42,8 +41,8 @@ __global__ void convert_kernel(typename Convert::Out* __restrict__ out, const ty
 template <typename Convert>
 void convert(void* out, const void* in, size_t n, cudaStream_t stream, const char* name) {
   if (n == 0) return;
-  MGPU_LAUNCH(convert_kernel<Convert>, grid_for(n), kThreads, 0, stream)(
-      static_cast<typename Convert::Out*>(out), static_cast<const typename Convert::In*>(in), n);
+  MGPU_LAUNCH(convert_kernel<Convert>, grid_for(n), kThreads, 0, stream)
+  (static_cast<typename Convert::Out*>(out), static_cast<const typename Convert::In*>(in), n);
   MGPU_CUDA_CHECK_LAUNCH(name);
 }
 

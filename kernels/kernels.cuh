@@ -55,8 +55,7 @@ void relu_dropout_forward(float* h, int B, int C, float p, const DropoutKey& key
 // never see each other's values.
 void set_replay_args(ReplayArgs* dst, const ReplayArgs& args, cudaStream_t stream);
 // dh (n) *= [h > 0] / (1 - p)
-void relu_dropout_backward(float* dh, const float* h, size_t n, float p, cudaStream_t stream,
-                           HalfShadow shadow = {});
+void relu_dropout_backward(float* dh, const float* h, size_t n, float p, cudaStream_t stream, HalfShadow shadow = {});
 // Host execution of the exact per-element code the forward kernel runs
 // (curand_Philox4x32_10 compiled for the host): mask (B, C) of 0 or 1/(1-p).
 void dropout_mask_on_host(float* mask, int B, int C, float p, const DropoutKey& key);
@@ -66,9 +65,8 @@ void curand_philox_on_host(const uint32_t counter[4], const uint32_t key[2], uin
 // losses.cu (partials: kPartialsSize doubles of device scratch)
 // pred (B, D), target (B, D) -> *loss_out = grad_scale * sum (pred - target)^2, dpred (nullable);
 // replay (device, nullable) overrides grad_scale, read when the kernels run (as in cross entropy).
-void mse_forward_backward(float* loss_out, float* dpred, const float* pred, const float* target, int B,
-                          int D, float grad_scale, double* partials, cudaStream_t stream,
-                          const ReplayArgs* replay = nullptr);
+void mse_forward_backward(float* loss_out, float* dpred, const float* pred, const float* target, int B, int D,
+                          float grad_scale, double* partials, cudaStream_t stream, const ReplayArgs* replay = nullptr);
 // Labels outside [0, C) that cross_entropy_forward_backward met, for the host
 // to report (Backend::cross_entropy_forward_backward). `device` (2 values,
 // device memory) collects a launch's: count and the smallest (row << 32 | label
@@ -83,18 +81,16 @@ constexpr unsigned long long kNoLabelError = ~0ull;
 // logits (B, C), labels (B) -> *loss_out, dlogits (nullable), *correct_out (nullable);
 // rows with a label outside [0, C) add nothing (zero gradient rows) and are
 // recorded in `errors` (nullable members: not recorded).
-void cross_entropy_forward_backward(float* loss_out, float* dlogits, float* correct_out,
-                                    const float* logits, const int32_t* labels, int B, int C,
-                                    float grad_scale, double* partials, const LabelErrors& errors,
-                                    cudaStream_t stream, const ReplayArgs* replay = nullptr);
+void cross_entropy_forward_backward(float* loss_out, float* dlogits, float* correct_out, const float* logits,
+                                    const int32_t* labels, int B, int C, float grad_scale, double* partials,
+                                    const LabelErrors& errors, cudaStream_t stream, const ReplayArgs* replay = nullptr);
 
 // optimizers.cu (HalfShadow: the parameters' half copy, written with them)
 // replay (device, in a capture): the per-step values come from its `update`.
 void sgd_update(float* param, const float* grad, float* momentum_buf, size_t n, const SgdParams& hp,
                 cudaStream_t stream, HalfShadow shadow = {}, const ReplayArgs* replay = nullptr);
-void adamw_update(float* param, const float* grad, float* exp_avg, float* exp_avg_sq, size_t n,
-                  const AdamWParams& hp, cudaStream_t stream, HalfShadow shadow = {},
-                  const ReplayArgs* replay = nullptr);
+void adamw_update(float* param, const float* grad, float* exp_avg, float* exp_avg_sq, size_t n, const AdamWParams& hp,
+                  cudaStream_t stream, HalfShadow shadow = {}, const ReplayArgs* replay = nullptr);
 // decide_step on verdict (its sum_squares written before, in stream order);
 // pending_label_errors and comm_failed (host-pinned, nullable): nonzero
 // refuses the update; replay (device, in a capture): its loss_scale replaces loss_scale.
@@ -107,8 +103,7 @@ void step_verdict(StepVerdict* verdict, const float* slots, float loss_scale, fl
 void sum_squares(double* out, const float* x, size_t n, double* partials, cudaStream_t stream);
 // dout (B, OUT) -> dbias (OUT) = column sums (+= when accumulate); scratch:
 // kColumnPartialsSize floats.
-void column_sums(float* dbias, const float* dout, int B, int OUT, bool accumulate, float* scratch,
-                 cudaStream_t stream);
+void column_sums(float* dbias, const float* dout, int B, int OUT, bool accumulate, float* scratch, cudaStream_t stream);
 // Sums series s = 0..nseries-1 of `nblocks` partials each (series s at
 // partials + s * kReduceBlocks) in a fixed order; writes out_f[s] = sum * scale[s]
 // where out_f[s] is set, and *out_d = series 0 where out_d is set.

@@ -7,8 +7,8 @@
 // host (LabelErrors), as the CPU leaves it out and throws.
 #include <cuda_runtime.h>
 
-#include "cuda_check.cuh"
 #include "common.cuh"
+#include "cuda_check.cuh"
 #include "kernels.cuh"
 
 namespace mgpu {
@@ -21,9 +21,8 @@ constexpr int kWarpsPerBlock = kThreads / 32;
 // pred (B, D), target (B, D): partials[block] = sum (pred - target)^2 over the
 // block's elements; dpred = 2 grad_scale (pred - target), grad_scale from
 // replay (nullable, device) when set.
-__global__ void mse_kernel(double* __restrict__ partials, float* __restrict__ dpred,
-                           const float* __restrict__ pred, const float* __restrict__ target, size_t n,
-                           float two_scale, const ReplayArgs* replay) {
+__global__ void mse_kernel(double* __restrict__ partials, float* __restrict__ dpred, const float* __restrict__ pred,
+                           const float* __restrict__ target, size_t n, float two_scale, const ReplayArgs* replay) {
   __shared__ double smem[kThreads];
   if (replay) two_scale = 2.0f * replay->grad_scale;
   double sum = 0.0;
@@ -40,9 +39,8 @@ __global__ void mse_kernel(double* __restrict__ partials, float* __restrict__ dp
 // as in the CPU loop, so ties count the same. bad_labels (nullable, device):
 // LabelErrors::device.
 __global__ void cross_entropy_kernel(double* __restrict__ partials, float* __restrict__ dlogits,
-                                     const float* __restrict__ logits, const int32_t* __restrict__ labels,
-                                     int B, int C, float grad_scale, unsigned long long* bad_labels,
-                                     const ReplayArgs* replay) {
+                                     const float* __restrict__ logits, const int32_t* __restrict__ labels, int B, int C,
+                                     float grad_scale, unsigned long long* bad_labels, const ReplayArgs* replay) {
   __shared__ double warp_loss[kWarpsPerBlock];
   if (replay) grad_scale = replay->grad_scale;
   __shared__ int warp_hits[kWarpsPerBlock];
@@ -90,8 +88,7 @@ __global__ void cross_entropy_kernel(double* __restrict__ partials, float* __res
     if (dlogits) {
       float* g = dlogits + size_t(b) * C;
       const float inv = static_cast<float>(1.0 / denom);
-      for (int j = lane; j < C; j += 32)
-        g[j] = grad_scale * (expf(x[j] - mx) * inv - (j == y ? 1.0f : 0.0f));
+      for (int j = lane; j < C; j += 32) g[j] = grad_scale * (expf(x[j] - mx) * inv - (j == y ? 1.0f : 0.0f));
     }
   }
   if (lane == 0) {
@@ -113,13 +110,11 @@ __global__ void cross_entropy_kernel(double* __restrict__ partials, float* __res
 
 }  // namespace
 
-void mse_forward_backward(float* loss_out, float* dpred, const float* pred, const float* target, int B,
-                          int D, float grad_scale, double* partials, cudaStream_t stream,
-                          const ReplayArgs* replay) {
+void mse_forward_backward(float* loss_out, float* dpred, const float* pred, const float* target, int B, int D,
+                          float grad_scale, double* partials, cudaStream_t stream, const ReplayArgs* replay) {
   const size_t n = size_t(B) * D;
   const int blocks = reduce_blocks(n, size_t(kThreads) * 8);
-  MGPU_LAUNCH(mse_kernel, blocks, kThreads, 0, stream)(partials, dpred, pred, target, n, 2.0f * grad_scale,
-                                                          replay);
+  MGPU_LAUNCH(mse_kernel, blocks, kThreads, 0, stream)(partials, dpred, pred, target, n, 2.0f * grad_scale, replay);
   MGPU_CUDA_CHECK_LAUNCH("mse_kernel");
   FinalizeArgs f;
   f.partials = partials;
@@ -130,13 +125,12 @@ void mse_forward_backward(float* loss_out, float* dpred, const float* pred, cons
   finalize_partials(f, stream);
 }
 
-void cross_entropy_forward_backward(float* loss_out, float* dlogits, float* correct_out,
-                                    const float* logits, const int32_t* labels, int B, int C,
-                                    float grad_scale, double* partials, const LabelErrors& errors,
-                                    cudaStream_t stream, const ReplayArgs* replay) {
+void cross_entropy_forward_backward(float* loss_out, float* dlogits, float* correct_out, const float* logits,
+                                    const int32_t* labels, int B, int C, float grad_scale, double* partials,
+                                    const LabelErrors& errors, cudaStream_t stream, const ReplayArgs* replay) {
   const int blocks = reduce_blocks(size_t(B), kWarpsPerBlock);
-  MGPU_LAUNCH(cross_entropy_kernel, blocks, kThreads, 0, stream)(partials, dlogits, logits, labels, B, C, grad_scale,
-                                                                 errors.device, replay);
+  MGPU_LAUNCH(cross_entropy_kernel, blocks, kThreads, 0, stream)
+  (partials, dlogits, logits, labels, B, C, grad_scale, errors.device, replay);
   MGPU_CUDA_CHECK_LAUNCH("cross_entropy_kernel");
   FinalizeArgs f;
   f.partials = partials;

@@ -8,8 +8,8 @@
 // (CPU reference: CpuBackend::step_verdict) is decide_step, shared with the CPU.
 #include <cmath>
 
-#include "cuda_check.cuh"
 #include "common.cuh"
+#include "cuda_check.cuh"
 #include "kernels.cuh"
 
 namespace mgpu {
@@ -47,9 +47,9 @@ __global__ void sgd_kernel(float* __restrict__ param, const float* __restrict__ 
   }
 }
 
-__global__ void sgd_momentum_kernel(float* __restrict__ param, const float* __restrict__ grad,
-                                    float* __restrict__ buf, size_t n, UpdateScalars s, float wd, float mom,
-                                    float gs, HalfShadow shadow, StepInputs in) {
+__global__ void sgd_momentum_kernel(float* __restrict__ param, const float* __restrict__ grad, float* __restrict__ buf,
+                                    size_t n, UpdateScalars s, float wd, float mom, float gs, HalfShadow shadow,
+                                    StepInputs in) {
   if (!step_values(in, s, gs)) return;
   const float lr = s.lr;
   const bool first = s.first_step != 0;
@@ -92,7 +92,8 @@ __global__ void step_verdict_kernel(StepVerdict* v, const float* slots, float lo
                                     const unsigned long long* pending_label_errors, const int* comm_failed,
                                     const ReplayArgs* replay) {
   const float scale = replay ? replay->loss_scale : loss_scale;
-  const bool labels_ok = !(pending_label_errors && *static_cast<const volatile unsigned long long*>(pending_label_errors));
+  const bool labels_ok =
+      !(pending_label_errors && *static_cast<const volatile unsigned long long*>(pending_label_errors));
   const bool comm_ok = !(comm_failed && *static_cast<const volatile int*>(comm_failed));
   decide_step(*v, slots, scale, max_norm, labels_ok && comm_ok);
 }
@@ -105,19 +106,18 @@ void sgd_update(float* param, const float* grad, float* momentum_buf, size_t n, 
   const UpdateScalars s = update_scalars(hp);
   const StepInputs in{hp.verdict, replay};
   if (hp.momentum > 0.0f) {
-    MGPU_LAUNCH(sgd_momentum_kernel, grid_for(n), kThreads, 0, stream)(param, grad, momentum_buf, n, s,
-                                                                       hp.weight_decay, hp.momentum,
-                                                                       hp.grad_scale, shadow, in);
+    MGPU_LAUNCH(sgd_momentum_kernel, grid_for(n), kThreads, 0, stream)
+    (param, grad, momentum_buf, n, s, hp.weight_decay, hp.momentum, hp.grad_scale, shadow, in);
     MGPU_CUDA_CHECK_LAUNCH("sgd_momentum_kernel");
   } else {
-    MGPU_LAUNCH(sgd_kernel, grid_for(n), kThreads, 0, stream)(param, grad, n, s, hp.weight_decay,
-                                                              hp.grad_scale, shadow, in);
+    MGPU_LAUNCH(sgd_kernel, grid_for(n), kThreads, 0, stream)
+    (param, grad, n, s, hp.weight_decay, hp.grad_scale, shadow, in);
     MGPU_CUDA_CHECK_LAUNCH("sgd_kernel");
   }
 }
 
-void adamw_update(float* param, const float* grad, float* exp_avg, float* exp_avg_sq, size_t n,
-                  const AdamWParams& hp, cudaStream_t stream, HalfShadow shadow, const ReplayArgs* replay) {
+void adamw_update(float* param, const float* grad, float* exp_avg, float* exp_avg_sq, size_t n, const AdamWParams& hp,
+                  cudaStream_t stream, HalfShadow shadow, const ReplayArgs* replay) {
   if (n == 0) return;
   // Bias corrections in double on the host, as the CPU backend computes them.
   const UpdateScalars s = update_scalars(hp);
@@ -127,16 +127,16 @@ void adamw_update(float* param, const float* grad, float* exp_avg, float* exp_av
   c.b2 = hp.beta2;
   c.eps = hp.eps;
   c.grad_scale = hp.grad_scale;
-  MGPU_LAUNCH(adamw_kernel, grid_for(n), kThreads, 0, stream)(param, grad, exp_avg, exp_avg_sq, n, s, c, shadow,
-                                                              StepInputs{hp.verdict, replay});
+  MGPU_LAUNCH(adamw_kernel, grid_for(n), kThreads, 0, stream)
+  (param, grad, exp_avg, exp_avg_sq, n, s, c, shadow, StepInputs{hp.verdict, replay});
   MGPU_CUDA_CHECK_LAUNCH("adamw_kernel");
 }
 
 void step_verdict(StepVerdict* verdict, const float* slots, float loss_scale, float max_norm,
                   const unsigned long long* pending_label_errors, const int* comm_failed, cudaStream_t stream,
                   const ReplayArgs* replay) {
-  MGPU_LAUNCH(step_verdict_kernel, 1, 1, 0, stream)(verdict, slots, loss_scale, max_norm, pending_label_errors,
-                                                    comm_failed, replay);
+  MGPU_LAUNCH(step_verdict_kernel, 1, 1, 0, stream)
+  (verdict, slots, loss_scale, max_norm, pending_label_errors, comm_failed, replay);
   MGPU_CUDA_CHECK_LAUNCH("step_verdict_kernel");
 }
 

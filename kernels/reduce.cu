@@ -21,8 +21,8 @@
 #include <algorithm>
 #include <cstdint>
 
-#include "cuda_check.cuh"
 #include "common.cuh"
+#include "cuda_check.cuh"
 #include "kernels.cuh"
 
 namespace mgpu {
@@ -218,12 +218,11 @@ void column_sums(float* dbias, const float* dout, int B, int OUT, bool accumulat
     MGPU_CUDA_CHECK_LAUNCH("column_sums_kernel");
     return;
   }
-  MGPU_LAUNCH(column_sums_kernel, dim3(tiles, splits), block, 0, stream)(scratch, dout, B, OUT,
-                                                                        ceil_div(B, splits), false);
+  MGPU_LAUNCH(column_sums_kernel, dim3(tiles, splits), block, 0, stream)
+  (scratch, dout, B, OUT, ceil_div(B, splits), false);
   MGPU_CUDA_CHECK_LAUNCH("column_sums_kernel");
   // The second pass: column sums of the (splits, OUT) partials, in split order.
-  MGPU_LAUNCH(column_sums_kernel, dim3(tiles, 1), block, 0, stream)(dbias, scratch, splits, OUT, splits,
-                                                                   accumulate);
+  MGPU_LAUNCH(column_sums_kernel, dim3(tiles, 1), block, 0, stream)(dbias, scratch, splits, OUT, splits, accumulate);
   MGPU_CUDA_CHECK_LAUNCH("column_sums_kernel");
 }
 

@@ -22,8 +22,8 @@
 #include "../csrc/core/errors.h"
 #include "../csrc/core/stress.h"
 #include "../csrc/core/stress_math.h"
-#include "cuda_check.cuh"
 #include "common.cuh"
+#include "cuda_check.cuh"
 #include "kernels.cuh"
 
 namespace mgpu {
@@ -202,8 +202,8 @@ class CudaStress final : public StressDevice {
     const size_t checks = std::min(std::max<size_t>(sample, 1), n);
     if (inject_fault) flip_bit(values_.ptr + stress_sample_index(checks / 2, n, checks));
     zero_counts();
-    MGPU_LAUNCH(compute_check_kernel, grid_for(checks), kThreads, 0, stream_)(counts_.ptr, values_.ptr, n, checks,
-                                                                       iterations, seed);
+    MGPU_LAUNCH(compute_check_kernel, grid_for(checks), kThreads, 0, stream_)
+    (counts_.ptr, values_.ptr, n, checks, iterations, seed);
     MGPU_CUDA_CHECK_LAUNCH("compute_check_kernel");
     const auto counts = read_counts();
     c.checked = static_cast<int64_t>(checks);
@@ -259,8 +259,7 @@ class CudaStress final : public StressDevice {
         enqueue_gemm(n, precision);
         MGPU_CUDA_CHECK(cudaEventRecord(ring_[2 * i + 1], stream_));
         if (!have_first_) {
-          MGPU_CUDA_CHECK(
-              cudaMemcpyAsync(first_.ptr, c_.ptr, nn * sizeof(float), cudaMemcpyDeviceToDevice, stream_));
+          MGPU_CUDA_CHECK(cudaMemcpyAsync(first_.ptr, c_.ptr, nn * sizeof(float), cudaMemcpyDeviceToDevice, stream_));
           have_first_ = true;
           // Every later result is held against this one: check it on its own.
           if (precision == "bf16")
@@ -356,8 +355,8 @@ class CudaStress final : public StressDevice {
     }
     zero_counts();
     begin();
-    MGPU_LAUNCH(memory_check_kernel, grid_for(pairs), kThreads, 0, stream_)(counts_.ptr, buffer_.ptr, buffer_.count, p,
-                                                                    seed, pass);
+    MGPU_LAUNCH(memory_check_kernel, grid_for(pairs), kThreads, 0, stream_)
+    (counts_.ptr, buffer_.ptr, buffer_.count, p, seed, pass);
     MGPU_CUDA_CHECK_LAUNCH("memory_check_kernel");
     c.seconds += end();
     c.work = 2.0 * buffer_bytes();
@@ -388,19 +387,19 @@ class CudaStress final : public StressDevice {
   void enqueue_gemm(int n, const std::string& precision) {
     const float one = 1.0f, zero = 0.0f;
     if (precision == "bf16")
-      MGPU_CUBLAS_CHECK(cublasGemmEx(blas_, CUBLAS_OP_N, CUBLAS_OP_N, n, n, n, &one, b16_.ptr, CUDA_R_16BF, n,
-                                     a16_.ptr, CUDA_R_16BF, n, &zero, c_.ptr, CUDA_R_32F, n, CUBLAS_COMPUTE_32F,
+      MGPU_CUBLAS_CHECK(cublasGemmEx(blas_, CUBLAS_OP_N, CUBLAS_OP_N, n, n, n, &one, b16_.ptr, CUDA_R_16BF, n, a16_.ptr,
+                                     CUDA_R_16BF, n, &zero, c_.ptr, CUDA_R_32F, n, CUBLAS_COMPUTE_32F,
                                      CUBLAS_GEMM_DEFAULT));
     else
-      MGPU_CUBLAS_CHECK(cublasSgemm(blas_, CUBLAS_OP_N, CUBLAS_OP_N, n, n, n, &one, b_.ptr, n, a_.ptr, n, &zero,
-                                    c_.ptr, n));
+      MGPU_CUBLAS_CHECK(
+          cublasSgemm(blas_, CUBLAS_OP_N, CUBLAS_OP_N, n, n, n, &one, b_.ptr, n, a_.ptr, n, &zero, c_.ptr, n));
   }
   // gemm_reference_kernel over c (n, n) = a b, adding to counts (mismatches, nonfinite).
   template <typename T>
-  void enqueue_reference_check(unsigned long long* counts, const float* c, const T* a, const T* b, int n,
-                               size_t checks, double input_error) {
-    MGPU_LAUNCH(gemm_reference_kernel<T>, grid_for(checks), kThreads, 0, stream_)(counts, c, a, b, n, checks,
-                                                                                 input_error);
+  void enqueue_reference_check(unsigned long long* counts, const float* c, const T* a, const T* b, int n, size_t checks,
+                               double input_error) {
+    MGPU_LAUNCH(gemm_reference_kernel<T>, grid_for(checks), kThreads, 0, stream_)
+    (counts, c, a, b, n, checks, input_error);
     MGPU_CUDA_CHECK_LAUNCH("gemm_reference_kernel");
   }
   // The same check on its own; synchronises (reads the counts).

@@ -7,6 +7,7 @@ cost sheet's prediction for the same workload (`bench --explain`).
 Writes OUT_DIR/gpu-results-section.md and appends it to the doc (the device tool brings
 OUT_DIR back; the doc edit on the device machine does not travel, so copy the section in).
 """
+
 import argparse
 import datetime
 import glob
@@ -50,28 +51,41 @@ def main() -> int:
         for r in result["rows"]:
             if r["device"] != "cuda":
                 continue
-            w = {"layers": r["layers"], "batch": r["batch_size"], "precision": r["precision"],
-                 "accumulate": r.get("accumulate", 1), "cuda_graph": r.get("cuda_graph", False)}
+            w = {
+                "layers": r["layers"],
+                "batch": r["batch_size"],
+                "precision": r["precision"],
+                "accumulate": r.get("accumulate", 1),
+                "cuda_graph": r.get("cuda_graph", False),
+            }
             t = predicted.get(key(w))
             step = r["step"]["median"] * 1e3
             lo, hi = (v * 1e3 for v in r["step"]["ci95"])
             torch = r.get("torch", {}).get("samples_per_sec")
             sheet = f"{t['step_ms']:.4g} | {t['floor_ms']:.4g} | {step / t['floor_ms']:.3g}x" if t else "- | - | -"
             peer = f"{r['samples_per_sec'] / torch:.2f}x" if torch else "-"
-            rows.append(f"| {os.path.basename(path)} | {w['batch']} x {r['ranks']} | {w['precision']} | "
-                        f"{w['accumulate']} | {'on' if r.get('cuda_graph') else 'off'} | "
-                        f"{step:.4g} ({lo:.4g}-{hi:.4g}) | {sheet} | {peer} |")
+            rows.append(
+                f"| {os.path.basename(path)} | {w['batch']} x {r['ranks']} | {w['precision']} | "
+                f"{w['accumulate']} | {'on' if r.get('cuda_graph') else 'off'} | "
+                f"{step:.4g} ({lo:.4g}-{hi:.4g}) | {sheet} | {peer} |"
+            )
     today = datetime.date.today().isoformat()
-    section = [f"\n## Session of {today} (scripts/gpu_session.sh)\n",
-               f"- device: {first_line(env, r'NVIDIA|GPU')}",
-               f"- driver/CUDA: {first_line(env, r'Driver Version|CUDA Version')}",
-               f"- nvcc: {first_line(env, r'release')}",
-               f"- torch: {first_line(env, r'^torch')}",
-               f"- MPI: {first_line(env, r'Open MPI|MPICH')}", "",
-               "Measured step (median, 95 % interval) against the cost sheet's prediction and floor "
-               "(`bench --explain`, H100 SXM figures; on another GPU the prediction does not apply):", "",
-               "| run | batch x ranks | precision | accumulate | graph | step ms | predicted ms | floor ms | "
-               "step / floor | vs PyTorch |", "|---|---|---|---|---|---|---|---|---|---|", *rows]
+    section = [
+        f"\n## Session of {today} (scripts/gpu_session.sh)\n",
+        f"- device: {first_line(env, r'NVIDIA|GPU')}",
+        f"- driver/CUDA: {first_line(env, r'Driver Version|CUDA Version')}",
+        f"- nvcc: {first_line(env, r'release')}",
+        f"- torch: {first_line(env, r'^torch')}",
+        f"- MPI: {first_line(env, r'Open MPI|MPICH')}",
+        "",
+        "Measured step (median, 95 % interval) against the cost sheet's prediction and floor "
+        "(`bench --explain`, H100 SXM figures; on another GPU the prediction does not apply):",
+        "",
+        "| run | batch x ranks | precision | accumulate | graph | step ms | predicted ms | floor ms | "
+        "step / floor | vs PyTorch |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+        *rows,
+    ]
     if not rows:
         section.append("| (no GPU bench results found) |||||||||| ")
     text = "\n".join(section) + "\n"

@@ -18,6 +18,7 @@ counted. Nothing outside the scratch directory is modified.
 Exit status: 0 every mutant killed, 1 some survived or timed out, 2 the runner
 could not run (a stale mutant, a build failure, its tests failing unmutated).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -77,8 +78,10 @@ def load_mutants(path: Path, source: Path) -> list:
             raise RunnerError(f"mutant '{m.name}': no file {m.file}")
         found = target.read_text().count(m.old)
         if found != 1 or m.old == m.new:
-            raise RunnerError(f"mutant '{m.name}' is stale: its code occurs {found} times in {m.file} "
-                              f"(must be exactly once); update {path.name}")
+            raise RunnerError(
+                f"mutant '{m.name}' is stale: its code occurs {found} times in {m.file} "
+                f"(must be exactly once); update {path.name}"
+            )
         mutants.append(m)
     return mutants
 
@@ -86,8 +89,16 @@ def load_mutants(path: Path, source: Path) -> list:
 def sync_tree(src: Path, dst: Path) -> int:
     """Make dst's sources equal to src's working tree; returns the files copied. Only
     changed files are rewritten, so the build stays incremental."""
-    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-                            cwd=src, capture_output=True, check=True).stdout.decode().split("\0")
+    listed = (
+        subprocess.run(
+            ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+            cwd=src,
+            capture_output=True,
+            check=True,
+        )
+        .stdout.decode()
+        .split("\0")
+    )
     wanted = {p for p in listed if p and (src / p).is_file()}
     copied = 0
     for rel in wanted:
@@ -98,16 +109,21 @@ def sync_tree(src: Path, dst: Path) -> int:
             copied += 1
     for b in list(dst.rglob("*")):  # sources deleted since the last sync
         rel = b.relative_to(dst).as_posix()
-        if (b.is_file() and rel not in wanted and b.suffix not in (".so", ".pyc")
-                and not rel.startswith((".pytest_cache/", "build/"))):
+        if (
+            b.is_file()
+            and rel not in wanted
+            and b.suffix not in (".so", ".pyc")
+            and not rel.startswith((".pytest_cache/", "build/"))
+        ):
             b.unlink()
     return copied
 
 
 def run(cmd, cwd, env=None, timeout=None, log=None) -> tuple:
     """(exit status or None on timeout, output); the whole process group ends on timeout."""
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     try:
         out, _ = proc.communicate(timeout=timeout)
         rc = proc.returncode
@@ -132,13 +148,29 @@ class Scratch:
     def configure(self) -> None:
         if (self.build_dir / "build.ninja").exists():
             return
-        pybind11_dir = subprocess.run([self.python, "-c", "import pybind11; print(pybind11.get_cmake_dir())"],
-                                      capture_output=True, text=True, check=True).stdout.strip()
-        rc, out = run(["cmake", "-S", str(self.src), "-B", str(self.build_dir), "-G", "Ninja",
-                       "-DCMAKE_BUILD_TYPE=Release", f"-Dpybind11_DIR={pybind11_dir}",
-                       f"-DPython_EXECUTABLE={self.python}",
-                       "-DCMAKE_CUDA_ARCHITECTURES=80"],  # one architecture: nvcc's time halves
-                      cwd=self.dir, log=self.logs / "configure.log")
+        pybind11_dir = subprocess.run(
+            [self.python, "-c", "import pybind11; print(pybind11.get_cmake_dir())"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        rc, out = run(
+            [
+                "cmake",
+                "-S",
+                str(self.src),
+                "-B",
+                str(self.build_dir),
+                "-G",
+                "Ninja",
+                "-DCMAKE_BUILD_TYPE=Release",
+                f"-Dpybind11_DIR={pybind11_dir}",
+                f"-DPython_EXECUTABLE={self.python}",
+                "-DCMAKE_CUDA_ARCHITECTURES=80",
+            ],  # one architecture: nvcc's time halves
+            cwd=self.dir,
+            log=self.logs / "configure.log",
+        )
         if rc != 0:
             raise RunnerError(f"cmake failed (log: {self.logs / 'configure.log'}):\n{out[-2000:]}")
 
@@ -159,8 +191,11 @@ class Scratch:
         env = dict(os.environ, PYTHONPATH=str(self.src / "python"), **SUITES[suite][1])
         if suite == "cpu":
             env.pop("MGPU_EMULATE_GPU", None)
-        cmd = (f"source scripts/mpi_env.sh && exec {self.python} -m pytest -q -rfE -p no:cacheprovider "
-               + ("-x " if stop_first else "") + " ".join(paths))
+        cmd = (
+            f"source scripts/mpi_env.sh && exec {self.python} -m pytest -q -rfE -p no:cacheprovider "
+            + ("-x " if stop_first else "")
+            + " ".join(paths)
+        )
         rc, out = run(["bash", "-c", cmd], cwd=self.src, env=env, timeout=timeout, log=self.logs / log_name)
         if rc is None:
             return "timeout", []
@@ -197,8 +232,12 @@ def main(argv=None) -> int:
     parser.add_argument("--only", nargs="+", metavar="NAME", help="just these mutants")
     parser.add_argument("--suite", choices=sorted(SUITES), help="just the mutants of this path")
     parser.add_argument("--fast-only", action="store_true", help="each mutant's own tests only, no whole suite")
-    parser.add_argument("--scratch", type=Path, default=ROOT / "build" / "mutants",
-                        help="scratch copy and build (kept between runs: rebuilds are incremental)")
+    parser.add_argument(
+        "--scratch",
+        type=Path,
+        default=ROOT / "build" / "mutants",
+        help="scratch copy and build (kept between runs: rebuilds are incremental)",
+    )
     parser.add_argument("--timeout", type=float, default=1200, help="seconds for one pytest run (default 1200)")
     parser.add_argument("--list", action="store_true", help="list the mutants and exit")
     args = parser.parse_args(argv)
@@ -218,8 +257,9 @@ def main(argv=None) -> int:
         if not mutants:
             raise RunnerError("no mutant selected")
         scratch = Scratch(args.scratch.resolve(), sys.executable)
-        print(f"mutants: {len(mutants)}; scratch {scratch.dir}: {sync_tree(ROOT, scratch.src)} files updated",
-              flush=True)
+        print(
+            f"mutants: {len(mutants)}; scratch {scratch.dir}: {sync_tree(ROOT, scratch.src)} files updated", flush=True
+        )
         scratch.configure()
         suites = sorted({m.suite for m in mutants})
         for suite in suites:  # the unmutated build, and each mutant's own tests green on it
@@ -228,10 +268,14 @@ def main(argv=None) -> int:
             own = sorted({t for m in mutants if m.suite == suite for t in m.tests})
             status, failed = scratch.pytest(suite, own, False, args.timeout, f"baseline-{suite}.log")
             if status != "pass":
-                raise RunnerError(f"the mutants' own tests do not pass unmutated ({suite}: {status}): "
-                                  + ", ".join(failed or ["no output"]))
-            print(f"baseline {suite}: built, {len(own)} test selections pass unmutated "
-                  f"({time.monotonic() - t0:.0f} s)", flush=True)
+                raise RunnerError(
+                    f"the mutants' own tests do not pass unmutated ({suite}: {status}): "
+                    + ", ".join(failed or ["no output"])
+                )
+            print(
+                f"baseline {suite}: built, {len(own)} test selections pass unmutated ({time.monotonic() - t0:.0f} s)",
+                flush=True,
+            )
         for m in mutants:
             try_mutant(m, scratch, args.fast_only, args.timeout)
             by = m.killed_by[0] if m.killed_by else ""
@@ -247,9 +291,11 @@ def main(argv=None) -> int:
         part = [m for m in mutants if m.suite == suite]
         print(f"{suite}: {sum(m.result == 'killed' for m in part)}/{len(part)} killed")
     killed = sum(m.result == "killed" for m in mutants)
-    print(f"mutation score: {killed}/{len(mutants)} killed"
-          + ("" if args.fast_only else " (own tests, then the whole suite on survivors)")
-          + f"; logs in {scratch.logs}")
+    print(
+        f"mutation score: {killed}/{len(mutants)} killed"
+        + ("" if args.fast_only else " (own tests, then the whole suite on survivors)")
+        + f"; logs in {scratch.logs}"
+    )
     for m in mutants:
         if m.result != "killed":
             print(f"  {m.result}: {m.name} ({m.file}): {m.why}")

@@ -1,5 +1,6 @@
 """Process helpers the fault tests (test_faults.py) and the virtual cluster
 (cluster/vcluster.py) share; no pytest here, since vcluster.py also runs as a script."""
+
 import time
 from pathlib import Path
 

@@ -1,5 +1,6 @@
 """Float64 NumPy reference of the MLP, its losses and optimizers (PyTorch
 definitions), used to check the core's kernels and step logic."""
+
 import numpy as np
 
 
@@ -38,7 +39,7 @@ def cross_entropy(logits, labels):
 
 def loss_and_grad(params, x, y, loss, masks=None):
     outs = forward(params, x, masks)
-    value, dout = (mse(outs[-1], y) if loss == "mse" else cross_entropy(outs[-1], y))
+    value, dout = mse(outs[-1], y) if loss == "mse" else cross_entropy(outs[-1], y)
     grads = [None] * len(params)
     n_layers = len(params) // 2
     for l in reversed(range(n_layers)):
@@ -81,7 +82,7 @@ class AdamW:
             self.m = [np.zeros_like(p) for p in params]
             self.v = [np.zeros_like(p) for p in params]
         out = []
-        bc1, bc2 = 1 - self.b1 ** self.t, 1 - self.b2 ** self.t
+        bc1, bc2 = 1 - self.b1**self.t, 1 - self.b2**self.t
         for i, (p, g) in enumerate(zip(params, grads)):
             p = p * (1 - self.lr * self.wd)
             self.m[i] = self.b1 * self.m[i] + (1 - self.b1) * g
@@ -106,5 +107,23 @@ def compressed_reference(x, dtype):
     return np.where(np.isnan(x), x, rounded)
 
 
-COMPRESSION_CASES = np.array([0.0, -0.0, 1.0, 1.0 + 2.0 ** -8, 1.0 + 3 * 2.0 ** -8, 65504.0, 65520.0, -65536.0,
-                              2.0 ** -24, 2.0 ** -25, 3e-8, 3.0e38, np.inf, -np.inf, np.nan], np.float32)
+COMPRESSION_CASES = np.array(
+    [
+        0.0,
+        -0.0,
+        1.0,
+        1.0 + 2.0**-8,
+        1.0 + 3 * 2.0**-8,
+        65504.0,
+        65520.0,
+        -65536.0,
+        2.0**-24,
+        2.0**-25,
+        3e-8,
+        3.0e38,
+        np.inf,
+        -np.inf,
+        np.nan,
+    ],
+    np.float32,
+)

@@ -2,6 +2,7 @@
 then an exact resume), a rank killed (SIGKILL) or frozen (SIGSTOP) mid-run, a
 diverging run, a full disk, and bad input files. Each must end every rank
 promptly with a clear message, and leave the last good checkpoint intact."""
+
 import json
 import os
 import re
@@ -13,13 +14,29 @@ import numpy as np
 import pytest
 
 from conftest import PYTHON, ROOT, mpi_env, mpirun
-from mgpu.train.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
+from mgpu.train.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
 from procs import mpi_ranks, wait_for  # tests/procs.py
 
 MGPU = [PYTHON, "-m", "mgpu"]
 # ~2-3 ms a step at 2 ranks here: long enough to be signalled mid-run
-RUN = ["train", "--layers", "50,512,512,3", "--batch-size", "128", "--optimizer", "adamw", "--dropout", "0.1",
-       "--lr-schedule", "cosine", "--warmup-steps", "10", "--no-progress", "--seed", "5"]
+RUN = [
+    "train",
+    "--layers",
+    "50,512,512,3",
+    "--batch-size",
+    "128",
+    "--optimizer",
+    "adamw",
+    "--dropout",
+    "0.1",
+    "--lr-schedule",
+    "cosine",
+    "--warmup-steps",
+    "10",
+    "--no-progress",
+    "--seed",
+    "5",
+]
 
 
 class Job:
@@ -29,8 +46,7 @@ class Job:
         self.out, self.err = tmp_path / f"{name}.out", tmp_path / f"{name}.err"
         cmd = ["mpirun", "-np", str(n), "--oversubscribe", "--bind-to", "none", *map(str, args)]
         with open(self.out, "w") as o, open(self.err, "w") as e:
-            self.proc = subprocess.Popen(cmd, stdout=o, stderr=e, env=mpi_env(), cwd=ROOT,
-                                         start_new_session=True)
+            self.proc = subprocess.Popen(cmd, stdout=o, stderr=e, env=mpi_env(), cwd=ROOT, start_new_session=True)
 
     def ranks(self) -> dict:
         """rank -> pid of the mpirun's rank processes."""
@@ -64,8 +80,9 @@ class Job:
 
 
 def first_checkpoint(directory, job):
-    wait_for(lambda: list_checkpoints(str(directory)) or job.proc.poll() is not None, 120, "a first checkpoint",
-             poll=0.05)
+    wait_for(
+        lambda: list_checkpoints(str(directory)) or job.proc.poll() is not None, 120, "a first checkpoint", poll=0.05
+    )
     assert job.proc.poll() is None, job.stderr[-2000:]
 
 
@@ -121,7 +138,7 @@ def test_resume_at_another_world_size(tmp_path):
 
 def test_killed_rank_ends_the_job_and_keeps_the_checkpoint(tmp_path):
     ckpt = tmp_path / "ckpt"
-    job = Job(2, [*MGPU, *RUN, "--steps", 10 ** 6, "--checkpoint-dir", ckpt, "--checkpoint-every", 10], tmp_path)
+    job = Job(2, [*MGPU, *RUN, "--steps", 10**6, "--checkpoint-dir", ckpt, "--checkpoint-every", 10], tmp_path)
     first_checkpoint(ckpt, job)
     os.kill(job.ranks()[1], signal.SIGKILL)
     t0 = time.monotonic()
@@ -140,8 +157,22 @@ def freeze_a_rank(run, tmp_path, frozen, timeout):
     without a traceback, leaving only checkpoints that verify. Returns (stderr,
     seconds from the freeze to the end) for the caller's checks of the message."""
     ckpt = tmp_path / "ckpt"
-    job = Job(2, [*MGPU, *run, "--steps", 10 ** 6, "--checkpoint-dir", ckpt, "--checkpoint-every", 10,
-                  "--watchdog-timeout", timeout], tmp_path)
+    job = Job(
+        2,
+        [
+            *MGPU,
+            *run,
+            "--steps",
+            10**6,
+            "--checkpoint-dir",
+            ckpt,
+            "--checkpoint-every",
+            10,
+            "--watchdog-timeout",
+            timeout,
+        ],
+        tmp_path,
+    )
     first_checkpoint(ckpt, job)
     os.kill(job.ranks()[frozen], signal.SIGSTOP)
     t0 = time.monotonic()
@@ -159,7 +190,11 @@ def test_frozen_rank_is_named_by_the_watchdog(tmp_path, frozen):
     timeout = 3
     stderr, elapsed = freeze_a_rank(RUN, tmp_path, frozen, timeout)
     survivor = 1 - frozen
-    message = re.search(rf"on rank {survivor}: rank {frozen} (has not reached this step|stopped responding during it) \(stopped, hung or dead\)", stderr)
+    message = re.search(
+        rf"on rank {survivor}: rank {frozen} (has not reached this step|stopped responding during it) "
+        r"\(stopped, hung or dead\)",
+        stderr,
+    )
     assert message, stderr[-3000:]
     assert re.search(r"at step \d+ did not complete within 3 s", stderr)
     print(f"SIGSTOP of rank {frozen}: job ended in {elapsed:.2f} s (watchdog {timeout} s)")
@@ -198,16 +233,39 @@ def test_a_rank_that_skips_a_step_is_named_within_the_watchdog_timeout(tmp_path)
     script = tmp_path / "skip.py"
     script.write_text(SKIPPED_STEP)
     r = mpirun(2, [PYTHON, script, grace], timeout=120)
-    named = re.search(r"rank 0: CommError after [\d.]+ s: allreduce at step 0 did not complete within 1 s "
-                      r"on rank 0: rank 1 has not reached this step \(stopped, hung or dead\)", r.stdout)
+    named = re.search(
+        r"rank 0: CommError after [\d.]+ s: allreduce at step 0 did not complete within 1 s "
+        r"on rank 0: rank 1 has not reached this step \(stopped, hung or dead\)",
+        r.stdout,
+    )
     assert named, r.stdout[-2000:] + r.stderr[-2000:]
 
 
 def test_diverging_run_stops_on_every_rank_without_a_bad_checkpoint(tmp_path):
     ckpt = tmp_path / "ckpt"
-    r = mpirun(2, [*MGPU, "train", "--layers", "50,64,3", "--steps", "50", "--lr", "1e30", "--momentum", "0",
-                   "--no-progress", "--checkpoint-dir", ckpt, "--checkpoint-every", "1", "--max-bad-steps", "2"],
-               timeout=120)
+    r = mpirun(
+        2,
+        [
+            *MGPU,
+            "train",
+            "--layers",
+            "50,64,3",
+            "--steps",
+            "50",
+            "--lr",
+            "1e30",
+            "--momentum",
+            "0",
+            "--no-progress",
+            "--checkpoint-dir",
+            ckpt,
+            "--checkpoint-every",
+            "1",
+            "--max-bad-steps",
+            "2",
+        ],
+        timeout=120,
+    )
     assert r.returncode == 1, r.stderr[-2000:]
     assert r.stderr.count("2 consecutive steps with non-finite loss or gradients") == 2, r.stderr
     assert "step skipped" in r.stderr and "Traceback" not in r.stderr
@@ -230,9 +288,27 @@ def small_disk(tmp_path):
 
 def test_full_disk_at_checkpoint_time_keeps_the_previous_one(tmp_path, small_disk):
     # 50-64-3 with AdamW: ~40 KB a checkpoint
-    r = mpirun(2, [*MGPU, "train", "--layers", "50,64,3", "--steps", "40", "--optimizer", "adamw", "--no-progress",
-                   "--checkpoint-dir", small_disk, "--checkpoint-every", "1", "--keep-checkpoints", "10"],
-               timeout=120)
+    r = mpirun(
+        2,
+        [
+            *MGPU,
+            "train",
+            "--layers",
+            "50,64,3",
+            "--steps",
+            "40",
+            "--optimizer",
+            "adamw",
+            "--no-progress",
+            "--checkpoint-dir",
+            small_disk,
+            "--checkpoint-every",
+            "1",
+            "--keep-checkpoints",
+            "10",
+        ],
+        timeout=120,
+    )
     assert r.returncode == 2, r.stderr[-2000:]
     assert r.stderr.count("disk full; previous checkpoint") == 2, r.stderr  # one line on every rank
     kept = list_checkpoints(str(small_disk))
@@ -268,8 +344,24 @@ def inputs(tmp_path):
     files["garbage"].write_bytes(b"\x00not a zip file" * 10)
     good = _npz(tmp_path / "good.npz", x=x, y=rng.standard_normal((40, 2)))
     files["good"] = good
-    r = mpirun(1, [*MGPU, "train", "--layers", "4,8,2", "--dataset", good, "--steps", "3", "--batch-size", "8",
-                   "--no-progress", "--checkpoint-dir", tmp_path / "other"])
+    r = mpirun(
+        1,
+        [
+            *MGPU,
+            "train",
+            "--layers",
+            "4,8,2",
+            "--dataset",
+            good,
+            "--steps",
+            "3",
+            "--batch-size",
+            "8",
+            "--no-progress",
+            "--checkpoint-dir",
+            tmp_path / "other",
+        ],
+    )
     assert r.returncode == 0, r.stderr
     raw = files["other_ckpt"].read_bytes()
     files["truncated_ckpt"].write_bytes(raw[: len(raw) // 3])
@@ -282,12 +374,15 @@ def inputs(tmp_path):
     files["badmeta_ckpt"] = tmp_path / "badmeta" / "ckpt-000000003.npz"
     np.save(tmp_path / "array.npy", x)
     files["npy_as_npz"] = (tmp_path / "array.npy").rename(tmp_path / "npy_as.npz")
-    files["huge_labels"] = _npz(tmp_path / "huge_labels.npz", x=x, y=np.full(40, 2 ** 40, np.int64))
+    files["huge_labels"] = _npz(tmp_path / "huge_labels.npz", x=x, y=np.full(40, 2**40, np.int64))
     raw = good.read_bytes()
     files["truncated_npz"] = tmp_path / "truncated_data.npz"
     files["truncated_npz"].write_bytes(raw[: len(raw) // 2])
-    for name, bad in (("nullcompat", {"compat": None}), ("emptyhistory", {"history": [{}]}),
-                      ("farbatch", {"state": {**meta["state"], "global_step": 3, "batch_in_epoch": 10 ** 9}})):
+    for name, bad in (
+        ("nullcompat", {"compat": None}),
+        ("emptyhistory", {"history": [{}]}),
+        ("farbatch", {"state": {**meta["state"], "global_step": 3, "batch_in_epoch": 10**9}}),
+    ):
         (tmp_path / name).mkdir()
         save_checkpoint(str(tmp_path / name), 3, arrays, {**meta, **bad}, keep=1)
         files[name] = tmp_path / name / "ckpt-000000003.npz"
@@ -308,51 +403,129 @@ BAD_INPUT = [
     (lambda f: ["--layers", "4,8,2", "--dataset", f["nan"]], "NaN or Inf"),
     (lambda f: ["--layers", "4,8,2", "--dataset", f["features"]], "4 inputs but the dataset has 7"),
     (lambda f: ["--layers", "4,8,3", "--dataset", f["labels_range"]], "3 outputs but the dataset needs 6"),
-    (lambda f: ["--layers", "4,8,3", "--dataset", f["labels_float"], "--loss", "cross_entropy"],
-     "cross_entropy needs integer class labels"),
+    (
+        lambda f: ["--layers", "4,8,3", "--dataset", f["labels_float"], "--loss", "cross_entropy"],
+        "cross_entropy needs integer class labels",
+    ),
     (lambda f: ["--layers", "4,8,2", "--dataset", f["empty"]], "empty"),
     (lambda f: ["--layers", "4,8,2", "--dataset", f["tiny"]], "fewer than the 2 ranks"),
     (lambda f: ["--layers", "4,8,2", "--dataset", f["garbage"]], "cannot read dataset"),
     (lambda f: ["--model", "giant"], "invalid choice"),
-    (lambda f: ["--layers", "4,8,2", "--dataset", f["good"], "--batch-size", "8", "--resume",
-                f["truncated_ckpt"]], "corrupt or truncated"),
-    (lambda f: ["--layers", "4,16,2", "--dataset", f["good"], "--batch-size", "8", "--resume", f["other_ckpt"]],
-     "does not fit this run: layers"),
-    (lambda f: ["--layers", "4,8,2", "--dataset", f["good"], "--batch-size", "16", "--resume", f["other_ckpt"]],
-     "does not fit this run: effective_batch"),
+    (
+        lambda f: ["--layers", "4,8,2", "--dataset", f["good"], "--batch-size", "8", "--resume", f["truncated_ckpt"]],
+        "corrupt or truncated",
+    ),
+    (
+        lambda f: ["--layers", "4,16,2", "--dataset", f["good"], "--batch-size", "8", "--resume", f["other_ckpt"]],
+        "does not fit this run: layers",
+    ),
+    (
+        lambda f: ["--layers", "4,8,2", "--dataset", f["good"], "--batch-size", "16", "--resume", f["other_ckpt"]],
+        "does not fit this run: effective_batch",
+    ),
     (lambda f: ["--layers", "4,8,2", "--dataset", f["good"], "--resume"], "needs --checkpoint-dir"),
-    (lambda f: ["--layers", "4,8,2", "--dataset", f["good"], "--batch-size", "8", "--resume", f["other_ckpt"],
-                "--checkpoint-dir", f["newer_ckpt"].parent], "holds checkpoints newer than the one resumed"),
-    (lambda f: ["--layers", "4,8,2", "--dataset", f["good"], "--batch-size", "8", "--resume", f["renamed_ckpt"],
-                "--checkpoint-dir", f["newer_ckpt"].parent], r"newer than the one resumed \(step 3\), newest ckpt-0+9"),
-    (lambda f: ["--layers", "4,8,2", "--dataset", f["good"], "--batch-size", "8", "--resume", f["other_ckpt"],
-                "--checkpoint-dir", f["lower_ckpt"].parent], "holds checkpoints other than the one resumed"),
-    (lambda f: ["--layers", "4,8,2", "--dataset", f["good"], "--checkpoint-every", "2"],
-     "--checkpoint-every applies to the checkpoints of --checkpoint-dir"),
-    (lambda f: ["--layers", "4,8,2", "--dataset", f["good"], "--keep-checkpoints", "2"],
-     "--keep-checkpoints applies to the checkpoints of --checkpoint-dir"),
-    (lambda f: ["--layers", "4,8,2", "--dataset", f["good"], "--batch-size", "8", "--resume", f["nullcompat"]],
-     "malformed metadata: compat is None"),
-    (lambda f: ["--layers", "4,8,2", "--dataset", f["good"], "--batch-size", "8", "--resume", f["emptyhistory"]],
-     r"malformed metadata: history\[0\]\.epoch is None"),
-    (lambda f: ["--layers", "4,8,2", "--dataset", f["good"], "--batch-size", "8", "--resume", f["farbatch"]],
-     r"malformed metadata: state.batch_in_epoch is 1000000000, beyond the \d+ steps of an epoch"),
+    (
+        lambda f: [
+            "--layers",
+            "4,8,2",
+            "--dataset",
+            f["good"],
+            "--batch-size",
+            "8",
+            "--resume",
+            f["other_ckpt"],
+            "--checkpoint-dir",
+            f["newer_ckpt"].parent,
+        ],
+        "holds checkpoints newer than the one resumed",
+    ),
+    (
+        lambda f: [
+            "--layers",
+            "4,8,2",
+            "--dataset",
+            f["good"],
+            "--batch-size",
+            "8",
+            "--resume",
+            f["renamed_ckpt"],
+            "--checkpoint-dir",
+            f["newer_ckpt"].parent,
+        ],
+        r"newer than the one resumed \(step 3\), newest ckpt-0+9",
+    ),
+    (
+        lambda f: [
+            "--layers",
+            "4,8,2",
+            "--dataset",
+            f["good"],
+            "--batch-size",
+            "8",
+            "--resume",
+            f["other_ckpt"],
+            "--checkpoint-dir",
+            f["lower_ckpt"].parent,
+        ],
+        "holds checkpoints other than the one resumed",
+    ),
+    (
+        lambda f: ["--layers", "4,8,2", "--dataset", f["good"], "--checkpoint-every", "2"],
+        "--checkpoint-every applies to the checkpoints of --checkpoint-dir",
+    ),
+    (
+        lambda f: ["--layers", "4,8,2", "--dataset", f["good"], "--keep-checkpoints", "2"],
+        "--keep-checkpoints applies to the checkpoints of --checkpoint-dir",
+    ),
+    (
+        lambda f: ["--layers", "4,8,2", "--dataset", f["good"], "--batch-size", "8", "--resume", f["nullcompat"]],
+        "malformed metadata: compat is None",
+    ),
+    (
+        lambda f: ["--layers", "4,8,2", "--dataset", f["good"], "--batch-size", "8", "--resume", f["emptyhistory"]],
+        r"malformed metadata: history\[0\]\.epoch is None",
+    ),
+    (
+        lambda f: ["--layers", "4,8,2", "--dataset", f["good"], "--batch-size", "8", "--resume", f["farbatch"]],
+        r"malformed metadata: state.batch_in_epoch is 1000000000, beyond the \d+ steps of an epoch",
+    ),
     (lambda f: ["--layers", "4,8,2", "--dataset", f["good"], "--checkpoint-dir", f["good"]], "checkpoint directory"),
     (lambda f: ["--layers", "4,8,2", "--dataset", f["npy_as_npz"]], "not an .npz archive"),
     (lambda f: ["--layers", "4,8,2", "--dataset", f["truncated_npz"]], "cannot read dataset .*BadZipFile"),
     (lambda f: ["--layers", "4,8,2", "--dataset", f["fifo"]], "dataset .* is not a regular file"),
     (lambda f: ["--layers", "4,8,2", "--dataset", f["huge_labels"]], "class labels must be < 2,147,483,647"),
-    (lambda f: ["--layers", "4,8,2", "--dataset", f["good"], "--batch-size", "8", "--resume", f["badmeta_ckpt"]],
-     "malformed metadata: state.global_step"),
+    (
+        lambda f: ["--layers", "4,8,2", "--dataset", f["good"], "--batch-size", "8", "--resume", f["badmeta_ckpt"]],
+        "malformed metadata: state.global_step",
+    ),
     (lambda f: ["--layers", "4,8,2", "--dataset", f["good"], "--resume", f["fifo"]], "is not a regular file"),
-    (lambda f: ["--layers", "4,8,2", "--dataset", f["good"], "--log-json", f["fifo"]],
-     "--log-json .* is not a regular file"),
-    (lambda f: ["--layers", "4,8,2", "--dataset", f["good"], "--save", f["good"]],
-     "--save .* is the --dataset this run reads"),
-    (lambda f: ["--layers", "4,8,2", "--dataset", f["good"], "--batch-size", "8", "--resume", f["other_ckpt"],
-                "--json", f["other_ckpt"]], "--json .* is the --resume this run reads"),
-    (lambda f: ["--layers", "4,8,2", "--dataset", f["good"], "--checkpoint-dir", f["other_ckpt"].parent],
-     "holds 1 checkpoint\\(s\\) of an earlier run"),
+    (
+        lambda f: ["--layers", "4,8,2", "--dataset", f["good"], "--log-json", f["fifo"]],
+        "--log-json .* is not a regular file",
+    ),
+    (
+        lambda f: ["--layers", "4,8,2", "--dataset", f["good"], "--save", f["good"]],
+        "--save .* is the --dataset this run reads",
+    ),
+    (
+        lambda f: [
+            "--layers",
+            "4,8,2",
+            "--dataset",
+            f["good"],
+            "--batch-size",
+            "8",
+            "--resume",
+            f["other_ckpt"],
+            "--json",
+            f["other_ckpt"],
+        ],
+        "--json .* is the --resume this run reads",
+    ),
+    (
+        lambda f: ["--layers", "4,8,2", "--dataset", f["good"], "--checkpoint-dir", f["other_ckpt"].parent],
+        "holds 1 checkpoint\\(s\\) of an earlier run",
+    ),
     (lambda f: ["--layers", "4,8,2", "--dataset", f["good"], "--trace", ""], "--trace: the path is empty"),
     (lambda f: ["--layers", "20,100000,100000,3"], "10,002,500,003 parameters on .* needs about .* GB a rank"),
     (lambda f: ["--accumulate", "0"], "accumulation steps"),
@@ -367,11 +540,26 @@ BAD_INPUT = [
 def test_bad_input_one_line_on_every_rank_nothing_overwritten(inputs, make_args, message):
     before = {p: p.read_bytes() for p in inputs.values() if isinstance(p, os.PathLike) and p.is_file()}
     t0 = time.monotonic()
-    r = mpirun(2, [*MGPU, "train", "--no-progress", "--steps", "3", "--json", inputs["out"],
-                   "--save", inputs["out"].with_suffix(".npz"), *make_args(inputs)], timeout=120)
+    r = mpirun(
+        2,
+        [
+            *MGPU,
+            "train",
+            "--no-progress",
+            "--steps",
+            "3",
+            "--json",
+            inputs["out"],
+            "--save",
+            inputs["out"].with_suffix(".npz"),
+            *make_args(inputs),
+        ],
+        timeout=120,
+    )
     assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
-    errors = [part.splitlines()[0] for part in re.split(r"(?=mgpu(?: train)?: error)", r.stderr)
-              if part.startswith("mgpu")]
+    errors = [
+        part.splitlines()[0] for part in re.split(r"(?=mgpu(?: train)?: error)", r.stderr) if part.startswith("mgpu")
+    ]
     assert len(errors) == 2 and all(re.search(message, e) for e in errors), r.stderr
     assert "Traceback" not in r.stderr and time.monotonic() - t0 < 60
     assert all(p.read_bytes() == data for p, data in before.items()), "an input or output file changed"
@@ -383,12 +571,27 @@ def test_a_setting_bad_on_one_rank_only_ends_every_rank(tmp_path):
     # on rank 0 only (read when the model is built) must not leave rank 1 waiting in the
     # Trainer's first collective: one line on each rank, exit 2, promptly.
     run = [PYTHON, "-m", "mgpu", "train", "--steps", "2", "--no-progress", "--layers", "20,16,3"]
-    cmd = ["mpirun", "--oversubscribe", "--bind-to", "none", "-np", "1", "-x", "MGPU_CPU_GEMM=bogus", *run,
-           ":", "-np", "1", *run]
+    cmd = [
+        "mpirun",
+        "--oversubscribe",
+        "--bind-to",
+        "none",
+        "-np",
+        "1",
+        "-x",
+        "MGPU_CPU_GEMM=bogus",
+        *run,
+        ":",
+        "-np",
+        "1",
+        *run,
+    ]
     t0 = time.monotonic()
     r = subprocess.run(cmd, capture_output=True, text=True, env=mpi_env(), cwd=ROOT, timeout=120)
     assert r.returncode == 2, r.stderr[-2000:]
-    assert "mgpu: error (rank 0): MGPU_CPU_GEMM" in r.stderr and "mgpu: error (rank 1): rank 0: MGPU_CPU_GEMM" in r.stderr
+    assert (
+        "mgpu: error (rank 0): MGPU_CPU_GEMM" in r.stderr and "mgpu: error (rank 1): rank 0: MGPU_CPU_GEMM" in r.stderr
+    )
     assert "Traceback" not in r.stderr and time.monotonic() - t0 < 60
 
 
@@ -415,8 +618,25 @@ def test_a_resumed_dataset_is_known_by_its_contents_not_its_path(tmp_path):
 
 def test_a_run_that_ends_on_a_skipped_step_says_no_checkpoint_holds_it(tmp_path):
     ckpt = tmp_path / "ckpt"
-    r = mpirun(2, [*MGPU, "train", "--layers", "50,16,3", "--steps", "2", "--lr", "1e30", "--momentum", "0",
-                   "--no-progress", "--checkpoint-dir", ckpt], timeout=120)
+    r = mpirun(
+        2,
+        [
+            *MGPU,
+            "train",
+            "--layers",
+            "50,16,3",
+            "--steps",
+            "2",
+            "--lr",
+            "1e30",
+            "--momentum",
+            "0",
+            "--no-progress",
+            "--checkpoint-dir",
+            ckpt,
+        ],
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     assert len(re.findall(r"no checkpoint of step 2: the last \d step\(s\) were skipped", r.stderr)) == 1, r.stderr
     assert "none was written" in r.stderr and list_checkpoints(str(ckpt)) == []

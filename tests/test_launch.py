@@ -1,6 +1,7 @@
 """Tests that launch mpirun themselves, so a plain `pytest` covers several ranks:
 the distributed suite at 1, 2 and 3 ranks, and the CLI's behaviour under mpirun
 (results, bad input on every rank, failures on one rank only, no hangs)."""
+
 import json
 import re
 import time
@@ -16,8 +17,12 @@ MGPU = [PYTHON, "-m", "mgpu"]
 @pytest.mark.parametrize("ranks", [1, 2, 3])
 def test_distributed_suite_under_mpirun(ranks):
     from conftest import mpi_env
-    r = mpirun(ranks, [PYTHON, "-m", "pytest", "tests/distributed", "-q", "-p", "no:cacheprovider"],
-               env=mpi_env(MGPU_EXPECT_WORLD=ranks))
+
+    r = mpirun(
+        ranks,
+        [PYTHON, "-m", "pytest", "tests/distributed", "-q", "-p", "no:cacheprovider"],
+        env=mpi_env(MGPU_EXPECT_WORLD=ranks),
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert r.stdout.count(" passed") == ranks, r.stdout[-2000:]
     assert "failed" not in r.stdout
@@ -25,8 +30,9 @@ def test_distributed_suite_under_mpirun(ranks):
 
 def test_two_rank_training_writes_results(tmp_path):
     out, params = tmp_path / "out.json", tmp_path / "params.npz"
-    r = mpirun(2, [*MGPU, "train", "--model", "medium", "--epochs", "2", "--json", out, "--save", params,
-                   "--no-progress"])
+    r = mpirun(
+        2, [*MGPU, "train", "--model", "medium", "--epochs", "2", "--json", out, "--save", params, "--no-progress"]
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["world_size"] == 2 and result["device"] == "cpu"
@@ -40,8 +46,20 @@ def test_two_rank_training_writes_results(tmp_path):
 
 
 def test_one_and_two_ranks_train_the_same_model(tmp_path):
-    args = ["train", "--layers", "50,64,3", "--steps", "12", "--batch-size", "37", "--optimizer", "adamw",
-            "--no-progress", "--dropout", "0.1"]
+    args = [
+        "train",
+        "--layers",
+        "50,64,3",
+        "--steps",
+        "12",
+        "--batch-size",
+        "37",
+        "--optimizer",
+        "adamw",
+        "--no-progress",
+        "--dropout",
+        "0.1",
+    ]
     one = run_cli([*args, "--save", tmp_path / "one.npz"])
     assert one.returncode == 0, one.stderr
     two = mpirun(2, [*MGPU, *args, "--save", tmp_path / "two.npz"])
@@ -53,8 +71,24 @@ def test_one_and_two_ranks_train_the_same_model(tmp_path):
 
 def test_classification_history_has_accuracy(tmp_path):
     out = tmp_path / "digits.json"
-    r = run_cli(["train", "--dataset", "digits", "--layers", "64,64,10", "--epochs", "3", "--optimizer", "adamw",
-                 "--batch-size", "64", "--json", out, "--no-progress"])
+    r = run_cli(
+        [
+            "train",
+            "--dataset",
+            "digits",
+            "--layers",
+            "64,64,10",
+            "--epochs",
+            "3",
+            "--optimizer",
+            "adamw",
+            "--batch-size",
+            "64",
+            "--json",
+            out,
+            "--no-progress",
+        ]
+    )
     assert r.returncode == 0, r.stderr
     h = json.loads(out.read_text())["history"]
     assert 0.5 < h[-1]["val_accuracy"] <= 1.0
@@ -108,10 +142,27 @@ def test_failure_on_one_rank_only_ends_every_rank(tmp_path):
     rng = np.random.default_rng(0)
     np.savez(good, x=rng.standard_normal((40, 4)), y=rng.standard_normal((40, 2)))
     common = ["train", "--layers", "4,8,2", "--steps", "3", "--batch-size", "8", "--no-progress"]
-    from conftest import mpi_env
     import subprocess
-    cmd = ["mpirun", "--oversubscribe", "-np", "1", *MGPU, *common, "--dataset", good, ":",
-           "-np", "1", *MGPU, *common, "--dataset", tmp_path / "missing.npz"]
+
+    from conftest import mpi_env
+
+    cmd = [
+        "mpirun",
+        "--oversubscribe",
+        "-np",
+        "1",
+        *MGPU,
+        *common,
+        "--dataset",
+        good,
+        ":",
+        "-np",
+        "1",
+        *MGPU,
+        *common,
+        "--dataset",
+        tmp_path / "missing.npz",
+    ]
     t0 = time.monotonic()
     r = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=120, env=mpi_env())
     assert r.returncode == 2, r.stderr
@@ -136,6 +187,7 @@ def test_info_reports_the_build():
 
 def test_info_prints_a_summary_once_under_mpirun():
     import mgpu
+
     r = mpirun(2, [*MGPU, "info"])
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.count(f"mgpu {mgpu.__version__} (") == 1 and r.stdout.count("BLAS:") == 1
@@ -151,6 +203,9 @@ def test_errors_of_ranks_failing_together_stay_on_their_own_lines():
         r = mpirun(4, [*MGPU, "train", "--lr", "0", "--no-progress"], timeout=120)
         assert r.returncode == 2, r.stderr[-2000:]
         lines = [line for line in r.stderr.splitlines() if "mgpu" in line]
-        ranks = sorted(int(m.group(1)) for line in lines
-                       if (m := re.fullmatch(r"mgpu: error \(rank (\d)\): learning rate must be \S.*got 0\.0", line)))
+        ranks = sorted(
+            int(m.group(1))
+            for line in lines
+            if (m := re.fullmatch(r"mgpu: error \(rank (\d)\): learning rate must be \S.*got 0\.0", line))
+        )
         assert ranks == [0, 1, 2, 3], r.stderr

@@ -1,4 +1,5 @@
 """Every notebook in notebooks/ runs top to bottom (nbclient), on small sizes."""
+
 import nbformat
 import pytest
 from nbclient import NotebookClient

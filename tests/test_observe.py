@@ -3,6 +3,7 @@ trace with one track per rank, every traced step's phases nested in it and the r
 clocks comparable; `--log-json` one line per step and rank plus the run's events;
 `--tensorboard` scalars that TensorBoard's own reader reads back; a rank given most of
 the batch is named the straggler; bad options fail on every rank before training."""
+
 import json
 import os
 import sys
@@ -13,8 +14,19 @@ import pytest
 from conftest import mpi_env, mpirun
 from mgpu.train.observe import FIELDS, find_straggler, parse_step_range
 
-TRAIN = [sys.executable, "-m", "mgpu", "train", "--model", "medium", "--batch-size", "96", "--no-progress",
-         "--watchdog-timeout", "120"]
+TRAIN = [
+    sys.executable,
+    "-m",
+    "mgpu",
+    "train",
+    "--model",
+    "medium",
+    "--batch-size",
+    "96",
+    "--no-progress",
+    "--watchdog-timeout",
+    "120",
+]
 PHASES = ["data", "stage", "forward", "loss", "backward", "allreduce wait", "health check", "optimizer"]
 LAYERS = 4  # the medium model's linear layers
 US = 1.0  # one microsecond: the trace's timestamps are floats of microseconds
@@ -31,9 +43,27 @@ def observed(tmp_path_factory):
     """One 3-rank run with every output on (steps 2-5 traced, a checkpoint at step 4)."""
     d = tmp_path_factory.mktemp("observe")
     paths = {"trace": d / "trace.json", "log": d / "log.jsonl", "tb": d / "tb", "json": d / "result.json"}
-    _run(3, "--steps", 12, "--trace", paths["trace"], "--trace-steps", "2:6", "--log-json", paths["log"],
-         "--tensorboard", paths["tb"], "--json", paths["json"], "--checkpoint-dir", d / "ckpt",
-         "--checkpoint-every", 4, "--observe-every", 5)
+    _run(
+        3,
+        "--steps",
+        12,
+        "--trace",
+        paths["trace"],
+        "--trace-steps",
+        "2:6",
+        "--log-json",
+        paths["log"],
+        "--tensorboard",
+        paths["tb"],
+        "--json",
+        paths["json"],
+        "--checkpoint-dir",
+        d / "ckpt",
+        "--checkpoint-every",
+        4,
+        "--observe-every",
+        5,
+    )
     return paths
 
 
@@ -48,8 +78,14 @@ def test_trace_has_one_track_per_rank_with_nested_phases(observed):
         steps = sorted((e for e in spans if e["pid"] == rank and e["cat"] == "step"), key=lambda e: e["ts"])
         assert [e["args"]["step"] for e in steps] == [2, 3, 4, 5]  # the window, nothing else
         for step in steps:
-            phases = sorted((e for e in spans if e["pid"] == rank and e["cat"] == "phase"
-                             and e["args"]["step"] == step["args"]["step"]), key=lambda e: e["ts"])
+            phases = sorted(
+                (
+                    e
+                    for e in spans
+                    if e["pid"] == rank and e["cat"] == "phase" and e["args"]["step"] == step["args"]["step"]
+                ),
+                key=lambda e: e["ts"],
+            )
             assert [p["name"] for p in phases] == PHASES
             assert all(p["tid"] == 0 for p in phases)  # the CPU's spans: on its step lane, nested in the step
             end = step["ts"] + step["dur"]
@@ -60,9 +96,17 @@ def test_trace_has_one_track_per_rank_with_nested_phases(observed):
             # each layer's forward and backward, in the order they run, tiling their phase
             for phase, order in (("forward", range(LAYERS)), ("backward", reversed(range(LAYERS)))):
                 (outer,) = [p for p in phases if p["name"] == phase]
-                layers = sorted((e for e in spans if e["pid"] == rank and e["cat"] == "layer"
-                                 and e["args"]["step"] == step["args"]["step"] and e["name"].startswith(phase)),
-                                key=lambda e: e["ts"])
+                layers = sorted(
+                    (
+                        e
+                        for e in spans
+                        if e["pid"] == rank
+                        and e["cat"] == "layer"
+                        and e["args"]["step"] == step["args"]["step"]
+                        and e["name"].startswith(phase)
+                    ),
+                    key=lambda e: e["ts"],
+                )
                 assert [e["name"] for e in layers] == [f"{phase} layer {i}" for i in order]
                 assert layers[0]["ts"] == pytest.approx(outer["ts"], abs=US)
                 assert layers[-1]["ts"] + layers[-1]["dur"] == pytest.approx(outer["ts"] + outer["dur"], abs=US)
@@ -74,6 +118,7 @@ def test_trace_has_one_track_per_rank_with_nested_phases(observed):
 
 def test_trace_has_each_ranks_bucket_allreduces_within_their_step(tmp_path):
     from mgpu import _core
+
     trace = tmp_path / "trace.json"
     _run(2, "--steps", 4, "--trace", trace, "--trace-steps", "1:4", "--bucket-mb", 0.25)
     doc = json.loads(trace.read_text())
@@ -86,17 +131,24 @@ def test_trace_has_each_ranks_bucket_allreduces_within_their_step(tmp_path):
     for rank in range(2):
         for step in (1, 2, 3):
             (outer,) = [e for e in spans if e["pid"] == rank and e["cat"] == "step" and e["args"]["step"] == step]
-            (wait,) = [e for e in spans if e["pid"] == rank and e["name"] == "allreduce wait"
-                       and e["args"]["step"] == step]
-            buckets = sorted((e for e in spans if e["pid"] == rank and e["cat"] == "allreduce"
-                              and e["args"]["step"] == step), key=lambda e: e["args"]["bucket"])
+            (wait,) = [
+                e for e in spans if e["pid"] == rank and e["name"] == "allreduce wait" and e["args"]["step"] == step
+            ]
+            buckets = sorted(
+                (e for e in spans if e["pid"] == rank and e["cat"] == "allreduce" and e["args"]["step"] == step),
+                key=lambda e: e["args"]["bucket"],
+            )
             assert all(e["tid"] == 1 for e in buckets)
             assert [(e["args"]["offset"], e["args"]["count"]) for e in buckets] == [(o, n) for o, n, _ in plan]
             assert all(e["args"]["bytes"] == 4 * e["args"]["count"] for e in buckets)
             # CPU + MPI: blocking per-bucket allreduces after backward, so inside the
             # step's exposed wait, one after another
             for e, nxt in zip(buckets, buckets[1:] + [None]):
-                assert e["dur"] >= 0 and outer["ts"] - US <= e["ts"] and e["ts"] + e["dur"] <= outer["ts"] + outer["dur"] + US
+                assert (
+                    e["dur"] >= 0
+                    and outer["ts"] - US <= e["ts"]
+                    and e["ts"] + e["dur"] <= outer["ts"] + outer["dur"] + US
+                )
                 assert wait["ts"] - US <= e["ts"] and e["ts"] + e["dur"] <= wait["ts"] + wait["dur"] + US
                 if nxt is not None:
                     assert e["ts"] + e["dur"] <= nxt["ts"] + US
@@ -130,7 +182,8 @@ def test_clock_offsets_find_a_shifted_clock(tmp_path):
         "pg = ProcessGroup()\n"
         "out = pg.clock_offsets(lambda: time.perf_counter() + 5.0 * pg.rank)\n"
         "if pg.is_root:\n"
-        "    json.dump(out, open(sys.argv[1], 'w'))\n")
+        "    json.dump(out, open(sys.argv[1], 'w'))\n"
+    )
     r = mpirun(3, [sys.executable, str(script), str(tmp_path / "out.json")], timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     out = json.loads((tmp_path / "out.json").read_text())
@@ -159,11 +212,19 @@ def test_log_json_has_every_step_of_every_rank_and_the_events(observed):
 
 def test_tensorboard_scalars_read_back_with_tensorboards_reader(observed):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     acc = EventAccumulator(str(observed["tb"]))
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
-    assert {"train/loss", "train/learning_rate", "train/grad_norm", "train/loss_scale", "train/skipped_steps",
-            "epoch/samples_per_sec", "val/loss"} <= tags
+    assert {
+        "train/loss",
+        "train/learning_rate",
+        "train/grad_norm",
+        "train/loss_scale",
+        "train/skipped_steps",
+        "epoch/samples_per_sec",
+        "val/loss",
+    } <= tags
     log = [json.loads(line) for line in observed["log"].read_text().splitlines()]
     losses = {e["step"]: e["loss"] for e in log if e["event"] == "step" and e["rank"] == 0}
     read = {s.step: s.value for s in acc.Scalars("train/loss")}
@@ -173,31 +234,49 @@ def test_tensorboard_scalars_read_back_with_tensorboards_reader(observed):
     result = json.loads(observed["json"].read_text())
     assert [s.value for s in acc.Scalars("val/loss")] == pytest.approx([h["val_loss"] for h in result["history"]])
     assert [s.value for s in acc.Scalars("epoch/samples_per_sec")] == pytest.approx(
-        [h["samples_per_sec"] for h in result["history"]])
+        [h["samples_per_sec"] for h in result["history"]]
+    )
 
 
 def test_a_rank_with_most_of_the_batch_is_named_the_straggler(tmp_path):
     out, log = tmp_path / "r.json", tmp_path / "log.jsonl"
     # rank 1 computes 9 of every 10 rows: it is slow in forward/backward, rank 0 waits in the allreduce
-    r = _run(2, "--steps", 30, "--batch-size", 1024, "--batch-shares", "0.1,0.9", "--observe-every", 10,
-             "--json", out, "--log-json", log)
+    r = _run(
+        2,
+        "--steps",
+        30,
+        "--batch-size",
+        1024,
+        "--batch-shares",
+        "0.1,0.9",
+        "--observe-every",
+        10,
+        "--json",
+        out,
+        "--log-json",
+        log,
+    )
     result = json.loads(out.read_text())
     assert result["stragglers"], r.stderr
-    assert all(s["rank"] == 1 and s["phase"] in ("forward", "backward") and s["slower_by"] > 0.25
-               for s in result["stragglers"])
+    assert all(
+        s["rank"] == 1 and s["phase"] in ("forward", "backward") and s["slower_by"] > 0.25 for s in result["stragglers"]
+    )
     assert result["history"][-1]["stragglers"]
     assert "straggler: rank 1" in r.stderr
     assert [e["rank"] for e in map(json.loads, log.read_text().splitlines()) if e["event"] == "straggler"]
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--trace", "{d}/t.json", "--trace-steps", "5:2"], "empty or negative step range"),
-    (["--trace", "{d}/no/such/dir/t.json"], "does not exist"),
-    (["--trace-steps", "1:3"], "give --trace PATH too"),
-    (["--json", "{d}/same.json", "--trace", "{d}/same.json"], "name the same file"),
-    (["--log-json", "{d}"], "is a directory"),
-    (["--tensorboard", "{d}/tb"], "needs the tensorboardX package"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--trace", "{d}/t.json", "--trace-steps", "5:2"], "empty or negative step range"),
+        (["--trace", "{d}/no/such/dir/t.json"], "does not exist"),
+        (["--trace-steps", "1:3"], "give --trace PATH too"),
+        (["--json", "{d}/same.json", "--trace", "{d}/same.json"], "name the same file"),
+        (["--log-json", "{d}"], "is a directory"),
+        (["--tensorboard", "{d}/tb"], "needs the tensorboardX package"),
+    ],
+)
 def test_bad_observe_options_fail_on_every_rank_before_training(tmp_path, args, message):
     env = mpi_env()
     if "--tensorboard" in args:  # a tensorboardX that cannot be imported, ahead of the real one
@@ -218,7 +297,7 @@ def test_parse_step_range():
     assert parse_step_range("5:10") == (5, 10) and parse_step_range("3:") == (3, None)
     assert parse_step_range(":4") == (0, 4)
     for bad in ("5", "5:5", "5:2", "-1:3", "a:b"):
-        with pytest.raises(Exception):
+        with pytest.raises(Exception):  # noqa: B017 - whatever argparse's type raises, it refuses
             parse_step_range(bad)
 
 
@@ -244,9 +323,29 @@ def test_find_straggler_names_the_slow_rank_and_phase():
 
 def test_bench_observe_reports_the_overhead_of_every_output(tmp_path):
     from conftest import run_cli
+
     out = tmp_path / "bench.json"
-    r = run_cli(["bench", "--layers", "16,32,4", "--batch-sizes", "32", "--steps", "4", "--repeats", "2",
-                 "--warmup", "1", "--device", "cpu", "--observe", "--no-progress", "--json", out])
+    r = run_cli(
+        [
+            "bench",
+            "--layers",
+            "16,32,4",
+            "--batch-sizes",
+            "32",
+            "--steps",
+            "4",
+            "--repeats",
+            "2",
+            "--warmup",
+            "1",
+            "--device",
+            "cpu",
+            "--observe",
+            "--no-progress",
+            "--json",
+            out,
+        ]
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     o = json.loads(out.read_text())["rows"][0]["observe_overhead"]
     assert o["off"]["n"] + o["off"]["outliers"] == 8 and o["on"]["n"] + o["on"]["outliers"] == 8

@@ -1,6 +1,7 @@
 """`mgpu stress` on the CPU: verification that catches an injected fault in every
 kernel, telemetry files, the safety monitor's actions, several ranks, clean stops
 and one-line errors."""
+
 import csv
 import json
 import re
@@ -20,16 +21,35 @@ SMALL = ["--memory-mb", "8", "--compute-size", "4096", "--gemm-size", "128", "--
 
 
 def test_short_run_verifies_every_kernel_and_writes_telemetry(tmp_path):
-    r = run_cli(["stress", "--duration", "2", *SMALL, "--interval", "0.2", "--json", tmp_path / "s.json",
-                 "--telemetry", tmp_path / "tel"])
+    r = run_cli(
+        [
+            "stress",
+            "--duration",
+            "2",
+            *SMALL,
+            "--interval",
+            "0.2",
+            "--json",
+            tmp_path / "s.json",
+            "--telemetry",
+            tmp_path / "tel",
+        ]
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     report = json.loads((tmp_path / "s.json").read_text())
     (dev,) = report["devices"]
     assert dev["verdict"] == "OK" and dev["errors"] == {"compute": 0, "gemm": 0, "memory": 0}
     assert all(dev["checked"][k] > 0 and dev["runs"][k] > 0 for k in ("compute", "gemm", "memory"))
     assert dev["buffer_bytes"] == 8 << 20
-    for key in ("compute_ops_per_s", "gemm_flops", "gemm_reference_flops", "memory_GBps", "copy_reference_GBps",
-                "memory_vs_copy", "gemm_vs_reference"):
+    for key in (
+        "compute_ops_per_s",
+        "gemm_flops",
+        "gemm_reference_flops",
+        "memory_GBps",
+        "copy_reference_GBps",
+        "memory_vs_copy",
+        "gemm_vs_reference",
+    ):
         assert dev["rates"][key] > 0
     tel = dev["telemetry"]
     assert tel["memory_used_pct"]["min"] <= tel["memory_used_pct"]["max"]
@@ -41,8 +61,20 @@ def test_short_run_verifies_every_kernel_and_writes_telemetry(tmp_path):
 
 @pytest.mark.parametrize("kernel", ["compute", "gemm", "memory"])
 def test_an_injected_bit_flip_makes_the_device_faulty(tmp_path, kernel):
-    r = run_cli(["stress", "--duration", "1", "--kernel", kernel, *SMALL, "--inject-fault", kernel,
-                 "--json", tmp_path / "f.json"])
+    r = run_cli(
+        [
+            "stress",
+            "--duration",
+            "1",
+            "--kernel",
+            kernel,
+            *SMALL,
+            "--inject-fault",
+            kernel,
+            "--json",
+            tmp_path / "f.json",
+        ]
+    )
     assert r.returncode == 1, r.stderr[-2000:]
     (dev,) = json.loads((tmp_path / "f.json").read_text())["devices"]
     assert dev["verdict"] == "FAULTY" and dev["errors"][kernel] >= 1 and dev["injected_fault"] == [kernel]
@@ -109,8 +141,14 @@ def test_two_ranks_report_one_device_each(tmp_path):
 
 def test_sigterm_stops_cleanly_with_a_report(tmp_path):
     out = tmp_path / "t.json"
-    p = subprocess.Popen([*MGPU, "stress", "--duration", "120", *SMALL, "--json", out], cwd=ROOT, env=mpi_env(),
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        [*MGPU, "stress", "--duration", "120", *SMALL, "--json", out],
+        cwd=ROOT,
+        env=mpi_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     time.sleep(3)
     t0 = time.monotonic()
     p.send_signal(signal.SIGTERM)
@@ -121,18 +159,28 @@ def test_sigterm_stops_cleanly_with_a_report(tmp_path):
     assert report["stopped_early"] is True and report["devices"][0]["seconds"] < 60
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--duration", "-1"], "--duration"), (["--memory-fraction", "1.5"], "--memory-fraction"),
-    (["--kernel", "fft"], "invalid choice"), (["--gemm-size", "0"], "--gemm-size"),
-    (["--device", "cpu", "--gemm-precision", "bf16"], "needs a GPU"),
-    (["--duration", "inf"], "--duration must be finite"), (["--max-temp", "nan"], "--max-temp"),
-    (["--max-memory-percent", "200"], "--max-memory-percent"), (["--power-limit", "0"], "--power-limit"),
-    (["--interval", "inf"], "--interval"), (["--interval", "1e10"], "at most 604800 seconds"),
-    (["--hang-timeout", "1e300"], "--hang-timeout"), (["--max-memory-percent", "100.0001"], "got 100.0001"),
-    # a buffer beyond the host (it failed mid-run with a DeviceError, or swapped), both sizes, an idle fault
-    (["--memory-mb", "1e12"], "is more than the"), (["--memory-mb", "8", "--memory-fraction", "0.5"], "not both"),
-    (["--kernel", "gemm", "--inject-fault", "memory"], "--inject-fault memory needs the memory kernel"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--duration", "-1"], "--duration"),
+        (["--memory-fraction", "1.5"], "--memory-fraction"),
+        (["--kernel", "fft"], "invalid choice"),
+        (["--gemm-size", "0"], "--gemm-size"),
+        (["--device", "cpu", "--gemm-precision", "bf16"], "needs a GPU"),
+        (["--duration", "inf"], "--duration must be finite"),
+        (["--max-temp", "nan"], "--max-temp"),
+        (["--max-memory-percent", "200"], "--max-memory-percent"),
+        (["--power-limit", "0"], "--power-limit"),
+        (["--interval", "inf"], "--interval"),
+        (["--interval", "1e10"], "at most 604800 seconds"),
+        (["--hang-timeout", "1e300"], "--hang-timeout"),
+        (["--max-memory-percent", "100.0001"], "got 100.0001"),
+        # a buffer beyond the host (it failed mid-run with a DeviceError, or swapped), both sizes, an idle fault
+        (["--memory-mb", "1e12"], "is more than the"),
+        (["--memory-mb", "8", "--memory-fraction", "0.5"], "not both"),
+        (["--kernel", "gemm", "--inject-fault", "memory"], "--inject-fault memory needs the memory kernel"),
+    ],
+)
 def test_stress_bad_input_one_line_on_every_rank(args, message):
     r = mpirun(2, [*MGPU, "stress", "--no-progress", *args], timeout=120)
     assert r.returncode == 2, (r.returncode, r.stderr[-2000:])

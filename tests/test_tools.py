@@ -1,6 +1,7 @@
 """`mgpu topo`, `mgpu recommend` and `mgpu bench` from the command line, under
 mpirun where they measure a communicator: files, JSON fields, bit-exact
 allreduce checks, the selector's validation, and one-line errors."""
+
 import csv
 import json
 import os
@@ -19,8 +20,25 @@ MGPU = [PYTHON, "-m", "mgpu"]
 def calibration(tmp_path_factory):
     """A 2-rank calibration of this machine, made once for the module."""
     d = tmp_path_factory.mktemp("topo")
-    r = mpirun(2, [*MGPU, "topo", "--quick", "--max-mb", "1", "--threads", "1", "--out", d / "profile.json",
-                   "--json", d / "topo.json", "--plots", d / "plots"], env=mpi_env(XDG_CACHE_HOME=d / "cache"))
+    r = mpirun(
+        2,
+        [
+            *MGPU,
+            "topo",
+            "--quick",
+            "--max-mb",
+            "1",
+            "--threads",
+            "1",
+            "--out",
+            d / "profile.json",
+            "--json",
+            d / "topo.json",
+            "--plots",
+            d / "plots",
+        ],
+        env=mpi_env(XDG_CACHE_HOME=d / "cache"),
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     return d, r
 
@@ -38,16 +56,19 @@ def test_topo_measures_devices_and_a_bit_exact_allreduce_sweep(calibration):
         for key in ("layer_times", "layer_times_alone"):
             grid = dev[key]
             cells = len(grid["rows"]) * len(grid["widths"]) ** 2
-            assert cells >= 8 and all(len(grid[k]) == cells and min(grid[k]) > 0
-                                      for k in ("forward", "backward", "backward_weights"))
+            assert cells >= 8 and all(
+                len(grid[k]) == cells and min(grid[k]) > 0 for k in ("forward", "backward", "backward_weights")
+            )
             # more rows, more time (the same widths); an input gradient costs a GEMM
             per_rows = len(grid["widths"]) ** 2
             assert grid["forward"][-per_rows] > grid["forward"][0]
             assert grid["backward"][-1] > grid["backward_weights"][-1]
             # and cold, each call after sweeping the last-level cache (where sysfs names it)
             if dev["cache_bytes"] > 0:
-                assert all(len(grid[f"{k}_cold"]) == cells and min(grid[f"{k}_cold"]) > 0
-                           for k in ("forward", "backward", "backward_weights"))
+                assert all(
+                    len(grid[f"{k}_cold"]) == cells and min(grid[f"{k}_cold"]) > 0
+                    for k in ("forward", "backward", "backward_weights")
+                )
         for key in ("pass_bandwidth", "pass_bandwidth_alone"):
             assert len(dev[key]) >= 3 and all(b > 0 and r > 1e8 for b, r in dev[key])
         # real steps: the wait after backward holds the allreduce with 2 ranks, not alone
@@ -55,8 +76,9 @@ def test_topo_measures_devices_and_a_bit_exact_allreduce_sweep(calibration):
         assert together["ranks"] == 2 and alone["ranks"] == 1 and len(together["params"]) >= 2
         assert min(together["update_s"] + alone["update_s"]) > 0 and min(together["wait_s"] + alone["wait_s"]) > 0
         assert together["wait_s"][-1] > alone["wait_s"][-1]
-        assert all(len(t["wait_spread_s"]) == len(t["params"]) and min(t["wait_spread_s"]) >= 0
-                   for t in (together, alone))
+        assert all(
+            len(t["wait_spread_s"]) == len(t["params"]) and min(t["wait_spread_s"]) >= 0 for t in (together, alone)
+        )
         # the step overhead: the probe's step less the model's price of the probe's own work
         assert 0 <= dev["step_overhead_s"] < dev["probe_step_s"]
     assert profile["step_overhead_s"] == max(dev["step_overhead_s"] for dev in profile["devices"])
@@ -78,8 +100,14 @@ def test_topo_measures_devices_and_a_bit_exact_allreduce_sweep(calibration):
         assert 0 < placement["other_share"] <= 1
         assert all(dev["step_phases_other_placement"]["ranks"] == 2 for dev in profile["devices"])
     assert f"ranks' cores (CPUs {placement['cpus'][0]} and {placement['cpus'][1]})" in r.stdout
-    for key in ("layer_times", "pass_bandwidth", "step_phases", "layer_times_alone", "pass_bandwidth_alone",
-                "step_phases_alone"):
+    for key in (
+        "layer_times",
+        "pass_bandwidth",
+        "step_phases",
+        "layer_times_alone",
+        "pass_bandwidth_alone",
+        "step_phases_alone",
+    ):
         assert profile["devices"][0][key] == profile["devices"][1][key], key  # identical devices: one table
     rows = profile["allreduce"]
     assert rows[0]["bytes"] == 4 and rows[-1]["bytes"] == 1 << 20
@@ -117,7 +145,8 @@ def test_topo_step_probe_leaves_the_communicators_timeout_alone(tmp_path):
         "    kept.append((pg.timeout == pg_timeout, comm.timeout == comm_timeout))\n"
         "everyone = pg.comm.gather(kept, root=0)\n"
         "if pg.rank == 0:\n"
-        "    print(everyone)\n")
+        "    print(everyone)\n"
+    )
     r = mpirun(2, [PYTHON, script])
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.strip() == str([[(True, True)] * 3] * 2)
@@ -126,8 +155,21 @@ def test_topo_step_probe_leaves_the_communicators_timeout_alone(tmp_path):
 def test_recommend_on_the_calibration(calibration, tmp_path):
     d, _ = calibration
     out = tmp_path / "rec.json"
-    r = run_cli(["recommend", "--layers", "50,1024,1024,3", "--batch-size", "1024", "--devices", "1,2",
-                 "--profile", d / "profile.json", "--json", out])
+    r = run_cli(
+        [
+            "recommend",
+            "--layers",
+            "50,1024,1024,3",
+            "--batch-size",
+            "1024",
+            "--devices",
+            "1,2",
+            "--profile",
+            d / "profile.json",
+            "--json",
+            out,
+        ]
+    )
     assert r.returncode == 0, r.stderr
     rec = json.loads(out.read_text())
     assert rec["profile_source"] == "calibrated" and rec["fallback"] is False
@@ -138,8 +180,23 @@ def test_recommend_on_the_calibration(calibration, tmp_path):
 
 def test_recommend_cli_example_from_the_issue(tmp_path):
     out = tmp_path / "xl.json"
-    r = run_cli(["recommend", "--model", "xl", "--batch-size", "2048", "--devices", "1,2,4", "--profile", "nvlink",
-                 "--json", out, "--price", "2.5"])
+    r = run_cli(
+        [
+            "recommend",
+            "--model",
+            "xl",
+            "--batch-size",
+            "2048",
+            "--devices",
+            "1,2,4",
+            "--profile",
+            "nvlink",
+            "--json",
+            out,
+            "--price",
+            "2.5",
+        ]
+    )
     assert r.returncode == 0, r.stderr
     rec = json.loads(out.read_text())
     for key in ("strategy", "devices", "candidates", "break_even_batch", "reasons", "confidence", "roi"):
@@ -152,8 +209,10 @@ def test_recommend_cli_example_from_the_issue(tmp_path):
 
 
 def test_recommend_without_calibration_or_gpu_falls_back(tmp_path):
-    r = run_cli(["recommend", "--params", "3e5", "--batch-size", "64", "--json", tmp_path / "f.json"],
-                env=mpi_env(XDG_CACHE_HOME=tmp_path / "empty"))
+    r = run_cli(
+        ["recommend", "--params", "3e5", "--batch-size", "64", "--json", tmp_path / "f.json"],
+        env=mpi_env(XDG_CACHE_HOME=tmp_path / "empty"),
+    )
     assert r.returncode == 0, r.stderr
     rec = json.loads((tmp_path / "f.json").read_text())
     assert rec["fallback"] is True and rec["strategy"] == "single_gpu"
@@ -162,10 +221,36 @@ def test_recommend_without_calibration_or_gpu_falls_back(tmp_path):
 
 def test_bench_launches_each_rank_count_and_validates_the_selector(calibration, tmp_path):
     d, _ = calibration
-    r = run_cli(["bench", "--layers", "50,256,256,3", "--batch-sizes", "64,256", "--ranks", "1,2", "--warmup", "2",
-                 "--steps", "8", "--repeats", "2", "--threads", "1", "--validate-selector", "--profile",
-                 d / "profile.json", "--json", tmp_path / "b.json", "--csv", tmp_path / "b.csv", "--plots",
-                 tmp_path / "plots", "--no-progress"], timeout=600)
+    r = run_cli(
+        [
+            "bench",
+            "--layers",
+            "50,256,256,3",
+            "--batch-sizes",
+            "64,256",
+            "--ranks",
+            "1,2",
+            "--warmup",
+            "2",
+            "--steps",
+            "8",
+            "--repeats",
+            "2",
+            "--threads",
+            "1",
+            "--validate-selector",
+            "--profile",
+            d / "profile.json",
+            "--json",
+            tmp_path / "b.json",
+            "--csv",
+            tmp_path / "b.csv",
+            "--plots",
+            tmp_path / "plots",
+            "--no-progress",
+        ],
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     result = json.loads((tmp_path / "b.json").read_text())
     rows = result["rows"]
@@ -197,7 +282,10 @@ def test_bench_launches_each_rank_count_and_validates_the_selector(calibration, 
     two = {x["batch_size"]: x for x in rows if x["ranks"] == 2}
     for v in result["validation"]:
         assert v["predicted_speedup"] > 0 and v["selector_strategy"] in (
-            "single_gpu", "multi_gpu", "benchmark_required")
+            "single_gpu",
+            "multi_gpu",
+            "benchmark_required",
+        )
         cell = two[v["batch_size"]]  # where a miss lies: the step and its wait, measured beside predicted
         assert v["measured_wait_ms"] == cell["breakdown_ms"]["comm_wait"]
         assert v["predicted_wait_ms"] == cell["predicted_breakdown_ms"]["comm_wait"] > 0
@@ -208,13 +296,34 @@ def test_bench_launches_each_rank_count_and_validates_the_selector(calibration, 
     with open(tmp_path / "b.csv") as f:
         assert len(list(csv.DictReader(f))) == 4
     assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == [
-        "breakdown.png", "speedup_vs_ranks.png", "throughput_vs_batch.png"]
+        "breakdown.png",
+        "speedup_vs_ranks.png",
+        "throughput_vs_batch.png",
+    ]
     assert re.search(r"measured\s+predicted", r.stdout)
 
 
 def test_bench_under_mpirun_measures_that_world(tmp_path):
-    r = mpirun(2, [*MGPU, "bench", "--layers", "20,32,3", "--batch-sizes", "32", "--warmup", "1", "--steps", "4",
-                   "--repeats", "1", "--json", tmp_path / "w.json", "--no-progress"])
+    r = mpirun(
+        2,
+        [
+            *MGPU,
+            "bench",
+            "--layers",
+            "20,32,3",
+            "--batch-sizes",
+            "32",
+            "--warmup",
+            "1",
+            "--steps",
+            "4",
+            "--repeats",
+            "1",
+            "--json",
+            tmp_path / "w.json",
+            "--no-progress",
+        ],
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     rows = json.loads((tmp_path / "w.json").read_text())["rows"]
     assert [x["ranks"] for x in rows] == [2]
@@ -222,14 +331,37 @@ def test_bench_under_mpirun_measures_that_world(tmp_path):
 
 def _torch_available():
     from mgpu.calibrate.bench import torch_python
+
     return torch_python() is not None
 
 
 @pytest.mark.skipif(not _torch_available(), reason="no interpreter with torch (the peer is optional)")
 def test_bench_compares_with_pytorch_in_the_same_run(tmp_path):
-    r = run_cli(["bench", "--layers", "50,128,3", "--batch-sizes", "64", "--ranks", "1,2", "--warmup", "2",
-                 "--steps", "5", "--repeats", "2", "--threads", "1", "--compare", "torch", "--json",
-                 tmp_path / "t.json", "--no-progress"], timeout=600)
+    r = run_cli(
+        [
+            "bench",
+            "--layers",
+            "50,128,3",
+            "--batch-sizes",
+            "64",
+            "--ranks",
+            "1,2",
+            "--warmup",
+            "2",
+            "--steps",
+            "5",
+            "--repeats",
+            "2",
+            "--threads",
+            "1",
+            "--compare",
+            "torch",
+            "--json",
+            tmp_path / "t.json",
+            "--no-progress",
+        ],
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     rows = json.loads((tmp_path / "t.json").read_text())["rows"]
     assert sorted(x["ranks"] for x in rows) == [1, 2]
@@ -243,15 +375,37 @@ def test_bench_compares_with_pytorch_in_the_same_run(tmp_path):
 
 
 def test_bench_alternates_thread_counts_and_pairs_their_rounds(tmp_path):
-    r = run_cli(["bench", "--layers", "50,128,3", "--batch-sizes", "64,256", "--threads", "2,1", "--warmup", "1",
-                 "--steps", "4", "--repeats", "2", "--json", tmp_path / "t.json"], timeout=600)
+    r = run_cli(
+        [
+            "bench",
+            "--layers",
+            "50,128,3",
+            "--batch-sizes",
+            "64,256",
+            "--threads",
+            "2,1",
+            "--warmup",
+            "1",
+            "--steps",
+            "4",
+            "--repeats",
+            "2",
+            "--json",
+            tmp_path / "t.json",
+        ],
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     # one launch per thread count, in the given order and then reversed (the drift falls on both)
     launches = [line for line in r.stderr.splitlines() if line.startswith("bench: ")]
     assert launches == [f"bench: 1 rank(s) x {t} thread(s)..." for t in (2, 1, 1, 2)]
     rows = json.loads((tmp_path / "t.json").read_text())["rows"]
     assert sorted((x["batch_size"], x["ranks"], x["threads"]) for x in rows) == [
-        (64, 1, 1), (64, 1, 2), (256, 1, 1), (256, 1, 2)]
+        (64, 1, 1),
+        (64, 1, 2),
+        (256, 1, 1),
+        (256, 1, 2),
+    ]
     one = {x["batch_size"]: x for x in rows if x["threads"] == 1}  # the base: the fewest threads
     for x in rows:
         assert len(x["step_seconds"]) == 8 and len(x["round_step_medians"]) == 2  # 2 rounds of 4 steps
@@ -269,30 +423,34 @@ def test_output_whose_reader_is_gone_ends_quietly():
     read_end, write_end = os.pipe()
     os.close(read_end)
     try:
-        r = subprocess.run([*MGPU, "info"], stdout=write_end, stderr=subprocess.PIPE, text=True, env=mpi_env(),
-                           timeout=120)
+        r = subprocess.run(
+            [*MGPU, "info"], stdout=write_end, stderr=subprocess.PIPE, text=True, env=mpi_env(), timeout=120
+        )
     finally:
         os.close(write_end)
     assert r.returncode == 141, r.stderr[-2000:]
     assert "Traceback" not in r.stderr and "BrokenPipe" not in r.stderr, r.stderr[-2000:]
 
 
-@pytest.mark.parametrize("args, message", [
-    (["recommend", "--model", "large", "--batch-size", "0"], "batch size"),
-    (["recommend", "--model", "large", "--batch-size", "64", "--devices", "0,2"], "device counts"),
-    (["recommend", "--model", "large", "--batch-size", "64", "--profile", "nosuch"], "unknown hardware profile"),
-    (["recommend", "--batch-size", "64"], "one of the arguments"),
-    (["bench", "--steps", "0"], "--steps must be >= 1"),
-    (["bench", "--batch-sizes", "1", "--layers", "4,4"], "smaller than the number of ranks"),
-    (["topo", "--max-mb", "0"], "--max-mb"),
-    (["topo", "--max-mb", "1e400"], "--max-mb"),
-    (["bench", "--ranks", "2,2"], "rank counts must be distinct"),
-    (["bench", "--threads", "1,1"], "thread counts must be distinct"),
-    (["bench", "--threads", "1,2"], "not under mpirun"),
-    (["bench", "--ranks", "1,2", "--layers", "4,4"], "--ranks launches mpirun once per rank count"),
-    (["bench", "--compare", "torch"], "alternates launches"),
-    (["bench", "--plots", "/proc/version/plots"], "is not a directory"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["recommend", "--model", "large", "--batch-size", "0"], "batch size"),
+        (["recommend", "--model", "large", "--batch-size", "64", "--devices", "0,2"], "device counts"),
+        (["recommend", "--model", "large", "--batch-size", "64", "--profile", "nosuch"], "unknown hardware profile"),
+        (["recommend", "--batch-size", "64"], "one of the arguments"),
+        (["bench", "--steps", "0"], "--steps must be >= 1"),
+        (["bench", "--batch-sizes", "1", "--layers", "4,4"], "smaller than the number of ranks"),
+        (["topo", "--max-mb", "0"], "--max-mb"),
+        (["topo", "--max-mb", "1e400"], "--max-mb"),
+        (["bench", "--ranks", "2,2"], "rank counts must be distinct"),
+        (["bench", "--threads", "1,1"], "thread counts must be distinct"),
+        (["bench", "--threads", "1,2"], "not under mpirun"),
+        (["bench", "--ranks", "1,2", "--layers", "4,4"], "--ranks launches mpirun once per rank count"),
+        (["bench", "--compare", "torch"], "alternates launches"),
+        (["bench", "--plots", "/proc/version/plots"], "is not a directory"),
+    ],
+)
 def test_tool_bad_input_one_line_on_every_rank(args, message):
     r = mpirun(2, [*MGPU, *args], timeout=120)
     assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
@@ -306,8 +464,21 @@ def test_train_batch_shares_auto_follows_the_calibration(calibration, tmp_path):
     cache = tmp_path / "cache"
     (cache / "mgpu").mkdir(parents=True)
     (cache / "mgpu" / "profile.json").write_text((d / "profile.json").read_text())
-    args = [*MGPU, "train", "--layers", "50,64,3", "--steps", "3", "--batch-size", "101", "--batch-shares", "auto",
-            "--no-progress", "--json", tmp_path / "t.json"]
+    args = [
+        *MGPU,
+        "train",
+        "--layers",
+        "50,64,3",
+        "--steps",
+        "3",
+        "--batch-size",
+        "101",
+        "--batch-shares",
+        "auto",
+        "--no-progress",
+        "--json",
+        tmp_path / "t.json",
+    ]
     r = mpirun(2, args, env=mpi_env(XDG_CACHE_HOME=cache))
     assert r.returncode == 0, r.stderr[-2000:]
     shares = json.loads((tmp_path / "t.json").read_text())["config"]["batch_shares"]

@@ -3,6 +3,7 @@ the CSV, JSON and PNG with training samples/s; a threshold below the current rea
 warns, or with its stop flag stops the run at a step boundary with a checkpoint; bad
 input is one line per rank and exit 2. The monitor's temperature logic, which this VM
 cannot exercise (no thermal sensor), is tested with an injected reader."""
+
 import csv
 import json
 import sys
@@ -14,8 +15,23 @@ from mgpu.monitor import telemetry
 from mgpu.monitor import training as train_telemetry
 from mgpu.monitor.safety import Thresholds
 
-TRAIN = [sys.executable, "-m", "mgpu", "train", "--dataset", "digits", "--layers", "64,32,10", "--batch-size", "64",
-         "--no-progress", "--straggler-threshold", "0", "--watchdog-timeout", "60"]
+TRAIN = [
+    sys.executable,
+    "-m",
+    "mgpu",
+    "train",
+    "--dataset",
+    "digits",
+    "--layers",
+    "64,32,10",
+    "--batch-size",
+    "64",
+    "--no-progress",
+    "--straggler-threshold",
+    "0",
+    "--watchdog-timeout",
+    "60",
+]
 
 
 def memory_used_pct():
@@ -29,8 +45,22 @@ def memory_used_pct():
 def test_telemetry_gathers_every_rank_and_warns_below_the_reading(tmp_path):
     below = memory_used_pct() / 2
     prefix, out = tmp_path / "tel", tmp_path / "run.json"
-    r = mpirun(2, [*TRAIN, "--steps", "400", "--telemetry", prefix, "--telemetry-interval", "0.05",
-                   "--max-memory-percent", f"{below:g}", "--json", out])
+    r = mpirun(
+        2,
+        [
+            *TRAIN,
+            "--steps",
+            "400",
+            "--telemetry",
+            prefix,
+            "--telemetry-interval",
+            "0.05",
+            "--max-memory-percent",
+            f"{below:g}",
+            "--json",
+            out,
+        ],
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     result = json.loads(out.read_text())
     assert result["steps"] == 400 and result["stopped"] is None  # a warning, not a stop
@@ -58,8 +88,23 @@ def test_telemetry_gathers_every_rank_and_warns_below_the_reading(tmp_path):
 def test_stop_above_a_threshold_checkpoints_and_says_why(tmp_path):
     below = memory_used_pct() / 2
     ckpt, out = tmp_path / "ckpt", tmp_path / "run.json"
-    r = mpirun(2, [*TRAIN, "--steps", "100000", "--telemetry", tmp_path / "tel", "--max-memory-percent",
-                   f"{below:g}", "--stop-above-memory", "--checkpoint-dir", ckpt, "--json", out])
+    r = mpirun(
+        2,
+        [
+            *TRAIN,
+            "--steps",
+            "100000",
+            "--telemetry",
+            tmp_path / "tel",
+            "--max-memory-percent",
+            f"{below:g}",
+            "--stop-above-memory",
+            "--checkpoint-dir",
+            ckpt,
+            "--json",
+            out,
+        ],
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     result = json.loads(out.read_text())
     assert result["steps"] < 100000 and "--stop-above-memory" in result["stopped"]
@@ -68,16 +113,20 @@ def test_stop_above_a_threshold_checkpoints_and_says_why(tmp_path):
     assert {e["action"] for e in result["telemetry"]["events"]} == {"stop"}
 
 
-@pytest.mark.parametrize("extra, message", [
-    (["--telemetry-interval", "0"], "--telemetry-interval must be"),
-    (["--telemetry-interval", "-1"], "--telemetry-interval must be"),
-    (["--telemetry-interval", "nan"], "--telemetry-interval must be"),
-    (["--telemetry-interval", "1e10"], "at most 604800 seconds"),  # overflowed the sampler thread's timer
-    (["--max-temp", "inf"], "--max-temp must be"), (["--max-memory-percent", "0"], "--max-memory-percent"),
-    (["--prefix-in", "missing/tel"], "does not exist"),
-    (["--prefix-in", "taken"], "is a directory"),
-    (["--prefix-in", "same", "--json", "same.json"], "name the same file"),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--telemetry-interval", "0"], "--telemetry-interval must be"),
+        (["--telemetry-interval", "-1"], "--telemetry-interval must be"),
+        (["--telemetry-interval", "nan"], "--telemetry-interval must be"),
+        (["--telemetry-interval", "1e10"], "at most 604800 seconds"),  # overflowed the sampler thread's timer
+        (["--max-temp", "inf"], "--max-temp must be"),
+        (["--max-memory-percent", "0"], "--max-memory-percent"),
+        (["--prefix-in", "missing/tel"], "does not exist"),
+        (["--prefix-in", "taken"], "is a directory"),
+        (["--prefix-in", "same", "--json", "same.json"], "name the same file"),
+    ],
+)
 def test_bad_telemetry_input_is_one_line_per_rank(tmp_path, extra, message):
     (tmp_path / "taken.png").mkdir()
     if extra[0] == "--prefix-in":
@@ -116,8 +165,15 @@ def _telemetry_reading(monkeypatch, readings, stop_on):
     the reader is swapped in this test only); sampled by hand, no thread."""
     it = iter(readings)
     monkeypatch.setattr(train_telemetry, "reader_for", lambda device, index: ("test reader", lambda: dict(next(it))))
-    return train_telemetry.TrainTelemetry(_Rank0(), prefix="unused", interval=1.0, device="cpu", device_index=0,
-                                          thresholds=Thresholds(max_temp_c=80.0), stop_on=stop_on)
+    return train_telemetry.TrainTelemetry(
+        _Rank0(),
+        prefix="unused",
+        interval=1.0,
+        device="cpu",
+        device_index=0,
+        thresholds=Thresholds(max_temp_c=80.0),
+        stop_on=stop_on,
+    )
 
 
 def test_monitor_warns_once_per_crossing_of_the_temperature_threshold(monkeypatch):

@@ -19,9 +19,9 @@
 #include "../core/errors.h"
 #include "../core/model.h"
 #include "../core/optimizer.h"
+#include "../core/philox.h"
 #include "../core/train_step.h"
 #include "../cpu/cpu_backend.h"
-#include "../core/philox.h"
 #ifdef MGPU_HAVE_MPI
 #include "../mpi/mpi_communicator.h"
 #endif
@@ -39,10 +39,10 @@ namespace py = pybind11;
 using namespace mgpu;
 
 namespace mgpu {
-void bind_probe(py::module_& m);  // probe.cpp
-void bind_perf(py::module_& m);   // perf.cpp
-void bind_stress(py::module_& m); // stress.cpp
-}
+void bind_probe(py::module_& m);   // probe.cpp
+void bind_perf(py::module_& m);    // perf.cpp
+void bind_stress(py::module_& m);  // stress.cpp
+}  // namespace mgpu
 
 namespace {
 
@@ -60,10 +60,10 @@ BatchArgs make_batch(MLP& model, const py::array& x_in, const py::object& y_in, 
   a.x = FloatArray::ensure(x_in);
   if (!a.x) throw ConfigError("x must be a numeric array");
   if (a.x.ndim() != 2 || a.x.shape(1) != model.in_features())
-    throw ConfigError(detail::concat("x must have shape (rows, ", model.in_features(), "), got ",
-                                     a.x.ndim() == 2 ? "(" + std::to_string(a.x.shape(0)) + ", " +
-                                                           std::to_string(a.x.shape(1)) + ")"
-                                                     : std::to_string(a.x.ndim()) + " dimensions"));
+    throw ConfigError(
+        detail::concat("x must have shape (rows, ", model.in_features(), "), got ",
+                       a.x.ndim() == 2 ? "(" + std::to_string(a.x.shape(0)) + ", " + std::to_string(a.x.shape(1)) + ")"
+                                       : std::to_string(a.x.ndim()) + " dimensions"));
   if (a.x.shape(0) > std::numeric_limits<int>::max()) throw ConfigError("too many rows in one batch");
   const int rows = static_cast<int>(a.x.shape(0));
   a.view.x = a.x.data();
@@ -71,8 +71,7 @@ BatchArgs make_batch(MLP& model, const py::array& x_in, const py::object& y_in, 
   if (y_in.is_none()) return a;
   py::array y = py::array::ensure(y_in);
   if (!y) throw ConfigError("y must be an array");
-  if (y.ndim() < 1 || y.shape(0) != rows)
-    throw ConfigError(detail::concat("y must have ", rows, " rows like x"));
+  if (y.ndim() < 1 || y.shape(0) != rows) throw ConfigError(detail::concat("y must have ", rows, " rows like x"));
   if (loss == LossKind::kMSE) {
     a.targets = FloatArray::ensure(y);
     const int D = model.out_features();
@@ -82,8 +81,8 @@ BatchArgs make_batch(MLP& model, const py::array& x_in, const py::object& y_in, 
   } else {
     if (y.ndim() != 1) throw ConfigError("cross_entropy labels must be a 1-D integer array");
     if (y.dtype().kind() != 'i' && y.dtype().kind() != 'u')
-      throw ConfigError(detail::concat("cross_entropy labels must be integers, got dtype ",
-                                       std::string(py::str(y.dtype()))));
+      throw ConfigError(
+          detail::concat("cross_entropy labels must be integers, got dtype ", std::string(py::str(y.dtype()))));
     auto y64 = py::array_t<int64_t, py::array::c_style | py::array::forcecast>::ensure(y);
     a.labels.resize(rows);
     const int64_t* src = y64.data();
@@ -260,28 +259,35 @@ void bind_backends(py::module_& m) {
           "GEMM arithmetic: 'fp32' | 'tf32' | 'bf16' | 'fp16' (parameters, gradients and optimizer "
           "state stay fp32); backends that cannot honour one raise ConfigError.")
       .def("synchronize", &Backend::synchronize, py::call_guard<py::gil_scoped_release>());
-  m.def("make_backend", &make_backend, py::arg("device") = "cpu", py::arg("device_index") = 0,
-        py::arg("threads") = 0, "A backend for 'cpu' or 'cuda'; threads=0 uses every available core.");
+  m.def("make_backend", &make_backend, py::arg("device") = "cpu", py::arg("device_index") = 0, py::arg("threads") = 0,
+        "A backend for 'cpu' or 'cuda'; threads=0 uses every available core.");
   auto cpu_backend = [](Backend& b) -> CpuBackend& {
     auto* cpu = dynamic_cast<CpuBackend*>(&b);
     if (!cpu) throw ConfigError("the GEMM library choice applies to the CPU backend, not '" + b.name() + "'");
     return *cpu;
   };
-  m.def("set_cpu_gemm", [cpu_backend](Backend& b, const std::string& name) {
-    cpu_backend(b).set_gemm(parse_cpu_gemm(name));
-  }, py::arg("backend"), py::arg("library"),
-        "Pick the CPU backend's GEMM library: 'auto' (by product shape and the CPU's vector width), "
-        "'openblas' or 'onednn' (as MGPU_CPU_GEMM does at creation).");
-  m.def("auto_cpu_gemm", [](int M, int N, int K, int threads, bool avx512) {
-    MGPU_CHECK(threads >= 1, ConfigError, "threads must be >= 1, got ", threads);
-    return std::string(cpu_gemm_name(auto_cpu_gemm(M, N, K, threads, avx512, onednn_available())));
-  }, py::arg("M"), py::arg("N"), py::arg("K"), py::arg("threads"), py::arg("avx512"),
-        "The library MGPU_CPU_GEMM=auto picks for a row-major (M, N, K) product on that many "
-        "threads of a CPU with or without AVX-512 (this build's oneDNN, if any).");
-  m.def("cpu_gemm_library", [cpu_backend](Backend& b, int M, int N, int K) {
-    return std::string(cpu_gemm_name(cpu_backend(b).gemm_library(M, N, K)));
-  }, py::arg("backend"), py::arg("M"), py::arg("N"), py::arg("K"),
-        "The library that computes an (M, N, K) product on this CPU backend now.");
+  m.def(
+      "set_cpu_gemm",
+      [cpu_backend](Backend& b, const std::string& name) { cpu_backend(b).set_gemm(parse_cpu_gemm(name)); },
+      py::arg("backend"), py::arg("library"),
+      "Pick the CPU backend's GEMM library: 'auto' (by product shape and the CPU's vector width), "
+      "'openblas' or 'onednn' (as MGPU_CPU_GEMM does at creation).");
+  m.def(
+      "auto_cpu_gemm",
+      [](int M, int N, int K, int threads, bool avx512) {
+        MGPU_CHECK(threads >= 1, ConfigError, "threads must be >= 1, got ", threads);
+        return std::string(cpu_gemm_name(auto_cpu_gemm(M, N, K, threads, avx512, onednn_available())));
+      },
+      py::arg("M"), py::arg("N"), py::arg("K"), py::arg("threads"), py::arg("avx512"),
+      "The library MGPU_CPU_GEMM=auto picks for a row-major (M, N, K) product on that many "
+      "threads of a CPU with or without AVX-512 (this build's oneDNN, if any).");
+  m.def(
+      "cpu_gemm_library",
+      [cpu_backend](Backend& b, int M, int N, int K) {
+        return std::string(cpu_gemm_name(cpu_backend(b).gemm_library(M, N, K)));
+      },
+      py::arg("backend"), py::arg("M"), py::arg("N"), py::arg("K"),
+      "The library that computes an (M, N, K) product on this CPU backend now.");
 }
 
 // Communicators: local, MPI and NCCL.
@@ -345,13 +351,16 @@ void bind_communicators(py::module_& m) {
           "(the communicator holds the array until then).")
       .def("progress", &Communicator::progress, py::call_guard<py::gil_scoped_release>(),
            "Lets a host-driven transport (MPI) advance the sums in flight.")
-      .def("wait_all", [](Communicator& c) {
-        {
-          py::gil_scoped_release nogil;
-          c.wait_all();
-        }
-        in_flight_buffers().erase(&c);  // not after a failure: a timed-out sum may still write them
-      }, "Completes every sum allreduce_sum_async started.")
+      .def(
+          "wait_all",
+          [](Communicator& c) {
+            {
+              py::gil_scoped_release nogil;
+              c.wait_all();
+            }
+            in_flight_buffers().erase(&c);  // not after a failure: a timed-out sum may still write them
+          },
+          "Completes every sum allreduce_sum_async started.")
       .def("start_collective_timing", &Communicator::start_collective_timing,
            "Stamps the async sums started from now on (see collective_times).")
       .def("collective_times", &Communicator::collective_times,
@@ -377,15 +386,15 @@ void bind_communicators(py::module_& m) {
            "Wraps (a duplicate of) the MPI communicator whose handle is mpi4py's MPI._handleof(comm).");
 #endif
 #ifdef MGPU_HAVE_NCCL
-  m.def("nccl_unique_id", []() { return py::bytes(cuda::nccl_unique_id()); },
-        "A fresh ncclUniqueId (bytes); rank 0 creates it and broadcasts it to the others.");
+  m.def(
+      "nccl_unique_id", []() { return py::bytes(cuda::nccl_unique_id()); },
+      "A fresh ncclUniqueId (bytes); rank 0 creates it and broadcasts it to the others.");
   py::class_<NcclCommunicator, Communicator, std::shared_ptr<NcclCommunicator>>(m, "NcclCommunicator")
-      .def(py::init([](py::bytes unique_id, int rank, int size, int device_index,
-                       std::shared_ptr<Communicator> sidecar, double setup_timeout) {
+      .def(py::init([](py::bytes unique_id, int rank, int size, int device_index, std::shared_ptr<Communicator> sidecar,
+                       double setup_timeout) {
              std::string id = unique_id;
              py::gil_scoped_release nogil;  // setup waits for every rank
-             return std::make_shared<NcclCommunicator>(id, rank, size, device_index, std::move(sidecar),
-                                                       setup_timeout);
+             return std::make_shared<NcclCommunicator>(id, rank, size, device_index, std::move(sidecar), setup_timeout);
            }),
            py::arg("unique_id"), py::arg("rank"), py::arg("size"), py::arg("device_index"),
            py::arg("sidecar") = nullptr, py::arg("setup_timeout") = 0.0,
@@ -393,56 +402,66 @@ void bind_communicators(py::module_& m) {
            "heartbeats name missing ranks on a timeout; setup_timeout: seconds the ranks may take to "
            "meet (0: forever), CommError after.")
       .def_property_readonly("device", &NcclCommunicator::device);
-  m.def("nccl_init_all", [](const std::vector<int>& devices) {
-          py::gil_scoped_release nogil;
-          return NcclCommunicator::init_all(devices);
-        }, py::arg("devices"),
-        "Single-process multi-GPU: one NcclCommunicator per device (ncclCommInitAll); rank i drives "
-        "devices[i], each from a thread of its own.");
+  m.def(
+      "nccl_init_all",
+      [](const std::vector<int>& devices) {
+        py::gil_scoped_release nogil;
+        return NcclCommunicator::init_all(devices);
+      },
+      py::arg("devices"),
+      "Single-process multi-GPU: one NcclCommunicator per device (ncclCommInitAll); rank i drives "
+      "devices[i], each from a thread of its own.");
 #endif
 }
 
 // CUDA: discovery, properties, versions, test hooks.
 void bind_cuda(py::module_& m) {
-  m.def("cuda_device_count",
+  m.def(
+      "cuda_device_count",
 #ifdef MGPU_HAVE_CUDA
-        []() { return cuda::device_count(); },
+      []() { return cuda::device_count(); },
 #else
-        []() { return 0; },
+      []() { return 0; },
 #endif
-        "GPUs visible to this process (0 without a CUDA backend, driver or GPU; never raises).");
-  m.def("philox4x32_10",
-        [](std::array<uint32_t, 4> c, std::array<uint32_t, 2> k) {
-          const Philox4 r = philox4x32_10(c[0], c[1], c[2], c[3], k[0], k[1]);
-          return std::array<uint32_t, 4>{r.v[0], r.v[1], r.v[2], r.v[3]};
-        },
-        py::arg("counter"), py::arg("key"), "mgpu's Philox4x32-10 (csrc/core/philox.h) on the host.");
+      "GPUs visible to this process (0 without a CUDA backend, driver or GPU; never raises).");
+  m.def(
+      "philox4x32_10",
+      [](std::array<uint32_t, 4> c, std::array<uint32_t, 2> k) {
+        const Philox4 r = philox4x32_10(c[0], c[1], c[2], c[3], k[0], k[1]);
+        return std::array<uint32_t, 4>{r.v[0], r.v[1], r.v[2], r.v[3]};
+      },
+      py::arg("counter"), py::arg("key"), "mgpu's Philox4x32-10 (csrc/core/philox.h) on the host.");
 #ifdef MGPU_HAVE_CUDA
-  m.def("cuda_device_info", [](int index) {
-    const cuda::DeviceInfo d = cuda::device_info(index);
-    py::dict out;
-    out["index"] = d.index;
-    out["name"] = d.name;
-    out["total_memory"] = d.total_memory;
-    out["multiprocessors"] = d.multiprocessors;
-    out["compute_capability"] = std::to_string(d.major) + "." + std::to_string(d.minor);
-    out["pci_bus_id"] = d.pci_bus_id;
-    return out;
-  }, py::arg("index") = 0, "Name, memory (bytes), SM count, compute capability and PCI bus id of a GPU.");
-  m.def("cuda_memory_info", [](int index) { return cuda::memory_info(index); }, py::arg("index") = 0,
-        "(free, total) bytes of device memory (cudaMemGetInfo).");
+  m.def(
+      "cuda_device_info",
+      [](int index) {
+        const cuda::DeviceInfo d = cuda::device_info(index);
+        py::dict out;
+        out["index"] = d.index;
+        out["name"] = d.name;
+        out["total_memory"] = d.total_memory;
+        out["multiprocessors"] = d.multiprocessors;
+        out["compute_capability"] = std::to_string(d.major) + "." + std::to_string(d.minor);
+        out["pci_bus_id"] = d.pci_bus_id;
+        return out;
+      },
+      py::arg("index") = 0, "Name, memory (bytes), SM count, compute capability and PCI bus id of a GPU.");
+  m.def(
+      "cuda_memory_info", [](int index) { return cuda::memory_info(index); }, py::arg("index") = 0,
+      "(free, total) bytes of device memory (cudaMemGetInfo).");
   m.def("curand_philox4x32_10", &cuda::curand_philox_on_host, py::arg("counter"), py::arg("key"),
         "cuRAND's curand_Philox4x32_10 (the dropout kernel's generator) run on the host.");
-  m.def("cuda_dropout_mask_on_host",
-        [](int B, int C, float p, uint64_t seed, uint64_t step, uint32_t layer, int64_t first_sample) {
-          std::vector<float> mask = cuda::dropout_mask_on_host(B, C, p, DropoutKey{seed, step, layer, first_sample});
-          py::array_t<float> out({static_cast<py::ssize_t>(B), static_cast<py::ssize_t>(C)});
-          std::copy(mask.begin(), mask.end(), out.mutable_data());
-          return out;
-        },
-        py::arg("rows"), py::arg("cols"), py::arg("p"), py::arg("seed") = 0, py::arg("step") = 0,
-        py::arg("layer") = 0, py::arg("first_sample") = 0,
-        "The CUDA dropout kernel's per-element mask code run on the host: (rows, cols) of 0 or 1/(1-p).");
+  m.def(
+      "cuda_dropout_mask_on_host",
+      [](int B, int C, float p, uint64_t seed, uint64_t step, uint32_t layer, int64_t first_sample) {
+        std::vector<float> mask = cuda::dropout_mask_on_host(B, C, p, DropoutKey{seed, step, layer, first_sample});
+        py::array_t<float> out({static_cast<py::ssize_t>(B), static_cast<py::ssize_t>(C)});
+        std::copy(mask.begin(), mask.end(), out.mutable_data());
+        return out;
+      },
+      py::arg("rows"), py::arg("cols"), py::arg("p"), py::arg("seed") = 0, py::arg("step") = 0, py::arg("layer") = 0,
+      py::arg("first_sample") = 0,
+      "The CUDA dropout kernel's per-element mask code run on the host: (rows, cols) of 0 or 1/(1-p).");
 #endif
 }
 
@@ -458,13 +477,14 @@ void bind_model(py::module_& m) {
       .def_property_readonly("dropout", &MLP::dropout)
       .def_property_readonly("seed", &MLP::seed)
       .def_property_readonly("backend", &MLP::backend_ptr)
-      .def("layer_offsets",
-           [](const MLP& mm) {
-             std::vector<std::pair<size_t, size_t>> out;
-             for (int l = 0; l < mm.num_layers(); ++l) out.emplace_back(mm.weight_offset(l), mm.bias_offset(l));
-             return out;
-           },
-           "(weight offset, bias offset) of each layer in the flat buffers.")
+      .def(
+          "layer_offsets",
+          [](const MLP& mm) {
+            std::vector<std::pair<size_t, size_t>> out;
+            for (int l = 0; l < mm.num_layers(); ++l) out.emplace_back(mm.weight_offset(l), mm.bias_offset(l));
+            return out;
+          },
+          "(weight offset, bias offset) of each layer in the flat buffers.")
       .def("initialize", &MLP::initialize, py::arg("seed"), py::call_guard<py::gil_scoped_release>())
       .def("get_parameters",
            [](MLP& mm) { return host_copy(mm.num_params(), [&](float* d) { mm.get_parameters(d); }); })
@@ -472,18 +492,18 @@ void bind_model(py::module_& m) {
            [](MLP& mm, py::array a) {
              auto flat = FloatArray::ensure(a);
              if (!flat || static_cast<size_t>(flat.size()) != mm.num_params())
-               throw ConfigError(detail::concat("expected ", mm.num_params(), " float32 parameters, got ",
-                                                flat ? flat.size() : 0));
+               throw ConfigError(
+                   detail::concat("expected ", mm.num_params(), " float32 parameters, got ", flat ? flat.size() : 0));
              py::gil_scoped_release nogil;
              mm.set_parameters(flat.data());
            })
-      .def("get_gradients",
-           [](MLP& mm) { return host_copy(mm.num_params(), [&](float* d) { mm.get_gradients(d); }); })
+      .def("get_gradients", [](MLP& mm) { return host_copy(mm.num_params(), [&](float* d) { mm.get_gradients(d); }); })
       .def(
           "forward",
           [](MLP& mm, py::array x) {
             BatchArgs b = make_batch(mm, x, py::none(), LossKind::kMSE);
-            py::array_t<float> out({static_cast<py::ssize_t>(b.view.rows), static_cast<py::ssize_t>(mm.out_features())});
+            py::array_t<float> out(
+                {static_cast<py::ssize_t>(b.view.rows), static_cast<py::ssize_t>(mm.out_features())});
             float* dst = out.mutable_data();
             {
               py::gil_scoped_release nogil;
@@ -518,8 +538,8 @@ void bind_model(py::module_& m) {
 // The optimizer and its state.
 void bind_optimizer(py::module_& m) {
   py::class_<Optimizer, std::shared_ptr<Optimizer>>(m, "Optimizer")
-      .def(py::init([](const std::shared_ptr<MLP>& model, const std::string& kind, float momentum,
-                       float weight_decay, float beta1, float beta2, float eps) {
+      .def(py::init([](const std::shared_ptr<MLP>& model, const std::string& kind, float momentum, float weight_decay,
+                       float beta1, float beta2, float eps) {
              OptimizerConfig c;
              c.kind = parse_optimizer(kind);
              c.momentum = momentum;
@@ -529,23 +549,23 @@ void bind_optimizer(py::module_& m) {
              c.eps = eps;
              return std::make_shared<Optimizer>(model->backend_ptr(), model->num_params(), c);
            }),
-           py::arg("model"), py::arg("kind") = "sgd", py::arg("momentum") = 0.0f,
-           py::arg("weight_decay") = 0.0f, py::arg("beta1") = 0.9f, py::arg("beta2") = 0.999f,
-           py::arg("eps") = 1e-8f)
+           py::arg("model"), py::arg("kind") = "sgd", py::arg("momentum") = 0.0f, py::arg("weight_decay") = 0.0f,
+           py::arg("beta1") = 0.9f, py::arg("beta2") = 0.999f, py::arg("eps") = 1e-8f)
       .def_property("steps_taken", &Optimizer::steps_taken, &Optimizer::set_steps_taken)
       .def("state_names", &Optimizer::state_names)
-      .def("get_state",
-           [](Optimizer& o, const std::string& name, size_t n) {
-             if (n != o.num_params())
-               throw ConfigError(detail::concat("optimizer state '", name, "' holds ", o.num_params(),
-                                                " values, not ", n));
-             return host_copy(n, [&](float* d) { o.get_state(name, d); });
-           },
-           py::arg("name"), py::arg("num_params"))
+      .def(
+          "get_state",
+          [](Optimizer& o, const std::string& name, size_t n) {
+            if (n != o.num_params())
+              throw ConfigError(
+                  detail::concat("optimizer state '", name, "' holds ", o.num_params(), " values, not ", n));
+            return host_copy(n, [&](float* d) { o.get_state(name, d); });
+          },
+          py::arg("name"), py::arg("num_params"))
       .def("set_state", [](Optimizer& o, const std::string& name, FloatArray a) {
         if (static_cast<size_t>(a.size()) != o.num_params())
-          throw ConfigError(detail::concat("optimizer state '", name, "' needs ", o.num_params(),
-                                           " float32 values, got ", a.size()));
+          throw ConfigError(
+              detail::concat("optimizer state '", name, "' needs ", o.num_params(), " float32 values, got ", a.size()));
         py::gil_scoped_release nogil;
         o.set_state(name, a.data());
       });
@@ -553,22 +573,28 @@ void bind_optimizer(py::module_& m) {
 
 // The data-parallel step: its bucket plan, options, results and trace spans.
 void bind_step(py::module_& m) {
-  m.def("plan_buckets", [](const std::vector<int>& sizes, size_t bucket_elems) {
-    std::vector<std::tuple<size_t, size_t, int>> out;
-    for (const Bucket& b : plan_buckets(sizes, MLP::kGradExtraSlots, bucket_elems))
-      out.emplace_back(b.offset, b.count, b.ready_layer);
-    return out;
-  }, py::arg("sizes"), py::arg("bucket_elems"),
-        "The gradient bucket plan training uses for layer sizes [in, hidden..., out]: "
-        "(offset, count, ready_layer) of each bucket, in launch order.");
-  m.def("plan_bucket_runs", [](const std::vector<int>& sizes, size_t bucket_elems) {
-    std::vector<std::tuple<size_t, size_t, int, size_t>> out;
-    for (const BucketRun& r : plan_bucket_runs(sizes, MLP::kGradExtraSlots, bucket_elems))
-      out.emplace_back(r.offset, r.count, r.ready_layer, r.repeat);
-    return out;
-  }, py::arg("sizes"), py::arg("bucket_elems"),
-        "plan_buckets run-length encoded, as the performance model reads it: (offset, count, ready_layer, "
-        "repeat) of each run of equal buckets, the run's next bucket `count` below the last.");
+  m.def(
+      "plan_buckets",
+      [](const std::vector<int>& sizes, size_t bucket_elems) {
+        std::vector<std::tuple<size_t, size_t, int>> out;
+        for (const Bucket& b : plan_buckets(sizes, MLP::kGradExtraSlots, bucket_elems))
+          out.emplace_back(b.offset, b.count, b.ready_layer);
+        return out;
+      },
+      py::arg("sizes"), py::arg("bucket_elems"),
+      "The gradient bucket plan training uses for layer sizes [in, hidden..., out]: "
+      "(offset, count, ready_layer) of each bucket, in launch order.");
+  m.def(
+      "plan_bucket_runs",
+      [](const std::vector<int>& sizes, size_t bucket_elems) {
+        std::vector<std::tuple<size_t, size_t, int, size_t>> out;
+        for (const BucketRun& r : plan_bucket_runs(sizes, MLP::kGradExtraSlots, bucket_elems))
+          out.emplace_back(r.offset, r.count, r.ready_layer, r.repeat);
+        return out;
+      },
+      py::arg("sizes"), py::arg("bucket_elems"),
+      "plan_buckets run-length encoded, as the performance model reads it: (offset, count, ready_layer, "
+      "repeat) of each run of equal buckets, the run's next bucket `count` below the last.");
   py::class_<StepTimings>(m, "StepTimings")
       .def_readonly("forward", &StepTimings::forward)
       .def_readonly("backward", &StepTimings::backward)
@@ -593,9 +619,10 @@ void bind_step(py::module_& m) {
         return detail::concat("TraceSpan(", t.name, ", step ", t.step, ", micro ", t.micro, ", ",
                               (t.end - t.begin) * 1e3, " ms)");
       });
-  m.def("steady_seconds", [] {
-    return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-  }, "The core's clock (C++ steady_clock), in seconds: what TraceSpan.begin and .end count in.");
+  m.def(
+      "steady_seconds",
+      [] { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); },
+      "The core's clock (C++ steady_clock), in seconds: what TraceSpan.begin and .end count in.");
   py::class_<StepResult>(m, "StepResult")
       .def_readonly("timings", &StepResult::timings)
       .def_readonly("buckets", &StepResult::buckets)
@@ -612,27 +639,26 @@ void bind_step(py::module_& m) {
                           "How a DataParallelStep runs (C++ StepOptions): bucket size, overlap, clipping, loss "
                           "scaling, captured steps (graph: 'off' | 'auto' | 'on'), the gradients' allreduce type "
                           "(grad_dtype: 'fp32' | 'bf16' | 'fp16') and timing.")
-      .def(py::init([](size_t bucket_elems, bool overlap, float max_grad_norm, float loss_scale,
-                       bool dynamic_loss_scale, int loss_scale_window, const std::string& graph,
-                       const std::string& grad_dtype, bool timed) {
-             StepOptions o;
-             o.grad_dtype = parse_precision(grad_dtype);
-             o.graph = parse_graph_mode(graph);
-             o.bucket_elems = bucket_elems;
-             o.overlap = overlap;
-             o.max_grad_norm = max_grad_norm;
-             o.loss_scale = loss_scale;
-             o.dynamic_loss_scale = dynamic_loss_scale;
-             o.loss_scale_window = loss_scale_window;
-             o.timed = timed;
-             return o;
-           }),
-           py::kw_only(), py::arg("bucket_elems") = defaults.bucket_elems, py::arg("overlap") = defaults.overlap,
-           py::arg("max_grad_norm") = defaults.max_grad_norm, py::arg("loss_scale") = defaults.loss_scale,
-           py::arg("dynamic_loss_scale") = defaults.dynamic_loss_scale,
-           py::arg("loss_scale_window") = defaults.loss_scale_window,
-           py::arg("graph") = graph_mode_name(defaults.graph),
-           py::arg("grad_dtype") = precision_name(defaults.grad_dtype), py::arg("timed") = defaults.timed)
+      .def(
+          py::init([](size_t bucket_elems, bool overlap, float max_grad_norm, float loss_scale, bool dynamic_loss_scale,
+                      int loss_scale_window, const std::string& graph, const std::string& grad_dtype, bool timed) {
+            StepOptions o;
+            o.grad_dtype = parse_precision(grad_dtype);
+            o.graph = parse_graph_mode(graph);
+            o.bucket_elems = bucket_elems;
+            o.overlap = overlap;
+            o.max_grad_norm = max_grad_norm;
+            o.loss_scale = loss_scale;
+            o.dynamic_loss_scale = dynamic_loss_scale;
+            o.loss_scale_window = loss_scale_window;
+            o.timed = timed;
+            return o;
+          }),
+          py::kw_only(), py::arg("bucket_elems") = defaults.bucket_elems, py::arg("overlap") = defaults.overlap,
+          py::arg("max_grad_norm") = defaults.max_grad_norm, py::arg("loss_scale") = defaults.loss_scale,
+          py::arg("dynamic_loss_scale") = defaults.dynamic_loss_scale,
+          py::arg("loss_scale_window") = defaults.loss_scale_window, py::arg("graph") = graph_mode_name(defaults.graph),
+          py::arg("grad_dtype") = precision_name(defaults.grad_dtype), py::arg("timed") = defaults.timed)
       .def_readwrite("bucket_elems", &StepOptions::bucket_elems)
       .def_readwrite("overlap", &StepOptions::overlap)
       .def_readwrite("max_grad_norm", &StepOptions::max_grad_norm)
@@ -654,12 +680,12 @@ void bind_step(py::module_& m) {
                               ", max_grad_norm=", o.max_grad_norm, ", loss_scale=", o.loss_scale,
                               ", dynamic_loss_scale=", o.dynamic_loss_scale ? "True" : "False",
                               ", loss_scale_window=", o.loss_scale_window, ", graph='", graph_mode_name(o.graph),
-                              "', grad_dtype='", precision_name(o.grad_dtype), "', timed=",
-                              o.timed ? "True" : "False", ")");
+                              "', grad_dtype='", precision_name(o.grad_dtype), "', timed=", o.timed ? "True" : "False",
+                              ")");
       });
   py::class_<DataParallelStep, std::shared_ptr<DataParallelStep>>(m, "DataParallelStep")
-      .def(py::init([](std::shared_ptr<MLP> model, std::shared_ptr<Optimizer> opt,
-                       std::shared_ptr<Communicator> comm, const std::string& loss, const StepOptions& options) {
+      .def(py::init([](std::shared_ptr<MLP> model, std::shared_ptr<Optimizer> opt, std::shared_ptr<Communicator> comm,
+                       const std::string& loss, const StepOptions& options) {
              return std::make_shared<DataParallelStep>(std::move(model), std::move(opt), std::move(comm),
                                                        parse_loss(loss), options);
            }),
@@ -667,8 +693,8 @@ void bind_step(py::module_& m) {
            py::arg("options") = StepOptions())
       .def(
           "step",
-          [](DataParallelStep& s, py::list micro_batches, int64_t global_batch, uint64_t step_index,
-             float lr, bool request_stop, bool trace) {
+          [](DataParallelStep& s, py::list micro_batches, int64_t global_batch, uint64_t step_index, float lr,
+             bool request_stop, bool trace) {
             // Keep the converted arrays alive while the core reads them.
             std::vector<BatchArgs> args;
             std::vector<MicroShard> shards;
@@ -689,17 +715,23 @@ void bind_step(py::module_& m) {
           "One optimizer step over this rank's micro-batches [(x, y, first_sample), ...] of a "
           "global batch of global_batch rows; returns a StepResult. trace: record its spans "
           "(StepResult.spans, now or in a later step's result) and bucket allreduces.")
-      .def("drain_trace", [](DataParallelStep& s) {
-        py::gil_scoped_release nogil;
-        return s.drain_trace();
-      }, "The traced spans no step has handed over yet, after waiting for the device.")
+      .def(
+          "drain_trace",
+          [](DataParallelStep& s) {
+            py::gil_scoped_release nogil;
+            return s.drain_trace();
+          },
+          "The traced spans no step has handed over yet, after waiting for the device.")
       .def_property("loss_scale", &DataParallelStep::loss_scale, &DataParallelStep::set_loss_scale)
       .def_property("good_steps_in_a_row", &DataParallelStep::good_steps_in_a_row,
                     &DataParallelStep::set_good_steps_in_a_row)
-      .def("broadcast_parameters", [](DataParallelStep& s, int root) {
-        py::gil_scoped_release nogil;
-        s.broadcast_parameters(root);
-      }, py::arg("root") = 0)
+      .def(
+          "broadcast_parameters",
+          [](DataParallelStep& s, int root) {
+            py::gil_scoped_release nogil;
+            s.broadcast_parameters(root);
+          },
+          py::arg("root") = 0)
       .def_property_readonly("uses_graphs", &DataParallelStep::uses_graphs,
                              "Whether micro-batches are captured and replayed (CUDA graphs).")
       .def_property_readonly("graph_replays", &DataParallelStep::graph_replays,
@@ -708,11 +740,14 @@ void bind_step(py::module_& m) {
                              "Why graph='auto' gave captured steps up ('' if it did not).")
       .def_property_readonly("overlaps", &DataParallelStep::overlaps,
                              "Whether allreduces overlap backward (needs NCCL or a device backend).")
-      .def("buckets", [](const DataParallelStep& s) {
-        std::vector<std::tuple<size_t, size_t, int>> out;
-        for (const Bucket& b : s.buckets()) out.emplace_back(b.offset, b.count, b.ready_layer);
-        return out;
-      }, "(offset, count, ready_layer) of each gradient bucket, in launch order.");
+      .def(
+          "buckets",
+          [](const DataParallelStep& s) {
+            std::vector<std::tuple<size_t, size_t, int>> out;
+            for (const Bucket& b : s.buckets()) out.emplace_back(b.offset, b.count, b.ready_layer);
+            return out;
+          },
+          "(offset, count, ready_layer) of each gradient bucket, in launch order.");
 }
 
 }  // namespace

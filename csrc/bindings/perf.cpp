@@ -28,9 +28,9 @@ void bind_perf(py::module_& m) {
       .def("run", &AllreduceProbe::run, py::arg("count"), py::arg("iters"), py::arg("warmup") = 2,
            py::call_guard<py::gil_scoped_release>(),
            "(seconds per allreduce of `count` floats on this rank, elements not bit-exact).");
-  m.def("time_linear_backward", &time_linear_backward, py::arg("backend"), py::arg("batch"),
-        py::arg("in_features"), py::arg("out_features"), py::arg("repeats") = 5, py::arg("input_gradient") = true,
-        py::arg("sweep_bytes") = 0, py::call_guard<py::gil_scoped_release>(),
+  m.def("time_linear_backward", &time_linear_backward, py::arg("backend"), py::arg("batch"), py::arg("in_features"),
+        py::arg("out_features"), py::arg("repeats") = 5, py::arg("input_gradient") = true, py::arg("sweep_bytes") = 0,
+        py::call_guard<py::gil_scoped_release>(),
         "Seconds of each timed linear_backward (input gradient unless input_gradient=False, weight gradients, "
         "bias sums) of this shape; sweep_bytes > 0: each after sweeping that much host memory (cold caches).");
   m.def("time_linear", &time_linear, py::arg("backend"), py::arg("batch"), py::arg("in_features"),
@@ -59,8 +59,10 @@ void bind_perf(py::module_& m) {
   using namespace perf;
   auto pm = m.def_submodule("perf", "The performance model and strategy selector.");
   py::class_<GemmRate>(pm, "GemmRate")
-      .def(py::init([](double peak, double half) { return GemmRate{peak, half, {}}; }), py::arg("peak_flops") = 0.0,
-           py::arg("half_work_flops") = 0.0)
+      .def(py::init([](double peak, double half) {
+             return GemmRate{peak, half, {}};
+           }),
+           py::arg("peak_flops") = 0.0, py::arg("half_work_flops") = 0.0)
       .def_readwrite("peak_flops", &GemmRate::peak_flops)
       .def_readwrite("half_work_flops", &GemmRate::half_work_flops)
       .def_readwrite("measured", &GemmRate::measured)
@@ -77,11 +79,15 @@ void bind_perf(py::module_& m) {
       .def_readwrite("backward_weights_cold", &LayerTimes::backward_weights_cold)
       .def("enabled", &LayerTimes::enabled)
       .def("check", &LayerTimes::check, py::arg("what") = "layer times")
-      .def("forward_s", [](const LayerTimes& t, double r, double i, double o) { return t.at(t.forward, r, i, o); },
-           py::arg("rows"), py::arg("in_features"), py::arg("out_features"))
-      .def("backward_s", [](const LayerTimes& t, double r, double i, double o, bool input_gradient) {
-        return t.at(input_gradient ? t.backward : t.backward_weights, r, i, o);
-      }, py::arg("rows"), py::arg("in_features"), py::arg("out_features"), py::arg("input_gradient") = true);
+      .def(
+          "forward_s", [](const LayerTimes& t, double r, double i, double o) { return t.at(t.forward, r, i, o); },
+          py::arg("rows"), py::arg("in_features"), py::arg("out_features"))
+      .def(
+          "backward_s",
+          [](const LayerTimes& t, double r, double i, double o, bool input_gradient) {
+            return t.at(input_gradient ? t.backward : t.backward_weights, r, i, o);
+          },
+          py::arg("rows"), py::arg("in_features"), py::arg("out_features"), py::arg("input_gradient") = true);
   py::class_<StepPhases>(pm, "StepPhases")
       .def(py::init<>())
       .def_readwrite("params", &StepPhases::params)

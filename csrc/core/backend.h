@@ -93,8 +93,8 @@ struct AdamWParams {
   float beta2 = 0.999f;
   float eps = 1e-8f;
   float weight_decay = 0.01f;
-  int64_t step = 1;  // 1-based, for bias correction
-  float grad_scale = 1.0f;  // as SgdParams::grad_scale
+  int64_t step = 1;                      // 1-based, for bias correction
+  float grad_scale = 1.0f;               // as SgdParams::grad_scale
   const StepVerdict* verdict = nullptr;  // as SgdParams::verdict
 };
 
@@ -153,9 +153,7 @@ class Backend {
   // says, without waiting, whether it has all run; wait_fence waits for it.
   virtual void* allocate_host(size_t bytes) { return ::operator new(bytes); }
   virtual void free_host(void* ptr) noexcept { ::operator delete(ptr); }
-  virtual void copy_to_host_async(void* host_dst, const void* src, size_t bytes) {
-    copy_to_host(host_dst, src, bytes);
-  }
+  virtual void copy_to_host_async(void* host_dst, const void* src, size_t bytes) { copy_to_host(host_dst, src, bytes); }
   virtual void copy_to_backend_async(void* dst, const void* host_src, size_t bytes) {
     copy_to_backend(dst, host_src, bytes);
   }
@@ -167,14 +165,13 @@ class Backend {
   virtual void wait_fence(uint64_t fence) { (void)fence; }
 
   // Linear layer. inp (B, IN), weight (OUT, IN), bias (OUT) -> out (B, OUT) = inp weight^T + bias
-  virtual void linear_forward(float* out, const float* inp, const float* weight, const float* bias,
-                              int B, int IN, int OUT) = 0;
+  virtual void linear_forward(float* out, const float* inp, const float* weight, const float* bias, int B, int IN,
+                              int OUT) = 0;
   // dout (B, OUT) -> dweight (OUT, IN) = dout^T inp, dbias (OUT) = column sums of dout,
   // dinp (B, IN) = dout weight (skipped when dinp is null: the first layer needs none).
   // accumulate: dweight and dbias are added to (gradient accumulation) instead of overwritten.
-  virtual void linear_backward(float* dinp, float* dweight, float* dbias, const float* dout,
-                               const float* inp, const float* weight, int B, int IN, int OUT,
-                               bool accumulate) = 0;
+  virtual void linear_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
+                               const float* weight, int B, int IN, int OUT, bool accumulate) = 0;
 
   // In place on h (B, C): h = relu(h), then inverted dropout with keep-probability 1-p.
   // A NaN stays NaN, as in PyTorch: a diverging step shows in its loss, not only in its gradients.
@@ -189,22 +186,20 @@ class Backend {
   // dpred = grad_scale * d(sum)/dpred. With grad_scale = 1/normaliser these are
   // this shard's contributions to the global mean and its gradient.
   // pred (B, D), target (B, D)
-  virtual void mse_forward_backward(float* loss_out, float* dpred, const float* pred,
-                                    const float* target, int B, int D, float grad_scale) = 0;
+  virtual void mse_forward_backward(float* loss_out, float* dpred, const float* pred, const float* target, int B, int D,
+                                    float grad_scale) = 0;
   // logits (B, C), labels (B) in [0, C); *correct_out (nullable) counts argmax hits.
   // A row whose label is outside [0, C) is left out (no loss, no hit, a zero
   // gradient row) and the backend throws ConfigError(label_range_error(...)):
   // a host backend on return, a device backend from its next synchronising
   // call (copy_to_host, synchronize, sum_squares), as the kernel runs later.
-  virtual void cross_entropy_forward_backward(float* loss_out, float* dlogits, float* correct_out,
-                                              const float* logits, const int32_t* labels, int B,
-                                              int C, float grad_scale) = 0;
+  virtual void cross_entropy_forward_backward(float* loss_out, float* dlogits, float* correct_out, const float* logits,
+                                              const int32_t* labels, int B, int C, float grad_scale) = 0;
 
   // Optimizers, elementwise over n parameters.
-  virtual void sgd_update(float* param, const float* grad, float* momentum_buf, size_t n,
-                          const SgdParams& hp) = 0;
-  virtual void adamw_update(float* param, const float* grad, float* exp_avg, float* exp_avg_sq,
-                            size_t n, const AdamWParams& hp) = 0;
+  virtual void sgd_update(float* param, const float* grad, float* momentum_buf, size_t n, const SgdParams& hp) = 0;
+  virtual void adamw_update(float* param, const float* grad, float* exp_avg, float* exp_avg_sq, size_t n,
+                            const AdamWParams& hp) = 0;
 
   // The step's health check and its decision, on the backend (no host wait):
   // verdict->sum_squares = sum of grads^2 (n), then decide_step() from the
@@ -213,8 +208,8 @@ class Backend {
   // is nonzero as this runs, and on a device backend when a loss kernel of
   // this step found invalid labels (it throws at its next synchronisation).
   // Captured, it reads loss_scale from the replay's ReplayArgs.
-  virtual void step_verdict(StepVerdict* verdict, const float* grads, size_t n, const float* slots,
-                            float loss_scale, float max_norm, const int* comm_failed) = 0;
+  virtual void step_verdict(StepVerdict* verdict, const float* grads, size_t n, const float* slots, float loss_scale,
+                            float max_norm, const int* comm_failed) = 0;
 
   // Helpers for accumulation, clipping, loss scaling and health checks.
   // sum_squares is NaN/Inf when any element is.
@@ -247,8 +242,8 @@ class Backend {
   // stay fp32 (master weights) whatever the precision; backends that cannot
   // honour a precision throw ConfigError.
   virtual void set_precision(Precision precision) {
-    MGPU_CHECK(precision == Precision::kFP32, ConfigError, "the ", name(),
-               " backend computes in fp32 only (asked for ", precision_name(precision), ")");
+    MGPU_CHECK(precision == Precision::kFP32, ConfigError, "the ", name(), " backend computes in fp32 only (asked for ",
+               precision_name(precision), ")");
   }
   virtual Precision precision() const { return Precision::kFP32; }
 
@@ -263,9 +258,7 @@ class Backend {
   // backend releases its graphs (capture_generation() changes) whenever memory
   // they use may move: scratch growth, precision changes, release_captures().
   virtual bool supports_capture() const { return false; }
-  virtual void begin_capture() {
-    throw ConfigError("the " + name() + " backend cannot capture steps (CUDA graphs)");
-  }
+  virtual void begin_capture() { throw ConfigError("the " + name() + " backend cannot capture steps (CUDA graphs)"); }
   virtual int end_capture() { throw ConfigError("no capture in progress"); }
   // Ends a capture that failed half-way; the stream is usable again afterwards.
   virtual void abort_capture() noexcept {}

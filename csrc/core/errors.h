@@ -39,7 +39,7 @@ std::string concat(Args&&... args) {
 }  // namespace mgpu
 
 // MGPU_CHECK(cond, ErrorType, message parts...) throws ErrorType when cond is false.
-#define MGPU_CHECK(cond, ErrorType, ...)                       \
-  do {                                                         \
+#define MGPU_CHECK(cond, ErrorType, ...)                               \
+  do {                                                                 \
     if (!(cond)) throw ErrorType(::mgpu::detail::concat(__VA_ARGS__)); \
   } while (0)

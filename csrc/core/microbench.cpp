@@ -47,8 +47,8 @@ class CacheSweep {
 template <typename Fn>
 std::vector<double> time_calls(Backend& be, int repeats, Fn fn, size_t sweep_bytes = 0) {
   MGPU_CHECK(repeats >= 1, ConfigError, "repeats must be >= 1");
-  MGPU_CHECK(sweep_bytes == 0 || be.host_accessible(), ConfigError,
-             "a cold timing sweeps host caches: the ", be.name(), " backend's memory is not the host's");
+  MGPU_CHECK(sweep_bytes == 0 || be.host_accessible(), ConfigError, "a cold timing sweeps host caches: the ", be.name(),
+             " backend's memory is not the host's");
   CacheSweep sweep(sweep_bytes);
   // As in a step: one hold for all the calls, so that a oneDNN GEMM's own costs nothing.
   const AsynchronousSignalsHeld signals_after_the_timing;
@@ -93,10 +93,13 @@ std::vector<double> time_linear_backward(Backend& be, int B, int IN, int OUT, in
   be.zero(inp.data(), inp.size());
   be.zero(w.data(), w.size());
   be.zero(dout.data(), dout.size());
-  return time_calls(be, repeats, [&] {
-    be.linear_backward(input_gradient ? dinp.data() : nullptr, dw.data(), db.data(), dout.data(), inp.data(), w.data(),
-                       B, IN, OUT, false);
-  }, sweep_bytes);
+  return time_calls(
+      be, repeats,
+      [&] {
+        be.linear_backward(input_gradient ? dinp.data() : nullptr, dw.data(), db.data(), dout.data(), inp.data(),
+                           w.data(), B, IN, OUT, false);
+      },
+      sweep_bytes);
 }
 
 std::vector<double> time_axpy(Backend& be, size_t n, int repeats) {
@@ -152,8 +155,7 @@ std::vector<double> time_copy_to_backend(Backend& be, size_t bytes, int repeats)
   return time_calls(be, repeats, [&] { be.copy_to_backend(dev.data(), host.data(), host.size() * 4); });
 }
 
-AllreduceProbe::AllreduceProbe(std::shared_ptr<Communicator> comm, std::shared_ptr<Backend> backend,
-                               size_t max_count)
+AllreduceProbe::AllreduceProbe(std::shared_ptr<Communicator> comm, std::shared_ptr<Backend> backend, size_t max_count)
     : comm_(std::move(comm)), be_(std::move(backend)), host_(max_count), buffer_(be_.get(), max_count) {
   MGPU_CHECK(max_count >= 1, ConfigError, "max_count must be >= 1");
   // MPI moves host memory only: a device backend's buffer goes through host staging, as in training.

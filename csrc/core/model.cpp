@@ -22,11 +22,10 @@ std::string loss_name(LossKind loss) { return loss == LossKind::kMSE ? "mse" : "
 MLP::MLP(std::shared_ptr<Backend> backend, std::vector<int> sizes, float dropout, uint64_t seed)
     : backend_(std::move(backend)), sizes_(std::move(sizes)), dropout_(dropout), seed_(seed) {
   MGPU_CHECK(backend_, ConfigError, "MLP needs a backend");
-  MGPU_CHECK(sizes_.size() >= 2, ConfigError,
-             "layers must list at least input and output sizes, got ", sizes_.size(), " entries");
+  MGPU_CHECK(sizes_.size() >= 2, ConfigError, "layers must list at least input and output sizes, got ", sizes_.size(),
+             " entries");
   for (int s : sizes_) MGPU_CHECK(s >= 1, ConfigError, "every layer size must be >= 1, got ", s);
-  MGPU_CHECK(dropout_ >= 0.0f && dropout_ < 1.0f, ConfigError, "dropout must be in [0, 1), got ",
-             dropout_);
+  MGPU_CHECK(dropout_ >= 0.0f && dropout_ < 1.0f, ConfigError, "dropout must be in [0, 1), got ", dropout_);
   offsets_.push_back(0);
   for (int l = 0; l < num_layers(); ++l) {
     const size_t n = static_cast<size_t>(sizes_[l]) * sizes_[l + 1] + sizes_[l + 1];
@@ -50,8 +49,7 @@ void MLP::initialize(uint64_t seed) {
     for (size_t i = 0; i < count; i += 4) {
       const Philox4 r = philox_draw(seed, RngStream::kInit, static_cast<uint32_t>(i >> 2),
                                     static_cast<uint32_t>(i >> 34), static_cast<uint32_t>(l), 0u);
-      for (size_t k = 0; k < 4 && i + k < count; ++k)
-        host[begin + i + k] = (2.0f * uniform01(r.v[k]) - 1.0f) * bound;
+      for (size_t k = 0; k < 4 && i + k < count; ++k) host[begin + i + k] = (2.0f * uniform01(r.v[k]) - 1.0f) * bound;
     }
   }
   set_parameters(host.data());
@@ -101,8 +99,8 @@ void MLP::stage(const HostBatch& batch, LossKind loss, bool own_copy) {
   if (loss == LossKind::kCrossEntropy && batch.labels) {
     const int C = out_features();
     for (int i = 0; i < batch.rows; ++i)
-      MGPU_CHECK(batch.labels[i] >= 0 && batch.labels[i] < C, ConfigError, "label ",
-                 batch.labels[i], " at row ", i, " is out of range [0, ", C, ")");
+      MGPU_CHECK(batch.labels[i] >= 0 && batch.labels[i] < C, ConfigError, "label ", batch.labels[i], " at row ", i,
+                 " is out of range [0, ", C, ")");
   }
   if (backend_->host_accessible() && !own_copy) {
     input_ = batch.x;
@@ -117,8 +115,7 @@ void MLP::stage(const HostBatch& batch, LossKind loss, bool own_copy) {
   targets_ = nullptr;
   labels_ = nullptr;
   if (batch.targets) {
-    backend_->stage_to_backend(staged_targets_.data(), batch.targets,
-                               rows * out_features() * sizeof(float));
+    backend_->stage_to_backend(staged_targets_.data(), batch.targets, rows * out_features() * sizeof(float));
     targets_ = staged_targets_.data();
   }
   if (batch.labels) {
@@ -138,8 +135,7 @@ const float* MLP::forward(int rows, const DropoutKey* dropout, const std::functi
     if (l + 1 < num_layers()) {
       DropoutKey key = dropout ? *dropout : DropoutKey{};
       key.layer = static_cast<uint32_t>(l);
-      backend_->relu_dropout_forward(out, rows, sizes_[l + 1], dropout ? layer_dropout(l) : 0.0f,
-                                     key);
+      backend_->relu_dropout_forward(out, rows, sizes_[l + 1], dropout ? layer_dropout(l) : 0.0f, key);
     }
     if (layer_done) layer_done(l);
     inp = out;
@@ -147,19 +143,16 @@ const float* MLP::forward(int rows, const DropoutKey* dropout, const std::functi
   return output();
 }
 
-void MLP::loss_forward_backward(LossKind loss, int rows, float grad_scale, float* correct_out,
-                                bool accumulate) {
+void MLP::loss_forward_backward(LossKind loss, int rows, float grad_scale, float* correct_out, bool accumulate) {
   float* dpred = dact_[(num_layers() - 1) % 2].data();
   float* loss_out = accumulate ? scratch_.data() : loss_slot();
   if (loss == LossKind::kMSE) {
-    MGPU_CHECK(targets_, ConfigError, "mse loss needs float targets of shape (rows, ",
-               out_features(), ")");
-    backend_->mse_forward_backward(loss_out, dpred, output(), targets_, rows, out_features(),
-                                   grad_scale);
+    MGPU_CHECK(targets_, ConfigError, "mse loss needs float targets of shape (rows, ", out_features(), ")");
+    backend_->mse_forward_backward(loss_out, dpred, output(), targets_, rows, out_features(), grad_scale);
   } else {
     MGPU_CHECK(labels_, ConfigError, "cross_entropy loss needs integer class labels");
-    backend_->cross_entropy_forward_backward(loss_out, dpred, correct_out, output(), labels_,
-                                             rows, out_features(), grad_scale);
+    backend_->cross_entropy_forward_backward(loss_out, dpred, correct_out, output(), labels_, rows, out_features(),
+                                             grad_scale);
   }
   if (accumulate) backend_->axpy(loss_slot(), loss_out, 1, 1.0f);
 }
@@ -171,12 +164,11 @@ void MLP::backward(int rows, const std::function<void(int)>& layer_done, bool ac
     const float* dout = dact_[l % 2].data();
     float* dinp = l > 0 ? dact_[(l - 1) % 2].data() : nullptr;
     const float* inp = l > 0 ? activations_[l - 1].data() : input_;
-    backend_->linear_backward(dinp, grads_.data() + weight_offset(l), grads_.data() + bias_offset(l),
-                              dout, inp, params_.data() + weight_offset(l), rows, sizes_[l],
-                              sizes_[l + 1], accumulate);
+    backend_->linear_backward(dinp, grads_.data() + weight_offset(l), grads_.data() + bias_offset(l), dout, inp,
+                              params_.data() + weight_offset(l), rows, sizes_[l], sizes_[l + 1], accumulate);
     if (l > 0)
-      backend_->relu_dropout_backward(dinp, activations_[l - 1].data(),
-                                      static_cast<size_t>(rows) * sizes_[l], layer_dropout(l - 1));
+      backend_->relu_dropout_backward(dinp, activations_[l - 1].data(), static_cast<size_t>(rows) * sizes_[l],
+                                      layer_dropout(l - 1));
     if (layer_done) layer_done(l);
   }
 }
@@ -187,8 +179,7 @@ float MLP::loss_and_grad(const HostBatch& batch, LossKind loss, uint64_t step, i
   stage(batch, loss);
   const DropoutKey key{seed_, step, 0, first_sample};
   forward(batch.rows, &key);
-  const float normaliser =
-      loss == LossKind::kMSE ? static_cast<float>(batch.rows) * out_features() : batch.rows;
+  const float normaliser = loss == LossKind::kMSE ? static_cast<float>(batch.rows) * out_features() : batch.rows;
   loss_forward_backward(loss, batch.rows, 1.0f / normaliser, nullptr);
   backward(batch.rows, nullptr);
   float value = 0.0f;
@@ -222,12 +213,11 @@ std::pair<double, int64_t> MLP::evaluate(const HostBatch& batch, LossKind loss) 
     float* correct_dev = loss == LossKind::kCrossEntropy ? scratch_.data() + 1 : nullptr;
     if (loss == LossKind::kMSE) {
       MGPU_CHECK(targets_, ConfigError, "mse loss needs float targets");
-      backend_->mse_forward_backward(scratch_.data(), nullptr, output(), targets_, rows,
-                                     out_features(), 1.0f);
+      backend_->mse_forward_backward(scratch_.data(), nullptr, output(), targets_, rows, out_features(), 1.0f);
     } else {
       MGPU_CHECK(labels_, ConfigError, "cross_entropy loss needs integer class labels");
-      backend_->cross_entropy_forward_backward(scratch_.data(), nullptr, correct_dev, output(),
-                                               labels_, rows, out_features(), 1.0f);
+      backend_->cross_entropy_forward_backward(scratch_.data(), nullptr, correct_dev, output(), labels_, rows,
+                                               out_features(), 1.0f);
     }
     float host[2] = {0.0f, 0.0f};
     backend_->copy_to_host(host, scratch_.data(), sizeof(host));

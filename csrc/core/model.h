@@ -21,9 +21,9 @@ std::string loss_name(LossKind loss);
 
 // One batch (or one rank's shard of it) in host memory.
 struct HostBatch {
-  const float* x = nullptr;        // (rows, in_features)
-  const float* targets = nullptr;  // (rows, out_features), MSE
-  const int32_t* labels = nullptr; // (rows), cross-entropy
+  const float* x = nullptr;         // (rows, in_features)
+  const float* targets = nullptr;   // (rows, out_features), MSE
+  const int32_t* labels = nullptr;  // (rows), cross-entropy
   int rows = 0;
 };
 
@@ -74,13 +74,11 @@ class MLP {
   // Forward pass over the staged rows; dropout is active iff `dropout` is set.
   // Returns the output (rows, out_features) in backend memory. layer_done(l),
   // when given, is called once layer l's output is written (a trace marks it).
-  const float* forward(int rows, const DropoutKey* dropout,
-                       const std::function<void(int)>& layer_done = nullptr);
+  const float* forward(int rows, const DropoutKey* dropout, const std::function<void(int)>& layer_done = nullptr);
   // Writes the loss contribution to loss_slot() (adds to it when accumulating)
   // and its gradient to the head of the backward chain (see Backend loss
   // semantics for grad_scale).
-  void loss_forward_backward(LossKind loss, int rows, float grad_scale, float* correct_out,
-                             bool accumulate = false);
+  void loss_forward_backward(LossKind loss, int rows, float grad_scale, float* correct_out, bool accumulate = false);
   // Backward pass; calls layer_done(l) once layer l's gradients are written,
   // from the last layer to the first. accumulate: add to grads() instead of
   // overwriting them (micro-steps of gradient accumulation).
@@ -114,7 +112,7 @@ class MLP {
   BackendArray<float> dact_[2];                   // ping-pong activation gradients
   BackendArray<float> staged_x_, staged_targets_;
   BackendArray<int32_t> staged_labels_;
-  BackendArray<float> scratch_;                   // loss/correct outputs outside training
+  BackendArray<float> scratch_;  // loss/correct outputs outside training
   const float* input_ = nullptr;
   const float* targets_ = nullptr;
   const int32_t* labels_ = nullptr;

@@ -17,15 +17,14 @@ Optimizer::Optimizer(std::shared_ptr<Backend> backend, size_t num_params, const 
     : backend_(std::move(backend)), n_(num_params), config_(config) {
   MGPU_CHECK(config_.weight_decay >= 0.0f, ConfigError, "weight_decay must be >= 0");
   if (config_.kind == OptimizerKind::kSGD) {
-    MGPU_CHECK(config_.momentum >= 0.0f && config_.momentum < 1.0f, ConfigError,
-               "momentum must be in [0, 1), got ", config_.momentum);
+    MGPU_CHECK(config_.momentum >= 0.0f && config_.momentum < 1.0f, ConfigError, "momentum must be in [0, 1), got ",
+               config_.momentum);
     if (config_.momentum > 0.0f) {
       state0_ = BackendArray<float>(backend_.get(), n_);
       backend_->zero(state0_.data(), n_);
     }
   } else {
-    MGPU_CHECK(config_.beta1 >= 0.0f && config_.beta1 < 1.0f && config_.beta2 >= 0.0f &&
-                   config_.beta2 < 1.0f,
+    MGPU_CHECK(config_.beta1 >= 0.0f && config_.beta1 < 1.0f && config_.beta2 >= 0.0f && config_.beta2 < 1.0f,
                ConfigError, "AdamW betas must be in [0, 1)");
     MGPU_CHECK(config_.eps > 0.0f, ConfigError, "AdamW eps must be > 0");
     state0_ = BackendArray<float>(backend_.get(), n_);
@@ -68,14 +67,12 @@ void Optimizer::step(float* params, const float* grads, float lr, const StepVerd
 
 std::vector<std::string> Optimizer::state_names() const {
   if (config_.kind == OptimizerKind::kSGD)
-    return config_.momentum > 0.0f ? std::vector<std::string>{"momentum_buffer"}
-                                   : std::vector<std::string>{};
+    return config_.momentum > 0.0f ? std::vector<std::string>{"momentum_buffer"} : std::vector<std::string>{};
   return {"exp_avg", "exp_avg_sq"};
 }
 
 BackendArray<float>& Optimizer::state(const std::string& name) {
-  if (config_.kind == OptimizerKind::kSGD && config_.momentum > 0.0f && name == "momentum_buffer")
-    return state0_;
+  if (config_.kind == OptimizerKind::kSGD && config_.momentum > 0.0f && name == "momentum_buffer") return state0_;
   if (config_.kind == OptimizerKind::kAdamW && name == "exp_avg") return state0_;
   if (config_.kind == OptimizerKind::kAdamW && name == "exp_avg_sq") return state1_;
   throw ConfigError("optimizer has no state named '" + name + "'");

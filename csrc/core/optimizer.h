@@ -16,8 +16,8 @@ OptimizerKind parse_optimizer(const std::string& name);
 
 struct OptimizerConfig {
   OptimizerKind kind = OptimizerKind::kSGD;
-  float momentum = 0.0f;      // SGD
-  float weight_decay = 0.0f;  // SGD: L2 added to the gradient; AdamW: decoupled
+  float momentum = 0.0f;                            // SGD
+  float weight_decay = 0.0f;                        // SGD: L2 added to the gradient; AdamW: decoupled
   float beta1 = 0.9f, beta2 = 0.999f, eps = 1e-8f;  // AdamW
 };
 

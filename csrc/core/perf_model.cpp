@@ -68,7 +68,7 @@ double parameter_count(const std::vector<int>& sizes) {
 struct DeviceTimes {
   double forward = 0, backward = 0, optimizer = 0, overhead = 0;
   const StepPhases* measured = nullptr;  // in-step phases from topo (then optimizer is the update alone)
-  std::vector<double> backward_done;  // [l]: time from backward start until layer l's gradients exist
+  std::vector<double> backward_done;     // [l]: time from backward start until layer l's gradients exist
 };
 
 // Whether training replays its steps as graphs: DataParallelStep's rule for
@@ -85,7 +85,7 @@ bool replays_graphs(const Workload& w, const HardwareProfile& hw, int devices, d
 int column_sum_launches(double rows, double out) {
   constexpr double kReduceBlocks = 528, kColTile = 32, kRowsPerSplit = 64, kMaxSplits = 64;
   const double splits = std::min({std::ceil(kReduceBlocks / std::ceil(out / kColTile)), std::ceil(rows / kRowsPerSplit),
-                                   kMaxSplits, std::floor(2 * kReduceBlocks * kColTile / out)});
+                                  kMaxSplits, std::floor(2 * kReduceBlocks * kColTile / out)});
   return splits > 1 ? 2 : 1;
 }
 
@@ -103,9 +103,8 @@ double cache_miss_share(const std::vector<int>& sizes, int64_t rows, const Workl
   return std::clamp(1.0 - d.cache_bytes / arrays, 0.0, 1.0);
 }
 
-DeviceTimes device_times(const std::vector<int>& sizes, int64_t b, const DeviceProfile& d,
-                         const Workload& w, double step_overhead, bool alone, bool use_phases, bool graphs,
-                         int sharing) {
+DeviceTimes device_times(const std::vector<int>& sizes, int64_t b, const DeviceProfile& d, const Workload& w,
+                         double step_overhead, bool alone, bool use_phases, bool graphs, int sharing) {
   const GemmRate& rate = d.gemm(w.precision);
   // Measured layer times, where topo took them, at the precision they were taken at.
   const LayerTimes* measured = alone && d.layers_alone.enabled() ? &d.layers_alone : &d.layers;
@@ -167,10 +166,10 @@ DeviceTimes device_times(const std::vector<int>& sizes, int64_t b, const DeviceP
     m.done.assign(layers, 0.0);
     for (int l = 0; l < layers; ++l) {
       const double in = sizes[l], out = sizes[l + 1];
-      m.forward += (measured ? layer(measured->forward, measured->forward_cold, R, in, out)
-                             : gemm(R, out, in, (out * in + R * in) * eb + 8.0 * R * out) +
-                                   pass(4.0 * R * out) /* bias */) +
-                   (l + 1 < layers ? pass(act_bytes * R * out) : 0.0) /* relu, dropout */;
+      m.forward +=
+          (measured ? layer(measured->forward, measured->forward_cold, R, in, out)
+                    : gemm(R, out, in, (out * in + R * in) * eb + 8.0 * R * out) + pass(4.0 * R * out) /* bias */) +
+          (l + 1 < layers ? pass(act_bytes * R * out) : 0.0) /* relu, dropout */;
       if (gpu && half && l == 0) m.forward += pass(6.0 * R * in);  // the input's half copy
     }
     m.forward += pass(12.0 * R * sizes.back());  // loss and its gradient: prediction and target read, gradient written
@@ -234,7 +233,8 @@ DeviceTimes device_times(const std::vector<int>& sizes, int64_t b, const DeviceP
   // Graphs: an argument update and a launch each: the forward/backward graph, and
   // the update's own after the allreduce on several devices or with compressed
   // gradients (on one device with fp32 ones the first graph holds the update too).
-  if (graphs) t.overhead += (2.0 * double(micro_batches) + (alone && w.grad_dtype == "fp32" ? 0.0 : 2.0)) * d.launch_overhead_s;
+  if (graphs)
+    t.overhead += (2.0 * double(micro_batches) + (alone && w.grad_dtype == "fp32" ? 0.0 : 2.0)) * d.launch_overhead_s;
   if (d.host_to_device_bandwidth > 0)  // the micro-batches' copies, outside any graph
     t.overhead += 4.0 * B * (sizes.front() + sizes.back()) / d.host_to_device_bandwidth +
                   (2.0 * double(micro_batches) + 1.0) * d.launch_overhead_s;  // inputs and targets, the stop flag
@@ -297,12 +297,13 @@ void validate(const Workload& w, const HardwareProfile& hw, const Options& o) {
   auto finite_at_least_0 = [](double x) { return std::isfinite(x) && x >= 0; };
   MGPU_CHECK(finite_at_least_0(hw.step_overhead_s), ConfigError, "profile '", hw.name,
              "': step overhead must be finite and >= 0, got ", hw.step_overhead_s);
-  MGPU_CHECK(finite_at_least_0(hw.model_error) && hw.model_error < 1, ConfigError, "profile '",
-             hw.name, "': model error is a relative error in [0, 1), got ", hw.model_error);
+  MGPU_CHECK(finite_at_least_0(hw.model_error) && hw.model_error < 1, ConfigError, "profile '", hw.name,
+             "': model error is a relative error in [0, 1), got ", hw.model_error);
   const LinkProfile& link = hw.link;
   MGPU_CHECK(finite_at_least_0(link.alpha_s) && finite_at_least_0(link.buffer_bytes) &&
                  finite_at_least_0(link.step_sync_s) && link.bus_bandwidth >= 0 /* NaN fails too */,
-             ConfigError, "profile '", hw.name, "': link latency, bandwidth, buffers and step sync must be finite "
+             ConfigError, "profile '", hw.name,
+             "': link latency, bandwidth, buffers and step sync must be finite "
              "(bandwidth may be unbounded) and >= 0");
   for (const CollectiveModel* m : {&link.intra, &link.inter}) {
     bool ok = finite_at_least_0(m->ring_busbw) && finite_at_least_0(m->tree_busbw) && finite_at_least_0(m->nvls_busbw);
@@ -310,16 +311,18 @@ void validate(const Workload& w, const HardwareProfile& hw, const Options& o) {
       ok = ok && finite_at_least_0(m->latency_s[i]) && finite_at_least_0(m->hop_s[i]) &&
            finite_at_least_0(m->bw_fraction[i]) && std::isfinite(m->bw_scale_beyond_two[i]) &&
            m->bw_scale_beyond_two[i] > 0;
-    MGPU_CHECK(ok, ConfigError, "profile '", hw.name, "': the link's collective model needs finite latencies, "
+    MGPU_CHECK(ok, ConfigError, "profile '", hw.name,
+               "': the link's collective model needs finite latencies, "
                "bandwidths and fractions >= 0 (scales > 0)");
   }
   for (const DeviceProfile& d : hw.devices) {
-    MGPU_CHECK(finite_at_least_0(d.launch_overhead_s) && finite_at_least_0(d.graph_node_s), ConfigError,
-               "device '", d.name, "' launch and graph-node times must be finite and >= 0");
+    MGPU_CHECK(finite_at_least_0(d.launch_overhead_s) && finite_at_least_0(d.graph_node_s), ConfigError, "device '",
+               d.name, "' launch and graph-node times must be finite and >= 0");
     MGPU_CHECK(finite_at_least_0(d.memory_bytes) && finite_at_least_0(d.memory_bandwidth) &&
                    finite_at_least_0(d.host_to_device_bandwidth) && finite_at_least_0(d.context_bytes) &&
                    finite_at_least_0(d.dropout_s_per_unit) && finite_at_least_0(d.cache_bytes),
-               ConfigError, "device '", d.name, "': memory, bandwidths, context bytes, dropout cost and cache "
+               ConfigError, "device '", d.name,
+               "': memory, bandwidths, context bytes, dropout cost and cache "
                "size must be finite and >= 0");
     for (const GemmRate* r : {&d.fp32, &d.tf32, &d.bf16, &d.fp16})
       MGPU_CHECK(finite_at_least_0(r->peak_flops) && finite_at_least_0(r->half_work_flops), ConfigError, "device '",
@@ -336,8 +339,8 @@ void validate(const Workload& w, const HardwareProfile& hw, const Options& o) {
   }
   for (int n : o.candidates) {
     MGPU_CHECK(n >= 1, ConfigError, "device counts must be >= 1, got ", n);
-    MGPU_CHECK(n <= static_cast<int>(hw.devices.size()), ConfigError, "profile '", hw.name, "' has ",
-               hw.devices.size(), " device(s); cannot predict ", n);
+    MGPU_CHECK(n <= static_cast<int>(hw.devices.size()), ConfigError, "profile '", hw.name, "' has ", hw.devices.size(),
+               " device(s); cannot predict ", n);
   }
 }
 
@@ -378,7 +381,10 @@ double LayerTimes::at(const std::vector<double>& table, double r, double in, dou
              " grid");
   // Where x falls on an axis: the cell's lower index and fraction, and the
   // factor that carries the edge's rate beyond the largest size.
-  struct Place { size_t i; double f, scale; };
+  struct Place {
+    size_t i;
+    double f, scale;
+  };
   auto place = [](const std::vector<double>& axis, double x) {
     if (x <= axis.front()) return Place{0, 0.0, 1.0};
     if (x >= axis.back()) return Place{axis.size() - 2, 1.0, x / axis.back()};
@@ -399,10 +405,10 @@ double LayerTimes::at(const std::vector<double>& table, double r, double in, dou
 
 void StepPhases::check(const std::string& what) const {
   if (params.empty() && update_s.empty() && wait_s.empty() && wait_spread_s.empty()) return;
-  MGPU_CHECK(update_s.size() == params.size() && wait_s.size() == params.size() &&
-                 wait_spread_s.size() == params.size(),
-             ConfigError, what, ": params, update, wait and wait spread hold ", params.size(), ", ", update_s.size(),
-             ", ", wait_s.size(), " and ", wait_spread_s.size(), " values");
+  MGPU_CHECK(
+      update_s.size() == params.size() && wait_s.size() == params.size() && wait_spread_s.size() == params.size(),
+      ConfigError, what, ": params, update, wait and wait spread hold ", params.size(), ", ", update_s.size(), ", ",
+      wait_s.size(), " and ", wait_spread_s.size(), " values");
   for (size_t i = 0; i < params.size(); ++i) {
     MGPU_CHECK(params[i] > 0 && (i == 0 || params[i] > params[i - 1]), ConfigError, what,
                ": params must be positive and ascending");
@@ -519,8 +525,7 @@ double LinkProfile::allreduce_seconds(int devices, double bytes) const {
   MGPU_CHECK(bus_bandwidth > 0, ConfigError, "link '", name, "' has no bandwidth in its profile");
   const double steps = 2.0 * (devices - 1);
   const double model = steps * alpha_s + steps / devices * bytes / bus_bandwidth;
-  if (measured.size() < 2 || measured_devices < 2 || bytes < measured.front().first ||
-      bytes > measured.back().first)
+  if (measured.size() < 2 || measured_devices < 2 || bytes < measured.front().first || bytes > measured.back().first)
     return model;
   double at_measured = model;
   for (size_t i = 1; i < measured.size(); ++i) {
@@ -543,8 +548,8 @@ std::string LinkProfile::allreduce_choice(int devices, double bytes) const {
   const int per_node = gpus_per_node > 0 ? gpus_per_node : devices;
   if (devices <= per_node) return intra.choice(devices, bytes);
   const int nodes = (devices + per_node - 1) / per_node;
-  return intra.choice(per_node, bytes) + " in each node + " + inter.choice(nodes, bytes / per_node) +
-         " across " + std::to_string(nodes) + " nodes";
+  return intra.choice(per_node, bytes) + " in each node + " + inter.choice(nodes, bytes / per_node) + " across " +
+         std::to_string(nodes) + " nodes";
 }
 
 std::vector<int> Workload::resolved_layers() const {
@@ -557,8 +562,8 @@ std::vector<int> Workload::resolved_layers() const {
                " parameters; at most 2^62 can be priced");
     return layers;
   }
-  MGPU_CHECK(params >= 1 && params <= kMaxParams, ConfigError,
-             "give layer sizes or a parameter count in 1..2^62, got ", params);
+  MGPU_CHECK(params >= 1 && params <= kMaxParams, ConfigError, "give layer sizes or a parameter count in 1..2^62, got ",
+             params);
   // Four square layers of width w hold 4 (w^2 + w) parameters.
   const int width = std::max(1, static_cast<int>(std::lround((-1.0 + std::sqrt(1.0 + params)) / 2.0)));
   return std::vector<int>(5, width);
@@ -597,9 +602,8 @@ Prediction predict(const Workload& w, const HardwareProfile& hw, int devices, co
   double memory = 0, usable = 0, tightest = -1;
   bool fits = true;
   for (int i = 0; i < devices; ++i) {
-    times.push_back(
-        device_times(sizes, p.batch_shares[i], hw.devices[i], w, hw.step_overhead_s, devices == 1, use_phases,
-                     p.graphs, sharing));
+    times.push_back(device_times(sizes, p.batch_shares[i], hw.devices[i], w, hw.step_overhead_s, devices == 1,
+                                 use_phases, p.graphs, sharing));
     const DeviceTimes& t = times.back();
     compute_end = std::max(compute_end, t.forward + t.backward);
     p.forward_s = std::max(p.forward_s, t.forward);
@@ -728,10 +732,10 @@ namespace {
 std::string rows_text(const Workload& w) {
   const int64_t micro_rows = w.global_batch / w.accumulate;
   const std::string batch_text = "a global batch of " + std::to_string(w.global_batch);
-  return w.accumulate == 1 ? batch_text
-                           : "micro-batches of " + std::to_string(micro_rows) +
-                                 (micro_rows == 1 ? " sample" : " samples") + " (" + batch_text + " in " +
-                                 std::to_string(w.accumulate) + ")";
+  return w.accumulate == 1
+             ? batch_text
+             : "micro-batches of " + std::to_string(micro_rows) + (micro_rows == 1 ? " sample" : " samples") + " (" +
+                   batch_text + " in " + std::to_string(w.accumulate) + ")";
 }
 const char* rows_verb(const Workload& w) { return w.accumulate > 1 ? " give" : " gives"; }
 
@@ -774,11 +778,11 @@ Decision decide_strategy(const Workload& w, const HardwareProfile& hw, const Opt
   const int one = d.one, best = d.pick;
   // The model's relative error, widened where the calibration saw steps wander by
   // an absolute amount (ranks' jitter), which weighs most on short steps.
-  const double err = std::max(hw.model_error, 0.01) +
-                     (one >= 0 && best_multi >= 0
-                          ? c[one].timing_spread_s / std::max(c[one].step_s, 1e-30) +
-                                c[best_multi].timing_spread_s / std::max(c[best_multi].step_s, 1e-30)
-                          : 0.0);
+  const double err =
+      std::max(hw.model_error, 0.01) + (one >= 0 && best_multi >= 0
+                                            ? c[one].timing_spread_s / std::max(c[one].step_s, 1e-30) +
+                                                  c[best_multi].timing_spread_s / std::max(c[best_multi].step_s, 1e-30)
+                                            : 0.0);
   using Kind = Reason::Kind;
   auto reason = [&d](Kind kind, int candidate = -1) -> Reason& {
     d.reasons.push_back(Reason{});
@@ -890,9 +894,9 @@ std::string word_reason(const Reason& r, const Decision& d, const Workload& w, c
              bytes_text(p->memory_usable_bytes) + " usable (" + fmt("%.0f%%", r.value * 100) +
              " of the device); lower the batch, use bf16/fp16, or SGD instead of AdamW";
     case Kind::kOneCannotHold:
-      return "one device cannot hold it (" + bytes_text(p->memory_bytes) + " > " +
-             bytes_text(p->memory_usable_bytes) + " usable); " + device_word(hw, other->devices) +
-             " split the batch so each holds " + bytes_text(other->memory_bytes);
+      return "one device cannot hold it (" + bytes_text(p->memory_bytes) + " > " + bytes_text(p->memory_usable_bytes) +
+             " usable); " + device_word(hw, other->devices) + " split the batch so each holds " +
+             bytes_text(other->memory_bytes);
     case Kind::kNoMultiToCompare:
       return r.flag ? "no multi-device candidate fits in memory" : "no multi-device candidate to compare with";
     case Kind::kOneIsFaster:
@@ -907,22 +911,22 @@ std::string word_reason(const Reason& r, const Decision& d, const Workload& w, c
              ms(p->backward_s) + ", optimizer " + ms(p->optimizer_s) + ", overhead " + ms(p->overhead_s) + "), " +
              count_text(p->samples_per_s) + " samples/s";
     case Kind::kMultiDeviceStep: {
-      std::string line = device_word(hw, p->devices) + ": " + ms(p->step_s) + " a step, " +
-                         fmt("%.2fx", p->speedup) + fmt(" (efficiency %.0f%%)", p->efficiency * 100) + "; the " +
-                         bytes_text(r.value) + " gradient allreduce takes " + ms(p->comm_s) + ", " +
-                         ms(p->exposed_comm_s) + " of it not hidden behind backward";
+      std::string line = device_word(hw, p->devices) + ": " + ms(p->step_s) + " a step, " + fmt("%.2fx", p->speedup) +
+                         fmt(" (efficiency %.0f%%)", p->efficiency * 100) + "; the " + bytes_text(r.value) +
+                         " gradient allreduce takes " + ms(p->comm_s) + ", " + ms(p->exposed_comm_s) +
+                         " of it not hidden behind backward";
       if (p->comm_s > 0)
         line += fmt("; communication/computation %.2f", p->comm_s / std::max(p->forward_s + p->backward_s, 1e-30));
       return line;
     }
     case Kind::kGraphReplay: {
       const DeviceProfile& dev = hw.devices[0];
-      std::string line = std::string("steps replay as CUDA graphs (") +
-                         (w.cuda_graph == "on" ? std::string("--cuda-graph on")
-                                                : "--cuda-graph auto: GPUs, models up to " +
-                                                      count_text(double(StepOptions::kGraphAutoMaxParams)) +
-                                                      " parameters") +
-                         "): ";
+      std::string line =
+          std::string("steps replay as CUDA graphs (") +
+          (w.cuda_graph == "on" ? std::string("--cuda-graph on")
+                                : "--cuda-graph auto: GPUs, models up to " +
+                                      count_text(double(StepOptions::kGraphAutoMaxParams)) + " parameters") +
+          "): ";
       line += dev.graph_node_s > 0 ? fmt("a kernel costs %.2g us as a graph node", dev.graph_node_s * 1e6) +
                                          fmt(" instead of a %.2g us launch", dev.launch_overhead_s * 1e6)
                                    : std::string("kernels priced as launches (the profile has no graph-node time)");
@@ -951,13 +955,12 @@ std::string word_reason(const Reason& r, const Decision& d, const Workload& w, c
              "; train with --batch-shares " + flag;
     }
     case Kind::kAllreduceAlgorithm:
-      return "allreduce of one " + bytes_text(r.value) + " bucket on " + device_word(hw, p->devices) + ": " +
-             r.text + " (NCCL-shaped model, fitted to published nccl-tests tables)";
+      return "allreduce of one " + bytes_text(r.value) + " bucket on " + device_word(hw, p->devices) + ": " + r.text +
+             " (NCCL-shaped model, fitted to published nccl-tests tables)";
     case Kind::kBreakEven:
       return "several devices beat one from a global batch of " + std::to_string(r.count) +
              (r.flag ? " (this one is above it)" : " (this one is below it)");
-    case Kind::kNeverBreaksEven:
-      return "several devices never beat one for this model up to a global batch of 16M";
+    case Kind::kNeverBreaksEven: return "several devices never beat one for this model up to a global batch of 16M";
     case Kind::kDevicesLeftOut:
       return device_word(hw, static_cast<int>(r.count)) + " left out: " + rows_text(w) + rows_verb(w) +
              " some of them no sample";
@@ -1057,12 +1060,12 @@ BucketChoice choose_bucket(const Workload& workload, const HardwareProfile& hw, 
   // health check) to the exposed time, which can then exceed the allreduce itself.
   const bool wait_beyond = best.exposed_comm_s > best.comm_s * 1.001;
   best.reason = "bucket of " + bytes_text(4.0 * best.bucket_elems) + " exposes " + ms(best.exposed_comm_s) +
-                (wait_beyond ? " after backward: the " + ms(best.comm_s) + " allreduce plus the ranks' skew and "
-                               "the health check;"
+                (wait_beyond ? " after backward: the " + ms(best.comm_s) +
+                                   " allreduce plus the ranks' skew and "
+                                   "the health check;"
                              : " of a " + ms(best.comm_s) + " allreduce") +
-                " on " + device_word(hw, devices) + " (step " +
-                ms(best.step_s) + "; tried " + std::to_string(best.tried.size()) + " sizes from " +
-                bytes_text(4.0 * best.tried.front().first) + ")" +
+                " on " + device_word(hw, devices) + " (step " + ms(best.step_s) + "; tried " +
+                std::to_string(best.tried.size()) + " sizes from " + bytes_text(4.0 * best.tried.front().first) + ")" +
                 (capped ? "; capped at " + bytes_text(max_bucket_bytes) : "");
   return best;
 }
@@ -1086,8 +1089,9 @@ Recommendation recommend_by_thresholds(const Workload& w, const Options& o) {
   } else if (P < 5e6) {
     r.strategy = B >= 256 ? "benchmark_required" : "single_gpu";
     r.break_even_batch = 256;
-    r.reasons.push_back(size + " (1M-5M): single GPU preferred (15-25% loss typical); may break even above a "
-                               "batch of 256");
+    r.reasons.push_back(size +
+                        " (1M-5M): single GPU preferred (15-25% loss typical); may break even above a "
+                        "batch of 256");
   } else if (P < 10e6) {
     r.strategy = "benchmark_required";
     r.break_even_batch = 128;
@@ -1102,8 +1106,9 @@ Recommendation recommend_by_thresholds(const Workload& w, const Options& o) {
     r.reasons.push_back(size + " (> 50M): multi-GPU gains expected");
   }
   r.devices = r.strategy == "multi_gpu" ? most : 1;
-  r.reasons.push_back("no calibration profile and no GPU visible: fell back to seed 001's threshold table "
-                      "(measured on 2 PCIe GPUs through a host bridge); run `python -m mgpu topo` to calibrate");
+  r.reasons.push_back(
+      "no calibration profile and no GPU visible: fell back to seed 001's threshold table "
+      "(measured on 2 PCIe GPUs through a host bridge); run `python -m mgpu topo` to calibrate");
   r.confidence = 0.3;
   return r;
 }

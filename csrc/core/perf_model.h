@@ -29,8 +29,8 @@ namespace perf {
 // Measured points (work, rate), when present, are interpolated in log(work)
 // (clamped at the ends); otherwise rate(w) = peak * w / (w + half_work).
 struct GemmRate {
-  double peak_flops = 0.0;       // FLOP/s that large GEMMs approach (0: precision unsupported)
-  double half_work_flops = 0.0;  // work (FLOP) at which a GEMM reaches half of the peak
+  double peak_flops = 0.0;                          // FLOP/s that large GEMMs approach (0: precision unsupported)
+  double half_work_flops = 0.0;                     // work (FLOP) at which a GEMM reaches half of the peak
   std::vector<std::pair<double, double>> measured;  // (work FLOP, FLOP/s), ascending work
   double at(double work_flops) const;
 };
@@ -44,7 +44,7 @@ struct GemmRate {
 // rate holds (time in proportion), below the smallest the edge's time holds.
 // Unlike a rate by work, it tells a skinny GEMM from a square one of equal work.
 struct LayerTimes {
-  std::vector<double> rows, widths;  // ascending, >= 2 each; in and out share the widths
+  std::vector<double> rows, widths;                         // ascending, >= 2 each; in and out share the widths
   std::vector<double> forward, backward, backward_weights;  // [(r * W + i) * W + o] seconds
   // The same grid timed with the last-level cache emptied before each call: a layer as a
   // step meets it whose arrays outgrow that cache (every layer's weights, gradients and
@@ -67,12 +67,12 @@ struct LayerTimes {
 // widens its error band by it. Looked up as seconds per parameter, linear
 // between the measured counts in log(params), clamped at the ends.
 struct StepPhases {
-  static constexpr double kBucketElems = double(1 << 20);  // the bucket size they were measured with
-  static constexpr double kUpdateBytesPerParam = 20.0;     // SGD with momentum: read w, g, m; write w, m
+  static constexpr double kBucketElems = double(1 << 20);       // the bucket size they were measured with
+  static constexpr double kUpdateBytesPerParam = 20.0;          // SGD with momentum: read w, g, m; write w, m
   std::vector<double> params, update_s, wait_s, wait_spread_s;  // ascending params
-  int ranks = 0;                                 // the world they were measured in (1: alone)
+  int ranks = 0;                                                // the world they were measured in (1: alone)
   bool enabled() const { return !params.empty(); }
-  void check(const std::string& what) const;     // throws ConfigError on a malformed table
+  void check(const std::string& what) const;  // throws ConfigError on a malformed table
   double update_at(double params) const { return per_param(update_s, params) * params; }
   double wait_at(double params) const { return per_param(wait_s, params) * params; }
   double wait_spread_at(double params) const { return per_param(wait_spread_s, params) * params; }
@@ -83,10 +83,10 @@ struct StepPhases {
 
 struct DeviceProfile {
   std::string name;
-  std::string kind = "cuda";     // "cuda" | "cpu"
+  std::string kind = "cuda";  // "cuda" | "cpu"
   GemmRate fp32, tf32, bf16, fp16;
-  double memory_bytes = 0.0;     // capacity
-  double memory_bandwidth = 0.0; // bytes/s reached by elementwise kernels
+  double memory_bytes = 0.0;              // capacity
+  double memory_bandwidth = 0.0;          // bytes/s reached by elementwise kernels
   double host_to_device_bandwidth = 0.0;  // bytes/s for staging batches (0: host memory)
   // A short kernel's cost in a stream of them (topo: one-element kernels back to back);
   // a GPU kernel whose work is longer hides it, a CPU call adds it.
@@ -94,9 +94,10 @@ struct DeviceProfile {
   // Per node of a replayed graph (a captured step): what a kernel costs beyond its
   // work when it runs inside a graph. 0: unknown, priced as a launch.
   double graph_node_s = 0.0;
-  bool captures = true;            // false: capturing failed on it (topo), so steps run uncaptured
-  double context_bytes = 0.0;    // fixed per-process memory (CUDA context, libraries)
-  double dropout_s_per_unit = 0.0;  // what dropout adds per hidden unit and sample: the forward's mask (the backward's ReLU costs the same)
+  bool captures = true;        // false: capturing failed on it (topo), so steps run uncaptured
+  double context_bytes = 0.0;  // fixed per-process memory (CUDA context, libraries)
+  double dropout_s_per_unit =
+      0.0;  // what dropout adds per hidden unit and sample: the forward's mask (the backward's ReLU costs the same)
   // fp32 layer times measured by `mgpu topo` on CPU ranks, which share caches and
   // memory: `layers` with every rank of the node computing at once (a rank of a
   // multi-rank step), `layers_alone` with one rank computing (a 1-rank step).
@@ -132,10 +133,10 @@ struct DeviceProfile {
 // The parameters are fitted to published nccl-tests tables (mgpu.allreduce_fit).
 struct CollectiveModel {
   static constexpr int kLL = 0, kLL128 = 1, kSimple = 2;
-  std::array<double, 3> latency_s{{0, 0, 0}};   // per protocol
-  std::array<double, 3> hop_s{{0, 0, 0}};       // per protocol, per step
-  std::array<double, 3> bw_fraction{{0, 0, 1}}; // of the algorithm's busbw (0: protocol unused)
-  std::array<double, 3> bw_scale_beyond_two{{1, 1, 1}};  // per protocol, on its bandwidth at > 2 ranks
+  std::array<double, 3> latency_s{{0, 0, 0}};             // per protocol
+  std::array<double, 3> hop_s{{0, 0, 0}};                 // per protocol, per step
+  std::array<double, 3> bw_fraction{{0, 0, 1}};           // of the algorithm's busbw (0: protocol unused)
+  std::array<double, 3> bw_scale_beyond_two{{1, 1, 1}};   // per protocol, on its bandwidth at > 2 ranks
   double ring_busbw = 0, tree_busbw = 0, nvls_busbw = 0;  // bytes/s
   bool enabled() const { return ring_busbw > 0 || tree_busbw > 0 || nvls_busbw > 0; }
   double seconds(int ranks, double bytes) const;
@@ -165,14 +166,14 @@ struct LinkProfile {
   // multi-node latency grows with 2 log2(nodes) network hops, not 2(nodes-1)).
   // When intra is set it replaces alpha/bus_bandwidth.
   CollectiveModel intra, inter;
-  int gpus_per_node = 0;         // 0: one node holds every device
+  int gpus_per_node = 0;  // 0: one node holds every device
   double allreduce_seconds(int devices, double bytes) const;
   std::string allreduce_choice(int devices, double bytes) const;  // "" without the NCCL-shaped model
 };
 
 struct HardwareProfile {
   std::string name;
-  std::string source = "named";  // "calibrated" | "detected" | "named"
+  std::string source = "named";        // "calibrated" | "detected" | "named"
   std::vector<DeviceProfile> devices;  // candidates with n devices use the first n
   LinkProfile link;
   double step_overhead_s = 0.0;  // host time per step outside kernels (Python, bookkeeping)
@@ -180,12 +181,12 @@ struct HardwareProfile {
 };
 
 struct Workload {
-  std::vector<int> layers;       // [in, hidden..., out]; empty: derived from params
-  int64_t params = 0;            // used when layers is empty
+  std::vector<int> layers;  // [in, hidden..., out]; empty: derived from params
+  int64_t params = 0;       // used when layers is empty
   int64_t global_batch = 0;
-  std::string precision = "fp32";  // fp32 | tf32 | bf16 | fp16
-  std::string optimizer = "adamw"; // sgd (momentum) | adamw
-  double dropout = 0.0;          // after every hidden layer
+  std::string precision = "fp32";   // fp32 | tf32 | bf16 | fp16
+  std::string optimizer = "adamw";  // sgd (momentum) | adamw
+  double dropout = 0.0;             // after every hidden layer
   int64_t bucket_elems = 1 << 20;
   std::string grad_dtype = "fp32";  // fp32 | bf16 | fp16: the type gradients travel in (2 bytes halve the allreduce)
   // auto | on | off: whether training replays its steps as graphs, as `train
@@ -201,10 +202,10 @@ struct Workload {
 };
 
 struct Options {
-  std::vector<int> candidates;   // device counts; empty: 1..number of devices in the profile
-  double memory_margin = 0.8;    // usable fraction of device memory (seed 001's safety margin)
+  std::vector<int> candidates;         // device counts; empty: 1..number of devices in the profile
+  double memory_margin = 0.8;          // usable fraction of device memory (seed 001's safety margin)
   double price_per_device_hour = 0.0;  // > 0: cost per million samples and an ROI line
-  bool equal_shares = false;     // split the batch evenly even over unequal devices (as `bench` does)
+  bool equal_shares = false;           // split the batch evenly even over unequal devices (as `bench` does)
   // Predict each multi-device candidate at the bucket choose_bucket prefers for it
   // (`--bucket-mb auto`), capped at max_bucket_bytes (0: no cap), instead of Workload's.
   bool choose_buckets = false;
@@ -215,28 +216,28 @@ struct Prediction {
   int devices = 1;
   std::vector<int64_t> batch_shares;  // samples per device (unequal devices get unequal shares)
   double forward_s = 0, backward_s = 0, optimizer_s = 0, overhead_s = 0;
-  int64_t bucket_elems = 0;      // the gradient bucket the prediction assumes
-  bool graphs = false;           // steps replay as graphs: kernels at graph-node cost, the allreduce after backward
-  double comm_s = 0;             // total allreduce time of one step
-  double exposed_comm_s = 0;     // the part not hidden behind backward
+  int64_t bucket_elems = 0;   // the gradient bucket the prediction assumes
+  bool graphs = false;        // steps replay as graphs: kernels at graph-node cost, the allreduce after backward
+  double comm_s = 0;          // total allreduce time of one step
+  double exposed_comm_s = 0;  // the part not hidden behind backward
   double step_s = 0;
   double samples_per_s = 0, speedup = 1, efficiency = 1;
-  double timing_spread_s = 0;    // how far a measured step may wander from step_s (calibrated CPUs: the ranks' jitter)
-  double memory_bytes = 0;       // the device closest to its capacity: its need
+  double timing_spread_s = 0;  // how far a measured step may wander from step_s (calibrated CPUs: the ranks' jitter)
+  double memory_bytes = 0;     // the device closest to its capacity: its need
   double memory_usable_bytes = 0;  // and its capacity x margin (0: unknown)
   bool memory_fits = true;
   double cost_per_million_samples = 0;  // when priced
 };
 
 struct Recommendation {
-  std::string strategy;          // single_gpu | multi_gpu | benchmark_required | does_not_fit
-  int devices = 1;               // the recommended device count
+  std::string strategy;  // single_gpu | multi_gpu | benchmark_required | does_not_fit
+  int devices = 1;       // the recommended device count
   std::vector<Prediction> candidates;
-  int64_t break_even_batch = -1; // smallest global batch where several devices beat one; -1: none
+  int64_t break_even_batch = -1;  // smallest global batch where several devices beat one; -1: none
   std::vector<std::string> reasons;
-  double confidence = 0.0;       // 0..1
-  std::string roi;               // when priced
-  bool fallback = false;         // seed 001's threshold table was used (no profile)
+  double confidence = 0.0;  // 0..1
+  std::string roi;          // when priced
+  bool fallback = false;    // seed 001's threshold table was used (no profile)
   std::string profile, profile_source;
   double params = 0;
 };
@@ -264,11 +265,11 @@ Prediction predict(const Workload& workload, const HardwareProfile& hw, int devi
 struct Reason {
   enum class Kind {
     // Why this strategy.
-    kNoCandidateFits,     // candidate: the one needing the least memory; value: the usable fraction of memory
-    kOneCannotHold,       // candidate: the one-device candidate; other: the pick
-    kNoMultiToCompare,    // flag: some multi-device candidate exists (none fits)
-    kOneIsFaster,         // candidate: the fastest multi-device one; value: the model's relative error
-    kGainWithinError,     // candidate: the fastest multi-device one; value: the model's relative error
+    kNoCandidateFits,   // candidate: the one needing the least memory; value: the usable fraction of memory
+    kOneCannotHold,     // candidate: the one-device candidate; other: the pick
+    kNoMultiToCompare,  // flag: some multi-device candidate exists (none fits)
+    kOneIsFaster,       // candidate: the fastest multi-device one; value: the model's relative error
+    kGainWithinError,   // candidate: the fastest multi-device one; value: the model's relative error
     // Why, in numbers.
     kOneDeviceStep,       // candidate: the one-device candidate
     kMultiDeviceStep,     // candidate: a multi-device candidate; value: bytes of the gradient allreduce

@@ -12,8 +12,7 @@ struct Philox4 {
   uint32_t v[4];
 };
 
-MGPU_HD Philox4 philox4x32_10(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3, uint32_t k0,
-                              uint32_t k1) {
+MGPU_HD Philox4 philox4x32_10(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3, uint32_t k0, uint32_t k1) {
   constexpr uint32_t kMul0 = 0xD2511F53u, kMul1 = 0xCD9E8D57u;
   constexpr uint32_t kWeyl0 = 0x9E3779B9u, kWeyl1 = 0xBB67AE85u;
   for (int round = 0; round < 10; ++round) {
@@ -38,8 +37,7 @@ MGPU_HD float uniform01(uint32_t bits) { return static_cast<float>(bits >> 8) * 
 // share random numbers even for equal counters.
 enum class RngStream : uint32_t { kInit = 0x1A17u, kDropout = 0xD7A0u, kStress = 0x57E5u };
 
-MGPU_HD Philox4 philox_draw(uint64_t seed, RngStream stream, uint32_t c0, uint32_t c1, uint32_t c2,
-                            uint32_t c3) {
+MGPU_HD Philox4 philox_draw(uint64_t seed, RngStream stream, uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3) {
   return philox4x32_10(c0, c1, c2, c3, static_cast<uint32_t>(seed),
                        static_cast<uint32_t>(seed >> 32) ^ (static_cast<uint32_t>(stream) * 0x9E3779B9u));
 }

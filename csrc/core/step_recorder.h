@@ -53,8 +53,8 @@ class StepRecorder {
   // timed: synchronise a device backend at the phase boundaries and stamp buckets;
   // traced: record spans (trace) and stamp buckets. result receives the timings,
   // bucket stamps and spans.
-  StepRecorder(Backend& backend, Communicator& comm, StepTrace& trace, StepResult& result, uint64_t step,
-               bool timed, bool traced, size_t buckets)
+  StepRecorder(Backend& backend, Communicator& comm, StepTrace& trace, StepResult& result, uint64_t step, bool timed,
+               bool traced, size_t buckets)
       : be_(backend),
         comm_(comm),
         trace_(trace),
@@ -122,9 +122,7 @@ class StepRecorder {
         if (traced_) trace_.close("backward", "phase", micro, opened_);
         result_.timings.backward += phase_ends();
         break;
-      case StepEvent::kReplayBegin:
-        result_.timings.forward += phase_ends();
-        break;
+      case StepEvent::kReplayBegin: result_.timings.forward += phase_ends(); break;
       case StepEvent::kAllreduceDone:
         if (stamps_buckets_) waited_ = Clock::now();
         break;
@@ -143,9 +141,7 @@ class StepRecorder {
       case StepEvent::kUpdated:
         if (traced_) trace_.end("optimizer", "phase", -1);
         break;
-      case StepEvent::kTailQueued:
-        queued_at_ = now();
-        break;
+      case StepEvent::kTailQueued: queued_at_ = now(); break;
       case StepEvent::kVerdictRead:
         if (stamps_buckets_) stamp_queued_buckets();
         break;
@@ -225,9 +221,9 @@ class StepRecorder {
   const size_t buckets_;
   Clock::time_point start_, phase_, tail_, queued_at_, waited_{};
   bool tail_started_ = false;
-  uint64_t opened_ = 0;        // the mark the enclosing span (forward, backward) opened at
-  double launch_ = 0.0;        // the bucket being launched: its launch stamp
-  std::vector<int> queued_;    // queued collectives of each launched bucket
+  uint64_t opened_ = 0;      // the mark the enclosing span (forward, backward) opened at
+  double launch_ = 0.0;      // the bucket being launched: its launch stamp
+  std::vector<int> queued_;  // queued collectives of each launched bucket
 };
 
 }  // namespace mgpu

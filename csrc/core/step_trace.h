@@ -24,7 +24,7 @@ struct TraceSpan {
   std::string name;      // "forward", "forward layer 2", "allreduce wait", ...
   std::string category;  // "phase", or "layer" for the layers inside forward and backward
   uint64_t step = 0;
-  int micro = -1;        // micro-batch (gradient accumulation); -1: the step as a whole, or its only one
+  int micro = -1;  // micro-batch (gradient accumulation); -1: the step as a whole, or its only one
   double begin = 0.0, end = 0.0;
 };
 

@@ -38,8 +38,8 @@ class StressDevice {
   // `samples` elements of c (stress_sample_index over n * n) recomputed as fp64
   // dot products of a and b (rounded to bf16 first for "bf16") must lie within
   // stress_gemm_bound (stress_math.h). Lets tests hand it a corrupted c.
-  virtual StressCheck gemm_verify(int n, const float* a, const float* b, const float* c,
-                                  const std::string& precision, size_t samples) = 0;
+  virtual StressCheck gemm_verify(int n, const float* a, const float* b, const float* c, const std::string& precision,
+                                  size_t samples) = 0;
   // Reference for the memory pass: bytes/s (read + written) of a plain
   // device-to-device copy of `bytes`.
   virtual double copy_bandwidth(size_t bytes) = 0;

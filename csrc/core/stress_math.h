@@ -38,8 +38,8 @@ constexpr int kStressChainOps = 10;
 
 // Start value of element i: uniform in [0.1, 0.9).
 MGPU_HD float stress_start(uint64_t seed, uint64_t i) {
-  const Philox4 r = philox_draw(seed, RngStream::kStress, static_cast<uint32_t>(i),
-                                static_cast<uint32_t>(i >> 32), 0, 0);
+  const Philox4 r =
+      philox_draw(seed, RngStream::kStress, static_cast<uint32_t>(i), static_cast<uint32_t>(i >> 32), 0, 0);
   return 0.1f + 0.8f * uniform01(r.v[0]);
 }
 
@@ -65,8 +65,7 @@ MGPU_HD void stress_random_pair(uint64_t seed, int pass, uint64_t k, uint64_t w[
 
 MGPU_HD uint64_t stress_word(StressPattern p, uint64_t seed, int pass, uint64_t i) {
   switch (p) {
-    case StressPattern::kWalkingOnes:
-      return uint64_t{1} << ((i + static_cast<uint64_t>(pass)) & 63);
+    case StressPattern::kWalkingOnes: return uint64_t{1} << ((i + static_cast<uint64_t>(pass)) & 63);
     case StressPattern::kAddress:  // address-in-address, flipped every other pass
       return (pass & 1) ? ~i : i;
     case StressPattern::kRandom: {

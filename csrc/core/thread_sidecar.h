@@ -25,8 +25,7 @@ struct ThreadHeartbeats {
 
 class ThreadSidecar final : public Communicator {
  public:
-  ThreadSidecar(std::shared_ptr<ThreadHeartbeats> shared, int rank)
-      : shared_(std::move(shared)), rank_(rank) {}
+  ThreadSidecar(std::shared_ptr<ThreadHeartbeats> shared, int rank) : shared_(std::move(shared)), rank_(rank) {}
   std::string name() const override { return "thread heartbeats"; }
   int rank() const override { return rank_; }
   int size() const override { return static_cast<int>(shared_->sequence.size()); }

@@ -72,8 +72,7 @@ std::vector<Bucket> plan_buckets(const MLP& model, size_t bucket_elems) {
 }
 
 DataParallelStep::DataParallelStep(std::shared_ptr<MLP> model, std::shared_ptr<Optimizer> optimizer,
-                                   std::shared_ptr<Communicator> comm, LossKind loss,
-                                   StepOptions options)
+                                   std::shared_ptr<Communicator> comm, LossKind loss, StepOptions options)
     : model_(std::move(model)),
       optimizer_(std::move(optimizer)),
       comm_(std::move(comm)),
@@ -81,8 +80,7 @@ DataParallelStep::DataParallelStep(std::shared_ptr<MLP> model, std::shared_ptr<O
       options_(options) {
   MGPU_CHECK(model_ && optimizer_ && comm_, ConfigError, "step needs a model, optimizer and communicator");
   MGPU_CHECK(options_.max_grad_norm >= 0.0f && std::isfinite(options_.max_grad_norm), ConfigError,
-             "max_grad_norm must be a finite number >= 0 (0 disables clipping), got ",
-             options_.max_grad_norm);
+             "max_grad_norm must be a finite number >= 0 (0 disables clipping), got ", options_.max_grad_norm);
   MGPU_CHECK(options_.loss_scale_window >= 1, ConfigError, "loss_scale_window must be >= 1");
   set_loss_scale(options_.loss_scale);
   buckets_ = plan_buckets(*model_, options_.bucket_elems);
@@ -94,13 +92,12 @@ DataParallelStep::DataParallelStep(std::shared_ptr<MLP> model, std::shared_ptr<O
   // the transport itself (NCCL), or a host thread left idle by a device backend.
   // With the CPU backend and MPI the same cores would do both, and blocking
   // per-bucket allreduces after backward are faster (docs/benchmarks.md).
-  overlap_ = options_.overlap &&
-             (comm_->progresses_independently() || !model_->backend().host_accessible());
+  overlap_ = options_.overlap && (comm_->progresses_independently() || !model_->backend().host_accessible());
   if (options_.grad_dtype != Precision::kFP32) {
     MGPU_CHECK(options_.grad_dtype == Precision::kBF16 || options_.grad_dtype == Precision::kFP16, ConfigError,
                "gradients are reduced in fp32, bf16 or fp16, not ", precision_name(options_.grad_dtype));
-    MGPU_CHECK(comm_->reduces_half_types(), ConfigError, "gradient compression (",
-               precision_name(options_.grad_dtype), " allreduce) needs NCCL between GPUs; the ", comm_->name(),
+    MGPU_CHECK(comm_->reduces_half_types(), ConfigError, "gradient compression (", precision_name(options_.grad_dtype),
+               " allreduce) needs NCCL between GPUs; the ", comm_->name(),
                " communicator reduces fp32 gradients (use grad dtype fp32)");
     half_grads_ = BackendArray<uint16_t>(&model_->backend(), model_->num_params());
   }
@@ -111,10 +108,9 @@ DataParallelStep::DataParallelStep(std::shared_ptr<MLP> model, std::shared_ptr<O
              "captured steps (CUDA graphs) need a backend that captures; the ", be.name(), " backend does not");
   // Capture pays where launches cost: device backends (the CPU's recorded
   // calls exist to test this logic and run only when asked for).
-  graphs_enabled_ = be.supports_capture() &&
-                    (options_.graph == StepOptions::Graph::kOn ||
-                     (options_.graph == StepOptions::Graph::kAuto && !be.host_accessible() &&
-                      model_->num_params() <= StepOptions::kGraphAutoMaxParams));
+  graphs_enabled_ = be.supports_capture() && (options_.graph == StepOptions::Graph::kOn ||
+                                              (options_.graph == StepOptions::Graph::kAuto && !be.host_accessible() &&
+                                               model_->num_params() <= StepOptions::kGraphAutoMaxParams));
 }
 
 // Forward, loss and backward of the staged rows, nothing between them (a graph
@@ -173,15 +169,14 @@ const char* DataParallelStep::run_captured(const GraphKey& key, const ReplayArgs
 }
 
 void DataParallelStep::set_loss_scale(float scale) {
-  MGPU_CHECK(scale > 0.0f && std::isfinite(scale), ConfigError,
-             "loss scale must be a finite number > 0, got ", scale);
+  MGPU_CHECK(scale > 0.0f && std::isfinite(scale), ConfigError, "loss scale must be a finite number > 0, got ", scale);
   loss_scale_ = scale;
 }
 
 // What one call of step() shares between its phases.
 struct DataParallelStep::Run {
   const std::vector<MicroShard>& shards;
-  uint64_t index;         // the step's number (dropout keys, heartbeats, graph replays)
+  uint64_t index;  // the step's number (dropout keys, heartbeats, graph replays)
   float lr;
   float grad_scale;       // loss_scale / the global normaliser: the seed of each micro-batch's backward
   UpdateScalars update;   // the optimizer's scalars at lr, for a replayed update
@@ -202,8 +197,8 @@ struct DataParallelStep::Run {
 // 6-7 the health check's verdict and the update, queued on the backend, 8 the
 // verdict read back once and the loss scale adjusted. The recorder takes the
 // timings and trace spans at named points in between.
-StepResult DataParallelStep::step(const std::vector<MicroShard>& shards, int64_t global_batch,
-                                  uint64_t step_index, float lr, bool request_stop, bool trace) {
+StepResult DataParallelStep::step(const std::vector<MicroShard>& shards, int64_t global_batch, uint64_t step_index,
+                                  float lr, bool request_stop, bool trace) {
   const AsynchronousSignalsHeld signals_after_the_step;  // one mask change for all its GEMMs
   check_shards(shards, global_batch);
   StepResult result;
@@ -241,14 +236,13 @@ void DataParallelStep::check_shards(const std::vector<MicroShard>& shards, int64
   MGPU_CHECK(global_batch >= 1, ConfigError, "global batch must be >= 1");
   int64_t local_rows = 0;
   for (const MicroShard& s : shards) {
-    MGPU_CHECK(s.batch.rows >= 0 && s.first_sample >= 0 &&
-                   s.first_sample + s.batch.rows <= global_batch,
-               ConfigError, "shard of ", s.batch.rows, " rows at sample ", s.first_sample,
-               " does not fit a global batch of ", global_batch);
+    MGPU_CHECK(s.batch.rows >= 0 && s.first_sample >= 0 && s.first_sample + s.batch.rows <= global_batch, ConfigError,
+               "shard of ", s.batch.rows, " rows at sample ", s.first_sample, " does not fit a global batch of ",
+               global_batch);
     local_rows += s.batch.rows;
   }
-  MGPU_CHECK(local_rows <= global_batch, ConfigError, "this rank's ", local_rows,
-             " rows exceed the global batch of ", global_batch);
+  MGPU_CHECK(local_rows <= global_batch, ConfigError, "this rank's ", local_rows, " rows exceed the global batch of ",
+             global_batch);
 }
 
 // The step's scalars: each micro-batch's loss gradient is pre-scaled by
@@ -257,9 +251,8 @@ void DataParallelStep::check_shards(const std::vector<MicroShard>& shards, int64
 // is queued); and where the tail runs.
 DataParallelStep::Run DataParallelStep::plan_run(const std::vector<MicroShard>& shards, int64_t global_batch,
                                                  uint64_t step_index, float lr, StepRecorder& rec) {
-  const double normaliser = loss_ == LossKind::kMSE
-                                ? static_cast<double>(global_batch) * model_->out_features()
-                                : static_cast<double>(global_batch);
+  const double normaliser = loss_ == LossKind::kMSE ? static_cast<double>(global_batch) * model_->out_features()
+                                                    : static_cast<double>(global_batch);
   const float grad_scale = static_cast<float>(loss_scale_ / normaliser);
   const UpdateScalars update = optimizer_->next_scalars(lr);
   const bool whole_step_graph = graphs_enabled_ && comm_->size() == 1 && !half_grads_.size();

@@ -102,10 +102,10 @@ struct MicroShard {
 // With a captured step, forward holds the staging and backward the replayed
 // forward, loss and backward (on one device, the health check and update too).
 struct StepTimings {
-  double forward = 0;     // staging, forward, loss (every micro-batch)
-  double backward = 0;    // backward, including allreduces launched during it
-  double comm_wait = 0;   // allreduce time not hidden behind backward, the health check, the read-back's wait
-  double optimizer = 0;   // unscale/clip and update (a device backend: queueing them)
+  double forward = 0;    // staging, forward, loss (every micro-batch)
+  double backward = 0;   // backward, including allreduces launched during it
+  double comm_wait = 0;  // allreduce time not hidden behind backward, the health check, the read-back's wait
+  double optimizer = 0;  // unscale/clip and update (a device backend: queueing them)
   double total = 0;
 };
 
@@ -114,35 +114,35 @@ struct StepTimings {
 // or the test or wait that saw a queued one finish; NCCL: a CUDA event on the
 // communication stream after its group), seconds since the step began.
 struct BucketTiming {
-  int index = 0;       // in plan order (backward order: the last layer first)
-  size_t offset = 0;   // elements into the gradient buffer
-  size_t count = 0;    // elements
-  size_t bytes = 0;    // on the wire per rank (half types with gradient compression)
+  int index = 0;      // in plan order (backward order: the last layer first)
+  size_t offset = 0;  // elements into the gradient buffer
+  size_t count = 0;   // elements
+  size_t bytes = 0;   // on the wire per rank (half types with gradient compression)
   double launch = 0;
   double done = 0;
 };
 
 struct StepResult {
   StepTimings timings;
-  double started = 0.0;  // when the step began, on the host's steady clock (seconds; as TraceSpan)
+  double started = 0.0;               // when the step began, on the host's steady clock (seconds; as TraceSpan)
   std::vector<BucketTiming> buckets;  // timed and traced steps only; empty otherwise
   // Traced steps' spans whose marks have happened (see StepTrace): this step's
   // (all of them: its read-back follows its update), and any an earlier step
   // left; each names its step.
   std::vector<TraceSpan> spans;
-  float loss = 0.0f;          // global mean loss of the step's samples
-  double grad_norm = 0.0;     // L2 norm of the averaged, unscaled gradient before clipping
-  bool applied = false;       // false: non-finite loss or gradients (the verdict); parameters untouched
+  float loss = 0.0f;            // global mean loss of the step's samples
+  double grad_norm = 0.0;       // L2 norm of the averaged, unscaled gradient before clipping
+  bool applied = false;         // false: non-finite loss or gradients (the verdict); parameters untouched
   bool stop_requested = false;  // some rank asked to stop; every rank sees the same value
-  float loss_scale = 1.0f;    // the scale this step used
+  float loss_scale = 1.0f;      // the scale this step used
 };
 
 class StepRecorder;  // step_recorder.h
 
 class DataParallelStep {
  public:
-  DataParallelStep(std::shared_ptr<MLP> model, std::shared_ptr<Optimizer> optimizer,
-                   std::shared_ptr<Communicator> comm, LossKind loss, StepOptions options);
+  DataParallelStep(std::shared_ptr<MLP> model, std::shared_ptr<Optimizer> optimizer, std::shared_ptr<Communicator> comm,
+                   LossKind loss, StepOptions options);
 
   // One optimizer step over K micro-batches (gradient accumulation when K > 1):
   // this rank's shards (any may have 0 rows) of a global batch of global_batch
@@ -152,8 +152,8 @@ class DataParallelStep {
   // step's spans (stage, forward and backward layer by layer, loss, allreduce
   // wait, health check, optimizer) and its buckets' allreduces, on the
   // backend's clock and without synchronising anything.
-  StepResult step(const std::vector<MicroShard>& shards, int64_t global_batch, uint64_t step_index,
-                  float lr, bool request_stop = false, bool trace = false);
+  StepResult step(const std::vector<MicroShard>& shards, int64_t global_batch, uint64_t step_index, float lr,
+                  bool request_stop = false, bool trace = false);
   // The traced spans not handed over yet, after waiting for the backend: call at the end of a run.
   std::vector<TraceSpan> drain_trace() { return trace_->drain(); }
   // Make every rank's parameters equal to root's.
@@ -225,9 +225,9 @@ class DataParallelStep {
   int good_steps_ = 0;
   BackendArray<StepVerdict> verdict_;  // the step's verdict, in backend memory (read back once a step)
   bool graphs_enabled_ = false;
-  std::map<GraphKey, int> graphs_;   // captured keys -> the backend's graph id
-  std::set<GraphKey> seen_shapes_;   // keys run once uncaptured
-  uint64_t graph_generation_ = 0;    // backend's capture_generation() the ids belong to
+  std::map<GraphKey, int> graphs_;  // captured keys -> the backend's graph id
+  std::set<GraphKey> seen_shapes_;  // keys run once uncaptured
+  uint64_t graph_generation_ = 0;   // backend's capture_generation() the ids belong to
   int64_t graph_replays_ = 0;
   std::string graph_fallback_;
   std::unique_ptr<StepTrace> trace_;

@@ -55,8 +55,8 @@ constexpr uint32_t kWeyl0 = 0x9E3779B9u, kWeyl1 = 0xBB67AE85u;
 // products; the odd lanes are shifted down for a second multiply, and the high and
 // low halves are blended back into lanes. GCC's own vectorisation of the lane loop
 // shuffled through 64-bit lanes and cost about twice as much.
-inline void philox_avx2_8(int g0, uint32_t sample, uint32_t layer, uint32_t step, uint32_t key0,
-                          uint32_t key1, uint32_t* w0, uint32_t* w1, uint32_t* w2, uint32_t* w3) {
+inline void philox_avx2_8(int g0, uint32_t sample, uint32_t layer, uint32_t step, uint32_t key0, uint32_t key1,
+                          uint32_t* w0, uint32_t* w1, uint32_t* w2, uint32_t* w3) {
   const __m256i m0 = _mm256_set1_epi32(static_cast<int>(kMul0)), m1 = _mm256_set1_epi32(static_cast<int>(kMul1));
   __m256i c0 = _mm256_add_epi32(_mm256_set1_epi32(g0), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
   __m256i c1 = _mm256_set1_epi32(static_cast<int>(sample)), c2 = _mm256_set1_epi32(static_cast<int>(layer));
@@ -86,12 +86,12 @@ inline void philox_avx2_8(int g0, uint32_t sample, uint32_t layer, uint32_t step
 // philox_draw (philox.h) for counters {g, sample, layer, step}, g = 0..groups-1,
 // eight counters at a time (AVX2 registers, or lane arrays the compiler vectorises);
 // word k of counter g goes to w_k[g]. Same numbers as the scalar function.
-void philox_lanes(const DropoutKey& key, uint32_t sample, int groups, uint32_t* w0, uint32_t* w1,
-                  uint32_t* w2, uint32_t* w3) {
+void philox_lanes(const DropoutKey& key, uint32_t sample, int groups, uint32_t* w0, uint32_t* w1, uint32_t* w2,
+                  uint32_t* w3) {
   constexpr int kLanes = 8;
   const uint32_t key0 = static_cast<uint32_t>(key.seed);
-  const uint32_t key1 = static_cast<uint32_t>(key.seed >> 32) ^
-                        (static_cast<uint32_t>(RngStream::kDropout) * 0x9E3779B9u);
+  const uint32_t key1 =
+      static_cast<uint32_t>(key.seed >> 32) ^ (static_cast<uint32_t>(RngStream::kDropout) * 0x9E3779B9u);
   int first = 0;
 #ifdef __AVX2__
   for (; first + kLanes <= groups; first += kLanes)
@@ -241,8 +241,8 @@ CpuGemm CpuBackend::gemm_library(int M, int N, int K) const {
   return auto_cpu_gemm(M, N, K, threads_, cpu_has_avx512(), onednn_available());
 }
 
-void CpuBackend::sgemm(bool trans_a, bool trans_b, int M, int N, int K, const float* A, int lda,
-                       const float* B, int ldb, float beta, float* C, int ldc) {
+void CpuBackend::sgemm(bool trans_a, bool trans_b, int M, int N, int K, const float* A, int lda, const float* B,
+                       int ldb, float beta, float* C, int ldc) {
 #ifdef MGPU_HAVE_ONEDNN
   if (gemm_library(M, N, K) == CpuGemm::kOneDnn) {
     const AsynchronousSignalsHeld no_handler_inside_the_kernel;  // async_signals.h
@@ -252,15 +252,15 @@ void CpuBackend::sgemm(bool trans_a, bool trans_b, int M, int N, int K, const fl
     omp_set_num_threads(threads_);
     hold_signals_in_openmp_workers(threads_);
 #endif
-    const dnnl_status_t status = dnnl_sgemm(trans_a ? 'T' : 'N', trans_b ? 'T' : 'N', M, N, K, 1.0f, A, lda,
-                                            B, ldb, beta, C, ldc);
-    MGPU_CHECK(status == dnnl_success, DeviceError, "oneDNN sgemm (", M, " x ", N, " x ", K,
-               ") failed with status ", int(status));
+    const dnnl_status_t status =
+        dnnl_sgemm(trans_a ? 'T' : 'N', trans_b ? 'T' : 'N', M, N, K, 1.0f, A, lda, B, ldb, beta, C, ldc);
+    MGPU_CHECK(status == dnnl_success, DeviceError, "oneDNN sgemm (", M, " x ", N, " x ", K, ") failed with status ",
+               int(status));
     return;
   }
 #endif
-  cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans, M, N,
-              K, 1.0f, A, lda, B, ldb, beta, C, ldc);
+  cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans, M, N, K, 1.0f, A,
+              lda, B, ldb, beta, C, ldc);
 }
 
 void CpuBackend::set_threads(int threads) {
@@ -337,20 +337,19 @@ void CpuBackend::release_captures() {
 }
 
 // inp (B, IN), weight (OUT, IN), bias (OUT) -> out (B, OUT)
-void CpuBackend::linear_forward(float* out, const float* inp, const float* weight, const float* bias,
-                                int B, int IN, int OUT) {
+void CpuBackend::linear_forward(float* out, const float* inp, const float* weight, const float* bias, int B, int IN,
+                                int OUT) {
   if (record([=] { linear_forward(out, inp, weight, bias, B, IN, OUT); })) return;
   if (B == 0) return;
-  // Seed the output with the bias so the GEMM adds onto it (beta = 1): no extra pass.
+    // Seed the output with the bias so the GEMM adds onto it (beta = 1): no extra pass.
 #pragma omp parallel for num_threads(threads_) if (long(B) * OUT > kParallelMin) schedule(static)
   for (int b = 0; b < B; ++b) std::memcpy(out + size_t(b) * OUT, bias, size_t(OUT) * sizeof(float));
   sgemm(false, true, B, OUT, IN, inp, IN, weight, IN, 1.0f, out, OUT);
 }
 
 // dout (B, OUT), inp (B, IN), weight (OUT, IN) -> dweight (OUT, IN), dbias (OUT), dinp (B, IN)
-void CpuBackend::linear_backward(float* dinp, float* dweight, float* dbias, const float* dout,
-                                 const float* inp, const float* weight, int B, int IN, int OUT,
-                                 bool accumulate) {
+void CpuBackend::linear_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
+                                 const float* weight, int B, int IN, int OUT, bool accumulate) {
   if (record([=] { linear_backward(dinp, dweight, dbias, dout, inp, weight, B, IN, OUT, accumulate); })) return;
   const float beta = accumulate ? 1.0f : 0.0f;
   if (dinp) sgemm(false, false, B, IN, OUT, dout, OUT, weight, IN, 0.0f, dinp, IN);
@@ -383,7 +382,7 @@ void CpuBackend::relu_dropout_forward(float* h, int B, int C, float p, const Dro
     return;
   if (p <= 0.0f) {
     const long n = long(B) * C;
-#pragma omp parallel for simd num_threads(threads_) if (parallel: n > kParallelMin) schedule(static)
+#pragma omp parallel for simd num_threads(threads_) if (parallel : n > kParallelMin) schedule(static)
     for (long i = 0; i < n; ++i) h[i] = h[i] <= 0.0f ? 0.0f : h[i];
     return;
   }
@@ -417,7 +416,7 @@ void CpuBackend::relu_dropout_backward(float* dh, const float* h, size_t n, floa
   if (record([=] { relu_dropout_backward(dh, h, n, p); })) return;
   const float keep_scale = p > 0.0f ? 1.0f / (1.0f - p) : 1.0f;
   const long len = static_cast<long>(n);
-#pragma omp parallel for simd num_threads(threads_) if (parallel: len > kParallelMin) schedule(static)
+#pragma omp parallel for simd num_threads(threads_) if (parallel : len > kParallelMin) schedule(static)
   for (long i = 0; i < len; ++i) {
     // The product computed on both paths: GCC does not speculate a (possibly trapping)
     // FP multiply, and a branch on a random mask is mispredicted half the time.
@@ -427,13 +426,13 @@ void CpuBackend::relu_dropout_backward(float* dh, const float* h, size_t n, floa
 }
 
 // pred (B, D), target (B, D) -> loss_out = grad_scale * sum (pred - target)^2, dpred
-void CpuBackend::mse_forward_backward(float* loss_out, float* dpred, const float* pred,
-                                      const float* target, int B, int D, float grad_scale) {
+void CpuBackend::mse_forward_backward(float* loss_out, float* dpred, const float* pred, const float* target, int B,
+                                      int D, float grad_scale) {
   if (record([=] { mse_forward_backward(loss_out, dpred, pred, target, B, D, replay_args_.grad_scale); })) return;
   const long n = long(B) * D;
   double sum = 0.0;
   const float two_scale = 2.0f * grad_scale;
-#pragma omp parallel for simd num_threads(threads_) if (parallel: n > kParallelMin) reduction(+ : sum) schedule(static)
+#pragma omp parallel for simd num_threads(threads_) if (parallel : n > kParallelMin) reduction(+ : sum) schedule(static)
   for (long i = 0; i < n; ++i) {
     const float diff = pred[i] - target[i];
     sum += double(diff) * diff;
@@ -444,8 +443,8 @@ void CpuBackend::mse_forward_backward(float* loss_out, float* dpred, const float
 
 // logits (B, C), labels (B) -> loss_out = grad_scale * sum -log softmax[label], dlogits, correct
 void CpuBackend::cross_entropy_forward_backward(float* loss_out, float* dlogits, float* correct_out,
-                                                const float* logits, const int32_t* labels, int B,
-                                                int C, float grad_scale) {
+                                                const float* logits, const int32_t* labels, int B, int C,
+                                                float grad_scale) {
   if (record([=] {
         cross_entropy_forward_backward(loss_out, dlogits, correct_out, logits, labels, B, C, replay_args_.grad_scale);
       }))
@@ -511,14 +510,14 @@ void CpuBackend::sgd_apply(float* param, const float* grad, float* buf, size_t n
   const long len = static_cast<long>(n);
   const float lr = s.lr, wd = hp.weight_decay, mom = hp.momentum;
   if (mom > 0.0f && s.first_step) {  // the buffer starts as the first gradient
-#pragma omp parallel for simd num_threads(threads_) if (parallel: len > kParallelMin) schedule(static)
+#pragma omp parallel for simd num_threads(threads_) if (parallel : len > kParallelMin) schedule(static)
     for (long i = 0; i < len; ++i) {
       const float g = plus_product(grad[i] * gs, wd, param[i]);
       buf[i] = g;
       param[i] -= lr * g;
     }
   } else if (mom > 0.0f) {
-#pragma omp parallel for simd num_threads(threads_) if (parallel: len > kParallelMin) schedule(static)
+#pragma omp parallel for simd num_threads(threads_) if (parallel : len > kParallelMin) schedule(static)
     for (long i = 0; i < len; ++i) {
       const float g = plus_product(grad[i] * gs, wd, param[i]);
       const float b = mom * buf[i] + g;
@@ -526,7 +525,7 @@ void CpuBackend::sgd_apply(float* param, const float* grad, float* buf, size_t n
       param[i] -= lr * b;
     }
   } else {
-#pragma omp parallel for simd num_threads(threads_) if (parallel: len > kParallelMin) schedule(static)
+#pragma omp parallel for simd num_threads(threads_) if (parallel : len > kParallelMin) schedule(static)
     for (long i = 0; i < len; ++i) {
       const float gi = grad[i] * gs;
       param[i] -= lr * plus_product(gi, wd, param[i]);
@@ -534,8 +533,7 @@ void CpuBackend::sgd_apply(float* param, const float* grad, float* buf, size_t n
   }
 }
 
-void CpuBackend::adamw_update(float* param, const float* grad, float* m, float* v, size_t n,
-                              const AdamWParams& hp) {
+void CpuBackend::adamw_update(float* param, const float* grad, float* m, float* v, size_t n, const AdamWParams& hp) {
   // Replays take the replayed step's bias-corrected step size and decay.
   if (record([=] { adamw_apply(param, grad, m, v, n, hp, replay_args_.update); })) return;
   adamw_apply(param, grad, m, v, n, hp, update_scalars(hp));
@@ -549,7 +547,7 @@ void CpuBackend::adamw_apply(float* param, const float* grad, float* m, float* v
   const float step_size = s.step_size, inv_sqrt_bc2 = s.inv_sqrt_bc2, decay = s.decay;
   const float one_minus_b1 = 1.0f - hp.beta1, one_minus_b2 = 1.0f - hp.beta2;
   const float b2 = hp.beta2, eps = hp.eps;
-#pragma omp parallel for simd num_threads(threads_) if (parallel: len > kParallelMin) schedule(static)
+#pragma omp parallel for simd num_threads(threads_) if (parallel : len > kParallelMin) schedule(static)
   for (long i = 0; i < len; ++i) {
     // Not contracted into g - m[i]: g also feeds a product (g * g), and GCC only
     // fuses a product all of whose uses are additions. The bit-identity test
@@ -564,8 +562,8 @@ void CpuBackend::adamw_apply(float* param, const float* grad, float* m, float* v
   }
 }
 
-void CpuBackend::step_verdict(StepVerdict* verdict, const float* grads, size_t n, const float* slots,
-                              float loss_scale, float max_norm, const int* comm_failed) {
+void CpuBackend::step_verdict(StepVerdict* verdict, const float* grads, size_t n, const float* slots, float loss_scale,
+                              float max_norm, const int* comm_failed) {
   // Replays divide by the replayed step's loss scale. Invalid labels threw at the loss already.
   if (record([=] { decide(verdict, grads, n, slots, replay_args_.loss_scale, max_norm, comm_failed); })) return;
   decide(verdict, grads, n, slots, loss_scale, max_norm, comm_failed);
@@ -594,7 +592,7 @@ double CpuBackend::sum_of_squares(const float* x, size_t n) const {
 void CpuBackend::scale(float* x, size_t n, float alpha) {
   if (record([=] { scale(x, n, alpha); })) return;
   const long len = static_cast<long>(n);
-#pragma omp parallel for simd num_threads(threads_) if (parallel: len > kParallelMin) schedule(static)
+#pragma omp parallel for simd num_threads(threads_) if (parallel : len > kParallelMin) schedule(static)
   for (long i = 0; i < len; ++i) x[i] *= alpha;
 }
 
@@ -644,7 +642,7 @@ void CpuBackend::widen(float* x, const void* half, size_t n, Precision dtype) {
 void CpuBackend::axpy(float* y, const float* x, size_t n, float alpha) {
   if (record([=] { axpy(y, x, n, alpha); })) return;
   const long len = static_cast<long>(n);
-#pragma omp parallel for simd num_threads(threads_) if (parallel: len > kParallelMin) schedule(static)
+#pragma omp parallel for simd num_threads(threads_) if (parallel : len > kParallelMin) schedule(static)
   for (long i = 0; i < len; ++i) y[i] += alpha * x[i];
 }
 

@@ -32,7 +32,7 @@ bool cpu_has_avx512();  // the CPU's, at run time (not what mgpu was compiled fo
 // computed with `threads` threads.
 CpuGemm auto_cpu_gemm(int M, int N, int K, int threads, bool avx512, bool onednn);
 bool onednn_available();
-std::string onednn_version();  // "" without oneDNN
+std::string onednn_version();                     // "" without oneDNN
 CpuGemm parse_cpu_gemm(const std::string& name);  // throws ConfigError
 const char* cpu_gemm_name(CpuGemm gemm);
 
@@ -55,20 +55,17 @@ class CpuBackend final : public Backend {
   void zero(float* x, size_t n) override;
   void synchronize() override {}
 
-  void linear_forward(float* out, const float* inp, const float* weight, const float* bias, int B,
-                      int IN, int OUT) override;
-  void linear_backward(float* dinp, float* dweight, float* dbias, const float* dout,
-                       const float* inp, const float* weight, int B, int IN, int OUT,
-                       bool accumulate) override;
+  void linear_forward(float* out, const float* inp, const float* weight, const float* bias, int B, int IN,
+                      int OUT) override;
+  void linear_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
+                       const float* weight, int B, int IN, int OUT, bool accumulate) override;
   void relu_dropout_forward(float* h, int B, int C, float p, const DropoutKey& key) override;
   void relu_dropout_backward(float* dh, const float* h, size_t n, float p) override;
-  void mse_forward_backward(float* loss_out, float* dpred, const float* pred, const float* target,
-                            int B, int D, float grad_scale) override;
-  void cross_entropy_forward_backward(float* loss_out, float* dlogits, float* correct_out,
-                                      const float* logits, const int32_t* labels, int B, int C,
-                                      float grad_scale) override;
-  void sgd_update(float* param, const float* grad, float* momentum_buf, size_t n,
-                  const SgdParams& hp) override;
+  void mse_forward_backward(float* loss_out, float* dpred, const float* pred, const float* target, int B, int D,
+                            float grad_scale) override;
+  void cross_entropy_forward_backward(float* loss_out, float* dlogits, float* correct_out, const float* logits,
+                                      const int32_t* labels, int B, int C, float grad_scale) override;
+  void sgd_update(float* param, const float* grad, float* momentum_buf, size_t n, const SgdParams& hp) override;
   void adamw_update(float* param, const float* grad, float* exp_avg, float* exp_avg_sq, size_t n,
                     const AdamWParams& hp) override;
   void step_verdict(StepVerdict* verdict, const float* grads, size_t n, const float* slots, float loss_scale,
@@ -100,17 +97,17 @@ class CpuBackend final : public Backend {
   void adamw_apply(float* param, const float* grad, float* m, float* v, size_t n, const AdamWParams& hp,
                    const UpdateScalars& s);
   double sum_of_squares(const float* x, size_t n) const;  // deterministic for a fixed thread count
-  void decide(StepVerdict* verdict, const float* grads, size_t n, const float* slots, float loss_scale,
-              float max_norm, const int* comm_failed);
+  void decide(StepVerdict* verdict, const float* grads, size_t n, const float* slots, float loss_scale, float max_norm,
+              const int* comm_failed);
   // Row-major C (M, N) = op(A) op(B) + beta C, op = transpose where asked.
-  void sgemm(bool trans_a, bool trans_b, int M, int N, int K, const float* A, int lda, const float* B,
-             int ldb, float beta, float* C, int ldc);
+  void sgemm(bool trans_a, bool trans_b, int M, int N, int K, const float* A, int lda, const float* B, int ldb,
+             float beta, float* C, int ldc);
 
   int threads_ = 1;
   CpuGemm gemm_ = CpuGemm::kAuto;
   CaptureRegistry<std::vector<std::function<void()>>> captures_;
   std::vector<std::function<void()>> recording_;  // of the capture in progress
-  ReplayArgs replay_args_;  // those of the replay in progress (read by the recorded calls)
+  ReplayArgs replay_args_;                        // those of the replay in progress (read by the recorded calls)
 };
 
 // Number of hardware threads this process may use (affinity-aware).

@@ -106,8 +106,8 @@ class CpuStress final : public StressDevice {
     StressCheck c;
     for (int r = 0; r < repeats; ++r) {
       const auto t0 = Clock::now();
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, n, n, 1.0f, a_.data(), n, b_.data(), n, 0.0f,
-                  c_.data(), n);
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, n, n, 1.0f, a_.data(), n, b_.data(), n, 0.0f, c_.data(),
+                  n);
       c.seconds += since(t0);
       c.work += 2.0 * n * double(n) * n;
       if (first_.empty()) {  // the reference for every later result of these inputs
@@ -136,15 +136,15 @@ class CpuStress final : public StressDevice {
     const double input_error = stress_gemm_input_error(precision);
     MGPU_CHECK(n >= 1, ConfigError, "GEMM check needs n >= 1");
     const size_t nn = size_t(n) * n;
-    if (precision != "bf16") return gemm_reference_check(n, a, b, c, std::min(std::max<size_t>(samples, 1), nn),
-                                                         input_error, threads_);
+    if (precision != "bf16")
+      return gemm_reference_check(n, a, b, c, std::min(std::max<size_t>(samples, 1), nn), input_error, threads_);
     std::vector<float> a16(a, a + nn), b16(b, b + nn);  // the operands a bf16 GEMM sees
     for (size_t i = 0; i < nn; ++i) {
       a16[i] = stress_round_bf16(a16[i]);
       b16[i] = stress_round_bf16(b16[i]);
     }
-    return gemm_reference_check(n, a16.data(), b16.data(), c, std::min(std::max<size_t>(samples, 1), nn),
-                                input_error, threads_);
+    return gemm_reference_check(n, a16.data(), b16.data(), c, std::min(std::max<size_t>(samples, 1), nn), input_error,
+                                threads_);
   }
 
   double copy_bandwidth(size_t bytes) override {

@@ -47,8 +47,8 @@ std::string no_device_reason() {
 
 DeviceInfo device_info(int index) {
   const int n = device_count();
-  MGPU_CHECK(index >= 0 && index < n, DeviceError, "device index ", index, " out of range: ", n,
-             " GPU", n == 1 ? "" : "s", " visible");
+  MGPU_CHECK(index >= 0 && index < n, DeviceError, "device index ", index, " out of range: ", n, " GPU",
+             n == 1 ? "" : "s", " visible");
   cudaDeviceProp prop{};
   MGPU_CUDA_CHECK(cudaGetDeviceProperties(&prop, index));
   DeviceInfo info;
@@ -93,8 +93,8 @@ Versions versions() {
   if (ncclGetVersion(&nv) == ncclSuccess && nv > 0) {
     v.nccl_loaded_code = nv;
     // NCCL_VERSION_CODE: 10000 major + 100 minor + patch (since 2.9).
-    v.nccl_loaded = nv >= 10000 ? triple(nv / 10000, (nv % 10000) / 100, nv % 100)
-                                : triple(nv / 1000, (nv % 1000) / 100, nv % 100);
+    v.nccl_loaded =
+        nv >= 10000 ? triple(nv / 10000, (nv % 10000) / 100, nv % 100) : triple(nv / 1000, (nv % 1000) / 100, nv % 100);
   }
 #endif
   return v;
@@ -105,7 +105,8 @@ std::string nccl_unique_id() {
   ncclUniqueId id;
   const ncclResult_t rc = ncclGetUniqueId(&id);
   if (rc != ncclSuccess)
-    throw CommError(detail::concat("ncclGetUniqueId failed: ", ncclGetErrorString(rc), ": ", ncclGetLastError(nullptr)));
+    throw CommError(
+        detail::concat("ncclGetUniqueId failed: ", ncclGetErrorString(rc), ": ", ncclGetLastError(nullptr)));
   return std::string(id.internal, sizeof(id.internal));
 #else
   throw CommError("this build of mgpu has no NCCL (built without NCCL); use the MPI communicator");
@@ -133,8 +134,8 @@ std::shared_ptr<Backend> make_cuda_backend(int device_index) {
   const int n = cuda::device_count();
   MGPU_CHECK(n > 0, DeviceError, "no CUDA GPU is visible to this process (", cuda::no_device_reason(),
              "); check nvidia-smi and CUDA_VISIBLE_DEVICES, or use device 'cpu'");
-  MGPU_CHECK(device_index >= 0 && device_index < n, DeviceError, "device index ", device_index,
-             " out of range: ", n, " GPU", n == 1 ? "" : "s", " visible");
+  MGPU_CHECK(device_index >= 0 && device_index < n, DeviceError, "device index ", device_index, " out of range: ", n,
+             " GPU", n == 1 ? "" : "s", " visible");
   return std::make_shared<CudaBackend>(device_index);
 }
 

@@ -46,8 +46,8 @@ CudaBackend::CudaBackend(int device_index) : device_(device_index) {
     MGPU_CUBLAS_CHECK(cublasSetWorkspace(cublas_, cublas_workspace_, kCublasWorkspaceBytes));
     MGPU_CUBLAS_CHECK(cublasSetMathMode(cublas_, CUBLAS_DEFAULT_MATH));
     MGPU_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&partials_), kernels::kPartialsSize * sizeof(double)));
-    MGPU_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&column_partials_),
-                               kernels::kColumnPartialsSize * sizeof(float)));
+    MGPU_CUDA_CHECK(
+        cudaMalloc(reinterpret_cast<void**>(&column_partials_), kernels::kColumnPartialsSize * sizeof(float)));
     MGPU_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&sum_out_), sizeof(double)));
     MGPU_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&replay_dev_), sizeof(ReplayArgs)));
     MGPU_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&label_errors_.device), 2 * sizeof(unsigned long long)));
@@ -127,8 +127,8 @@ void* CudaBackend::allocate_bytes(size_t bytes) {
     size_t free_bytes = 0, total = 0;
     cudaMemGetInfo(&free_bytes, &total);
     cudaGetLastError();
-    throw DeviceError(detail::concat("cudaMallocAsync of ", bytes, " bytes on GPU ", device_, " failed: ",
-                                     cudaGetErrorString(rc), " (", free_bytes >> 20, " MiB free of ",
+    throw DeviceError(detail::concat("cudaMallocAsync of ", bytes, " bytes on GPU ", device_,
+                                     " failed: ", cudaGetErrorString(rc), " (", free_bytes >> 20, " MiB free of ",
                                      total >> 20, " MiB)"));
   }
   allocation_bytes_[p] = bytes;
@@ -349,8 +349,8 @@ void CudaBackend::set_precision(Precision precision) {
   // scratch: they must run uncaptured once more before being captured.
   if (precision != precision_) captures_.invalidate();
   // TF32 only when asked: fp32 GEMMs stay IEEE fp32 so results match the CPU backend.
-  MGPU_CUBLAS_CHECK(cublasSetMathMode(
-      cublas_, precision == Precision::kTF32 ? CUBLAS_TF32_TENSOR_OP_MATH : CUBLAS_DEFAULT_MATH));
+  MGPU_CUBLAS_CHECK(
+      cublasSetMathMode(cublas_, precision == Precision::kTF32 ? CUBLAS_TF32_TENSOR_OP_MATH : CUBLAS_DEFAULT_MATH));
   precision_ = precision;
   stale_all_half_operands();  // of the old half type
   size_master_half();
@@ -368,7 +368,8 @@ const void* CudaBackend::gemm_input(int slot, const float* src, size_t n) {
   }
   if (half_capacity_[slot] < n) {
     // Grows only while shapes grow (the first steps).
-    MGPU_CHECK(!captures_.capturing(), DeviceError, "a GEMM operand outgrew its buffer during a capture "
+    MGPU_CHECK(!captures_.capturing(), DeviceError,
+               "a GEMM operand outgrew its buffer during a capture "
                "(run the shape uncaptured first)");
     const size_t cap = std::max(n, half_capacity_[slot] + half_capacity_[slot] / 2);
     regrow_half(half_[slot], half_capacity_[slot], cap, "GEMM operand scratch");
@@ -403,8 +404,8 @@ void CudaBackend::regrow_half(void*& half, size_t& capacity, size_t n, const cha
   capacity = n;
 }
 
-void CudaBackend::gemm(cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k, const void* A,
-                       int lda, const void* B, int ldb, float beta, float* C, int ldc) {
+void CudaBackend::gemm(cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k, const void* A, int lda,
+                       const void* B, int ldb, float beta, float* C, int ldc) {
   const float alpha = 1.0f;
   if (precision_ == Precision::kFP32 || precision_ == Precision::kTF32) {
     MGPU_CUBLAS_CHECK(cublasSgemm(cublas_, ta, tb, m, n, k, &alpha, static_cast<const float*>(A), lda,
@@ -502,7 +503,8 @@ const void* CudaBackend::master_half_view(const float* src, size_t n) {
 
 void CudaBackend::refresh_master_half() {
   if (!master_half_ || master_half_fresh_) return;
-  MGPU_CHECK(!captures_.capturing(), DeviceError, "stale half weights during a capture (the parameters "
+  MGPU_CHECK(!captures_.capturing(), DeviceError,
+             "stale half weights during a capture (the parameters "
              "changed after begin_capture)");
   cast_half(master_half_, master_, master_n_);
   master_half_fresh_ = true;
@@ -528,8 +530,8 @@ kernels::HalfShadow CudaBackend::shadow_for_update(const float* param, size_t n)
 }
 
 // inp (B, IN), weight (OUT, IN), bias (OUT) -> out (B, OUT)
-void CudaBackend::linear_forward(float* out, const float* inp, const float* weight, const float* bias, int B,
-                                 int IN, int OUT) {
+void CudaBackend::linear_forward(float* out, const float* inp, const float* weight, const float* bias, int B, int IN,
+                                 int OUT) {
   if (B == 0) return;
   activate();
   writes(out, size_t(B) * OUT * sizeof(float));
@@ -542,9 +544,8 @@ void CudaBackend::linear_forward(float* out, const float* inp, const float* weig
 }
 
 // dout (B, OUT), inp (B, IN), weight (OUT, IN) -> dweight (OUT, IN), dbias (OUT), dinp (B, IN)
-void CudaBackend::linear_backward(float* dinp, float* dweight, float* dbias, const float* dout,
-                                  const float* inp, const float* weight, int B, int IN, int OUT,
-                                  bool accumulate) {
+void CudaBackend::linear_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
+                                  const float* weight, int B, int IN, int OUT, bool accumulate) {
   activate();
   if (dinp) writes(dinp, size_t(B) * IN * sizeof(float));
   writes(dweight, size_t(OUT) * IN * sizeof(float));
@@ -582,8 +583,8 @@ void CudaBackend::relu_dropout_backward(float* dh, const float* h, size_t n, flo
   kernels::relu_dropout_backward(dh, h, n, p, stream_, shadow);
 }
 
-void CudaBackend::mse_forward_backward(float* loss_out, float* dpred, const float* pred, const float* target,
-                                       int B, int D, float grad_scale) {
+void CudaBackend::mse_forward_backward(float* loss_out, float* dpred, const float* pred, const float* target, int B,
+                                       int D, float grad_scale) {
   activate();
   writes(loss_out, sizeof(float));
   if (dpred) writes(dpred, size_t(B) * D * sizeof(float));
@@ -597,12 +598,11 @@ void CudaBackend::cross_entropy_forward_backward(float* loss_out, float* dlogits
   writes(loss_out, sizeof(float));
   if (dlogits) writes(dlogits, size_t(B) * C * sizeof(float));
   if (correct_out) writes(correct_out, sizeof(float));
-  kernels::cross_entropy_forward_backward(loss_out, dlogits, correct_out, logits, labels, B, C, grad_scale,
-                                          partials_, label_errors_, stream_, captured_args());
+  kernels::cross_entropy_forward_backward(loss_out, dlogits, correct_out, logits, labels, B, C, grad_scale, partials_,
+                                          label_errors_, stream_, captured_args());
 }
 
-void CudaBackend::sgd_update(float* param, const float* grad, float* momentum_buf, size_t n,
-                             const SgdParams& hp) {
+void CudaBackend::sgd_update(float* param, const float* grad, float* momentum_buf, size_t n, const SgdParams& hp) {
   activate();
   if (momentum_buf && hp.momentum > 0.0f) writes(momentum_buf, n * sizeof(float));
   kernels::sgd_update(param, grad, momentum_buf, n, hp, stream_, shadow_for_update(param, n), captured_args());
@@ -613,12 +613,11 @@ void CudaBackend::adamw_update(float* param, const float* grad, float* exp_avg, 
   activate();
   writes(exp_avg, n * sizeof(float));
   writes(exp_avg_sq, n * sizeof(float));
-  kernels::adamw_update(param, grad, exp_avg, exp_avg_sq, n, hp, stream_, shadow_for_update(param, n),
-                        captured_args());
+  kernels::adamw_update(param, grad, exp_avg, exp_avg_sq, n, hp, stream_, shadow_for_update(param, n), captured_args());
 }
 
-void CudaBackend::step_verdict(StepVerdict* verdict, const float* grads, size_t n, const float* slots,
-                               float loss_scale, float max_norm, const int* comm_failed) {
+void CudaBackend::step_verdict(StepVerdict* verdict, const float* grads, size_t n, const float* slots, float loss_scale,
+                               float max_norm, const int* comm_failed) {
   activate();
   writes(verdict, sizeof(StepVerdict));
   kernels::sum_squares(&verdict->sum_squares, grads, n, partials_, stream_);
@@ -669,7 +668,7 @@ void CudaBackend::axpy(float* y, const float* x, size_t n, float alpha) {
 // capture, so a communicator's watchdog thread may go on querying events.
 void CudaBackend::begin_capture() {
   activate();
-  refresh_master_half();  // now, not as a node of the graph
+  refresh_master_half();      // now, not as a node of the graph
   stale_all_half_operands();  // the graph makes its own half operands
   captures_.begin();
   const cudaError_t rc = cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal);

@@ -73,20 +73,17 @@ class CudaBackend final : public Backend {
   bool fence_passed(uint64_t fence) override;
   void wait_fence(uint64_t fence) override;
 
-  void linear_forward(float* out, const float* inp, const float* weight, const float* bias, int B,
-                      int IN, int OUT) override;
-  void linear_backward(float* dinp, float* dweight, float* dbias, const float* dout,
-                       const float* inp, const float* weight, int B, int IN, int OUT,
-                       bool accumulate) override;
+  void linear_forward(float* out, const float* inp, const float* weight, const float* bias, int B, int IN,
+                      int OUT) override;
+  void linear_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
+                       const float* weight, int B, int IN, int OUT, bool accumulate) override;
   void relu_dropout_forward(float* h, int B, int C, float p, const DropoutKey& key) override;
   void relu_dropout_backward(float* dh, const float* h, size_t n, float p) override;
-  void mse_forward_backward(float* loss_out, float* dpred, const float* pred, const float* target,
-                            int B, int D, float grad_scale) override;
-  void cross_entropy_forward_backward(float* loss_out, float* dlogits, float* correct_out,
-                                      const float* logits, const int32_t* labels, int B, int C,
-                                      float grad_scale) override;
-  void sgd_update(float* param, const float* grad, float* momentum_buf, size_t n,
-                  const SgdParams& hp) override;
+  void mse_forward_backward(float* loss_out, float* dpred, const float* pred, const float* target, int B, int D,
+                            float grad_scale) override;
+  void cross_entropy_forward_backward(float* loss_out, float* dlogits, float* correct_out, const float* logits,
+                                      const int32_t* labels, int B, int C, float grad_scale) override;
+  void sgd_update(float* param, const float* grad, float* momentum_buf, size_t n, const SgdParams& hp) override;
   void adamw_update(float* param, const float* grad, float* exp_avg, float* exp_avg_sq, size_t n,
                     const AdamWParams& hp) override;
   void step_verdict(StepVerdict* verdict, const float* grads, size_t n, const float* slots, float loss_scale,
@@ -148,7 +145,7 @@ class CudaBackend final : public Backend {
   // base's entry with room for n elements (grown outside captures), or null.
   HalfOperand* half_operand(const float* base, size_t n);
   kernels::HalfShadow produce_half_operand(float* base, size_t n);  // for a producing kernel; then mark it
-  void stale_half_operands(const void* dst, size_t bytes);  // those overlapping dst: stale
+  void stale_half_operands(const void* dst, size_t bytes);          // those overlapping dst: stale
   void stale_all_half_operands() noexcept;
   void free_half_operands(const void* allocation) noexcept;  // those within an allocation going
   // The precision's half type (bf16 or fp16): dst (n two-byte values) = src cast on the stream;
@@ -158,8 +155,8 @@ class CudaBackend final : public Backend {
   void* allocate_half(size_t n, const char* what);
   void regrow_half(void*& half, size_t& capacity, size_t n, const char* what);
   // Column-major C (m, n) = op(A) op(B) + beta C, fp32 output, inputs from gemm_input.
-  void gemm(cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k, const void* A, int lda,
-            const void* B, int ldb, float beta, float* C, int ldc);
+  void gemm(cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k, const void* A, int lda, const void* B,
+            int ldb, float beta, float* C, int ldc);
   void release() noexcept;
   // Throws the ConfigError of cross-entropy labels out of range that kernels
   // recorded (kernels::LabelErrors) since the last check; call after a
@@ -168,11 +165,11 @@ class CudaBackend final : public Backend {
   // The persistent half copy of the master weights (see Backend::set_master_weights):
   // allocated while the precision is bf16/fp16, fresh once a cast or a full
   // update has written it since the parameters last changed.
-  void size_master_half();                        // allocate or free it for the precision
+  void size_master_half();                                   // allocate or free it for the precision
   const void* master_half_view(const float* src, size_t n);  // src's part of it, or null
-  void refresh_master_half();                     // cast when stale (never inside a capture)
-  void writes(const void* dst, size_t bytes);     // the half copies of what dst overlaps go stale
-  void drained() { staging_used_ = 0; }          // the stream ran dry: its staged copies are done
+  void refresh_master_half();                                // cast when stale (never inside a capture)
+  void writes(const void* dst, size_t bytes);                // the half copies of what dst overlaps go stale
+  void drained() { staging_used_ = 0; }                      // the stream ran dry: its staged copies are done
   uint64_t record_mark(cudaStream_t stream);
   kernels::HalfShadow shadow_for_update(const float* param, size_t n);
   // Where kernels being captured read their ReplayArgs; null outside a capture.
@@ -184,9 +181,9 @@ class CudaBackend final : public Backend {
   cudaStream_t stream_ = nullptr;
   cublasHandle_t cublas_ = nullptr;
   void* cublas_workspace_ = nullptr;
-  double* partials_ = nullptr;    // kernels::kPartialsSize doubles
+  double* partials_ = nullptr;        // kernels::kPartialsSize doubles
   float* column_partials_ = nullptr;  // kernels::kColumnPartialsSize floats (column_sums)
-  double* sum_out_ = nullptr;     // device result of sum_squares
+  double* sum_out_ = nullptr;         // device result of sum_squares
   void* half_[2] = {nullptr, nullptr};
   size_t half_capacity_[2] = {0, 0};  // elements
   std::vector<HalfOperand> half_operands_;
@@ -194,9 +191,9 @@ class CudaBackend final : public Backend {
   std::unordered_map<const void*, size_t> allocation_bytes_;  // of allocate_bytes, until freed
   CaptureRegistry<cudaGraphExec_t> captures_;
   ReplayArgs* replay_dev_ = nullptr;  // what captured kernels read (set by each replay)
-  const float* master_ = nullptr;      // the model's parameters (master_n_ floats)
+  const float* master_ = nullptr;     // the model's parameters (master_n_ floats)
   size_t master_n_ = 0;
-  void* master_half_ = nullptr;        // master_n_ two-byte values of the precision
+  void* master_half_ = nullptr;  // master_n_ two-byte values of the precision
   bool master_half_fresh_ = false;
   // Pinned staging of stage_to_backend: filled from the start after each point
   // where the stream has run dry (a synchronisation), so a region is never
@@ -206,9 +203,9 @@ class CudaBackend final : public Backend {
   size_t staging_capacity_ = 0, staging_used_ = 0;
   std::vector<char*> staging_outgrown_;
   NumberedEvents marks_{cudaEventDefault};         // trace marks: timing events
-  cudaStream_t clock_stream_ = nullptr;  // trace_clock_mark's: nothing else runs on it
+  cudaStream_t clock_stream_ = nullptr;            // trace_clock_mark's: nothing else runs on it
   NumberedEvents fences_{cudaEventDisableTiming};  // fences not yet seen passed
-  kernels::LabelErrors label_errors_;  // device: 2 values, host: 3 pinned values
+  kernels::LabelErrors label_errors_;              // device: 2 values, host: 3 pinned values
 };
 
 }  // namespace mgpu

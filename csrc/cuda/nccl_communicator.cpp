@@ -29,17 +29,15 @@ constexpr const char* kGpuWord = " (GPU ";
 [[noreturn]] void throw_nccl(ncclResult_t rc, ncclComm_t comm, const char* call, const char* file, int line) {
   const char* last = ncclGetLastError(comm);
   throw CommError(detail::concat(call, " failed: ", ncclGetErrorString(rc),
-                                 last && *last ? std::string(" (") + last + ")" : std::string(), " (", file, ":",
-                                 line, ")"));
+                                 last && *last ? std::string(" (") + last + ")" : std::string(), " (", file, ":", line,
+                                 ")"));
 }
 
-#define MGPU_NCCL_CHECK(comm, call)                                                  \
-  do {                                                                               \
-    const ncclResult_t mgpu_rc_ = (call);                                            \
-    if (mgpu_rc_ != ncclSuccess && mgpu_rc_ != ncclInProgress)                       \
-      throw_nccl(mgpu_rc_, comm, #call, __FILE__, __LINE__);                         \
+#define MGPU_NCCL_CHECK(comm, call)                                                                                   \
+  do {                                                                                                                \
+    const ncclResult_t mgpu_rc_ = (call);                                                                             \
+    if (mgpu_rc_ != ncclSuccess && mgpu_rc_ != ncclInProgress) throw_nccl(mgpu_rc_, comm, #call, __FILE__, __LINE__); \
   } while (0)
-
 
 bool is_device_pointer(const void* p) {
   cudaPointerAttributes attr{};
@@ -99,7 +97,7 @@ struct NcclCommunicator::Impl {
   int rank = 0, size = 1, device = 0;
   cudaStream_t comm_stream = nullptr;
   std::shared_ptr<CudaBackend> backend;  // attached; keeps `compute` valid
-  cudaStream_t compute = nullptr;  // attached backend's stream (none: order by device sync)
+  cudaStream_t compute = nullptr;        // attached backend's stream (none: order by device sync)
   cudaEvent_t compute_ready = nullptr, comm_done = nullptr;
   std::shared_ptr<Communicator> sidecar;
   std::vector<Pending> queued;  // enqueued by *_async, launched at progress()/wait_all()
@@ -118,8 +116,8 @@ struct NcclCommunicator::Impl {
   cudaEvent_t timing_origin = nullptr;
   std::vector<cudaEvent_t> timing_events;  // pool: grows, reused step to step
   size_t groups_timed = 0;
-  std::vector<double> queued_at;           // host seconds since the origin, per queued collective
-  std::vector<size_t> group_of;            // per launched collective: its group's event
+  std::vector<double> queued_at;  // host seconds since the origin, per queued collective
+  std::vector<size_t> group_of;   // per launched collective: its group's event
 
   // The watchdog thread (watch()) shares this state: `m` guards the comm, the
   // broken/failure state and the watch. Public methods hold it while they use
@@ -132,9 +130,9 @@ struct NcclCommunicator::Impl {
   std::chrono::steady_clock::time_point watch_start;  // of the oldest wait not yet complete
   uint64_t watch_step = 0;
   double watch_timeout = 0.0;
-  std::string failure;              // the watchdog's CommError, thrown by raise_if_failed()
-  int* failed_flag = nullptr;       // host-pinned, 1 from the first abort on (failure_flag())
-  bool watchdog_may_beat = true;    // false: the sidecar's heartbeats must stay on the calling thread
+  std::string failure;            // the watchdog's CommError, thrown by raise_if_failed()
+  int* failed_flag = nullptr;     // host-pinned, 1 from the first abort on (failure_flag())
+  bool watchdog_may_beat = true;  // false: the sidecar's heartbeats must stay on the calling thread
 
   Impl() = default;
   Impl(const Impl&) = delete;
@@ -237,8 +235,8 @@ struct NcclCommunicator::Impl {
   void settle(const char* what, double timeout_seconds, bool during_step = true) {
     using clock = std::chrono::steady_clock;
     const auto start = clock::now();
-    const auto beat_interval = std::chrono::duration<double>(
-        timeout_seconds > 0 ? std::min(1.0, timeout_seconds / 4) : 1.0);
+    const auto beat_interval =
+        std::chrono::duration<double>(timeout_seconds > 0 ? std::min(1.0, timeout_seconds / 4) : 1.0);
     auto next_beat = start + beat_interval;
     for (unsigned polls = 0;; ++polls) {
       ncclResult_t state = ncclInProgress;
@@ -246,9 +244,9 @@ struct NcclCommunicator::Impl {
       if (state == ncclSuccess) return;
       if (state != ncclInProgress) {
         const char* last = ncclGetLastError(comm);
-        fail(what, detail::concat("NCCL reported an error: ", ncclGetErrorString(state),
-                                  last && *last ? std::string(" (") + last + ")" : std::string(), "; ",
-                                  ranks_at_error()),
+        fail(what,
+             detail::concat("NCCL reported an error: ", ncclGetErrorString(state),
+                            last && *last ? std::string(" (") + last + ")" : std::string(), "; ", ranks_at_error()),
              during_step);
       }
       const auto now = clock::now();
@@ -257,8 +255,9 @@ struct NcclCommunicator::Impl {
         next_beat = now + beat_interval;
       }
       if (timeout_seconds > 0 && now - start > std::chrono::duration<double>(timeout_seconds))
-        fail(what, detail::concat("did not complete within ", timeout_seconds, " s: ",
-                                  missing_ranks_text(2.5 * beat_interval.count())),
+        fail(what,
+             detail::concat("did not complete within ", timeout_seconds,
+                            " s: ", missing_ranks_text(2.5 * beat_interval.count())),
              during_step);
       if (polls > 64) std::this_thread::sleep_for(std::chrono::microseconds(polls > 4096 ? 1000 : 50));
     }
@@ -355,12 +354,12 @@ struct NcclCommunicator::Impl {
       const auto now = clock::now();
       const auto beat = std::chrono::duration<double>(std::min(1.0, watch_timeout / 4));
       if (now - watch_start > std::chrono::duration<double>(watch_timeout)) {
-        watchdog_fail(detail::concat("did not complete within ", watch_timeout, " s: ",
-                                     missing_ranks_text(2.5 * beat.count())));
+        watchdog_fail(
+            detail::concat("did not complete within ", watch_timeout, " s: ", missing_ranks_text(2.5 * beat.count())));
         continue;
       }
-      if (watchdog_may_beat && sidecar && now - watch_start > beat && (next_beat == clock::time_point::max() ||
-                                                                        now > next_beat)) {
+      if (watchdog_may_beat && sidecar && now - watch_start > beat &&
+          (next_beat == clock::time_point::max() || now > next_beat)) {
         sidecar_heartbeat();
         next_beat = now + std::chrono::duration_cast<clock::duration>(beat);
       }
@@ -384,9 +383,9 @@ struct NcclCommunicator::Impl {
     MGPU_NCCL_CHECK(comm, ncclCommGetAsyncError(comm, &state));
     if (state != ncclSuccess && state != ncclInProgress) {
       const char* last = ncclGetLastError(comm);
-      fail(what, detail::concat("NCCL reported an asynchronous error: ", ncclGetErrorString(state),
-                                last && *last ? std::string(" (") + last + ")" : std::string(), "; ",
-                                ranks_at_error()));
+      fail(what,
+           detail::concat("NCCL reported an asynchronous error: ", ncclGetErrorString(state),
+                          last && *last ? std::string(" (") + last + ")" : std::string(), "; ", ranks_at_error()));
     }
   }
 
@@ -418,8 +417,8 @@ struct NcclCommunicator::Impl {
         next_beat = clock::now() + beat_interval;
       }
       if (clock::now() > deadline)
-        fail(what, detail::concat("did not complete within ", timeout_seconds, " s: ",
-                                  missing_ranks_text(2.5 * beat_interval.count())));
+        fail(what, detail::concat("did not complete within ", timeout_seconds,
+                                  " s: ", missing_ranks_text(2.5 * beat_interval.count())));
       // Short sleeps: a collective of a healthy job finishes in micro- to milliseconds.
       if (polls > 64) std::this_thread::sleep_for(std::chrono::microseconds(50));
     }
@@ -468,8 +467,8 @@ NcclCommunicator::NcclCommunicator(const std::string& unique_id, int rank, int s
                                    std::shared_ptr<Communicator> sidecar, double setup_timeout)
     : impl_(std::make_unique<Impl>()) {
   MGPU_CHECK(setup_timeout >= 0.0, ConfigError, "the NCCL setup timeout must be >= 0 seconds, got ", setup_timeout);
-  MGPU_CHECK(unique_id.size() == NCCL_UNIQUE_ID_BYTES, ConfigError, "an NCCL unique id has ",
-             NCCL_UNIQUE_ID_BYTES, " bytes, got ", unique_id.size());
+  MGPU_CHECK(unique_id.size() == NCCL_UNIQUE_ID_BYTES, ConfigError, "an NCCL unique id has ", NCCL_UNIQUE_ID_BYTES,
+             " bytes, got ", unique_id.size());
   MGPU_CHECK(size >= 1 && rank >= 0 && rank < size, ConfigError, "NCCL rank ", rank, " outside [0, ", size, ")");
   MGPU_CHECK(!sidecar || (sidecar->rank() == rank && sidecar->size() == size), ConfigError,
              "the heartbeat sidecar must span the same ranks (it is rank ", sidecar ? sidecar->rank() : -1, " of ",

@@ -1,12 +1,10 @@
 // NCCL communicator: collectives between the GPUs of a data-parallel job, one
-// rank per process (ncclCommInitRank) or per thread of one process (init_all). Collectives run on a communication stream of their own,
-// ordered after the attached CUDA backend's compute stream with an event;
-// wait_all() makes the compute stream wait for them in turn (another event), so
-// the host never blocks unless a timeout is set. With a timeout, wait_all() is
-// a watchdog: it polls the completion event and ncclCommGetAsyncError against a
-// deadline, and on expiry aborts the NCCL communicator and throws CommError
-// naming the step and the ranks whose heartbeats (sent through the MPI sidecar)
-// never reached it; the step's wait_all() leaves that to a watchdog thread.
+// rank per process (ncclCommInitRank) or per thread of one process (init_all). Collectives run on a communication
+// stream of their own, ordered after the attached CUDA backend's compute stream with an event; wait_all() makes the
+// compute stream wait for them in turn (another event), so the host never blocks unless a timeout is set. With a
+// timeout, wait_all() is a watchdog: it polls the completion event and ncclCommGetAsyncError against a deadline, and on
+// expiry aborts the NCCL communicator and throws CommError naming the step and the ranks whose heartbeats (sent through
+// the MPI sidecar) never reached it; the step's wait_all() leaves that to a watchdog thread.
 //
 // Setup has the same deadline: the communicator is created non-blocking
 // (ncclCommInitRankConfig, blocking = 0) and polled against setup_timeout, so

@@ -69,8 +69,7 @@ MpiCommunicator::MpiCommunicator(uintptr_t handle) {
   incoming_.assign(watched_.size(), 0);
   heartbeat_recvs_.assign(watched_.size(), MPI_REQUEST_NULL);
   for (size_t i = 0; i < watched_.size(); ++i)
-    check(MPI_Irecv(&incoming_[i], 1, MPI_UINT64_T, watched_[i], kHeartbeatTag, heartbeat_comm_,
-                    &heartbeat_recvs_[i]),
+    check(MPI_Irecv(&incoming_[i], 1, MPI_UINT64_T, watched_[i], kHeartbeatTag, heartbeat_comm_, &heartbeat_recvs_[i]),
           "MPI_Irecv");
 }
 
@@ -153,8 +152,7 @@ void MpiCommunicator::wait(std::vector<MPI_Request>& requests, const char* what)
     if (stamped) {
       done = test_stamped(/*block=*/false);
     } else {
-      const int rc = MPI_Testall(static_cast<int>(requests.size()), requests.data(), &done,
-                                 MPI_STATUSES_IGNORE);
+      const int rc = MPI_Testall(static_cast<int>(requests.size()), requests.data(), &done, MPI_STATUSES_IGNORE);
       if (rc != MPI_SUCCESS) {
         requests.clear();
         check(rc, what);
@@ -181,8 +179,8 @@ void MpiCommunicator::wait(std::vector<MPI_Request>& requests, const char* what)
 void MpiCommunicator::fail_timeout(const char* what, double silence) {
   broken_ = true;
   std::ostringstream msg;
-  msg << what << " at step " << current_step_ << " did not complete within " << timeout_seconds_
-      << " s on rank " << rank_ << ": " << diagnose_stall(silence);
+  msg << what << " at step " << current_step_ << " did not complete within " << timeout_seconds_ << " s on rank "
+      << rank_ << ": " << diagnose_stall(silence);
   throw CommError(msg.str());
 }
 
@@ -243,16 +241,14 @@ void MpiCommunicator::send_heartbeat() {
   // Never block on a heartbeat: if the previous ones are still in flight (a
   // peer is not receiving), skip this one.
   int sent = 1;
-  if (!heartbeat_sends_.empty() &&
-      MPI_Testall(static_cast<int>(heartbeat_sends_.size()), heartbeat_sends_.data(), &sent,
-                  MPI_STATUSES_IGNORE) != MPI_SUCCESS)
+  if (!heartbeat_sends_.empty() && MPI_Testall(static_cast<int>(heartbeat_sends_.size()), heartbeat_sends_.data(),
+                                               &sent, MPI_STATUSES_IGNORE) != MPI_SUCCESS)
     sent = 0;
   if (!sent) return;
   heartbeat_sends_.assign(watched_.size(), MPI_REQUEST_NULL);
   outgoing_ = sequence_;
   for (size_t i = 0; i < watched_.size(); ++i)
-    check(MPI_Isend(&outgoing_, 1, MPI_UINT64_T, watched_[i], kHeartbeatTag, heartbeat_comm_,
-                    &heartbeat_sends_[i]),
+    check(MPI_Isend(&outgoing_, 1, MPI_UINT64_T, watched_[i], kHeartbeatTag, heartbeat_comm_, &heartbeat_sends_[i]),
           "MPI_Isend");
 }
 
@@ -271,8 +267,7 @@ void MpiCommunicator::allreduce_sum(float* data, size_t count) {
   std::vector<MPI_Request> requests;
   for_each_chunk(count, kAllreduceChunk, [&](size_t done, int n) {
     requests.emplace_back();
-    check(MPI_Iallreduce(MPI_IN_PLACE, data + done, n, MPI_FLOAT, MPI_SUM, comm_, &requests.back()),
-          "MPI_Iallreduce");
+    check(MPI_Iallreduce(MPI_IN_PLACE, data + done, n, MPI_FLOAT, MPI_SUM, comm_, &requests.back()), "MPI_Iallreduce");
   });
   wait(requests, "allreduce");
 }
@@ -373,8 +368,7 @@ void MpiCommunicator::allreduce_sum_async(float* data, size_t count) {
   }
   for_each_chunk(count, kAllreduceChunk, [&](size_t done, int n) {
     MPI_Request req;
-    check(MPI_Iallreduce(MPI_IN_PLACE, data + done, n, MPI_FLOAT, MPI_SUM, comm_, &req),
-          "MPI_Iallreduce");
+    check(MPI_Iallreduce(MPI_IN_PLACE, data + done, n, MPI_FLOAT, MPI_SUM, comm_, &req), "MPI_Iallreduce");
     pending_.push_back(req);
     if (stamp) {
       owner_.push_back(static_cast<int>(timed_.size()) - 1);
@@ -410,8 +404,7 @@ void MpiCommunicator::progress() {
   }
   int flag = 0;
   // Testing drives OpenMPI's progress engine for the outstanding collectives.
-  check(MPI_Testall(static_cast<int>(pending_.size()), pending_.data(), &flag, MPI_STATUSES_IGNORE),
-        "MPI_Testall");
+  check(MPI_Testall(static_cast<int>(pending_.size()), pending_.data(), &flag, MPI_STATUSES_IGNORE), "MPI_Testall");
   if (flag) pending_.clear();
 }
 

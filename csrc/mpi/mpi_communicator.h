@@ -108,14 +108,14 @@ class MpiCommunicator final : public Communicator {
   std::shared_ptr<Worker> worker_state_ = std::make_shared<Worker>();
   std::thread worker_;  // started on first use
 
-  std::vector<int> watched_;                 // peers exchanging heartbeats with this rank
-  std::vector<uint64_t> heard_;              // last sequence number heard from watched_[i]
-  std::vector<double> heard_at_;             // when (steady clock, seconds) it was last heard
-  std::vector<uint64_t> incoming_;           // receive buffers, one per watched peer
+  std::vector<int> watched_;        // peers exchanging heartbeats with this rank
+  std::vector<uint64_t> heard_;     // last sequence number heard from watched_[i]
+  std::vector<double> heard_at_;    // when (steady clock, seconds) it was last heard
+  std::vector<uint64_t> incoming_;  // receive buffers, one per watched peer
   std::vector<MPI_Request> heartbeat_recvs_;
   std::vector<MPI_Request> heartbeat_sends_;
-  uint64_t sequence_ = 0;                    // begin_step calls so far (same on every rank)
-  uint64_t outgoing_ = 0;                    // send buffer: must outlive the sends
+  uint64_t sequence_ = 0;  // begin_step calls so far (same on every rank)
+  uint64_t outgoing_ = 0;  // send buffer: must outlive the sends
 };
 
 // Version string of the MPI library linked at run time.

@@ -22,9 +22,8 @@ using Clock = std::chrono::steady_clock;
 }  // namespace
 
 double core_round_trip_ns(int cpu_a, int cpu_b, int batches, double timeout_s) {
-  MGPU_CHECK(cpu_a >= 0 && cpu_b >= 0 && cpu_a != cpu_b && cpu_a < CPU_SETSIZE && cpu_b < CPU_SETSIZE,
-             ConfigError, "the round trip needs two different CPUs in [0, ", CPU_SETSIZE, "), got ", cpu_a,
-             " and ", cpu_b);
+  MGPU_CHECK(cpu_a >= 0 && cpu_b >= 0 && cpu_a != cpu_b && cpu_a < CPU_SETSIZE && cpu_b < CPU_SETSIZE, ConfigError,
+             "the round trip needs two different CPUs in [0, ", CPU_SETSIZE, "), got ", cpu_a, " and ", cpu_b);
   MGPU_CHECK(batches >= 1 && timeout_s > 0 && timeout_s <= 3600, ConfigError,
              "batches must be >= 1 and timeout_s in (0, 3600], got ", batches, " and ", timeout_s);
   constexpr int kPerBatch = 64;
@@ -34,7 +33,8 @@ double core_round_trip_ns(int cpu_a, int cpu_b, int batches, double timeout_s) {
     std::atomic<bool> give_up{false};
     std::atomic<int> pin_errors[2] = {0, 0};
   } shared;
-  const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s));
+  const auto deadline =
+      Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s));
   auto pin = [&](int cpu, int who) {
     cpu_set_t set;
     CPU_ZERO(&set);
@@ -96,8 +96,8 @@ double core_round_trip_ns(int cpu_a, int cpu_b, int batches, double timeout_s) {
   initiator.join();
   responder.join();
   for (int who = 0; who < 2; ++who)
-    MGPU_CHECK(shared.pin_errors[who] == 0, ConfigError, "cannot run a thread on CPU ", who == 0 ? cpu_a : cpu_b,
-               ": ", std::strerror(shared.pin_errors[who]));
+    MGPU_CHECK(shared.pin_errors[who] == 0, ConfigError, "cannot run a thread on CPU ", who == 0 ? cpu_a : cpu_b, ": ",
+               std::strerror(shared.pin_errors[who]));
   MGPU_CHECK(!shared.give_up, DeviceError, "the cache-line round trip between CPUs ", cpu_a, " and ", cpu_b,
              " did not finish within ", timeout_s, " s (a CPU busy with a higher-priority task?)");
   std::nth_element(ns.begin(), ns.begin() + ns.size() / 2, ns.end());

@@ -94,7 +94,8 @@ cublasStatus_t gemm(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb
   if (!op_ok(ta) || !op_ok(tb) || m < 0 || n < 0 || k < 0) return CUBLAS_STATUS_INVALID_VALUE;
   const int a_rows = ta == CUBLAS_OP_N ? m : k, a_cols = ta == CUBLAS_OP_N ? k : m;
   const int b_rows = tb == CUBLAS_OP_N ? k : n, b_cols = tb == CUBLAS_OP_N ? n : k;
-  if (lda < std::max(1, a_rows) || ldb < std::max(1, b_rows) || ldc < std::max(1, m)) return CUBLAS_STATUS_INVALID_VALUE;
+  if (lda < std::max(1, a_rows) || ldb < std::max(1, b_rows) || ldc < std::max(1, m))
+    return CUBLAS_STATUS_INVALID_VALUE;
   if (!alpha || !beta) return CUBLAS_STATUS_INVALID_VALUE;
   if (m == 0 || n == 0) return CUBLAS_STATUS_SUCCESS;
   const float a = *alpha, b = *beta;  // host pointer mode: read at the call
@@ -221,7 +222,8 @@ cublasStatus_t cublasGemmEx(cublasHandle_t handle, cublasOperation_t transa, cub
   if (computeType != CUBLAS_COMPUTE_32F && computeType != CUBLAS_COMPUTE_32F_PEDANTIC && !tf32)
     return CUBLAS_STATUS_NOT_SUPPORTED;
   return gemm(handle, transa, transb, m, n, k, static_cast<const float*>(alpha), A, Atype, lda, B, Btype, ldb,
-              static_cast<const float*>(beta), static_cast<float*>(C), ldc, Atype == CUDA_R_32F && tf32, "cublasGemmEx");
+              static_cast<const float*>(beta), static_cast<float*>(C), ldc, Atype == CUDA_R_32F && tf32,
+              "cublasGemmEx");
 }
 
 curandStatus_t curandGetVersion(int* version) {

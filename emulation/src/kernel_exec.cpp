@@ -78,8 +78,8 @@ struct EmuThread {
   unsigned mask = 0;
   const char* what = "";
   uint64_t warp_ops = 0;
-  bctx::fiber fiber;           // the suspended fiber running this thread
-  bctx::fiber* sink = nullptr;  // the scheduler, while the thread runs (in its fiber's frame)
+  bctx::fiber fiber;                     // the suspended fiber running this thread
+  bctx::fiber* sink = nullptr;           // the scheduler, while the thread runs (in its fiber's frame)
   uintptr_t stack_lo = 0, stack_hi = 0;  // the fiber stack it runs on (its locals: not device memory)
   struct BlockRun* block = nullptr;
 };
@@ -97,7 +97,7 @@ struct BlockRun {
   bool faulted = false;
   cudaError_t fault_code = cudaSuccess;
   std::string fault;
-  unsigned next_new = 0;  // threads not started yet begin here
+  unsigned next_new = 0;     // threads not started yet begin here
   AccessLog* log = nullptr;  // of the operation running the kernel
 };
 
@@ -190,8 +190,8 @@ bool release_warps(BlockRun& b) {
         if (o.mask != t.mask || o.what != t.what || o.site_line != t.site_line || o.site_file != t.site_file) {
           std::ostringstream msg;
           msg << "lanes of warp " << w << " meet at different warp operations: lane " << t.lane << " at " << t.what
-              << " mask 0x" << std::hex << t.mask << std::dec << " (" << t.site_file << ":" << t.site_line << "), lane " << k
-              << " at " << o.what << " mask 0x" << std::hex << o.mask << std::dec << " (" << o.site_file << ":"
+              << " mask 0x" << std::hex << t.mask << std::dec << " (" << t.site_file << ":" << t.site_line << "), lane "
+              << k << " at " << o.what << " mask 0x" << std::hex << o.mask << std::dec << " (" << o.site_file << ":"
               << o.site_line << ") in " << block_text(t);
           kernel_error(msg.str());
         }
@@ -227,9 +227,10 @@ bool release_barrier(BlockRun& b) {
   if (!waiting) return false;
   if (done > 0) {
     std::ostringstream o;
-    o << "__syncthreads at " << waiting->site_file << ":" << waiting->site_line << " reached by " << at_barrier << " of "
-      << b.threads.size() << " threads of block (" << waiting->ctx.block_idx.x << "," << waiting->ctx.block_idx.y << ","
-      << waiting->ctx.block_idx.z << "); " << done << " exited without reaching it (a barrier in divergent code)";
+    o << "__syncthreads at " << waiting->site_file << ":" << waiting->site_line << " reached by " << at_barrier
+      << " of " << b.threads.size() << " threads of block (" << waiting->ctx.block_idx.x << ","
+      << waiting->ctx.block_idx.y << "," << waiting->ctx.block_idx.z << "); " << done
+      << " exited without reaching it (a barrier in divergent code)";
     kernel_error(o.str());
   }
   for (EmuThread& t : b.threads) t.state = ThreadState::kRunnable;
@@ -355,9 +356,18 @@ uint64_t shuffle_bits(unsigned mask, uint64_t bits, ShuffleKind kind, int arg, i
   int src = t.lane;
   switch (kind) {
     case ShuffleKind::kIndex: src = seg + (((arg % width) + width) % width); break;
-    case ShuffleKind::kXor: src = t.lane ^ arg; if (src < seg || src >= seg + width) src = t.lane; break;
-    case ShuffleKind::kDown: src = t.lane + arg; if (src >= seg + width) src = t.lane; break;
-    case ShuffleKind::kUp: src = t.lane - arg; if (src < seg) src = t.lane; break;
+    case ShuffleKind::kXor:
+      src = t.lane ^ arg;
+      if (src < seg || src >= seg + width) src = t.lane;
+      break;
+    case ShuffleKind::kDown:
+      src = t.lane + arg;
+      if (src >= seg + width) src = t.lane;
+      break;
+    case ShuffleKind::kUp:
+      src = t.lane - arg;
+      if (src < seg) src = t.lane;
+      break;
   }
   if (src < 0 || src > 31 || !(mask & (1u << src))) {
     std::ostringstream o;
@@ -402,8 +412,7 @@ void* dynamic_shared() {
 
 // --- Launch ---------------------------------------------------------------------
 
-void run_grid(const std::string& name, const std::function<void()>& body, dim3 grid, dim3 block,
-              size_t shared_bytes) {
+void run_grid(const std::string& name, const std::function<void()>& body, dim3 grid, dim3 block, size_t shared_bytes) {
   counters().kernels_executed++;
   const unsigned nthreads = block.x * block.y * block.z;
   BlockRun b;
@@ -459,8 +468,8 @@ void inject_launch_failure(const std::string& kernel, int device, long nth) {
   g_fault_countdown = nth;
 }
 
-void launch(const char* name, const void* kernel_ptr, std::function<void()> body, dim3 grid, dim3 block, size_t shared_bytes,
-            cudaStream_t stream, const std::vector<PointerArg>& pointers) {
+void launch(const char* name, const void* kernel_ptr, std::function<void()> body, dim3 grid, dim3 block,
+            size_t shared_bytes, cudaStream_t stream, const std::vector<PointerArg>& pointers) {
   const int device = device_of(stream);
   if (device < 0) {
     set_error(cudaErrorInvalidResourceHandle, std::string("launch of ") + name + " on an unknown stream");
@@ -479,8 +488,8 @@ void launch(const char* name, const void* kernel_ptr, std::function<void()> body
   if (grid.x < 1 || grid.y < 1 || grid.z < 1 || grid.x > 2147483647u || grid.y > 65535 || grid.z > 65535 ||
       block.x < 1 || block.y < 1 || block.z < 1 || block.x > 1024 || block.y > 1024 || block.z > 64 || threads > 1024) {
     std::ostringstream why;
-    why << name << ": grid (" << grid.x << "," << grid.y << "," << grid.z << ") block (" << block.x << ","
-        << block.y << "," << block.z << ") outside an H100's limits (grid 1..2^31-1 x 1..65535 x 1..65535; "
+    why << name << ": grid (" << grid.x << "," << grid.y << "," << grid.z << ") block (" << block.x << "," << block.y
+        << "," << block.z << ") outside an H100's limits (grid 1..2^31-1 x 1..65535 x 1..65535; "
         << "block at most 1024 threads, x and y <= 1024, z <= 64)";
     set_error(cudaErrorInvalidConfiguration, why.str());
     return;
@@ -507,8 +516,9 @@ void launch(const char* name, const void* kernel_ptr, std::function<void()> body
   }
   if (!stream_is_capturing(stream)) counters().kernel_launches++;
   const std::string kernel = name;
-  enqueue(stream, kernel, OpKind::kKernel,
-          [kernel, body = std::move(body), grid, block, shared_bytes] { run_grid(kernel, body, grid, block, shared_bytes); });
+  enqueue(stream, kernel, OpKind::kKernel, [kernel, body = std::move(body), grid, block, shared_bytes] {
+    run_grid(kernel, body, grid, block, shared_bytes);
+  });
 }
 
 // --- Memory access hooks (GCC -fsanitize=thread instrumentation) -----------------
@@ -548,14 +558,14 @@ void __tsan_func_entry(void*) {}
 void __tsan_func_exit() {}
 void __tsan_ignore_thread_begin() {}
 void __tsan_ignore_thread_end() {}
-#define MGPU_EMU_RW(n)                                                                \
-  void __tsan_read##n(void* p) { on_aligned_access(p, n, false); }                   \
-  void __tsan_write##n(void* p) { on_aligned_access(p, n, true); }                   \
-  void __tsan_unaligned_read##n(void* p) { on_access(p, n, false); }                 \
-  void __tsan_unaligned_write##n(void* p) { on_access(p, n, true); }                 \
-  void __tsan_volatile_read##n(void* p) { on_access(p, n, false); }                  \
-  void __tsan_volatile_write##n(void* p) { on_access(p, n, true); }                  \
-  void __tsan_unaligned_volatile_read##n(void* p) { on_access(p, n, false); }        \
+#define MGPU_EMU_RW(n)                                                        \
+  void __tsan_read##n(void* p) { on_aligned_access(p, n, false); }            \
+  void __tsan_write##n(void* p) { on_aligned_access(p, n, true); }            \
+  void __tsan_unaligned_read##n(void* p) { on_access(p, n, false); }          \
+  void __tsan_unaligned_write##n(void* p) { on_access(p, n, true); }          \
+  void __tsan_volatile_read##n(void* p) { on_access(p, n, false); }           \
+  void __tsan_volatile_write##n(void* p) { on_access(p, n, true); }           \
+  void __tsan_unaligned_volatile_read##n(void* p) { on_access(p, n, false); } \
   void __tsan_unaligned_volatile_write##n(void* p) { on_access(p, n, true); }
 MGPU_EMU_RW(1)
 MGPU_EMU_RW(2)
@@ -569,51 +579,51 @@ void __tsan_vptr_update(void**, void*) {}
 void __tsan_vptr_read(void**) {}
 
 // Atomics: performed for real (blocks of other kernels may run concurrently), and logged.
-#define MGPU_EMU_ATOMICS(bits, T)                                                                        \
-  T __tsan_atomic##bits##_load(const volatile T* a, int) {                                               \
-    on_access((const void*)a, sizeof(T), false);                                                         \
-    return __atomic_load_n(a, __ATOMIC_SEQ_CST);                                                         \
-  }                                                                                                      \
-  void __tsan_atomic##bits##_store(volatile T* a, T v, int) {                                            \
-    on_access((const void*)a, sizeof(T), true);                                                          \
-    __atomic_store_n(a, v, __ATOMIC_SEQ_CST);                                                            \
-  }                                                                                                      \
-  T __tsan_atomic##bits##_exchange(volatile T* a, T v, int) {                                            \
-    on_access((const void*)a, sizeof(T), true);                                                          \
-    return __atomic_exchange_n(a, v, __ATOMIC_SEQ_CST);                                                  \
-  }                                                                                                      \
-  T __tsan_atomic##bits##_fetch_add(volatile T* a, T v, int) {                                           \
-    on_access((const void*)a, sizeof(T), true);                                                          \
-    return __atomic_fetch_add(a, v, __ATOMIC_SEQ_CST);                                                   \
-  }                                                                                                      \
-  T __tsan_atomic##bits##_fetch_sub(volatile T* a, T v, int) {                                           \
-    on_access((const void*)a, sizeof(T), true);                                                          \
-    return __atomic_fetch_sub(a, v, __ATOMIC_SEQ_CST);                                                   \
-  }                                                                                                      \
-  T __tsan_atomic##bits##_fetch_and(volatile T* a, T v, int) {                                           \
-    on_access((const void*)a, sizeof(T), true);                                                          \
-    return __atomic_fetch_and(a, v, __ATOMIC_SEQ_CST);                                                   \
-  }                                                                                                      \
-  T __tsan_atomic##bits##_fetch_or(volatile T* a, T v, int) {                                            \
-    on_access((const void*)a, sizeof(T), true);                                                          \
-    return __atomic_fetch_or(a, v, __ATOMIC_SEQ_CST);                                                    \
-  }                                                                                                      \
-  T __tsan_atomic##bits##_fetch_xor(volatile T* a, T v, int) {                                           \
-    on_access((const void*)a, sizeof(T), true);                                                          \
-    return __atomic_fetch_xor(a, v, __ATOMIC_SEQ_CST);                                                   \
-  }                                                                                                      \
-  int __tsan_atomic##bits##_compare_exchange_strong(volatile T* a, T* c, T v, int, int) {                \
-    on_access((const void*)a, sizeof(T), true);                                                          \
-    return __atomic_compare_exchange_n(a, c, v, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);              \
-  }                                                                                                      \
-  int __tsan_atomic##bits##_compare_exchange_weak(volatile T* a, T* c, T v, int, int) {                  \
-    on_access((const void*)a, sizeof(T), true);                                                          \
-    return __atomic_compare_exchange_n(a, c, v, true, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);               \
-  }                                                                                                      \
-  T __tsan_atomic##bits##_compare_exchange_val(volatile T* a, T c, T v, int, int) {                      \
-    on_access((const void*)a, sizeof(T), true);                                                          \
-    __atomic_compare_exchange_n(a, &c, v, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);                    \
-    return c;                                                                                            \
+#define MGPU_EMU_ATOMICS(bits, T)                                                           \
+  T __tsan_atomic##bits##_load(const volatile T* a, int) {                                  \
+    on_access((const void*)a, sizeof(T), false);                                            \
+    return __atomic_load_n(a, __ATOMIC_SEQ_CST);                                            \
+  }                                                                                         \
+  void __tsan_atomic##bits##_store(volatile T* a, T v, int) {                               \
+    on_access((const void*)a, sizeof(T), true);                                             \
+    __atomic_store_n(a, v, __ATOMIC_SEQ_CST);                                               \
+  }                                                                                         \
+  T __tsan_atomic##bits##_exchange(volatile T* a, T v, int) {                               \
+    on_access((const void*)a, sizeof(T), true);                                             \
+    return __atomic_exchange_n(a, v, __ATOMIC_SEQ_CST);                                     \
+  }                                                                                         \
+  T __tsan_atomic##bits##_fetch_add(volatile T* a, T v, int) {                              \
+    on_access((const void*)a, sizeof(T), true);                                             \
+    return __atomic_fetch_add(a, v, __ATOMIC_SEQ_CST);                                      \
+  }                                                                                         \
+  T __tsan_atomic##bits##_fetch_sub(volatile T* a, T v, int) {                              \
+    on_access((const void*)a, sizeof(T), true);                                             \
+    return __atomic_fetch_sub(a, v, __ATOMIC_SEQ_CST);                                      \
+  }                                                                                         \
+  T __tsan_atomic##bits##_fetch_and(volatile T* a, T v, int) {                              \
+    on_access((const void*)a, sizeof(T), true);                                             \
+    return __atomic_fetch_and(a, v, __ATOMIC_SEQ_CST);                                      \
+  }                                                                                         \
+  T __tsan_atomic##bits##_fetch_or(volatile T* a, T v, int) {                               \
+    on_access((const void*)a, sizeof(T), true);                                             \
+    return __atomic_fetch_or(a, v, __ATOMIC_SEQ_CST);                                       \
+  }                                                                                         \
+  T __tsan_atomic##bits##_fetch_xor(volatile T* a, T v, int) {                              \
+    on_access((const void*)a, sizeof(T), true);                                             \
+    return __atomic_fetch_xor(a, v, __ATOMIC_SEQ_CST);                                      \
+  }                                                                                         \
+  int __tsan_atomic##bits##_compare_exchange_strong(volatile T* a, T* c, T v, int, int) {   \
+    on_access((const void*)a, sizeof(T), true);                                             \
+    return __atomic_compare_exchange_n(a, c, v, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST); \
+  }                                                                                         \
+  int __tsan_atomic##bits##_compare_exchange_weak(volatile T* a, T* c, T v, int, int) {     \
+    on_access((const void*)a, sizeof(T), true);                                             \
+    return __atomic_compare_exchange_n(a, c, v, true, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);  \
+  }                                                                                         \
+  T __tsan_atomic##bits##_compare_exchange_val(volatile T* a, T c, T v, int, int) {         \
+    on_access((const void*)a, sizeof(T), true);                                             \
+    __atomic_compare_exchange_n(a, &c, v, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);       \
+    return c;                                                                               \
   }
 MGPU_EMU_ATOMICS(8, unsigned char)
 MGPU_EMU_ATOMICS(16, unsigned short)
@@ -626,7 +636,8 @@ void __tsan_atomic_signal_fence(int) { __atomic_signal_fence(__ATOMIC_SEQ_CST); 
 cudaError_t cudaFuncSetAttribute(const void* func, cudaFuncAttribute attr, int value) {
   if (attr != cudaFuncAttributeMaxDynamicSharedMemorySize) return cudaSuccess;
   if (value < 0 || value > 227 * 1024)
-    return mgpu_emu::set_error(cudaErrorInvalidValue, "cudaFuncSetAttribute: dynamic shared memory above the 227 KiB of an H100");
+    return mgpu_emu::set_error(cudaErrorInvalidValue,
+                               "cudaFuncSetAttribute: dynamic shared memory above the 227 KiB of an H100");
   std::lock_guard<std::mutex> lock(mgpu_emu::g_attr_m);
   mgpu_emu::g_max_dynamic_shared[func] = value;
   return cudaSuccess;

@@ -47,10 +47,16 @@ struct Call {
 
 size_t type_size(ncclDataType_t t) {
   switch (t) {
-    case ncclInt8: case ncclUint8: return 1;
-    case ncclFloat16: case ncclBfloat16: return 2;
-    case ncclInt32: case ncclUint32: case ncclFloat32: return 4;
-    case ncclInt64: case ncclUint64: case ncclFloat64: return 8;
+    case ncclInt8:
+    case ncclUint8: return 1;
+    case ncclFloat16:
+    case ncclBfloat16: return 2;
+    case ncclInt32:
+    case ncclUint32:
+    case ncclFloat32: return 4;
+    case ncclInt64:
+    case ncclUint64:
+    case ncclFloat64: return 8;
     default: return 0;
   }
 }
@@ -148,7 +154,7 @@ struct ncclComm {
   MPI_Comm mpi = MPI_COMM_NULL;
   std::vector<int> world_of;  // NCCL rank -> rank in `mpi`
   MPI_Request init_req = MPI_REQUEST_NULL;
-  int init_stage = 0;         // 0 dup pending, 1 table pending, 2 ready, 3 never (injected hang)
+  int init_stage = 0;  // 0 dup pending, 1 table pending, 2 ready, 3 never (injected hang)
   std::vector<long long> init_table;
   long long init_mine[2] = {0, 0};
   std::shared_ptr<Clique> clique;
@@ -250,7 +256,8 @@ void reduce_into(std::vector<double>& acc, const void* x, size_t n, ncclDataType
       continue;
     }
     switch (op) {
-      case ncclSum: case ncclAvg: acc[i] += v; break;
+      case ncclSum:
+      case ncclAvg: acc[i] += v; break;
       case ncclProd: acc[i] *= v; break;
       case ncclMax: acc[i] = std::max(acc[i], v); break;
       case ncclMin: acc[i] = std::min(acc[i], v); break;
@@ -299,8 +306,8 @@ void run_group(const std::shared_ptr<ncclComm>& cp, const std::vector<Call>& cal
       while (!c.aborted) std::this_thread::sleep_for(std::chrono::milliseconds(5));
       return;
     }
-    c.fail(ncclSystemError, "injected failure (MGPU_EMULATE_NCCL_FAULT) at group " + std::to_string(group) + " on rank " +
-                                std::to_string(c.rank));
+    c.fail(ncclSystemError, "injected failure (MGPU_EMULATE_NCCL_FAULT) at group " + std::to_string(group) +
+                                " on rank " + std::to_string(c.rank));
     return;
   }
   mgpu_emu::counters().collectives += calls.size();
@@ -368,7 +375,8 @@ void run_group(const std::shared_ptr<ncclComm>& cp, const std::vector<Call>& cal
   MPI_Iallgather(mine, 2, MPI_UNSIGNED_LONG_LONG, prints.data(), 2, MPI_UNSIGNED_LONG_LONG, c.mpi, &req);
   if (!mpi_wait(c, &req)) return;
   bool same = true;
-  for (int r = 0; r < c.nranks; ++r) same = same && prints[size_t(2 * r)] == mine[0] && prints[size_t(2 * r + 1)] == mine[1];
+  for (int r = 0; r < c.nranks; ++r)
+    same = same && prints[size_t(2 * r)] == mine[0] && prints[size_t(2 * r + 1)] == mine[1];
   if (!same) {
     int len = int(desc.size());
     std::vector<int> lens(size_t(c.nranks)), offs(size_t(c.nranks));
@@ -386,7 +394,8 @@ void run_group(const std::shared_ptr<ncclComm>& cp, const std::vector<Call>& cal
     for (int w = 0; w < c.nranks; ++w) {
       // Report by NCCL rank.
       for (int r = 0; r < c.nranks; ++r)
-        if (c.world_of[size_t(r)] == w) all[size_t(r)] = std::string(text.data() + offs[size_t(w)], size_t(lens[size_t(w)]));
+        if (c.world_of[size_t(r)] == w)
+          all[size_t(r)] = std::string(text.data() + offs[size_t(w)], size_t(lens[size_t(w)]));
     }
     mismatch(all);
     return;
@@ -468,9 +477,11 @@ ncclResult_t init_rank(ncclComm_t* out, int nranks, const ncclUniqueId& id, int 
   if (!out) return fail_call(nullptr, ncclInvalidArgument, "ncclCommInitRank: null comm pointer");
   *out = nullptr;
   if (nranks < 1 || rank < 0 || rank >= nranks)
-    return fail_call(nullptr, ncclInvalidArgument, "ncclCommInitRank: rank " + std::to_string(rank) + " of " + std::to_string(nranks));
+    return fail_call(nullptr, ncclInvalidArgument,
+                     "ncclCommInitRank: rank " + std::to_string(rank) + " of " + std::to_string(nranks));
   if (std::memcmp(id.internal, "mgpu-emu-nccl", 13) != 0)
-    return fail_call(nullptr, ncclInvalidArgument, "ncclCommInitRank: not a unique id of the NCCL emulation's ncclGetUniqueId");
+    return fail_call(nullptr, ncclInvalidArgument,
+                     "ncclCommInitRank: not a unique id of the NCCL emulation's ncclGetUniqueId");
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess) {
     cudaGetLastError();
@@ -484,8 +495,8 @@ ncclResult_t init_rank(ncclComm_t* out, int nranks, const ncclUniqueId& id, int 
   c->fault = read_fault();
   if (c->fault.init && c->fault.rank == rank) {
     if (c->fault.kind == "error")
-      return fail_call(nullptr, ncclSystemError, "ncclCommInitRank: injected failure (MGPU_EMULATE_NCCL_FAULT) on rank " +
-                                                     std::to_string(rank));
+      return fail_call(nullptr, ncclSystemError,
+                       "ncclCommInitRank: injected failure (MGPU_EMULATE_NCCL_FAULT) on rank " + std::to_string(rank));
     // hang: the others wait for this rank in vain; it never finishes either
     c->init_stage = 3;
     if (blocking)
@@ -498,15 +509,17 @@ ncclResult_t init_rank(ncclComm_t* out, int nranks, const ncclUniqueId& id, int 
     int initialised = 0, level = 0, world = 0;
     MPI_Initialized(&initialised);
     if (!initialised)
-      return fail_call(nullptr, ncclInvalidUsage, "the NCCL emulation connects processes through MPI, which is not initialised");
+      return fail_call(nullptr, ncclInvalidUsage,
+                       "the NCCL emulation connects processes through MPI, which is not initialised");
     MPI_Query_thread(&level);
     if (level < MPI_THREAD_MULTIPLE)
       return fail_call(nullptr, ncclInvalidUsage,
                        "the NCCL emulation needs MPI_THREAD_MULTIPLE (its collectives run on stream threads)");
     MPI_Comm_size(MPI_COMM_WORLD, &world);
     if (world != nranks)
-      return fail_call(nullptr, ncclInvalidUsage, "the NCCL emulation spans MPI_COMM_WORLD (" + std::to_string(world) +
-                                                      " processes); asked for " + std::to_string(nranks) + " ranks");
+      return fail_call(nullptr, ncclInvalidUsage,
+                       "the NCCL emulation spans MPI_COMM_WORLD (" + std::to_string(world) + " processes); asked for " +
+                           std::to_string(nranks) + " ranks");
     long long id_hash = 0;
     std::memcpy(&id_hash, id.internal + 16, sizeof(id_hash));
     c->init_mine[0] = rank;
@@ -569,7 +582,8 @@ ncclResult_t ncclGetUniqueId(ncclUniqueId* id) {
   std::memset(id->internal, 0, sizeof(id->internal));
   std::memcpy(id->internal, "mgpu-emu-nccl", 13);
   std::random_device rd;
-  const long long token = (static_cast<long long>(rd()) << 32) ^ rd() ^ static_cast<long long>(Clock::now().time_since_epoch().count());
+  const long long token =
+      (static_cast<long long>(rd()) << 32) ^ rd() ^ static_cast<long long>(Clock::now().time_since_epoch().count());
   std::memcpy(id->internal + 16, &token, sizeof(token));
   return ncclSuccess;
 }
@@ -589,10 +603,12 @@ ncclResult_t ncclCommInitAll(ncclComm_t* comms, int ndev, const int* devlist) {
   for (int i = 0; i < ndev; ++i) devices[size_t(i)] = devlist ? devlist[i] : i;
   for (int i = 0; i < ndev; ++i) {
     if (!mgpu_emu::device_valid(devices[size_t(i)]))
-      return fail_call(nullptr, ncclInvalidArgument, "ncclCommInitAll: device " + std::to_string(devices[size_t(i)]) + " does not exist");
+      return fail_call(nullptr, ncclInvalidArgument,
+                       "ncclCommInitAll: device " + std::to_string(devices[size_t(i)]) + " does not exist");
     for (int j = 0; j < i; ++j)
       if (devices[size_t(j)] == devices[size_t(i)])  // as NCCL 2.28: no duplicate devices
-        return fail_call(nullptr, ncclInvalidUsage, "ncclCommInitAll: duplicate device " + std::to_string(devices[size_t(i)]));
+        return fail_call(nullptr, ncclInvalidUsage,
+                         "ncclCommInitAll: duplicate device " + std::to_string(devices[size_t(i)]));
   }
   auto clique = std::make_shared<Clique>(ndev);
   clique->devices = devices;
@@ -697,7 +713,8 @@ ncclResult_t ncclGroupEnd() {
     const cudaStream_t stream = calls.front().stream;
     for (const Call& k : calls)
       if (k.stream != stream)
-        return fail_call(c.get(), ncclInvalidUsage, "the NCCL emulation runs one group of a communicator on one stream");
+        return fail_call(c.get(), ncclInvalidUsage,
+                         "the NCCL emulation runs one group of a communicator on one stream");
     const uint64_t group = ++c->groups;
     // Counted only when it runs once, now (not recorded into a graph capture).
     const bool in_process = c->clique != nullptr && !mgpu_emu::stream_is_capturing(stream);
@@ -730,9 +747,11 @@ ncclResult_t add_call(ncclComm_t comm, const Call& call, const char* name) {
   if (c->aborted) return fail_call(c.get(), ncclInvalidUsage, std::string(name) + " on an aborted communicator");
   if (c->init_stage != 2 && progress_init(*c) != ncclSuccess)
     return fail_call(c.get(), ncclInvalidUsage, std::string(name) + " before the communicator finished initialising");
-  if (type_size(call.type) == 0) return fail_call(c.get(), ncclInvalidArgument, std::string(name) + ": invalid data type");
+  if (type_size(call.type) == 0)
+    return fail_call(c.get(), ncclInvalidArgument, std::string(name) + ": invalid data type");
   if (call.kind == Call::kBroadcast && (call.root < 0 || call.root >= c->nranks))
-    return fail_call(c.get(), ncclInvalidArgument, std::string(name) + ": root " + std::to_string(call.root) + " out of range");
+    return fail_call(c.get(), ncclInvalidArgument,
+                     std::string(name) + ": root " + std::to_string(call.root) + " out of range");
   const size_t bytes = call.count * type_size(call.type);
   // As NCCL: device pointers of the communicator's GPU (checked here, not on a GPU).
   if (bytes > 0) {
@@ -752,7 +771,8 @@ ncclResult_t add_call(ncclComm_t comm, const Call& call, const char* name) {
       }
   }
   if (mgpu_emu::device_of(call.stream) != c->device)
-    return fail_call(c.get(), ncclInvalidArgument, std::string(name) + ": stream of another GPU than the communicator's");
+    return fail_call(c.get(), ncclInvalidArgument,
+                     std::string(name) + ": stream of another GPU than the communicator's");
   tl_pending.push_back({c, call});
   if (tl_group_depth == 0) {
     ++tl_group_depth;
@@ -764,13 +784,15 @@ ncclResult_t add_call(ncclComm_t comm, const Call& call, const char* name) {
 
 ncclResult_t ncclAllReduce(const void* sendbuff, void* recvbuff, size_t count, ncclDataType_t datatype, ncclRedOp_t op,
                            ncclComm_t comm, cudaStream_t stream) {
-  if (int(op) < 0 || int(op) > int(ncclAvg)) return fail_call(nullptr, ncclInvalidArgument, "ncclAllReduce: invalid op");
+  if (int(op) < 0 || int(op) > int(ncclAvg))
+    return fail_call(nullptr, ncclInvalidArgument, "ncclAllReduce: invalid op");
   return add_call(comm, {Call::kAllReduce, sendbuff, recvbuff, count, datatype, op, 0, stream}, "ncclAllReduce");
 }
 
 ncclResult_t ncclBroadcast(const void* sendbuff, void* recvbuff, size_t count, ncclDataType_t datatype, int root,
                            ncclComm_t comm, cudaStream_t stream) {
-  return add_call(comm, {Call::kBroadcast, sendbuff, recvbuff, count, datatype, ncclSum, root, stream}, "ncclBroadcast");
+  return add_call(comm, {Call::kBroadcast, sendbuff, recvbuff, count, datatype, ncclSum, root, stream},
+                  "ncclBroadcast");
 }
 
 }  // extern "C"

@@ -62,18 +62,24 @@ ErrorText error_text(cudaError_t e) {
     case cudaErrorMemoryAllocation: return {"cudaErrorMemoryAllocation", "out of memory"};
     case cudaErrorInvalidConfiguration: return {"cudaErrorInvalidConfiguration", "invalid configuration argument"};
     case cudaErrorInvalidDevice: return {"cudaErrorInvalidDevice", "invalid device ordinal"};
-    case cudaErrorInvalidMemcpyDirection: return {"cudaErrorInvalidMemcpyDirection", "invalid copy direction for memcpy"};
+    case cudaErrorInvalidMemcpyDirection:
+      return {"cudaErrorInvalidMemcpyDirection", "invalid copy direction for memcpy"};
     case cudaErrorInvalidDevicePointer: return {"cudaErrorInvalidDevicePointer", "invalid device pointer"};
     case cudaErrorNoDevice: return {"cudaErrorNoDevice", "no CUDA-capable device is detected"};
     case cudaErrorInvalidResourceHandle: return {"cudaErrorInvalidResourceHandle", "invalid resource handle"};
     case cudaErrorNotReady: return {"cudaErrorNotReady", "device not ready"};
     case cudaErrorIllegalAddress: return {"cudaErrorIllegalAddress", "an illegal memory access was encountered"};
     case cudaErrorLaunchFailure: return {"cudaErrorLaunchFailure", "unspecified launch failure"};
-    case cudaErrorLaunchOutOfResources: return {"cudaErrorLaunchOutOfResources", "too many resources requested for launch"};
+    case cudaErrorLaunchOutOfResources:
+      return {"cudaErrorLaunchOutOfResources", "too many resources requested for launch"};
     case cudaErrorAssert: return {"cudaErrorAssert", "device-side assert triggered"};
-    case cudaErrorStreamCaptureUnsupported: return {"cudaErrorStreamCaptureUnsupported", "operation not permitted when stream is capturing"};
-    case cudaErrorStreamCaptureInvalidated: return {"cudaErrorStreamCaptureInvalidated", "operation failed due to a previous error during capture"};
-    case cudaErrorStreamCaptureIsolation: return {"cudaErrorStreamCaptureIsolation", "operation would make the legacy stream depend on a capturing blocking stream"};
+    case cudaErrorStreamCaptureUnsupported:
+      return {"cudaErrorStreamCaptureUnsupported", "operation not permitted when stream is capturing"};
+    case cudaErrorStreamCaptureInvalidated:
+      return {"cudaErrorStreamCaptureInvalidated", "operation failed due to a previous error during capture"};
+    case cudaErrorStreamCaptureIsolation:
+      return {"cudaErrorStreamCaptureIsolation",
+              "operation would make the legacy stream depend on a capturing blocking stream"};
     case cudaErrorIllegalState: return {"cudaErrorIllegalState", "the operation is not permitted in the current state"};
     case cudaErrorInvalidDeviceFunction: return {"cudaErrorInvalidDeviceFunction", "invalid device function"};
     case cudaErrorNotSupported: return {"cudaErrorNotSupported", "operation not supported"};
@@ -83,9 +89,9 @@ ErrorText error_text(cudaError_t e) {
 
 // --- Allocations --------------------------------------------------------------
 
-constexpr size_t kRedZone = 256;       // bytes before and after every allocation
+constexpr size_t kRedZone = 256;                        // bytes before and after every allocation
 constexpr size_t kQuarantineBytes = size_t{256} << 20;  // freed memory kept poisoned for use-after-free checks
-constexpr size_t kHistoryLimit = 512;  // access records kept per allocation
+constexpr size_t kHistoryLimit = 512;                   // access records kept per allocation
 
 enum class MemKind { kDevice, kPinned };
 
@@ -243,10 +249,14 @@ size_t parse_bytes(const char* text, size_t fallback) {
   std::string unit = end ? end : "";
   for (auto& c : unit) c = char(std::tolower(c));
   double scale = 1;
-  if (unit == "k" || unit == "kib" || unit == "kb") scale = 1024.0;
-  else if (unit == "m" || unit == "mib" || unit == "mb") scale = 1024.0 * 1024;
-  else if (unit == "g" || unit == "gib" || unit == "gb") scale = 1024.0 * 1024 * 1024;
-  else if (!unit.empty()) return fallback;
+  if (unit == "k" || unit == "kib" || unit == "kb")
+    scale = 1024.0;
+  else if (unit == "m" || unit == "mib" || unit == "mb")
+    scale = 1024.0 * 1024;
+  else if (unit == "g" || unit == "gib" || unit == "gb")
+    scale = 1024.0 * 1024 * 1024;
+  else if (!unit.empty())
+    return fallback;
   return v > 0 ? size_t(v * scale) : fallback;
 }
 
@@ -565,7 +575,8 @@ void hb_check_and_record(const Op& op, int stream_id, AccessLog& log) {
         races.push_back(o.str());
         break;
       }
-      if (a->history.size() >= kHistoryLimit) a->history.erase(a->history.begin(), a->history.begin() + kHistoryLimit / 2);
+      if (a->history.size() >= kHistoryLimit)
+        a->history.erase(a->history.begin(), a->history.begin() + kHistoryLimit / 2);
       a->history.push_back({stream_id, op.epoch, i.lo, i.hi, i.write, op.shared_name});
     }
   }
@@ -674,8 +685,8 @@ Space classify(const void* p, size_t bytes, int* device, std::string* why) {
   }
   if (uintptr_t(p) < a->user || uintptr_t(p) + bytes > a->user + a->size) {
     if (why)
-      *why = "[" + hex(uintptr_t(p)) + ", +" + std::to_string(bytes) + ") is outside " + a->describe() +
-             " (offset " + std::to_string(int64_t(uintptr_t(p) - a->user)) + ")";
+      *why = "[" + hex(uintptr_t(p)) + ", +" + std::to_string(bytes) + ") is outside " + a->describe() + " (offset " +
+             std::to_string(int64_t(uintptr_t(p) - a->user)) + ")";
   }
   return a->kind == MemKind::kDevice ? Space::kDevice : Space::kPinned;
 }
@@ -742,7 +753,8 @@ void report_violation(int device, cudaError_t code, const std::string& what) {
 }
 
 cudaError_t set_error(cudaError_t code, const std::string& detail) {
-  if (code != cudaSuccess) tl_details[int(code)] = std::string(error_text(code).text) + " [GPU emulation: " + detail + "]";
+  if (code != cudaSuccess)
+    tl_details[int(code)] = std::string(error_text(code).text) + " [GPU emulation: " + detail + "]";
   return record_error(code);
 }
 
@@ -764,7 +776,8 @@ cudaError_t capture_guard(const char* call) {
     if (c->mode == cudaStreamCaptureModeRelaxed) continue;
     c->invalidated = true;
     c->why = std::string(call) + " was called during the capture";
-    return set_error(cudaErrorStreamCaptureUnsupported, std::string(call) + " is not permitted while this thread captures a stream");
+    return set_error(cudaErrorStreamCaptureUnsupported,
+                     std::string(call) + " is not permitted while this thread captures a stream");
   }
   return cudaSuccess;
 }
@@ -790,7 +803,8 @@ std::string check_device_range(const void* p, size_t bytes, int device, bool all
   if (space == Space::kPageable)
     return hex(uintptr_t(p)) + " is host memory, not device memory (a host pointer where a device pointer belongs)";
   if (!why.empty()) return why;
-  if (space == Space::kPinned) return allow_pinned ? "" : hex(uintptr_t(p)) + " is pinned host memory, not device memory";
+  if (space == Space::kPinned)
+    return allow_pinned ? "" : hex(uintptr_t(p)) + " is pinned host memory, not device memory";
   if (where != device)
     return hex(uintptr_t(p)) + " is memory of GPU " + std::to_string(where) + ", used on GPU " + std::to_string(device);
   return "";
@@ -806,8 +820,7 @@ void touch(const void* p, size_t bytes, bool write, bool allow_pinned) {
   AccessLog* log = tl_log;
   if (!log || bytes == 0) return;
   const std::string why = check_device_range(p, bytes, log->device, allow_pinned);
-  if (!why.empty())
-    throw Fault(cudaErrorIllegalAddress, std::string(log->op) + (write ? " writes " : " reads ") + why);
+  if (!why.empty()) throw Fault(cudaErrorIllegalAddress, std::string(log->op) + (write ? " writes " : " reads ") + why);
   log_access(log, uintptr_t(p), bytes, write, log->op);
 }
 
@@ -881,7 +894,8 @@ void check_no_pending_in_process_collective(const char* call, int device) {
   if (pending == 0) return;
   add_violation(std::string(call) + " on GPU " + std::to_string(device) + " while " + std::to_string(pending) +
                 " collective(s) of a single-process multi-GPU NCCL communicator are queued or running: on a GPU " +
-                call + " can synchronise the device and its peers and deadlock with a collective that waits for "
+                call +
+                " can synchronise the device and its peers and deadlock with a collective that waits for "
                 "this thread (NVIDIA/nccl#48); allocate stream-ordered (cudaMallocAsync/cudaFreeAsync) instead");
 }
 }  // namespace
@@ -976,15 +990,16 @@ cudaError_t cudaGetDeviceCount(int* count) {
   *count = int(state().devices.size());
   if (*count == 0) {
     *count = 0;
-    return set_error(cudaErrorNoDevice, state().config_error.empty()
-                                             ? "MGPU_EMULATE_GPU is not set: no emulated GPU"
-                                             : state().config_error);
+    return set_error(cudaErrorNoDevice, state().config_error.empty() ? "MGPU_EMULATE_GPU is not set: no emulated GPU"
+                                                                     : state().config_error);
   }
   return cudaSuccess;
 }
 
 cudaError_t cudaSetDevice(int device) {
-  if (!device_valid(device)) return set_error(cudaErrorInvalidDevice, "device " + std::to_string(device) + " of " + std::to_string(emulated_device_count()) + " emulated");
+  if (!device_valid(device))
+    return set_error(cudaErrorInvalidDevice, "device " + std::to_string(device) + " of " +
+                                                 std::to_string(emulated_device_count()) + " emulated");
   tl_device = device;
   return cudaSuccess;
 }
@@ -1105,7 +1120,6 @@ cudaError_t cudaDeviceReset(void) {
 
 // --- Memory ---------------------------------------------------------------------
 
-
 cudaError_t cudaMalloc(void** devPtr, size_t size) {
   if (!device_valid(tl_device)) return record_error(cudaErrorNoDevice);
   if (const cudaError_t e = capture_guard("cudaMalloc")) return e;
@@ -1113,7 +1127,8 @@ cudaError_t cudaMalloc(void** devPtr, size_t size) {
   check_no_pending_in_process_collective("cudaMalloc", tl_device);
   const cudaError_t e = allocate(devPtr, size, tl_device, MemKind::kDevice, "cudaMalloc");
   if (e == cudaErrorMemoryAllocation)
-    return set_error(e, "cudaMalloc of " + std::to_string(size) + " bytes exceeds the emulated GPU's memory (MGPU_EMULATE_GPU_MEMORY)");
+    return set_error(e, "cudaMalloc of " + std::to_string(size) +
+                            " bytes exceeds the emulated GPU's memory (MGPU_EMULATE_GPU_MEMORY)");
   return record_error(e);
 }
 
@@ -1122,8 +1137,9 @@ cudaError_t cudaFree(void* devPtr) {
   if (const cudaError_t e = capture_guard("cudaFree")) return e;
   Allocation* a = allocation_at(devPtr, MemKind::kDevice);
   if (!a)
-    return set_error(cudaErrorInvalidValue, "cudaFree(" + hex(uintptr_t(devPtr)) +
-                                                "): not the start of a live cudaMalloc allocation (double free, or a host pointer)");
+    return set_error(cudaErrorInvalidValue,
+                     "cudaFree(" + hex(uintptr_t(devPtr)) +
+                         "): not the start of a live cudaMalloc allocation (double free, or a host pointer)");
   check_no_pending_in_process_collective("cudaFree", a->device);
   // cudaFree synchronises the device: every stream's work finishes first.
   host_wait_device(a->device);
@@ -1143,7 +1159,8 @@ cudaError_t cudaFreeHost(void* ptr) {
   if (const cudaError_t e = capture_guard("cudaFreeHost")) return e;
   Allocation* a = allocation_at(ptr, MemKind::kPinned);
   if (!a)
-    return set_error(cudaErrorInvalidValue, "cudaFreeHost(" + hex(uintptr_t(ptr)) + "): not a live cudaMallocHost allocation");
+    return set_error(cudaErrorInvalidValue,
+                     "cudaFreeHost(" + hex(uintptr_t(ptr)) + "): not a live cudaMallocHost allocation");
   check_no_pending_in_process_collective("cudaFreeHost", tl_device);
   for (int d = 0; d < emulated_device_count(); ++d) host_wait_device(d);
   release(a, "cudaFreeHost");
@@ -1154,11 +1171,13 @@ cudaError_t cudaMallocAsync(void** devPtr, size_t size, cudaStream_t stream) {
   const int device = device_of(stream);
   if (device < 0) return set_error(cudaErrorInvalidResourceHandle, "cudaMallocAsync: unknown stream");
   if (stream_is_capturing(stream))
-    return set_error(cudaErrorStreamCaptureUnsupported, "cudaMallocAsync inside a capture (graph memory nodes) is not emulated");
+    return set_error(cudaErrorStreamCaptureUnsupported,
+                     "cudaMallocAsync inside a capture (graph memory nodes) is not emulated");
   if (const cudaError_t e = check_context(device)) return record_error(e);
   void* p = nullptr;
   const cudaError_t e = allocate(&p, size, device, MemKind::kDevice, "cudaMallocAsync");
-  if (e != cudaSuccess) return set_error(e, "cudaMallocAsync of " + std::to_string(size) + " bytes exceeds the emulated GPU's memory");
+  if (e != cudaSuccess)
+    return set_error(e, "cudaMallocAsync of " + std::to_string(size) + " bytes exceeds the emulated GPU's memory");
   *devPtr = p;
   // The memory belongs to the stream from here: other streams must be ordered after this point.
   return enqueue(stream, "cudaMallocAsync", OpKind::kOther, [p, size] { touch(p, size, true, false); });
@@ -1169,7 +1188,8 @@ cudaError_t cudaFreeAsync(void* devPtr, cudaStream_t stream) {
   if (stream_is_capturing(stream))
     return set_error(cudaErrorStreamCaptureUnsupported, "cudaFreeAsync inside a capture is not emulated");
   Allocation* a = allocation_at(devPtr, MemKind::kDevice);
-  if (!a) return set_error(cudaErrorInvalidValue, "cudaFreeAsync(" + hex(uintptr_t(devPtr)) + "): not a live allocation");
+  if (!a)
+    return set_error(cudaErrorInvalidValue, "cudaFreeAsync(" + hex(uintptr_t(devPtr)) + "): not a live allocation");
   return enqueue(stream, "cudaFreeAsync", OpKind::kOther, [a, devPtr] {
     touch(devPtr, a->size, true, false);  // the free is a write: unordered users on other streams race with it
     release(a, "cudaFreeAsync");
@@ -1178,14 +1198,16 @@ cudaError_t cudaFreeAsync(void* devPtr, cudaStream_t stream) {
 
 cudaError_t cudaDeviceGetDefaultMemPool(cudaMemPool_t* memPool, int device) {
   if (!memPool) return record_error(cudaErrorInvalidValue);
-  if (!device_valid(device)) return set_error(cudaErrorInvalidDevice, "cudaDeviceGetDefaultMemPool: no GPU " + std::to_string(device));
+  if (!device_valid(device))
+    return set_error(cudaErrorInvalidDevice, "cudaDeviceGetDefaultMemPool: no GPU " + std::to_string(device));
   *memPool = reinterpret_cast<cudaMemPool_t>(pool_handle(device));
   return cudaSuccess;
 }
 
 cudaError_t cudaMemPoolSetAccess(cudaMemPool_t memPool, const cudaMemAccessDesc* descList, size_t count) {
   const int owner = pool_device(memPool);
-  if (owner < 0 || (count && !descList)) return set_error(cudaErrorInvalidValue, "cudaMemPoolSetAccess: not a pool of the emulation");
+  if (owner < 0 || (count && !descList))
+    return set_error(cudaErrorInvalidValue, "cudaMemPoolSetAccess: not a pool of the emulation");
   std::lock_guard<std::mutex> lock(g_pool_m);
   for (size_t i = 0; i < count; ++i) {
     const cudaMemAccessDesc& d = descList[i];
@@ -1267,10 +1289,10 @@ cudaError_t memcpy_impl(void* dst, const void* src, size_t count, cudaMemcpyKind
                   (kind == cudaMemcpyDeviceToDevice && src_dev && dst_dev) ||
                   (kind == cudaMemcpyHostToHost && !src_dev && !dst_dev);
   if (!ok)
-    return set_error(cudaErrorInvalidMemcpyDirection,
-                     std::string(call) + " with " + kind_name(kind) + " but the source is " +
-                         (src_dev ? "device" : "host") + " memory and the destination " + (dst_dev ? "device" : "host") +
-                         " memory");
+    return set_error(cudaErrorInvalidMemcpyDirection, std::string(call) + " with " + kind_name(kind) +
+                                                          " but the source is " + (src_dev ? "device" : "host") +
+                                                          " memory and the destination " +
+                                                          (dst_dev ? "device" : "host") + " memory");
   const bool capturing = stream_is_capturing(stream);
   const bool pageable = s_src == Space::kPageable || s_dst == Space::kPageable;
   if (capturing && pageable)
@@ -1288,7 +1310,8 @@ cudaError_t memcpy_impl(void* dst, const void* src, size_t count, cudaMemcpyKind
     from = staged->data();
   }
   const bool src_tracked = s_src != Space::kPageable, dst_tracked = s_dst != Space::kPageable;
-  const std::string name = std::string(call) + (src_dev ? (dst_dev ? " DtoD" : " DtoH") : (dst_dev ? " HtoD" : " HtoH"));
+  const std::string name =
+      std::string(call) + (src_dev ? (dst_dev ? " DtoD" : " DtoH") : (dst_dev ? " HtoD" : " HtoH"));
   auto* counter = src_dev ? (dst_dev ? &c.d2d_bytes : &c.d2h_bytes) : (dst_dev ? &c.h2d_bytes : nullptr);
   const cudaError_t e = enqueue(stream, name, OpKind::kCopy, [=, staged = std::move(staged)] {
     (void)staged;  // owns the staged copy of a pageable source until the copy has run
@@ -1356,7 +1379,8 @@ cudaError_t cudaStreamDestroy(cudaStream_t stream) {
   Stream* st;
   {
     std::lock_guard<std::mutex> lock(state().m);
-    if (!state().streams.count(stream)) return set_error(cudaErrorInvalidResourceHandle, "cudaStreamDestroy: unknown stream");
+    if (!state().streams.count(stream))
+      return set_error(cudaErrorInvalidResourceHandle, "cudaStreamDestroy: unknown stream");
     st = as_stream(stream);
     if (st->capture) return set_error(cudaErrorStreamCaptureUnsupported, "cudaStreamDestroy of a capturing stream");
     state().streams.erase(stream);
@@ -1407,7 +1431,8 @@ cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsigned
   const int device = device_of(stream);
   if (device < 0) return set_error(cudaErrorInvalidResourceHandle, "cudaStreamWaitEvent: unknown stream");
   std::lock_guard<std::mutex> lock(state().m);
-  if (!state().events.count(event)) return set_error(cudaErrorInvalidResourceHandle, "cudaStreamWaitEvent: unknown event");
+  if (!state().events.count(event))
+    return set_error(cudaErrorInvalidResourceHandle, "cudaStreamWaitEvent: unknown event");
   Stream* st = resolve_locked(stream, device);
   std::shared_ptr<EventRecord> rec = as_event(event)->rec;
   if (!rec) return cudaSuccess;  // never recorded: nothing to wait for
@@ -1415,7 +1440,8 @@ cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsigned
     if (rec->captured != st->capture) {
       st->capture->invalidated = true;
       st->capture->why = "cudaStreamWaitEvent on an event recorded outside the capture";
-      return set_error(cudaErrorStreamCaptureIsolation, "cudaStreamWaitEvent in a capture on an event recorded outside it");
+      return set_error(cudaErrorStreamCaptureIsolation,
+                       "cudaStreamWaitEvent in a capture on an event recorded outside it");
     }
     return cudaSuccess;  // same capture, same stream order: already ordered
   }
@@ -1496,7 +1522,8 @@ namespace {
 // The event's current record, or an error for captured records.
 cudaError_t event_record(cudaEvent_t event, std::shared_ptr<EventRecord>* out, const char* call) {
   std::lock_guard<std::mutex> lock(state().m);
-  if (!state().events.count(event)) return set_error(cudaErrorInvalidResourceHandle, std::string(call) + ": unknown event");
+  if (!state().events.count(event))
+    return set_error(cudaErrorInvalidResourceHandle, std::string(call) + ": unknown event");
   *out = as_event(event)->rec;
   if (*out && (*out)->captured)
     return set_error(cudaErrorStreamCaptureUnsupported, std::string(call) + " on an event recorded in a capture");
@@ -1536,7 +1563,8 @@ cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t start, cudaEvent_t end) 
   {
     std::lock_guard<std::mutex> lock(state().m);
     if ((as_event(start)->flags | as_event(end)->flags) & cudaEventDisableTiming)
-      return set_error(cudaErrorInvalidResourceHandle, "cudaEventElapsedTime on an event created with cudaEventDisableTiming");
+      return set_error(cudaErrorInvalidResourceHandle,
+                       "cudaEventElapsedTime on an event created with cudaEventDisableTiming");
   }
   if (!a || !b) return set_error(cudaErrorInvalidResourceHandle, "cudaEventElapsedTime on an event never recorded");
   if (!record_done(*a) || !record_done(*b)) return cudaErrorNotReady;
@@ -1549,7 +1577,8 @@ cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t start, cudaEvent_t end) 
 cudaError_t cudaStreamBeginCapture(cudaStream_t stream, cudaStreamCaptureMode mode) {
   std::lock_guard<std::mutex> lock(state().m);
   if (stream == nullptr || stream == cudaStreamLegacy || !state().streams.count(stream))
-    return set_error(cudaErrorStreamCaptureUnsupported, "cudaStreamBeginCapture needs a stream other than the legacy stream");
+    return set_error(cudaErrorStreamCaptureUnsupported,
+                     "cudaStreamBeginCapture needs a stream other than the legacy stream");
   Stream* st = as_stream(stream);
   if (st->capture) return set_error(cudaErrorIllegalState, "cudaStreamBeginCapture: the stream is already capturing");
   auto c = std::make_shared<Capture>();
@@ -1564,14 +1593,16 @@ cudaError_t cudaStreamEndCapture(cudaStream_t stream, cudaGraph_t* pGraph) {
   if (!pGraph) return record_error(cudaErrorInvalidValue);
   *pGraph = nullptr;
   std::lock_guard<std::mutex> lock(state().m);
-  if (!state().streams.count(stream)) return set_error(cudaErrorInvalidResourceHandle, "cudaStreamEndCapture: unknown stream");
+  if (!state().streams.count(stream))
+    return set_error(cudaErrorInvalidResourceHandle, "cudaStreamEndCapture: unknown stream");
   Stream* st = as_stream(stream);
   if (!st->capture) return set_error(cudaErrorIllegalState, "cudaStreamEndCapture: the stream is not capturing");
   std::shared_ptr<Capture> c = std::move(st->capture);
   st->capture.reset();
   tl_captures.erase(std::remove(tl_captures.begin(), tl_captures.end(), c), tl_captures.end());
   if (c->thread != std::this_thread::get_id() && c->mode != cudaStreamCaptureModeRelaxed)
-    return set_error(cudaErrorStreamCaptureInvalidated, "cudaStreamEndCapture from another thread than the one that began it");
+    return set_error(cudaErrorStreamCaptureInvalidated,
+                     "cudaStreamEndCapture from another thread than the one that began it");
   if (c->invalidated) return set_error(cudaErrorStreamCaptureInvalidated, "the capture was invalidated: " + c->why);
   auto* g = new Graph;
   g->ops = std::move(c->ops);
@@ -1585,7 +1616,7 @@ cudaError_t cudaStreamIsCapturing(cudaStream_t stream, cudaStreamCaptureStatus* 
   if (!status) return record_error(cudaErrorInvalidValue);
   std::lock_guard<std::mutex> lock(state().m);
   Stream* st = state().streams.count(stream) ? as_stream(stream) : nullptr;
-  *status = !st || !st->capture ? cudaStreamCaptureStatusNone
+  *status = !st || !st->capture        ? cudaStreamCaptureStatusNone
             : st->capture->invalidated ? cudaStreamCaptureStatusInvalidated
                                        : cudaStreamCaptureStatusActive;
   return cudaSuccess;
@@ -1601,7 +1632,8 @@ cudaError_t cudaGraphDestroy(cudaGraph_t graph) {
 cudaError_t cudaGraphInstantiate(cudaGraphExec_t* pGraphExec, cudaGraph_t graph, unsigned long long) {
   if (!pGraphExec) return record_error(cudaErrorInvalidValue);
   std::lock_guard<std::mutex> lock(state().m);
-  if (!state().graphs.count(graph)) return set_error(cudaErrorInvalidResourceHandle, "cudaGraphInstantiate: unknown graph");
+  if (!state().graphs.count(graph))
+    return set_error(cudaErrorInvalidResourceHandle, "cudaGraphInstantiate: unknown graph");
   auto* exec = new Graph(*reinterpret_cast<Graph*>(graph));
   state().execs.insert(exec);
   *pGraphExec = reinterpret_cast<cudaGraphExec_t>(exec);
@@ -1610,7 +1642,8 @@ cudaError_t cudaGraphInstantiate(cudaGraphExec_t* pGraphExec, cudaGraph_t graph,
 
 cudaError_t cudaGraphExecDestroy(cudaGraphExec_t exec) {
   std::lock_guard<std::mutex> lock(state().m);
-  if (!state().execs.erase(exec)) return set_error(cudaErrorInvalidResourceHandle, "cudaGraphExecDestroy: unknown graph");
+  if (!state().execs.erase(exec))
+    return set_error(cudaErrorInvalidResourceHandle, "cudaGraphExecDestroy: unknown graph");
   delete reinterpret_cast<Graph*>(exec);
   return cudaSuccess;
 }
@@ -1620,10 +1653,12 @@ cudaError_t cudaGraphLaunch(cudaGraphExec_t exec, cudaStream_t stream) {
   if (device < 0) return set_error(cudaErrorInvalidResourceHandle, "cudaGraphLaunch: unknown stream");
   if (const cudaError_t e = check_context(device)) return record_error(e);
   std::lock_guard<std::mutex> lock(state().m);
-  if (!state().execs.count(exec)) return set_error(cudaErrorInvalidResourceHandle, "cudaGraphLaunch: unknown or destroyed graph");
+  if (!state().execs.count(exec))
+    return set_error(cudaErrorInvalidResourceHandle, "cudaGraphLaunch: unknown or destroyed graph");
   const Graph* g = reinterpret_cast<const Graph*>(exec);
   Stream* st = resolve_locked(stream, device);
-  if (st->capture) return set_error(cudaErrorStreamCaptureUnsupported, "cudaGraphLaunch into a capture is not emulated");
+  if (st->capture)
+    return set_error(cudaErrorStreamCaptureUnsupported, "cudaGraphLaunch into a capture is not emulated");
   if (g->device != st->device) return set_error(cudaErrorInvalidValue, "cudaGraphLaunch on another GPU's stream");
   state().counters.graph_launches++;
   for (const auto& templ : g->ops) {

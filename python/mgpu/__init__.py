@@ -11,6 +11,7 @@ only those below it:
     monitor/     device telemetry and the safety rules shared by stress and train
     _runtime, errors, atomic, hostinfo   the bottom
 """
+
 # The runtime first: it sets the OpenMP environment before the core loads and picks the core.
 from ._runtime import OPENMP_ONLY_ENV, gpus_emulated  # noqa: F401  (mgpu.OPENMP_ONLY_ENV: what mgpu set for its OpenMP-only steps)
 from ._core import __version__, build_info
@@ -25,7 +26,26 @@ from .train.checkpoint import CheckpointError
 from .train.trainer import CheckpointPolicy, Trainer
 
 __all__ = [
-    "__version__", "build_info", "gpus_emulated", "ProcessGroup", "ThreadGroup", "run_on_gpus", "TrainConfig",
-    "PRESETS", "MLP", "Trainer", "CheckpointPolicy", "LRSchedule", "Dataset", "load_dataset", "split_counts",
-    "MgpuError", "ConfigError", "DataError", "CheckpointError", "DeviceError", "CommError", "NumericsError",
+    "__version__",
+    "build_info",
+    "gpus_emulated",
+    "ProcessGroup",
+    "ThreadGroup",
+    "run_on_gpus",
+    "TrainConfig",
+    "PRESETS",
+    "MLP",
+    "Trainer",
+    "CheckpointPolicy",
+    "LRSchedule",
+    "Dataset",
+    "load_dataset",
+    "split_counts",
+    "MgpuError",
+    "ConfigError",
+    "DataError",
+    "CheckpointError",
+    "DeviceError",
+    "CommError",
+    "NumericsError",
 ]

@@ -1,4 +1,5 @@
 """python -m mgpu: the command line (mgpu.commands.main)."""
+
 import sys
 
 from .commands.main import main

@@ -19,6 +19,7 @@ other frameworks (the PyTorch peer) go without it (for_other_frameworks).
 What mgpu sets is listed in MGPU_SET_OPENMP_ENV, so that a child process importing mgpu
 decides afresh (its MGPU_CPU_GEMM may differ) instead of taking it for the user's.
 """
+
 import importlib
 import os
 import sys
@@ -48,6 +49,7 @@ def _openmp_computes_alone() -> bool:
             if "avx512f" not in flags:
                 return False
         from importlib.util import find_spec
+
         spec = find_spec(__package__ + ("._core_emu" if EMULATED else "._core"))
         with open(spec.origin, "rb") as f:
             return b"libdnnl.so" in f.read()
@@ -83,9 +85,11 @@ if EMULATED:
     try:
         _core = importlib.import_module(__package__ + "._core_emu")
     except ImportError as _e:  # built without the emulation (no CUDA headers, Boost.Context or MPI)
-        raise ImportError(f"MGPU_EMULATE_GPU is set but this mgpu has no GPU emulation build ({_e}); "
-                          "unset MGPU_EMULATE_GPU or rebuild with the CUDA toolkit headers, "
-                          "libboost-context-dev and MPI") from None
+        raise ImportError(
+            f"MGPU_EMULATE_GPU is set but this mgpu has no GPU emulation build ({_e}); "
+            "unset MGPU_EMULATE_GPU or rebuild with the CUDA toolkit headers, "
+            "libboost-context-dev and MPI"
+        ) from None
     sys.modules[__package__ + "._core"] = _core
 else:
     _core = importlib.import_module(__package__ + "._core")

@@ -1,6 +1,7 @@
 """Files written whole or not at all: a temporary file beside the target, fsynced, then
 renamed over it. A failure (a full disk, an exception while writing) leaves the old file
 as it was and no temporary. Imports nothing of mgpu: every layer may use it."""
+
 from __future__ import annotations
 
 import contextlib

@@ -1,6 +1,7 @@
 """Lines to the user from any rank: each written to stderr in one write, so the lines of
 ranks that report together reach mpirun whole.
 """
+
 from __future__ import annotations
 
 import os

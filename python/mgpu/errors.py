@@ -3,6 +3,7 @@
 ConfigError (a ValueError) is for anything the user supplied: arguments,
 configs, datasets, files. The CLI turns it into one line on stderr and exit 2.
 """
+
 from ._core import CommError, ConfigError, DeviceError, MgpuError, NumericsError
 
 
@@ -12,5 +13,4 @@ class DataError(ConfigError):
 
 USER_ERRORS = (ConfigError,)
 
-__all__ = ["MgpuError", "ConfigError", "DataError", "DeviceError", "CommError", "NumericsError",
-           "USER_ERRORS"]
+__all__ = ["MgpuError", "ConfigError", "DataError", "DeviceError", "CommError", "NumericsError", "USER_ERRORS"]

@@ -1,6 +1,7 @@
 """Facts about this host that every layer reads: memory, the CPU and its caches, the GPUs
 the core sees, and where two ranks' cores sit (a cache line's round trip between them).
 """
+
 from __future__ import annotations
 
 import glob
@@ -41,8 +42,13 @@ def cpu_description() -> dict:
         memory = host_meminfo()["MemTotal"]
     except (OSError, ValueError, KeyError):
         memory = 0
-    return {"model": model, "cores": len(os.sched_getaffinity(0)), "isa": isa, "memory_bytes": memory,
-            "openblas_coretype": os.environ.get("OPENBLAS_CORETYPE")}
+    return {
+        "model": model,
+        "cores": len(os.sched_getaffinity(0)),
+        "isa": isa,
+        "memory_bytes": memory,
+        "openblas_coretype": os.environ.get("OPENBLAS_CORETYPE"),
+    }
 
 
 def last_level_cache_bytes() -> float:
@@ -56,7 +62,7 @@ def last_level_cache_bytes() -> float:
             continue
         m = re.fullmatch(r"(\d+)([KMG]?)", text)
         if m:
-            largest = max(largest, float(m.group(1)) * {"": 1, "K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30}[m.group(2)])
+            largest = max(largest, float(m.group(1)) * {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}[m.group(2)])
     return largest
 
 

@@ -6,6 +6,7 @@ CPU buffers (docs/journal.md, 2026-11-24).
     OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \\
         mpirun -np 2 .venv/bin/python scripts/experiments/allreduce_pages.py [--sizes-mb 4,8,16,32,64]
 """
+
 import argparse
 import mmap
 import time
@@ -20,7 +21,7 @@ def huge_page_buffer(count: int):
     region.madvise(mmap.MADV_HUGEPAGE)
     whole = np.frombuffer(region, np.float32)
     start = (-whole.ctypes.data % (2 << 20)) // 4
-    buf = whole[start:start + count]
+    buf = whole[start : start + count]
     buf[:] = 0
     return buf, region
 
@@ -46,8 +47,10 @@ def main() -> None:
                     world.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
                 times[name].append((time.perf_counter() - t0) / a.iters * 1e3)
         if world.Get_rank() == 0:
-            print(f"{mb:>4} MB  " + "  ".join(f"{k}: {', '.join(f'{t:.2f}' for t in v)} ms" for k, v in times.items()),
-                  flush=True)
+            print(
+                f"{mb:>4} MB  " + "  ".join(f"{k}: {', '.join(f'{t:.2f}' for t in v)} ms" for k, v in times.items()),
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ directly. The measurement behind issue 14's "libxsmm" entry in docs/journal.md
 
     .venv/bin/python scripts/experiments/gemm_libraries.py --model medium --batch 64
 """
+
 import argparse
 import os
 import subprocess
@@ -17,8 +18,8 @@ import tempfile
 from pathlib import Path
 
 from mgpu.calibrate.bench import resolve_layers
-from mgpu.train.config import PRESETS
 from mgpu.hostinfo import cpu_description
+from mgpu.train.config import PRESETS
 
 HERE = Path(__file__).resolve().parent
 LIBRARIES = ("openblas", "onednn", "libxsmm", "libxsmm jit")
@@ -26,12 +27,26 @@ LIBRARIES = ("openblas", "onednn", "libxsmm", "libxsmm jit")
 
 def build(workdir: str) -> str:
     exe = os.path.join(workdir, "gemm_libraries")
-    cmd = ["cc", "-O2", "-o", exe, str(HERE / "gemm_libraries.c"), "-ldnnl", "-lxsmm", "-lxsmmnoblas", "-lopenblas",
-           "-lm", "-lpthread", "-ldl"]
+    cmd = [
+        "cc",
+        "-O2",
+        "-o",
+        exe,
+        str(HERE / "gemm_libraries.c"),
+        "-ldnnl",
+        "-lxsmm",
+        "-lxsmmnoblas",
+        "-lopenblas",
+        "-lm",
+        "-lpthread",
+        "-ldl",
+    ]
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
-        sys.exit(f"gemm_libraries: cannot build the harness (apt install libopenblas-dev libdnnl-dev libxsmm-dev): "
-                 f"{r.stderr.strip().splitlines()[-1] if r.stderr.strip() else r.returncode}")
+        sys.exit(
+            f"gemm_libraries: cannot build the harness (apt install libopenblas-dev libdnnl-dev libxsmm-dev): "
+            f"{r.stderr.strip().splitlines()[-1] if r.stderr.strip() else r.returncode}"
+        )
     return exe
 
 
@@ -65,10 +80,11 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as work:
         exe = build(work)
         for name, form, M, N, K in shapes(sizes, a.batch):
-            r = subprocess.run([exe, form, str(M), str(N), str(K), str(a.repeats)], capture_output=True, text=True,
-                               env=env, check=True)
+            r = subprocess.run(
+                [exe, form, str(M), str(N), str(K), str(a.repeats)], capture_output=True, text=True, env=env, check=True
+            )
             *seconds, diff = [float(v) for v in r.stdout.split()]
-            if diff > 1e-3 * K ** 0.5:
+            if diff > 1e-3 * K**0.5:
                 sys.exit(f"gemm_libraries: {name}: the libraries disagree by {diff:g}")
             # A shape the JIT makes no kernel for counts at libxsmm's BLAS-interface time.
             jit = seconds[3] if seconds[3] == seconds[3] else seconds[2]

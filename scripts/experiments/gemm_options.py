@@ -7,6 +7,7 @@ GEMM table of docs/benchmarks.md (its history in docs/journal.md).
 
     .venv/bin/python scripts/experiments/gemm_options.py --model medium --batch 64 --threads 1
 """
+
 import argparse
 import json
 import os
@@ -16,8 +17,8 @@ import numpy as np
 
 from mgpu import _core, build_info
 from mgpu.calibrate.bench import resolve_layers
-from mgpu.train.config import PRESETS
 from mgpu.hostinfo import cpu_description
+from mgpu.train.config import PRESETS
 
 
 def cpu_name() -> str:
@@ -52,15 +53,23 @@ def main() -> int:
                 be = backends[lib]
                 times[lib]["forward"].append(sum(_core.time_linear(be, a.batch, IN, OUT, inner)) / inner)
                 times[lib]["backward"].append(sum(_core.time_linear_backward(be, a.batch, IN, OUT, inner)) / inner)
-        row = {"layer": l, "in": IN, "out": OUT,
-               "forward_library": _core.cpu_gemm_library(backends["auto"], a.batch, OUT, IN),
-               "ms": {lib: {k: float(np.median(v)) * 1e3 for k, v in t.items()} for lib, t in times.items()}}
+        row = {
+            "layer": l,
+            "in": IN,
+            "out": OUT,
+            "forward_library": _core.cpu_gemm_library(backends["auto"], a.batch, OUT, IN),
+            "ms": {lib: {k: float(np.median(v)) * 1e3 for k, v in t.items()} for lib, t in times.items()},
+        }
         rows.append(row)
-    flops = {"forward": lambda r: 2.0 * a.batch * r["in"] * r["out"],
-             "backward": lambda r: 2.0 * a.batch * r["in"] * r["out"] * 2}
-    print(f"{a.model} {sizes}, {a.batch} rows, {a.threads} thread(s); {cpu_name()}; "
-          f"{build_info()['blas']['library']}, oneDNN {build_info()['blas'].get('onednn') or 'absent'}; "
-          f"medians of {a.repeats} alternating repeats, GFLOP/s")
+    flops = {
+        "forward": lambda r: 2.0 * a.batch * r["in"] * r["out"],
+        "backward": lambda r: 2.0 * a.batch * r["in"] * r["out"] * 2,
+    }
+    print(
+        f"{a.model} {sizes}, {a.batch} rows, {a.threads} thread(s); {cpu_name()}; "
+        f"{build_info()['blas']['library']}, oneDNN {build_info()['blas'].get('onednn') or 'absent'}; "
+        f"medians of {a.repeats} alternating repeats, GFLOP/s"
+    )
     head = f"{'layer':>5} {'shape':>12}  " + "  ".join(f"{lib + ' fwd':>13} {lib + ' bwd':>13}" for lib in libraries)
     print(head)
     for r in rows:
@@ -68,15 +77,28 @@ def main() -> int:
         for lib in libraries:
             for k in ("forward", "backward"):
                 cells.append(f"{flops[k](r) / (r['ms'][lib][k] * 1e-3) / 1e9:>13.1f}")
-        print(f"{r['layer']:>5} {r['in']:>5}x{r['out']:<6}  " + "  ".join(
-            f"{cells[2 * i]} {cells[2 * i + 1]}" for i in range(len(libraries))))
+        print(
+            f"{r['layer']:>5} {r['in']:>5}x{r['out']:<6}  "
+            + "  ".join(f"{cells[2 * i]} {cells[2 * i + 1]}" for i in range(len(libraries)))
+        )
     totals = {lib: sum(r["ms"][lib]["forward"] + r["ms"][lib]["backward"] for r in rows) for lib in libraries}
     print("all GEMMs of a step: " + ", ".join(f"{lib} {ms:.3f} ms" for lib, ms in totals.items()))
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"cpu": cpu_name(), "model": a.model, "sizes": sizes, "batch": a.batch, "threads": a.threads,
-                       "openblas_coretype": os.environ.get("OPENBLAS_CORETYPE"), "rows": rows, "totals_ms": totals},
-                      f, indent=2)
+            json.dump(
+                {
+                    "cpu": cpu_name(),
+                    "model": a.model,
+                    "sizes": sizes,
+                    "batch": a.batch,
+                    "threads": a.threads,
+                    "openblas_coretype": os.environ.get("OPENBLAS_CORETYPE"),
+                    "rows": rows,
+                    "totals_ms": totals,
+                },
+                f,
+                indent=2,
+            )
     return 0
 
 

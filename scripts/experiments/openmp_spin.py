@@ -7,6 +7,7 @@ samples/s and the median and range of its ratio to the first setting's, round by
     .venv/bin/python scripts/experiments/openmp_spin.py --settings "GOMP_SPINCOUNT=0;GOMP_SPINCOUNT=10000" \\
         --threads 2 --rounds 5
 """
+
 import argparse
 import json
 import os
@@ -38,9 +39,33 @@ def run_cell(env_change: dict, model: str, threads: int) -> dict:
     fd, out = tempfile.mkstemp(suffix=".json")
     os.close(fd)
     try:
-        subprocess.run([sys.executable, "-m", "mgpu", "bench", "--model", model, "--batch-sizes", batches,
-                        "--threads", str(threads), "--repeats", "1", "--steps", str(steps), "--warmup", "3",
-                        "--no-progress", "--json", out], env=env, capture_output=True, text=True, check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "mgpu",
+                "bench",
+                "--model",
+                model,
+                "--batch-sizes",
+                batches,
+                "--threads",
+                str(threads),
+                "--repeats",
+                "1",
+                "--steps",
+                str(steps),
+                "--warmup",
+                "3",
+                "--no-progress",
+                "--json",
+                out,
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         with open(out) as f:
             return {row["batch_size"]: row["samples_per_sec"] for row in json.load(f)["rows"]}
     finally:
@@ -49,8 +74,12 @@ def run_cell(env_change: dict, model: str, threads: int) -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--settings", type=parse_settings, required=True,
-                   help="';'-separated settings, each space-separated KEY=VALUE pairs")
+    p.add_argument(
+        "--settings",
+        type=parse_settings,
+        required=True,
+        help="';'-separated settings, each space-separated KEY=VALUE pairs",
+    )
     p.add_argument("--models", default="medium,large")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=5)
@@ -61,7 +90,7 @@ def main() -> int:
     names = [" ".join(f"{k}={v}" for k, v in s.items()) for s in a.settings]
     rates = {}  # (model, batch) -> setting -> samples/s per round
     for r in range(a.rounds):
-        for i in (range(len(names)) if r % 2 == 0 else reversed(range(len(names)))):
+        for i in range(len(names)) if r % 2 == 0 else reversed(range(len(names))):
             for model in models:
                 for batch, rate in run_cell(a.settings[i], model, a.threads).items():
                     rates.setdefault((model, batch), {}).setdefault(names[i], []).append(rate)
@@ -70,8 +99,9 @@ def main() -> int:
         cells = []
         for name in names:
             ratios = [x / b for x, b in zip(by[name], base)]
-            cells.append(f"{name}: {np.median(by[name]):,.0f} ({np.median(ratios):.2f}x, "
-                         f"{min(ratios):.2f}-{max(ratios):.2f})")
+            cells.append(
+                f"{name}: {np.median(by[name]):,.0f} ({np.median(ratios):.2f}x, {min(ratios):.2f}-{max(ratios):.2f})"
+            )
         print(f"{model} b{batch}, {a.threads} thread(s): " + " | ".join(cells))
     return 0
 

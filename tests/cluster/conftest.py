@@ -5,6 +5,7 @@ The cluster needs root: without it these tests skip with the reason; as root, a
 cluster that cannot be made (no iproute2, namespaces refused) FAILS the test,
 so CI cannot pass by not running them. Tests marked cluster_slow (the slower
 fault cases) run only with MGPU_CLUSTER_SLOW=1 (docs/several-nodes.md)."""
+
 import os
 import sys
 from pathlib import Path

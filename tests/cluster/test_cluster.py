@@ -7,6 +7,7 @@ cut link, a partition while a checkpoint is written, a slow and lossy link, a fr
 host, a killed host): every surviving rank must exit within --watchdog-timeout + 10 s
 naming the unreachable ranks and host, and every checkpoint left must verify. Each
 fault test prints its measured times (pytest -s shows them)."""
+
 import json
 import re
 import signal
@@ -17,16 +18,38 @@ import pytest
 
 from clusterrun import ClusterRun, ended
 from conftest import run_cli  # tests/conftest.py
-from procs import wait_for  # tests/procs.py
 from mgpu.train.checkpoint import list_checkpoints, load_checkpoint
+from procs import wait_for  # tests/procs.py
 
 MGPU = ["-m", "mgpu"]
 LAYERS = (50, 64, 3)
-TRAIN = ["train", "--layers", ",".join(map(str, LAYERS)), "--batch-size", "37", "--optimizer", "adamw", "--dropout", "0.1",
-         "--no-progress", "--seed", "3"]
+TRAIN = [
+    "train",
+    "--layers",
+    ",".join(map(str, LAYERS)),
+    "--batch-size",
+    "37",
+    "--optimizer",
+    "adamw",
+    "--dropout",
+    "0.1",
+    "--no-progress",
+    "--seed",
+    "3",
+]
 # A few ms a step on 4 ranks here: long-running, so a fault lands mid-step.
-LONG = ["train", "--layers", "50,512,512,3", "--batch-size", "128", "--no-progress", "--steps", "1000000",
-        "--checkpoint-every", "10"]
+LONG = [
+    "train",
+    "--layers",
+    "50,512,512,3",
+    "--batch-size",
+    "128",
+    "--no-progress",
+    "--steps",
+    "1000000",
+    "--checkpoint-every",
+    "10",
+]
 WATCHDOG = 3
 GRACE = 10  # the goal: every surviving rank exits within --watchdog-timeout + GRACE s
 
@@ -49,7 +72,8 @@ from mgpu import ProcessGroup
 pg = ProcessGroup()
 dev = pg.resolve_device("auto")
 # a file per rank: the ranks' stdout lines can interleave on their way to mpirun
-open(f"{sys.argv[1]}/probe-{pg.rank}.json", "w").write(json.dumps({"rank": pg.rank, "host": socket.gethostname(), "processor": MPI.Get_processor_name(),
+open(f"{sys.argv[1]}/probe-{pg.rank}.json", "w").write(json.dumps({"rank": pg.rank, "host": socket.gethostname(),
+      "processor": MPI.Get_processor_name(),
       "local_rank": pg.local_rank, "local_size": pg.local_size, "device": dev, "threads": pg.default_threads(),
       "cores": mgpu.build_info()["cpu_threads_available"],
       "hosts": pg.hosts}))
@@ -81,14 +105,35 @@ def test_two_hosts_equal_one_rank_and_only_rank_0_touches_checkpoints(cluster, t
     one = run_cli([*TRAIN, "--steps", 24, "--save", tmp_path / "one.npz"])
     assert one.returncode == 0, one.stderr
     ckpt = cluster.disk / "ckpt"  # the same path on every host, a different disk on each
-    first = ClusterRun(cluster, 4, [*MGPU, *TRAIN, "--steps", 12, "--checkpoint-dir", ckpt,
-                                    "--checkpoint-every", 6, "--save", tmp_path / "first.npz"], tmp_path, "first")
+    first = ClusterRun(
+        cluster,
+        4,
+        [
+            *MGPU,
+            *TRAIN,
+            "--steps",
+            12,
+            "--checkpoint-dir",
+            ckpt,
+            "--checkpoint-every",
+            6,
+            "--save",
+            tmp_path / "first.npz",
+        ],
+        tmp_path,
+        "first",
+    )
     assert first.wait(120) == 0, first.stderr[-3000:]
     on_host0 = list_checkpoints(str(cluster.host_disk(0) / "ckpt"))
     assert [p.rsplit("/", 1)[1] for p in on_host0] == ["ckpt-000000006.npz", "ckpt-000000012.npz"]
     assert list_checkpoints(str(cluster.host_disk(1) / "ckpt")) == [], "a rank on host 1 wrote a checkpoint"
-    resumed = ClusterRun(cluster, 4, [*MGPU, *TRAIN, "--steps", 24, "--checkpoint-dir", ckpt, "--resume",
-                                      "--save", tmp_path / "resumed.npz"], tmp_path, "resumed")
+    resumed = ClusterRun(
+        cluster,
+        4,
+        [*MGPU, *TRAIN, "--steps", 24, "--checkpoint-dir", ckpt, "--resume", "--save", tmp_path / "resumed.npz"],
+        tmp_path,
+        "resumed",
+    )
     assert resumed.wait(120) == 0, resumed.stderr[-3000:]
     assert "resuming from" in resumed.stdout and "ckpt-000000012.npz" in resumed.stdout
     assert list_checkpoints(str(cluster.host_disk(1) / "ckpt")) == []
@@ -129,13 +174,20 @@ class Fault:
     """A long 2x2 run checkpointing every 10 steps to host 0's disk; `inject` happens after
     the first checkpoint (or when `when` says). Measures each rank's time to exit."""
 
-    def __init__(self, cluster, tmp_path, watchdog=WATCHDOG, args=LONG, name="fault", emulate_gpu=None, np=4,
-                 per_host=None):
+    def __init__(
+        self, cluster, tmp_path, watchdog=WATCHDOG, args=LONG, name="fault", emulate_gpu=None, np=4, per_host=None
+    ):
         self.cluster, self.watchdog = cluster, watchdog
         self.ckpt = cluster.host_disk(0) / "ckpt"
-        self.run = ClusterRun(cluster, np, [*MGPU, *args, "--checkpoint-dir", cluster.disk / "ckpt",
-                                            "--watchdog-timeout", watchdog], tmp_path, name, emulate_gpu,
-                              per_host)
+        self.run = ClusterRun(
+            cluster,
+            np,
+            [*MGPU, *args, "--checkpoint-dir", cluster.disk / "ckpt", "--watchdog-timeout", watchdog],
+            tmp_path,
+            name,
+            emulate_gpu,
+            per_host,
+        )
 
     def start(self, when=None):
         when = when or (lambda: list_checkpoints(str(self.ckpt)))
@@ -174,13 +226,21 @@ class Fault:
 
 def host_named(stderr, host):
     """The watchdog's line naming `host` as unreachable, from a rank on another host."""
-    return re.search(rf"mgpu: error: \w+ at step \d+ did not complete within {WATCHDOG} s on rank \d \(mgpu-h0\): "
-                     rf"[^\n]*rank[^\n]*\({host}\)[^\n]*; every rank on {host} is named: suspect that host", stderr)
+    return re.search(
+        rf"mgpu: error: \w+ at step \d+ did not complete within {WATCHDOG} s on rank \d \(mgpu-h0\): "
+        rf"[^\n]*rank[^\n]*\({host}\)[^\n]*; every rank on {host} is named: suspect that host",
+        stderr,
+    )
 
 
 def report(what, times):
-    print(f"\n{what}: " + ", ".join(f"{k if k == 'mpirun' else f'rank {k}'} exited after {v:.2f} s"
-                                     for k, v in sorted(times.items(), key=lambda kv: str(kv[0]))))
+    print(
+        f"\n{what}: "
+        + ", ".join(
+            f"{k if k == 'mpirun' else f'rank {k}'} exited after {v:.2f} s"
+            for k, v in sorted(times.items(), key=lambda kv: str(kv[0]))
+        )
+    )
 
 
 def test_cut_link_ends_every_rank_within_the_watchdog(cluster, tmp_path):
@@ -212,8 +272,10 @@ def test_frozen_host_is_named_and_the_others_exit(cluster, tmp_path):
     thawed = time.monotonic()
     assert f.run.job.wait(30) is not None, "mpirun did not end after the frozen host was thawed"
     report("mgpu-h1 frozen (SIGSTOP)", times)
-    print(f"mpirun {'waited for the frozen host; ended' if waited else 'ended'} "
-          f"{time.monotonic() - thawed:.2f} s after SIGCONT")
+    print(
+        f"mpirun {'waited for the frozen host; ended' if waited else 'ended'} "
+        f"{time.monotonic() - thawed:.2f} s after SIGCONT"
+    )
     assert f.run.job.returncode != 0 and "Traceback" not in f.run.stderr
     f.check_checkpoints()
 
@@ -236,8 +298,22 @@ def test_killed_host_ends_the_job(cluster, tmp_path):
 def test_partition_while_a_checkpoint_is_written(cluster, tmp_path):
     """The link is cut while rank 0 writes a checkpoint (its temporary file exists): that
     checkpoint completes or is absent, never partial, and every earlier one verifies."""
-    big = ["train", "--layers", "50,1536,1536,3", "--batch-size", "64", "--optimizer", "adamw", "--no-progress",
-           "--steps", "1000000", "--checkpoint-every", "5", "--keep-checkpoints", "100"]
+    big = [
+        "train",
+        "--layers",
+        "50,1536,1536,3",
+        "--batch-size",
+        "64",
+        "--optimizer",
+        "adamw",
+        "--no-progress",
+        "--steps",
+        "1000000",
+        "--checkpoint-every",
+        "5",
+        "--keep-checkpoints",
+        "100",
+    ]
     f = Fault(cluster, tmp_path, args=big)
     f.start(lambda: list_checkpoints(str(f.ckpt)) and any(p.name.startswith(".tmp") for p in f.ckpt.iterdir()))
     writing = [p.name for p in f.ckpt.iterdir() if p.name.startswith(".tmp")]
@@ -254,19 +330,25 @@ def test_partition_while_a_checkpoint_is_written(cluster, tmp_path):
 def test_slow_lossy_link_slows_the_job_and_changes_nothing(cluster, tmp_path):
     steps = 8
     args = [*MGPU, *TRAIN, "--steps", steps, "--watchdog-timeout", 60]
-    clean = ClusterRun(cluster, 4, [*args, "--save", tmp_path / "clean.npz", "--json", tmp_path / "clean.json"],
-                       tmp_path, "clean")
+    clean = ClusterRun(
+        cluster, 4, [*args, "--save", tmp_path / "clean.npz", "--json", tmp_path / "clean.json"], tmp_path, "clean"
+    )
     assert clean.wait(120) == 0, clean.stderr[-3000:]
     how, rate = cluster.slow_lossy_link(1)
     t0 = time.monotonic()
-    slow = ClusterRun(cluster, 4, [*args, "--save", tmp_path / "slow.npz", "--json", tmp_path / "slow.json"],
-                      tmp_path, "slow")
+    slow = ClusterRun(
+        cluster, 4, [*args, "--save", tmp_path / "slow.npz", "--json", tmp_path / "slow.json"], tmp_path, "slow"
+    )
     assert slow.wait(300) == 0, slow.stderr[-3000:]
     wall = time.monotonic() - t0
-    seconds = {n: sum(e["seconds"] for e in json.loads((tmp_path / f"{n}.json").read_text())["history"])
-               for n in ("clean", "slow")}
-    print(f"\n{how} on mgpu-h1's link: {steps} steps took {seconds['slow']:.2f} s "
-          f"(clean {seconds['clean']:.2f} s); job {wall:.1f} s")
+    seconds = {
+        n: sum(e["seconds"] for e in json.loads((tmp_path / f"{n}.json").read_text())["history"])
+        for n in ("clean", "slow")
+    }
+    print(
+        f"\n{how} on mgpu-h1's link: {steps} steps took {seconds['slow']:.2f} s "
+        f"(clean {seconds['clean']:.2f} s); job {wall:.1f} s"
+    )
     # Every step's allreduce crosses the link at least once each way (>= 0.4 s a step with
     # 200 ms each way), and at least host 1's partial sum of the gradients (4 bytes a
     # parameter) crosses it at `rate`.
@@ -285,13 +367,34 @@ def test_emulated_gpus_across_hosts(cluster, tmp_path, fault):
     if fault == "freeze":
         one = run_cli([*TRAIN, "--steps", 6, "--save", tmp_path / "one.npz"])
         assert one.returncode == 0, one.stderr
-        ok = ClusterRun(cluster, 2, [*MGPU, *TRAIN, "--steps", 6, "--device", "cuda", "--comm", "nccl",
-                                     "--save", tmp_path / "two.npz"], tmp_path, "ok", emulate_gpu=1, per_host=1)
+        ok = ClusterRun(
+            cluster,
+            2,
+            [*MGPU, *TRAIN, "--steps", 6, "--device", "cuda", "--comm", "nccl", "--save", tmp_path / "two.npz"],
+            tmp_path,
+            "ok",
+            emulate_gpu=1,
+            per_host=1,
+        )
         assert ok.wait(300) == 0, ok.stderr[-3000:]
         assert "nccl allreduce" in ok.stdout, ok.stdout
         assert_close(params_of(tmp_path / "one.npz"), params_of(tmp_path / "two.npz"), rel=1e-4)
-    gpu = ["train", "--layers", "16,32,3", "--batch-size", "16", "--no-progress", "--steps", "1000000",
-           "--checkpoint-every", "5", "--device", "cuda", "--comm", "nccl"]
+    gpu = [
+        "train",
+        "--layers",
+        "16,32,3",
+        "--batch-size",
+        "16",
+        "--no-progress",
+        "--steps",
+        "1000000",
+        "--checkpoint-every",
+        "5",
+        "--device",
+        "cuda",
+        "--comm",
+        "nccl",
+    ]
     f = Fault(cluster, tmp_path, args=gpu, emulate_gpu=1, np=2, per_host=1)
     f.start()
     if fault == "freeze":
@@ -302,5 +405,7 @@ def test_emulated_gpus_across_hosts(cluster, tmp_path, fault):
     report(f"emulated GPUs, mgpu-h1 {fault}", times)
     cluster.signal_host(1, signal.SIGCONT)
     assert times.get(0, 1e9) <= WATCHDOG + GRACE, (times, f.run.stderr[-3000:])
-    assert re.search(r"on rank 0 \(mgpu-h0\) \(emulated GPU 0\): .*rank 1 \(mgpu-h1\)", f.run.stderr), f.run.stderr[-3000:]
+    assert re.search(r"on rank 0 \(mgpu-h0\) \(emulated GPU 0\): .*rank 1 \(mgpu-h1\)", f.run.stderr), f.run.stderr[
+        -3000:
+    ]
     f.check_checkpoints()

@@ -14,6 +14,7 @@ Needs root, iproute2 (ip, tc) and util-linux (unshare). Run by hand:
     python tests/cluster/vcluster.py --hosts 2 -- mpirun -np 4 python -m mgpu info
 (scripts/cluster.sh wraps it; docs/several-nodes.md).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,9 +40,15 @@ _NS = re.compile(rf"^{PREFIX}(\d+)-(h\d+|sw)\b")
 # OpenMPI across the hosts: TCP between hosts, shared memory within one, our subnet
 # only, no tree spawn (every daemon started from host 0), and a daemon whose link to
 # mpirun is cut notices within ~10 s (TCP keepalive) instead of the default ~8 min.
-MCA = {"btl": "tcp,vader,self", "btl_tcp_if_include": f"{SUBNET}.0/{NETMASK}",
-       "oob_tcp_if_include": f"{SUBNET}.0/{NETMASK}", "plm_rsh_no_tree_spawn": "1",
-       "oob_tcp_keepalive_time": "2", "oob_tcp_keepalive_intvl": "2", "oob_tcp_keepalive_probes": "3"}
+MCA = {
+    "btl": "tcp,vader,self",
+    "btl_tcp_if_include": f"{SUBNET}.0/{NETMASK}",
+    "oob_tcp_if_include": f"{SUBNET}.0/{NETMASK}",
+    "plm_rsh_no_tree_spawn": "1",
+    "oob_tcp_keepalive_time": "2",
+    "oob_tcp_keepalive_intvl": "2",
+    "oob_tcp_keepalive_probes": "3",
+}
 TCP_RETRIES2 = 4
 # What a remote host's shell starts with (ssh gives a clean environment).
 REMOTE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -215,9 +222,24 @@ exec ip netns exec {self.prefix}-h$i unshare --uts --mount --propagation private
     def enter(self, i: int, env_clean: bool = False) -> list:
         """The command prefix that runs a command on host i (its network, hostname and disk)."""
         clean = f"env -i PATH={REMOTE_PATH} HOME=/root " if env_clean else ""
-        return ["ip", "netns", "exec", self.ns(i), "unshare", "--uts", "--mount", "--propagation", "private",
-                "sh", "-c", f'hostname "$1" && mount --bind "$2" "$3" && shift 3 && exec {clean}"$@"',
-                "sh", self.hostname(i), str(self.host_disk(i)), str(self.disk)]
+        return [
+            "ip",
+            "netns",
+            "exec",
+            self.ns(i),
+            "unshare",
+            "--uts",
+            "--mount",
+            "--propagation",
+            "private",
+            "sh",
+            "-c",
+            f'hostname "$1" && mount --bind "$2" "$3" && shift 3 && exec {clean}"$@"',
+            "sh",
+            self.hostname(i),
+            str(self.host_disk(i)),
+            str(self.disk),
+        ]
 
     def mpirun_args(self, np: int, export=(), extra_mca=None, per_host=None) -> list:
         """`mpirun` over every host (np ranks, filled host by host, or per_host on each),
@@ -281,16 +303,38 @@ exec ip netns exec {self.prefix}-h$i unshare --uts --mount --propagation private
             if "qdisc kind is unknown" not in str(e):
                 raise
         if shutil.which("nft") is None:
-            raise ClusterError("this kernel has no netem and `nft` is missing for the fallback "
-                               "(apt-get install nftables)")
+            raise ClusterError(
+                "this kernel has no netem and `nft` is missing for the fallback (apt-get install nftables)"
+            )
         for ns, dev in ((self.ns(i), self.link(i)), (f"{self.prefix}-sw", f"p{i}")):
-            _run("tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", "1mbit", "burst", "4kb",
-                 "latency", "2s")
-        _run("ip", "netns", "exec", self.ns(i), "nft",
-             "add table inet mgpu; add chain inet mgpu out { type filter hook output priority 0; }; "
-             f"add rule inet mgpu out oifname {self.link(i)} numgen random mod 100 < 5 drop; "
-             "add chain inet mgpu in { type filter hook input priority 0; }; "
-             f"add rule inet mgpu in iifname {self.link(i)} numgen random mod 100 < 5 drop")
+            _run(
+                "tc",
+                "-n",
+                ns,
+                "qdisc",
+                "replace",
+                "dev",
+                dev,
+                "root",
+                "tbf",
+                "rate",
+                "1mbit",
+                "burst",
+                "4kb",
+                "latency",
+                "2s",
+            )
+        _run(
+            "ip",
+            "netns",
+            "exec",
+            self.ns(i),
+            "nft",
+            "add table inet mgpu; add chain inet mgpu out { type filter hook output priority 0; }; "
+            f"add rule inet mgpu out oifname {self.link(i)} numgen random mod 100 < 5 drop; "
+            "add chain inet mgpu in { type filter hook input priority 0; }; "
+            f"add rule inet mgpu in iifname {self.link(i)} numgen random mod 100 < 5 drop",
+        )
         return "no netem in this kernel: tbf 1mbit + nftables 5% loss both ways", 1e6 / 8
 
     def signal_host(self, i: int, sig) -> int:
@@ -349,40 +393,77 @@ class Job:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(
         description="Start K virtual hosts (network namespaces) and run a command on host 0. In the "
-                    "command, {hostfile}, {agent} and {mpirun} are replaced: {mpirun} by mpirun with "
-                    "the hostfile, rsh agent and TCP settings of this cluster. Without a command, "
-                    "runs a 2-rank-per-host training demo.")
+        "command, {hostfile}, {agent} and {mpirun} are replaced: {mpirun} by mpirun with "
+        "the hostfile, rsh agent and TCP settings of this cluster. Without a command, "
+        "runs a 2-rank-per-host training demo."
+    )
     p.add_argument("--hosts", type=int, default=2, help="virtual hosts (default 2)")
     p.add_argument("--slots", type=int, default=2, help="ranks per host in the hostfile (default 2)")
-    p.add_argument("--slow-link", action="store_true",
-                   help="make host 1's link slow and lossy (netem 200 ms + 5%% loss, or tbf + nftables loss)")
+    p.add_argument(
+        "--slow-link",
+        action="store_true",
+        help="make host 1's link slow and lossy (netem 200 ms + 5%% loss, or tbf + nftables loss)",
+    )
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND... (run on host 0)")
     a = p.parse_args(argv)
     cmd = a.command[1:] if a.command[:1] == ["--"] else a.command
-    export = ["PYTHONPATH", "OMPI_ALLOW_RUN_AS_ROOT", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "OMP_NUM_THREADS",
-              "MGPU_EMULATE_GPU"]
+    export = [
+        "PYTHONPATH",
+        "OMPI_ALLOW_RUN_AS_ROOT",
+        "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM",
+        "OMP_NUM_THREADS",
+        "MGPU_EMULATE_GPU",
+    ]
     try:
         with Cluster(a.hosts, a.slots) as c:
             if a.slow_link:
-                print(f"cluster: {c.hostname(1 % a.hosts)}'s link: {c.slow_lossy_link(1 % a.hosts)[0]}",
-                      file=sys.stderr)
-            env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-                       OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
-                       PYTHONPATH=os.environ.get("PYTHONPATH", str(Path(__file__).resolve().parents[2] / "python")))
+                print(
+                    f"cluster: {c.hostname(1 % a.hosts)}'s link: {c.slow_lossy_link(1 % a.hosts)[0]}", file=sys.stderr
+                )
+            env = dict(
+                os.environ,
+                OMPI_ALLOW_RUN_AS_ROOT="1",
+                OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+                OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
+                PYTHONPATH=os.environ.get("PYTHONPATH", str(Path(__file__).resolve().parents[2] / "python")),
+            )
             mpirun = c.mpirun_args(a.hosts * a.slots, [e for e in export if e in env])
             if not cmd:
-                cmd = ["{mpirun}", sys.executable, "-m", "mgpu", "train", "--layers", "50,256,3", "--steps", "200",
-                       "--no-progress", "--watchdog-timeout", "10", "--checkpoint-dir", "{disk}/ckpt",
-                       "--checkpoint-every", "50"]
+                cmd = [
+                    "{mpirun}",
+                    sys.executable,
+                    "-m",
+                    "mgpu",
+                    "train",
+                    "--layers",
+                    "50,256,3",
+                    "--steps",
+                    "200",
+                    "--no-progress",
+                    "--watchdog-timeout",
+                    "10",
+                    "--checkpoint-dir",
+                    "{disk}/ckpt",
+                    "--checkpoint-every",
+                    "50",
+                ]
             full = []
             for word in cmd:
                 if word == "{mpirun}":
                     full += mpirun
                 else:
-                    full.append(word.replace("{hostfile}", str(c.hostfile)).replace("{agent}", str(c.agent))
-                                .replace("{disk}", str(c.disk)))
-            print(f"cluster: {a.hosts} host(s) " + ", ".join(f"{c.hostname(i)}={c.address(i)}" for i in range(a.hosts))
-                  + f"; running on {c.hostname(0)}: {shlex.join(full)}", file=sys.stderr, flush=True)
+                    full.append(
+                        word.replace("{hostfile}", str(c.hostfile))
+                        .replace("{agent}", str(c.agent))
+                        .replace("{disk}", str(c.disk))
+                    )
+            print(
+                f"cluster: {a.hosts} host(s) "
+                + ", ".join(f"{c.hostname(i)}={c.address(i)}" for i in range(a.hosts))
+                + f"; running on {c.hostname(0)}: {shlex.join(full)}",
+                file=sys.stderr,
+                flush=True,
+            )
             r = subprocess.run([*c.enter(0), *full], env=env)
             return r.returncode
     except ClusterError as e:

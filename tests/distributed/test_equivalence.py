@@ -1,6 +1,7 @@
 """N ranks reproduce 1 rank. Written to pass at any world size: each rank trains
 the distributed model and, alongside, a single-process reference on the whole
 global batch; tests/test_launch.py runs this directory under mpirun -np 1, 2 and 3."""
+
 import os
 
 import numpy as np
@@ -31,11 +32,12 @@ def run(pg, layers, loss, optimizer, global_batch, steps, dropout, shares=None, 
     x = rng.standard_normal((n, layers[0])).astype(np.float32)
     y = rng.standard_normal((n, layers[-1])).astype(np.float32) if loss == "mse" else rng.integers(0, layers[-1], n)
     model = mgpu.MLP(layers, seed=17, dropout=dropout, threads=1)
-    trainer = mgpu.Trainer(model, loss=loss, optimizer=optimizer, process_group=pg, bucket_elems=50,
-                           batch_shares=shares, **opt)
+    trainer = mgpu.Trainer(
+        model, loss=loss, optimizer=optimizer, process_group=pg, bucket_elems=50, batch_shares=shares, **opt
+    )
     losses = []
     for t in range(steps):
-        gx, gy = x[t * global_batch:(t + 1) * global_batch], y[t * global_batch:(t + 1) * global_batch]
+        gx, gy = x[t * global_batch : (t + 1) * global_batch], y[t * global_batch : (t + 1) * global_batch]
         part = local_slice(global_batch, pg.rank, pg.size, shares)
         losses.append(trainer.step(gx[part], gy[part], global_batch=global_batch, first_sample=part.start))
     return model.get_parameters(), losses
@@ -99,6 +101,7 @@ def test_async_allreduces_are_stamped_as_each_completes(timeout):
     # The last rank launches the second sum 0.3 s after the first (progressing the
     # first meanwhile): every rank stamps the first done well before the second.
     import time
+
     pg = mgpu.ProcessGroup()
     comm = pg.communicator()
     comm.timeout = timeout

@@ -1,7 +1,7 @@
 """Tests of the GPU emulation itself (emulation/README.md). They run when the
 emulation is loaded (MGPU_EMULATE_GPU=N; scripts/test.sh runs them so) and
 skip in the plain CPU suite, where the real-GPU module is loaded."""
-import os
+
 import sys
 from pathlib import Path
 

@@ -2,6 +2,7 @@
 either computes the right answer or is refused with a message that names the
 kernel and the rule, where a GPU would hang, crash later or silently compute
 garbage."""
+
 import pytest
 
 import mgpu
@@ -31,19 +32,22 @@ def test_atomics_from_every_thread_count_once():
     assert int(scenario("atomics")) == 300
 
 
-@pytest.mark.parametrize("name, words", [
-    ("divergent_barrier", ["divergent_barrier_kernel", "__syncthreads", "exited"]),
-    ("shuffle_names_absent_lane", ["shuffle_kernel", "do not exist"]),
-    ("shuffle_names_exited_lane", ["shuffle_kernel", "exited"]),
-    ("out_of_bounds_write", ["write_kernel", "out of bounds", "1024"]),
-    ("use_after_free", ["write_kernel", "freed"]),
-    ("host_pointer_argument", ["write_kernel", "host memory"]),
-    ("wrong_memcpy_kind", ["cudaMemcpyHostToDevice", "device memory"]),
-    ("too_many_threads", ["write_kernel", "1024"]),
-    ("dynamic_shared_over_default", ["dynamic_shared_kernel", "shared memory"]),
-    ("race_between_streams", ["race", "write_kernel", "copy_kernel", "no ordering"]),
-    ("misaligned_vector_load", ["float4_copy_kernel", "16 bytes", "misaligned"]),
-])
+@pytest.mark.parametrize(
+    "name, words",
+    [
+        ("divergent_barrier", ["divergent_barrier_kernel", "__syncthreads", "exited"]),
+        ("shuffle_names_absent_lane", ["shuffle_kernel", "do not exist"]),
+        ("shuffle_names_exited_lane", ["shuffle_kernel", "exited"]),
+        ("out_of_bounds_write", ["write_kernel", "out of bounds", "1024"]),
+        ("use_after_free", ["write_kernel", "freed"]),
+        ("host_pointer_argument", ["write_kernel", "host memory"]),
+        ("wrong_memcpy_kind", ["cudaMemcpyHostToDevice", "device memory"]),
+        ("too_many_threads", ["write_kernel", "1024"]),
+        ("dynamic_shared_over_default", ["dynamic_shared_kernel", "shared memory"]),
+        ("race_between_streams", ["race", "write_kernel", "copy_kernel", "no ordering"]),
+        ("misaligned_vector_load", ["float4_copy_kernel", "16 bytes", "misaligned"]),
+    ],
+)
 def test_broken_rules_are_reported_by_name(name, words):
     said = scenario(name)
     assert said, f"{name} was accepted"
@@ -101,14 +105,17 @@ def test_emulated_gpus_are_alike_as_identical_gpus_are():
 
 def test_bench_refuses_the_pytorch_peer_on_emulated_gpus():
     from conftest import run_cli  # tests/conftest.py
-    r = run_cli(["bench", "--device", "cuda", "--model", "medium", "--batch-sizes", "64", "--steps", "2",
-                 "--compare", "torch"])
+
+    r = run_cli(
+        ["bench", "--device", "cuda", "--model", "medium", "--batch-sizes", "64", "--steps", "2", "--compare", "torch"]
+    )
     assert r.returncode == 2 and "PyTorch cannot run on the GPU emulation" in r.stderr, r.stderr
     assert len([line for line in r.stderr.splitlines() if line.startswith("mgpu: error")]) == 1
 
 
 def test_info_says_the_gpus_are_emulated():
     from conftest import run_cli  # tests/conftest.py
+
     r = run_cli(["info"])
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
@@ -116,10 +123,17 @@ def test_info_says_the_gpus_are_emulated():
     assert all("EMULATED" in line for line in lines if line.startswith(("CUDA:", "NCCL:", "GPUs:")))
 
 
-@pytest.mark.parametrize("graph, accumulate, precision, layers, batch", [
-    ("on", 1, "fp32", None, 64), ("off", 1, "fp32", None, 64), ("on", 4, "fp32", None, 64),
-    ("on", 1, "bf16", None, 64), ("off", 3, "bf16", "7,5,9,3", 64),
-    ("on", 1, "fp32", "7,40,3", 512)])   # bias gradients in row splits (two launches each)
+@pytest.mark.parametrize(
+    "graph, accumulate, precision, layers, batch",
+    [
+        ("on", 1, "fp32", None, 64),
+        ("off", 1, "fp32", None, 64),
+        ("on", 4, "fp32", None, 64),
+        ("on", 1, "bf16", None, 64),
+        ("off", 3, "bf16", "7,5,9,3", 64),
+        ("on", 1, "fp32", "7,40,3", 512),
+    ],
+)  # bias gradients in row splits (two launches each)
 def test_bench_reports_the_cuda_work_of_a_step(tmp_path, graph, accumulate, precision, layers, batch):
     # The emulation's counters are the only performance signal without a GPU:
     # `mgpu bench` reports them per steady-state step: no allocation, and one
@@ -131,16 +145,45 @@ def test_bench_reports_the_cuda_work_of_a_step(tmp_path, graph, accumulate, prec
     import sys
 
     from conftest import mpi_env  # tests/conftest.py
-    from mgpu.selector import costsheet
     from mgpu.calibrate.bench import resolve_layers
+    from mgpu.selector import costsheet
+
     out = tmp_path / "bench.json"
     model = ["--layers", layers] if layers else ["--model", "medium"]
-    r = subprocess.run([sys.executable, "-m", "mgpu", "bench", "--device", "cuda", *model,
-                        "--batch-sizes", str(batch), "--ranks", "1", "--steps", "2", "--repeats", "1", "--warmup", "1",
-                        "--cuda-graph", graph, "--accumulate", str(accumulate), "--precision", precision,
-                        "--no-progress", "--json", str(out)],
-                       capture_output=True, text=True,
-                       timeout=600, env=mpi_env())
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mgpu",
+            "bench",
+            "--device",
+            "cuda",
+            *model,
+            "--batch-sizes",
+            str(batch),
+            "--ranks",
+            "1",
+            "--steps",
+            "2",
+            "--repeats",
+            "1",
+            "--warmup",
+            "1",
+            "--cuda-graph",
+            graph,
+            "--accumulate",
+            str(accumulate),
+            "--precision",
+            precision,
+            "--no-progress",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=mpi_env(),
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     assert "GPU EMULATION" in r.stdout and "per step:" in r.stdout
     row = json.loads(out.read_text())["rows"][0]
@@ -154,9 +197,21 @@ def test_bench_reports_the_cuda_work_of_a_step(tmp_path, graph, accumulate, prec
     if graph == "on":
         assert counted["kernel_launches"] == accumulate and counted["blas_calls"] == 0, counted
     assert row["accumulate"] == accumulate
-    sizes, dropout = resolve_layers(None if layers else "medium", [int(v) for v in layers.split(",")] if layers else None)
-    sheet = costsheet.counts(costsheet.step_ops(costsheet.Workload(
-        sizes=sizes, batch=batch, precision=precision, dropout=dropout, accumulate=accumulate, graph=graph == "on")))
+    sizes, dropout = resolve_layers(
+        None if layers else "medium", [int(v) for v in layers.split(",")] if layers else None
+    )
+    sheet = costsheet.counts(
+        costsheet.step_ops(
+            costsheet.Workload(
+                sizes=sizes,
+                batch=batch,
+                precision=precision,
+                dropout=dropout,
+                accumulate=accumulate,
+                graph=graph == "on",
+            )
+        )
+    )
     assert {k: counted[k] for k in sheet} == sheet
 
 
@@ -170,10 +225,25 @@ def test_stress_defaults_scale_down_on_the_emulation(tmp_path):
     import time
 
     from conftest import mpi_env  # tests/conftest.py
+
     t0 = time.monotonic()
-    r = subprocess.run([sys.executable, "-m", "mgpu", "stress", "--device", "cuda", "--no-progress",
-                        "--json", str(tmp_path / "s.json")], capture_output=True, text=True, timeout=300,
-                       env=mpi_env())
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mgpu",
+            "stress",
+            "--device",
+            "cuda",
+            "--no-progress",
+            "--json",
+            str(tmp_path / "s.json"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=mpi_env(),
+    )
     elapsed = time.monotonic() - t0
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
     assert "GPU EMULATION" in r.stdout and "defaults scaled down to --duration 10" in r.stdout

@@ -8,6 +8,7 @@ With MGPU_EMULATE_GPU=N every test here runs on the GPU emulation
 (emulation/README.md), except those marked real_gpu (timing figures), and a
 test fails when the emulation reported a rule violation (race, out-of-bounds
 access, divergent barrier, mismatched collectives) while it ran."""
+
 import os
 import sys
 from pathlib import Path

@@ -4,6 +4,7 @@ single-process run of the whole global batch; prints OK on success. A mode
 ending in "+graph" captures the steps (CUDA graphs): several ranks replay the
 micro-batch's graph, allreduce, then replay the tail's (verdict and update);
 the single-process reference replays one graph for the whole step."""
+
 import sys
 from pathlib import Path
 
@@ -13,8 +14,8 @@ from mpi4py import MPI
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import mgpu  # noqa: E402
 from mgpu import _core  # noqa: E402
-from mgpu.train.data import local_slice  # noqa: E402
 from mgpu.errors import ConfigError  # noqa: E402
+from mgpu.train.data import local_slice  # noqa: E402
 from reference import rel_err  # noqa: E402
 
 SIZES, BATCH, STEPS = [12, 48, 48, 5], 30, 15
@@ -22,15 +23,20 @@ SIZES, BATCH, STEPS = [12, 48, 48, 5], 30, 15
 
 def train(comm, first, rows, gpu, graph="off"):
     model = _core.MLP(_core.make_backend("cuda", gpu), SIZES, 0.2, 11)
-    step = _core.DataParallelStep(model, _core.Optimizer(model, "sgd", momentum=0.9), comm, "cross_entropy",
-                                  _core.StepOptions(bucket_elems=600, graph=graph, max_grad_norm=0.5))
+    step = _core.DataParallelStep(
+        model,
+        _core.Optimizer(model, "sgd", momentum=0.9),
+        comm,
+        "cross_entropy",
+        _core.StepOptions(bucket_elems=600, graph=graph, max_grad_norm=0.5),
+    )
     step.broadcast_parameters(0)
     rng = np.random.default_rng(5)
     losses = []
     for t in range(STEPS):
         x = rng.standard_normal((BATCH, SIZES[0])).astype(np.float32)
         y = rng.integers(0, SIZES[-1], BATCH)
-        r = step.step([(x[first:first + rows], y[first:first + rows], first)], BATCH, t, 0.05)
+        r = step.step([(x[first : first + rows], y[first : first + rows], first)], BATCH, t, 0.05)
         losses.append(r.loss)
     assert step.uses_graphs == (graph == "on") and step.graph_fallback == ""
     return model.get_parameters(), losses
@@ -39,8 +45,9 @@ def train(comm, first, rows, gpu, graph="off"):
 def host_syncs_per_step(comm, gpu, steps=4):
     """On the emulation: host synchronisations per steady-state step, and the buckets."""
     model = _core.MLP(_core.make_backend("cuda", gpu), SIZES, 0.0, 11)
-    step = _core.DataParallelStep(model, _core.Optimizer(model, "sgd"), comm, "cross_entropy",
-                                  _core.StepOptions(bucket_elems=600))
+    step = _core.DataParallelStep(
+        model, _core.Optimizer(model, "sgd"), comm, "cross_entropy", _core.StepOptions(bucket_elems=600)
+    )
     x = np.random.default_rng(1).standard_normal((BATCH, SIZES[0])).astype(np.float32)
     y = np.arange(BATCH) % SIZES[-1]
     for t in range(2 + steps):

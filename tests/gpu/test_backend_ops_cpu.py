@@ -2,6 +2,7 @@
 float64 NumPy for every Backend kernel, and the CUDA build's host-runnable
 pieces: cuRAND's Philox equals mgpu's, the dropout kernel's mask code (run on
 the host) equals the CPU backend's mask, and the no-GPU paths fail cleanly."""
+
 import numpy as np
 import pytest
 
@@ -59,8 +60,7 @@ def test_linear(cpu_backend, B, IN, OUT):
 def test_relu_dropout(cpu_backend, rows, cols, p):
     h = rand(rows, cols)
     out = ops.relu_dropout_forward(cpu_backend, h, p, seed=(3 << 32) + 11, step=5, layer=2, first_sample=40)
-    mask = (reference_mask(rows, cols, p, (3 << 32) + 11, 5, 2, 40) if p > 0
-            else np.ones((rows, cols), np.float32))
+    mask = reference_mask(rows, cols, p, (3 << 32) + 11, 5, 2, 40) if p > 0 else np.ones((rows, cols), np.float32)
     assert np.array_equal(out, np.maximum(h, 0) * mask)
     dh = rand(rows, cols)
     keep = np.float32(1) / (np.float32(1) - np.float32(p))
@@ -100,10 +100,10 @@ def test_mse(cpu_backend, B, D):
     pred, target = rand(B, D), rand(B, D)
     loss, grad = ops.mse_forward_backward(cpu_backend, pred, target, 0.25)
     diff = pred.astype(np.float64) - target
-    assert loss == pytest.approx(0.25 * (diff ** 2).sum(), rel=1e-6)
+    assert loss == pytest.approx(0.25 * (diff**2).sum(), rel=1e-6)
     close(grad, 0.5 * diff)
     loss2, none = ops.mse_forward_backward(cpu_backend, pred, target, 1.0, with_grad=False)
-    assert none is None and loss2 == pytest.approx((diff ** 2).sum(), rel=1e-6)
+    assert none is None and loss2 == pytest.approx((diff**2).sum(), rel=1e-6)
 
 
 @pytest.mark.parametrize("B, C", [(1, 2), (17, 10), (64, 100)])
@@ -134,8 +134,9 @@ def test_cross_entropy_out_of_range_labels_raise(cpu_backend):
 @pytest.mark.parametrize("momentum, first", [(0.0, True), (0.9, True), (0.9, False)])
 def test_sgd(cpu_backend, momentum, first):
     p, g, buf = rand(100), rand(100), rand(100)
-    new_p, new_buf = ops.sgd_update(cpu_backend, p, g, buf, lr=0.1, momentum=momentum, weight_decay=0.01,
-                                    first_step=first)
+    new_p, new_buf = ops.sgd_update(
+        cpu_backend, p, g, buf, lr=0.1, momentum=momentum, weight_decay=0.01, first_step=first
+    )
     d = g.astype(np.float64) + 0.01 * p
     if momentum > 0:
         d = d if first else momentum * buf + d
@@ -146,14 +147,15 @@ def test_sgd(cpu_backend, momentum, first):
 @pytest.mark.parametrize("step", [1, 7])
 def test_adamw(cpu_backend, step):
     p, g, m, v = rand(200), rand(200), rand(200), np.abs(rand(200))
-    new_p, new_m, new_v = ops.adamw_update(cpu_backend, p, g, m, v, lr=0.01, beta1=0.9, beta2=0.99, eps=1e-8,
-                                           weight_decay=0.1, step=step)
+    new_p, new_m, new_v = ops.adamw_update(
+        cpu_backend, p, g, m, v, lr=0.01, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1, step=step
+    )
     rm = 0.9 * m + 0.1 * g.astype(np.float64)
     rv = 0.99 * v + 0.01 * g.astype(np.float64) ** 2
-    denom = np.sqrt(rv) / np.sqrt(1 - 0.99 ** step) + 1e-8
+    denom = np.sqrt(rv) / np.sqrt(1 - 0.99**step) + 1e-8
     close(new_m, rm)
     close(new_v, rv)
-    close(new_p, p * (1 - 0.01 * 0.1) - 0.01 / (1 - 0.9 ** step) * rm / denom)
+    close(new_p, p * (1 - 0.01 * 0.1) - 0.01 / (1 - 0.9**step) * rm / denom)
 
 
 @pytest.mark.parametrize("grad_scale", [0.37, 1.0 / 1024.0, 3.0])
@@ -169,9 +171,8 @@ def test_update_with_grad_scale_is_the_update_of_the_scaled_gradient(cpu_backend
         fused = ops.adamw_update(cpu_backend, p, g, s0, s1, grad_scale=grad_scale, **kw)
         two_pass = ops.adamw_update(cpu_backend, p, scaled, s0, s1, **kw)
         g64 = grad_scale * g.astype(np.float64)
-        rm, rv = 0.9 * s0 + 0.1 * g64, 0.99 * s1 + 0.01 * g64 ** 2
-        ref = (p * (1 - 0.01 * 0.1) - 0.01 / (1 - 0.9 ** 3) * rm / (np.sqrt(rv) / np.sqrt(1 - 0.99 ** 3) + 1e-8),
-               rm, rv)
+        rm, rv = 0.9 * s0 + 0.1 * g64, 0.99 * s1 + 0.01 * g64**2
+        ref = (p * (1 - 0.01 * 0.1) - 0.01 / (1 - 0.9**3) * rm / (np.sqrt(rv) / np.sqrt(1 - 0.99**3) + 1e-8), rm, rv)
     else:
         momentum = 0.0 if optimizer == "sgd" else 0.9
         kw = dict(lr=0.1, momentum=momentum, weight_decay=0.3, first_step=optimizer == "sgd_momentum_first")
@@ -196,12 +197,29 @@ def verdict_reference(g, loss_slot, stop_slot, loss_scale, max_norm):
     factor = 1.0 / float(np.float32(loss_scale))
     if max_norm > 0 and norm > float(np.float32(max_norm)):
         factor *= float(np.float32(max_norm)) / (norm + 1e-6)
-    return dict(sum_squares=sum_squares, grad_norm=norm, loss=loss, stop=stop_slot, apply=apply,
-                factor=float(np.float32(factor)) if apply else 0.0)
+    return dict(
+        sum_squares=sum_squares,
+        grad_norm=norm,
+        loss=loss,
+        stop=stop_slot,
+        apply=apply,
+        factor=float(np.float32(factor)) if apply else 0.0,
+    )
 
 
-@pytest.mark.parametrize("case", ["plain", "clipped", "under the clip", "loss scaled and clipped",
-                                  "nan gradient", "inf gradient", "inf loss", "stop asked"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "plain",
+        "clipped",
+        "under the clip",
+        "loss scaled and clipped",
+        "nan gradient",
+        "inf gradient",
+        "inf loss",
+        "stop asked",
+    ],
+)
 def test_step_verdict_decides_like_the_step_did_on_the_host(cpu_backend, case):
     """The health check's decision, now made where the gradients are: skip on a non-finite
     loss or norm, otherwise unscale and clip as PyTorch's clip_grad_norm_ (max / (norm + 1e-6))."""
@@ -281,16 +299,18 @@ def test_cpu_precision_is_fp32_only(cpu_backend):
 
 # --- pieces of the CUDA build that run on the host --------------------------
 
-needs_cuda_build = pytest.mark.skipif(not hasattr(_core, "curand_philox4x32_10"),
-                                      reason="mgpu was built without the CUDA backend")
+needs_cuda_build = pytest.mark.skipif(
+    not hasattr(_core, "curand_philox4x32_10"), reason="mgpu was built without the CUDA backend"
+)
 
 
 @needs_cuda_build
 def test_curand_philox_equals_mgpu_philox():
     rng = np.random.default_rng(0)
     cases = [([0, 0, 0, 0], [0, 0]), ([0xFFFFFFFF] * 4, [0xFFFFFFFF] * 2), ([1, 2, 3, 4], [5, 6])]
-    cases += [(list(map(int, rng.integers(0, 2 ** 32, 4))), list(map(int, rng.integers(0, 2 ** 32, 2))))
-              for _ in range(200)]
+    cases += [
+        (list(map(int, rng.integers(0, 2**32, 4))), list(map(int, rng.integers(0, 2**32, 2)))) for _ in range(200)
+    ]
     for counter, key in cases:
         assert _core.curand_philox4x32_10(counter, key) == _core.philox4x32_10(counter, key), (counter, key)
     # Known-answer vector of the Random123 reference (philox4x32_10, all-zero counter and key).
@@ -298,9 +318,9 @@ def test_curand_philox_equals_mgpu_philox():
 
 
 @needs_cuda_build
-@pytest.mark.parametrize("rows, cols, p, first_sample", [(3, 1, 0.5, 0), (6, 37, 0.2, 11), (4, 1000, 0.9, 2 ** 31)])
+@pytest.mark.parametrize("rows, cols, p, first_sample", [(3, 1, 0.5, 0), (6, 37, 0.2, 11), (4, 1000, 0.9, 2**31)])
 def test_cuda_dropout_kernel_mask_equals_cpu_backend(cpu_backend, rows, cols, p, first_sample):
-    seed, step, layer = (7 << 32) + 99, 2 ** 33 + 5, 3
+    seed, step, layer = (7 << 32) + 99, 2**33 + 5, 3
     mask = _core.cuda_dropout_mask_on_host(rows, cols, p, seed, step, layer, first_sample)
     ones = np.ones((rows, cols), np.float32)
     cpu = ops.relu_dropout_forward(cpu_backend, ones, p, seed=seed, step=step, layer=layer, first_sample=first_sample)
@@ -316,6 +336,7 @@ def test_no_gpu_paths_fail_cleanly():
     with pytest.raises(_core.DeviceError, match="no CUDA GPU is visible|without the CUDA toolkit"):
         _core.make_backend("cuda", 0)
     from mgpu import ProcessGroup
+
     pg = ProcessGroup(comm=__import__("mpi4py.MPI", fromlist=["MPI"]).COMM_SELF)
     assert pg.resolve_device("auto") == ("cpu", 0)
     with pytest.raises(ConfigError, match="no GPU is visible|no CUDA backend"):
@@ -328,8 +349,14 @@ def test_build_info_reports_cuda_versions():
     info = _core.build_info()["cuda"]
     assert isinstance(info["compiled"], bool)
     if info["compiled"]:
-        for key in ("runtime_compiled", "runtime_loaded", "cublas_compiled", "cublas_loaded",
-                    "curand_compiled", "curand_loaded"):
+        for key in (
+            "runtime_compiled",
+            "runtime_loaded",
+            "cublas_compiled",
+            "cublas_loaded",
+            "curand_compiled",
+            "curand_loaded",
+        ):
             assert info[key], key
         assert "driver" in info
         if info["nccl_communicator"]:
@@ -340,6 +367,7 @@ def test_build_info_reports_cuda_versions():
 def test_gradient_compression_on_the_cpu_rounds_to_nearest_even(cpu_backend, dtype):
     # The CPU reference of the CUDA narrow/widen kernels (tests/gpu/test_kernels.py holds the two together).
     from reference import COMPRESSION_CASES, compressed_reference  # tests/reference.py
+
     x = np.concatenate([rand(4000) * np.float32(1e-3), rand(300) * np.float32(1e4), COMPRESSION_CASES])
     np.testing.assert_array_equal(ops.narrow_widen(cpu_backend, x, dtype), compressed_reference(x, dtype))
     with pytest.raises(ConfigError, match="bf16 or fp16"):

@@ -1,6 +1,7 @@
 """Every Backend kernel on the CUDA backend against the CPU backend, through
 the backend_ops probe: the dropout mask bit for bit, everything else within
 fp32 rounding (GEMMs in IEEE fp32: TF32 is off unless asked for)."""
+
 import numpy as np
 import pytest
 
@@ -72,13 +73,14 @@ def test_reduced_precision_gemms(cuda_backend, cpu_backend, precision, tol):
 def test_relu_dropout_bit_exact(cuda_backend, cpu_backend, rows, cols, p):
     rng = np.random.default_rng(rows * cols)
     h = rand(rng, rows, cols)
-    key = dict(seed=(5 << 32) + 3, step=2 ** 32 + 17, layer=1, first_sample=1000)
+    key = dict(seed=(5 << 32) + 3, step=2**32 + 17, layer=1, first_sample=1000)
     got = ops.relu_dropout_forward(cuda_backend, h, p, **key)
     want = ops.relu_dropout_forward(cpu_backend, h, p, **key)
     assert np.array_equal(got, want)
     dh = rand(rng, rows, cols)
-    assert np.array_equal(ops.relu_dropout_backward(cuda_backend, dh, want, p),
-                          ops.relu_dropout_backward(cpu_backend, dh, want, p))
+    assert np.array_equal(
+        ops.relu_dropout_backward(cuda_backend, dh, want, p), ops.relu_dropout_backward(cpu_backend, dh, want, p)
+    )
 
 
 @pytest.mark.parametrize("p", [0.0, 0.5])
@@ -89,8 +91,9 @@ def test_relu_dropout_on_nan_and_inf_is_the_cpu_backends(cuda_backend, cpu_backe
     want = ops.relu_dropout_forward(cpu_backend, h, p, **key)
     assert np.array_equal(got, want, equal_nan=True) and np.isnan(got).any()
     dh = np.ones(h.shape, np.float32)
-    assert np.array_equal(ops.relu_dropout_backward(cuda_backend, dh, want, p),
-                          ops.relu_dropout_backward(cpu_backend, dh, want, p))
+    assert np.array_equal(
+        ops.relu_dropout_backward(cuda_backend, dh, want, p), ops.relu_dropout_backward(cpu_backend, dh, want, p)
+    )
 
 
 @pytest.mark.parametrize("B, D", [(1, 1), (13, 3), (4096, 7), (100000, 3)])
@@ -120,7 +123,7 @@ def test_cross_entropy(cuda_backend, cpu_backend, B, C):
     assert got[1] is None and got[2] is None
 
 
-@pytest.mark.parametrize("bad", [[10], [-1, 12], [2**31 - 1, -2**31]])
+@pytest.mark.parametrize("bad", [[10], [-1, 12], [2**31 - 1, -(2**31)]])
 def test_cross_entropy_out_of_range_labels_raise_the_same_error_everywhere(cuda_backend, cpu_backend, bad):
     # Labels come from the caller: one outside [0, C) must not be read through
     # (far out of range it would leave the logits; the emulation reports that),
@@ -129,7 +132,7 @@ def test_cross_entropy_out_of_range_labels_raise_the_same_error_everywhere(cuda_
     rng = np.random.default_rng(11)
     logits = rand(rng, B, C)
     labels = rng.integers(0, C, B).astype(np.int32)
-    labels[[5, 33][:len(bad)]] = bad
+    labels[[5, 33][: len(bad)]] = bad
     messages = []
     for be in (cuda_backend, cpu_backend):
         with pytest.raises(ConfigError, match=rf"label {bad[0]} at row 5 is out of range \[0, 10\)") as e:
@@ -197,8 +200,9 @@ def test_update_with_grad_scale(cuda_backend, cpu_backend, optimizer):
     assert not np.array_equal(fused[0], update(cuda_backend, g)[0]), "grad_scale was ignored"
 
 
-@pytest.mark.parametrize("n, poison", [(1, None), (4099, None), (1_000_003, None), (4099, "nan"), (4099, "inf"),
-                                      (1_000_003, "loss")])
+@pytest.mark.parametrize(
+    "n, poison", [(1, None), (4099, None), (1_000_003, None), (4099, "nan"), (4099, "inf"), (1_000_003, "loss")]
+)
 @pytest.mark.parametrize("loss_scale, max_norm", [(1.0, 0.0), (1.0, 2.0), (4096.0, 2.0), (4096.0, 1e9)])
 def test_step_verdict_equals_the_cpu_bit_for_bit(cuda_backend, cpu_backend, n, poison, loss_scale, max_norm):
     # One definition (decide_step) on both sides, and a sum of squares within

@@ -2,6 +2,7 @@
 mpirun sharing GPU 0 (NCCL >= 2.30 with NCCL_MULTI_RANK_GPU_ENABLE=1); with an
 older NCCL, ranks sharing a GPU get a clear ConfigError. CUDA + MPI (host-staged
 gradients) under mpirun needs no NCCL at all."""
+
 import re
 import sys
 from pathlib import Path
@@ -9,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mgpu import _core
 from conftest import mpi_env, mpirun  # tests/conftest.py helpers
+from mgpu import _core
 
 WORKER = Path(__file__).with_name("nccl_worker.py")
 HAS_NCCL = hasattr(_core, "NcclCommunicator")
@@ -61,8 +62,13 @@ def test_single_rank_nccl_step_equals_local(gpu, overlap, graph):
     for kind in ("local", "nccl"):
         model = _core.MLP(_core.make_backend("cuda", gpu), sizes, 0.1, 7)
         comm = _core.LocalCommunicator() if kind == "local" else one_rank(gpu)
-        step = _core.DataParallelStep(model, _core.Optimizer(model, "adamw"), comm, "cross_entropy",
-                                      _core.StepOptions(bucket_elems=700, overlap=overlap, graph=graph))
+        step = _core.DataParallelStep(
+            model,
+            _core.Optimizer(model, "adamw"),
+            comm,
+            "cross_entropy",
+            _core.StepOptions(bucket_elems=700, overlap=overlap, graph=graph),
+        )
         assert step.overlaps == (overlap and graph == "off")  # a captured step allreduces after backward
         assert step.uses_graphs == (graph == "on")
         for t, (x, y) in enumerate(data):

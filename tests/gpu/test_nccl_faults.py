@@ -5,6 +5,7 @@ the GPU emulation the collectives are the NCCL stand-in's, which an abort ends
 like ncclCommAbort ends NCCL's kernels; its fault injection (a rank that never
 finishes NCCL setup, a kernel launch that fails mid-backward) covers what a
 signal cannot time."""
+
 import gc
 import os
 import re
@@ -16,9 +17,9 @@ import numpy as np
 import pytest
 
 import mgpu
+from conftest import mpi_env, mpirun  # tests/conftest.py helpers
 from mgpu import MLP, DeviceError, Trainer, _core, run_on_gpus
 from mgpu.train.checkpoint import list_checkpoints, load_checkpoint
-from conftest import mpi_env, mpirun  # tests/conftest.py helpers
 from procs import wait_for  # tests/procs.py
 from test_faults import MGPU, Job, first_checkpoint, freeze_a_rank  # tests/test_faults.py: the fault harness
 
@@ -30,8 +31,23 @@ def gpu_named(pattern: str) -> str:
     the emulation, never mistakable for a real one."""
     return pattern.replace(r"\(GPU ", r"\(emulated GPU " if EMULATED else r"\(GPU ")
 
-RUN = ["train", "--device", "cuda", "--comm", "nccl", "--layers", "20,64,64,3", "--batch-size", "64",
-       "--optimizer", "adamw", "--no-progress", "--seed", "5"]
+
+RUN = [
+    "train",
+    "--device",
+    "cuda",
+    "--comm",
+    "nccl",
+    "--layers",
+    "20,64,64,3",
+    "--batch-size",
+    "64",
+    "--optimizer",
+    "adamw",
+    "--no-progress",
+    "--seed",
+    "5",
+]
 
 
 @pytest.mark.parametrize("frozen", [0, 1])
@@ -47,8 +63,11 @@ def test_frozen_rank_in_an_nccl_collective_is_named(two_gpus, tmp_path, frozen):
 
 def test_killed_rank_ends_an_nccl_job(two_gpus, tmp_path):
     ckpt = tmp_path / "ckpt"
-    job = Job(2, [*MGPU, *RUN, "--steps", 10 ** 6, "--checkpoint-dir", ckpt, "--checkpoint-every", 10,
-                  "--watchdog-timeout", 5], tmp_path)
+    job = Job(
+        2,
+        [*MGPU, *RUN, "--steps", 10**6, "--checkpoint-dir", ckpt, "--checkpoint-every", 10, "--watchdog-timeout", 5],
+        tmp_path,
+    )
     first_checkpoint(ckpt, job)
     os.kill(job.ranks()[1], signal.SIGKILL)
     t0 = time.monotonic()
@@ -65,20 +84,27 @@ def emulated_faults(two_gpus):
         pytest.skip("uses the GPU emulation's fault injection (MGPU_EMULATE_GPU=2)")
 
 
-@pytest.mark.parametrize("fault, said", [
-    # Rank 1's NCCL setup never completes, or fails: rank 0 must not wait forever.
-    ("1:init:hang", r"NCCL setup on rank [01] \(GPU \d\): did not complete within 3 s"),
-    ("1:init:error", r"injected failure \(MGPU_EMULATE_NCCL_FAULT\) on rank 1"),
-    # Rank 1's 3rd group never completes (every process alive), or fails asynchronously.
-    ("1:3:hang", r"at step \d+ on rank [01] \(GPU \d\): did not complete within 3 s: every rank reached "
-                 r"this step and is responding, but the collective is stuck"),
-    # (reported by the watchdog's async-error query or by the next NCCL call, whichever sees it first)
-    ("1:3:error", r"on rank 1 \(GPU \d\): NCCL reported an (asynchronous )?error: .*injected failure"),
-])
+@pytest.mark.parametrize(
+    "fault, said",
+    [
+        # Rank 1's NCCL setup never completes, or fails: rank 0 must not wait forever.
+        ("1:init:hang", r"NCCL setup on rank [01] \(GPU \d\): did not complete within 3 s"),
+        ("1:init:error", r"injected failure \(MGPU_EMULATE_NCCL_FAULT\) on rank 1"),
+        # Rank 1's 3rd group never completes (every process alive), or fails asynchronously.
+        (
+            "1:3:hang",
+            r"at step \d+ on rank [01] \(GPU \d\): did not complete within 3 s: every rank reached "
+            r"this step and is responding, but the collective is stuck",
+        ),
+        # (reported by the watchdog's async-error query or by the next NCCL call, whichever sees it first)
+        ("1:3:error", r"on rank 1 \(GPU \d\): NCCL reported an (asynchronous )?error: .*injected failure"),
+    ],
+)
 def test_an_injected_nccl_fault_ends_the_job_within_the_timeout(emulated_faults, fault, said):
     t0 = time.monotonic()
-    r = mpirun(2, [*MGPU, *RUN, "--steps", 20, "--watchdog-timeout", 3], timeout=90,
-               env=mpi_env(MGPU_EMULATE_NCCL_FAULT=fault))
+    r = mpirun(
+        2, [*MGPU, *RUN, "--steps", 20, "--watchdog-timeout", 3], timeout=90, env=mpi_env(MGPU_EMULATE_NCCL_FAULT=fault)
+    )
     elapsed = time.monotonic() - t0
     assert r.returncode != 0 and elapsed < 60, (r.returncode, elapsed, r.stderr[-2000:])
     assert re.search(gpu_named(said), r.stderr), r.stderr[-2000:]
@@ -87,8 +113,9 @@ def test_an_injected_nccl_fault_ends_the_job_within_the_timeout(emulated_faults,
         assert "stuck" not in r.stderr, r.stderr[-2000:]
 
 
-def train_two_threads(layers, steps, errors_per_thread, before_step=lambda rank, step: None, params=None,
-                      **trainer_args):
+def train_two_threads(
+    layers, steps, errors_per_thread, before_step=lambda rank, step: None, params=None, **trainer_args
+):
     """run_on_gpus on 2 GPUs, each thread training on its half of a 64-row batch
     for `steps` steps; the exceptions of each thread's steps, in order (a thread
     stops at its errors_per_thread-th). params (a dict): per rank, the parameters
@@ -153,8 +180,13 @@ def test_a_stalled_thread_of_run_on_gpus_is_named_by_the_others_watchdog(two_gpu
 
     errors = train_two_threads([20, 16, 3], 3, 1, before_step=stall, timeout=1.5)
     assert errors[0] and isinstance(errors[0][0], _core.CommError), errors
-    assert re.search(gpu_named(r"at step 2 on rank 0 \(GPU \d\): did not complete within 1.5 s: rank 1 has not "
-                               r"reached this step \(stopped, hung or dead\)"), str(errors[0][0])), errors
+    assert re.search(
+        gpu_named(
+            r"at step 2 on rank 0 \(GPU \d\): did not complete within 1.5 s: rank 1 has not "
+            r"reached this step \(stopped, hung or dead\)"
+        ),
+        str(errors[0][0]),
+    ), errors
 
 
 def test_a_second_sigint_ends_train_gpus_at_once(two_gpus, tmp_path):
@@ -163,20 +195,42 @@ def test_a_second_sigint_ends_train_gpus_at_once(two_gpus, tmp_path):
     # core then; finalizing the interpreter under them ended them mid-call (SIGABRT,
     # "terminate called without an active exception" and a native backtrace).
     out = tmp_path / "out.txt"
-    args = ["train", "--device", "cuda", "--gpus", "2", "--layers", "64,512,512,10", "--batch-size", "512",
-            "--steps", "1000000", "--no-progress", "--seed", "5"]
+    args = [
+        "train",
+        "--device",
+        "cuda",
+        "--gpus",
+        "2",
+        "--layers",
+        "64,512,512,10",
+        "--batch-size",
+        "512",
+        "--steps",
+        "1000000",
+        "--no-progress",
+        "--seed",
+        "5",
+    ]
     for attempt in range(3):  # the first SIGINT's clean stop can, rarely, finish before the second arrives
         with open(out, "w") as f:
-            proc = subprocess.Popen([*MGPU, *map(str, args), "--checkpoint-dir", str(tmp_path / f"ck{attempt}")],
-                                    stdout=f, stderr=subprocess.STDOUT, env=mpi_env(),
-                                    start_new_session=True)
+            proc = subprocess.Popen(
+                [*MGPU, *map(str, args), "--checkpoint-dir", str(tmp_path / f"ck{attempt}")],
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                env=mpi_env(),
+                start_new_session=True,
+            )
         try:
-            wait_for(lambda: "per rank)" in out.read_text() or proc.poll() is not None, 120, "training to start")
+            wait_for(lambda p=proc: "per rank)" in out.read_text() or p.poll() is not None, 120, "training to start")
             time.sleep(0.5)  # some steps in: the threads are in the core
             proc.send_signal(signal.SIGINT)
             try:  # the stop request's line; a SIGINT before the threads' hooks exist prints none, but counts
-                wait_for(lambda: "stopping at the next step boundary" in out.read_text() or proc.poll() is not None,
-                         10, "the first SIGINT's stop request", poll=0.002)
+                wait_for(
+                    lambda p=proc: "stopping at the next step boundary" in out.read_text() or p.poll() is not None,
+                    10,
+                    "the first SIGINT's stop request",
+                    poll=0.002,
+                )
             except AssertionError:
                 pass
             proc.send_signal(signal.SIGINT)
@@ -205,8 +259,7 @@ def test_a_failed_allreduce_leaves_the_parameters_as_they_were(emulated_faults):
     _core.emulation.inject_launch_failure("relu_dropout_backward", device=1, nth=4)
     params = {}
     try:
-        errors = train_two_threads([20, 64, 64, 3], 3, 1, params=params, optimizer="adamw", bucket_elems=64,
-                                   timeout=2)
+        errors = train_two_threads([20, 64, 64, 3], 3, 1, params=params, optimizer="adamw", bucket_elems=64, timeout=2)
     finally:
         _core.emulation.inject_launch_failure("", nth=0)
     (error,), ((before, after),) = errors[0], params[0]

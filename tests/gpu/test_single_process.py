@@ -2,13 +2,14 @@
 communicators from one ncclCommInitAll, one thread per GPU. With one GPU, two
 threads share it where NCCL >= 2.30 allows (NCCL_MULTI_RANK_GPU_ENABLE=1),
 and must train as one rank with the same global batch does."""
+
 import json
 
 import numpy as np
 import pytest
 
-from mgpu import _core, gpus_emulated
 from conftest import mpi_env, run_cli  # tests/conftest.py helpers
+from mgpu import _core, gpus_emulated
 
 HAS_NCCL = hasattr(_core, "NcclCommunicator")
 NCCL_CODE = _core.build_info()["cuda"].get("nccl_loaded_code", 0)
@@ -50,9 +51,29 @@ def test_a_closed_or_aborted_communicator_refuses_further_work(gpu, end):
 
 def train(tmp_path, name, extra, env, steps=40):
     out = tmp_path / f"{name}.json"
-    r = run_cli(["train", "--device", "cuda", "--dataset", "digits", "--model", "medium", "--optimizer", "adamw",
-                 "--batch-size", "128", "--steps", steps, "--no-progress", "--json", out, *extra],
-                timeout=600, env=mpi_env(**env))
+    r = run_cli(
+        [
+            "train",
+            "--device",
+            "cuda",
+            "--dataset",
+            "digits",
+            "--model",
+            "medium",
+            "--optimizer",
+            "adamw",
+            "--batch-size",
+            "128",
+            "--steps",
+            steps,
+            "--no-progress",
+            "--json",
+            out,
+            *extra,
+        ],
+        timeout=600,
+        env=mpi_env(**env),
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     return json.loads(out.read_text())
 
@@ -62,8 +83,11 @@ def test_two_threads_on_one_gpu_are_refused_clearly_before_nccl_2_30(gpu, tmp_pa
     # NCCL 2.28's ncclCommInitAll rejects a repeated device with a bare "invalid usage".
     if NCCL_CODE >= 23000:
         pytest.skip("NCCL >= 2.30 runs two ranks on one GPU: the next test trains so")
-    r = run_cli(["train", "--device", "cuda", "--layers", "8,16,2", "--steps", "2", "--no-progress", "--gpus", "2"],
-                timeout=120, env=mpi_env(NCCL_MULTI_RANK_GPU_ENABLE="1", CUDA_VISIBLE_DEVICES=str(gpu)))
+    r = run_cli(
+        ["train", "--device", "cuda", "--layers", "8,16,2", "--steps", "2", "--no-progress", "--gpus", "2"],
+        timeout=120,
+        env=mpi_env(NCCL_MULTI_RANK_GPU_ENABLE="1", CUDA_VISIBLE_DEVICES=str(gpu)),
+    )
     assert r.returncode == 2, r.stdout + r.stderr
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "share 1 GPU(s)" in lines[0] and "allows one rank per GPU" in lines[0], lines
@@ -101,8 +125,20 @@ def test_two_threads_on_two_gpus_train_like_one_rank(gpu, tmp_path):
 @needs_nccl
 @pytest.mark.parametrize("extra", [1, 100])  # refused before a thread starts
 def test_more_threads_than_gpus_is_a_clear_error(gpu, extra):
-    r = run_cli(["train", "--device", "cuda", "--gpus", str(_core.cuda_device_count() + extra), "--steps", "2",
-                 "--no-progress"], timeout=300, env=mpi_env(NCCL_MULTI_RANK_GPU_ENABLE="0"))
+    r = run_cli(
+        [
+            "train",
+            "--device",
+            "cuda",
+            "--gpus",
+            str(_core.cuda_device_count() + extra),
+            "--steps",
+            "2",
+            "--no-progress",
+        ],
+        timeout=300,
+        env=mpi_env(NCCL_MULTI_RANK_GPU_ENABLE="0"),
+    )
     assert r.returncode == 2, r.stdout + r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "GPU(s) visible" in lines[0], r.stderr
@@ -113,11 +149,17 @@ def two_gpu_bf16_setup(rows, seed):
     if _core.cuda_device_count() < 2:
         pytest.skip("needs 2 GPUs (MGPU_EMULATE_GPU=2 on the emulation)")
     import mgpu
+
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((rows, 12)).astype(np.float32)
     y = rng.standard_normal((rows, 3)).astype(np.float32)
-    make = lambda pg: mgpu.MLP([12, 32, 3], seed=pg.rank, device="cuda", device_index=pg.local_rank,  # noqa: E731
-                               precision="bf16")
+    make = lambda pg: mgpu.MLP(
+        [12, 32, 3],
+        seed=pg.rank,
+        device="cuda",
+        device_index=pg.local_rank,  # noqa: E731
+        precision="bf16",
+    )
     return x, y, make
 
 
@@ -128,6 +170,7 @@ def test_broadcast_weights_reach_the_half_precision_gemms(gpu):
     # backend's persistent bf16 copy must be recast (parameters_changed), or
     # rank 1's GEMMs keep using its own weights and the run departs from one GPU's.
     import mgpu
+
     x, y, make = two_gpu_bf16_setup(32, seed=4)
 
     def run(pg):
@@ -153,6 +196,7 @@ def test_a_refused_update_leaves_the_half_weights_current(gpu):
     # a copy that was never written. Both ranks hold the same parameters: their
     # forwards must agree.
     import mgpu
+
     x, y, make = two_gpu_bf16_setup(16, seed=6)
     bad = x.copy()
     bad[0, 0] = np.nan

@@ -3,6 +3,7 @@
 spans arrive exactly once (with the step's result, or the drain),
 tile the step in the order it runs, layer by layer, on the host's clock, and tracing
 adds no host synchronisation on the GPU."""
+
 import math
 
 import numpy as np
@@ -25,8 +26,10 @@ def device(request):
 def batches(steps, rows, seed):
     rng = np.random.default_rng(seed)
     for _ in range(steps):
-        yield (rng.standard_normal((rows, SIZES[0])).astype(np.float32),
-               rng.standard_normal((rows, SIZES[-1])).astype(np.float32))
+        yield (
+            rng.standard_normal((rows, SIZES[0])).astype(np.float32),
+            rng.standard_normal((rows, SIZES[-1])).astype(np.float32),
+        )
 
 
 def make_step(device, graph="off"):
@@ -34,7 +37,9 @@ def make_step(device, graph="off"):
     model = _core.MLP(be, SIZES, 0.0, 7)
     opt = _core.Optimizer(model, "sgd", momentum=0.9)
     # bucket_elems small enough for several buckets
-    return _core.DataParallelStep(model, opt, _core.LocalCommunicator(), "mse", _core.StepOptions(bucket_elems=400, graph=graph))
+    return _core.DataParallelStep(
+        model, opt, _core.LocalCommunicator(), "mse", _core.StepOptions(bucket_elems=400, graph=graph)
+    )
 
 
 def expected_names(micro_batches: int, graph, applied: bool = True) -> list:
@@ -53,7 +58,11 @@ def expected_names(micro_batches: int, graph, applied: bool = True) -> list:
     if graph:
         return names
     # The verdict is the backend's: a skipped update's (empty) kernel still runs, and its span says so.
-    names += [("allreduce wait", -1), ("health check", -1), ("optimizer" + ("" if applied else " [update skipped]"), -1)]
+    names += [
+        ("allreduce wait", -1),
+        ("health check", -1),
+        ("optimizer" + ("" if applied else " [update skipped]"), -1),
+    ]
     return names
 
 
@@ -68,8 +77,9 @@ def run(step, micro, steps, traced, x_nan_at=None):
             x[0, 0] = np.nan
         cut = np.concatenate([[0], np.cumsum(micro)])
         before = _core.steady_seconds()
-        r = step.step([(x[a:b], y[a:b], int(a)) for a, b in zip(cut[:-1], cut[1:])], sum(micro), t, 1e-3,
-                      trace=t in traced)
+        r = step.step(
+            [(x[a:b], y[a:b], int(a)) for a, b in zip(cut[:-1], cut[1:])], sum(micro), t, 1e-3, trace=t in traced
+        )
         windows[t] = (before, _core.steady_seconds())
         spans += r.spans
         came += [(t, x.step) for x in r.spans]
@@ -88,8 +98,11 @@ def check_tiling(step_spans, micro_batches, graph, applied=True):
         assert a.end == pytest.approx(b.begin, abs=1e-9) and a.end >= a.begin
     for s in step_spans:
         if s.name in ("forward", "backward"):  # encloses its layers exactly
-            layers = [c for c in step_spans if c.category == "layer" and c.micro == s.micro
-                      and c.name.startswith(s.name + " ")]
+            layers = [
+                c
+                for c in step_spans
+                if c.category == "layer" and c.micro == s.micro and c.name.startswith(s.name + " ")
+            ]
             assert len(layers) == LAYERS and s.category == "phase"
             assert s.begin == min(c.begin for c in layers) and s.end == max(c.end for c in layers)
 

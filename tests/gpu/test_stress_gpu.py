@@ -3,6 +3,7 @@ verify with zero mismatches, an injected bit flip is caught in every kernel, the
 burn's independent check of its first result counts what its CPU and NumPy references
 count (so a deterministic corruption is caught), and the GEMM burn runs near the plain
 cuBLAS rate (reported, not asserted: that is a benchmark)."""
+
 import numpy as np
 import pytest
 
@@ -50,8 +51,9 @@ def host_gemm_check(a, b, c, precision, samples):
     idx = sampled(n, samples)
     rows, cols = np.divmod(idx, n)
     products = a.astype(np.float64)[rows] * b.astype(np.float64)[:, cols].T
-    bound = np.array([_core.stress_gemm_bound(s, n, _core.stress_gemm_input_error(precision))
-                      for s in np.abs(products).sum(1)])
+    bound = np.array(
+        [_core.stress_gemm_bound(s, n, _core.stress_gemm_input_error(precision)) for s in np.abs(products).sum(1)]
+    )
     return int((~(np.abs(c.ravel()[idx].astype(np.float64) - products.sum(1)) <= bound)).sum())
 
 
@@ -61,7 +63,7 @@ def test_gemm_reference_check_counts_as_its_references(dev, precision):
     # comparison with the first result; the fp64 check of the first must see it.
     n, samples = 40, 600
     rng = np.random.default_rng(5)
-    a, b = (rng.random((2, n, n), dtype=np.float32) - 0.5)
+    a, b = rng.random((2, n, n), dtype=np.float32) - 0.5
     ops = (round_bf16(a), round_bf16(b)) if precision == "bf16" else (a, b)
     exact = ops[0].astype(np.float64) @ ops[1].astype(np.float64)
     cpu = _core.make_stress_device("cpu", 0, 1)
@@ -93,7 +95,7 @@ def test_gemm_reference_check_catches_a_flipped_bit_in_a_device_result(dev, prec
     # repeat, so only the fp64 check can see it.
     n = 256
     rng = np.random.default_rng(6)
-    a, b = (rng.random((2, n, n), dtype=np.float32) - 0.5)
+    a, b = rng.random((2, n, n), dtype=np.float32) - 0.5
     ops = (round_bf16(a), round_bf16(b)) if precision == "bf16" else (a, b)
     c = (ops[0].astype(np.float64) @ ops[1].astype(np.float64)).astype(np.float32)
     assert dev.gemm_verify(a, b, c, precision).mismatches == 0
@@ -165,6 +167,7 @@ def stress_cli(tmp_path, *args):
     import json
 
     from conftest import run_cli  # tests/conftest.py (on sys.path via tests/gpu/conftest.py)
+
     r = run_cli(["stress", *CLI_SMALL, *args, "--json", tmp_path / "s.json"], timeout=300)
     devices = json.loads((tmp_path / "s.json").read_text())["devices"] if (tmp_path / "s.json").exists() else None
     return r, devices

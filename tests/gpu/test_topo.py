@@ -5,11 +5,12 @@ profile it writes. On the GPU emulation (MGPU_EMULATE_GPU=2) the profile and the
 answer say they are the emulation's. It crashed on its first multi-GPU run: the
 step-sync probe asked the process group for MPI's communicator after the sweep's
 NCCL one."""
+
 import json
 import sys
 
-from mgpu import _core
 from conftest import mpi_env, mpirun, run_cli  # tests/conftest.py helpers
+from mgpu import _core
 
 EMULATED = bool(_core.build_info().get("gpu_emulation", False))
 
@@ -17,8 +18,12 @@ EMULATED = bool(_core.build_info().get("gpu_emulation", False))
 def test_topo_on_two_gpus_measures_devices_and_nccl_and_recommend_reads_it(two_gpus, tmp_path):
     path = tmp_path / "profile.json"
     env = mpi_env(XDG_CACHE_HOME=tmp_path / "cache")
-    r = mpirun(2, [sys.executable, "-m", "mgpu", "topo", "--device", "cuda", "--quick", "--max-mb", "1",
-                   "--out", path], timeout=600, env=env)
+    r = mpirun(
+        2,
+        [sys.executable, "-m", "mgpu", "topo", "--device", "cuda", "--quick", "--max-mb", "1", "--out", path],
+        timeout=600,
+        env=env,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     profile = json.loads(path.read_text())
     assert profile["source"] == "calibrated" and len(profile["devices"]) == 2
@@ -35,8 +40,10 @@ def test_topo_on_two_gpus_measures_devices_and_nccl_and_recommend_reads_it(two_g
     assert profile["gpu_emulation"] is EMULATED
     assert ("EMULATED" in profile["name"]) is EMULATED and ("GPU EMULATION" in r.stdout + r.stderr) is EMULATED
 
-    rec = run_cli(["recommend", "--model", "medium", "--batch", "256", "--profile", path, "--json",
-                   tmp_path / "rec.json"], env=env)
+    rec = run_cli(
+        ["recommend", "--model", "medium", "--batch", "256", "--profile", path, "--json", tmp_path / "rec.json"],
+        env=env,
+    )
     assert rec.returncode == 0, rec.stdout + rec.stderr
     answer = json.loads((tmp_path / "rec.json").read_text())
     assert [c["devices"] for c in answer["candidates"]] == [1, 2]
@@ -44,8 +51,10 @@ def test_topo_on_two_gpus_measures_devices_and_nccl_and_recommend_reads_it(two_g
     assert answer["gpu_emulation"] is EMULATED
     assert ("GPU EMULATION: this profile is of mgpu's emulated GPUs" in rec.stdout) is EMULATED
     # without a calibration: the profile detected from the visible GPUs says so too
-    rec = run_cli(["recommend", "--model", "medium", "--batch", "256", "--json", tmp_path / "detected.json"],
-                  env=mpi_env(XDG_CACHE_HOME=tmp_path / "empty-cache"))
+    rec = run_cli(
+        ["recommend", "--model", "medium", "--batch", "256", "--json", tmp_path / "detected.json"],
+        env=mpi_env(XDG_CACHE_HOME=tmp_path / "empty-cache"),
+    )
     assert rec.returncode == 0, rec.stdout + rec.stderr
     detected = json.loads((tmp_path / "detected.json").read_text())
     assert detected["profile_source"] == "detected" and detected["gpu_emulation"] is EMULATED

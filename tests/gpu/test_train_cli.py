@@ -2,6 +2,7 @@
 over NCCL: the run equals the CPU backend's and a 1-rank run, and a run stopped
 at a checkpoint and resumed (--resume) ends bit-identical to the run that never
 stopped. On the GPU emulation (MGPU_EMULATE_GPU=2) this is CI's NCCL training run."""
+
 import json
 import re
 import subprocess
@@ -11,19 +12,34 @@ import numpy as np
 import pytest
 
 import mgpu
-from mgpu import _core
 from conftest import mpi_env, mpirun  # tests/conftest.py helpers
+from mgpu import _core
 
-DATA = ["--dataset", "digits", "--layers", "64,32,10", "--batch-size", "64", "--dropout", "0.1", "--no-progress",
-        "--watchdog-timeout", "60"]
+DATA = [
+    "--dataset",
+    "digits",
+    "--layers",
+    "64,32,10",
+    "--batch-size",
+    "64",
+    "--dropout",
+    "0.1",
+    "--no-progress",
+    "--watchdog-timeout",
+    "60",
+]
 ARGS = ["--device", "cuda", "--optimizer", "adamw", "--lr", "0.003", *DATA]
 
 
 def train(tmp_path, name, ranks, *extra, args=ARGS):
     out = tmp_path / f"{name}.json"
     params = tmp_path / f"{name}.npz"
-    r = mpirun(ranks, [sys.executable, "-m", "mgpu", "train", *args, "--json", out, "--save", params, *extra],
-               timeout=600, env=mpi_env())
+    r = mpirun(
+        ranks,
+        [sys.executable, "-m", "mgpu", "train", *args, "--json", out, "--save", params, *extra],
+        timeout=600,
+        env=mpi_env(),
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     with np.load(params) as z:
         flat = np.concatenate([z[k].ravel() for k in sorted(z.files)])
@@ -36,8 +52,7 @@ def test_nccl_training_equals_one_rank_and_resumes_bit_identical(two_gpus, tmp_p
     assert np.allclose(two, one, rtol=1e-4, atol=1e-6), np.max(np.abs(two - one))
     ckpt = tmp_path / "ckpt"
     train(tmp_path, "first", 2, "--steps", "7", "--comm", "nccl", "--checkpoint-dir", ckpt)
-    _, resumed = train(tmp_path, "resumed", 2, "--steps", "12", "--comm", "nccl", "--checkpoint-dir", ckpt,
-                       "--resume")
+    _, resumed = train(tmp_path, "resumed", 2, "--steps", "12", "--comm", "nccl", "--checkpoint-dir", ckpt, "--resume")
     assert np.array_equal(resumed, two)
 
 
@@ -47,14 +62,35 @@ def test_every_figure_of_emulated_gpus_says_so_also_after_a_resume_on_the_cpu(tw
     # real GPUs none of it appears.
     emulated = mgpu.gpus_emulated("cuda")
     ckpt, out = tmp_path / "ckpt", tmp_path / "resumed.json"
-    first = mpirun(2, [sys.executable, "-m", "mgpu", "train", *ARGS, "--steps", "3", "--comm", "nccl",
-                       "--checkpoint-dir", ckpt], timeout=600, env=mpi_env())
+    first = mpirun(
+        2,
+        [sys.executable, "-m", "mgpu", "train", *ARGS, "--steps", "3", "--comm", "nccl", "--checkpoint-dir", ckpt],
+        timeout=600,
+        env=mpi_env(),
+    )
     assert first.returncode == 0, first.stdout + first.stderr
     epochs = [line for line in first.stdout.splitlines() if line.startswith("epoch")]
     assert epochs and all(("on EMULATED GPUs" in line) == emulated for line in epochs), first.stdout
     cpu_args = ["--device", "cpu", *ARGS[2:]]
-    resumed = mpirun(2, [sys.executable, "-m", "mgpu", "train", *cpu_args, "--steps", "6", "--checkpoint-dir", ckpt,
-                         "--resume", "--json", out], timeout=600, env=mpi_env())
+    resumed = mpirun(
+        2,
+        [
+            sys.executable,
+            "-m",
+            "mgpu",
+            "train",
+            *cpu_args,
+            "--steps",
+            "6",
+            "--checkpoint-dir",
+            ckpt,
+            "--resume",
+            "--json",
+            out,
+        ],
+        timeout=600,
+        env=mpi_env(),
+    )
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     done = [line for line in resumed.stdout.splitlines() if line.startswith("done:")]
     assert len(done) == 1 and ("with epochs run on EMULATED GPUs" in done[0]) == emulated, resumed.stdout
@@ -76,8 +112,28 @@ def test_trace_of_a_gpu_run_says_whether_the_gpus_are_emulated(two_gpus, tmp_pat
     # every rank's tracks; the core's spans come from CUDA events on each rank's compute
     # stream (nothing synchronised to time them), on a lane of their own.
     trace = tmp_path / "trace.json"
-    r = mpirun(2, [sys.executable, "-m", "mgpu", "train", *ARGS, "--steps", "4", "--comm", "nccl",
-                   "--trace", trace, "--trace-steps", "1:3", "--bucket-mb", "0.002"], timeout=600, env=mpi_env())
+    r = mpirun(
+        2,
+        [
+            sys.executable,
+            "-m",
+            "mgpu",
+            "train",
+            *ARGS,
+            "--steps",
+            "4",
+            "--comm",
+            "nccl",
+            "--trace",
+            trace,
+            "--trace-steps",
+            "1:3",
+            "--bucket-mb",
+            "0.002",
+        ],
+        timeout=600,
+        env=mpi_env(),
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     doc = json.loads(trace.read_text())
     emulated = bool(_core.build_info().get("gpu_emulation", False))
@@ -91,25 +147,44 @@ def test_trace_of_a_gpu_run_says_whether_the_gpus_are_emulated(two_gpus, tmp_pat
     plan = _core.plan_buckets(doc["otherData"]["layers"], int(0.002 * (1 << 20) / 4))
     assert len(plan) > 1
     for outer in steps:
-        buckets = sorted((e for e in doc["traceEvents"] if e.get("cat") == "allreduce" and e["pid"] == outer["pid"]
-                          and e["args"]["step"] == outer["args"]["step"]), key=lambda e: e["args"]["bucket"])
+        buckets = sorted(
+            (
+                e
+                for e in doc["traceEvents"]
+                if e.get("cat") == "allreduce"
+                and e["pid"] == outer["pid"]
+                and e["args"]["step"] == outer["args"]["step"]
+            ),
+            key=lambda e: e["args"]["bucket"],
+        )
         assert [(e["args"]["offset"], e["args"]["count"]) for e in buckets] == [(o, n) for o, n, _ in plan]
         for e in buckets:
             assert e["tid"] == 1 and e["args"]["bytes"] == 4 * e["args"]["count"] and e["dur"] >= 0
             assert outer["ts"] - 1 <= e["ts"] and e["ts"] + e["dur"] <= outer["ts"] + outer["dur"] + 1
     lanes = {(e["pid"], e["tid"]): e["args"]["name"] for e in doc["traceEvents"] if e["name"] == "thread_name"}
-    assert all(("EMULATED" in lanes[(rank, 2)]) is emulated and "CUDA events" in lanes[(rank, 2)]
-               for rank in (0, 1))
+    assert all(("EMULATED" in lanes[(rank, 2)]) is emulated and "CUDA events" in lanes[(rank, 2)] for rank in (0, 1))
     for outer in steps:  # the step's work on its GPU: after the host began it, in the order it runs
-        spans = sorted((e for e in doc["traceEvents"] if e.get("ph") == "X" and e["tid"] == 2
-                        and e["pid"] == outer["pid"] and e["args"]["step"] == outer["args"]["step"]),
-                       key=lambda e: (e["ts"], -e["dur"]))
+        spans = sorted(
+            (
+                e
+                for e in doc["traceEvents"]
+                if e.get("ph") == "X"
+                and e["tid"] == 2
+                and e["pid"] == outer["pid"]
+                and e["args"]["step"] == outer["args"]["step"]
+            ),
+            key=lambda e: (e["ts"], -e["dur"]),
+        )
         names = [e["name"] for e in spans]
         # small model: CUDA graphs (auto), captured at step 1, replayed at step 2; with two
         # ranks the tail (health check, verdict, update) is a graph of its own after the allreduce
         how = {1: "graph capture + replay", 2: "graph replay"}[outer["args"]["step"]]
-        assert names == ["stage", f"forward + loss + backward ({how})", "allreduce wait",
-                         f"health check + optimizer ({how})"], names
+        assert names == [
+            "stage",
+            f"forward + loss + backward ({how})",
+            "allreduce wait",
+            f"health check + optimizer ({how})",
+        ], names
         assert spans[0]["ts"] >= outer["ts"] - 1 and all(e["dur"] >= 0 for e in spans)
         for e, nxt in zip(spans, spans[1:]):
             assert e["ts"] + e["dur"] == pytest.approx(nxt["ts"], abs=1)
@@ -120,9 +195,28 @@ def test_training_telemetry_says_whether_the_gpus_are_emulated(two_gpus, tmp_pat
     # device column, the PNG's title and --json's source must say so, and a real GPU's
     # telemetry must never carry the word.
     prefix, out = tmp_path / "tel", tmp_path / "run.json"
-    r = mpirun(2, [sys.executable, "-m", "mgpu", "train", *ARGS, "--steps", "4", "--comm", "nccl",
-                   "--telemetry", prefix, "--telemetry-interval", "0.1", "--json", out],
-               timeout=600, env=mpi_env())
+    r = mpirun(
+        2,
+        [
+            sys.executable,
+            "-m",
+            "mgpu",
+            "train",
+            *ARGS,
+            "--steps",
+            "4",
+            "--comm",
+            "nccl",
+            "--telemetry",
+            prefix,
+            "--telemetry-interval",
+            "0.1",
+            "--json",
+            out,
+        ],
+        timeout=600,
+        env=mpi_env(),
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     emulated = bool(_core.build_info().get("gpu_emulation", False))
     series = json.loads((tmp_path / "tel.json").read_text())
@@ -133,19 +227,62 @@ def test_training_telemetry_says_whether_the_gpus_are_emulated(two_gpus, tmp_pat
     assert ("emulated" in json.loads(out.read_text())["telemetry"]["source"]) is emulated
 
 
-@pytest.mark.parametrize("command", [
-    ["train", "--device", "cuda", "--layers", "64,4096,4096,3", "--batch-size", "64", "--steps", "1", "--no-progress"],
-    ["bench", "--device", "cuda", "--layers", "64,4096,4096,3", "--batch-sizes", "64", "--steps", "1", "--warmup",
-     "0", "--repeats", "1", "--no-progress"],
-])
+@pytest.mark.parametrize(
+    "command",
+    [
+        [
+            "train",
+            "--device",
+            "cuda",
+            "--layers",
+            "64,4096,4096,3",
+            "--batch-size",
+            "64",
+            "--steps",
+            "1",
+            "--no-progress",
+        ],
+        [
+            "bench",
+            "--device",
+            "cuda",
+            "--layers",
+            "64,4096,4096,3",
+            "--batch-sizes",
+            "64",
+            "--steps",
+            "1",
+            "--warmup",
+            "0",
+            "--repeats",
+            "1",
+            "--no-progress",
+        ],
+    ],
+)
 def test_a_model_too_big_for_one_ranks_gpu_ends_every_rank_with_one_line(two_gpus, command):
     # 17M parameters need ~0.4 GB a rank: rank 1's GPU has 0.18 GiB, rank 0's 4 GiB. The
     # memory check is agreed, so rank 0 does not wait for rank 1 in a collective.
     if not _core.build_info().get("gpu_emulation", False):
         pytest.skip("sets each rank's GPU memory through the emulation (MGPU_EMULATE_GPU_MEMORY)")
     run = [sys.executable, "-m", "mgpu", *command]
-    cmd = ["mpirun", "--oversubscribe", "--bind-to", "none", "-np", "1", "-x", "MGPU_EMULATE_GPU_MEMORY=4GiB", *run,
-           ":", "-np", "1", "-x", "MGPU_EMULATE_GPU_MEMORY=0.18GiB", *run]
+    cmd = [
+        "mpirun",
+        "--oversubscribe",
+        "--bind-to",
+        "none",
+        "-np",
+        "1",
+        "-x",
+        "MGPU_EMULATE_GPU_MEMORY=4GiB",
+        *run,
+        ":",
+        "-np",
+        "1",
+        "-x",
+        "MGPU_EMULATE_GPU_MEMORY=0.18GiB",
+        *run,
+    ]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=mpi_env())
     assert r.returncode == 2, r.stdout + r.stderr
     lines = [line for line in r.stderr.splitlines() if line.startswith("mgpu")]

@@ -4,6 +4,7 @@ steps, with dropout and gradient accumulation; bf16 and fp16 (dynamic loss
 scaling) train digits; 1000 steps allocate no device memory; a step replayed
 from a CUDA graph gives the bits of the uncaptured step (and so does the CPU's
 reference capture, tested everywhere)."""
+
 import math
 
 import numpy as np
@@ -20,10 +21,14 @@ def make(device, sizes, dropout=0.0, seed=3, precision="fp32", optimizer="sgd", 
     be = _core.make_backend(device, 0, 1)
     be.precision = precision
     model = _core.MLP(be, sizes, dropout, seed)
-    opt = (_core.Optimizer(model, "sgd", momentum=0.9, weight_decay=0.01) if optimizer == "sgd"
-           else _core.Optimizer(model, "adamw", weight_decay=0.01))
-    step = _core.DataParallelStep(model, opt, _core.LocalCommunicator(), loss,
-                                  _core.StepOptions(bucket_elems=500, **step_opts))
+    opt = (
+        _core.Optimizer(model, "sgd", momentum=0.9, weight_decay=0.01)
+        if optimizer == "sgd"
+        else _core.Optimizer(model, "adamw", weight_decay=0.01)
+    )
+    step = _core.DataParallelStep(
+        model, opt, _core.LocalCommunicator(), loss, _core.StepOptions(bucket_elems=500, **step_opts)
+    )
     return model, step
 
 
@@ -31,13 +36,18 @@ def batches(sizes, loss, steps, batch, seed=0):
     rng = np.random.default_rng(seed)
     for _ in range(steps):
         x = rng.standard_normal((batch, sizes[0])).astype(np.float32)
-        y = (rng.standard_normal((batch, sizes[-1])).astype(np.float32) if loss == "mse"
-             else rng.integers(0, sizes[-1], batch))
+        y = (
+            rng.standard_normal((batch, sizes[-1])).astype(np.float32)
+            if loss == "mse"
+            else rng.integers(0, sizes[-1], batch)
+        )
         yield x, y
 
 
 @pytest.mark.parametrize("optimizer, lr", [("sgd", 0.05), ("adamw", 0.003)])
-@pytest.mark.parametrize("loss, dropout, micro", [("mse", 0.0, 1), ("cross_entropy", 0.2, 1), ("cross_entropy", 0.0, 3)])
+@pytest.mark.parametrize(
+    "loss, dropout, micro", [("mse", 0.0, 1), ("cross_entropy", 0.2, 1), ("cross_entropy", 0.0, 3)]
+)
 def test_cuda_training_matches_cpu(gpu, optimizer, lr, loss, dropout, micro):
     sizes = [20, 64, 48, 5]
     runs = {}
@@ -72,14 +82,15 @@ def test_clipping_and_stop_flag_on_cuda(gpu):
 
 def digits_accuracy(precision, epochs=25, **step_opts):
     data = load_dataset("digits")
-    model, step = make("cuda", [64, 128, 10], precision=precision, optimizer="adamw", loss="cross_entropy",
-                       seed=0, **step_opts)
+    model, step = make(
+        "cuda", [64, 128, 10], precision=precision, optimizer="adamw", loss="cross_entropy", seed=0, **step_opts
+    )
     rng = np.random.default_rng(0)
     t, applied = 0, []
     for _ in range(epochs):
         order = rng.permutation(len(data.x_train))
         for i in range(0, len(order) - 63, 64):
-            idx = order[i:i + 64]
+            idx = order[i : i + 64]
             r = step.step([(data.x_train[idx], data.y_train[idx], 0)], 64, t, 0.002)
             applied.append(r.applied)
             t += 1
@@ -95,16 +106,18 @@ def test_bf16_trains_digits(gpu):
 
 def test_fp16_with_dynamic_loss_scaling_trains_digits(gpu):
     # 2^24 overflows fp16 in the first backward: those steps are skipped and the scale halves.
-    accuracy, applied, step = digits_accuracy("fp16", loss_scale=2.0 ** 24, dynamic_loss_scale=True,
-                                              loss_scale_window=100)
+    accuracy, applied, step = digits_accuracy(
+        "fp16", loss_scale=2.0**24, dynamic_loss_scale=True, loss_scale_window=100
+    )
     assert not applied[0], "the first step at scale 2^24 should overflow and be skipped"
     assert sum(applied) > 0.9 * len(applied)
-    assert step.loss_scale < 2.0 ** 24
+    assert step.loss_scale < 2.0**24
     assert accuracy >= 0.93, accuracy
 
 
 def fp16_trainer(**kwargs):
     from mgpu import MLP, Trainer
+
     model = MLP([10, 32, 1], seed=0, device="cuda", precision="fp16")
     return Trainer(model, lr=1e-5, **kwargs)
 
@@ -123,7 +136,7 @@ def test_fp16_overflows_while_the_scale_comes_down_are_not_bad_steps(gpu, capfd)
         trainer.step(x, y)
         applied.append(trainer.last_result.applied)
     assert applied[:3] == [False] * 3 and all(applied[-5:]), applied
-    assert trainer.bad_steps == 0 and trainer.last_result.loss_scale < 2.0 ** 16
+    assert trainer.bad_steps == 0 and trainer.last_result.loss_scale < 2.0**16
     err = capfd.readouterr().err
     assert err.count("scaled gradients overflowed at loss scale 65536") == 1 and "non-finite" not in err
     # a non-finite loss is a bad step whatever the scale
@@ -135,24 +148,42 @@ def test_fp16_training_refuses_inputs_beyond_fp16s_range(gpu, tmp_path):
     # cast to fp16 they become inf: every step's gradients NaN, which no loss scale helps
     import subprocess
     import sys
+
     from conftest import mpi_env  # tests/conftest.py
+
     data = tmp_path / "big.npz"
     rng = np.random.default_rng(0)
     x = rng.standard_normal((256, 10)).astype(np.float32)
     x[7, 3] = 1e6
     np.savez(data, x=x, y=rng.standard_normal((256, 1)).astype(np.float32))
-    args = [sys.executable, "-m", "mgpu", "train", "--device", "cuda", "--dataset", str(data), "--layers", "10,8,1",
-            "--batch-size", "32", "--steps", "2", "--no-progress"]
+    args = [
+        sys.executable,
+        "-m",
+        "mgpu",
+        "train",
+        "--device",
+        "cuda",
+        "--dataset",
+        str(data),
+        "--layers",
+        "10,8,1",
+        "--batch-size",
+        "32",
+        "--steps",
+        "2",
+        "--no-progress",
+    ]
     r = subprocess.run([*args, "--precision", "fp16"], capture_output=True, text=True, timeout=300, env=mpi_env())
     assert r.returncode == 2 and "the inputs reach 1e+06, beyond fp16's largest value 65504" in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr
     r = subprocess.run([*args, "--precision", "bf16"], capture_output=True, text=True, timeout=300, env=mpi_env())
-    assert r.returncode == 0, r.stderr   # bf16 holds them
+    assert r.returncode == 0, r.stderr  # bf16 holds them
 
 
 def test_resuming_keeps_the_loss_scale_only_between_dynamically_scaled_runs(gpu, tmp_path):
     from mgpu import MLP, Trainer
     from mgpu.train.checkpoint import save_checkpoint
+
     compat = {"layers": [10, 32, 1]}
     fp32 = Trainer(MLP([10, 32, 1], seed=0), lr=1e-3)
     arrays, meta = fp32.state(compat)
@@ -160,7 +191,7 @@ def test_resuming_keeps_the_loss_scale_only_between_dynamically_scaled_runs(gpu,
     path = save_checkpoint(str(tmp_path), 0, arrays, meta, 2)
     fp16 = fp16_trainer()
     fp16.load_checkpoint(path, compat)
-    assert fp16._step.loss_scale == 2.0 ** 16   # not fp32's 1.0: fp16 gradients would underflow
+    assert fp16._step.loss_scale == 2.0**16  # not fp32's 1.0: fp16 gradients would underflow
     # a dynamically scaled checkpoint continues at its scale (older ones, without the flag, too)
     for flag in (True, None):
         fp16._step.loss_scale = 512.0
@@ -172,7 +203,7 @@ def test_resuming_keeps_the_loss_scale_only_between_dynamically_scaled_runs(gpu,
         again.load_checkpoint(path, compat)
         assert again._step.loss_scale == 512.0
         fp32.load_checkpoint(path, compat)
-        assert fp32._step.loss_scale == 1.0   # an fp32 run keeps its own
+        assert fp32._step.loss_scale == 1.0  # an fp32 run keeps its own
 
 
 def test_no_device_memory_growth_over_1000_steps(gpu):
@@ -192,7 +223,7 @@ def test_no_device_memory_growth_over_1000_steps(gpu):
     run(10, 40 if EMULATED else 1000)
     model.backend.synchronize()
     free_after, _ = _core.cuda_memory_info(gpu)
-    assert free_after == free_before, (free_before - free_after) / 2 ** 20
+    assert free_after == free_before, (free_before - free_after) / 2**20
     if EMULATED:  # stronger there: not one allocation, even one freed again
         assert _core.emulation.counters()["allocations"] == allocations_before
 
@@ -228,8 +259,15 @@ def test_graph_step_equals_uncaptured_step(capture_device, precision, micro):
     sizes = [32, 256, 128, 64, 10]  # the medium preset's hidden layers
     out = {}
     for graph in ("off", "on"):
-        model, step = make(capture_device, sizes, dropout=0.2, precision=precision, optimizer="adamw",
-                           loss="cross_entropy", graph=graph)
+        model, step = make(
+            capture_device,
+            sizes,
+            dropout=0.2,
+            precision=precision,
+            optimizer="adamw",
+            loss="cross_entropy",
+            graph=graph,
+        )
         assert step.uses_graphs == (graph == "on")
         losses = run_steps(step, sizes, "cross_entropy", [micro] * 12)
         out[graph] = (model.get_parameters(), losses, step.graph_replays, step.graph_fallback)
@@ -253,13 +291,22 @@ def test_one_graph_serves_every_micro_batch_step_and_loss_scale(capture_device, 
     micro, steps = [4] * 20, 6
     out = {}
     for graph in ("off", "on"):
-        model, step = make(capture_device, sizes, dropout=0.2, optimizer="sgd", loss=loss, graph=graph,
-                           loss_scale=8.0, dynamic_loss_scale=True, loss_scale_window=2)
+        model, step = make(
+            capture_device,
+            sizes,
+            dropout=0.2,
+            optimizer="sgd",
+            loss=loss,
+            graph=graph,
+            loss_scale=8.0,
+            dynamic_loss_scale=True,
+            loss_scale_window=2,
+        )
         losses = run_steps(step, sizes, loss, [micro] * steps, lr=0.01)
         out[graph] = (model.get_parameters(), losses, step.graph_replays, step.loss_scale)
     params_off, losses_off, _, scale_off = out["off"]
     params_on, losses_on, replays, scale_on = out["on"]
-    assert scale_on == scale_off == 8.0 * 2 ** (steps // 2)   # the scale changed under the graphs
+    assert scale_on == scale_off == 8.0 * 2 ** (steps // 2)  # the scale changed under the graphs
     # One rank: the last micro-batch's graph also holds the step's tail (verdict and
     # update), a key of its own. Step 0: the first (4, fresh), (4, adding) and
     # (4, adding, tail) are uncaptured, the second (4, adding) is captured and replayed;
@@ -280,16 +327,25 @@ def test_a_whole_step_graph_skips_clips_and_scales_like_the_uncaptured_step(capt
     the device: the same results, step count, parameters and optimizer state, bit
     for bit, as the uncaptured step."""
     sizes = [16, 64, 48, 4]
-    batch, bad = sum(micro), {1: np.nan, 6: np.inf}   # step 1: before the graph is captured
+    batch, bad = sum(micro), {1: np.nan, 6: np.inf}  # step 1: before the graph is captured
     out = {}
     for graph in ("off", "on"):
         be = _core.make_backend(capture_device, 0, 1)
         model = _core.MLP(be, sizes, 0.1, 3)
-        opt = (_core.Optimizer(model, "sgd", momentum=0.9, weight_decay=0.01) if optimizer == "sgd"
-               else _core.Optimizer(model, "adamw", weight_decay=0.01))
-        step = _core.DataParallelStep(model, opt, _core.LocalCommunicator(), "mse",
-                                      _core.StepOptions(graph=graph, max_grad_norm=0.5, loss_scale=64.0,
-                                                        dynamic_loss_scale=True, loss_scale_window=2))
+        opt = (
+            _core.Optimizer(model, "sgd", momentum=0.9, weight_decay=0.01)
+            if optimizer == "sgd"
+            else _core.Optimizer(model, "adamw", weight_decay=0.01)
+        )
+        step = _core.DataParallelStep(
+            model,
+            opt,
+            _core.LocalCommunicator(),
+            "mse",
+            _core.StepOptions(
+                graph=graph, max_grad_norm=0.5, loss_scale=64.0, dynamic_loss_scale=True, loss_scale_window=2
+            ),
+        )
         results = []
         for t, (x, y) in enumerate(batches(sizes, "mse", 12, batch, seed=4)):
             if t in bad:
@@ -334,24 +390,29 @@ def test_auto_graphs_only_for_small_models_on_gpus(gpu):
     assert small.uses_graphs
     be = _core.make_backend("cuda", gpu, 1)
     big = _core.MLP(be, [4096, 4096, 1024], 0.0, 0)  # 21M parameters: GEMM-bound, no graphs
-    step = _core.DataParallelStep(big, _core.Optimizer(big, "sgd"), _core.LocalCommunicator(), "mse",
-                                  _core.StepOptions(graph="auto"))
+    step = _core.DataParallelStep(
+        big, _core.Optimizer(big, "sgd"), _core.LocalCommunicator(), "mse", _core.StepOptions(graph="auto")
+    )
     assert not step.uses_graphs
 
 
 def test_the_selector_prices_graphs_where_the_training_step_captures(gpu):
     from mgpu.selector import profiles as perf
     from mgpu.selector import workload
+
     be = _core.make_backend("cuda", gpu, 1)
     profile = perf.named_profile("h100-sxm-8")
     for sizes in ([4095, 4096], [4096, 4096]):  # 2^24 parameters exactly, and 4096 more
         model = _core.MLP(be, sizes, 0.0, 0)
         for mode in ("auto", "on", "off"):
-            step = _core.DataParallelStep(model, _core.Optimizer(model, "sgd"), _core.LocalCommunicator(), "mse",
-                                          _core.StepOptions(graph=mode))
+            step = _core.DataParallelStep(
+                model, _core.Optimizer(model, "sgd"), _core.LocalCommunicator(), "mse", _core.StepOptions(graph=mode)
+            )
             w = workload.build_workload(None, sizes, None, 64, "fp32", "sgd", 4.0, cuda_graph=mode)
-            assert perf.P.predict(w, perf.to_core(profile), 1, perf.P.Options()).graphs == step.uses_graphs, \
-                (sizes, mode)
+            assert perf.P.predict(w, perf.to_core(profile), 1, perf.P.Options()).graphs == step.uses_graphs, (
+                sizes,
+                mode,
+            )
             del step
         del model
 
@@ -384,10 +445,18 @@ def test_unscale_and_clip_fused_into_the_update_equal_a_scale_pass_then_the_upda
     sizes = [10, 32, 3]
     be = _core.make_backend(device, 0, 1)
     model = _core.MLP(be, sizes, 0.0, 3)
-    opt = (_core.Optimizer(model, "sgd", momentum=0.9, weight_decay=0.01) if optimizer == "sgd"
-           else _core.Optimizer(model, "adamw", weight_decay=0.01))
-    step = _core.DataParallelStep(model, opt, _core.LocalCommunicator(), "mse",
-                                  _core.StepOptions(bucket_elems=500, max_grad_norm=0.05, loss_scale=1000.0))
+    opt = (
+        _core.Optimizer(model, "sgd", momentum=0.9, weight_decay=0.01)
+        if optimizer == "sgd"
+        else _core.Optimizer(model, "adamw", weight_decay=0.01)
+    )
+    step = _core.DataParallelStep(
+        model,
+        opt,
+        _core.LocalCommunicator(),
+        "mse",
+        _core.StepOptions(bucket_elems=500, max_grad_norm=0.05, loss_scale=1000.0),
+    )
     names = opt.state_names()
     for t, (x, y) in enumerate(batches(sizes, "mse", 3, 16)):
         params = model.get_parameters()
@@ -399,11 +468,23 @@ def test_unscale_and_clip_fused_into_the_update_equal_a_scale_pass_then_the_upda
         scaled = _core.backend_ops.scale(be, model.get_gradients(), factor)
         if optimizer == "sgd":
             buf = state["momentum_buffer"]
-            want = _core.backend_ops.sgd_update(be, params, scaled, buf, lr=0.1, momentum=0.9, weight_decay=0.01,
-                                                first_step=t == 0)
+            want = _core.backend_ops.sgd_update(
+                be, params, scaled, buf, lr=0.1, momentum=0.9, weight_decay=0.01, first_step=t == 0
+            )
         else:
-            want = _core.backend_ops.adamw_update(be, params, scaled, state["exp_avg"], state["exp_avg_sq"], lr=0.1, beta1=0.9, beta2=0.999,
-                                                  eps=1e-8, weight_decay=0.01, step=t + 1)
+            want = _core.backend_ops.adamw_update(
+                be,
+                params,
+                scaled,
+                state["exp_avg"],
+                state["exp_avg_sq"],
+                lr=0.1,
+                beta1=0.9,
+                beta2=0.999,
+                eps=1e-8,
+                weight_decay=0.01,
+                step=t + 1,
+            )
         assert np.array_equal(model.get_parameters(), want[0]), f"step {t}"
         for k, w in zip(names, want[1:]):
             assert np.array_equal(opt.get_state(k, model.num_params), w), (t, k)
@@ -417,8 +498,12 @@ def test_clipping_and_loss_scaling_launch_no_kernel_of_their_own(gpu):
     sizes = [10, 32, 3]
     data = list(batches(sizes, "mse", 3, 16))
     per_step = {}
-    for name, opts in (("plain", {}), ("clip", dict(max_grad_norm=0.05)), ("scale", dict(loss_scale=1000.0)),
-                       ("both", dict(max_grad_norm=0.05, loss_scale=1000.0))):
+    for name, opts in (
+        ("plain", {}),
+        ("clip", dict(max_grad_norm=0.05)),
+        ("scale", dict(loss_scale=1000.0)),
+        ("both", dict(max_grad_norm=0.05, loss_scale=1000.0)),
+    ):
         model, step = make("cuda", sizes, optimizer="adamw", graph="off", **opts)
         x, y = data[0]
         step.step([(x, y, 0)], 16, 0, 0.1)  # warm-up
@@ -465,8 +550,10 @@ def test_persistent_half_weights_equal_a_cast_at_every_use(gpu, precision):
     assert loss == fresh_step.step([(x, y, 0)], 32, 0, 1e-2).loss
 
 
-@pytest.mark.parametrize("precision, graph, micro", [("bf16", "off", [32]), ("bf16", "on", [12, 20]),
-                                                     ("fp16", "off", [12, 20]), ("fp16", "on", [32])])
+@pytest.mark.parametrize(
+    "precision, graph, micro",
+    [("bf16", "off", [32]), ("bf16", "on", [12, 20]), ("fp16", "off", [12, 20]), ("fp16", "on", [32])],
+)
 def test_half_operands_equal_a_cast_at_every_use(gpu, monkeypatch, precision, graph, micro):
     # The ReLU kernels write the half copy of each activation and gradient they
     # produce, the input and loss gradient are cast once; each is read by every
@@ -481,8 +568,10 @@ def test_half_operands_equal_a_cast_at_every_use(gpu, monkeypatch, precision, gr
         model, step = make("cuda", sizes, dropout=0.2, precision=precision, optimizer="adamw", graph=graph)
         cut = np.concatenate([[0], np.cumsum(micro)])
         kernels = _core.emulation.counters()["kernels_executed"] if EMULATED else 0
-        losses = [step.step([(x[a:b], y[a:b], int(a)) for a, b in zip(cut[:-1], cut[1:])], sum(micro), t, 1e-3).loss
-                  for t, (x, y) in enumerate(data)]
+        losses = [
+            step.step([(x[a:b], y[a:b], int(a)) for a, b in zip(cut[:-1], cut[1:])], sum(micro), t, 1e-3).loss
+            for t, (x, y) in enumerate(data)
+        ]
         kernels = _core.emulation.counters()["kernels_executed"] - kernels if EMULATED else 0
         # a forward outside the step (evaluation) reads copies made by the step's graph or kernels
         runs.append((model.get_parameters(), losses, model.forward(data[0][0]), kernels))
@@ -510,8 +599,10 @@ def test_a_failed_capture_falls_back_to_the_uncaptured_step_exactly(gpu):
         # (launches 1-4), step 1 captures the first: its 1st ReLU backward fails.
         _core.emulation.inject_launch_failure("relu_dropout_backward", device=0, nth=5 if graph == "auto" else 0)
         try:
-            losses = [step.step([(x[:12], y[:12], 0), (x[12:], y[12:], 12)], 32, t, 1e-3).loss
-                      for t, (x, y) in enumerate(data)]
+            losses = [
+                step.step([(x[:12], y[:12], 0), (x[12:], y[12:], 12)], 32, t, 1e-3).loss
+                for t, (x, y) in enumerate(data)
+            ]
         finally:
             _core.emulation.inject_launch_failure("", nth=0)
         runs.append((model.get_parameters(), losses, step.uses_graphs, step.graph_fallback))
@@ -540,11 +631,15 @@ def test_half_operands_save_the_weight_and_activation_casts(gpu):
     model.backend.synchronize()
     per_step = _core.emulation.counters()["kernels_executed"] - before
     from mgpu.selector import costsheet
-    sheet = costsheet.counts(costsheet.step_ops(costsheet.Workload(sizes=sizes, batch=32, precision="bf16",
-                                                                   momentum=False)))
+
+    sheet = costsheet.counts(
+        costsheet.step_ops(costsheet.Workload(sizes=sizes, batch=32, precision="bf16", momentum=False))
+    )
     assert per_step == sheet["kernels_executed"]
     layers = len(sizes) - 1
-    casts = 2   # the input (forward; backward reads the same copy) and the loss gradient (backward)
+    casts = 2  # the input (forward; backward reads the same copy) and the loss gradient (backward)
     assert layers > 2
-    assert per_step == costsheet.counts(costsheet.step_ops(costsheet.Workload(sizes=sizes, batch=32)))[
-        "kernels_executed"] + casts
+    assert (
+        per_step
+        == costsheet.counts(costsheet.step_ops(costsheet.Workload(sizes=sizes, batch=32)))["kernels_executed"] + casts
+    )

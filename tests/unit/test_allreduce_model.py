@@ -2,6 +2,7 @@
 fitted to (issue 13 item 2), multi-node candidates, model-chosen buckets and
 mixed devices. Every bound is checked on data/nccl_published.json through the
 C++ model, so a broken model or a bad refit fails here."""
+
 import copy
 import json
 
@@ -27,8 +28,13 @@ def _per_profile(rows, role):
 
 def test_fitted_tables_meet_the_issue_bounds_from_32k_to_8g():
     rows = af.validate()
-    assert {r["table"] for r in rows} >= {"azure-nd-h100-v5", "together-h100-nccl2.26-nvls", "azure-nd-a100-v4",
-                                          "gcp-a3-mega-2x8", "aws-p5-2x8-efa-nccl2.22"}
+    assert {r["table"] for r in rows} >= {
+        "azure-nd-h100-v5",
+        "together-h100-nccl2.26-nvls",
+        "azure-nd-a100-v4",
+        "gcp-a3-mega-2x8",
+        "aws-p5-2x8-efa-nccl2.22",
+    }
     assert all(af.VALID_RANGE[0] <= r["bytes"] <= af.VALID_RANGE[1] for r in rows)
     checked = 0
     for profile, errs in _per_profile(rows, "fit").items():
@@ -44,19 +50,23 @@ def test_fitted_tables_meet_the_issue_bounds_from_32k_to_8g():
 # and in docs/selector-validation.md, and each must keep failing (strict) until fixed.
 HELD_OUT_MISSES = {
     ("nccl-1244-h20-2x8-ib", "median"): "a slower Hopper + NDR fabric than the H100 system h100-ib-2x8 is fitted "
-                                        "to (its reporter calls its 343 GB/s low): the profile predicts it too fast",
+    "to (its reporter calls its 343 GB/s low): the profile predicts it too fast",
     ("nccl-1244-h20-2x8-ib", "worst"): "the same slower fabric",
     ("abci2-a100-16x8-ib-nccl2.8.4", "worst"): "the median holds; its 128 KiB row is a stall (203.2 us out-of-place "
-                                               "against 129.6 in-place, between 102.9 and 147.7), ~35 % off",
+    "against 129.6 in-place, between 102.9 and 147.7), ~35 % off",
     ("nccl-tests-309-h100-4x8-ndr-vm", "worst"): "4 VMs with a custom topology file: the median holds; its 2 MiB row "
-                                                 "(slower than its 4 MiB row) is ~44 % off",
+    "(slower than its 4 MiB row) is ~44 % off",
 }
 
 
 def _held_out(bound):
     tables = [t["id"] for t in af.load_published()["tables"] if t["role"] == "holdout"]
-    return [pytest.param(t, marks=pytest.mark.xfail(strict=True, reason=HELD_OUT_MISSES[(t, bound)]))
-            if (t, bound) in HELD_OUT_MISSES else t for t in tables]
+    return [
+        pytest.param(t, marks=pytest.mark.xfail(strict=True, reason=HELD_OUT_MISSES[(t, bound)]))
+        if (t, bound) in HELD_OUT_MISSES
+        else t
+        for t in tables
+    ]
 
 
 def _errors(table):
@@ -144,8 +154,9 @@ def test_from_three_nodes_ll_and_ll128_carry_nccls_lower_caps_and_simple_the_wir
     def alone(proto, scale):
         fraction = [0.0, 0.0, 0.0]
         fraction[proto] = inter["bw_fraction"][proto]
-        return af.model_from_dict({**inter, "latency_s": [0.0] * 3, "hop_s": [0.0] * 3, "bw_fraction": fraction,
-                                   "bw_scale_beyond_two": scale})
+        return af.model_from_dict(
+            {**inter, "latency_s": [0.0] * 3, "hop_s": [0.0] * 3, "bw_fraction": fraction, "bw_scale_beyond_two": scale}
+        )
 
     scale = inter["bw_scale_beyond_two"]
     assert scale[0] < 1 and scale[1] < 1 and scale[2] == 1
@@ -196,8 +207,14 @@ def test_recommend_nodes_compares_one_gpu_one_node_and_k_nodes(profile, nodes):
         selector_recommend.recommend(model="xl", batch_size=4096, profile=profile, nodes=nodes, devices=[1, 8])
     # beyond the profile's own 2 nodes the answer says it extrapolates
     extrapolated = [reason for reason in r["reasons"] if "extrapolated" in reason]
-    assert extrapolated == ([] if nodes == 2 else [f"{nodes} nodes extrapolated from the profile's 2: more nodes of "
-                                                   "the same kind over the same inter-node link, priced by its model"])
+    assert extrapolated == (
+        []
+        if nodes == 2
+        else [
+            f"{nodes} nodes extrapolated from the profile's 2: more nodes of "
+            "the same kind over the same inter-node link, priced by its model"
+        ]
+    )
     assert r["confidence"] <= selector_recommend.NAMED_CONFIDENCE
 
 
@@ -243,14 +260,16 @@ def test_recommend_auto_gives_every_candidate_its_own_best_bucket():
         assert c["predicted_step_ms"] <= c4["predicted_step_ms"] * (1 + 1e-9)
     fastest = min(auto["candidates"][1:], key=lambda c: c["predicted_step_ms"])
     assert auto["bucket_mb_used"] == pytest.approx(fastest["bucket_mb"])
-    assert f"{fastest['bucket_mb'] * 2 ** 20 / 1e6:.1f} MB bucket on {fastest['devices']} GPUs" in " ".join(auto["reasons"])
+    assert f"{fastest['bucket_mb'] * 2**20 / 1e6:.1f} MB bucket on {fastest['devices']} GPUs" in " ".join(
+        auto["reasons"]
+    )
 
 
 def test_cpu_buckets_stay_below_openmpis_slow_path():
     prof = perf.named_profile("cpu", 2)
     w = workload.build_workload("xl", None, None, 256, "fp32", "adamw", 4.0)
     b = selector_recommend.auto_bucket(prof, w, 2)
-    assert 0 < b["bucket_mb"] * 2 ** 20 <= selector_recommend.CPU_MAX_BUCKET_BYTES
+    assert 0 < b["bucket_mb"] * 2**20 <= selector_recommend.CPU_MAX_BUCKET_BYTES
     r = selector_recommend.recommend(model="xl", batch_size=256, profile="cpu", devices=[1, 2], bucket_mb="auto")
     assert r["bucket_mb_used"] == pytest.approx(b["bucket_mb"])
 
@@ -296,11 +315,26 @@ def test_chosen_bucket_is_never_worse_than_4mb_and_tries_the_whole_gradient(mode
 def test_a_larger_bucket_is_taken_only_where_it_exposes_clearly_less():
     # Without latency and without overlap every size exposes the same allreduce: the
     # smallest stays (larger buckets hold more memory and start later).
-    prof = {"format": perf.PROFILE_FORMAT, "version": 1, "name": "flat", "source": "calibrated",
-            "devices": [{"name": "dev", "kind": "cuda", "fp32": {"peak_flops": 1e13, "half_work_flops": 0.0},
-                         "memory_bytes": 16e9, "memory_bandwidth": 1e12, "launch_overhead_s": 0.0}] * 2,
-            "step_overhead_s": 0.0, "model_error": 0.1,
-            "link": {"name": "flat", "alpha_s": 0.0, "bus_bandwidth": 1e10, "overlaps_compute": False}}
+    prof = {
+        "format": perf.PROFILE_FORMAT,
+        "version": 1,
+        "name": "flat",
+        "source": "calibrated",
+        "devices": [
+            {
+                "name": "dev",
+                "kind": "cuda",
+                "fp32": {"peak_flops": 1e13, "half_work_flops": 0.0},
+                "memory_bytes": 16e9,
+                "memory_bandwidth": 1e12,
+                "launch_overhead_s": 0.0,
+            }
+        ]
+        * 2,
+        "step_overhead_s": 0.0,
+        "model_error": 0.1,
+        "link": {"name": "flat", "alpha_s": 0.0, "bus_bandwidth": 1e10, "overlaps_compute": False},
+    }
     hw = perf.to_core(prof, 2)
     w = workload.build_workload("large", None, None, 256, "fp32", "sgd", 4.0)
     choice = P.choose_bucket(w, hw, 2, P.Options())
@@ -313,7 +347,7 @@ def test_a_larger_bucket_is_taken_only_where_it_exposes_clearly_less():
     assert choice.bucket_elems == choice.tried[-1][0]
 
 
-@pytest.mark.parametrize("params", [1e12, 1e15, 2.0 ** 62])
+@pytest.mark.parametrize("params", [1e12, 1e15, 2.0**62])
 def test_huge_models_are_priced(params):
     # The bucket schedule is priced per run of equal buckets: a 2^62-parameter gradient in
     # 256 KiB buckets (2^46 of them) once failed with std::bad_alloc, and 1e12 took minutes.
@@ -329,10 +363,10 @@ def test_huge_models_are_priced(params):
 
 
 def test_more_than_2_to_the_62_parameters_is_a_clear_error():
-    w = workload.build_workload(None, None, 2.0 ** 62 * 1.01, 64, "fp32", "sgd", 4.0)
+    w = workload.build_workload(None, None, 2.0**62 * 1.01, 64, "fp32", "sgd", 4.0)
     with pytest.raises(ValueError, match="2\\^62"):
         w.resolved_layers()
-    w = workload.build_workload(None, [2 ** 31 - 1] * 3, None, 64, "fp32", "sgd", 4.0)
+    w = workload.build_workload(None, [2**31 - 1] * 3, None, 64, "fp32", "sgd", 4.0)
     with pytest.raises(ValueError, match="at most 2\\^62"):
         w.resolved_layers()
 
@@ -356,8 +390,9 @@ def test_p2p_pair_takes_its_bandwidth_from_a_published_p2p_run_and_the_rest_from
     anchor = next(a for a in pub["anchors"] if a["id"] == "tinygrad-okm-36-4x4090-p2p")
     assert anchor["profile"] == "pcie-pair-p2p" and anchor["source"].startswith("https://github.com/")
     assert p2p["intra"]["ring_busbw"] == pytest.approx(anchor["value_GBps"] * 1e9) == af.p2p_pair_busbw(pub)
-    assert {k: v for k, v in p2p["intra"].items() if k != "ring_busbw"} == \
-        {k: v for k, v in pair.items() if k != "ring_busbw"}
+    assert {k: v for k, v in p2p["intra"].items() if k != "ring_busbw"} == {
+        k: v for k, v in pair.items() if k != "ring_busbw"
+    }
     assert "ASSUMPTION" not in p2p["why_fixed"] and "#36" in p2p["why_fixed"]
     # the profile cites it, and a large allreduce runs at its busbw
     prof = perf.named_profile("pcie-pair-p2p", 2)

@@ -1,8 +1,8 @@
 """The CLI's shared pieces (mgpu.commands.common) in one process: list options refuse empty
 items, signs, overflow and (for sweeps) duplicates; an error line is one write; the
 `mgpu info` summary."""
+
 import argparse
-import ast
 import copy
 import json
 import os
@@ -13,26 +13,29 @@ import pytest
 import mgpu
 from mgpu.commands import info as info_command
 from mgpu.commands import main as cli
-from mgpu.selector import tuning
 from mgpu.commands.common import INT32_MAX, float_list, int_list
+from mgpu.selector import tuning
 
 PACKAGE = Path(mgpu.__file__).parent
 
 
-@pytest.mark.parametrize("text, message", [
-    ("50,,3", "empty value"),
-    ("50,3,", "empty value"),
-    (",50,3", "empty value"),
-    ("", "got nothing"),
-    ("50,abc,3", "'abc' is not an integer"),
-    ("50,2.5,3", "not an integer"),
-    ("50,-3,3", ">= 1, got -3"),
-    ("50,0,3", ">= 1, got 0"),
-    ("50,+3,3", "plain digits"),
-    ("50,1_000,3", "plain digits"),
-    (f"50,{INT32_MAX + 1},3", f"at most {INT32_MAX}"),
-    ("50," + "9" * 30 + ",3", f"at most {INT32_MAX}"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("50,,3", "empty value"),
+        ("50,3,", "empty value"),
+        (",50,3", "empty value"),
+        ("", "got nothing"),
+        ("50,abc,3", "'abc' is not an integer"),
+        ("50,2.5,3", "not an integer"),
+        ("50,-3,3", ">= 1, got -3"),
+        ("50,0,3", ">= 1, got 0"),
+        ("50,+3,3", "plain digits"),
+        ("50,1_000,3", "plain digits"),
+        (f"50,{INT32_MAX + 1},3", f"at most {INT32_MAX}"),
+        ("50," + "9" * 30 + ",3", f"at most {INT32_MAX}"),
+    ],
+)
 def test_int_list_refuses_what_the_core_cannot_take(text, message):
     with pytest.raises(argparse.ArgumentTypeError, match=message):
         int_list("layer sizes")(text)
@@ -45,61 +48,96 @@ def test_int_list_takes_plain_positive_integers():
     assert int_list("rank counts", distinct=True)("4,1,2") == [4, 1, 2]
 
 
-@pytest.mark.parametrize("text, message", [
-    ("0.5,,0.5", "empty value"), ("0.5,", "empty value"), ("-1,2", ">= 0"), ("nan,1", "finite"),
-    ("inf,1", "finite"), ("1e400,1", "finite"), ("a,1", "not a number"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("0.5,,0.5", "empty value"),
+        ("0.5,", "empty value"),
+        ("-1,2", ">= 0"),
+        ("nan,1", "finite"),
+        ("inf,1", "finite"),
+        ("1e400,1", "finite"),
+        ("a,1", "not a number"),
+    ],
+)
 def test_float_list_refuses_empty_negative_and_non_finite(text, message):
     with pytest.raises(argparse.ArgumentTypeError, match=message):
         float_list("batch shares")(text)
 
 
-@pytest.mark.parametrize("argv, option", [
-    (["train", "--layers", "50,,3"], "--layers"),
-    (["train", "--batch-shares", "0.7,,0.3"], "--batch-shares"),
-    (["bench", "--layers", "4,0,4"], "--layers"),
-    (["bench", "--batch-sizes", "64,64"], "--batch-sizes"),
-    (["bench", "--ranks", "2,2"], "--ranks"),
-    (["bench", "--ranks", f"1,{INT32_MAX + 1}"], "--ranks"),
-    (["recommend", "--model", "large", "--batch-size", "8", "--devices", "1,1"], "--devices"),
-    (["recommend", "--layers", f"50,{2**40},3", "--batch-size", "8"], "--layers"),
-])
+@pytest.mark.parametrize(
+    "argv, option",
+    [
+        (["train", "--layers", "50,,3"], "--layers"),
+        (["train", "--batch-shares", "0.7,,0.3"], "--batch-shares"),
+        (["bench", "--layers", "4,0,4"], "--layers"),
+        (["bench", "--batch-sizes", "64,64"], "--batch-sizes"),
+        (["bench", "--ranks", "2,2"], "--ranks"),
+        (["bench", "--ranks", f"1,{INT32_MAX + 1}"], "--ranks"),
+        (["recommend", "--model", "large", "--batch-size", "8", "--devices", "1,1"], "--devices"),
+        (["recommend", "--layers", f"50,{2**40},3", "--batch-size", "8"], "--layers"),
+    ],
+)
 def test_every_list_option_is_checked_by_the_parser(argv, option):
     with pytest.raises(cli.UsageError, match=f"argument {option}: "):
         cli.build_parser().parse_args(argv)
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["bench", "--ranks", "100000", "--model", "medium"], "bench launches every rank on this machine, at most"),
-    (["bench", "--ranks", "1,8", "--batch-sizes", "4", "--model", "medium"], "batch 4 is smaller than 8 ranks"),
-    (["recommend", "--model", "large", "--batch-size", "8", "--profile", "h100-ib-2x8", "--nodes", "1025"],
-     "--nodes must be at most 1024"),
-    (["bench", "--model", "medium", "--batch-sizes", "2000000000", "--no-progress"], "rows a rank needs about"),
-    # flags that were silently ignored: topo measured with the default threads, or saved nowhere
-    (["topo", "--threads", "0"], "--threads must be >= 1, got 0"),
-    (["topo", "--no-save", "--out", "profile.json"], "--no-save saves none"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["bench", "--ranks", "100000", "--model", "medium"], "bench launches every rank on this machine, at most"),
+        (["bench", "--ranks", "1,8", "--batch-sizes", "4", "--model", "medium"], "batch 4 is smaller than 8 ranks"),
+        (
+            ["recommend", "--model", "large", "--batch-size", "8", "--profile", "h100-ib-2x8", "--nodes", "1025"],
+            "--nodes must be at most 1024",
+        ),
+        (["bench", "--model", "medium", "--batch-sizes", "2000000000", "--no-progress"], "rows a rank needs about"),
+        # flags that were silently ignored: topo measured with the default threads, or saved nowhere
+        (["topo", "--threads", "0"], "--threads must be >= 1, got 0"),
+        (["topo", "--no-save", "--out", "profile.json"], "--no-save saves none"),
+    ],
+)
 def test_counts_beyond_what_can_run_are_refused_before_anything_starts(argv, message, capfd):
     assert cli.main(argv) == 2  # an mpirun of 100000 ranks would not come back
     err = capfd.readouterr().err
     assert message in err and err.count("\n") == 1, err
 
 
-@pytest.mark.parametrize("argv", [["train", "--model", "medium", "--steps", "1", "--tensorboard", ""],
-                                  ["bench", "--model", "medium", "--plots", ""], ["topo", "--plots", ""]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["train", "--model", "medium", "--steps", "1", "--tensorboard", ""],
+        ["bench", "--model", "medium", "--plots", ""],
+        ["topo", "--plots", ""],
+    ],
+)
 def test_an_empty_output_directory_is_refused_not_ignored(argv, capfd):
     assert cli.main(argv) == 2
     err = capfd.readouterr().err
     assert f"{argv[-2]}: the path is empty" in err and err.count("\n") == 1, err
 
 
-@pytest.mark.parametrize("argv", [
-    # shares near the float limit: the rows come from split_counts, which normalises them
-    ["train", "--layers", "20,64,3", "--steps", "1", "--batch-shares", "1e308", "--no-progress"],
-    # a batch larger than the dataset takes the dataset's rows, not the batch's
-    ["train", "--dataset", "digits", "--layers", "64,1000,10", "--batch-size", "100000000", "--steps", "1",
-     "--no-progress"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        # shares near the float limit: the rows come from split_counts, which normalises them
+        ["train", "--layers", "20,64,3", "--steps", "1", "--batch-shares", "1e308", "--no-progress"],
+        # a batch larger than the dataset takes the dataset's rows, not the batch's
+        [
+            "train",
+            "--dataset",
+            "digits",
+            "--layers",
+            "64,1000,10",
+            "--batch-size",
+            "100000000",
+            "--steps",
+            "1",
+            "--no-progress",
+        ],
+    ],
+)
 def test_the_memory_check_counts_the_rows_a_rank_really_takes(argv, capfd):
     assert cli.main(argv) == 0, capfd.readouterr().err
 
@@ -107,8 +145,11 @@ def test_the_memory_check_counts_the_rows_a_rank_really_takes(argv, capfd):
 def test_a_list_value_that_starts_with_a_minus_says_how_to_pass_it():
     # argparse reads "-1,2" as an option, not as --batch-shares' value: the error says
     # so and how to pass it, and that form reaches the list check.
-    with pytest.raises(cli.UsageError, match=r"expected one argument \(a value starting with '-' reads as an "
-                                             r"option: write --batch-shares=VALUE\)"):
+    with pytest.raises(
+        cli.UsageError,
+        match=r"expected one argument \(a value starting with '-' reads as an "
+        r"option: write --batch-shares=VALUE\)",
+    ):
         cli.build_parser().parse_args(["train", "--batch-shares", "-1,2"])
     with pytest.raises(cli.UsageError, match="argument --batch-shares: .*"):
         cli.build_parser().parse_args(["train", "--batch-shares=-1,2"])
@@ -131,6 +172,7 @@ def test_an_error_line_starts_after_an_open_progress_bar(capfd):
     from tqdm.auto import tqdm
 
     from mgpu.console import write_line
+
     bar = tqdm(total=4, desc="bench", file=sys.stderr)
     bar.update(1)
     write_line("mgpu: error: something")
@@ -162,20 +204,35 @@ def test_info_summary_names_each_component():
 
 
 def test_info_summary_without_cuda_and_with_mismatched_libraries():
-    no_cuda = _info(compiled=False, backend=False, nccl_communicator=False, devices=[], device_count=0,
-                    nccl_found=False)
+    no_cuda = _info(
+        compiled=False, backend=False, nccl_communicator=False, devices=[], device_count=0, nccl_found=False
+    )
     text = info_command.format_info(no_cuda)
     assert "CUDA:     not built in" in text and "NCCL:     not built in" in text and "no CUDA backend" in text
-    mixed = _info(compiled=True, runtime_compiled="12.4", runtime_loaded="12.8", nccl_communicator=True,
-                  nccl_compiled="2.21.5", nccl_loaded="2.26.2", devices=[], no_device_reason="no driver")
+    mixed = _info(
+        compiled=True,
+        runtime_compiled="12.4",
+        runtime_loaded="12.8",
+        nccl_communicator=True,
+        nccl_compiled="2.21.5",
+        nccl_loaded="2.26.2",
+        devices=[],
+        no_device_reason="no driver",
+    )
     text = info_command.format_info(mixed)
     assert "12.8 (built with 12.4)" in text and "2.26.2 (built with 2.21.5)" in text
     assert "none visible: no driver" in text
 
 
 def test_info_summary_says_when_gpus_are_emulated():
-    gpu = {"index": 0, "name": "Emulated GPU 0", "total_memory_mib": 2048, "multiprocessors": 132,
-           "compute_capability": "9.0", "pci_bus_id": "0000:E0:00.0"}
+    gpu = {
+        "index": 0,
+        "name": "Emulated GPU 0",
+        "total_memory_mib": 2048,
+        "multiprocessors": 132,
+        "compute_capability": "9.0",
+        "pci_bus_id": "0000:E0:00.0",
+    }
     info = _info(compiled=True, devices=[gpu], device_count=1, nccl_communicator=True)
     info["gpu_emulation"] = True
     text = info_command.format_info(info)
@@ -192,7 +249,7 @@ def test_auto_bucket_and_shares_need_a_calibration_of_the_jobs_devices(tmp_path,
     from types import SimpleNamespace
 
     from mgpu.selector import profiles as perf
-    from mgpu.selector import recommend as selector_recommend
+
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     perf.save_profile(perf.named_profile("cpu", 2))
     cfg = mgpu.TrainConfig(layers=[50, 64, 3], batch_size=64, optimizer="sgd")
@@ -209,11 +266,28 @@ def test_auto_bucket_and_shares_need_a_calibration_of_the_jobs_devices(tmp_path,
 
 def test_a_batch_beyond_the_dataset_says_every_step_takes_the_dataset(tmp_path, capfd):
     out = tmp_path / "r.json"
-    assert cli.main(["train", "--layers", "50,16,3", "--steps", "1", "--batch-size", "32", "--accumulate", "1000",
-                     "--no-progress", "--json", str(out)]) == 0
+    assert (
+        cli.main(
+            [
+                "train",
+                "--layers",
+                "50,16,3",
+                "--steps",
+                "1",
+                "--batch-size",
+                "32",
+                "--accumulate",
+                "1000",
+                "--no-progress",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     header = capfd.readouterr().out.splitlines()[0]
     assert "x 1000 accumulated (larger than the 8000 training samples: every step takes all 8000" in header, header
-    assert "global batch 32 (8000 per rank a step)" in header, header   # the whole dataset, not 32
+    assert "global batch 32 (8000 per rank a step)" in header, header  # the whole dataset, not 32
     config = json.loads(out.read_text())["config"]
     assert config["samples_per_step"] == 8000 and config["effective_batch"] == 32000
 
@@ -226,7 +300,7 @@ def test_the_header_splits_the_rows_a_step_takes_when_the_batch_exceeds_the_data
 
 def test_list_profiles_writes_the_list_as_json_too(tmp_path, capfd):
     from mgpu.selector import profiles as perf
-    from mgpu.selector import recommend as selector_recommend
+
     out = tmp_path / "profiles.json"
     assert cli.main(["recommend", "--list-profiles", "--json", str(out)]) == 0
     doc = json.loads(out.read_text())
@@ -237,6 +311,7 @@ def test_list_profiles_writes_the_list_as_json_too(tmp_path, capfd):
 
 def test_outputs_may_not_be_empty_special_shared_or_an_input(tmp_path):
     from mgpu.commands.common import check_outputs
+
     data = tmp_path / "data.npz"
     data.write_bytes(b"x")
     fifo = tmp_path / "fifo"
@@ -265,12 +340,14 @@ def test_topo_refuses_an_output_that_is_one_of_its_plots(tmp_path, option, plot,
 
 
 def test_outputs_may_not_be_or_shadow_what_the_run_keeps_in_its_directories(tmp_path):
-    from mgpu.train.checkpoint import CHECKPOINT_NAME
     from mgpu.commands.common import check_outputs_outside_dirs
+    from mgpu.train.checkpoint import CHECKPOINT_NAME
+
     ckpt, board = tmp_path / "ckpt", tmp_path / "board"
     dirs, reserved = {"--checkpoint-dir": str(ckpt), "--tensorboard": str(board)}, {"--checkpoint-dir": CHECKPOINT_NAME}
-    check_outputs_outside_dirs({"--json": str(ckpt / "results.json"), "--save": str(tmp_path / "ckpt-000000001.npz")},
-                               dirs, reserved)  # beside the checkpoints, or so named elsewhere: fine
+    check_outputs_outside_dirs(
+        {"--json": str(ckpt / "results.json"), "--save": str(tmp_path / "ckpt-000000001.npz")}, dirs, reserved
+    )  # beside the checkpoints, or so named elsewhere: fine
     for outputs, message in [
         ({"--json": str(ckpt)}, "--json .* is the directory --checkpoint-dir writes into"),
         ({"--save": str(board)}, "--save .* is the directory --tensorboard writes into"),
@@ -283,6 +360,7 @@ def test_outputs_may_not_be_or_shadow_what_the_run_keeps_in_its_directories(tmp_
 def test_an_output_is_refused_where_no_file_can_be_created():
     # os.access answers yes for root in /sys; creating a file there fails (after the work)
     from mgpu.commands.common import check_output_dir, check_outputs
+
     with pytest.raises(mgpu.ConfigError, match="'/sys' is not writable"):
         check_outputs({"--json": "/sys/results.json"})
     with pytest.raises(mgpu.ConfigError, match="'/sys' is not writable"):
@@ -291,6 +369,7 @@ def test_an_output_is_refused_where_no_file_can_be_created():
 
 def test_a_failed_json_write_keeps_the_old_file_and_leaves_no_temporary(tmp_path):
     from mgpu.atomic import write_json_atomic
+
     target = tmp_path / "a.json"
     write_json_atomic(str(target), {"kept": 1})
     with pytest.raises(TypeError):
@@ -314,8 +393,18 @@ def test_a_failed_json_write_keeps_the_old_file_and_leaves_no_temporary(tmp_path
 
 def test_save_may_not_overwrite_a_checkpoint_of_the_run(tmp_path, capfd):
     ckpt = tmp_path / "ckpt"
-    base = ["train", "--layers", "20,16,3", "--steps", "2", "--batch-size", "16", "--no-progress",
-            "--checkpoint-dir", str(ckpt)]
+    base = [
+        "train",
+        "--layers",
+        "20,16,3",
+        "--steps",
+        "2",
+        "--batch-size",
+        "16",
+        "--no-progress",
+        "--checkpoint-dir",
+        str(ckpt),
+    ]
     assert cli.main(base) == 0
     kept = (ckpt / "ckpt-000000002.npz").read_bytes()
     capfd.readouterr()
@@ -325,12 +414,20 @@ def test_save_may_not_overwrite_a_checkpoint_of_the_run(tmp_path, capfd):
     assert (ckpt / "ckpt-000000002.npz").read_bytes() == kept
 
 
-@pytest.mark.parametrize("field, value", [("devices", [1, 2]), ("devices", "abc"), ("link", "garbage"),
-                                          ("link", [1]), ("gpus_per_node", "garbage"),
-                                          ("bw_scale_beyond_two", [0, 1, 1])])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("devices", [1, 2]),
+        ("devices", "abc"),
+        ("link", "garbage"),
+        ("link", [1]),
+        ("gpus_per_node", "garbage"),
+        ("bw_scale_beyond_two", [0, 1, 1]),
+    ],
+)
 def test_a_malformed_profile_is_one_config_error(tmp_path, field, value):
     from mgpu.selector import profiles as perf
-    from mgpu.selector import recommend as selector_recommend
+
     profile = perf.named_profile("h100-ib-2x8")
     if field == "bw_scale_beyond_two":
         profile["link"]["nccl"]["inter"][field] = value
@@ -344,20 +441,35 @@ def test_a_malformed_profile_is_one_config_error(tmp_path, field, value):
         perf.load_profile(str(tmp_path))
 
 
-@pytest.mark.parametrize("where, field, value", [
-    ("profile", "step_overhead_s", float("nan")), ("profile", "step_overhead_s", -1.0),
-    ("profile", "model_error", 100.0), ("profile", "model_error", -0.1),
-    ("link", "step_sync_s", float("nan")), ("link", "buffer_bytes", -5.0), ("link", "alpha_s", float("inf")),
-    ("device", "context_bytes", -1.0), ("device", "memory_bytes", -1.0), ("device", "dropout_s_per_unit", float("inf")),
-    ("device", "host_to_device_bandwidth", float("nan")), ("intra", "ring_busbw", float("nan")),
-])
+@pytest.mark.parametrize(
+    "where, field, value",
+    [
+        ("profile", "step_overhead_s", float("nan")),
+        ("profile", "step_overhead_s", -1.0),
+        ("profile", "model_error", 100.0),
+        ("profile", "model_error", -0.1),
+        ("link", "step_sync_s", float("nan")),
+        ("link", "buffer_bytes", -5.0),
+        ("link", "alpha_s", float("inf")),
+        ("device", "context_bytes", -1.0),
+        ("device", "memory_bytes", -1.0),
+        ("device", "dropout_s_per_unit", float("inf")),
+        ("device", "host_to_device_bandwidth", float("nan")),
+        ("intra", "ring_busbw", float("nan")),
+    ],
+)
 def test_a_profile_number_no_step_can_have_is_one_config_error(where, field, value):
     # a NaN or negative figure once printed as a prediction ("nan nanx", "+-10000%")
     from mgpu.selector import profiles as perf
     from mgpu.selector import recommend as selector_recommend
+
     profile = perf.named_profile("h100-sxm-8")
-    target = {"profile": profile, "link": profile["link"], "device": profile["devices"][0],
-              "intra": profile["link"]["nccl"]["intra"]}[where]
+    target = {
+        "profile": profile,
+        "link": profile["link"],
+        "device": profile["devices"][0],
+        "intra": profile["link"]["nccl"]["intra"],
+    }[where]
     target[field] = value
     with pytest.raises(mgpu.ConfigError, match="must be|needs finite|model error"):
         selector_recommend.recommend(model="medium", batch_size=64, profile=profile)
@@ -368,7 +480,7 @@ def test_a_profile_can_come_through_a_pipe(tmp_path):
     import threading
 
     from mgpu.selector import profiles as perf
-    from mgpu.selector import recommend as selector_recommend
+
     fifo = tmp_path / "fifo.json"
     os.mkfifo(fifo)
     text = json.dumps(perf.named_profile("h100-sxm-8"))
@@ -380,9 +492,14 @@ def test_a_profile_can_come_through_a_pipe(tmp_path):
 
 def test_thread_counts_stop_where_openmp_would_crash():
     from mgpu.commands import main as cli_module
+
     parser = cli_module.build_parser()
-    for argv in (["train", "--threads", "100000"], ["topo", "--threads", "5000"], ["stress", "--threads", "2000"],
-                 ["bench", "--threads", "1,5000"]):
+    for argv in (
+        ["train", "--threads", "100000"],
+        ["topo", "--threads", "5000"],
+        ["stress", "--threads", "2000"],
+        ["bench", "--threads", "1,5000"],
+    ):
         with pytest.raises(cli_module.UsageError, match="at most 1024"):
             parser.parse_args(argv)
     assert parser.parse_args(["train", "--threads", "1024"]).threads == 1024
@@ -390,28 +507,34 @@ def test_thread_counts_stop_where_openmp_would_crash():
 
 def test_batch_shares_near_the_float_limit_still_split_the_batch():
     from mgpu.train.data import split_counts
+
     assert split_counts(256, 3, [1e308, 1e308, 1e308]) == [86, 85, 85]
     with pytest.raises(mgpu.ConfigError, match="non-negative batch shares \\(finite"):
         split_counts(256, 2, [float("inf"), 1.0])
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["stress", "--iterations", "99999999999"], "at most 2147483647"),
-    (["stress", "--gemm-size", "2147483647"], "at most 46340"),
-    (["train", "--bucket-mb", "1e30"], "at most"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["stress", "--iterations", "99999999999"], "at most 2147483647"),
+        (["stress", "--gemm-size", "2147483647"], "at most 46340"),
+        (["train", "--bucket-mb", "1e30"], "at most"),
+    ],
+)
 def test_sizes_the_core_cannot_hold_are_refused_when_parsed(argv, message):
     with pytest.raises(cli.UsageError, match=message):
         cli.build_parser().parse_args(argv)
 
 
 def test_recommend_refuses_counts_beyond_64_bits(capfd):
-    for argv, message in ((["--model", "medium", "--batch-size", str(10 ** 20)], "--batch-size must be at most 2^62"),
-                          (["--params", "inf", "--batch-size", "8"], "--params must be in 1..2^62"),
-                          (["--params", "1e300", "--batch-size", "8"], "--params must be in 1..2^62"),
-                          (["--params", "1.9", "--batch-size", "8"], "--params must be a whole number"),
-                          (["--model", "medium", "--batch-size", "8", "--price", "inf"], "--price must be a finite"),
-                          (["--model", "medium", "--batch-size", "8", "--price", "nan"], "--price must be a finite")):
+    for argv, message in (
+        (["--model", "medium", "--batch-size", str(10**20)], "--batch-size must be at most 2^62"),
+        (["--params", "inf", "--batch-size", "8"], "--params must be in 1..2^62"),
+        (["--params", "1e300", "--batch-size", "8"], "--params must be in 1..2^62"),
+        (["--params", "1.9", "--batch-size", "8"], "--params must be a whole number"),
+        (["--model", "medium", "--batch-size", "8", "--price", "inf"], "--price must be a finite"),
+        (["--model", "medium", "--batch-size", "8", "--price", "nan"], "--price must be a finite"),
+    ):
         assert cli.main(["recommend", *argv]) == 2
         err = capfd.readouterr().err
         assert message in err and "Traceback" not in err, err
@@ -422,7 +545,9 @@ def test_write_line_from_a_signal_during_tqdms_import(monkeypatch, capfd):
     # also while tqdm is half imported (a first progress bar): an AttributeError there
     # ended a SIGUSR1-stopped train with a traceback and MPI_ABORT.
     import types
+
     from mgpu.console import write_line
+
     monkeypatch.setitem(__import__("sys").modules, "tqdm", types.ModuleType("tqdm"))
     write_line("mgpu: SIGUSR1 on rank 0: stopping at the next step boundary")
     assert capfd.readouterr().err == "mgpu: SIGUSR1 on rank 0: stopping at the next step boundary\n"
@@ -435,15 +560,26 @@ def test_auto_bucket_and_shares_price_trains_whole_step(tmp_path, monkeypatch):
 
     from mgpu.selector import profiles as perf
     from mgpu.selector import recommend as selector_recommend
+
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     perf.save_profile(perf.named_profile("h100-sxm-8", 8))
     seen = []
     real_predict = perf.P.predict
-    monkeypatch.setattr(selector_recommend, "auto_bucket", lambda prof, w, n, options=None: seen.append(w) or
-                        {"bucket_mb": 1.0, "reason": "test"})
+    monkeypatch.setattr(
+        selector_recommend,
+        "auto_bucket",
+        lambda prof, w, n, options=None: seen.append(w) or {"bucket_mb": 1.0, "reason": "test"},
+    )
     monkeypatch.setattr(perf.P, "predict", lambda w, hw, n, o: seen.append(w) or real_predict(w, hw, n, o))
-    cfg = mgpu.TrainConfig(layers=[50, 64, 3], batch_size=64, accumulate=3, optimizer="sgd", precision="bf16",
-                           grad_dtype="bf16", cuda_graph="off")
+    cfg = mgpu.TrainConfig(
+        layers=[50, 64, 3],
+        batch_size=64,
+        accumulate=3,
+        optimizer="sgd",
+        precision="bf16",
+        grad_dtype="bf16",
+        cuda_graph="off",
+    )
     pg, sizes = SimpleNamespace(size=2), [50, 64, 3]
     tuning.auto_bucket_mb(cfg, pg, sizes, "cuda")
     tuning.auto_batch_shares(cfg, SimpleNamespace(size=8), sizes, "cuda")

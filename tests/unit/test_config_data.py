@@ -1,4 +1,5 @@
 """Validated configuration, datasets and sharding."""
+
 import numpy as np
 import pytest
 
@@ -6,30 +7,33 @@ import mgpu
 from mgpu.train.data import GlobalBatches, load_dataset, local_slice, split_counts
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(batch_size=0), "batch size"),
-    (dict(batch_size=-4), "batch size"),
-    (dict(batch_size=2.5), "batch size"),
-    (dict(layers=[]), "at least an input and an output"),
-    (dict(layers=[10]), "at least an input and an output"),
-    (dict(layers=[10, 0, 3]), "positive integer"),
-    (dict(model="huge"), "unknown model preset 'huge'"),
-    (dict(lr=0), "learning rate"),
-    (dict(lr=-1e-3), "learning rate"),
-    (dict(lr=float("nan")), "learning rate"),
-    (dict(optimizer="lbfgs"), "unknown optimizer 'lbfgs'"),
-    (dict(loss="hinge"), "unknown loss 'hinge'"),
-    (dict(device="tpu"), "unknown device 'tpu'"),
-    (dict(dataset="imagenet"), "unknown dataset 'imagenet'"),
-    (dict(epochs=0), "epochs"),
-    (dict(epochs=None, steps=0), "steps"),
-    (dict(momentum=1.0), "momentum"),
-    (dict(dropout=1.0), "dropout"),
-    (dict(threads=0), "threads"),
-    (dict(weight_decay=-1), "weight decay"),
-    (dict(bucket_mb=0), "bucket"),
-    (dict(seed=-1), "seed"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(batch_size=0), "batch size"),
+        (dict(batch_size=-4), "batch size"),
+        (dict(batch_size=2.5), "batch size"),
+        (dict(layers=[]), "at least an input and an output"),
+        (dict(layers=[10]), "at least an input and an output"),
+        (dict(layers=[10, 0, 3]), "positive integer"),
+        (dict(model="huge"), "unknown model preset 'huge'"),
+        (dict(lr=0), "learning rate"),
+        (dict(lr=-1e-3), "learning rate"),
+        (dict(lr=float("nan")), "learning rate"),
+        (dict(optimizer="lbfgs"), "unknown optimizer 'lbfgs'"),
+        (dict(loss="hinge"), "unknown loss 'hinge'"),
+        (dict(device="tpu"), "unknown device 'tpu'"),
+        (dict(dataset="imagenet"), "unknown dataset 'imagenet'"),
+        (dict(epochs=0), "epochs"),
+        (dict(epochs=None, steps=0), "steps"),
+        (dict(momentum=1.0), "momentum"),
+        (dict(dropout=1.0), "dropout"),
+        (dict(threads=0), "threads"),
+        (dict(weight_decay=-1), "weight decay"),
+        (dict(bucket_mb=0), "bucket"),
+        (dict(seed=-1), "seed"),
+    ],
+)
 def test_bad_config_is_rejected_at_construction(kwargs, match):
     with pytest.raises(mgpu.ConfigError, match=match):
         mgpu.TrainConfig(**kwargs)
@@ -99,23 +103,31 @@ def test_npz_datasets(tmp_path):
     ds = load_dataset(str(good))
     assert ds.num_classes == 3 and len(ds.x_train) + len(ds.x_val) == 30
     reg = tmp_path / "reg.npz"
-    np.savez(reg, x=rng.standard_normal((30, 4)), y=rng.standard_normal(30),
-             x_val=rng.standard_normal((5, 4)), y_val=rng.standard_normal(5))
+    np.savez(
+        reg,
+        x=rng.standard_normal((30, 4)),
+        y=rng.standard_normal(30),
+        x_val=rng.standard_normal((5, 4)),
+        y_val=rng.standard_normal(5),
+    )
     r = load_dataset(str(reg))
     assert r.y_train.shape == (30, 1) and r.x_val.shape == (5, 4)
 
 
-@pytest.mark.parametrize("arrays, match", [
-    (dict(x=np.zeros((0, 3)), y=np.zeros(0)), "empty"),
-    (dict(x=np.array([[np.nan, 1.0]]), y=np.zeros(1)), "NaN or Inf"),
-    (dict(x=np.ones((4, 2)), y=np.array([np.inf, 1, 2, 3])), "NaN or Inf"),
-    (dict(x=np.ones((4, 2)), y=np.array([0, -1, 2, 3])), ">= 0"),
-    (dict(x=np.ones((4, 2)), y=np.zeros(3)), "4 samples but y has 3"),
-    (dict(x=np.ones(4), y=np.zeros(4)), "2-D"),
-    (dict(y=np.zeros(4)), "missing array 'x'"),
-    (dict(x=np.ones((4, 2)), y=np.array(["a", "b", "c", "d"])), "float targets"),
-    (dict(x=np.ones((1, 2)), y=np.zeros(1)), "at least 2"),
-])
+@pytest.mark.parametrize(
+    "arrays, match",
+    [
+        (dict(x=np.zeros((0, 3)), y=np.zeros(0)), "empty"),
+        (dict(x=np.array([[np.nan, 1.0]]), y=np.zeros(1)), "NaN or Inf"),
+        (dict(x=np.ones((4, 2)), y=np.array([np.inf, 1, 2, 3])), "NaN or Inf"),
+        (dict(x=np.ones((4, 2)), y=np.array([0, -1, 2, 3])), ">= 0"),
+        (dict(x=np.ones((4, 2)), y=np.zeros(3)), "4 samples but y has 3"),
+        (dict(x=np.ones(4), y=np.zeros(4)), "2-D"),
+        (dict(y=np.zeros(4)), "missing array 'x'"),
+        (dict(x=np.ones((4, 2)), y=np.array(["a", "b", "c", "d"])), "float targets"),
+        (dict(x=np.ones((1, 2)), y=np.zeros(1)), "at least 2"),
+    ],
+)
 def test_bad_npz_is_a_data_error(tmp_path, arrays, match):
     path = tmp_path / "bad.npz"
     np.savez(path, **arrays)
@@ -141,6 +153,7 @@ def _npz(tmp_path, **arrays):
 
 def test_a_label_at_the_int32_limit_is_refused(tmp_path):
     from mgpu.train.data import MAX_CLASSES
+
     y = np.zeros(4, np.int64)
     y[0] = MAX_CLASSES
     with pytest.raises(mgpu.DataError, match="class labels must be <"):
@@ -155,30 +168,38 @@ def test_boolean_targets_are_refused(tmp_path):
 @pytest.mark.parametrize("fraction", [0.01, 0.99])
 def test_a_split_keeps_a_sample_on_each_side(tmp_path, fraction):
     rng = np.random.default_rng(0)
-    ds = load_dataset(_npz(tmp_path, x=rng.standard_normal((40, 3)), y=rng.standard_normal(40)),
-                      val_fraction=fraction)
+    ds = load_dataset(_npz(tmp_path, x=rng.standard_normal((40, 3)), y=rng.standard_normal(40)), val_fraction=fraction)
     assert len(ds.x_train) >= 1 and len(ds.x_val) >= 1 and len(ds.x_train) + len(ds.x_val) == 40
 
 
-@pytest.mark.parametrize("val, match", [
-    (dict(x_val=np.ones((2, 2))), "both x_val and y_val"),
-    (dict(x_val=np.ones((2, 3)), y_val=np.zeros(2)), "x_val has 3 features"),
-])
+@pytest.mark.parametrize(
+    "val, match",
+    [
+        (dict(x_val=np.ones((2, 2))), "both x_val and y_val"),
+        (dict(x_val=np.ones((2, 3)), y_val=np.zeros(2)), "x_val has 3 features"),
+    ],
+)
 def test_validation_arrays_must_come_together_and_fit(tmp_path, val, match):
     with pytest.raises(mgpu.DataError, match=match):
         load_dataset(_npz(tmp_path, x=np.ones((4, 2)), y=np.zeros(4), **val))
 
 
-@pytest.mark.parametrize("y, y_val", [(np.array([0, 1, 0, 1]), np.array([0.5, 1.5])),  # labels, then floats
-                                      (np.zeros((4, 3)), np.zeros((2, 2)))])            # 3 targets, then 2
+@pytest.mark.parametrize(
+    "y, y_val",
+    [
+        (np.array([0, 1, 0, 1]), np.array([0.5, 1.5])),  # labels, then floats
+        (np.zeros((4, 3)), np.zeros((2, 2))),
+    ],
+)  # 3 targets, then 2
 def test_validation_targets_must_be_of_the_training_targets_kind(tmp_path, y, y_val):
     with pytest.raises(mgpu.DataError, match="y_val does not match"):
         load_dataset(_npz(tmp_path, x=np.ones((4, 2)), y=y, x_val=np.ones((2, 2)), y_val=y_val))
 
 
 def test_the_classes_cover_the_validation_labels(tmp_path):
-    ds = load_dataset(_npz(tmp_path, x=np.ones((4, 2)), y=np.array([0, 1, 2, 0]),
-                           x_val=np.ones((2, 2)), y_val=np.array([4, 0])))
+    ds = load_dataset(
+        _npz(tmp_path, x=np.ones((4, 2)), y=np.array([0, 1, 2, 0]), x_val=np.ones((2, 2)), y_val=np.array([4, 0]))
+    )
     assert ds.num_classes == 5
 
 
@@ -187,4 +208,3 @@ def test_shares_split_by_largest_remainder_and_refuse_negatives():
     assert split_counts(3, 2, [0.9, 0.1]) == [3, 0]
     with pytest.raises(mgpu.ConfigError, match="non-negative"):
         split_counts(10, 2, [2.0, -1.0])
-

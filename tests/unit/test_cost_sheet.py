@@ -1,6 +1,7 @@
 """The analytic cost sheet of the CUDA step (mgpu/selector/costsheet.py, `bench --explain`): its
 arithmetic, its operation counts on small hand-counted models, and the CLI. That its
 counts match the code's is checked on the GPU emulation (tests/emulation/test_strictness.py)."""
+
 import json
 import math
 import subprocess
@@ -16,11 +17,13 @@ GPU = hardware.H100_SXM
 
 def test_a_gemm_is_priced_on_the_selectors_fitted_curve_and_its_memory_traffic():
     from mgpu.selector import gemm_fit
+
     for precision in ("fp32", "tf32", "bf16", "fp16"):
         fit = gemm_fit.rate("h100-sxm", precision)
-        for flops in (1e6, 1e9, 1e12):   # (flops + half) / peak: the fixed time, then the peak
+        for flops in (1e6, 1e9, 1e12):  # (flops + half) / peak: the fixed time, then the peak
             assert cs.gemm_seconds(GPU, precision, flops) == pytest.approx(
-                (flops + fit["half_work_flops"]) / fit["peak_flops"])
+                (flops + fit["half_work_flops"]) / fit["peak_flops"]
+            )
         assert cs.best_gemm_rate(GPU, precision) == pytest.approx(fit["peak_flops"])
     # a few rows against a large weight matrix: the weights' read is the longer
     op = cs.Op("GEMM forward", "gemm", flops=2.0 * 8 * 8192 * 8192, bytes=8192 * 8192 * 2, gemm_shape=(8192, 8, 8192))
@@ -45,14 +48,21 @@ def test_ops_of_a_two_layer_fp32_step_counted_by_hand():
     # kernel; the verdict read back (32 bytes).
     w = cs.Workload(sizes=[4, 8, 2], batch=16)
     c = cs.counts(cs.step_ops(w))
-    assert c == {"kernel_launches": 2 + 1 + 2 + 2 + 1 + 3 + 1, "kernels_executed": 12, "graph_launches": 0,
-                 "blas_calls": 2 + 3, "host_syncs": 1,
-                 "h2d_bytes": 4 + 16 * 4 * 4 + 16 * 2 * 4, "d2h_bytes": 32, "pageable_h2d_copies": 0}
+    assert c == {
+        "kernel_launches": 2 + 1 + 2 + 2 + 1 + 3 + 1,
+        "kernels_executed": 12,
+        "graph_launches": 0,
+        "blas_calls": 2 + 3,
+        "host_syncs": 1,
+        "h2d_bytes": 4 + 16 * 4 * 4 + 16 * 2 * 4,
+        "d2h_bytes": 32,
+        "pageable_h2d_copies": 0,
+    }
     ops = cs.step_ops(w)
     gemm_flops = sum(o.count * o.flops for o in ops if o.kind == "gemm")
-    assert gemm_flops == 2 * 16 * (4 * 8 * 2 + 8 * 2 * 3)   # the first layer has no input gradient
+    assert gemm_flops == 2 * 16 * (4 * 8 * 2 + 8 * 2 * 3)  # the first layer has no input gradient
     (opt,) = [o for o in ops if o.family == "optimizer"]
-    assert opt.bytes == w.params * 4 * 5   # SGD with momentum: p, m read and written, g read
+    assert opt.bytes == w.params * 4 * 5  # SGD with momentum: p, m read and written, g read
 
 
 def test_half_precision_casts_the_input_and_the_loss_gradient_only():
@@ -62,7 +72,7 @@ def test_half_precision_casts_the_input_and_the_loss_gradient_only():
     w = cs.Workload(sizes=[4, 8, 2], batch=16, precision="bf16")
     assert kinds(cs.step_ops(w))["operand casts"] == 2
     relu = [o.bytes for o in cs.step_ops(w) if o.family == "relu/dropout"]
-    assert relu == [16 * 8 * 10, 16 * 8 * 14]   # forward, backward
+    assert relu == [16 * 8 * 10, 16 * 8 * 14]  # forward, backward
     assert cs.counts(cs.step_ops(w))["blas_calls"] == 5
     (opt,) = [o for o in cs.step_ops(w) if o.family == "optimizer"]
     assert opt.bytes == w.params * (4 * 5 + 2)
@@ -72,10 +82,10 @@ def test_accumulation_repeats_the_micro_batch_and_adds_the_loss():
     one = cs.counts(cs.step_ops(cs.Workload(sizes=[4, 8, 2], batch=64)))
     four = cs.counts(cs.step_ops(cs.Workload(sizes=[4, 8, 2], batch=64, accumulate=4)))
     per_micro = 2 + 1 + 2 + 2 + 1
-    assert four["kernel_launches"] == one["kernel_launches"] + 3 * per_micro + 3   # + an axpy per later micro-batch
+    assert four["kernel_launches"] == one["kernel_launches"] + 3 * per_micro + 3  # + an axpy per later micro-batch
     assert four["blas_calls"] == 4 * one["blas_calls"]
-    assert four["h2d_bytes"] == one["h2d_bytes"]   # the same samples, in four copies
-    assert cs.micro_batches(10, 1, 4) == [2, 3, 2, 3]   # Trainer.step's bounds
+    assert four["h2d_bytes"] == one["h2d_bytes"]  # the same samples, in four copies
+    assert cs.micro_batches(10, 1, 4) == [2, 3, 2, 3]  # Trainer.step's bounds
     assert cs.micro_batches(10, 3, 1) == [4] and cs.micro_batches(10, 3, 1, rank=2) == [3]
 
 
@@ -87,7 +97,7 @@ def test_a_graph_replays_the_micro_batch_and_on_one_gpu_the_step_tail_too():
     # several GPUs: the tail is a graph of its own after the allreduce
     two = cs.counts(cs.step_ops(cs.Workload(sizes=[4, 8, 2], batch=32, graph=True, accumulate=2, ranks=2)))
     assert two["kernel_launches"] == 3 and two["graph_launches"] == 3
-    assert two["kernels_executed"] == c["kernels_executed"] + 1   # the tail replay's arguments
+    assert two["kernels_executed"] == c["kernels_executed"] + 1  # the tail replay's arguments
     assert cs.uses_graph("auto", cs.GRAPH_AUTO_MAX_PARAMS) and not cs.uses_graph("auto", cs.GRAPH_AUTO_MAX_PARAMS + 1)
     assert cs.uses_graph("on", 1 << 30) and not cs.uses_graph("off", 10)
 
@@ -98,8 +108,9 @@ def test_the_sheet_adds_up_and_the_floor_is_six_params_batch_over_the_best_rate(
     t = sheet.totals
     assert t["floor_ms"] == pytest.approx(6 * w.params * 1024 / cs.best_gemm_rate(GPU, "bf16") * 1e3)
     assert t["device_ms"] == pytest.approx(sum(r["ms"] for r in sheet.rows.values()))
-    assert t["step_ms"] == pytest.approx(t["host_loop_ms"] + max(t["device_ms"] + t["launch_gaps_ms"], t["host_issue_ms"])
-                                         + t["sync_ms"])
+    assert t["step_ms"] == pytest.approx(
+        t["host_loop_ms"] + max(t["device_ms"] + t["launch_gaps_ms"], t["host_issue_ms"]) + t["sync_ms"]
+    )
     assert t["host_loop_ms"] == pytest.approx(hardware.HOST_LOOP_S * 1e3)
     assert t["ratio_to_floor"] == pytest.approx(t["step_ms"] / t["floor_ms"])
     ms = [g["ms"] for g in sheet.gaps]
@@ -115,19 +126,18 @@ def test_the_sheet_adds_up_and_the_floor_is_six_params_batch_over_the_best_rate(
     big = cs.explain(cs.Workload(sizes=w.sizes, batch=4096, precision="bf16"))
     share = lambda s: next(g["of_floor"] for g in s.gaps if g["cause"].startswith("optimizer"))
     assert share(big) == pytest.approx(share(sheet) / 4)
-    json.dumps(sheet.as_dict())   # serialisable as it is written
+    json.dumps(sheet.as_dict())  # serialisable as it is written
 
 
 def test_a_tiny_model_is_bound_by_launches_not_flops():
     sheet = cs.explain(cs.Workload(sizes=[50, 256, 128, 64, 3], batch=64, graph=True))
     t = sheet.totals
     assert t["ratio_to_floor"] > 50
-    assert t["in_graph_ms"] > 0.5 * t["step_ms"]   # most of the step is the one replay
+    assert t["in_graph_ms"] > 0.5 * t["step_ms"]  # most of the step is the one replay
 
 
 def run_cli(*args):
-    return subprocess.run([sys.executable, "-m", "mgpu", "bench", *args], capture_output=True, text=True,
-                          timeout=120)
+    return subprocess.run([sys.executable, "-m", "mgpu", "bench", *args], capture_output=True, text=True, timeout=120)
 
 
 def test_bench_explain_prints_and_writes_the_sheet_without_running(tmp_path):
@@ -138,7 +148,7 @@ def test_bench_explain_prints_and_writes_the_sheet_without_running(tmp_path):
     assert "floor 6 x params x rows a GPU" in r.stdout and "sources:" in r.stdout
     sheets = json.loads(out.read_text())["cost_sheets"]
     assert [s["workload"]["batch"] for s in sheets] == [1024, 2048]
-    assert all(not s["workload"]["cuda_graph"] for s in sheets)   # xl is above the auto graph limit
+    assert all(not s["workload"]["cuda_graph"] for s in sheets)  # xl is above the auto graph limit
     assert math.isclose(sheets[0]["totals"]["floor_ms"] * 2, sheets[1]["totals"]["floor_ms"])
     # what a GPU holds, as the selector prices it: it grows with the rows
     assert sheets[0]["memory"]["fits"] and sheets[0]["memory"]["bytes"] < sheets[1]["memory"]["bytes"]
@@ -152,12 +162,15 @@ def test_bench_explain_says_when_a_gpu_cannot_hold_the_step():
     assert "DOES NOT FIT" in r.stdout
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--device", "cpu"], "use --device cuda"),
-    (["--compare", "torch"], "runs nothing"),
-    (["--grad-dtype", "bf16"], "recommend --grad-dtype"),
-    (["--ranks", "4", "--batch-sizes", "2"], "smaller than 4 ranks"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--device", "cpu"], "use --device cuda"),
+        (["--compare", "torch"], "runs nothing"),
+        (["--grad-dtype", "bf16"], "recommend --grad-dtype"),
+        (["--ranks", "4", "--batch-sizes", "2"], "smaller than 4 ranks"),
+    ],
+)
 def test_bench_explain_rejects_what_does_not_apply(args, message):
     r = run_cli("--explain", "--model", "medium", *args)
     assert r.returncode == 2
@@ -169,18 +182,33 @@ def test_gpu_report_sets_measured_steps_beside_the_sheet_and_leaves_out_the_emul
     # a real-GPU bench row gets the sheet's prediction for the same workload; a row
     # from the emulation is never reported as a GPU figure.
     from pathlib import Path
+
     script = Path(__file__).resolve().parents[2] / "scripts" / "gpu_report.py"
-    assert run_cli("--explain", "--model", "medium", "--batch-sizes", "64",
-                   "--json", str(tmp_path / "explain-medium.json")).returncode == 0
-    row = {"device": "cuda", "layers": [50, 256, 128, 64, 3], "batch_size": 64, "precision": "fp32",
-           "accumulate": 1, "cuda_graph": True, "ranks": 1, "samples_per_sec": 64 / 2e-4,
-           "step": {"median": 2e-4, "ci95": [1.9e-4, 2.1e-4]}, "torch": {"samples_per_sec": 64 / 8e-4}}
+    assert (
+        run_cli(
+            "--explain", "--model", "medium", "--batch-sizes", "64", "--json", str(tmp_path / "explain-medium.json")
+        ).returncode
+        == 0
+    )
+    row = {
+        "device": "cuda",
+        "layers": [50, 256, 128, 64, 3],
+        "batch_size": 64,
+        "precision": "fp32",
+        "accumulate": 1,
+        "cuda_graph": True,
+        "ranks": 1,
+        "samples_per_sec": 64 / 2e-4,
+        "step": {"median": 2e-4, "ci95": [1.9e-4, 2.1e-4]},
+        "torch": {"samples_per_sec": 64 / 8e-4},
+    }
     (tmp_path / "bench-medium.json").write_text(json.dumps({"gpu_emulation": False, "rows": [row]}))
     (tmp_path / "bench-emulated.json").write_text(json.dumps({"gpu_emulation": True, "rows": [row]}))
     (tmp_path / "env.log").write_text("| NVIDIA H100 80GB HBM3   On | 00000000:00:00.0 Off |\n")
     doc = tmp_path / "doc.md"
-    r = subprocess.run([sys.executable, str(script), str(tmp_path), "--doc", str(doc)], capture_output=True,
-                       text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, str(script), str(tmp_path), "--doc", str(doc)], capture_output=True, text=True, timeout=60
+    )
     assert r.returncode == 0, r.stderr
     assert "bench-emulated.json" in r.stderr and "emulation" in r.stderr
     lines = [l for l in doc.read_text().splitlines() if l.startswith("| bench-")]
@@ -198,26 +226,34 @@ def test_bias_gradients_split_rows_as_the_kernel_does():
     assert cs.column_splits(4096, 10) == 64 and cs.column_splits(1024, 8192) == 3
     split = cs.counts(cs.step_ops(cs.Workload(sizes=[4, 8, 2], batch=512)))
     whole = cs.counts(cs.step_ops(cs.Workload(sizes=[4, 8, 2], batch=64)))
-    assert split["kernel_launches"] == whole["kernel_launches"] + 2   # one more per layer
+    assert split["kernel_launches"] == whole["kernel_launches"] + 2  # one more per layer
 
 
 def test_the_sheets_columns_stay_apart_for_huge_models():
     # 2^31-wide layers: the GFLOP, MB and ms columns ran together into one number
-    text = cs.format_sheet(cs.explain(cs.Workload(sizes=[2 ** 31 - 1, 2 ** 31 - 1], batch=64)))
+    text = cs.format_sheet(cs.explain(cs.Workload(sizes=[2**31 - 1, 2**31 - 1], batch=64)))
     rows = [line.split() for line in text.splitlines() if line.startswith("  GEMM forward")]
     assert rows and len(rows[0]) == 2 + 5, rows  # name (two words) + launches, GEMMs, GFLOP, MB, ms
 
 
-@pytest.mark.parametrize("model, bound", [("medium", 0.15), ("large", 0.15), ("xl", 0.15),
-                                          # all launches: the selector adds a graph's launches to the step,
-                                          # the sheet overlaps them with the previous replay (15.0 % at 8 rows)
-                                          ("8,8,8", 0.2)])
+@pytest.mark.parametrize(
+    "model, bound",
+    [
+        ("medium", 0.15),
+        ("large", 0.15),
+        ("xl", 0.15),
+        # all launches: the selector adds a graph's launches to the step,
+        # the sheet overlaps them with the previous replay (15.0 % at 8 rows)
+        ("8,8,8", 0.2),
+    ],
+)
 def test_recommend_and_the_sheet_price_one_gpus_step_alike(model, bound):
     # `recommend --profile h100-sxm-8` and `bench --explain` price the same step from the
     # same figures (GEMM fits, HBM, launches, the host loop and the verdict's sync): they
     # disagreed by 2x on small models while the selector assumed a 100 us step overhead.
-    from mgpu.train import config
     from mgpu.selector import recommend as selector_recommend
+    from mgpu.train import config
+
     if model in config.PRESETS:
         p = config.PRESETS[model]
         sizes = [p.in_features or 50, *p.hidden, p.out_features or 3]
@@ -228,10 +264,26 @@ def test_recommend_and_the_sheet_price_one_gpus_step_alike(model, bound):
         for precision in ("fp32", "tf32", "bf16"):
             for graph in ("on", "off"):
                 for optimizer, accumulate in (("sgd", 1), ("adamw", 4)):
-                    r = selector_recommend.recommend(layers=sizes, batch_size=batch, devices=[1], profile="h100-sxm-8",
-                                       precision=precision, optimizer=optimizer, cuda_graph=graph, dropout=0.0,
-                                       accumulate=accumulate)
-                    sheet = cs.explain(cs.Workload(sizes=sizes, batch=batch, precision=precision, optimizer=optimizer,
-                                                   graph=graph == "on", accumulate=accumulate))
+                    r = selector_recommend.recommend(
+                        layers=sizes,
+                        batch_size=batch,
+                        devices=[1],
+                        profile="h100-sxm-8",
+                        precision=precision,
+                        optimizer=optimizer,
+                        cuda_graph=graph,
+                        dropout=0.0,
+                        accumulate=accumulate,
+                    )
+                    sheet = cs.explain(
+                        cs.Workload(
+                            sizes=sizes,
+                            batch=batch,
+                            precision=precision,
+                            optimizer=optimizer,
+                            graph=graph == "on",
+                            accumulate=accumulate,
+                        )
+                    )
                     errors.append(r["candidates"][0]["predicted_step_ms"] / sheet.totals["step_ms"] - 1)
     assert max(map(abs, errors)) <= bound, errors

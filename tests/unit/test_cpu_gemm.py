@@ -2,6 +2,7 @@
 by product shape, thread count and the CPU's vector width, the MGPU_CPU_GEMM
 override, and every library against the float64 reference on the forward and both
 backward products."""
+
 import os
 import signal
 import subprocess
@@ -59,8 +60,9 @@ def test_backend_follows_the_rule_for_this_cpu_and_the_override():
     for threads in (2, 1):
         backend.threads = threads
         for shape in shapes:
-            assert _core.cpu_gemm_library(backend, *shape) == _core.auto_cpu_gemm(*shape, threads=threads,
-                                                                                    avx512=avx512)
+            assert _core.cpu_gemm_library(backend, *shape) == _core.auto_cpu_gemm(
+                *shape, threads=threads, avx512=avx512
+            )
     # Shapes this CPU's rule gives oneDNN and OpenBLAS; the override beats both.
     too_big = (64, 64, int(BLAS["onednn_max_work"]) // 4096 + 1)
     to_dnn, to_blas = (64, 64, 64), ((1024, 3, 256) if avx512 else too_big)
@@ -99,26 +101,54 @@ def test_every_library_matches_the_reference(library, threads, layers, rows):
 
 def test_bad_environment_choice_is_one_line_exit_2():
     env = dict(os.environ, MGPU_CPU_GEMM="mkl")
-    r = subprocess.run([sys.executable, "-m", "mgpu", "train", "--layers", "4,8,3", "--steps", "1", "--no-progress",
-                        "--device", "cpu"], capture_output=True, text=True, env=env, timeout=120)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mgpu",
+            "train",
+            "--layers",
+            "4,8,3",
+            "--steps",
+            "1",
+            "--no-progress",
+            "--device",
+            "cpu",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert r.returncode == 2, r.stderr
     lines = [l for l in r.stderr.splitlines() if l.strip()]
     assert len(lines) == 1 and "MGPU_CPU_GEMM: " in lines[0] and "'openblas' or 'onednn'" in lines[0], lines
-    info = subprocess.run([sys.executable, "-m", "mgpu", "info"], capture_output=True, text=True, timeout=120,
-                          env=dict(os.environ, MGPU_CPU_GEMM="openblas"))
+    info = subprocess.run(
+        [sys.executable, "-m", "mgpu", "info"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, MGPU_CPU_GEMM="openblas"),
+    )
     assert "CPU GEMM: OpenBLAS" in info.stdout
 
 
 def _import_in_fresh_process(**env_changes):
     """(GOMP_SPINCOUNT, OMP_WAIT_POLICY, mgpu.OPENMP_ONLY_ENV, the PyTorch peer's two) after `import mgpu`."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY", "MGPU_CPU_GEMM", "MGPU_SET_OPENMP_ENV")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY", "MGPU_CPU_GEMM", "MGPU_SET_OPENMP_ENV")
+    }
     env.update(env_changes)
-    code = ("import json, os, mgpu\nfrom mgpu.calibrate.bench import _mpi_env\npeer = _mpi_env(peer=True)\n"
-            "print(json.dumps([os.environ.get('GOMP_SPINCOUNT'), os.environ.get('OMP_WAIT_POLICY'), "
-            "mgpu.OPENMP_ONLY_ENV, peer.get('GOMP_SPINCOUNT'), peer.get('OMP_WAIT_POLICY')]))")
+    code = (
+        "import json, os, mgpu\nfrom mgpu.calibrate.bench import _mpi_env\npeer = _mpi_env(peer=True)\n"
+        "print(json.dumps([os.environ.get('GOMP_SPINCOUNT'), os.environ.get('OMP_WAIT_POLICY'), "
+        "mgpu.OPENMP_ONLY_ENV, peer.get('GOMP_SPINCOUNT'), peer.get('OMP_WAIT_POLICY')]))"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
     import json
+
     return json.loads(r.stdout)
 
 
@@ -136,13 +166,15 @@ def test_openmp_workers_spin_briefly_only_where_no_openblas_thread_computes():
     assert _import_in_fresh_process(MGPU_CPU_GEMM="openblas")[:3] == [None, "passive", {}]
     assert _import_in_fresh_process(MGPU_CPU_GEMM="onednn")[0] == ("10000" if HAS_ONEDNN else None)
     # the user's settings stand, and reach the peer as given; a policy of theirs gets no spin
-    assert _import_in_fresh_process(GOMP_SPINCOUNT="7", OMP_WAIT_POLICY="active") == ["7", "active", {}, "7",
-                                                                                        "active"]
+    assert _import_in_fresh_process(GOMP_SPINCOUNT="7", OMP_WAIT_POLICY="active") == ["7", "active", {}, "7", "active"]
     for policy in ("active", "passive"):
         assert _import_in_fresh_process(OMP_WAIT_POLICY=policy) == [None, policy, {}, None, policy]
     # what an mgpu parent set is decided afresh in a child (here: OpenBLAS forced, so no spin)
-    inherited = dict(OMP_WAIT_POLICY="passive", GOMP_SPINCOUNT="10000",
-                     MGPU_SET_OPENMP_ENV="OMP_WAIT_POLICY=passive,GOMP_SPINCOUNT=10000")
+    inherited = dict(
+        OMP_WAIT_POLICY="passive",
+        GOMP_SPINCOUNT="10000",
+        MGPU_SET_OPENMP_ENV="OMP_WAIT_POLICY=passive,GOMP_SPINCOUNT=10000",
+    )
     assert _import_in_fresh_process(**inherited, MGPU_CPU_GEMM="openblas")[:3] == [None, "passive", {}]
     assert _import_in_fresh_process(**inherited)[2] == ({"GOMP_SPINCOUNT": "10000"} if openmp_only else {})
 
@@ -201,6 +233,7 @@ def _malloc_checks() -> dict:
     """glibc's checking malloc (MALLOC_CHECK_=3 needs libc_malloc_debug since glibc 2.34):
     a corrupted chunk aborts at its next free instead of, sometimes, much later."""
     from ctypes.util import find_library
+
     lib = find_library("c_malloc_debug")
     return {"LD_PRELOAD": lib, "MALLOC_CHECK_": "3"} if lib else {}
 
@@ -211,6 +244,7 @@ def _signal_until_trained(child, sig, seconds) -> int:
     until the child says it has trained (or ends, or `seconds` pass); returns how many."""
     import ctypes
     import select
+
     tgkill = ctypes.CDLL(None, use_errno=True).tgkill  # glibc >= 2.30
     sent, said, deadline, threads = 0, b"", time.monotonic() + seconds, []
     while child.poll() is None and not _catches(child.pid, sig) and time.monotonic() < deadline:
@@ -241,12 +275,35 @@ def test_signals_during_gemms_leave_the_heap_and_the_result_intact(tmp_path, thr
     # OMPI_MCA_opal_signal: no OpenMPI backtrace handler, which can deadlock on the
     # malloc lock an aborting malloc check holds; the abort ends the process at once.
     env.update(MGPU_CPU_GEMM=library, OMPI_MCA_opal_signal="", **_malloc_checks())
-    args = ["train", "--layers", "50,512,512,3", "--batch-size", "64", "--optimizer", "adamw", "--dropout", "0.1",
-            "--no-progress", "--device", "cpu", "--threads", str(threads), "--seed", "5", "--steps", "600"]
+    args = [
+        "train",
+        "--layers",
+        "50,512,512,3",
+        "--batch-size",
+        "64",
+        "--optimizer",
+        "adamw",
+        "--dropout",
+        "0.1",
+        "--no-progress",
+        "--device",
+        "cpu",
+        "--threads",
+        str(threads),
+        "--seed",
+        "5",
+        "--steps",
+        "600",
+    ]
     handled, direct = {}, {}
     for name in ("quiet", "signalled"):
-        child = subprocess.Popen([sys.executable, "-c", _COUNTING_TRAINER, *args, "--save", tmp_path / f"{name}.npz"],
-                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+        child = subprocess.Popen(
+            [sys.executable, "-c", _COUNTING_TRAINER, *args, "--save", tmp_path / f"{name}.npz"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=env,
+        )
         sent = _signal_until_trained(child, signal.SIGUSR2, 240) if name == "signalled" else 0
         try:
             _, err = child.communicate(timeout=240)
@@ -297,7 +354,12 @@ print(first, holding() - before)
 
 @pytest.mark.skipif(not HAS_ONEDNN, reason="the OpenMP workers hold signals for oneDNN's GEMMs only")
 def test_openmp_workers_hold_signals_after_their_team_shrinks_and_regrows():
-    r = subprocess.run([sys.executable, "-c", _WORKER_MASKS], capture_output=True, text=True, timeout=120,
-                       env={k: v for k, v in os.environ.items() if k != "MGPU_CPU_GEMM"})
+    r = subprocess.run(
+        [sys.executable, "-c", _WORKER_MASKS],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={k: v for k, v in os.environ.items() if k != "MGPU_CPU_GEMM"},
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.split() == ["3", "3"], r.stdout  # 4 threads: the caller and 3 workers

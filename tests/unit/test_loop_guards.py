@@ -2,6 +2,7 @@
 atomic writes, and the exception types: each test here fails on a mutation of the code
 that the other unit tests let through (a figure off by a factor, a bound off by one, a
 check or an fsync dropped)."""
+
 import json
 import os
 import stat
@@ -15,7 +16,15 @@ from mpi4py import MPI
 
 import mgpu
 from mgpu.atomic import atomic_file
-from mgpu.train.checkpoint import CheckpointError, check_compatible, latest_checkpoint, list_checkpoints, load_checkpoint, prepare_directory, save_checkpoint
+from mgpu.train.checkpoint import (
+    CheckpointError,
+    check_compatible,
+    latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    prepare_directory,
+    save_checkpoint,
+)
 from mgpu.train.data import load_dataset
 from mgpu.train.schedule import LRSchedule
 from mgpu.train.trainer import CheckpointPolicy
@@ -28,8 +37,7 @@ def one_rank():
 
 
 def trainer(**kw):
-    return mgpu.Trainer(mgpu.MLP([50, 8, 3], seed=0, threads=1), lr=kw.pop("lr", 0.01), process_group=one_rank(),
-                        **kw)
+    return mgpu.Trainer(mgpu.MLP([50, 8, 3], seed=0, threads=1), lr=kw.pop("lr", 0.01), process_group=one_rank(), **kw)
 
 
 def checkpoint_of(tmp_path, **kw):
@@ -92,6 +100,7 @@ def test_a_run_stopped_and_resumed_has_the_history_of_one_never_stopped(tmp_path
         if calls[0] == stop_on_call:
             a.request_stop("test")
         return step(*args, **kw)
+
     a.step = stepping
     a.fit(DATA, batch_size=32, steps=20, progress=False, checkpoint=CheckpointPolicy(str(tmp_path)))
     assert a.global_step == stop_on_call and a.stop_reason
@@ -112,9 +121,14 @@ def test_an_epoch_an_older_run_left_open_at_its_end_is_closed_on_resume(tmp_path
     # mgpu before this check left the last, partial epoch open when a stop came on the
     # run's last step: resuming that run closes it (nothing is left to train)
     full = trainer().fit(DATA, batch_size=32, steps=3, progress=False)
-    open_epoch = rewritten(checkpoint_of(tmp_path), tmp_path / "open.npz",
-                           meta_change=lambda m: (m["state"].update(epoch_samples=96, epoch_loss_sum=float(
-                               full[0]["train_loss"] * 96), epoch_seconds=0.01), m.update(history=[])))
+    open_epoch = rewritten(
+        checkpoint_of(tmp_path),
+        tmp_path / "open.npz",
+        meta_change=lambda m: (
+            m["state"].update(epoch_samples=96, epoch_loss_sum=float(full[0]["train_loss"] * 96), epoch_seconds=0.01),
+            m.update(history=[]),
+        ),
+    )
     resumed = trainer().fit(DATA, batch_size=32, steps=3, progress=False, resume=open_epoch)
     assert without(resumed, "seconds", "samples_per_sec") == without(full, "seconds", "samples_per_sec")
 
@@ -128,8 +142,11 @@ def test_a_run_without_dynamic_scaling_keeps_its_scale_over_a_dynamic_checkpoint
 
 
 def test_a_checkpoint_from_before_the_dynamic_flag_continues_its_scale(tmp_path):
-    path = rewritten(checkpoint_of(tmp_path, dynamic_loss_scale=True, loss_scale=1024.0), tmp_path / "old.npz",
-                     state={"dynamic_loss_scale": None})
+    path = rewritten(
+        checkpoint_of(tmp_path, dynamic_loss_scale=True, loss_scale=1024.0),
+        tmp_path / "old.npz",
+        state={"dynamic_loss_scale": None},
+    )
     t = trainer(dynamic_loss_scale=True, loss_scale=4096.0)
     t.load_checkpoint(path, t._compat(DATA, 32, 0))
     assert t._step.loss_scale == 1024.0
@@ -146,8 +163,9 @@ def test_a_resume_restores_the_bad_step_count(tmp_path):
     assert t.bad_steps == 0
 
 
-@pytest.mark.parametrize("key, value", [("epoch", -1), ("batch_in_epoch", -3), ("loss_scale", 0.0),
-                                        ("epoch_emulated", 1)])
+@pytest.mark.parametrize(
+    "key, value", [("epoch", -1), ("batch_in_epoch", -3), ("loss_scale", 0.0), ("epoch_emulated", 1)]
+)
 def test_impossible_loop_state_is_refused(tmp_path, key, value):
     path = rewritten(checkpoint_of(tmp_path), tmp_path / "edited.npz", state={key: value})
     with pytest.raises(CheckpointError, match=f"state.{key}"):
@@ -171,13 +189,20 @@ def test_an_overflow_at_scale_one_is_a_bad_step_not_absorbed():
     w2 = np.full((3, 2), 1e20, np.float32)
     w2[1] *= -1
     m.set_parameters([np.full((2, 2), 1e-20, np.float32), np.zeros(2, np.float32), w2, np.zeros(3, np.float32)])
-    t = mgpu.Trainer(m, loss="cross_entropy", lr=1e-3, process_group=one_rank(), dynamic_loss_scale=True,
-                     loss_scale=2.0, max_bad_steps=5)
+    t = mgpu.Trainer(
+        m,
+        loss="cross_entropy",
+        lr=1e-3,
+        process_group=one_rank(),
+        dynamic_loss_scale=True,
+        loss_scale=2.0,
+        max_bad_steps=5,
+    )
     x, y = np.full((4, 2), 1e19, np.float32), np.array([1, 1, 1, 1])
     t.step(x, y)
-    assert t.bad_steps == 0 and t.last_result.loss_scale == 2.0   # absorbed: the scale halves
+    assert t.bad_steps == 0 and t.last_result.loss_scale == 2.0  # absorbed: the scale halves
     t.step(x, y)
-    assert t.last_result.loss_scale == 1.0 and t.bad_steps == 1   # nothing left to halve: a bad step
+    assert t.last_result.loss_scale == 1.0 and t.bad_steps == 1  # nothing left to halve: a bad step
 
 
 def test_a_skipped_steps_state_is_never_checkpointed(tmp_path):
@@ -203,10 +228,16 @@ def test_keeping_no_checkpoint_is_refused():
         CheckpointPolicy("d", keep=0)
 
 
-@pytest.mark.parametrize("kwargs", [dict(lr=0.0), dict(lr=0.1, warmup_steps=2.5),
-                                    dict(lr=0.1, kind="cosine", total_steps=0),
-                                    dict(lr=0.1, kind="cosine", total_steps=10, min_lr=-0.1),
-                                    dict(lr=0.1, kind="cosine", total_steps=10, min_lr=0.1)])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(lr=0.0),
+        dict(lr=0.1, warmup_steps=2.5),
+        dict(lr=0.1, kind="cosine", total_steps=0),
+        dict(lr=0.1, kind="cosine", total_steps=10, min_lr=-0.1),
+        dict(lr=0.1, kind="cosine", total_steps=10, min_lr=0.1),
+    ],
+)
 def test_schedules_that_cannot_train_are_refused(kwargs):
     with pytest.raises(mgpu.ConfigError):
         LRSchedule(**kwargs)
@@ -269,8 +300,10 @@ def test_a_fifo_given_as_a_file_is_refused_not_waited_on(tmp_path, load):
     fifo = tmp_path / "file.npz"
     os.mkfifo(fifo)
     module, name = load.rsplit(".", 1)
-    code = (f"import sys, mgpu; from {module} import {name}\n"
-            f"try: {name}(sys.argv[1])\nexcept (mgpu.ConfigError, mgpu.DataError) as e: print(e)")
+    code = (
+        f"import sys, mgpu; from {module} import {name}\n"
+        f"try: {name}(sys.argv[1])\nexcept (mgpu.ConfigError, mgpu.DataError) as e: print(e)"
+    )
     out = subprocess.run([sys.executable, "-c", code, str(fifo)], capture_output=True, text=True, timeout=60)
     assert "not a regular file" in out.stdout
 
@@ -282,16 +315,24 @@ def test_a_newer_format_or_other_arrays_are_refused(tmp_path):
     extra = rewritten(good, tmp_path / "extra.npz", extra={"opt.momentum_buffer": np.zeros(10, np.float32)})
     with pytest.raises(CheckpointError, match="incomplete"):
         load_checkpoint(extra)
-    missing = rewritten(good, tmp_path / "missing.npz",
-                        meta_change=lambda m: m["checksums"].update({"opt.exp_avg_sq": "0" * 64}))
+    missing = rewritten(
+        good, tmp_path / "missing.npz", meta_change=lambda m: m["checksums"].update({"opt.exp_avg_sq": "0" * 64})
+    )
     with pytest.raises(CheckpointError, match="incomplete"):
         load_checkpoint(missing)
 
 
 def test_everything_mgpu_raises_is_an_mgpu_error_and_bad_input_a_value_error():
     from mgpu.train.checkpoint import CheckpointError as checkpoint_error
-    for error in (mgpu.ConfigError, mgpu.DataError, checkpoint_error, mgpu.DeviceError, mgpu.CommError,
-                  mgpu.NumericsError):
+
+    for error in (
+        mgpu.ConfigError,
+        mgpu.DataError,
+        checkpoint_error,
+        mgpu.DeviceError,
+        mgpu.CommError,
+        mgpu.NumericsError,
+    ):
         assert issubclass(error, mgpu.MgpuError), error
     assert all(issubclass(e, ValueError) for e in (mgpu.ConfigError, mgpu.DataError, checkpoint_error))
     with pytest.raises(mgpu.MgpuError, match="layers"):  # raised in the core, caught by the common base

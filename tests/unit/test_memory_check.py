@@ -3,6 +3,7 @@
 end of a short run, or a run the check lets through can be ended by the OOM killer; and
 they must not price a run several times over what it takes, or runs that fit are refused.
 Peak RSS (VmHWM) is the kernel's count, not a timing: it does not swing with load."""
+
 import subprocess
 import sys
 from pathlib import Path
@@ -10,12 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mgpu import _core
-from mgpu.selector import hardware
-from mgpu.selector import memory
-from mgpu.train.model import MLP
-
 from conftest import mpi_env, mpirun
+from mgpu import _core
+from mgpu.selector import hardware, memory
+from mgpu.train.model import MLP
 
 # Runs `mgpu train` with check_training_memory wrapped to note the estimate and the
 # resident size when it is called; at exit writes "need growth" in bytes to
@@ -52,19 +51,29 @@ def _need_and_growth(report: Path) -> list:
     return [tuple(int(v) for v in p.read_text().split()) for p in sorted(report.parent.glob(report.name + ".*"))]
 
 
-@pytest.mark.parametrize("args", [
-    # weights and optimizer state dominate; batch 64, but validation runs 1024-row chunks
-    ["--layers", "64,4096,4096,10", "--batch-size", "64", "--optimizer", "adamw"],
-    # activations and dropout masks dominate
-    ["--layers", "512,1024,1024,10", "--batch-size", "8000", "--optimizer", "adamw", "--dropout", "0.5"],
-    ["--layers", "512,2048,2048,2048,10", "--batch-size", "8000", "--optimizer", "sgd", "--dropout", "0.2"],
-    # class labels, a small model: the fixed overhead
-    ["--layers", "64,2048,10", "--batch-size", "4000", "--dataset", "digits"],
-], ids=["weights", "activations", "deep", "labels"])
+@pytest.mark.parametrize(
+    "args",
+    [
+        # weights and optimizer state dominate; batch 64, but validation runs 1024-row chunks
+        ["--layers", "64,4096,4096,10", "--batch-size", "64", "--optimizer", "adamw"],
+        # activations and dropout masks dominate
+        ["--layers", "512,1024,1024,10", "--batch-size", "8000", "--optimizer", "adamw", "--dropout", "0.5"],
+        ["--layers", "512,2048,2048,2048,10", "--batch-size", "8000", "--optimizer", "sgd", "--dropout", "0.2"],
+        # class labels, a small model: the fixed overhead
+        ["--layers", "64,2048,10", "--batch-size", "4000", "--dataset", "digits"],
+    ],
+    ids=["weights", "activations", "deep", "labels"],
+)
 def test_the_check_covers_what_a_run_allocates(args, tmp_path):
     report = tmp_path / "memory"
-    r = subprocess.run([sys.executable, "-c", PROBE, *args], capture_output=True, text=True, timeout=300,
-                       env=mpi_env(MEMORY_REPORT=str(report)), cwd=tmp_path)
+    r = subprocess.run(
+        [sys.executable, "-c", PROBE, *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=mpi_env(MEMORY_REPORT=str(report)),
+        cwd=tmp_path,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     [(need, growth)] = _need_and_growth(report)
     assert growth <= need, f"the run grew by {growth / 1e6:.0f} MB, the check priced {need / 1e6:.0f} MB"
@@ -74,9 +83,27 @@ def test_the_check_covers_what_a_run_allocates(args, tmp_path):
 @pytest.mark.parametrize("bucket_mb", ["4", "16"])  # 16: what --bucket-mb auto picks for it on a calibrated VM
 def test_the_check_covers_each_rank_of_a_two_rank_run(tmp_path, bucket_mb):
     report = tmp_path / "memory"
-    r = mpirun(2, [sys.executable, "-c", PROBE, "--layers", "512,2048,2048,2048,10", "--batch-size", "8000",
-                   "--optimizer", "adamw", "--dropout", "0.2", "--bucket-mb", bucket_mb], timeout=300,
-               env=mpi_env(MEMORY_REPORT=str(report)), cwd=tmp_path)
+    r = mpirun(
+        2,
+        [
+            sys.executable,
+            "-c",
+            PROBE,
+            "--layers",
+            "512,2048,2048,2048,10",
+            "--batch-size",
+            "8000",
+            "--optimizer",
+            "adamw",
+            "--dropout",
+            "0.2",
+            "--bucket-mb",
+            bucket_mb,
+        ],
+        timeout=300,
+        env=mpi_env(MEMORY_REPORT=str(report)),
+        cwd=tmp_path,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     seen = _need_and_growth(report)
     assert len(seen) == 2 and all(growth <= need for need, growth in seen), seen
@@ -89,13 +116,16 @@ def test_validation_chunks_are_priced_when_they_hold_more_rows_than_a_step():
     chunk = _core.MLP.EVAL_CHUNK_ROWS
     step_only = memory.rank_memory_bytes(layers, 8, **kw)
     assert memory.rank_memory_bytes(layers, 8, eval_rows=10 * chunk, **kw) == pytest.approx(
-        memory.rank_memory_bytes(layers, chunk, **kw))
+        memory.rank_memory_bytes(layers, chunk, **kw)
+    )
     assert memory.rank_memory_bytes(layers, 8, eval_rows=100, **kw) == pytest.approx(
-        memory.rank_memory_bytes(layers, 100, **kw))
+        memory.rank_memory_bytes(layers, 100, **kw)
+    )
     # the buffers grow by half again at least (MLP::ensure_capacity): 1000 step rows, then
     # a 1024-row chunk, leave buffers for 1500 (allocated in full on a GPU)
     assert memory.rank_memory_bytes(layers, 1000, eval_rows=5000, **kw) == pytest.approx(
-        memory.rank_memory_bytes(layers, 1500, **kw))
+        memory.rank_memory_bytes(layers, 1500, **kw)
+    )
     assert memory.rank_memory_bytes(layers, 8, eval_rows=4, **kw) == pytest.approx(step_only)
     assert memory.rank_memory_bytes(layers, 8, nccl=True, **kw) == pytest.approx(step_only + hardware.NCCL_BUFFER_BYTES)
 
@@ -107,7 +137,7 @@ def test_predict_in_chunks_equals_row_by_row():
     model = MLP([7, 16, 3], seed=3, device="cpu", threads=1)
     x = np.random.default_rng(0).standard_normal((2 * chunk + 5, 7), dtype=np.float32)
     whole = model.forward(x)
-    pieces = np.concatenate([model.forward(x[i:i + 300]) for i in range(0, len(x), 300)])
+    pieces = np.concatenate([model.forward(x[i : i + 300]) for i in range(0, len(x), 300)])
     assert whole.shape == (len(x), 3)
     np.testing.assert_allclose(whole, pieces, rtol=1e-5, atol=1e-6)
-    assert not np.allclose(whole[chunk - 1:chunk + 1], whole[:2])
+    assert not np.allclose(whole[chunk - 1 : chunk + 1], whole[:2])

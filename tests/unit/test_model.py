@@ -1,5 +1,6 @@
 """The MLP's layers, losses and gradients against the float64 reference and
 finite differences; initialisation; dropout; input checks."""
+
 import numpy as np
 import pytest
 
@@ -55,8 +56,7 @@ def test_loss_definitions_are_pytorchs():
     assert mse(pred, y)[0] == pytest.approx((1 + 0 + 0 + 4) / 4)
     logits = np.array([[2.0, 1.0, 0.1], [0.0, 0.0, 3.0]])
     labels = np.array([0, 1])
-    expected = np.mean([-np.log(np.exp(2) / np.exp([2, 1, 0.1]).sum()),
-                        -np.log(1 / (2 + np.exp(3)))])
+    expected = np.mean([-np.log(np.exp(2) / np.exp([2, 1, 0.1]).sum()), -np.log(1 / (2 + np.exp(3)))])
     assert cross_entropy(logits, labels)[0] == pytest.approx(expected)
     # and the core agrees on a one-layer model whose output is set exactly
     m = make([2, 2])
@@ -105,7 +105,7 @@ def test_initialisation_is_nn_linear_default_and_seeded():
         w = pa[2 * l]
         # U(-b, b): mean 0, variance b^2 / 3
         assert abs(w.mean()) < 0.05 * bound
-        assert w.var() == pytest.approx(bound ** 2 / 3, rel=0.05)
+        assert w.var() == pytest.approx(bound**2 / 3, rel=0.05)
     # layer streams are independent: layer 1 is not a copy of a slice of layer 0
     assert not np.allclose(pa[2][:, :30].ravel()[:50] * np.sqrt(400), pa[0].ravel()[:50] * np.sqrt(100))
 
@@ -126,10 +126,10 @@ def test_dropout_masks_are_keyed_scaled_and_differentiable():
     params = m.get_parameters()
     dropped = []
     for row in range(32):
-        m.loss_and_grad(x[row:row + 1], y[row:row + 1], "mse", step=100 + row)
+        m.loss_and_grad(x[row : row + 1], y[row : row + 1], "mse", step=100 + row)
         g = m.get_gradients()
         h = g[2][0] / g[3][0]
-        plain = forward(params, x[row:row + 1])[0][0]
+        plain = forward(params, x[row : row + 1])[0][0]
         active = plain > 1e-3
         ratio = h[active] / plain[active]
         is_zero = np.isclose(ratio, 0, atol=1e-4)
@@ -181,16 +181,19 @@ def test_parameters_round_trip_and_save_load(tmp_path):
     assert all(np.array_equal(a, b) for a, b in zip(other.get_parameters(), params))
 
 
-@pytest.mark.parametrize("call, match", [
-    (lambda m: m.forward(np.zeros((2, 4), np.float32)), r"shape \(rows, 3\)"),
-    (lambda m: m.forward(np.zeros(3, np.float32)), "shape"),
-    (lambda m: m.loss_and_grad(np.zeros((2, 3)), np.zeros((3, 2)), "mse"), "rows"),
-    (lambda m: m.loss_and_grad(np.zeros((2, 3)), np.array([0, 2]), "cross_entropy"), "out of range"),
-    (lambda m: m.loss_and_grad(np.zeros((2, 3)), np.array([0.0, 1.0]), "cross_entropy"), "integers"),
-    (lambda m: m.loss_and_grad(np.zeros((2, 3)), np.zeros((2, 2)), "hinge"), "unknown loss"),
-    (lambda m: m.set_parameters([np.zeros((2, 3))]), "expected 4 arrays"),
-    (lambda m: m.set_parameters([np.zeros((3, 3)), np.zeros(2), np.zeros((2, 2)), np.zeros(2)]), "shape"),
-])
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda m: m.forward(np.zeros((2, 4), np.float32)), r"shape \(rows, 3\)"),
+        (lambda m: m.forward(np.zeros(3, np.float32)), "shape"),
+        (lambda m: m.loss_and_grad(np.zeros((2, 3)), np.zeros((3, 2)), "mse"), "rows"),
+        (lambda m: m.loss_and_grad(np.zeros((2, 3)), np.array([0, 2]), "cross_entropy"), "out of range"),
+        (lambda m: m.loss_and_grad(np.zeros((2, 3)), np.array([0.0, 1.0]), "cross_entropy"), "integers"),
+        (lambda m: m.loss_and_grad(np.zeros((2, 3)), np.zeros((2, 2)), "hinge"), "unknown loss"),
+        (lambda m: m.set_parameters([np.zeros((2, 3))]), "expected 4 arrays"),
+        (lambda m: m.set_parameters([np.zeros((3, 3)), np.zeros(2), np.zeros((2, 2)), np.zeros(2)]), "shape"),
+    ],
+)
 def test_bad_input_raises_config_error(call, match):
     m = make([3, 2, 2])
     with pytest.raises(mgpu.ConfigError, match=match):

@@ -1,5 +1,6 @@
 """The performance model and strategy selector: formulas, limits and decisions
 on synthetic hardware profiles whose right answer is known."""
+
 import copy
 import json
 import math
@@ -9,27 +10,42 @@ import re
 import pytest
 
 import mgpu
-from mgpu.selector import costsheet
-from mgpu.selector import hardware
-from mgpu.selector import memory
+from mgpu.calibrate.bench import summarize
+from mgpu.selector import costsheet, hardware, memory, workload
 from mgpu.selector import profiles as perf
 from mgpu.selector import recommend as selector_recommend
-from mgpu.selector import workload
-from mgpu.calibrate.bench import summarize
 
 P = perf.P
 
 
 def device(flops=1e12, memory=16e9, bandwidth=1e12, launch=0.0, name="dev", kind="cuda"):
-    return {"name": name, "kind": kind, "fp32": {"peak_flops": flops, "half_work_flops": 0.0},
-            "memory_bytes": memory, "memory_bandwidth": bandwidth, "launch_overhead_s": launch}
+    return {
+        "name": name,
+        "kind": kind,
+        "fp32": {"peak_flops": flops, "half_work_flops": 0.0},
+        "memory_bytes": memory,
+        "memory_bandwidth": bandwidth,
+        "launch_overhead_s": launch,
+    }
 
 
 def profile(devices, alpha=0.0, busbw=1e30, overlap=True, overhead=0.0, error=0.1, sync=0.0):
-    return {"format": perf.PROFILE_FORMAT, "version": 1, "name": "test", "source": "calibrated",
-            "devices": devices, "step_overhead_s": overhead, "model_error": error,
-            "link": {"name": "test link", "alpha_s": alpha, "bus_bandwidth": busbw, "overlaps_compute": overlap,
-                     "step_sync_s": sync}}
+    return {
+        "format": perf.PROFILE_FORMAT,
+        "version": 1,
+        "name": "test",
+        "source": "calibrated",
+        "devices": devices,
+        "step_overhead_s": overhead,
+        "model_error": error,
+        "link": {
+            "name": "test link",
+            "alpha_s": alpha,
+            "bus_bandwidth": busbw,
+            "overlaps_compute": overlap,
+            "step_sync_s": sync,
+        },
+    }
 
 
 def predict(prof, n, layers=(1024, 4096, 4096, 10), batch=4096, optimizer="sgd"):
@@ -64,12 +80,20 @@ def test_perfect_link_scales_compute_bound_work_linearly():
 
 
 def test_slow_link_makes_one_device_the_answer_and_fast_link_many():
-    slow = selector_recommend.recommend(layers=[1024, 4096, 4096, 10], batch_size=4096, devices=[1, 2, 4],
-                          profile=profile([device()] * 4, alpha=1e-3, busbw=1e8))
+    slow = selector_recommend.recommend(
+        layers=[1024, 4096, 4096, 10],
+        batch_size=4096,
+        devices=[1, 2, 4],
+        profile=profile([device()] * 4, alpha=1e-3, busbw=1e8),
+    )
     assert slow["strategy"] == "single_gpu" and slow["devices"] == 1
     assert all(c["predicted_speedup"] < 1 for c in slow["candidates"][1:])
-    fast = selector_recommend.recommend(layers=[1024, 4096, 4096, 10], batch_size=4096, devices=[1, 2, 4],
-                          profile=profile([device()] * 4, alpha=1e-6, busbw=1e12))
+    fast = selector_recommend.recommend(
+        layers=[1024, 4096, 4096, 10],
+        batch_size=4096,
+        devices=[1, 2, 4],
+        profile=profile([device()] * 4, alpha=1e-6, busbw=1e12),
+    )
     assert fast["strategy"] == "multi_gpu" and fast["devices"] == 4
     assert fast["confidence"] > slow["confidence"] * 0.5 and 0 < fast["confidence"] <= 1
     for key in ("predicted_step_ms", "predicted_speedup", "efficiency", "memory_fits"):
@@ -80,8 +104,12 @@ def test_compressed_gradients_halve_the_bandwidth_term_and_add_two_casts():
     args = dict(alpha=0.0, busbw=1e9)  # bandwidth-bound: the bytes decide
     layers, batch = [1024, 4096, 4096, 10], 4096
     prof = perf.to_core(profile([device()] * 2, overlap=False, **args))
-    fp32, bf16 = (P.predict(workload.build_workload(None, layers, None, batch, "fp32", "sgd", 4.0, grad_dtype=g), prof, 2,
-                            P.Options()) for g in ("fp32", "bf16"))
+    fp32, bf16 = (
+        P.predict(
+            workload.build_workload(None, layers, None, batch, "fp32", "sgd", 4.0, grad_dtype=g), prof, 2, P.Options()
+        )
+        for g in ("fp32", "bf16")
+    )
     assert bf16.comm_s == pytest.approx(fp32.comm_s / 2, rel=1e-3)
     assert bf16.optimizer_s > fp32.optimizer_s  # narrowing and widening the gradients
     assert bf16.step_s < fp32.step_s
@@ -98,8 +126,15 @@ def test_the_gradients_casts_are_launched_kernels_on_a_gpu_and_calls_on_a_cpu(ki
     params = 1024 * 1024 + 1024 + 1024 * 10 + 10
     for bandwidth in (1e12, 1e8):  # a cast far below a launch, and far above it
         prof = perf.to_core(profile([device(bandwidth=bandwidth, launch=launch, kind=kind)] * 2))
-        fp32, bf16 = (P.predict(workload.build_workload(None, layers, None, 64, "fp32", "sgd", 4.0, grad_dtype=g, cuda_graph="off"),
-                                prof, 2, P.Options()) for g in ("fp32", "bf16"))
+        fp32, bf16 = (
+            P.predict(
+                workload.build_workload(None, layers, None, 64, "fp32", "sgd", 4.0, grad_dtype=g, cuda_graph="off"),
+                prof,
+                2,
+                P.Options(),
+            )
+            for g in ("fp32", "bf16")
+        )
         cast = 6.0 * params / bandwidth
         expected = 2 * (max(cast, launch) if kind == "cuda" else cast + launch)
         assert bf16.optimizer_s - fp32.optimizer_s == pytest.approx(expected, rel=1e-6)
@@ -107,8 +142,10 @@ def test_the_gradients_casts_are_launched_kernels_on_a_gpu_and_calls_on_a_cpu(ki
 
 def test_overlap_hides_allreduce_behind_backward():
     args = dict(alpha=1e-5, busbw=2e10)
-    overlapped, serial = predict(profile([device()] * 2, overlap=True, **args), 2), predict(
-        profile([device()] * 2, overlap=False, **args), 2)
+    overlapped, serial = (
+        predict(profile([device()] * 2, overlap=True, **args), 2),
+        predict(profile([device()] * 2, overlap=False, **args), 2),
+    )
     assert overlapped.comm_s == pytest.approx(serial.comm_s)
     assert serial.exposed_comm_s == pytest.approx(serial.comm_s)
     assert overlapped.exposed_comm_s < serial.exposed_comm_s
@@ -129,8 +166,13 @@ def test_confidence_follows_the_source_and_the_error_bands_to_one(source, base, 
 def test_equally_fast_candidates_pick_the_fewest_devices():
     # nothing costs but the step's fixed overhead: 1 and 2 devices take the same time
     free = {**device(flops=1e30, bandwidth=1e30), "host_to_device_bandwidth": 0.0}
-    r = selector_recommend.recommend(layers=[8, 8, 2], batch_size=64, devices=[1, 2], cuda_graph="off",
-                       profile=profile([free] * 2, alpha=0.0, busbw=1e30, overhead=1e-3))
+    r = selector_recommend.recommend(
+        layers=[8, 8, 2],
+        batch_size=64,
+        devices=[1, 2],
+        cuda_graph="off",
+        profile=profile([free] * 2, alpha=0.0, busbw=1e30, overhead=1e-3),
+    )
     one, two = r["candidates"]
     assert one["predicted_step_ms"] == two["predicted_step_ms"] and r["devices"] == 1  # a tie, exactly
 
@@ -139,8 +181,12 @@ def test_equally_fast_candidates_pick_the_fewest_devices():
 def test_gain_within_the_model_error_asks_for_a_benchmark(low, high):
     # pick a link speed at which two devices are predicted within the relative +-10% band of 1.0x
     for busbw in [10 ** (k / 32) for k in range(224, 384)]:
-        r = selector_recommend.recommend(layers=[512, 2048, 2048, 10], batch_size=512, devices=[1, 2],
-                           profile=profile([device()] * 2, alpha=1e-5, busbw=busbw, error=0.1))
+        r = selector_recommend.recommend(
+            layers=[512, 2048, 2048, 10],
+            batch_size=512,
+            devices=[1, 2],
+            profile=profile([device()] * 2, alpha=1e-5, busbw=busbw, error=0.1),
+        )
         if low < r["candidates"][1]["predicted_speedup"] < high:
             assert r["strategy"] == "benchmark_required"
             assert any("within the model's error" in reason for reason in r["reasons"])
@@ -151,8 +197,12 @@ def test_gain_within_the_model_error_asks_for_a_benchmark(low, high):
 def test_a_slowdown_whose_whole_error_band_is_below_one_is_a_clear_single():
     # issue 13 item 6: 0.81x with +-20% tops out at 0.97x: one device, not benchmark_required
     for busbw in [10 ** (k / 16) for k in range(112, 192)]:
-        r = selector_recommend.recommend(layers=[512, 2048, 2048, 10], batch_size=512, devices=[1, 2],
-                           profile=profile([device()] * 2, alpha=1e-5, busbw=busbw, error=0.2))
+        r = selector_recommend.recommend(
+            layers=[512, 2048, 2048, 10],
+            batch_size=512,
+            devices=[1, 2],
+            profile=profile([device()] * 2, alpha=1e-5, busbw=busbw, error=0.2),
+        )
         s = r["candidates"][1]["predicted_speedup"]
         if 0.75 < s < 0.82:
             assert s * 1.2 < 1.0 and r["strategy"] == "single_gpu" and r["devices"] == 1
@@ -164,14 +214,16 @@ def test_a_slowdown_whose_whole_error_band_is_below_one_is_a_clear_single():
 def test_memory_decides_when_one_device_cannot_hold_the_batch():
     layers, batch = [1024, 8192, 8192, 10], 65536
     small = device(memory=6e9)
-    r = selector_recommend.recommend(layers=layers, batch_size=batch, devices=[1, 2, 4],
-                       profile=profile([small] * 4, alpha=1e-3, busbw=1e8))
+    r = selector_recommend.recommend(
+        layers=layers, batch_size=batch, devices=[1, 2, 4], profile=profile([small] * 4, alpha=1e-3, busbw=1e8)
+    )
     one = r["candidates"][0]
     assert not one["memory_fits"] and one["memory_bytes"] > one["memory_usable_bytes"]
     assert r["strategy"] == "multi_gpu" and r["devices"] > 1
     assert any("cannot hold it" in reason for reason in r["reasons"])
-    none = selector_recommend.recommend(layers=layers, batch_size=batch, devices=[1, 2],
-                          profile=profile([device(memory=1e9)] * 2))
+    none = selector_recommend.recommend(
+        layers=layers, batch_size=batch, devices=[1, 2], profile=profile([device(memory=1e9)] * 2)
+    )
     assert none["strategy"] == "does_not_fit"
     assert not any(c["memory_fits"] for c in none["candidates"])
 
@@ -192,8 +244,10 @@ def test_dropout_costs_its_measured_time_per_hidden_unit_and_sample():
     layers, batch = [64, 512, 256, 10], 128
 
     def at(p):
-        return P.predict(workload.build_workload(None, layers, None, batch, "fp32", "sgd", 4.0, dropout=p), prof, 1,
-                         P.Options())
+        return P.predict(
+            workload.build_workload(None, layers, None, batch, "fp32", "sgd", 4.0, dropout=p), prof, 1, P.Options()
+        )
+
     assert at(0.3).forward_s - at(0.0).forward_s == pytest.approx(batch * (512 + 256) * 2e-9, rel=1e-9)
     assert at(0.3).backward_s == at(0.0).backward_s  # the backward's ReLU costs the same with a mask
 
@@ -215,8 +269,10 @@ def test_every_device_needs_a_sample_of_every_micro_batch():
     prof = perf.named_profile("h100-sxm-8")
     r = selector_recommend.recommend(model="medium", batch_size=64, devices=[1, 4, 8], accumulate=16, profile=prof)
     assert [c["devices"] for c in r["candidates"]] == [1, 4]
-    assert "8 GPUs left out: micro-batches of 4 samples (a global batch of 64 in 16) give some of them no sample" \
+    assert (
+        "8 GPUs left out: micro-batches of 4 samples (a global batch of 64 in 16) give some of them no sample"
         in r["reasons"]
+    )
     with pytest.raises(mgpu.ConfigError, match="accumulate 65 is larger than the global batch 64"):
         selector_recommend.recommend(model="medium", batch_size=64, accumulate=65, profile=prof)
 
@@ -233,24 +289,40 @@ def test_break_even_batch_is_where_several_devices_start_to_win():
 
 def test_prices_give_cost_per_sample_and_roi():
     prof = profile([device()] * 2, alpha=1e-6, busbw=1e11)
-    r = selector_recommend.recommend(layers=[1024, 4096, 4096, 10], batch_size=4096, devices=[1, 2], profile=prof,
-                       price_per_device_hour=3.6)
+    r = selector_recommend.recommend(
+        layers=[1024, 4096, 4096, 10], batch_size=4096, devices=[1, 2], profile=prof, price_per_device_hour=3.6
+    )
     one, two = r["candidates"]
     assert one["cost_per_million_samples"] == pytest.approx(3.6 / 3600 * one["predicted_step_ms"] / 1e3 / 4096 * 1e6)
-    assert two["cost_per_million_samples"] == pytest.approx(2 * 3.6 / 3600 * two["predicted_step_ms"] / 1e3 / 4096 * 1e6)
+    assert two["cost_per_million_samples"] == pytest.approx(
+        2 * 3.6 / 3600 * two["predicted_step_ms"] / 1e3 / 4096 * 1e6
+    )
     assert r["roi"] and "per million samples" in r["roi"]
     # the pick's own cost, against one device's (a link with latency: two cost more)
-    r = selector_recommend.recommend(layers=[1024, 4096, 4096, 10], batch_size=4096, devices=[1, 2], price_per_device_hour=3.6,
-                       profile=profile([device()] * 2, alpha=1e-3, busbw=2e9))
+    r = selector_recommend.recommend(
+        layers=[1024, 4096, 4096, 10],
+        batch_size=4096,
+        devices=[1, 2],
+        price_per_device_hour=3.6,
+        profile=profile([device()] * 2, alpha=1e-3, busbw=2e9),
+    )
     one, two = r["candidates"]
     assert r["devices"] == 2 and two["cost_per_million_samples"] > 1.01 * one["cost_per_million_samples"]
     assert f"2 GPUs {two['cost_per_million_samples']:.3f} (+" in r["roi"], r["roi"]
 
 
-@pytest.mark.parametrize("params, batch, strategy", [
-    (300_000, 512, "single_gpu"), (3_000_000, 64, "single_gpu"), (3_000_000, 512, "benchmark_required"),
-    (7_000_000, 64, "benchmark_required"), (20_000_000, 128, "multi_gpu"), (20_000_000, 32, "single_gpu"),
-    (120_000_000, 16, "multi_gpu")])
+@pytest.mark.parametrize(
+    "params, batch, strategy",
+    [
+        (300_000, 512, "single_gpu"),
+        (3_000_000, 64, "single_gpu"),
+        (3_000_000, 512, "benchmark_required"),
+        (7_000_000, 64, "benchmark_required"),
+        (20_000_000, 128, "multi_gpu"),
+        (20_000_000, 32, "single_gpu"),
+        (120_000_000, 16, "multi_gpu"),
+    ],
+)
 def test_without_any_profile_the_seed_thresholds_answer(params, batch, strategy, monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # no calibration
     monkeypatch.setattr(perf, "detected_profile", lambda devices=None: None)  # and no GPU
@@ -272,8 +344,10 @@ def test_named_profiles_predict_every_preset(name):
 
 
 def test_faster_interconnects_never_predict_slower_steps():
-    steps = {n: selector_recommend.recommend(model="xl", batch_size=2048, devices=[1, 2], profile=n)["candidates"][1]
-             for n in ("pcie-host-bridge", "pcie-p2p")}
+    steps = {
+        n: selector_recommend.recommend(model="xl", batch_size=2048, devices=[1, 2], profile=n)["candidates"][1]
+        for n in ("pcie-host-bridge", "pcie-p2p")
+    }
     assert steps["pcie-p2p"]["allreduce_ms"] < steps["pcie-host-bridge"]["allreduce_ms"]
     assert steps["pcie-p2p"]["predicted_step_ms"] <= steps["pcie-host-bridge"]["predicted_step_ms"]
 
@@ -292,12 +366,18 @@ def test_profiles_round_trip_and_bad_ones_are_refused(tmp_path):
         selector_recommend.recommend(model="large", batch_size=64, profile="quantum")
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(batch_size=0), "batch size"), (dict(batch_size=64, devices=[0, 1]), "device counts"),
-    (dict(batch_size=64, precision="fp8"), "precision"), (dict(batch_size=64, devices=[1, 16]), "cannot predict 16"),
-    (dict(batch_size=64, optimizer="lion"), "optimizer"), (dict(batch_size=1, devices=[2, 4]), "gives some device of every candidate count no sample"),
-    (dict(batch_size=64, cuda_graph="maybe"), "CUDA graph mode"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(batch_size=0), "batch size"),
+        (dict(batch_size=64, devices=[0, 1]), "device counts"),
+        (dict(batch_size=64, precision="fp8"), "precision"),
+        (dict(batch_size=64, devices=[1, 16]), "cannot predict 16"),
+        (dict(batch_size=64, optimizer="lion"), "optimizer"),
+        (dict(batch_size=1, devices=[2, 4]), "gives some device of every candidate count no sample"),
+        (dict(batch_size=64, cuda_graph="maybe"), "CUDA graph mode"),
+    ],
+)
 def test_bad_requests_raise_config_errors(kwargs, message):
     prof = profile([device()] * 4)
     with pytest.raises(mgpu.ConfigError, match=message):
@@ -334,8 +414,10 @@ def test_half_precision_gemms_hold_a_half_copy_of_the_weights_and_write_it_in_th
     layers, batch = [1024, 4096, 4096, 10], 256
     params = sum(a * b + b for a, b in zip(layers, layers[1:]))
     prof = perf.to_core(profile([device()], alpha=0.0, busbw=1e9))
-    fp32, bf16 = (P.predict(workload.build_workload(None, layers, None, batch, p, "sgd", 4.0), prof, 1, P.Options())
-                  for p in ("fp32", "bf16"))
+    fp32, bf16 = (
+        P.predict(workload.build_workload(None, layers, None, batch, p, "sgd", 4.0), prof, 1, P.Options())
+        for p in ("fp32", "bf16")
+    )
     # and two half operand buffers (activations, output gradients) of the widest layer's rows
     assert bf16.memory_bytes - fp32.memory_bytes == pytest.approx(2 * params + 2 * 2 * batch * 4096, rel=1e-12)
     tf32 = P.predict(workload.build_workload(None, layers, None, batch, "tf32", "sgd", 4.0), prof, 1, P.Options())
@@ -354,8 +436,13 @@ def test_several_devices_hold_the_links_buffers_and_one_device_none():
 def layer_grid(time, rows=(1, 4, 16, 64), widths=(8, 32, 128)):
     """A LayerTimes dict whose every table holds time(r, i, o) (and kind-scaled copies)."""
     cells = [(r, i, o) for r in rows for i in widths for o in widths]
-    return {"rows": list(rows), "widths": list(widths), "forward": [time(*c) for c in cells],
-            "backward": [2 * time(*c) for c in cells], "backward_weights": [1.5 * time(*c) for c in cells]}
+    return {
+        "rows": list(rows),
+        "widths": list(widths),
+        "forward": [time(*c) for c in cells],
+        "backward": [2 * time(*c) for c in cells],
+        "backward_weights": [1.5 * time(*c) for c in cells],
+    }
 
 
 def multilinear(r, i, o):  # the shape of a GEMM's time: work, weights, activations, a constant
@@ -375,14 +462,17 @@ def test_layer_times_interpolate_a_gemm_shaped_time_exactly_and_scale_beyond_the
     assert t.forward_s(1, 2, 3) == pytest.approx(multilinear(1, 8, 8), rel=1e-9)
 
 
-@pytest.mark.parametrize("change, message", [
-    (lambda g: g.update(rows=[4, 1, 16, 64]), "ascending"),
-    (lambda g: g.update(widths=[8]), "ascending"),
-    (lambda g: g["forward"].pop(), "grid has"),
-    (lambda g: g["backward"].__setitem__(3, 0.0), "positive"),
-    (lambda g: g["backward_weights"].__setitem__(0, float("nan")), "positive"),
-    (lambda g: g.pop("forward"), "malformed"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda g: g.update(rows=[4, 1, 16, 64]), "ascending"),
+        (lambda g: g.update(widths=[8]), "ascending"),
+        (lambda g: g["forward"].pop(), "grid has"),
+        (lambda g: g["backward"].__setitem__(3, 0.0), "positive"),
+        (lambda g: g["backward_weights"].__setitem__(0, float("nan")), "positive"),
+        (lambda g: g.pop("forward"), "malformed"),
+    ],
+)
 def test_malformed_layer_times_are_refused(change, message):
     grid = layer_grid(multilinear)
     change(grid)
@@ -394,8 +484,10 @@ def test_malformed_layer_times_are_refused(change, message):
 def test_measured_layer_times_replace_the_gemm_rate_and_one_rank_uses_its_alone_table():
     layers, batch = (32, 128, 128, 8), 64
     base = device(flops=1e11, bandwidth=1e11, kind="cpu")
-    slow, fast = layer_grid(lambda r, i, o: 1e-3 * multilinear(r, i, o) / multilinear(1, 8, 8)), \
-        layer_grid(lambda r, i, o: 0.5e-3 * multilinear(r, i, o) / multilinear(1, 8, 8))
+    slow, fast = (
+        layer_grid(lambda r, i, o: 1e-3 * multilinear(r, i, o) / multilinear(1, 8, 8)),
+        layer_grid(lambda r, i, o: 0.5e-3 * multilinear(r, i, o) / multilinear(1, 8, 8)),
+    )
     plain = profile([base] * 2)
     tabled = profile([{**base, "layer_times": slow}] * 2)
     both = profile([{**base, "layer_times": slow, "layer_times_alone": fast}] * 2)
@@ -434,9 +526,10 @@ def test_layers_take_the_cold_tables_by_the_share_of_the_steps_arrays_the_cache_
     warm = layer_grid(multilinear)
     arrays = memory.training_memory_bytes(list(layers), batch // 2, optimizer="sgd")  # one rank of two
 
-    def at(cache, grid=cold_grid(3.0), n=2):
+    def at(cache, grid=cold_grid(3.0), n=2):  # noqa: B008 - one grid, made once
         prof = profile([{**base, "layer_times": grid, "layer_times_alone": grid, "cache_bytes": cache}] * 2)
         return predict(prof, n, layers, batch)
+
     plain = at(0.0, warm)
     # no cache size, or one that holds both ranks' arrays: the warm tables
     assert at(0.0).forward_s == pytest.approx(plain.forward_s, rel=1e-12)
@@ -454,11 +547,14 @@ def test_layers_take_the_cold_tables_by_the_share_of_the_steps_arrays_the_cache_
     assert at(arrays / 100, warm).forward_s == pytest.approx(plain.forward_s, rel=1e-12)
 
 
-@pytest.mark.parametrize("change, message", [
-    (lambda g: g["forward_cold"].pop(), "a cold table holds"),
-    (lambda g: g.pop("backward_cold"), "malformed"),
-    (lambda g: g["backward_weights_cold"].__setitem__(2, -1.0), "positive"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda g: g["forward_cold"].pop(), "a cold table holds"),
+        (lambda g: g.pop("backward_cold"), "malformed"),
+        (lambda g: g["backward_weights_cold"].__setitem__(2, -1.0), "positive"),
+    ],
+)
 def test_malformed_cold_layer_times_are_refused(change, message):
     grid = cold_grid(2.0)
     change(grid)
@@ -480,6 +576,7 @@ def test_pass_bandwidth_by_size_prices_the_update_and_one_rank_uses_its_alone_ta
     def rate(bytes_, points):  # log-log between the two points
         (b0, r0), (b1, r1) = points
         return math.exp(math.log(r0) + math.log(bytes_ / b0) / math.log(b1 / b0) * math.log(r1 / r0))
+
     assert t.bandwidth_at(update) == pytest.approx(rate(update, cached), rel=1e-9)
     assert t.bandwidth_at(1e3) == 80e9 and t.bandwidth_at(1e12) == 10e9 and t.bandwidth_at(1e3, alone=True) == 160e9
     two = predict(prof, 2, layers, batch)
@@ -496,8 +593,13 @@ def test_pass_bandwidth_by_size_prices_the_update_and_one_rank_uses_its_alone_ta
 def phases(ranks=2, scale=1.0):
     """In-step phases of a CPU calibration: 1 ns (update) and 0.5 ns (wait) per parameter
     at 1M parameters, per-parameter costs twice as high at 4M (beyond the caches)."""
-    return {"params": [1e6, 4e6], "update_s": [scale * 1e-3, scale * 8e-3], "wait_s": [scale * 0.5e-3, scale * 4e-3],
-            "wait_spread_s": [0.0, 0.0], "ranks": ranks}
+    return {
+        "params": [1e6, 4e6],
+        "update_s": [scale * 1e-3, scale * 8e-3],
+        "wait_s": [scale * 0.5e-3, scale * 4e-3],
+        "wait_spread_s": [0.0, 0.0],
+        "ranks": ranks,
+    }
 
 
 def test_step_phases_interpolate_per_parameter_cost_in_log_params_and_clamp():
@@ -523,8 +625,9 @@ def test_measured_step_phases_replace_the_update_health_check_and_allreduce_mode
     # at the calibration's world and bucket size the measured wait is the exposed allreduce, skew included
     assert two.exposed_comm_s == pytest.approx(t.wait_at(n_params), rel=1e-9)
     assert two.optimizer_s == pytest.approx(t.update_at(n_params), rel=1e-9)
-    assert two.step_s == pytest.approx(two.overhead_s + max(two.forward_s + two.backward_s, 0) + two.exposed_comm_s
-                                       + two.optimizer_s, rel=1e-9)  # no step_sync_s on top
+    assert two.step_s == pytest.approx(
+        two.overhead_s + max(two.forward_s + two.backward_s, 0) + two.exposed_comm_s + two.optimizer_s, rel=1e-9
+    )  # no step_sync_s on top
     # another bucket size moves the wait by what the link model says it changes
     core = perf.to_core(prof)
     w_small = workload.build_workload(None, list(layers), None, batch, "fp32", "sgd", 1.0)
@@ -535,17 +638,21 @@ def test_measured_step_phases_replace_the_update_health_check_and_allreduce_mode
     solo = profile([{**base, "step_phases": phases(1)}] * 2, **link)
     s = predict(solo, 2, layers, batch)
     assert s.exposed_comm_s == pytest.approx(t.wait_at(n_params) + s.comm_s, rel=1e-9)
-    assert s.step_s == pytest.approx(s.overhead_s + 1e-3 + s.forward_s + s.backward_s + s.exposed_comm_s
-                                     + s.optimizer_s, rel=1e-9)
+    assert s.step_s == pytest.approx(
+        s.overhead_s + 1e-3 + s.forward_s + s.backward_s + s.exposed_comm_s + s.optimizer_s, rel=1e-9
+    )
 
 
-@pytest.mark.parametrize("change, message", [
-    (lambda p: p.update(params=[4e6, 1e6]), "ascending"),
-    (lambda p: p["wait_s"].pop(), "hold"),
-    (lambda p: p["update_s"].__setitem__(0, 0.0), "positive"),
-    (lambda p: p.update(ranks=0), "ranks"),
-    (lambda p: p.pop("ranks"), "malformed"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda p: p.update(params=[4e6, 1e6]), "ascending"),
+        (lambda p: p["wait_s"].pop(), "hold"),
+        (lambda p: p["update_s"].__setitem__(0, 0.0), "positive"),
+        (lambda p: p.update(ranks=0), "ranks"),
+        (lambda p: p.pop("ranks"), "malformed"),
+    ],
+)
 def test_malformed_step_phases_are_refused(change, message):
     table = phases()
     change(table)
@@ -558,12 +665,19 @@ def test_a_calibrated_wait_spread_widens_the_error_band_where_steps_are_short():
     base = device(flops=1e11, bandwidth=50e9, kind="cpu")
 
     def rec(spread):
-        busy = {"params": [1e5, 1e6], "update_s": [1e-5, 1e-4], "wait_s": [5e-5, 5e-4],
-                "wait_spread_s": [spread / 10, spread], "ranks": 2}
+        busy = {
+            "params": [1e5, 1e6],
+            "update_s": [1e-5, 1e-4],
+            "wait_s": [5e-5, 5e-4],
+            "wait_spread_s": [spread / 10, spread],
+            "ranks": 2,
+        }
         alone = {**busy, "wait_spread_s": [0.0, 0.0], "ranks": 1}
-        prof = profile([{**base, "step_phases": busy, "step_phases_alone": alone}] * 2, alpha=1e-6, busbw=10e9,
-                       overlap=False)
+        prof = profile(
+            [{**base, "step_phases": busy, "step_phases_alone": alone}] * 2, alpha=1e-6, busbw=10e9, overlap=False
+        )
         return selector_recommend.recommend(layers=list(layers), batch_size=batch, devices=[1, 2], profile=prof)
+
     steady, jittery = rec(0.0), rec(5e-4)
     one, two = jittery["candidates"]
     assert one["timing_spread_ms"] == 0.0 and two["timing_spread_ms"] > 0.2 * two["predicted_step_ms"]
@@ -579,16 +693,23 @@ def test_cores_that_changed_cache_domains_during_calibration_widen_the_multi_ran
     # topo read a cache line's round trip between the ranks' CPUs 52 ns and later 330 ns
     layers, batch = (64, 256, 256, 8), 32
     base = device(flops=1e11, bandwidth=50e9, kind="cpu")
-    busy = {"params": [1e5, 1e6], "update_s": [1e-5, 1e-4], "wait_s": [5e-5, 5e-4], "wait_spread_s": [0.0, 1e-6],
-            "ranks": 2}
+    busy = {
+        "params": [1e5, 1e6],
+        "update_s": [1e-5, 1e-4],
+        "wait_s": [5e-5, 5e-4],
+        "wait_spread_s": [0.0, 1e-6],
+        "ranks": 2,
+    }
     alone = {**busy, "wait_spread_s": [0.0, 0.0], "ranks": 1}
 
     def rec(readings):
-        prof = profile([{**base, "step_phases": busy, "step_phases_alone": alone}] * 2, alpha=1e-6, busbw=10e9,
-                       overlap=False)
+        prof = profile(
+            [{**base, "step_phases": busy, "step_phases_alone": alone}] * 2, alpha=1e-6, busbw=10e9, overlap=False
+        )
         if readings is not None:
             prof["placement"] = {"cpus": [0, 1], "readings_ns": readings, "wait_probe_ns": readings[1:3]}
         return selector_recommend.recommend(layers=list(layers), batch_size=batch, devices=[1, 2], profile=prof)
+
     before, steady, moved = rec(None), rec([52.0, 55.0, 61.0, 58.0]), rec([52.0, 55.0, 61.0, 330.0])
     assert steady == before  # one placement throughout: as a calibration without readings
     two = moved["candidates"][1]
@@ -611,18 +732,32 @@ def test_a_second_placements_wait_is_priced_beside_the_first_and_weighted_by_its
     # topo probed the wait with the cores at 52-55 ns, and again at 330-335 ns, where it was 3x
     layers, batch = (64, 256, 256, 8), 256
     base = device(flops=1e11, bandwidth=50e9, kind="cpu")
-    busy = {"params": [1e5, 1e6], "update_s": [1e-5, 1e-4], "wait_s": [5e-5, 5e-4], "wait_spread_s": [0.0, 0.0],
-            "ranks": 2}
+    busy = {
+        "params": [1e5, 1e6],
+        "update_s": [1e-5, 1e-4],
+        "wait_s": [5e-5, 5e-4],
+        "wait_spread_s": [0.0, 0.0],
+        "ranks": 2,
+    }
     far = {**busy, "wait_s": [1.5e-4, 1.5e-3]}
     alone = {**busy, "ranks": 1}
 
     def calibration(share):
-        prof = profile([{**base, "step_phases": busy, "step_phases_other_placement": far,
-                         "step_phases_alone": alone}] * 2, alpha=1e-6, busbw=10e9, overlap=False)
-        prof["placement"] = {"cpus": [0, 1], "readings_ns": [50.0, 52.0, 55.0, 330.0, 335.0, 60.0],
-                             "wait_probe_ns": [52.0, 55.0], "other_wait_probe_ns": [330.0, 335.0],
-                             "other_share": share}
+        prof = profile(
+            [{**base, "step_phases": busy, "step_phases_other_placement": far, "step_phases_alone": alone}] * 2,
+            alpha=1e-6,
+            busbw=10e9,
+            overlap=False,
+        )
+        prof["placement"] = {
+            "cpus": [0, 1],
+            "readings_ns": [50.0, 52.0, 55.0, 330.0, 335.0, 60.0],
+            "wait_probe_ns": [52.0, 55.0],
+            "other_wait_probe_ns": [330.0, 335.0],
+            "other_share": share,
+        }
         return prof
+
     prof = calibration(0.25)
     first, second = perf.placement_profile(prof, "first"), perf.placement_profile(prof, "second")
     assert [d["step_phases"] for d in second["devices"]] == [far, far]
@@ -635,10 +770,19 @@ def test_a_second_placements_wait_is_priced_beside_the_first_and_weighted_by_its
         assert predict(calibration(share), 2, layers, batch).step_s == pytest.approx(pinned.step_s, rel=1e-12)
     assert predict(prof, 1, layers, batch).step_s == predict(first, 1, layers, batch).step_s  # one rank: no wait
     rec = selector_recommend.recommend(layers=list(layers), batch_size=batch, devices=[1, 2], profile=prof)
-    said = next(m for m in (re.search(
-        r"2 ranks: ([\d.]+)x with the cores as the wait was first probed \(52-55 ns\), ([\d.]+)x as it was probed "
-        r"again \(330-335 ns\); priced at ([\d.]+)x, as 25% of topo's readings found them in the second placement",
-        r) for r in rec["reasons"]) if m)
+    said = next(
+        m
+        for m in (
+            re.search(
+                r"2 ranks: ([\d.]+)x with the cores as the wait was first probed \(52-55 ns\), "
+                r"([\d.]+)x as it was probed again \(330-335 ns\); priced at ([\d.]+)x, "
+                r"as 25% of topo's readings found them in the second placement",
+                r,
+            )
+            for r in rec["reasons"]
+        )
+        if m
+    )
     assert float(said[1]) > float(said[3]) == round(rec["candidates"][1]["predicted_speedup"], 2) > float(said[2])
     # one placement probed: nothing to weigh, nothing to price beside it
     assert perf.placement_profile({**prof, "placement": None}, "second") is None
@@ -655,38 +799,50 @@ def test_a_second_placements_wait_is_priced_beside_the_first_and_weighted_by_its
         perf.placement_profile(odd, "second")
 
 
-GOOD_PLACEMENT = {"cpus": [0, 1], "readings_ns": [50.0, 52.0, 55.0, 330.0, 335.0], "wait_probe_ns": [52.0, 55.0],
-                  "other_wait_probe_ns": [330.0, 335.0], "other_share": 0.25}
+GOOD_PLACEMENT = {
+    "cpus": [0, 1],
+    "readings_ns": [50.0, 52.0, 55.0, 330.0, 335.0],
+    "wait_probe_ns": [52.0, 55.0],
+    "other_wait_probe_ns": [330.0, 335.0],
+    "other_share": 0.25,
+}
 
 
-@pytest.mark.parametrize("change, says", [
-    (lambda p: p.pop("readings_ns"), "readings_ns must be a list"),
-    (lambda p: p.update(readings_ns=[]), "readings_ns must be a list"),
-    (lambda p: p.update(readings_ns=[50.0, -1.0]), "readings_ns must be a list"),
-    (lambda p: p.update(readings_ns="123"), "readings_ns must be a list"),  # not read as [1, 2, 3]
-    (lambda p: p.update(readings_ns=[50.0, float("nan")]), "readings_ns must be a list"),
-    (lambda p: p.update(readings_ns=[50.0, True]), "readings_ns must be a list"),
-    (lambda p: p.pop("wait_probe_ns"), "wait_probe_ns must be a list of 2"),
-    (lambda p: p.update(wait_probe_ns=55.0), "wait_probe_ns must be a list of 2"),
-    (lambda p: p.update(wait_probe_ns=["a", "b"]), "wait_probe_ns must be a list of 2"),
-    (lambda p: p.update(other_wait_probe_ns=[]), "other_wait_probe_ns must be a list of 2"),
-    (lambda p: p.update(other_wait_probe_ns=None), "other_wait_probe_ns must be a list of 2"),
-    (lambda p: p.pop("other_share"), "other_share must be in"),
-    (lambda p: p.update(other_share=True), "other_share must be in"),
-    (lambda p: p.update(other_share=1.5), "other_share must be in"),
-    (lambda p: p.update(other_share="half"), "other_share must be in"),
-])
+@pytest.mark.parametrize(
+    "change, says",
+    [
+        (lambda p: p.pop("readings_ns"), "readings_ns must be a list"),
+        (lambda p: p.update(readings_ns=[]), "readings_ns must be a list"),
+        (lambda p: p.update(readings_ns=[50.0, -1.0]), "readings_ns must be a list"),
+        (lambda p: p.update(readings_ns="123"), "readings_ns must be a list"),  # not read as [1, 2, 3]
+        (lambda p: p.update(readings_ns=[50.0, float("nan")]), "readings_ns must be a list"),
+        (lambda p: p.update(readings_ns=[50.0, True]), "readings_ns must be a list"),
+        (lambda p: p.pop("wait_probe_ns"), "wait_probe_ns must be a list of 2"),
+        (lambda p: p.update(wait_probe_ns=55.0), "wait_probe_ns must be a list of 2"),
+        (lambda p: p.update(wait_probe_ns=["a", "b"]), "wait_probe_ns must be a list of 2"),
+        (lambda p: p.update(other_wait_probe_ns=[]), "other_wait_probe_ns must be a list of 2"),
+        (lambda p: p.update(other_wait_probe_ns=None), "other_wait_probe_ns must be a list of 2"),
+        (lambda p: p.pop("other_share"), "other_share must be in"),
+        (lambda p: p.update(other_share=True), "other_share must be in"),
+        (lambda p: p.update(other_share=1.5), "other_share must be in"),
+        (lambda p: p.update(other_share="half"), "other_share must be in"),
+    ],
+)
 def test_a_malformed_placement_is_refused_in_one_line_everywhere_it_is_read(change, says):
     # a hand-edited calibration: to_core, recommend and bench's validation refuse it alike
     from mgpu.calibrate import bench
+
     placement = copy.deepcopy(GOOD_PLACEMENT)
     change(placement)
     prof = profile([{**device(kind="cpu"), "step_phases": phases(), "step_phases_other_placement": phases()}] * 2)
     prof["placement"] = placement
-    for read in (lambda: perf.to_core(prof),
-                 lambda: selector_recommend.recommend(layers=[64, 256, 256, 8], batch_size=256, devices=[1, 2], profile=prof),
-                 lambda: bench._placement_against_calibration(
-                     {"core_round_trip_ns": [55.0, 56.0], "core_round_trip_cpus": [0, 1]}, prof)):
+    for read in (
+        lambda: perf.to_core(prof),
+        lambda: selector_recommend.recommend(layers=[64, 256, 256, 8], batch_size=256, devices=[1, 2], profile=prof),
+        lambda: bench._placement_against_calibration(
+            {"core_round_trip_ns": [55.0, 56.0], "core_round_trip_cpus": [0, 1]}, prof
+        ),
+    ):
         with pytest.raises(mgpu.ConfigError, match=f"malformed \\(placement: {says}") as e:
             read()
         assert "\n" not in str(e.value) and str(e.value).count("malformed") == 1
@@ -704,9 +860,12 @@ def test_a_malformed_step_phases_table_is_refused_where_the_cores_moved_too():
 
 def test_placement_moved_tells_two_placements_from_one_placements_noise():
     from mgpu.hostinfo import PLACEMENT_RATIO, placement_moved
+
     assert not placement_moved([]) and not placement_moved([52.0]) and not placement_moved([52.0, 65.0, 58.0])
     assert placement_moved([52.0, 330.0]) and placement_moved([330.0, 52.0, 340.0])
-    assert not placement_moved([100.0, 100.0 * PLACEMENT_RATIO]) and placement_moved([100.0, 100.0 * PLACEMENT_RATIO + 1])
+    assert not placement_moved([100.0, 100.0 * PLACEMENT_RATIO]) and placement_moved(
+        [100.0, 100.0 * PLACEMENT_RATIO + 1]
+    )
 
 
 def test_core_round_trip_is_measured_between_two_cpus_and_refuses_others():
@@ -714,8 +873,12 @@ def test_core_round_trip_is_measured_between_two_cpus_and_refuses_others():
     if len(cpus) >= 2:  # CI's machines have 2 cores
         ns = [mgpu._core.core_round_trip_ns(cpus[0], cpus[1], batches=8) for _ in range(3)]
         assert all(5.0 < t < 1e5 for t in ns), ns  # a cache line there and back: tens to hundreds of ns
-    for a, b, message in ((0, 0, "two different CPUs"), (-1, 0, "two different CPUs"),
-                          (0, 1 << 20, "two different CPUs"), (0, max(cpus) + 1, "cannot run a thread on CPU")):
+    for a, b, message in (
+        (0, 0, "two different CPUs"),
+        (-1, 0, "two different CPUs"),
+        (0, 1 << 20, "two different CPUs"),
+        (0, max(cpus) + 1, "cannot run a thread on CPU"),
+    ):
         with pytest.raises(mgpu.ConfigError, match=message):
             mgpu._core.core_round_trip_ns(a, b)
     with pytest.raises(mgpu.ConfigError, match="batches"):
@@ -729,12 +892,15 @@ def test_a_failed_reading_of_the_cores_is_unknown_not_an_error(monkeypatch):
     # a diagnosis: whatever the probe raises (a refused CPU, a thread that could not start),
     # rank 0 reports no reading and goes on to the barrier the other ranks wait in
     from mgpu.train.process_group import ProcessGroup
+
     pg = ProcessGroup(comm=None)
     pg.size, pg.hosts = 2, [pg.hosts[0]] * 2
     monkeypatch.setattr(pg, "allgather", lambda obj, what="": [[0, 1], [0, 1]])
     for error in (RuntimeError("thread"), mgpu.DeviceError("no answer"), mgpu.ConfigError("CPU 1 refused")):
+
         def fail(a, b, error=error):
             raise error
+
         monkeypatch.setattr(mgpu._core, "core_round_trip_ns", fail)
         assert pg.core_round_trip_ns() is None
     monkeypatch.setattr(mgpu._core, "core_round_trip_ns", lambda a, b: 60.0)
@@ -770,7 +936,9 @@ def test_step_phases_count_only_where_every_device_has_them():
     got, want = predict(mixed, 2, layers, batch), predict(plain, 2, layers, batch)
     assert got.step_s == pytest.approx(want.step_s, rel=1e-12) and got.exposed_comm_s == want.exposed_comm_s
     assert got.optimizer_s == pytest.approx(want.optimizer_s, rel=1e-12)
-    assert predict(mixed, 1, layers, batch).optimizer_s != predict(plain, 1, layers, batch).optimizer_s  # alone: its own
+    assert (
+        predict(mixed, 1, layers, batch).optimizer_s != predict(plain, 1, layers, batch).optimizer_s
+    )  # alone: its own
 
 
 def test_layer_and_phase_lookups_without_a_table_are_errors_not_crashes():
@@ -784,6 +952,7 @@ def test_dropout_timer_checks_its_input_and_times_the_training_kernel():
     """topo's dropout cost: the binding refuses impossible shapes and probabilities with a
     ConfigError, and times one call per repeat."""
     from mgpu import _core
+
     backend = _core.make_backend("cpu", 0, 1)
     times = _core.time_relu_dropout(backend, 4, 16, 0.3, 3)
     assert len(times) == 3 and all(t > 0 for t in times)
@@ -812,8 +981,9 @@ SMALL = (64, 256, 256, 10)  # 3 layers, 85K parameters: captured under auto on G
 
 def graph_predict(prof, n, mode, layers=SMALL, batch=512, precision="fp32", accumulate=1):
     # 64 kB buckets: a bucket per layer, the later ones ready before backward ends
-    w = workload.build_workload(None, list(layers), None, batch, precision, "sgd", 0.0625, cuda_graph=mode,
-                       accumulate=accumulate)
+    w = workload.build_workload(
+        None, list(layers), None, batch, precision, "sgd", 0.0625, cuda_graph=mode, accumulate=accumulate
+    )
     return P.predict(w, perf.to_core(prof), n, P.Options())
 
 
@@ -821,8 +991,11 @@ def graph_kernels(layers, batch, ranks, precision, accumulate=1):
     """Kernels and GEMMs a captured step runs inside its graphs, and the launches of the
     graphs themselves with their argument updates, as the cost sheet lists the CUDA
     backend's step (its counts match the emulated GPU's, tests/emulation)."""
-    ops = costsheet.step_ops(costsheet.Workload(list(layers), batch, precision=precision, optimizer="sgd",
-                                                graph=True, ranks=ranks, accumulate=accumulate))
+    ops = costsheet.step_ops(
+        costsheet.Workload(
+            list(layers), batch, precision=precision, optimizer="sgd", graph=True, ranks=ranks, accumulate=accumulate
+        )
+    )
     inside = sum(o.count for o in ops if o.in_graph and o.kind in ("kernel", "gemm"))
     return inside, 2 * costsheet.counts(ops)["graph_launches"]
 
@@ -838,17 +1011,28 @@ def test_captured_steps_price_kernels_as_graph_nodes_and_allreduce_after_backwar
         gpu = {**device(launch=launch), "graph_node_s": node}
         prof = profile([gpu] * 2, alpha=1e-6, busbw=1e10, overlap=True)
         for n in (1, 2):
-            on, off, auto = (graph_predict(prof, n, mode, batch=batch, precision=precision, accumulate=accumulate)
-                             for mode in ("on", "off", "auto"))
+            on, off, auto = (
+                graph_predict(prof, n, mode, batch=batch, precision=precision, accumulate=accumulate)
+                for mode in ("on", "off", "auto")
+            )
             assert on.graphs and auto.graphs and not off.graphs
             assert auto.step_s == pytest.approx(on.step_s)
             inside, graph_launches = graph_kernels(SMALL, batch, n, precision, accumulate)
             # In a graph each kernel costs its work and a node; launched on its own, its work
             # or a launch, whichever is longer (the host enqueues while a longer one runs).
             work = kernels(on) - inside * node
-            assert work > 0 and kernels(on) == pytest.approx(kernels(graph_predict(
-                profile([{**gpu, "launch_overhead_s": node}] * 2, alpha=1e-6, busbw=1e10), n, "on", batch=batch,
-                precision=precision, accumulate=accumulate)))  # a launch's cost does not reach inside, even equal
+            assert work > 0 and kernels(on) == pytest.approx(
+                kernels(
+                    graph_predict(
+                        profile([{**gpu, "launch_overhead_s": node}] * 2, alpha=1e-6, busbw=1e10),
+                        n,
+                        "on",
+                        batch=batch,
+                        precision=precision,
+                        accumulate=accumulate,
+                    )
+                )
+            )  # a launch's cost does not reach inside, even equal
             if launch == 1.0:
                 assert kernels(off) == pytest.approx(inside * launch, rel=1e-9)
             else:
@@ -870,12 +1054,14 @@ def test_host_copies_are_each_micro_batchs_inputs_and_targets_and_the_stop_flag(
     launch, bandwidth, overhead, batch = 5e-6, 1e9, 1e-4, 512
     gpu = {**device(launch=launch), "graph_node_s": 0.5e-6, "host_to_device_bandwidth": bandwidth}
     p = graph_predict(profile([gpu] * 2, overhead=overhead), ranks, mode, batch=batch, accumulate=accumulate)
-    ops = costsheet.step_ops(costsheet.Workload(list(SMALL), batch, optimizer="sgd", graph=mode == "on",
-                                                ranks=ranks, accumulate=accumulate))
+    ops = costsheet.step_ops(
+        costsheet.Workload(list(SMALL), batch, optimizer="sgd", graph=mode == "on", ranks=ranks, accumulate=accumulate)
+    )
     copies = [o for o in ops if o.kind == "h2d"]
     graph_launches = graph_kernels(SMALL, batch, ranks, "fp32", accumulate)[1] if mode == "on" else 0
-    expected = ((sum(o.count for o in copies) + graph_launches) * launch
-                + sum(o.count * o.bytes for o in copies) / bandwidth)
+    expected = (sum(o.count for o in copies) + graph_launches) * launch + sum(
+        o.count * o.bytes for o in copies
+    ) / bandwidth
     assert p.overhead_s - overhead == pytest.approx(expected, rel=1e-4)
 
 
@@ -909,8 +1095,14 @@ def test_recommend_says_when_steps_replay_as_graphs_and_when_overlap_would_beat_
     layers = [1024, 1024, 1024, 1024, 10]
 
     def answer(busbw, mode="auto"):
-        return selector_recommend.recommend(layers=layers, batch_size=4096, devices=[1, 2], cuda_graph=mode,
-                              profile=profile([gpu] * 2, alpha=1e-5, busbw=busbw, overlap=True))
+        return selector_recommend.recommend(
+            layers=layers,
+            batch_size=4096,
+            devices=[1, 2],
+            cuda_graph=mode,
+            profile=profile([gpu] * 2, alpha=1e-5, busbw=busbw, overlap=True),
+        )
+
     r, off = answer(1e10), answer(1e10, "off")
     assert all(c["cuda_graph"] for c in r["candidates"]) and not any(c["cuda_graph"] for c in off["candidates"])
     assert any("replay as CUDA graphs" in line and "follows backward" in line for line in r["reasons"])
@@ -919,10 +1111,12 @@ def test_recommend_says_when_steps_replay_as_graphs_and_when_overlap_would_beat_
     assert r["devices"] == 2 and off["devices"] == 2
     assert off["candidates"][1]["predicted_step_ms"] < 0.98 * r["candidates"][1]["predicted_step_ms"]
     advice = [line for line in r["reasons"] if line.startswith("--cuda-graph off would be faster")]
-    assert advice == [f"--cuda-graph off would be faster: 2 GPUs at {off['candidates'][1]['predicted_step_ms']:.2f} "
-                      f"ms a step against {r['candidates'][1]['predicted_step_ms']:.2f} ms for 2 GPUs with graphs, "
-                      f"the allreduce overlapping backward ({off['candidates'][1]['exposed_allreduce_ms']:.3g} ms "
-                      "exposed)"], advice
+    assert advice == [
+        f"--cuda-graph off would be faster: 2 GPUs at {off['candidates'][1]['predicted_step_ms']:.2f} "
+        f"ms a step against {r['candidates'][1]['predicted_step_ms']:.2f} ms for 2 GPUs with graphs, "
+        f"the allreduce overlapping backward ({off['candidates'][1]['exposed_allreduce_ms']:.3g} ms "
+        "exposed)"
+    ], advice
     # A slower link: 2 GPUs without graphs beat 2 with them, but not the 1 GPU picked: no advice.
     r, off = answer(4e9), answer(4e9, "off")
     assert off["candidates"][1]["predicted_step_ms"] < r["candidates"][1]["predicted_step_ms"]
@@ -940,7 +1134,7 @@ def test_named_gpu_profiles_carry_the_published_graph_node_time_and_its_source()
 def test_graph_replay_timer_checks_its_input_and_topo_measures_a_node_cost():
     from mgpu import _core
     from mgpu.calibrate import topo
-    from mgpu import hostinfo
+
     be = _core.make_backend("cpu", 0, 1)
     with pytest.raises(mgpu.ConfigError, match="nodes"):
         _core.time_graph_replay(be, 0, 3)
@@ -951,12 +1145,14 @@ def test_graph_replay_timer_checks_its_input_and_topo_measures_a_node_cost():
 
 
 def test_cold_layer_timings_sweep_the_cache_and_topo_times_them_where_weights_are_large(monkeypatch):
-    from mgpu import _core
+    from mgpu import _core, hostinfo
     from mgpu.calibrate import topo
-    from mgpu import hostinfo
+
     be = _core.make_backend("cpu", 0, 1)
-    for times in (_core.time_linear(be, 4, 256, 256, 3, sweep_bytes=4 << 20),
-                  _core.time_linear_backward(be, 4, 256, 256, 3, input_gradient=False, sweep_bytes=4 << 20)):
+    for times in (
+        _core.time_linear(be, 4, 256, 256, 3, sweep_bytes=4 << 20),
+        _core.time_linear_backward(be, 4, 256, 256, 3, input_gradient=False, sweep_bytes=4 << 20),
+    ):
         assert len(times) == 3 and min(times) > 0
     monkeypatch.setattr(topo, "LAYER_ROWS_QUICK", (1, 512))
     grid = topo.measure_layer_times(be, quick=True, cache_bytes=1 << 20)
@@ -973,10 +1169,10 @@ def test_cold_layer_timings_sweep_the_cache_and_topo_times_them_where_weights_ar
 def test_a_device_that_cannot_capture_is_marked_and_priced_uncaptured(monkeypatch, capsys):
     from mgpu import _core
     from mgpu.calibrate import topo
-    from mgpu import hostinfo
 
     def cannot(*args):
         raise mgpu.ConfigError("the test backend cannot capture")
+
     monkeypatch.setattr(_core, "time_graph_replay", cannot)
     assert topo.measure_graph_node(_core.make_backend("cpu", 0, 1), quick=True) is None
     err = capsys.readouterr().err
@@ -987,6 +1183,7 @@ def test_a_device_that_cannot_capture_is_marked_and_priced_uncaptured(monkeypatc
 @pytest.mark.parametrize("mode, captured", [(None, True), ("off", False), ("on", True)])
 def test_recommend_cli_takes_the_training_graph_mode(mode, captured, tmp_path, capfd):
     from mgpu.commands import main as cli
+
     out = tmp_path / "r.json"
     argv = ["recommend", "--profile", "h100-sxm-8", "--model", "medium", "--batch-size", "256", "--json", str(out)]
     assert cli.main(argv + (["--cuda-graph", mode] if mode else [])) == 0
@@ -1004,9 +1201,11 @@ def test_accumulated_micro_batches_share_the_rows_and_only_the_last_backward_ove
     prof = profile([device(flops=1e12, bandwidth=1e12)] * 2, alpha=1e-6, busbw=4e9, overlap=True)
 
     def at(k):
-        w = workload.build_workload(None, [256, 1024, 1024, 1024, 10], None, 4094, "fp32", "sgd", 1.0, cuda_graph="off",
-                           accumulate=k)
+        w = workload.build_workload(
+            None, [256, 1024, 1024, 1024, 10], None, 4094, "fp32", "sgd", 1.0, cuda_graph="off", accumulate=k
+        )
         return P.predict(w, perf.to_core(prof), 2, P.Options())
+
     one, four = at(1), at(4)  # 2047 rows a device: micro-batches of 511 and 512
     assert four.forward_s + four.backward_s == pytest.approx(one.forward_s + one.backward_s, rel=1e-9)
     assert four.comm_s == pytest.approx(one.comm_s)
@@ -1016,9 +1215,9 @@ def test_accumulated_micro_batches_share_the_rows_and_only_the_last_backward_ove
     # activations for the largest micro-batch (512 rows), as one step of 512 rows a device holds
     w = workload.build_workload(None, [256, 1024, 1024, 1024, 10], None, 1024, "fp32", "sgd", 1.0, cuda_graph="off")
     assert four.memory_bytes == pytest.approx(P.predict(w, perf.to_core(prof), 2, P.Options()).memory_bytes, rel=1e-12)
-    assert at(10 ** 6).step_s > 0  # more micro-batches than rows: one row each
+    assert at(10**6).step_s > 0  # more micro-batches than rows: one row each
     # priced per micro-batch size, not one by one: 2^61 micro-batches take no time to price
-    w = workload.build_workload(None, [8, 8], None, 2 ** 62, "fp32", "sgd", 1.0, accumulate=2 ** 61 + 1)
+    w = workload.build_workload(None, [8, 8], None, 2**62, "fp32", "sgd", 1.0, accumulate=2**61 + 1)
     assert math.isfinite(P.predict(w, perf.to_core(prof), 2, P.Options()).step_s)
     for bad in (0, 2.0, True, "3"):
         with pytest.raises(mgpu.ConfigError, match=f"accumulate.*got {bad!r}"):
@@ -1033,7 +1232,7 @@ def test_a_gemm_costs_its_memory_traffic_where_that_is_longer_than_its_work():
     layer = 8192 * 8192 * 4 / 1e12
     one = predict(fast, 1, layers=(8192, 8192), batch=8)
     assert layer < one.forward_s < 1.01 * layer
-    assert layer < one.backward_s < 1.01 * layer   # the first layer has no input gradient: dW only
+    assert layer < one.backward_s < 1.01 * layer  # the first layer has no input gradient: dW only
     # with --accumulate 2 the second micro-batch's weight gradient adds onto the first's: read and written
     w = workload.build_workload(None, [8192, 8192], None, 16, "fp32", "sgd", 4.0, accumulate=2)
     two = P.predict(w, perf.to_core(fast), 1, P.Options())
@@ -1090,6 +1289,7 @@ def test_half_precision_updates_write_the_weights_half_copy_in_the_same_kernel()
     def optimizer(precision):
         w = workload.build_workload(None, list(layers), None, 256, precision, "sgd", 4.0, 0.0, cuda_graph="off")
         return P.predict(w, perf.to_core(profile([gpu])), 1, P.Options()).optimizer_s
+
     assert optimizer("bf16") - optimizer("fp32") == pytest.approx(2 * params / 1e11, rel=1e-9)
 
 
@@ -1103,9 +1303,17 @@ def test_a_memory_bound_forward_moves_the_bytes_the_cuda_backend_moves(precision
     w = workload.build_workload(None, [IN, H, OUT], None, R, precision, "sgd", 4.0, 0.0, cuda_graph="off")
     half = precision == "bf16"
     eb = 2 if half else 4
-    moved = ((H * IN + R * IN) * eb + 8 * R * H + 4 * R * H + (10 if half else 8) * R * H   # layer 1 and its ReLU
-             + (OUT * H + R * H) * eb + 8 * R * OUT + 4 * R * OUT                          # layer 2
-             + (6 * R * IN if half else 0) + 12 * R * OUT)                                  # input copy, loss
+    moved = (
+        (H * IN + R * IN) * eb
+        + 8 * R * H
+        + 4 * R * H
+        + (10 if half else 8) * R * H  # layer 1 and its ReLU
+        + (OUT * H + R * H) * eb
+        + 8 * R * OUT
+        + 4 * R * OUT  # layer 2
+        + (6 * R * IN if half else 0)
+        + 12 * R * OUT
+    )  # input copy, loss
     assert P.predict(w, perf.to_core(profile([gpu])), 1, P.Options()).forward_s == pytest.approx(moved / 1e9, rel=1e-9)
 
 
@@ -1122,7 +1330,7 @@ def test_a_calibration_of_emulated_gpus_is_told_from_a_real_ones():
         assert (why is None) == (perf.profile_is_emulated(prof) == here)
         if why:
             assert "measured on" in why and "MGPU_EMULATE_GPU" in why
-        assert perf.emulation_mismatch(prof, "cpu") is None   # a CPU job: no GPU to mistake
+        assert perf.emulation_mismatch(prof, "cpu") is None  # a CPU job: no GPU to mistake
 
 
 # --- memory on unequal devices -----------------------------------------------------------
@@ -1159,17 +1367,29 @@ def test_recommend_says_which_device_its_memory_figure_is_and_when_only_one_fits
     margin = P.Options().memory_margin
     fast = device(flops=3e12, memory=1e30, name="fast")
     layers = (1024, 4096, 4096, 10)
-    fits = selector_recommend.recommend(layers=layers, batch_size=4000, devices=[1, 2], optimizer="sgd", bucket_mb=4.0,
-                          profile=profile([fast, device(flops=1e12, memory=(fast_need + slow_need) / 2 / margin,
-                                                        name="slow")]))
+    fits = selector_recommend.recommend(
+        layers=layers,
+        batch_size=4000,
+        devices=[1, 2],
+        optimizer="sgd",
+        bucket_mb=4.0,
+        profile=profile([fast, device(flops=1e12, memory=(fast_need + slow_need) / 2 / margin, name="slow")]),
+    )
     two = [c for c in fits["candidates"] if c["devices"] == 2][0]
     assert two["memory_fits"]
     memory_lines = [r for r in fits["reasons"] if r.startswith("memory:")]
-    assert len(memory_lines) == 1 and (" on the device nearest its capacity" in memory_lines[0]) == \
-        (fits["devices"] == 2), fits["reasons"]
+    assert len(memory_lines) == 1 and (" on the device nearest its capacity" in memory_lines[0]) == (
+        fits["devices"] == 2
+    ), fits["reasons"]
     # a second device too small for its share: one device, and that is why
-    short = selector_recommend.recommend(layers=layers, batch_size=4000, devices=[1, 2], optimizer="sgd", bucket_mb=4.0,
-                           profile=profile([fast, device(flops=1e12, memory=slow_need / margin * 0.5, name="slow")]))
+    short = selector_recommend.recommend(
+        layers=layers,
+        batch_size=4000,
+        devices=[1, 2],
+        optimizer="sgd",
+        bucket_mb=4.0,
+        profile=profile([fast, device(flops=1e12, memory=slow_need / margin * 0.5, name="slow")]),
+    )
     assert short["strategy"] == "single_gpu" and short["devices"] == 1
     assert "no multi-device candidate fits in memory" in short["reasons"], short["reasons"]
     alone = selector_recommend.recommend(layers=layers, batch_size=4000, devices=[1], profile=profile([fast]))
@@ -1178,16 +1398,21 @@ def test_recommend_says_which_device_its_memory_figure_is_and_when_only_one_fits
     assert any(r.startswith("memory:") and " per device" in r for r in equal["reasons"])
 
 
-@pytest.mark.parametrize("kwargs, given", [(dict(precision="bf16"), "--precision bf16"),
-                                           (dict(grad_dtype="bf16"), "--grad-dtype bf16")])
+@pytest.mark.parametrize(
+    "kwargs, given", [(dict(precision="bf16"), "--precision bf16"), (dict(grad_dtype="bf16"), "--grad-dtype bf16")]
+)
 def test_a_cpu_profile_refuses_what_train_on_cpus_refuses(kwargs, given):
     cpu = profile([device(kind="cpu", name="cpu")] * 2)
     with pytest.raises(mgpu.ConfigError, match=f"{given}: profile 'test' is of CPUs"):
         selector_recommend.recommend(layers=[16, 16], batch_size=64, devices=[1, 2], profile=cpu, **kwargs)
-    gpu = selector_recommend.recommend(layers=[16, 16], batch_size=64, devices=[1, 2], profile=profile([device()] * 2), **kwargs)
+    gpu = selector_recommend.recommend(
+        layers=[16, 16], batch_size=64, devices=[1, 2], profile=profile([device()] * 2), **kwargs
+    )
     assert gpu["strategy"]
 
 
 def test_device_counts_beyond_the_models_reach_are_refused_before_a_profile_is_built():
-    with pytest.raises(mgpu.ConfigError, match=f"--devices: at most {selector_recommend.MAX_DEVICES} devices, got 100000"):
+    with pytest.raises(
+        mgpu.ConfigError, match=f"--devices: at most {selector_recommend.MAX_DEVICES} devices, got 100000"
+    ):
         selector_recommend.recommend(model="medium", batch_size=64, devices=[1, 100000], profile="h100-sxm-8")

@@ -2,6 +2,7 @@
 reader needs: intervals, the PyTorch peer, the selector's prediction and the ideal,
 model, batch and machine, thresholds and events, and the emulation where it applies.
 (Their look was checked by eye when they were written; these tests keep the content.)"""
+
 import matplotlib
 
 matplotlib.use("Agg")
@@ -11,8 +12,8 @@ import pytest  # noqa: E402
 from matplotlib.container import ErrorbarContainer  # noqa: E402
 
 from mgpu.commands import bench as bench_command
-from mgpu.monitor import telemetry
 from mgpu.commands import topo as topo_command
+from mgpu.monitor import telemetry
 
 LAYERS = [50, 256, 3]
 META = {"host": "testhost", "model": None, "optimizer": "sgd", "gpu_emulation": False}
@@ -29,10 +30,24 @@ def bench_rows(torch=True, predicted=True):
     for ranks in (1, 2):
         for batch in (64, 256):
             ms = batch / 100 / ranks + 0.5 * (ranks - 1)
-            row = {"batch_size": batch, "ranks": ranks, "threads": 1, "device": "cpu", "step": _step(ms),
-                   "samples_per_sec": batch / (ms / 1e3), "layers": LAYERS, "params": 13827, "precision": "fp32",
-                   "breakdown_ms": {"forward": ms * 0.3, "backward": ms * 0.5, "comm_wait": ms * 0.15,
-                                    "optimizer": ms * 0.05}, "compute_floor_ms": ms * 0.4}
+            row = {
+                "batch_size": batch,
+                "ranks": ranks,
+                "threads": 1,
+                "device": "cpu",
+                "step": _step(ms),
+                "samples_per_sec": batch / (ms / 1e3),
+                "layers": LAYERS,
+                "params": 13827,
+                "precision": "fp32",
+                "breakdown_ms": {
+                    "forward": ms * 0.3,
+                    "backward": ms * 0.5,
+                    "comm_wait": ms * 0.15,
+                    "optimizer": ms * 0.05,
+                },
+                "compute_floor_ms": ms * 0.4,
+            }
             if torch:
                 row["torch"] = {"version": "x", "step": _step(ms * 1.5), "samples_per_sec": batch / (ms * 1.5e-3)}
             rows.append(row)
@@ -50,8 +65,7 @@ def _labels(ax):
 
 def test_bench_plots_render(tmp_path):
     paths = bench_command.write_plots(str(tmp_path / "plots"), bench_rows(), META)
-    assert [p.rsplit("/", 1)[1] for p in paths] == ["throughput_vs_batch.png", "speedup_vs_ranks.png",
-                                                     "breakdown.png"]
+    assert [p.rsplit("/", 1)[1] for p in paths] == ["throughput_vs_batch.png", "speedup_vs_ranks.png", "breakdown.png"]
     for p in paths:
         assert plt.imread(p).shape[0] > 300  # a real image, not an empty file
 
@@ -87,8 +101,12 @@ def test_speedup_has_the_prediction_and_the_ideal():
     ax = bench_command.speedup_figure(rows, META).axes[0]
     labels = [t.get_text() for t in ax.get_legend().get_texts()]  # the legend's order: per batch
     assert labels[0] == "ideal (linear)"
-    assert labels[1:] == ["measured, batch 64", "selector's prediction, batch 64", "measured, batch 256",
-                          "selector's prediction, batch 256"]
+    assert labels[1:] == [
+        "measured, batch 64",
+        "selector's prediction, batch 64",
+        "measured, batch 256",
+        "selector's prediction, batch 256",
+    ]
     lines = {line.get_label(): line for line in ax.get_lines()}
     assert list(lines["ideal (linear)"].get_ydata()) == [1, 2]
     want = [r["predicted_speedup"] for r in rows if r["batch_size"] == 64]
@@ -128,26 +146,37 @@ def test_emulated_results_say_so_on_every_bench_plot():
 def topo_profile(ranks=2, name="Test CPU (1 thread)"):
     def device(rank):
         measured = [[w, 5e10 * w / (w + 1e6)] for w in (1e5, 1e6, 1e7, 1e8)]
-        return {"rank": rank, "name": name, "fp32": {"peak_flops": 5e10, "half_work_flops": 1e6,
-                                                     "measured": measured}}
+        return {"rank": rank, "name": name, "fp32": {"peak_flops": 5e10, "half_work_flops": 1e6, "measured": measured}}
+
     sizes = [4 << (2 * i) for i in range(10)]
     rows = [{"bytes": b, "time_us": 5 + b / 1e3, "busbw_GBps": b / (5e3 + b), "wrong": 0} for b in sizes]
-    return {"name": "calibrated: testhost", "mgpu_version": "0", "devices": [device(r) for r in range(ranks)],
-            "allreduce": rows if ranks > 1 else [], "environment": {"world_size": ranks},
-            "link": {"name": "mpi (2 ranks)", "alpha_s": 2.5e-6, "bus_bandwidth": 1e9, "fit_bytes": [1024, 1 << 20]}}
+    return {
+        "name": "calibrated: testhost",
+        "mgpu_version": "0",
+        "devices": [device(r) for r in range(ranks)],
+        "allreduce": rows if ranks > 1 else [],
+        "environment": {"world_size": ranks},
+        "link": {"name": "mpi (2 ranks)", "alpha_s": 2.5e-6, "bus_bandwidth": 1e9, "fit_bytes": [1024, 1 << 20]},
+    }
 
 
 def test_topo_plots_render(tmp_path):
     paths = topo_command.write_plots(str(tmp_path), topo_profile())
     assert [p.rsplit("/", 1)[1] for p in paths] == ["gemm.png", "allreduce.png"]
-    assert [p.rsplit("/", 1)[1] for p in topo_command.write_plots(str(tmp_path / "one"), topo_profile(1))] == ["gemm.png"]
+    assert [p.rsplit("/", 1)[1] for p in topo_command.write_plots(str(tmp_path / "one"), topo_profile(1))] == [
+        "gemm.png"
+    ]
 
 
 def test_topo_plots_show_measurements_beside_their_fits():
     profile = topo_profile()
     ax = topo_command.gemm_figure(profile).axes[0]
     labels = _labels(ax)
-    assert len(labels) == 2 and labels[0] == "ranks 0, 1 (one fit), fp32: measured" and labels[1].startswith("fit: peak 50 GFLOP/s")
+    assert (
+        len(labels) == 2
+        and labels[0] == "ranks 0, 1 (one fit), fp32: measured"
+        and labels[1].startswith("fit: peak 50 GFLOP/s")
+    )
     ax = topo_command.allreduce_figure(profile).axes[0]
     labels = _labels(ax)
     assert labels[0].endswith("measured busbw") and any(label.startswith("alpha-beta fit") for label in labels)
@@ -160,8 +189,17 @@ def test_topo_plots_show_measurements_beside_their_fits():
 
 
 def test_telemetry_plot_shows_units_thresholds_and_events(tmp_path):
-    samples = [{"t": t, "temperature_c": 60 + t, "power_w": 200.0, "power_limit_w": 300.0, "memory_used_pct": 40.0,
-                "utilization_pct": None} for t in np.arange(0, 5, 0.5)]
+    samples = [
+        {
+            "t": t,
+            "temperature_c": 60 + t,
+            "power_w": 200.0,
+            "power_limit_w": 300.0,
+            "memory_used_pct": 40.0,
+            "utilization_pct": None,
+        }
+        for t in np.arange(0, 5, 0.5)
+    ]
     series = {"rank 0: GPU A": samples, "rank 1: GPU B": samples}
     events = [{"t": 2.0, "rank": 0, "action": "throttle", "message": "hot"}]
     fig = telemetry.figure(series, "stress run", {"temperature_c": 85.0, "power_w": None}, events)

@@ -1,7 +1,7 @@
 """Training features and reliability in one process: gradient accumulation,
 clipping, schedules, loss scaling, checkpoint format and failures, exact resume."""
+
 import errno
-import json
 import math
 import os
 import re
@@ -24,8 +24,7 @@ def local_group():
 
 def regression(n=24, d_in=5, d_out=3, seed=0):
     rng = np.random.default_rng(seed)
-    return (rng.standard_normal((n, d_in)).astype(np.float32),
-            rng.standard_normal((n, d_out)).astype(np.float32))
+    return (rng.standard_normal((n, d_in)).astype(np.float32), rng.standard_normal((n, d_out)).astype(np.float32))
 
 
 # --- gradient accumulation ---------------------------------------------------------
@@ -36,8 +35,9 @@ def test_accumulation_equals_one_larger_batch(optimizer, k, rows):
     results = []
     for accumulate in (1, k):
         m = mgpu.MLP([5, 16, 3], seed=3, dropout=0.3, threads=1)  # masks keyed by global sample
-        t = mgpu.Trainer(m, optimizer=optimizer, lr=0.05, momentum=0.9, process_group=local_group(),
-                         accumulate=accumulate)
+        t = mgpu.Trainer(
+            m, optimizer=optimizer, lr=0.05, momentum=0.9, process_group=local_group(), accumulate=accumulate
+        )
         losses = [t.step(x, y) for _ in range(3)]
         results.append((losses, m.get_parameters()))
     (l1, p1), (lk, pk) = results
@@ -84,8 +84,9 @@ def test_clipping_above_every_norm_changes_nothing(optimizer):
     runs = []
     for max_norm in (0.0, 1e9):
         m = mgpu.MLP([50, 16, 3], seed=6, threads=1)
-        t = mgpu.Trainer(m, optimizer=optimizer, lr=0.01, momentum=0.9, process_group=local_group(),
-                         max_grad_norm=max_norm)
+        t = mgpu.Trainer(
+            m, optimizer=optimizer, lr=0.01, momentum=0.9, process_group=local_group(), max_grad_norm=max_norm
+        )
         history = t.fit(data, batch_size=32, steps=8, progress=False)
         assert 0 < t.last_result.grad_norm < 1e9
         runs.append((m.get_parameters(), [e["train_loss"] for e in history]))
@@ -120,9 +121,17 @@ def test_schedules_follow_their_definitions():
     assert all(a >= b for a, b in zip(lrs, lrs[1:]))
 
 
-@pytest.mark.parametrize("kwargs", [dict(kind="linear"), dict(warmup_steps=-1), dict(kind="step", step_size=0),
-                                    dict(kind="step", gamma=0.0), dict(kind="cosine"),
-                                    dict(kind="cosine", total_steps=10, min_lr=0.5)])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(kind="linear"),
+        dict(warmup_steps=-1),
+        dict(kind="step", step_size=0),
+        dict(kind="step", gamma=0.0),
+        dict(kind="cosine"),
+        dict(kind="cosine", total_steps=10, min_lr=0.5),
+    ],
+)
 def test_bad_schedules_are_rejected(kwargs):
     with pytest.raises(mgpu.ConfigError):
         LRSchedule(0.1, **kwargs)
@@ -139,7 +148,7 @@ def test_trainer_uses_the_schedule_per_step():
         _, grads = loss_and_grad(params, x, y, "mse")
         t.step(x, y)
         for p0, p1, g in zip(before, m.get_parameters(), grads):
-            assert rel_err(p0 - p1, 0.2 * 0.5 ** s * g) < 1e-4
+            assert rel_err(p0 - p1, 0.2 * 0.5**s * g) < 1e-4
 
 
 @pytest.mark.parametrize("kind", ["constant", "cosine"])
@@ -263,6 +272,7 @@ def test_failed_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     def full_disk(f, **arrays):
         f.write(b"partial")
         raise OSError(errno.ENOSPC, "No space left on device")
+
     monkeypatch.setattr(np, "savez", full_disk)
     with pytest.raises(CheckpointError, match="disk full; previous checkpoint ckpt-000000001.npz kept"):
         save_checkpoint(str(tmp_path), 2, _arrays(), {"compat": {}}, keep=1)
@@ -274,8 +284,15 @@ def test_failed_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
 def _trainer(accumulate=2, total=None):
     m = mgpu.MLP([50, 24, 3], seed=7, dropout=0.2, threads=1)
     sched = LRSchedule(0.01, "cosine", warmup_steps=3, total_steps=total or 40, min_lr=1e-4)
-    return m, mgpu.Trainer(m, optimizer="adamw", lr=0.01, process_group=local_group(), accumulate=accumulate,
-                           schedule=sched, max_grad_norm=1.0)
+    return m, mgpu.Trainer(
+        m,
+        optimizer="adamw",
+        lr=0.01,
+        process_group=local_group(),
+        accumulate=accumulate,
+        schedule=sched,
+        max_grad_norm=1.0,
+    )
 
 
 def _strip_times(history):
@@ -290,8 +307,14 @@ def test_resume_continues_bit_identically(tmp_path):
 
     directory = str(tmp_path / "ckpt")
     m_a, t_a = _trainer()
-    t_a.fit(data, batch_size=16, steps=steps, seed=3, progress=False,
-            checkpoint=CheckpointPolicy(directory, every=7, keep=10))
+    t_a.fit(
+        data,
+        batch_size=16,
+        steps=steps,
+        seed=3,
+        progress=False,
+        checkpoint=CheckpointPolicy(directory, every=7, keep=10),
+    )
     mid = [p for p in list_checkpoints(directory) if p.endswith("ckpt-000000021.npz")][0]  # mid-epoch 1
     m_b, t_b = _trainer()
     resumed = t_b.fit(data, batch_size=16, steps=steps, seed=3, progress=False, resume=mid)
@@ -315,6 +338,7 @@ def test_stop_request_checkpoints_and_resume_finishes_the_run(tmp_path):
         if calls["n"] == 9:
             t_a.request_stop("test")
         return original(*args, **kwargs)
+
     t_a.step = step_then_stop
     t_a.fit(data, batch_size=32, steps=20, seed=0, progress=False, checkpoint=CheckpointPolicy(directory))
     assert t_a.stop_reason == "test" and t_a.global_step == 9
@@ -329,32 +353,42 @@ def test_incompatible_checkpoints_are_refused(tmp_path):
     _, t = _trainer()
     t.fit(data, batch_size=16, steps=3, seed=0, progress=False, checkpoint=CheckpointPolicy(str(tmp_path)))
     path = latest_checkpoint(str(tmp_path))
-    other = mgpu.Trainer(mgpu.MLP([50, 32, 3], seed=7, dropout=0.2), optimizer="adamw",
-                         process_group=local_group(), accumulate=2)
+    other = mgpu.Trainer(
+        mgpu.MLP([50, 32, 3], seed=7, dropout=0.2), optimizer="adamw", process_group=local_group(), accumulate=2
+    )
     with pytest.raises(CheckpointError, match="layers"):
         other.fit(data, batch_size=16, steps=5, seed=0, progress=False, resume=path)
     _, t_batch = _trainer()
     with pytest.raises(CheckpointError, match="effective_batch"):
         t_batch.fit(data, batch_size=32, steps=5, seed=0, progress=False, resume=path)
-    sgd = mgpu.Trainer(mgpu.MLP([50, 24, 3], seed=7, dropout=0.2), optimizer="sgd", momentum=0.9,
-                       process_group=local_group(), accumulate=2)
+    sgd = mgpu.Trainer(
+        mgpu.MLP([50, 24, 3], seed=7, dropout=0.2),
+        optimizer="sgd",
+        momentum=0.9,
+        process_group=local_group(),
+        accumulate=2,
+    )
     with pytest.raises(CheckpointError, match="optimizer"):
         sgd.fit(data, batch_size=16, steps=5, seed=0, progress=False, resume=path)
 
 
 def test_a_checkpoints_dataset_is_matched_by_contents_where_it_has_them():
     from mgpu.train.checkpoint import check_compatible
+
     data = load_dataset("synthetic", samples=300)
     renamed = Dataset("/elsewhere/same.npz", data.x_train, data.y_train, data.x_val, data.y_val)
     changed = Dataset(data.name, data.x_train[::-1].copy(), data.y_train, data.x_val, data.y_val)
     assert renamed.fingerprint() == data.fingerprint() != changed.fingerprint()
-    compat = lambda d, fp=True: {"dataset": d.name, "train_samples": len(d.x_train),  # noqa: E731
-                                 **({"dataset_sha256": d.fingerprint()} if fp else {})}
+    compat = lambda d, fp=True: {
+        "dataset": d.name,
+        "train_samples": len(d.x_train),  # noqa: E731
+        **({"dataset_sha256": d.fingerprint()} if fp else {}),
+    }
     saved = {"compat": compat(data)}
-    check_compatible(saved, compat(renamed), "c")           # the same samples under another path
+    check_compatible(saved, compat(renamed), "c")  # the same samples under another path
     with pytest.raises(CheckpointError, match="its dataset held other samples than"):
-        check_compatible(saved, compat(changed), "c")       # other samples under the same path
-    old = {"compat": compat(data, fp=False)}                # written before the fingerprint: by name
+        check_compatible(saved, compat(changed), "c")  # other samples under the same path
+    old = {"compat": compat(data, fp=False)}  # written before the fingerprint: by name
     check_compatible(old, compat(changed), "c")
     with pytest.raises(CheckpointError, match="dataset is"):
         check_compatible(old, compat(renamed), "c")
@@ -388,13 +422,17 @@ def test_fit_again_trains_more_and_continues_the_sampler():
 
 def test_watchdog_errors_name_the_hosts_of_the_ranks_they_name():
     from mgpu.train.group import name_hosts
+
     hosts = ["h0", "h0", "h1", "h1"]
-    cut = ("allreduce at step 15 did not complete within 3 s on rank 0: ranks 1, 3 have not reached this step; "
-           "rank 2 stopped responding during it (stopped, hung or dead)")
+    cut = (
+        "allreduce at step 15 did not complete within 3 s on rank 0: ranks 1, 3 have not reached this step; "
+        "rank 2 stopped responding during it (stopped, hung or dead)"
+    )
     assert name_hosts(cut, hosts) == (
         "allreduce at step 15 did not complete within 3 s on rank 0 (h0): ranks 1 (h0), 3 (h1) have not reached "
         "this step; rank 2 (h1) stopped responding during it (stopped, hung or dead); every rank on h1 is named: "
-        "suspect that host or its link (down, frozen or dead)")
+        "suspect that host or its link (down, frozen or dead)"
+    )
     behind = "barrier did not complete within 3 s on rank 0: rank 3 has not reached this step (stopped, hung or dead)"
     # rank 2 on h1 was not named: h1 may just be slow, so no host is blamed
     assert name_hosts(behind, hosts).endswith("rank 3 (h1) has not reached this step (stopped, hung or dead)")

@@ -2,6 +2,7 @@
 threads): its collectives give what ProcessGroup's give under mpirun, a failing
 or silent thread releases the others with an error instead of a hang, and the
 CLI refuses --gpus where it cannot work. The NCCL side runs in tests/gpu."""
+
 import subprocess
 import sys
 import threading
@@ -138,13 +139,21 @@ def test_threads_have_no_mpi_communicator_and_no_cpu_mode():
     assert run_on_gpus(single, gpus=1) == [("LocalCommunicator", ("cpu", 0))]
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--gpus", "2", "--device", "cpu"], "--gpus drives GPUs"),
-    (["--gpus", "0"], "--gpus must be in 1..1024"), (["--gpus", "1025"], "--gpus must be in 1..1024"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--gpus", "2", "--device", "cpu"], "--gpus drives GPUs"),
+        (["--gpus", "0"], "--gpus must be in 1..1024"),
+        (["--gpus", "1025"], "--gpus must be in 1..1024"),
+    ],
+)
 def test_cli_refuses_gpus_where_it_cannot_work(args, message):
-    r = subprocess.run([sys.executable, "-m", "mgpu", "train", "--steps", "2", "--no-progress", *args],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "mgpu", "train", "--steps", "2", "--no-progress", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 2, r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], r.stderr
@@ -154,8 +163,12 @@ def test_cli_refuses_gpus_where_it_cannot_work(args, message):
 def test_cli_gpus_without_a_gpu_is_one_clear_line(gpus):
     if mgpu.hostinfo.cuda_device_count() > 0:
         pytest.skip("a GPU is visible: tests/gpu runs --gpus for real")
-    r = subprocess.run([sys.executable, "-m", "mgpu", "train", "--gpus", gpus, "--steps", "2", "--no-progress"],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "mgpu", "train", "--gpus", gpus, "--steps", "2", "--no-progress"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 2, r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "drives GPUs" in lines[0] and "no GPU is visible" in lines[0], r.stderr
@@ -169,6 +182,7 @@ def test_clock_offsets_of_threads_are_exact(size):
         time.sleep(0.01 * pg.rank)
         origin = time.perf_counter()
         return origin, pg.clock_offsets(lambda: time.perf_counter() - origin)
+
     results, errors = run_threads(fn, size)
     assert errors == [None] * size
     origins = [origin for origin, _ in results]

@@ -2,11 +2,12 @@
 alpha-beta fits of the two sweeps become perf_model.h's intra/inter ring models, and
 a prediction over several nodes follows the hierarchical rule (latencies add, the
 slower transfer counts). The sweeps themselves run in tests/cluster."""
+
 import pytest
 
+from mgpu.calibrate.topo import fit_link, hierarchical_link
 from mgpu.selector import profiles as perf
 from mgpu.selector import recommend as selector_recommend
-from mgpu.calibrate.topo import fit_link, hierarchical_link
 
 
 def sweep(alpha_step, busbw, n, sizes=(1 << 10, 1 << 14, 1 << 18, 1 << 20, 1 << 22)):
@@ -54,6 +55,7 @@ def test_a_calibration_of_two_hosts_answers_for_more_hosts_node_by_node():
 
 class _PlacementsInTurn:
     """Rank 0 of a process group whose cores' round trips read as given, in turn."""
+
     def __init__(self, readings_ns):
         self.readings = iter(readings_ns)
 
@@ -64,13 +66,17 @@ class _PlacementsInTurn:
         return obj
 
 
-@pytest.mark.parametrize("readings_ns, probes", [
-    ([55.0, 60.0], 1),                      # one placement throughout: measured once
-    ([55.0, 330.0, 340.0, 335.0], 2),       # moved during the first: again
-    ([55.0, 330.0, 340.0, 60.0, 58.0, 330.0], 3),  # moved each time: the last try is kept
-])
+@pytest.mark.parametrize(
+    "readings_ns, probes",
+    [
+        ([55.0, 60.0], 1),  # one placement throughout: measured once
+        ([55.0, 330.0, 340.0, 335.0], 2),  # moved during the first: again
+        ([55.0, 330.0, 340.0, 60.0, 58.0, 330.0], 3),  # moved each time: the last try is kept
+    ],
+)
 def test_the_wait_is_probed_again_while_the_cores_moved_during_its_probe(monkeypatch, readings_ns, probes):
     from mgpu.calibrate import topo
+
     tables = iter(range(1, 10))
     monkeypatch.setattr(topo, "measure_step_phases", lambda *args: {"probe": next(tables)})
     log = topo.PlacementLog(_PlacementsInTurn(readings_ns))
@@ -80,27 +86,35 @@ def test_the_wait_is_probed_again_while_the_cores_moved_during_its_probe(monkeyp
     assert log.samples == []  # a probe's readings follow the cores' moves: no sample of their time
 
 
-@pytest.mark.parametrize("readings_ns, says", [
-    ([52.0, 55.0, 54.0, 56.0], None),
-    ([52.0, 55.0, 54.0, 330.0], "hold where the wait was probed, at 54-55 ns"),
-    ([52.0, 55.0, 330.0, 54.0, 330.0, 60.0, 330.0, 58.0], "during each of 3 tries at that probe"),
-])
+@pytest.mark.parametrize(
+    "readings_ns, says",
+    [
+        ([52.0, 55.0, 54.0, 56.0], None),
+        ([52.0, 55.0, 54.0, 330.0], "hold where the wait was probed, at 54-55 ns"),
+        ([52.0, 55.0, 330.0, 54.0, 330.0, 60.0, 330.0, 58.0], "during each of 3 tries at that probe"),
+    ],
+)
 def test_topo_says_whether_and_when_the_cores_changed_cache_domains(readings_ns, says):
     from mgpu.commands.topo import placement_line
+
     placement = {"cpus": [0, 1], "readings_ns": readings_ns, "wait_probe_ns": readings_ns[-3:-1]}
     text = placement_line(placement)
     assert text.startswith("ranks' cores (CPUs 0 and 1): a cache line's round trip")
     assert (says in text) if says else "cache domains" not in text
     if says and "hold where" in says:  # and probed again where the cores went
         text = placement_line({**placement, "other_wait_probe_ns": [330.0, 335.0], "other_share": 0.25})
-        assert ("probed again with them at 330-335 ns, where 25% of the readings found them, and `recommend` "
-                "prices several ranks in both placements, weighted so") in text
+        assert (
+            "probed again with them at 330-335 ns, where 25% of the readings found them, and `recommend` "
+            "prices several ranks in both placements, weighted so"
+        ) in text
 
 
 class _WatchedPlacements(_PlacementsInTurn):
     """As _PlacementsInTurn, on a clock that only the watch's half-second sleeps move."""
+
     def __init__(self, readings_ns, monkeypatch):
         from mgpu.calibrate import topo
+
         super().__init__(readings_ns)
         self.clock = 0.0
         monkeypatch.setattr(topo.time, "monotonic", lambda: self.clock)
@@ -108,24 +122,29 @@ class _WatchedPlacements(_PlacementsInTurn):
         self.is_root = True
 
 
-@pytest.mark.parametrize("readings_ns, first_tries, second_ns, watched", [
-    # first probe at 55-60 ns; the watch (1 s in quick mode: 3 readings) sees nothing else
-    ([55.0, 60.0, 58.0, 57.0, 59.0], 1, None, [58.0, 57.0, 59.0]),
-    # the cores move to 330 ns: the wait is probed there (330 -> 335) and kept, and the watch goes on
-    ([55.0, 60.0, 330.0, 335.0, 331.0, 58.0, 57.0], 1, [330.0, 335.0], [330.0, 331.0, 58.0, 57.0]),
-    # they move back during that probe (330 -> 58): not kept, and the watch runs out
-    ([55.0, 60.0, 330.0, 58.0, 57.0, 59.0, 56.0], 1, None, [330.0, 57.0, 59.0, 56.0]),
-    # the first probe moved in every try: no placement to tell another from, no watch
-    ([55.0, 330.0, 58.0, 330.0, 60.0, 320.0], 3, None, []),
-])
+@pytest.mark.parametrize(
+    "readings_ns, first_tries, second_ns, watched",
+    [
+        # first probe at 55-60 ns; the watch (1 s in quick mode: 3 readings) sees nothing else
+        ([55.0, 60.0, 58.0, 57.0, 59.0], 1, None, [58.0, 57.0, 59.0]),
+        # the cores move to 330 ns: the wait is probed there (330 -> 335) and kept, and the watch goes on
+        ([55.0, 60.0, 330.0, 335.0, 331.0, 58.0, 57.0], 1, [330.0, 335.0], [330.0, 331.0, 58.0, 57.0]),
+        # they move back during that probe (330 -> 58): not kept, and the watch runs out
+        ([55.0, 60.0, 330.0, 58.0, 57.0, 59.0, 56.0], 1, None, [330.0, 57.0, 59.0, 56.0]),
+        # the first probe moved in every try: no placement to tell another from, no watch
+        ([55.0, 330.0, 58.0, 330.0, 60.0, 320.0], 3, None, []),
+    ],
+)
 def test_the_wait_is_probed_in_a_second_placement_where_the_cores_go_during_the_watch(
-        monkeypatch, readings_ns, first_tries, second_ns, watched):
+    monkeypatch, readings_ns, first_tries, second_ns, watched
+):
     from mgpu.calibrate import topo
+
     tables = iter(range(1, 10))
     monkeypatch.setattr(topo, "measure_step_phases", lambda *args: {"probe": next(tables)})
     log = topo.PlacementLog(_WatchedPlacements(readings_ns, monkeypatch))
     got = topo.step_phases_by_placement(log.pg, 1, True, log)
-    assert got["first"] == {"probe": first_tries} and got["home"] == readings_ns[2 * first_tries - 2:2 * first_tries]
+    assert got["first"] == {"probe": first_tries} and got["home"] == readings_ns[2 * first_tries - 2 : 2 * first_tries]
     assert got["second"] == ({"probe": first_tries + 1} if second_ns else None) and got["other"] == second_ns
     assert next(log.pg.readings, None) is None, "every reading given was taken"
     # every reading is kept; the watch's, taken every half second, are the samples of the time
@@ -142,16 +161,19 @@ def test_the_second_placements_share_counts_the_readings_found_there():
 
 def topo_other_share(*args):
     from mgpu.calibrate.topo import other_share
+
     return other_share(*args)
 
 
 def test_no_second_placement_is_looked_for_without_a_peer_on_the_node(monkeypatch):
     from mgpu.calibrate import topo
+
     monkeypatch.setattr(topo, "measure_step_phases", lambda *args: {"probe": 1})
 
     class Alone(_WatchedPlacements):
         def core_round_trip_ns(self):
             return None
+
     log = topo.PlacementLog(Alone([], monkeypatch))
     got = topo.step_phases_by_placement(log.pg, 1, True, log)
     assert got["first"] == {"probe": 1} and (got["home"], got["second"], got["other"]) == (None, None, None)

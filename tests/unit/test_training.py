@@ -1,25 +1,32 @@
 """Single-process training: optimizers against the reference, the bucket plan,
 exact averaging of uneven shards, and convergence on digits."""
+
 import numpy as np
 import pytest
 
 import mgpu
 from mgpu import _core
 from mgpu.train.data import load_dataset
-from reference import AdamW, SGD, loss_and_grad, rel_err
+from reference import SGD, AdamW, loss_and_grad, rel_err
 
 
 def local_group():
     return mgpu.ProcessGroup(comm=__import__("mpi4py.MPI", fromlist=["MPI"]).COMM_SELF)
 
 
-@pytest.mark.parametrize("opt, kwargs, ref", [
-    ("sgd", dict(lr=0.05), lambda: SGD(0.05)),
-    ("sgd", dict(lr=0.05, momentum=0.9, weight_decay=0.01), lambda: SGD(0.05, 0.9, 0.01)),
-    ("adamw", dict(lr=0.01, weight_decay=0.05), lambda: AdamW(0.01, weight_decay=0.05)),
-    ("adamw", dict(lr=0.003, weight_decay=0.0, betas=(0.8, 0.95), eps=1e-6),
-     lambda: AdamW(0.003, (0.8, 0.95), 1e-6, 0.0)),
-])
+@pytest.mark.parametrize(
+    "opt, kwargs, ref",
+    [
+        ("sgd", dict(lr=0.05), lambda: SGD(0.05)),
+        ("sgd", dict(lr=0.05, momentum=0.9, weight_decay=0.01), lambda: SGD(0.05, 0.9, 0.01)),
+        ("adamw", dict(lr=0.01, weight_decay=0.05), lambda: AdamW(0.01, weight_decay=0.05)),
+        (
+            "adamw",
+            dict(lr=0.003, weight_decay=0.0, betas=(0.8, 0.95), eps=1e-6),
+            lambda: AdamW(0.003, (0.8, 0.95), 1e-6, 0.0),
+        ),
+    ],
+)
 @pytest.mark.parametrize("loss", ["mse", "cross_entropy"])
 def test_optimizer_steps_match_reference(opt, kwargs, ref, loss):
     layers = [6, 10, 4]
@@ -28,7 +35,7 @@ def test_optimizer_steps_match_reference(opt, kwargs, ref, loss):
     rng = np.random.default_rng(1)
     params = [p.astype(np.float64) for p in model.get_parameters()]
     reference = ref()
-    for step in range(8):
+    for _step in range(8):
         x = rng.standard_normal((11, 6)).astype(np.float32)
         y = rng.standard_normal((11, 4)).astype(np.float32) if loss == "mse" else rng.integers(0, 4, 11)
         value = trainer.step(x, y)
@@ -45,8 +52,7 @@ def test_uneven_shards_average_exactly(loss):
     layers = [4, 7, 3]
     rng = np.random.default_rng(0)
     x = rng.standard_normal((11, 4)).astype(np.float32)
-    y = (rng.standard_normal((11, 3)).astype(np.float32) if loss == "mse"
-         else rng.integers(0, 3, 11).astype(np.int64))
+    y = rng.standard_normal((11, 3)).astype(np.float32) if loss == "mse" else rng.integers(0, 3, 11).astype(np.int64)
     whole = mgpu.MLP(layers, seed=2)
     whole.loss_and_grad(x, y, loss)
     # sum-then-divide: shard gradients of the mean weighted by shard size
@@ -70,8 +76,13 @@ def test_uneven_shards_average_exactly(loss):
 @pytest.mark.parametrize("layers", [[3, 2], [8, 16, 4], [5, 9, 7, 3], [50, 256, 128, 64, 3]])
 def test_bucket_plan_covers_the_gradient_buffer_once_in_backward_order(layers, bucket_elems):
     m = mgpu.MLP(layers)
-    step = _core.DataParallelStep(m._core, _core.Optimizer(m._core, "sgd"), _core.LocalCommunicator(), "mse",
-                                  _core.StepOptions(bucket_elems=bucket_elems))
+    step = _core.DataParallelStep(
+        m._core,
+        _core.Optimizer(m._core, "sgd"),
+        _core.LocalCommunicator(),
+        "mse",
+        _core.StepOptions(bucket_elems=bucket_elems),
+    )
     buckets = step.buckets()
     assert _core.plan_buckets(layers, bucket_elems) == buckets  # what the performance model and traces use
     covered = sorted((off, off + n) for off, n, _ in buckets)
@@ -83,7 +94,7 @@ def test_bucket_plan_covers_the_gradient_buffer_once_in_backward_order(layers, b
     ready = [r for _, _, r in buckets]
     assert ready == sorted(ready, reverse=True)
     starts = [w for w, _ in m._core.layer_offsets()]
-    for off, n, r in buckets:  # ready once layer r is done: it touches no layer below r
+    for off, _n, r in buckets:  # ready once layer r is done: it touches no layer below r
         assert off >= starts[r]
     if bucket_elems >= 4:  # collectives read 16-byte aligned vectors whatever the layer sizes
         assert all(off % 4 == 0 for off in offsets), offsets
@@ -119,8 +130,9 @@ def test_counted_bucket_runs_are_the_walked_plan():
     # model prices huge models in O(layers)); the plan must be the walked one, bucket for bucket.
     rng = np.random.default_rng(13)
     for _ in range(3000):
-        layers = [int(rng.choice([1, 2, 3, 5, 7, 8, 13, 64, 100, 255, 256, 1000]))
-                  for _ in range(int(rng.integers(2, 7)))]
+        layers = [
+            int(rng.choice([1, 2, 3, 5, 7, 8, 13, 64, 100, 255, 256, 1000])) for _ in range(int(rng.integers(2, 7)))
+        ]
         bucket_elems = int(rng.choice([1, 2, 3, 4, 5, 7, 9, 16, 17, 63, 100, 1023, 4096, rng.integers(1, 30000)]))
         plan = _core.plan_buckets(layers, bucket_elems)
         assert plan == walked_bucket_plan(layers, 2, bucket_elems), (layers, bucket_elems)
@@ -144,9 +156,15 @@ def test_timed_steps_report_each_buckets_allreduce_and_untimed_steps_nothing():
     y = np.zeros((6, 4), np.float32)
 
     def run(timed):
-        step = _core.DataParallelStep(m._core, _core.Optimizer(m._core, "sgd"), _core.LocalCommunicator(), "mse",
-                                      _core.StepOptions(bucket_elems=40, timed=timed))
+        step = _core.DataParallelStep(
+            m._core,
+            _core.Optimizer(m._core, "sgd"),
+            _core.LocalCommunicator(),
+            "mse",
+            _core.StepOptions(bucket_elems=40, timed=timed),
+        )
         return step, step.step([(x, y, 0)], 6, 0, 0.1)
+
     _, untimed = run(False)
     assert untimed.buckets == []  # the untimed path records nothing
     step, r = run(True)
@@ -162,8 +180,9 @@ def test_timed_steps_report_each_buckets_allreduce_and_untimed_steps_nothing():
 
 def test_cpu_backend_does_not_overlap_host_driven_collectives():
     m = mgpu.MLP([3, 2])
-    step = _core.DataParallelStep(m._core, _core.Optimizer(m._core, "sgd"), _core.LocalCommunicator(), "mse",
-                                  _core.StepOptions(overlap=True))
+    step = _core.DataParallelStep(
+        m._core, _core.Optimizer(m._core, "sgd"), _core.LocalCommunicator(), "mse", _core.StepOptions(overlap=True)
+    )
     assert step.overlaps is False  # measured faster: per-bucket blocking allreduce after backward
 
 
@@ -171,8 +190,10 @@ def test_graph_modes_on_the_cpu_backend():
     m = mgpu.MLP([3, 2])
 
     def step(graph):
-        return _core.DataParallelStep(m._core, _core.Optimizer(m._core, "sgd"), _core.LocalCommunicator(), "mse",
-                                      _core.StepOptions(graph=graph))
+        return _core.DataParallelStep(
+            m._core, _core.Optimizer(m._core, "sgd"), _core.LocalCommunicator(), "mse", _core.StepOptions(graph=graph)
+        )
+
     assert step("auto").uses_graphs is False  # auto: device backends only (CUDA graphs)
     assert step("off").uses_graphs is False
     assert step("on").uses_graphs is True  # the CPU reference capture (tests/gpu/test_training.py)
@@ -189,8 +210,9 @@ def test_trainer_with_captured_steps_trains_the_same_run():
     out = {}
     for graph in ("off", "on"):
         m = mgpu.MLP([64, 48, 10], seed=2, dropout=0.1)
-        t = mgpu.Trainer(m, loss="cross_entropy", optimizer="adamw", lr=3e-3, process_group=local_group(),
-                         accumulate=2, graph=graph)
+        t = mgpu.Trainer(
+            m, loss="cross_entropy", optimizer="adamw", lr=3e-3, process_group=local_group(), accumulate=2, graph=graph
+        )
         history = t.fit(data, batch_size=100, epochs=2, progress=False)
         out[graph] = (m.get_parameters(), [e["train_loss"] for e in history], t._step.graph_replays)
     assert out["on"][2] > 0 and out["off"][2] == 0

@@ -58,14 +58,14 @@ struct PointerArg {
 
 // Validates the launch and enqueues `body` (run once per CUDA thread) on
 // `stream`; errors go to cudaGetLastError, as on a GPU.
-void launch(const char* name, const void* kernel, std::function<void()> body, dim3 grid, dim3 block, size_t shared_bytes,
-            cudaStream_t stream, const std::vector<PointerArg>& pointers);
+void launch(const char* name, const void* kernel, std::function<void()> body, dim3 grid, dim3 block,
+            size_t shared_bytes, cudaStream_t stream, const std::vector<PointerArg>& pointers);
 
 template <typename T>
 void collect_pointer(std::vector<PointerArg>& out, int index, const T& value) {
   if constexpr (std::is_pointer<T>::value)
-    out.push_back({index, static_cast<const void*>(value),
-                   std::is_const<typename std::remove_pointer<T>::type>::value});
+    out.push_back(
+        {index, static_cast<const void*>(value), std::is_const<typename std::remove_pointer<T>::type>::value});
 }
 
 template <typename Kernel>
@@ -77,8 +77,7 @@ class Launcher;
 template <typename... Params>
 class Launcher<void (*)(Params...)> {
  public:
-  Launcher(const char* name, void (*kernel)(Params...), dim3 grid, dim3 block, size_t shared_bytes,
-           cudaStream_t stream)
+  Launcher(const char* name, void (*kernel)(Params...), dim3 grid, dim3 block, size_t shared_bytes, cudaStream_t stream)
       : name_(name), kernel_(kernel), grid_(grid), block_(block), shared_(shared_bytes), stream_(stream) {}
 
   template <typename... Args>
@@ -88,7 +87,9 @@ class Launcher<void (*)(Params...)> {
     std::vector<PointerArg> pointers;
     collect(pointers, values, std::index_sequence_for<Params...>{});
     auto kernel = kernel_;
-    launch(name_, reinterpret_cast<const void*>(kernel_), [kernel, values]() { std::apply(kernel, values); }, grid_, block_, shared_, stream_, pointers);
+    launch(
+        name_, reinterpret_cast<const void*>(kernel_), [kernel, values]() { std::apply(kernel, values); }, grid_,
+        block_, shared_, stream_, pointers);
   }
 
  private:

@@ -52,8 +52,8 @@ cudaError_t capture_guard(const char* call);
 bool stream_is_capturing(cudaStream_t stream);
 
 struct Counters {
-  std::atomic<uint64_t> kernel_launches{0}, graph_launches{0}, host_syncs{0}, allocations{0}, frees{0},
-      h2d_bytes{0}, d2h_bytes{0}, d2d_bytes{0}, blas_calls{0}, collectives{0}, kernels_executed{0},
+  std::atomic<uint64_t> kernel_launches{0}, graph_launches{0}, host_syncs{0}, allocations{0}, frees{0}, h2d_bytes{0},
+      d2h_bytes{0}, d2d_bytes{0}, blas_calls{0}, collectives{0}, kernels_executed{0},
       // cudaMemcpyAsync host -> device from pageable memory: "the driver may synchronize
       // with the stream" to stage it (CUDA runtime API, API synchronization behavior),
       // so each is a possible host synchronisation that host_syncs cannot count.
@@ -88,8 +88,7 @@ std::string check_peer_access(const void* p, size_t bytes, int peer);
 void inject_launch_failure(const std::string& kernel, int device, long nth);
 
 // Kernel execution hook (kernel_exec.cpp): runs the grid of one launch.
-void run_grid(const std::string& name, const std::function<void()>& body, dim3 grid, dim3 block,
-              size_t shared_bytes);
+void run_grid(const std::string& name, const std::function<void()>& body, dim3 grid, dim3 block, size_t shared_bytes);
 
 // Access recording used by the instrumentation hooks (kernel_exec.cpp).
 struct Allocation;

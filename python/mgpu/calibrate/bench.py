@@ -4,6 +4,7 @@ compute floor, launches of other rank and thread counts and of the PyTorch peer 
 mpirun, rounds merged, and the selector's predictions set beside the measurements.
 `mgpu bench` (commands/bench.py) drives it.
 """
+
 from __future__ import annotations
 
 import json
@@ -19,14 +20,13 @@ from typing import Optional
 
 import numpy as np
 
-from .._runtime import _core
-from .._runtime import for_other_frameworks, gpus_emulated
+from .._runtime import _core, for_other_frameworks, gpus_emulated
 from ..errors import ConfigError
 from ..hostinfo import placement_moved
 from ..selector import profiles
+from ..selector.memory import check_training_memory
 from ..selector.recommend import recommend
 from ..selector.workload import build_workload
-from ..selector.memory import check_training_memory
 from ..train.config import PRESETS
 from ..train.data import local_slice
 from ..train.model import MLP
@@ -48,13 +48,19 @@ def summarize(samples) -> dict:
     sd = float(keep.std(ddof=1)) if n > 1 else 0.0
     try:
         from scipy import stats
+
         t = float(stats.t.ppf(0.975, n - 1)) if n > 1 else 0.0
     except ImportError:
         t = 1.96
     half = t * sd / np.sqrt(n) if n > 1 else 0.0
     # times are positive: a t-interval of a few skewed samples can reach below zero
-    return {"median": float(np.median(keep)), "mean": mean, "ci95": [max(0.0, mean - half), mean + half],
-            "n": n, "outliers": int(len(x) - n)}
+    return {
+        "median": float(np.median(keep)),
+        "mean": mean,
+        "ci95": [max(0.0, mean - half), mean + half],
+        "n": n,
+        "outliers": int(len(x) - n),
+    }
 
 
 # --- the workload --------------------------------------------------------------------------
@@ -73,31 +79,69 @@ def step_flops(sizes, batch: int) -> float:
     return total
 
 
-def measure(pg, sizes, dropout: float, batch: int, *, optimizer: str, warmup: int, steps: int, repeats: int,
-            device: str, device_index: int, threads: int, precision: str = "fp32", graph: str = "auto",
-            accumulate: int = 1, grad_dtype: str = "fp32", observe: bool = False) -> dict:
+def measure(
+    pg,
+    sizes,
+    dropout: float,
+    batch: int,
+    *,
+    optimizer: str,
+    warmup: int,
+    steps: int,
+    repeats: int,
+    device: str,
+    device_index: int,
+    threads: int,
+    precision: str = "fp32",
+    graph: str = "auto",
+    accumulate: int = 1,
+    grad_dtype: str = "fp32",
+    observe: bool = False,
+) -> dict:
     """Collective: time `repeats` x `steps` training steps at global batch `batch` on this world
     (each rank's share in `accumulate` micro-batches; gradients allreduced in `grad_dtype`).
     observe: also time as many steps with every `train` observability output on, in rounds
     interleaved with the plain ones (off, on, on, off, ...: drift falls on both alike)."""
-    model = MLP(sizes, seed=0, dropout=dropout, device=device, device_index=device_index, threads=threads,
-                precision=precision)
-    trainer = Trainer(model, loss="mse", optimizer=optimizer, lr=1e-3, momentum=0.9, process_group=pg, timed=True,
-                      graph=graph, accumulate=accumulate, grad_dtype=grad_dtype)
+    model = MLP(
+        sizes, seed=0, dropout=dropout, device=device, device_index=device_index, threads=threads, precision=precision
+    )
+    trainer = Trainer(
+        model,
+        loss="mse",
+        optimizer=optimizer,
+        lr=1e-3,
+        momentum=0.9,
+        process_group=pg,
+        timed=True,
+        graph=graph,
+        accumulate=accumulate,
+        grad_dtype=grad_dtype,
+    )
     part = local_slice(batch, pg.rank, pg.size)
     rng = np.random.default_rng(pg.rank)
     rows = part.stop - part.start
-    data = [(rng.standard_normal((rows, sizes[0]), dtype=np.float32),
-             rng.standard_normal((rows, sizes[-1]), dtype=np.float32)) for _ in range(4)]
+    data = [
+        (
+            rng.standard_normal((rows, sizes[0]), dtype=np.float32),
+            rng.standard_normal((rows, sizes[-1]), dtype=np.float32),
+        )
+        for _ in range(4)
+    ]
     for i in range(warmup):
         trainer.step(*data[i % 4], global_batch=batch, first_sample=part.start)
     times, phases = [], {"forward": [], "backward": [], "comm_wait": [], "optimizer": []}
     observer, scratch, observed, rounds, own = None, None, [], {"off": [], "on": []}, []
     if observe:
         scratch = tempfile.mkdtemp(prefix="mgpu-bench-observe-")
-        observer = Observer(pg, trace=os.path.join(scratch, "trace.json"), trace_steps=(0, None),
-                            log_json=os.path.join(scratch, "log.jsonl"), tensorboard=os.path.join(scratch, "tb"),
-                            straggler_threshold=0.25, device_clock=device == "cuda")
+        observer = Observer(
+            pg,
+            trace=os.path.join(scratch, "trace.json"),
+            trace_steps=(0, None),
+            log_json=os.path.join(scratch, "log.jsonl"),
+            tensorboard=os.path.join(scratch, "tb"),
+            straggler_threshold=0.25,
+            device_clock=device == "cuda",
+        )
         observer.start(trainer)
     for r in range(repeats):
         for on in ((False, True) if r % 2 == 0 else (True, False)) if observe else (False,):
@@ -123,37 +167,63 @@ def measure(pg, sizes, dropout: float, batch: int, *, optimizer: str, warmup: in
         shutil.rmtree(scratch, ignore_errors=True)
         off, on = float(np.median(times)), float(np.median(observed))
         paired = [(b / a - 1) * 100 for a, b in zip(rounds["off"], rounds["on"])]  # each repeat's two rounds
-        overhead = {"off": summarize(times), "on": summarize(observed), "overhead_pct": (on / off - 1) * 100,
-                    "paired_round_pct": paired,
-                    "round_medians_ms": {k: [v * 1e3 for v in vs] for k, vs in rounds.items()},
-                    "observer_ms_per_step": {"median": float(np.median(own)) * 1e3, "mean": float(np.mean(own)) * 1e3,
-                                             "max": float(np.max(own)) * 1e3},
-                    "observer_pct_of_step": float(np.mean(own)) / off * 100}
+        overhead = {
+            "off": summarize(times),
+            "on": summarize(observed),
+            "overhead_pct": (on / off - 1) * 100,
+            "paired_round_pct": paired,
+            "round_medians_ms": {k: [v * 1e3 for v in vs] for k, vs in rounds.items()},
+            "observer_ms_per_step": {
+                "median": float(np.median(own)) * 1e3,
+                "mean": float(np.mean(own)) * 1e3,
+                "max": float(np.max(own)) * 1e3,
+            },
+            "observer_pct_of_step": float(np.mean(own)) / off * 100,
+        }
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0
     if device == "cuda":
         free, total = _core.cuda_memory_info(device_index)
         peak = float(total - free)
     peak = pg.allreduce(peak, op="max")
     stats = summarize(times)
-    counted = (count_emulated_work(model, trainer, pg, data, batch, part.start)
-               if gpus_emulated(device) else None)
-    return {"emulation_counters_per_step": counted, "observe_overhead": overhead,
-            "batch_size": batch, "ranks": pg.size, "threads": threads, "device": device,
-            "step": stats, "samples_per_sec": batch / stats["median"], "step_seconds": times,
-            "breakdown_ms": {k: float(np.median(v)) * 1e3 for k, v in phases.items()},
-            "peak_memory_bytes": peak, "params": model.num_params, "overlap": trainer._step.overlaps,
-            "precision": precision, "accumulate": accumulate, "grad_dtype": grad_dtype,
-            "cuda_graph": trainer._step.uses_graphs,
-            "graph_fallback": trainer._step.graph_fallback or None}
+    counted = count_emulated_work(model, trainer, pg, data, batch, part.start) if gpus_emulated(device) else None
+    return {
+        "emulation_counters_per_step": counted,
+        "observe_overhead": overhead,
+        "batch_size": batch,
+        "ranks": pg.size,
+        "threads": threads,
+        "device": device,
+        "step": stats,
+        "samples_per_sec": batch / stats["median"],
+        "step_seconds": times,
+        "breakdown_ms": {k: float(np.median(v)) * 1e3 for k, v in phases.items()},
+        "peak_memory_bytes": peak,
+        "params": model.num_params,
+        "overlap": trainer._step.overlaps,
+        "precision": precision,
+        "accumulate": accumulate,
+        "grad_dtype": grad_dtype,
+        "cuda_graph": trainer._step.uses_graphs,
+        "graph_fallback": trainer._step.graph_fallback or None,
+    }
 
 
 def count_emulated_work(model, timed_trainer, pg, data, batch: int, first_sample: int, steps: int = 3) -> dict:
     """On the GPU emulation: the CUDA work of one steady-state step (kernel and graph
     launches, host synchronisations, allocations, bytes each way), averaged over `steps`
     steps of an untimed trainer (the timed one adds a synchronisation per phase)."""
-    trainer = Trainer(model, loss="mse", optimizer=timed_trainer.optimizer_name, lr=1e-3, momentum=0.9,
-                      process_group=pg, graph="on" if timed_trainer._step.uses_graphs else "off",
-                      accumulate=timed_trainer.accumulate, grad_dtype=timed_trainer.grad_dtype)
+    trainer = Trainer(
+        model,
+        loss="mse",
+        optimizer=timed_trainer.optimizer_name,
+        lr=1e-3,
+        momentum=0.9,
+        process_group=pg,
+        graph="on" if timed_trainer._step.uses_graphs else "off",
+        accumulate=timed_trainer.accumulate,
+        grad_dtype=timed_trainer.grad_dtype,
+    )
     for i in range(2):  # first appearance and capture of the shape
         trainer.step(*data[i % 4], global_batch=batch, first_sample=first_sample)
     model._backend.synchronize()
@@ -196,11 +266,19 @@ def run_worker(pg, a, repeats: Optional[int] = None) -> list:
         for batch in a.batch_sizes:
             if batch < pg.size:
                 raise ConfigError(f"batch size {batch} is smaller than the number of ranks ({pg.size})")
-            check_training_memory(sizes, max(1, -(-batch // (pg.size * a.accumulate))), optimizer=a.optimizer,
-                                  precision=a.precision, dropout=dropout, device=device, device_index=device_index,
-                                  local_ranks=pg.local_size, nccl=device == "cuda" and pg.size > 1,
-                                  # bench trains at the Trainer's default bucket
-                                  mpi_bucket_bytes=4 * 2 ** 20 if device != "cuda" and pg.size > 1 else 0.0)
+            check_training_memory(
+                sizes,
+                max(1, -(-batch // (pg.size * a.accumulate))),
+                optimizer=a.optimizer,
+                precision=a.precision,
+                dropout=dropout,
+                device=device,
+                device_index=device_index,
+                local_ranks=pg.local_size,
+                nccl=device == "cuda" and pg.size > 1,
+                # bench trains at the Trainer's default bucket
+                mpi_bucket_bytes=4 * 2**20 if device != "cuda" and pg.size > 1 else 0.0,
+            )
     except ConfigError as e:
         error = e
     pg.agree(error, what="checking memory")
@@ -208,15 +286,30 @@ def run_worker(pg, a, repeats: Optional[int] = None) -> list:
     bar = None
     if pg.is_root and not a.no_progress:
         from tqdm.auto import tqdm
+
         bar = tqdm(total=len(a.batch_sizes), desc=f"bench {pg.size} rank(s)", unit="batch", file=sys.stderr)
     # where the ranks' cores sat, as `topo` records it: a multi-rank wait depends on it
     placement = pg.core_round_trip_ns if device == "cpu" and pg.size > 1 else lambda: None
     for batch in a.batch_sizes:
         before = placement()
-        row = measure(pg, sizes, dropout, batch, optimizer=a.optimizer, warmup=a.warmup, steps=a.steps,
-                      repeats=repeats or a.repeats, device=device, device_index=device_index, threads=threads,
-                      precision=a.precision, graph=a.cuda_graph, accumulate=a.accumulate, grad_dtype=a.grad_dtype,
-                      observe=a.observe)
+        row = measure(
+            pg,
+            sizes,
+            dropout,
+            batch,
+            optimizer=a.optimizer,
+            warmup=a.warmup,
+            steps=a.steps,
+            repeats=repeats or a.repeats,
+            device=device,
+            device_index=device_index,
+            threads=threads,
+            precision=a.precision,
+            graph=a.cuda_graph,
+            accumulate=a.accumulate,
+            grad_dtype=a.grad_dtype,
+            observe=a.observe,
+        )
         after = placement()
         if before is not None and after is not None:
             row["core_round_trip_ns"], row["core_round_trip_cpus"] = [before["ns"], after["ns"]], before["cpus"]
@@ -236,8 +329,21 @@ def run_worker(pg, a, repeats: Optional[int] = None) -> list:
 
 def _launch(ranks: int, args: list, env: dict, label: str = "") -> list:
     out = tempfile.NamedTemporaryFile(prefix="mgpu-bench-", suffix=".json", delete=False).name
-    cmd = ["mpirun", "-np", str(ranks), "--oversubscribe", "--bind-to", "none", sys.executable, "-m", "mgpu",
-           "bench", *args, "--worker-out", out]
+    cmd = [
+        "mpirun",
+        "-np",
+        str(ranks),
+        "--oversubscribe",
+        "--bind-to",
+        "none",
+        sys.executable,
+        "-m",
+        "mgpu",
+        "bench",
+        *args,
+        "--worker-out",
+        out,
+    ]
     r = subprocess.run(cmd, capture_output=True, text=True, env=env)
     try:
         if r.returncode != 0:
@@ -267,9 +373,11 @@ def torch_python() -> Optional[str]:
 
 
 # Lines of mpirun's (Open MPI 4's and 5's prterun's) own reports around a failed rank.
-_MPIRUN_LINE = re.compile(r"^(Primary job|mpirun |prterun |Process name:|Exit code:|a non-zero exit|"
-                          r"the job to be terminated|thus causing|Per user-direction|The first process to do so|"
-                          r"We reiterate|\[[\w.-]+:\d+\])")
+_MPIRUN_LINE = re.compile(
+    r"^(Primary job|mpirun |prterun |Process name:|Exit code:|a non-zero exit|"
+    r"the job to be terminated|thus causing|Per user-direction|The first process to do so|"
+    r"We reiterate|\[[\w.-]+:\d+\])"
+)
 
 
 def peer_error(stderr: str) -> str:
@@ -286,11 +394,38 @@ def peer_error(stderr: str) -> str:
 
 def run_torch(py: str, ranks: int, sizes, dropout, batch, a, device: str, threads: int) -> dict:
     """One round of the PyTorch peer (warm-up, then --steps timed steps) at this cell."""
-    cmd = ["mpirun", "-np", str(ranks), "--oversubscribe", "--bind-to", "none", py, PEER,
-           "--layers", ",".join(map(str, sizes)), "--dropout", str(dropout), "--batch-size", str(batch),
-           "--optimizer", a.optimizer, "--warmup", str(a.warmup), "--steps", str(a.steps),
-           "--repeats", "1", "--threads", str(threads), "--device", device, "--precision", a.precision,
-           "--port", str(29500 + (os.getpid() + ranks + batch) % 400)]
+    cmd = [
+        "mpirun",
+        "-np",
+        str(ranks),
+        "--oversubscribe",
+        "--bind-to",
+        "none",
+        py,
+        PEER,
+        "--layers",
+        ",".join(map(str, sizes)),
+        "--dropout",
+        str(dropout),
+        "--batch-size",
+        str(batch),
+        "--optimizer",
+        a.optimizer,
+        "--warmup",
+        str(a.warmup),
+        "--steps",
+        str(a.steps),
+        "--repeats",
+        "1",
+        "--threads",
+        str(threads),
+        "--device",
+        device,
+        "--precision",
+        a.precision,
+        "--port",
+        str(29500 + (os.getpid() + ranks + batch) % 400),
+    ]
     limit = 120 + 10 * (a.warmup + a.steps)  # generous: a hung peer must not hang the benchmark
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, env=_mpi_env(peer=True), timeout=limit)
@@ -300,8 +435,12 @@ def run_torch(py: str, ranks: int, sizes, dropout, batch, a, device: str, thread
         raise ConfigError(f"the PyTorch peer failed at {ranks} rank(s): {peer_error(r.stderr)}")
     result = json.loads(r.stdout.strip().splitlines()[-1])
     stats = summarize(result["step_seconds"])
-    return {"version": result["version"], "step": stats, "samples_per_sec": batch / stats["median"],
-            "step_seconds": result["step_seconds"]}
+    return {
+        "version": result["version"],
+        "step": stats,
+        "samples_per_sec": batch / stats["median"],
+        "step_seconds": result["step_seconds"],
+    }
 
 
 def merge_rounds(rounds: list) -> list:
@@ -318,8 +457,9 @@ def merge_rounds(rounds: list) -> list:
         row["breakdown_ms"] = {k: float(np.median([c["breakdown_ms"][k] for c in cells])) for k in row["breakdown_ms"]}
         row["peak_memory_bytes"] = max(c["peak_memory_bytes"] for c in cells)
         row["round_step_medians"] = [float(np.median(c["step_seconds"])) for c in cells]
-        if all("core_round_trip_ns" in c and c["core_round_trip_cpus"] == cells[0]["core_round_trip_cpus"]
-               for c in cells):
+        if all(
+            "core_round_trip_ns" in c and c["core_round_trip_cpus"] == cells[0]["core_round_trip_cpus"] for c in cells
+        ):
             row["core_round_trip_ns"] = [t for c in cells for t in c["core_round_trip_ns"]]
         else:  # a round without readings (or of other CPUs): the cell's placement is unknown
             row.pop("core_round_trip_ns", None)
@@ -327,11 +467,19 @@ def merge_rounds(rounds: list) -> list:
         if "torch" in row:
             peer = [t for c in cells for t in c["torch"]["step_seconds"]]
             stats = summarize(peer)
-            row["torch"] = {"version": row["torch"]["version"], "step": stats, "step_seconds": peer,
-                            "samples_per_sec": row["batch_size"] / stats["median"]}
+            row["torch"] = {
+                "version": row["torch"]["version"],
+                "step": stats,
+                "step_seconds": peer,
+                "samples_per_sec": row["batch_size"] / stats["median"],
+            }
             ratios = [float(np.median(c["torch"]["step_seconds"]) / np.median(c["step_seconds"])) for c in cells]
-            row["torch_ratio"] = {"median": float(np.median(ratios)), "min": min(ratios), "max": max(ratios),
-                                  "rounds": ratios}
+            row["torch_ratio"] = {
+                "median": float(np.median(ratios)),
+                "min": min(ratios),
+                "max": max(ratios),
+                "rounds": ratios,
+            }
         merged.append(row)
     return merged
 
@@ -339,9 +487,19 @@ def merge_rounds(rounds: list) -> list:
 def _predict(row: dict, profile: dict):
     """The model's prediction of a row as it ran: its precision, whether its steps replayed
     graphs, the batch split evenly (as the benchmark splits it)."""
-    w = build_workload(None, row["layers"], None, row["batch_size"], row.get("precision", "fp32"),
-                       row.get("optimizer", "sgd"), 4.0, row.get("dropout", 0.0), row.get("grad_dtype", "fp32"),
-                       "on" if row.get("cuda_graph") else "off", int(row.get("accumulate", 1)))
+    w = build_workload(
+        None,
+        row["layers"],
+        None,
+        row["batch_size"],
+        row.get("precision", "fp32"),
+        row.get("optimizer", "sgd"),
+        4.0,
+        row.get("dropout", 0.0),
+        row.get("grad_dtype", "fp32"),
+        "on" if row.get("cuda_graph") else "off",
+        int(row.get("accumulate", 1)),
+    )
     options = profiles.P.Options()
     options.equal_shares = True
     return profiles.P.predict(w, profiles.to_core(profile, row["ranks"]), row["ranks"], options)
@@ -376,8 +534,12 @@ def add_derived(rows: list, profile: Optional[dict], thread_scaling: bool = Fals
                 r["predicted_speedup"] = p.speedup
                 # the phases as the core's timers split them (the model's exposed allreduce is
                 # the wait after backward: allreduce, skew, health check)
-                r["predicted_breakdown_ms"] = {"forward": p.forward_s * 1e3, "backward": p.backward_s * 1e3,
-                                               "comm_wait": p.exposed_comm_s * 1e3, "optimizer": p.optimizer_s * 1e3}
+                r["predicted_breakdown_ms"] = {
+                    "forward": p.forward_s * 1e3,
+                    "backward": p.backward_s * 1e3,
+                    "comm_wait": p.exposed_comm_s * 1e3,
+                    "optimizer": p.optimizer_s * 1e3,
+                }
             except ConfigError as e:
                 r["prediction_error"] = str(e)
 
@@ -401,20 +563,30 @@ def _placement_against_calibration(cell: dict, profile: dict) -> dict:
     if not measured or not placement or cell.get("core_round_trip_cpus") != placement.get("cpus"):
         return {"placement_as_calibrated": None}
     first, second = placement["wait_probe_ns"], placement.get("other_wait_probe_ns")
-    out = {"core_round_trip_ns": measured, "calibrated_round_trip_ns": first,
-           "placement_as_calibrated": not placement_moved(measured + first),
-           "placement_as_second_probe": bool(second) and not placement_moved(measured + second),
-           "by_placement": []}
-    pairs = [measured[i:i + 2] for i in range(0, len(measured), 2)]
+    out = {
+        "core_round_trip_ns": measured,
+        "calibrated_round_trip_ns": first,
+        "placement_as_calibrated": not placement_moved(measured + first),
+        "placement_as_second_probe": bool(second) and not placement_moved(measured + second),
+        "by_placement": [],
+    }
+    pairs = [measured[i : i + 2] for i in range(0, len(measured), 2)]
     rounds = cell.get("speedup_rounds") or []
     for name, probed in (("first", first), ("second", second)):
         here = [s for s, pair in zip(rounds, pairs) if probed and not placement_moved(pair + probed)]
         if here:
             measured_speedup = float(np.median(here))
             predicted = _predict(cell, profiles.placement_profile(profile, name)).speedup
-            out["by_placement"].append({"probe": name, "calibrated_round_trip_ns": probed, "rounds": len(here),
-                                        "measured_speedup": measured_speedup, "predicted_speedup": predicted,
-                                        "relative_error": (predicted - measured_speedup) / measured_speedup})
+            out["by_placement"].append(
+                {
+                    "probe": name,
+                    "calibrated_round_trip_ns": probed,
+                    "rounds": len(here),
+                    "measured_speedup": measured_speedup,
+                    "predicted_speedup": predicted,
+                    "relative_error": (predicted - measured_speedup) / measured_speedup,
+                }
+            )
     return out
 
 
@@ -424,11 +596,19 @@ def validate_selector(rows: list, profile: dict, a) -> list:
     ranks = sorted({r["ranks"] for r in rows})
     for batch in sorted({r["batch_size"] for r in rows}):
         cells = {r["ranks"]: r for r in rows if r["batch_size"] == batch}
-        rec = recommend(layers=cells[ranks[0]]["layers"], batch_size=batch, devices=ranks, profile=profile,
-                             optimizer=a.optimizer, dropout=cells[ranks[0]].get("dropout", 0.0),
-                             bucket_mb=4.0,  # the bucket bench trains with (Trainer's default)
-                             precision=a.precision, grad_dtype=a.grad_dtype, cuda_graph=_graph_mode_used(cells, a),
-                             accumulate=a.accumulate)
+        rec = recommend(
+            layers=cells[ranks[0]]["layers"],
+            batch_size=batch,
+            devices=ranks,
+            profile=profile,
+            optimizer=a.optimizer,
+            dropout=cells[ranks[0]].get("dropout", 0.0),
+            bucket_mb=4.0,  # the bucket bench trains with (Trainer's default)
+            precision=a.precision,
+            grad_dtype=a.grad_dtype,
+            cuda_graph=_graph_mode_used(cells, a),
+            accumulate=a.accumulate,
+        )
         # by the same measure as the speedup printed (paired rounds when alternated)
         measure = "speedup" if all("speedup" in c for c in cells.values()) else "samples_per_sec"
         fastest = max(cells.values(), key=lambda r: r[measure])["ranks"]
@@ -437,18 +617,27 @@ def validate_selector(rows: list, profile: dict, a) -> list:
             if n == 1 or "speedup" not in c:
                 continue
             err = (c["predicted_speedup"] - c["speedup"]) / c["speedup"] if "predicted_speedup" in c else None
-            out.append({"batch_size": batch, "ranks": n, "measured_speedup": c["speedup"],
-                        "measured_speedup_rounds": c.get("speedup_rounds"),
-                        "predicted_speedup": c.get("predicted_speedup"), "relative_error": err,
-                        "measured_step_ms": c["step"]["median"] * 1e3, "predicted_step_ms": c.get("predicted_step_ms"),
-                        "measured_step_1_ms": cells[1]["step"]["median"] * 1e3,
-                        "predicted_step_1_ms": cells[1].get("predicted_step_ms"),
-                        "measured_wait_ms": c["breakdown_ms"]["comm_wait"],
-                        "predicted_wait_ms": (c.get("predicted_breakdown_ms") or {}).get("comm_wait"),
-                        **_placement_against_calibration(c, profile),
-                        "selector_strategy": rec["strategy"], "selector_devices": rec["devices"],
-                        "measured_fastest": fastest,
-                        "picked_faster": None if rec["strategy"] == "benchmark_required" else rec["devices"] == fastest})
+            out.append(
+                {
+                    "batch_size": batch,
+                    "ranks": n,
+                    "measured_speedup": c["speedup"],
+                    "measured_speedup_rounds": c.get("speedup_rounds"),
+                    "predicted_speedup": c.get("predicted_speedup"),
+                    "relative_error": err,
+                    "measured_step_ms": c["step"]["median"] * 1e3,
+                    "predicted_step_ms": c.get("predicted_step_ms"),
+                    "measured_step_1_ms": cells[1]["step"]["median"] * 1e3,
+                    "predicted_step_1_ms": cells[1].get("predicted_step_ms"),
+                    "measured_wait_ms": c["breakdown_ms"]["comm_wait"],
+                    "predicted_wait_ms": (c.get("predicted_breakdown_ms") or {}).get("comm_wait"),
+                    **_placement_against_calibration(c, profile),
+                    "selector_strategy": rec["strategy"],
+                    "selector_devices": rec["devices"],
+                    "measured_fastest": fastest,
+                    "picked_faster": None if rec["strategy"] == "benchmark_required" else rec["devices"] == fastest,
+                }
+            )
     return out
 
 
@@ -463,21 +652,28 @@ def measure_world(pg, a, repeats: int, reverse: bool = False) -> list:
         return run_worker(pg, a, repeats)
     if shutil.which("mpirun") is None:
         raise ConfigError("--ranks and several --threads are launched with mpirun: it is not on PATH")
-    passthrough = [f"--batch-sizes={','.join(map(str, a.batch_sizes))}", f"--warmup={a.warmup}",
-                   f"--steps={a.steps}", f"--repeats={repeats}", f"--optimizer={a.optimizer}",
-                   f"--device={a.device}", f"--precision={a.precision}", f"--cuda-graph={a.cuda_graph}",
-                   f"--accumulate={a.accumulate}", f"--grad-dtype={a.grad_dtype}", "--no-progress"]
+    passthrough = [
+        f"--batch-sizes={','.join(map(str, a.batch_sizes))}",
+        f"--warmup={a.warmup}",
+        f"--steps={a.steps}",
+        f"--repeats={repeats}",
+        f"--optimizer={a.optimizer}",
+        f"--device={a.device}",
+        f"--precision={a.precision}",
+        f"--cuda-graph={a.cuda_graph}",
+        f"--accumulate={a.accumulate}",
+        f"--grad-dtype={a.grad_dtype}",
+        "--no-progress",
+    ]
     passthrough += ["--observe"] if a.observe else []
     passthrough += [f"--layers={','.join(map(str, a.layers))}"] if a.layers else [f"--model={a.model or 'large'}"]
     if a.dropout is not None:
         passthrough.append(f"--dropout={a.dropout}")
     cells = [(n, t) for n in (a.ranks or [1]) for t in a.thread_counts]
     rows = []
-    for n, t in (list(reversed(cells)) if reverse else cells):
+    for n, t in list(reversed(cells)) if reverse else cells:
         threads = f" x {t} thread(s)" if t else ""
         if not a.no_progress:
             print(f"bench: {n} rank(s){threads}...", file=sys.stderr, flush=True)
         rows += _launch(n, passthrough + ([f"--threads={t}"] if t else []), _mpi_env(), threads)
     return rows
-
-

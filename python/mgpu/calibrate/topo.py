@@ -15,6 +15,7 @@ reports). Measures, on the backend and communicator training would use:
   - the host overhead of a training step (a tiny model);
 then fits the alpha-beta allreduce model and writes the profile (JSON).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -26,9 +27,8 @@ from typing import Optional
 
 import numpy as np
 
-from .._runtime import _core
 from .._core import __version__
-from .._runtime import gpus_emulated
+from .._runtime import _core, gpus_emulated
 from ..errors import ConfigError, DeviceError
 from ..hostinfo import cpu_description, last_level_cache_bytes, placement_moved
 from ..selector.hardware import PRECISIONS
@@ -104,10 +104,13 @@ def measure_layer_times(backend, quick: bool, before_each=None, cache_bytes: flo
     cache_bytes > 0: also the same shapes cold (`*_cold`), each call after sweeping
     twice that much memory, as a step meets its layers when its arrays outgrow the cache."""
     rows, widths = (LAYER_ROWS_QUICK, LAYER_WIDTHS_QUICK) if quick else (LAYER_ROWS, LAYER_WIDTHS)
-    kinds = {"forward": lambda r, i, o, n, sweep: _core.time_linear(backend, r, i, o, n, sweep_bytes=sweep),
-             "backward": lambda r, i, o, n, sweep: _core.time_linear_backward(backend, r, i, o, n, sweep_bytes=sweep),
-             "backward_weights": lambda r, i, o, n, sweep: _core.time_linear_backward(
-                 backend, r, i, o, n, input_gradient=False, sweep_bytes=sweep)}
+    kinds = {
+        "forward": lambda r, i, o, n, sweep: _core.time_linear(backend, r, i, o, n, sweep_bytes=sweep),
+        "backward": lambda r, i, o, n, sweep: _core.time_linear_backward(backend, r, i, o, n, sweep_bytes=sweep),
+        "backward_weights": lambda r, i, o, n, sweep: _core.time_linear_backward(
+            backend, r, i, o, n, input_gradient=False, sweep_bytes=sweep
+        ),
+    }
     cold = cache_bytes > 0
     tables = {name: [] for name in kinds}
     tables.update({f"{name}_cold": [] for name in kinds} if cold else {})
@@ -123,7 +126,8 @@ def measure_layer_times(backend, quick: bool, before_each=None, cache_bytes: flo
                     tables[name].append(warm)
                     if cold:
                         tables[f"{name}_cold"].append(
-                            _median(timed(r, i, o, 3, int(2 * cache_bytes))) if timed_cold else warm)
+                            _median(timed(r, i, o, 3, int(2 * cache_bytes))) if timed_cold else warm
+                        )
     return {"rows": list(rows), "widths": list(widths), **tables}
 
 
@@ -228,8 +232,9 @@ def step_phases_by_placement(pg, threads: int, quick: bool, log: PlacementLog) -
     # (a first probe the cores left in every try has no placement to tell another from)
     while not pg.bcast(home is None or placement_moved(home) or time.monotonic() > deadline, what="placement"):
         now = log.read(sample=True)
-        if not pg.bcast(pg.is_root and now is not None and out["second"] is None and placement_moved(home + [now]),
-                        what="placement"):
+        if not pg.bcast(
+            pg.is_root and now is not None and out["second"] is None and placement_moved(home + [now]), what="placement"
+        ):
             time.sleep(0.5)
             continue
         table = measure_step_phases(pg, "cpu", threads, quick)
@@ -255,9 +260,12 @@ def measure_cpu_tables(pg, backend, threads: int, quick: bool) -> dict:
     cache = last_level_cache_bytes()
 
     def measure(group, before_each, step_phases=None) -> dict:
-        return {"layer_times": measure_layer_times(backend, quick, before_each, cache),
-                "pass_bandwidth": measure_pass_bandwidth(backend, quick, before_each),
-                "step_phases": (step_phases or (lambda: measure_step_phases(group, "cpu", threads, quick)))()}
+        return {
+            "layer_times": measure_layer_times(backend, quick, before_each, cache),
+            "pass_bandwidth": measure_pass_bandwidth(backend, quick, before_each),
+            "step_phases": (step_phases or (lambda: measure_step_phases(group, "cpu", threads, quick)))(),
+        }
+
     if pg.size == 1 or pg.comm is None:
         return {**measure(pg, None), "cache_bytes": cache}
     log = PlacementLog(pg)
@@ -267,14 +275,19 @@ def measure_cpu_tables(pg, backend, threads: int, quick: bool) -> dict:
     def step_phases():
         probes.update(step_phases_by_placement(pg, threads, quick, log))
         return probes["first"]
+
     tables = {**measure(pg, pg.barrier, step_phases), "cache_bytes": cache}
     if probes["second"] is not None:  # every rank's own timings of it, as of step_phases
         tables["step_phases_other_placement"] = probes["second"]
     if pg.is_root:
         tables.update({f"{key}_alone": table for key, table in measure(_self_group(), None).items()})
         if probes["home"] is not None:  # (unknown where the probe's readings failed)
-            tables["placement"] = {"cpus": log.cpus, "readings_ns": log.readings, "samples_ns": log.samples,
-                                   "wait_probe_ns": probes["home"]}
+            tables["placement"] = {
+                "cpus": log.cpus,
+                "readings_ns": log.readings,
+                "samples_ns": log.samples,
+                "wait_probe_ns": probes["home"],
+            }
             if probes["other"] is not None:  # (its share of the samples: run_topo's, with the last one)
                 tables["placement"]["other_wait_probe_ns"] = probes["other"]
     pg.sleeping_barrier()
@@ -290,8 +303,16 @@ def homogenize(entries: list) -> None:
     for same in groups.values():
         if len(same) < 2:
             continue
-        for key in ("memory_bandwidth", "launch_overhead_s", "graph_node_s", "host_to_device_bandwidth", "step_overhead_s",
-                    "dropout_s_per_unit", "memory_bytes", "cache_bytes"):
+        for key in (
+            "memory_bandwidth",
+            "launch_overhead_s",
+            "graph_node_s",
+            "host_to_device_bandwidth",
+            "step_overhead_s",
+            "dropout_s_per_unit",
+            "memory_bytes",
+            "cache_bytes",
+        ):
             if all(key in e for e in same):
                 value = float(np.median([e[key] for e in same]))
                 for e in same:
@@ -306,12 +327,20 @@ def homogenize(entries: list) -> None:
                 for e in same:
                     e[prec] = fitted
         # measured tables: the median cell by cell, on the first rank's axes
-        for key, measured in (("layer_times", ("forward", "backward", "backward_weights", *LAYER_COLD_KEYS)),
-                              ("step_phases", ("update_s", "wait_s", "wait_spread_s")),
-                              ("step_phases_other_placement", ("update_s", "wait_s", "wait_spread_s"))):
+        for key, measured in (
+            ("layer_times", ("forward", "backward", "backward_weights", *LAYER_COLD_KEYS)),
+            ("step_phases", ("update_s", "wait_s", "wait_spread_s")),
+            ("step_phases_other_placement", ("update_s", "wait_s", "wait_spread_s")),
+        ):
             if all(key in e for e in same):
-                table = {**same[0][key], **{k: np.median([e[key][k] for e in same], axis=0).tolist()
-                                            for k in measured if all(k in e[key] for e in same)}}
+                table = {
+                    **same[0][key],
+                    **{
+                        k: np.median([e[key][k] for e in same], axis=0).tolist()
+                        for k in measured
+                        if all(k in e[key] for e in same)
+                    },
+                }
                 for e in same:
                     e[key] = table
         if all("pass_bandwidth" in e for e in same):
@@ -331,8 +360,11 @@ def fit_gemm(points: list) -> dict:
     peak = max(r for _, r in points)
     # h from each point: h = w (peak / r - 1); the median resists noise
     halves = [w * (peak / r - 1.0) for w, r in points if r < peak]
-    return {"peak_flops": peak, "half_work_flops": float(np.median(halves)) if halves else 0.0,
-            "measured": [[w, r] for w, r in points]}
+    return {
+        "peak_flops": peak,
+        "half_work_flops": float(np.median(halves)) if halves else 0.0,
+        "measured": [[w, r] for w, r in points],
+    }
 
 
 def measure_device(pg, device: str, device_index: int, threads: int, quick: bool) -> dict:
@@ -340,8 +372,11 @@ def measure_device(pg, device: str, device_index: int, threads: int, quick: bool
     entry = {"kind": device, "threads": threads if device == "cpu" else None}
     if device == "cpu":
         cpu = cpu_description()
-        entry.update(name=f"{cpu['model']} ({threads} thread{'s' if threads > 1 else ''})",
-                     memory_bytes=cpu["memory_bytes"] / max(pg.local_size, 1), cpu=cpu)
+        entry.update(
+            name=f"{cpu['model']} ({threads} thread{'s' if threads > 1 else ''})",
+            memory_bytes=cpu["memory_bytes"] / max(pg.local_size, 1),
+            cpu=cpu,
+        )
         precisions = ["fp32"]
     else:
         info = _core.cuda_device_info(device_index)
@@ -381,7 +416,7 @@ def measure_graph_node(backend, quick: bool) -> Optional[float]:
     times = {few: [], many: []}
     try:
         for r in range(3 if quick else 7):
-            for n in ((few, many) if r % 2 == 0 else (many, few)):
+            for n in (few, many) if r % 2 == 0 else (many, few):
                 times[n].append(_median(_core.time_graph_replay(backend, n, 10 if quick else 30)))
     except (ConfigError, DeviceError) as e:
         print(f"mgpu: warning: topo: capturing a graph failed ({e}): steps are priced uncaptured", file=sys.stderr)
@@ -417,12 +452,22 @@ def allreduce_sweep(pg, comm, backend, max_bytes: int, quick: bool) -> list:
         else:
             seconds, wrong, compared = _alternated_rounds(pg, comm, probe, raw, count, iters, 2 if quick else 3)
         algbw, busbw = _bandwidths(size, seconds, n)
-        row = {"bytes": size, "count": count, "time_us": seconds * 1e6, "algbw_GBps": algbw, "busbw_GBps": busbw,
-               "wrong": wrong}
+        row = {
+            "bytes": size,
+            "count": count,
+            "time_us": seconds * 1e6,
+            "algbw_GBps": algbw,
+            "busbw_GBps": busbw,
+            "wrong": wrong,
+        }
         if compared is not None:  # the reference: a bare MPI_Allreduce from mpi4py
             raw_seconds, watched = compared
-            row.update(raw_mpi_busbw_GBps=_bandwidths(size, raw_seconds, n)[1], vs_raw_mpi=raw_seconds / seconds,
-                       deadline_busbw_GBps=_bandwidths(size, watched, n)[1], deadline_vs_raw_mpi=raw_seconds / watched)
+            row.update(
+                raw_mpi_busbw_GBps=_bandwidths(size, raw_seconds, n)[1],
+                vs_raw_mpi=raw_seconds / seconds,
+                deadline_busbw_GBps=_bandwidths(size, watched, n)[1],
+                deadline_vs_raw_mpi=raw_seconds / watched,
+            )
         rows.append(row)
         count *= 4 if quick else 2
     return rows
@@ -438,7 +483,7 @@ def _alternated_rounds(pg, comm, probe, raw, count: int, iters: int, rounds: int
     wrong = 0  # the most wrong elements any measured call of mgpu's left
     order = list(times)
     for r in range(rounds):
-        for path in order[r % 3:] + order[:r % 3]:
+        for path in order[r % 3 :] + order[: r % 3]:
             if path == "raw":
                 seconds = raw.run(count, iters)
             elif path == "plain":
@@ -494,17 +539,26 @@ def fit_link(rows: list, n: int) -> dict:
     predicted = a + b * sizes
     error = float(np.median(np.abs(predicted - times) / times))
     steps = 2.0 * (n - 1)
-    return {"alpha_s": a / steps, "bus_bandwidth": steps / n / b, "fit_median_rel_error": error,
-            "fitted_at_ranks": n, "fit_bytes": [int(sizes.min()), int(sizes.max())],
-            # the model interpolates these (it is only extrapolated beyond them)
-            "measured": [[r["bytes"], r["time_us"] * 1e-6] for r in rows]}
+    return {
+        "alpha_s": a / steps,
+        "bus_bandwidth": steps / n / b,
+        "fit_median_rel_error": error,
+        "fitted_at_ranks": n,
+        "fit_bytes": [int(sizes.min()), int(sizes.max())],
+        # the model interpolates these (it is only extrapolated beyond them)
+        "measured": [[r["bytes"], r["time_us"] * 1e-6] for r in rows],
+    }
 
 
 def ring_model(fit: dict) -> dict:
     """An alpha-beta fit (fit_link) as the selector's NCCL-shaped CollectiveModel
     (perf_model.h): one algorithm, the ring, with one protocol."""
-    return {"latency_s": [0.0, 0.0, 0.0], "hop_s": [0.0, 0.0, fit["alpha_s"]], "bw_fraction": [0.0, 0.0, 1.0],
-            "ring_busbw": fit["bus_bandwidth"]}
+    return {
+        "latency_s": [0.0, 0.0, 0.0],
+        "hop_s": [0.0, 0.0, fit["alpha_s"]],
+        "bw_fraction": [0.0, 0.0, 1.0],
+        "ring_busbw": fit["bus_bandwidth"],
+    }
 
 
 def hierarchical_link(intra: dict, inter: dict, per_node: int) -> dict:
@@ -524,11 +578,12 @@ def node_sweeps(pg, backend, max_bytes: int, quick: bool) -> Optional[dict]:
         return None
     sizes = pg.comm.allgather(pg.local_size)
     if len(set(sizes)) != 1:
-        raise ConfigError(f"topo across nodes needs the same number of ranks on every node, got {sizes} "
-                          "(by rank): use --map-by ppr:N:node or a hostfile with equal slots")
+        raise ConfigError(
+            f"topo across nodes needs the same number of ranks on every node, got {sizes} "
+            "(by rank): use --map-by ppr:N:node or a hostfile with equal slots"
+        )
     node_pg = ProcessGroup(comm=pg.comm.Split_type(MPI.COMM_TYPE_SHARED, key=pg.rank))
-    intra_rows = allreduce_sweep(node_pg, node_pg.communicator(), backend, max_bytes, quick) \
-        if node_pg.size > 1 else []
+    intra_rows = allreduce_sweep(node_pg, node_pg.communicator(), backend, max_bytes, quick) if node_pg.size > 1 else []
     n = node_pg.size
     for r in intra_rows:  # the slowest node's time (and any node's wrong elements) count
         r["time_us"] = pg.allreduce(r["time_us"], op="max")
@@ -549,8 +604,14 @@ def node_sweeps(pg, backend, max_bytes: int, quick: bool) -> Optional[dict]:
     per_node = sizes[0]
     intra = fit_link(intra_rows, per_node) if intra_rows else None
     inter = fit_link(inter_rows, nodes)
-    return {"nodes": nodes, "ranks_per_node": per_node, "intra": intra, "inter": inter,
-            "intra_allreduce": intra_rows, "inter_allreduce": inter_rows}
+    return {
+        "nodes": nodes,
+        "ranks_per_node": per_node,
+        "intra": intra,
+        "inter": inter,
+        "intra_allreduce": intra_rows,
+        "inter_allreduce": inter_rows,
+    }
 
 
 def _step_seconds(pg, sizes, dropout, batch, device, device_index, threads, steps, communicator="auto") -> float:
@@ -604,7 +665,7 @@ def measure_dropout_cost(backend, quick: bool) -> float:
         repeats = max(5, min(200, int(2e7 / units)))
         times = {0.3: [], 0.0: []}
         for r in range(rounds):
-            for p in ((0.3, 0.0) if r % 2 == 0 else (0.0, 0.3)):
+            for p in (0.3, 0.0) if r % 2 == 0 else (0.0, 0.3):
                 times[p].append(_median(_core.time_relu_dropout(backend, DROPOUT_ROWS, width, p, repeats)))
         costs.append(max(0.0, (_median(times[0.3]) - _median(times[0.0])) / units))
     return _median(costs)
@@ -622,13 +683,15 @@ def measure_step_sync(pg, device: str, device_index: int, threads: int, communic
 def _mpi_available() -> bool:
     try:
         import mpi4py.MPI  # noqa: F401
+
         return os.environ.get("MGPU_NO_MPI") != "1"
     except ImportError:
         return False
 
 
-def run_topo(pg, *, device: str = "auto", threads=None, max_bytes: int = 256 * MiB, quick: bool = False,
-             comm_kind: str = "auto") -> dict:
+def run_topo(
+    pg, *, device: str = "auto", threads=None, max_bytes: int = 256 * MiB, quick: bool = False, comm_kind: str = "auto"
+) -> dict:
     """Collective: measure every rank's device and the communicator; returns the profile (rank 0) or None."""
     device, device_index = pg.resolve_device(device)
     threads = threads or pg.default_threads()
@@ -645,9 +708,12 @@ def run_topo(pg, *, device: str = "auto", threads=None, max_bytes: int = 256 * M
         comm = pg.communicator(kind, device_index) if kind == "nccl" else pg.communicator()
         rows = allreduce_sweep(pg, comm, backend, max_bytes, quick)
         link = fit_link(rows, pg.size)
-        link.update(name=f"{comm.name} ({pg.size} ranks)", overlaps_compute=(kind == "nccl"),
-                    buffer_bytes=64e6 if kind == "nccl" else 0.0,
-                    step_sync_s=measure_step_sync(pg, device, device_index, threads, kind))
+        link.update(
+            name=f"{comm.name} ({pg.size} ranks)",
+            overlaps_compute=(kind == "nccl"),
+            buffer_bytes=64e6 if kind == "nccl" else 0.0,
+            step_sync_s=measure_step_sync(pg, device, device_index, threads, kind),
+        )
         if kind == "mpi":  # (NCCL between nodes: not measurable here, and not modelled from a sweep)
             levels = node_sweeps(pg, backend, max_bytes, quick)
         if device == "cpu":
@@ -657,8 +723,9 @@ def run_topo(pg, *, device: str = "auto", threads=None, max_bytes: int = 256 * M
                 placement["readings_ns"].append(last["ns"])
                 placement["samples_ns"].append(last["ns"])
             if placement is not None and "other_wait_probe_ns" in placement:
-                placement["other_share"] = other_share(placement["samples_ns"], placement["wait_probe_ns"],
-                                                       placement["other_wait_probe_ns"])
+                placement["other_share"] = other_share(
+                    placement["samples_ns"], placement["wait_probe_ns"], placement["other_wait_probe_ns"]
+                )
         if levels is not None and levels["intra"] is not None:
             link["nccl"] = hierarchical_link(levels["intra"], levels["inter"], levels["ranks_per_node"])
         pg.close()
@@ -667,25 +734,38 @@ def run_topo(pg, *, device: str = "auto", threads=None, max_bytes: int = 256 * M
         return None
     homogenize(entries)
     if link is None:  # one rank: nothing to measure; the named CPU link stands in
-        link = {"name": "not measured (1 rank): run `mpirun -np N python -m mgpu topo`", "alpha_s": 5e-6,
-                "bus_bandwidth": 5e9, "overlaps_compute": device == "cuda", "buffer_bytes": 0.0}
+        link = {
+            "name": "not measured (1 rank): run `mpirun -np N python -m mgpu topo`",
+            "alpha_s": 5e-6,
+            "bus_bandwidth": 5e9,
+            "overlaps_compute": device == "cuda",
+            "buffer_bytes": 0.0,
+        }
     emulated = gpus_emulated(device)
     profile = {
-        "format": PROFILE_FORMAT, "version": PROFILE_VERSION, "source": "calibrated",
+        "format": PROFILE_FORMAT,
+        "version": PROFILE_VERSION,
+        "source": "calibrated",
         "name": f"calibrated: {socket.gethostname()} ({pg.size} x {device}{EMULATED_NAME if emulated else ''})",
         "gpu_emulation": emulated,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "mgpu_version": __version__,
-        "devices": entries, "link": link, "allreduce": rows, "nodes": levels,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "mgpu_version": __version__,
+        "devices": entries,
+        "link": link,
+        "allreduce": rows,
+        "nodes": levels,
         "gpus_per_node": levels["ranks_per_node"] if levels else 0,
         "step_overhead_s": max(e["step_overhead_s"] for e in entries),
         "placement": entries[0].pop("placement", None),
         "model_error": 0.15,
-        "environment": {"openblas_coretype": os.environ.get("OPENBLAS_CORETYPE"),
-                        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
-                        "gomp_spincount": os.environ.get("GOMP_SPINCOUNT"), "world_size": pg.size,
-                        "threads_per_rank": threads, "communicator": kind if pg.size > 1 else None},
+        "environment": {
+            "openblas_coretype": os.environ.get("OPENBLAS_CORETYPE"),
+            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+            "gomp_spincount": os.environ.get("GOMP_SPINCOUNT"),
+            "world_size": pg.size,
+            "threads_per_rank": threads,
+            "communicator": kind if pg.size > 1 else None,
+        },
     }
     net_step_overheads(profile)
     return profile
-
-

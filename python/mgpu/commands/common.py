@@ -1,6 +1,7 @@
 """What the command modules share: the argparse parser with one-line errors, the value
 types of the list options, and the checks of output files before the work begins.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -83,8 +84,9 @@ def int_list(what: str, distinct: bool = False, maximum: int = INT32_MAX):
             values.append(value)
         repeated = [v for v, n in Counter(values).items() if n > 1]
         if distinct and repeated:
-            raise argparse.ArgumentTypeError(f"{what} must be distinct: {repeated[0]} appears "
-                                             f"{values.count(repeated[0])} times in '{text}'")
+            raise argparse.ArgumentTypeError(
+                f"{what} must be distinct: {repeated[0]} appears {values.count(repeated[0])} times in '{text}'"
+            )
         return values
 
     parse.__name__ = what  # argparse names the type by it in its own messages
@@ -167,8 +169,10 @@ def check_outputs_outside_dirs(outputs: dict, dirs: dict, reserved: dict = None)
                 raise ConfigError(f"{what} '{path}' is the directory {what_dir} writes into")
             pattern = (reserved or {}).get(what_dir)
             if pattern and os.path.dirname(real) == real_dir and pattern.match(os.path.basename(real)):
-                raise ConfigError(f"{what} '{path}' is named like the files {what_dir} keeps there: "
-                                  "it would overwrite one, or be taken for one")
+                raise ConfigError(
+                    f"{what} '{path}' is named like the files {what_dir} keeps there: "
+                    "it would overwrite one, or be taken for one"
+                )
 
 
 def check_output_dir(path: str, what: str) -> None:
@@ -182,5 +186,3 @@ def check_output_dir(path: str, what: str) -> None:
     if not os.path.isdir(existing):
         raise ConfigError(f"{what} '{path}': '{existing}' is not a directory")
     _check_writable_directory(existing, f"{what} '{path}': directory")
-
-

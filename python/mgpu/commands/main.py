@@ -3,6 +3,7 @@
 User errors print one line on stderr and exit with code 2 on every rank;
 unexpected errors end the whole MPI job instead of leaving ranks hanging.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,9 +21,14 @@ from . import bench, info, recommend, stress, topo, train
 from .common import EXIT_USAGE, Parser, UsageError
 
 # Each command: the module that adds its parser, and what runs it (in `mgpu --help`'s order).
-COMMANDS = {"train": (train.add_parser, train.cmd_train), "info": (info.add_parser, info.cmd_info),
-            "topo": (topo.add_parser, topo.cmd_topo), "recommend": (recommend.add_parser, recommend.cmd_recommend),
-            "bench": (bench.add_parser, bench.cmd_bench), "stress": (stress.add_parser, stress.cmd_stress)}
+COMMANDS = {
+    "train": (train.add_parser, train.cmd_train),
+    "info": (info.add_parser, info.cmd_info),
+    "topo": (topo.add_parser, topo.cmd_topo),
+    "recommend": (recommend.add_parser, recommend.cmd_recommend),
+    "bench": (bench.add_parser, bench.cmd_bench),
+    "stress": (stress.add_parser, stress.cmd_stress),
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -84,8 +90,10 @@ def main(argv=None) -> int:
     except OSError as e:
         # a file the run reads or writes (an output the checks could not foresee): one line
         where = f": '{e.filename}'" if e.filename else ""
-        write_line(("mgpu: error: " if pg is None or pg.size == 1 else f"mgpu: error (rank {pg.rank}): ")
-                   + f"{e.strerror or e}{where}")
+        write_line(
+            ("mgpu: error: " if pg is None or pg.size == 1 else f"mgpu: error (rank {pg.rank}): ")
+            + f"{e.strerror or e}{where}"
+        )
         if pg is not None and pg.size > 1:
             pg.abort(EXIT_USAGE)
         return EXIT_USAGE

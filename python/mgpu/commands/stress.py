@@ -15,6 +15,7 @@ On the GPU emulation (MGPU_EMULATE_GPU) the CUDA code runs on the CPU, orders of
 magnitude slower: the size and duration options not given are scaled down
 (EMULATION_DEFAULTS), and the run says so.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -27,8 +28,7 @@ import threading
 import time
 from typing import Optional
 
-from .._runtime import _core
-from .._runtime import gpus_emulated
+from .._runtime import _core, gpus_emulated
 from ..atomic import write_json_atomic
 from ..console import write_line
 from ..errors import ConfigError
@@ -72,11 +72,28 @@ def resolve_defaults(a, device: str) -> list:
     return scaled
 
 
-def run_device(pg, *, device: str, device_index: int, threads: int, duration: float, kernels, memory_bytes: float,
-               compute_size: int, iterations: int, gemm_size: int, gemm_repeats: int, gemm_tol: float,
-               gemm_precision: str,
-               thresholds: Thresholds, interval: float, inject: Optional[str], hang_timeout: float,
-               progress: bool, stop: threading.Event) -> tuple:
+def run_device(
+    pg,
+    *,
+    device: str,
+    device_index: int,
+    threads: int,
+    duration: float,
+    kernels,
+    memory_bytes: float,
+    compute_size: int,
+    iterations: int,
+    gemm_size: int,
+    gemm_repeats: int,
+    gemm_tol: float,
+    gemm_precision: str,
+    thresholds: Thresholds,
+    interval: float,
+    inject: Optional[str],
+    hang_timeout: float,
+    progress: bool,
+    stop: threading.Event,
+) -> tuple:
     """Stress this rank's device for `duration` seconds; returns (result, telemetry samples)."""
     dev = _core.make_stress_device(device, device_index, threads)
     source, read = reader_for(device, device_index)
@@ -85,11 +102,12 @@ def run_device(pg, *, device: str, device_index: int, threads: int, duration: fl
     backend = _core.make_backend(device, device_index, threads)
     backend.precision = gemm_precision  # ConfigError where the device has no such GEMMs
     ref = sorted(_core.time_linear(backend, gemm_size, gemm_size, gemm_size, 5))[2]
-    reference_flops = 2.0 * gemm_size ** 3 / ref  # the plain GEMM rate at this precision, measured in this run
+    reference_flops = 2.0 * gemm_size**3 / ref  # the plain GEMM rate at this precision, measured in this run
     copy_bytes = int(min(max(memory_bytes, MiB), 256 * MiB))
     reference_copy = dev.copy_bandwidth(copy_bytes)  # bytes/s of a plain device-to-device copy
-    totals = {k: {"checked": 0, "mismatches": 0, "nonfinite": 0, "seconds": 0.0, "work": 0.0, "runs": 0}
-              for k in kernels}
+    totals = {
+        k: {"checked": 0, "mismatches": 0, "nonfinite": 0, "seconds": 0.0, "work": 0.0, "runs": 0} for k in kernels
+    }
     injected = set()
     last_progress = [time.monotonic()]
 
@@ -100,12 +118,14 @@ def run_device(pg, *, device: str, device_index: int, threads: int, duration: fl
                 if pg.size > 1:
                     pg.abort(3)
                 os._exit(3)
+
     guard = threading.Thread(target=watchdog, name="mgpu-stress-watchdog", daemon=True)
     guard.start()
 
     bar = None
     if progress and pg.is_root:
         from tqdm.auto import tqdm
+
         bar = tqdm(total=round(duration), unit="s", desc="stress", dynamic_ncols=True, file=sys.stderr)
     t0 = time.monotonic()
     patterns = itertools.cycle(PATTERNS)
@@ -134,8 +154,14 @@ def run_device(pg, *, device: str, device_index: int, threads: int, duration: fl
             if bar is not None:
                 bar.n = min(round(time.monotonic() - t0), round(duration))
                 r = sampler.latest() or {}
-                bar.set_postfix({k: f"{r[k]:.0f}" for k in ("temperature_c", "utilization_pct", "memory_used_pct")
-                                 if r.get(k) is not None}, refresh=True)
+                bar.set_postfix(
+                    {
+                        k: f"{r[k]:.0f}"
+                        for k in ("temperature_c", "utilization_pct", "memory_used_pct")
+                        if r.get(k) is not None
+                    },
+                    refresh=True,
+                )
     finally:
         stop.set()
         samples = sampler.stop()
@@ -159,13 +185,26 @@ def run_device(pg, *, device: str, device_index: int, threads: int, duration: fl
         rates["memory_GBps"] = totals["memory"]["work"] / totals["memory"]["seconds"] / 1e9
         rates["copy_reference_GBps"] = reference_copy / 1e9
         rates["memory_vs_copy"] = rates["memory_GBps"] / rates["copy_reference_GBps"]
-    result = {"rank": pg.rank, "host": socket.gethostname(), "device": device, "device_index": device_index,
-              "name": dev.name, "verdict": "FAULTY" if sum(errors.values()) or nonfinite else "OK",
-              "errors": errors, "nonfinite": nonfinite, "checked": {k: int(v["checked"]) for k, v in totals.items()},
-              "runs": {k: v["runs"] for k, v in totals.items()}, "rates": rates,
-              "buffer_bytes": dev.buffer_bytes, "iterations_per_launch": iterations,
-              "telemetry_source": source, "telemetry": summarize(samples), "events": monitor.events,
-              "seconds": time.monotonic() - t0, "injected_fault": sorted(injected) or None}
+    result = {
+        "rank": pg.rank,
+        "host": socket.gethostname(),
+        "device": device,
+        "device_index": device_index,
+        "name": dev.name,
+        "verdict": "FAULTY" if sum(errors.values()) or nonfinite else "OK",
+        "errors": errors,
+        "nonfinite": nonfinite,
+        "checked": {k: int(v["checked"]) for k, v in totals.items()},
+        "runs": {k: v["runs"] for k, v in totals.items()},
+        "rates": rates,
+        "buffer_bytes": dev.buffer_bytes,
+        "iterations_per_launch": iterations,
+        "telemetry_source": source,
+        "telemetry": summarize(samples),
+        "events": monitor.events,
+        "seconds": time.monotonic() - t0,
+        "injected_fault": sorted(injected) or None,
+    }
     return result, samples
 
 
@@ -175,9 +214,12 @@ def cmd_stress(a, pg) -> int:
         raise ConfigError("give the buffer as --memory-mb or as --memory-fraction, not both")
     scaled = resolve_defaults(a, device)
     if scaled and pg.is_root:
-        print("mgpu stress: GPU EMULATION (the CPU running mgpu's CUDA code, not a real GPU): defaults scaled down to "
-              + ", ".join(f"--{n.replace('_', '-')} {getattr(a, n):g}" for n in scaled)
-              + " (give them to override)", flush=True)
+        print(
+            "mgpu stress: GPU EMULATION (the CPU running mgpu's CUDA code, not a real GPU): defaults scaled down to "
+            + ", ".join(f"--{n.replace('_', '-')} {getattr(a, n):g}" for n in scaled)
+            + " (give them to override)",
+            flush=True,
+        )
     if not 0 < a.duration < math.inf:
         raise ConfigError(f"--duration must be finite and > 0 seconds, got {a.duration!r}")
     if not 0 < a.memory_fraction <= 1:
@@ -195,8 +237,10 @@ def cmd_stress(a, pg) -> int:
     check_outputs({"--json": a.json, **(output_options(a.telemetry) if a.telemetry is not None else {})})
     kernels = KERNELS if a.kernel == "all" else (a.kernel,)
     if a.inject_fault is not None and a.inject_fault not in kernels:
-        raise ConfigError(f"--inject-fault {a.inject_fault} needs the {a.inject_fault} kernel to run "
-                          f"(--kernel {a.inject_fault} or all); with --kernel {a.kernel} nothing would catch it")
+        raise ConfigError(
+            f"--inject-fault {a.inject_fault} needs the {a.inject_fault} kernel to run "
+            f"(--kernel {a.inject_fault} or all); with --kernel {a.kernel} nothing would catch it"
+        )
     if a.gemm_precision != "fp32" and device != "cuda":
         raise ConfigError(f"--gemm-precision {a.gemm_precision} needs a GPU; the CPU GEMM burn runs in fp32")
     threads = a.threads or pg.default_threads()
@@ -208,8 +252,9 @@ def cmd_stress(a, pg) -> int:
             available = available_memory(device, index, pg.local_size)
             if memory > available:
                 where = "free on the GPU" if device == "cuda" else "of host memory available to this rank"
-                too_big = ConfigError(f"--memory-mb {a.memory_mb:g} is more than the {available / MiB:,.0f} MiB "
-                                      f"{where}")
+                too_big = ConfigError(
+                    f"--memory-mb {a.memory_mb:g} is more than the {available / MiB:,.0f} MiB {where}"
+                )
         except ConfigError:  # the available memory cannot be read: the size given stands
             pass
         pg.agree(too_big, "the stress buffer size")
@@ -222,15 +267,31 @@ def cmd_stress(a, pg) -> int:
     def on_signal(signum, frame):
         write_line(f"mgpu: {signal.Signals(signum).name} on rank {pg.rank}: stopping the stress run")
         stop.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
         previous[sig] = signal.signal(sig, on_signal)
     try:
         result, samples = run_device(
-            pg, device=device, device_index=index, threads=threads, duration=a.duration, kernels=kernels,
-            memory_bytes=memory, compute_size=a.compute_size, iterations=a.iterations, gemm_size=a.gemm_size,
-            gemm_repeats=a.gemm_repeats, gemm_tol=a.gemm_tol, gemm_precision=a.gemm_precision,
-            thresholds=Thresholds(a.max_temp, a.max_memory_percent, a.power_limit), interval=a.interval,
-            inject=a.inject_fault, hang_timeout=a.hang_timeout, progress=not a.no_progress, stop=stop)
+            pg,
+            device=device,
+            device_index=index,
+            threads=threads,
+            duration=a.duration,
+            kernels=kernels,
+            memory_bytes=memory,
+            compute_size=a.compute_size,
+            iterations=a.iterations,
+            gemm_size=a.gemm_size,
+            gemm_repeats=a.gemm_repeats,
+            gemm_tol=a.gemm_tol,
+            gemm_precision=a.gemm_precision,
+            thresholds=Thresholds(a.max_temp, a.max_memory_percent, a.power_limit),
+            interval=a.interval,
+            inject=a.inject_fault,
+            hang_timeout=a.hang_timeout,
+            progress=not a.no_progress,
+            stop=stop,
+        )
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -239,22 +300,33 @@ def cmd_stress(a, pg) -> int:
     if not pg.is_root:
         return 0 if result["verdict"] == "OK" else 1
     devices = [r for r, _ in results]
-    report = {"devices": devices, "duration_s": a.duration, "kernels": list(kernels),
-              "thresholds": {"max_temp_c": a.max_temp, "max_memory_percent": a.max_memory_percent,
-                             "power_limit_w": a.power_limit},
-              "events": [e for d in devices for e in d["events"]], "stopped_early": stop.is_set() and any(
-                  d["seconds"] < a.duration for d in devices)}
+    report = {
+        "devices": devices,
+        "duration_s": a.duration,
+        "kernels": list(kernels),
+        "thresholds": {
+            "max_temp_c": a.max_temp,
+            "max_memory_percent": a.max_memory_percent,
+            "power_limit_w": a.power_limit,
+        },
+        "events": [e for d in devices for e in d["events"]],
+        "stopped_early": stop.is_set() and any(d["seconds"] < a.duration for d in devices),
+    }
     for d in devices:
         rates = ", ".join(f"{k} {v:.3g}" for k, v in d["rates"].items())
-        print(f"rank {d['rank']} {d['name']} on {d['host']}: {d['verdict']}; errors {d['errors']}, "
-              f"non-finite {d['nonfinite']}; {rates}")
+        print(
+            f"rank {d['rank']} {d['name']} on {d['host']}: {d['verdict']}; errors {d['errors']}, "
+            f"non-finite {d['nonfinite']}; {rates}"
+        )
     if a.json:
         write_json_atomic(a.json, report)
     if a.telemetry:
         series = {f"rank {r['rank']}: {r['name']}": s for r, s in results}
         verdicts = ", ".join(sorted({d["verdict"] for d in devices}))
-        title = (f"mgpu stress, {a.duration:g} s of {', '.join(kernels)} on {len(devices)} device(s) "
-                 f"({', '.join(sorted({d['host'] for d in devices}))}): {verdicts}")
+        title = (
+            f"mgpu stress, {a.duration:g} s of {', '.join(kernels)} on {len(devices)} device(s) "
+            f"({', '.join(sorted({d['host'] for d in devices}))}): {verdicts}"
+        )
         limits = {"temperature_c": a.max_temp, "memory_used_pct": a.max_memory_percent, "power_w": a.power_limit}
         for path in write_series(a.telemetry, series, title, limits, report["events"]):
             print(f"telemetry written to {path}")
@@ -263,28 +335,56 @@ def cmd_stress(a, pg) -> int:
 
 
 def add_parser(sub) -> None:
-    s = sub.add_parser("stress", help="burn in every device, verify every result, watch temperature and memory",
-                       description=__doc__.splitlines()[0])
+    s = sub.add_parser(
+        "stress",
+        help="burn in every device, verify every result, watch temperature and memory",
+        description=__doc__.splitlines()[0],
+    )
     s.add_argument("--duration", type=float, default=None, help="seconds (default 60; 10 on the GPU emulation)")
     s.add_argument("--kernel", choices=("all", *KERNELS), default="all")
     s.add_argument("--device", choices=("cpu", "cuda", "auto"), default="auto")
-    s.add_argument("--threads", type=bounded_int("threads per rank", MAX_THREADS), default=None,
-                   help="CPU threads per rank")
-    s.add_argument("--memory-fraction", type=float, default=None,
-                   help="fraction of free device memory for the pattern buffer (per device; default 0.8)")
-    s.add_argument("--memory-mb", type=float, default=None,
-                   help="buffer size instead of a fraction (8 on the GPU emulation unless a size is given)")
-    s.add_argument("--iterations", type=bounded_int("iterations", INT32_MAX), default=20,
-                   help="transcendental chain steps per launch")
-    s.add_argument("--compute-size", type=bounded_int("compute size", INT32_MAX), default=None,
-                   help="values per compute launch (default 262144; 16384 on the GPU emulation)")
+    s.add_argument(
+        "--threads", type=bounded_int("threads per rank", MAX_THREADS), default=None, help="CPU threads per rank"
+    )
+    s.add_argument(
+        "--memory-fraction",
+        type=float,
+        default=None,
+        help="fraction of free device memory for the pattern buffer (per device; default 0.8)",
+    )
+    s.add_argument(
+        "--memory-mb",
+        type=float,
+        default=None,
+        help="buffer size instead of a fraction (8 on the GPU emulation unless a size is given)",
+    )
+    s.add_argument(
+        "--iterations",
+        type=bounded_int("iterations", INT32_MAX),
+        default=20,
+        help="transcendental chain steps per launch",
+    )
+    s.add_argument(
+        "--compute-size",
+        type=bounded_int("compute size", INT32_MAX),
+        default=None,
+        help="values per compute launch (default 262144; 16384 on the GPU emulation)",
+    )
     # the n x n elements of each matrix must fit the core's int: 46340^2 < 2^31
-    s.add_argument("--gemm-size", type=bounded_int("GEMM size", 46340), default=None,
-                   help="GEMM size n (n x n; default 1024, 64 on the emulation)")
+    s.add_argument(
+        "--gemm-size",
+        type=bounded_int("GEMM size", 46340),
+        default=None,
+        help="GEMM size n (n x n; default 1024, 64 on the emulation)",
+    )
     s.add_argument("--gemm-repeats", type=bounded_int("GEMM repeats", INT32_MAX), default=4, help="GEMMs per launch")
     s.add_argument("--gemm-tol", type=float, default=0.0, help="relative tolerance of GEMM verification")
-    s.add_argument("--gemm-precision", choices=("fp32", "tf32", "bf16"), default="fp32",
-                   help="GEMM burn precision (tf32 and bf16 on GPUs)")
+    s.add_argument(
+        "--gemm-precision",
+        choices=("fp32", "tf32", "bf16"),
+        default="fp32",
+        help="GEMM burn precision (tf32 and bf16 on GPUs)",
+    )
     s.add_argument("--max-temp", type=float, default=85.0, help="C: above it, throttle")
     s.add_argument("--max-memory-percent", type=float, default=95.0, help="above it, stop growing the buffer")
     s.add_argument("--power-limit", type=float, default=None, help="W: above it, warn (default: the device's)")
@@ -292,6 +392,10 @@ def add_parser(sub) -> None:
     s.add_argument("--hang-timeout", type=float, default=120.0, help="seconds without progress that end the run")
     s.add_argument("--json", metavar="PATH")
     s.add_argument("--telemetry", metavar="PREFIX", help="write PREFIX.csv, PREFIX.json and PREFIX.png")
-    s.add_argument("--inject-fault", choices=KERNELS, default=None,
-                   help="test hook: flip one bit of one result of this kernel (the verdict must turn FAULTY)")
+    s.add_argument(
+        "--inject-fault",
+        choices=KERNELS,
+        default=None,
+        help="test hook: flip one bit of one result of this kernel (the verdict must turn FAULTY)",
+    )
     s.add_argument("--no-progress", action="store_true")

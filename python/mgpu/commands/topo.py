@@ -1,6 +1,7 @@
 """`mgpu topo`: measure this machine and save the calibration profile the selector
 predicts from; the profile as a table, and its GEMM and allreduce plots.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,11 +23,17 @@ def _cpu_tables_line(d: dict) -> str:
     wait in a real step, with every rank busy against rank 0 alone."""
     busy, alone = d["step_phases"], d.get("step_phases_alone", d["step_phases"])
     grid = d["layer_times"]
-    cold = (f", warm and cold (after sweeping {2 * d['cache_bytes'] / 2 ** 20:.0f} MiB: a last-level cache of "
-            f"{d['cache_bytes'] / 2 ** 20:.0f} MiB)" if "forward_cold" in grid and d.get("cache_bytes") else "")
-    text = (f"layer times on {len(grid['rows'])} rows x {len(grid['widths'])}x{len(grid['widths'])} widths{cold}; "
-            f"in training at {busy['params'][-1] / 1e6:.1f}M params: update {busy['update_s'][-1] * 1e3:.2f} ms, "
-            f"wait after backward {busy['wait_s'][-1] * 1e3:.2f} ms with {busy['ranks']} rank(s) busy")
+    cold = (
+        f", warm and cold (after sweeping {2 * d['cache_bytes'] / 2**20:.0f} MiB: a last-level cache of "
+        f"{d['cache_bytes'] / 2**20:.0f} MiB)"
+        if "forward_cold" in grid and d.get("cache_bytes")
+        else ""
+    )
+    text = (
+        f"layer times on {len(grid['rows'])} rows x {len(grid['widths'])}x{len(grid['widths'])} widths{cold}; "
+        f"in training at {busy['params'][-1] / 1e6:.1f}M params: update {busy['update_s'][-1] * 1e3:.2f} ms, "
+        f"wait after backward {busy['wait_s'][-1] * 1e3:.2f} ms with {busy['ranks']} rank(s) busy"
+    )
     if alone is not busy:
         text += f"; {alone['update_s'][-1] * 1e3:.2f} and {alone['wait_s'][-1] * 1e3:.2f} ms alone"
     return text
@@ -37,22 +44,31 @@ def placement_line(placement: dict) -> str:
     line's round trip between their CPUs, and whether that moved."""
     a, b = placement["cpus"]
     at_wait, every = placement["wait_probe_ns"], placement["readings_ns"]
-    text = (f"ranks' cores (CPUs {a} and {b}): a cache line's round trip {min(at_wait):.0f}-{max(at_wait):.0f} ns "
-            f"around the probe of the wait after backward, {min(every):.0f}-{max(every):.0f} ns over "
-            f"{len(every)} readings")
+    text = (
+        f"ranks' cores (CPUs {a} and {b}): a cache line's round trip {min(at_wait):.0f}-{max(at_wait):.0f} ns "
+        f"around the probe of the wait after backward, {min(every):.0f}-{max(every):.0f} ns over "
+        f"{len(every)} readings"
+    )
     if placement_moved(at_wait):
-        text += ("; the cores changed cache domains (as a VM's vCPUs do when its hypervisor moves them) during "
-                 f"each of {PLACEMENT_TRIES} tries at that probe: its wait mixes two placements, and "
-                 "predictions for several ranks hold in neither")
+        text += (
+            "; the cores changed cache domains (as a VM's vCPUs do when its hypervisor moves them) during "
+            f"each of {PLACEMENT_TRIES} tries at that probe: its wait mixes two placements, and "
+            "predictions for several ranks hold in neither"
+        )
     elif placement_moved(every):
         other = placement.get("other_wait_probe_ns")
-        text += ("; the cores changed cache domains during the calibration (as a VM's vCPUs do when its "
-                 "hypervisor moves them), and a multi-rank wait changes with them: "
-                 + (f"the wait was probed again with them at {min(other):.0f}-{max(other):.0f} ns, where "
-                    f"{placement.get('other_share', 0.0):.0%} of the readings found them, and `recommend` prices "
-                    "several ranks in both placements, weighted so" if other else
-                    f"predictions for several ranks hold where the wait was probed, at "
-                    f"{min(at_wait):.0f}-{max(at_wait):.0f} ns"))
+        text += (
+            "; the cores changed cache domains during the calibration (as a VM's vCPUs do when its "
+            "hypervisor moves them), and a multi-rank wait changes with them: "
+            + (
+                f"the wait was probed again with them at {min(other):.0f}-{max(other):.0f} ns, where "
+                f"{placement.get('other_share', 0.0):.0%} of the readings found them, and `recommend` prices "
+                "several ranks in both placements, weighted so"
+                if other
+                else f"predictions for several ranks hold where the wait was probed, at "
+                f"{min(at_wait):.0f}-{max(at_wait):.0f} ns"
+            )
+        )
     return text
 
 
@@ -68,23 +84,29 @@ def _bandwidth(bytes_per_s: float) -> str:
 def _probe_text(d: dict) -> str:
     if "probe_step_s" not in d:  # a profile from before the probe's work was taken out
         return ""
-    return f" (a step of {'x'.join(map(str, PROBE_LAYERS))} took {d['probe_step_s'] * 1e6:.1f} us, less its priced work)"
+    return (
+        f" (a step of {'x'.join(map(str, PROBE_LAYERS))} took {d['probe_step_s'] * 1e6:.1f} us, less its priced work)"
+    )
 
 
 def format_topo(profile: dict) -> str:
     lines = [f"{profile['name']}  (mgpu {profile['mgpu_version']})"]
     for d in profile["devices"]:
         fp = ", ".join(f"{p} {d[p]['peak_flops'] / 1e9:,.0f} GFLOP/s" for p in PRECISIONS if p in d)
-        lines.append(f"  rank {d['rank']} on {d['host']}: {d['name']}; GEMM peak {fp}; "
-                     f"memory bw {_bandwidth(d['memory_bandwidth'])}; kernel overhead "
-                     f"{d['launch_overhead_s'] * 1e6:.2f} us (as a graph node "
-                     f"{_us_or_not_measured(d.get('graph_node_s'))}); step overhead {d['step_overhead_s'] * 1e6:.1f} us"
-                     f"{_probe_text(d)}; "
-                     f"dropout {d['dropout_s_per_unit'] * 1e9:.2f} ns/unit")
+        lines.append(
+            f"  rank {d['rank']} on {d['host']}: {d['name']}; GEMM peak {fp}; "
+            f"memory bw {_bandwidth(d['memory_bandwidth'])}; kernel overhead "
+            f"{d['launch_overhead_s'] * 1e6:.2f} us (as a graph node "
+            f"{_us_or_not_measured(d.get('graph_node_s'))}); step overhead {d['step_overhead_s'] * 1e6:.1f} us"
+            f"{_probe_text(d)}; "
+            f"dropout {d['dropout_s_per_unit'] * 1e9:.2f} ns/unit"
+        )
         if "cpu" in d:
             cpu = d["cpu"]
-            lines.append(f"    {cpu['cores']} cores, ISA {' '.join(cpu['isa'])}, "
-                         f"OPENBLAS_CORETYPE={cpu['openblas_coretype'] or '(unset)'}")
+            lines.append(
+                f"    {cpu['cores']} cores, ISA {' '.join(cpu['isa'])}, "
+                f"OPENBLAS_CORETYPE={cpu['openblas_coretype'] or '(unset)'}"
+            )
         if d.get("host_to_device_bandwidth"):
             lines.append(f"    host-to-device {d['host_to_device_bandwidth'] / 1e9:.1f} GB/s")
         if "step_phases" in d:
@@ -93,19 +115,25 @@ def format_topo(profile: dict) -> str:
         lines.append("  " + placement_line(profile["placement"]))
     if profile["allreduce"]:
         lines.append(f"  allreduce ({profile['link']['name']}), float32 sum, in place:")
-        lines.append(f"  {'bytes':>12} {'count':>10} {'time us':>10} {'algbw GB/s':>11} {'busbw GB/s':>11} {'wrong':>6}"
-                     f" {'raw MPI busbw':>14} {'vs raw':>7} {'with deadline':>14} {'vs raw':>7}")
+        lines.append(
+            f"  {'bytes':>12} {'count':>10} {'time us':>10} {'algbw GB/s':>11} {'busbw GB/s':>11} {'wrong':>6}"
+            f" {'raw MPI busbw':>14} {'vs raw':>7} {'with deadline':>14} {'vs raw':>7}"
+        )
         for r in profile["allreduce"]:
-            raw = (f" {r['raw_mpi_busbw_GBps']:>14.3f} {r['vs_raw_mpi']:>6.0%}" if "vs_raw_mpi" in r else "")
+            raw = f" {r['raw_mpi_busbw_GBps']:>14.3f} {r['vs_raw_mpi']:>6.0%}" if "vs_raw_mpi" in r else ""
             if "deadline_vs_raw_mpi" in r:
                 raw += f" {r['deadline_busbw_GBps']:>14.3f} {r['deadline_vs_raw_mpi']:>6.0%}"
-            lines.append(f"  {r['bytes']:>12,} {r['count']:>10,} {r['time_us']:>10.1f} {r['algbw_GBps']:>11.3f} "
-                         f"{r['busbw_GBps']:>11.3f} {r['wrong']:>6}{raw}")
+            lines.append(
+                f"  {r['bytes']:>12,} {r['count']:>10,} {r['time_us']:>10.1f} {r['algbw_GBps']:>11.3f} "
+                f"{r['busbw_GBps']:>11.3f} {r['wrong']:>6}{raw}"
+            )
         link = profile["link"]
-        lines.append(f"  fit over {link['fit_bytes'][0]:,}-{link['fit_bytes'][1]:,} B: alpha {link['alpha_s'] * 1e6:.2f} us "
-                     f"per ring step, busbw {link['bus_bandwidth'] / 1e9:.2f} GB/s "
-                     f"(median error {link['fit_median_rel_error']:.0%}); a step on {profile['environment']['world_size']} "
-                     f"ranks costs {link['step_sync_s'] * 1e6:.0f} us more than alone (latency, skew)")
+        lines.append(
+            f"  fit over {link['fit_bytes'][0]:,}-{link['fit_bytes'][1]:,} B: alpha {link['alpha_s'] * 1e6:.2f} us "
+            f"per ring step, busbw {link['bus_bandwidth'] / 1e9:.2f} GB/s "
+            f"(median error {link['fit_median_rel_error']:.0%}); a step on {profile['environment']['world_size']} "
+            f"ranks costs {link['step_sync_s'] * 1e6:.0f} us more than alone (latency, skew)"
+        )
         levels = profile.get("nodes")
         if levels:
             for level, ranks in (("intra", levels["ranks_per_node"]), ("inter", levels["nodes"])):
@@ -114,15 +142,20 @@ def format_topo(profile: dict) -> str:
                     lines.append("  within a node: 1 rank per node, nothing to measure")
                     continue
                 what = "within each node" if level == "intra" else "between the nodes (one rank each)"
-                lines.append(f"  {what}, {ranks} ranks: alpha {fit['alpha_s'] * 1e6:.2f} us per ring step, busbw "
-                             f"{fit['bus_bandwidth'] / 1e9:.2f} GB/s (fit over {fit['fit_bytes'][0]:,}-"
-                             f"{fit['fit_bytes'][1]:,} B, median error {fit['fit_median_rel_error']:.0%})")
+                lines.append(
+                    f"  {what}, {ranks} ranks: alpha {fit['alpha_s'] * 1e6:.2f} us per ring step, busbw "
+                    f"{fit['bus_bandwidth'] / 1e9:.2f} GB/s (fit over {fit['fit_bytes'][0]:,}-"
+                    f"{fit['fit_bytes'][1]:,} B, median error {fit['fit_median_rel_error']:.0%})"
+                )
             if "nccl" in link:
-                lines.append(f"  the selector models {levels['nodes']} nodes x {levels['ranks_per_node']} ranks from "
-                             "these two links (recommend --nodes)")
+                lines.append(
+                    f"  the selector models {levels['nodes']} nodes x {levels['ranks_per_node']} ranks from "
+                    "these two links (recommend --nodes)"
+                )
         elif link.get("measured") and profile["environment"].get("communicator") == "mpi":
-            lines.append("  one node: no inter-node link to measure (run topo under mpirun across hosts "
-                         "with a hostfile)")
+            lines.append(
+                "  one node: no inter-node link to measure (run topo under mpirun across hosts with a hostfile)"
+            )
     else:
         lines.append("  allreduce: 1 rank, nothing to measure (run under mpirun -np N)")
     return "\n".join(lines)
@@ -130,13 +163,15 @@ def format_topo(profile: dict) -> str:
 
 def _plot_title(what: str, profile: dict) -> str:
     emulated = any("emulat" in d["name"].lower() for d in profile["devices"])
-    return (f"{what}\n{profile['name']}, mgpu {profile['mgpu_version']}"
-            + ("\nEMULATED GPUs: the CPU running mgpu's CUDA code, not GPU speeds" if emulated else ""))
+    return f"{what}\n{profile['name']}, mgpu {profile['mgpu_version']}" + (
+        "\nEMULATED GPUs: the CPU running mgpu's CUDA code, not GPU speeds" if emulated else ""
+    )
 
 
 def gemm_figure(profile: dict):
     """Each rank's measured GEMM rate by work and precision, with the fitted peak w / (w + h) the model uses."""
     import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     seen = {}
@@ -154,9 +189,15 @@ def gemm_figure(profile: dict):
             ax.plot(work, rate / 1e9, "o", color=color, label=f"{label}, {p}: measured")
             w = np.geomspace(work.min(), work.max(), 100)
             fit = d[p]["peak_flops"] * w / (w + d[p]["half_work_flops"])
-            ax.plot(w, fit / 1e9, "-", color=color, alpha=0.7,
-                    label=f"fit: peak {d[p]['peak_flops'] / 1e9:,.0f} GFLOP/s, half at "
-                          f"{d[p]['half_work_flops'] / 1e6:,.1f} MFLOP")
+            ax.plot(
+                w,
+                fit / 1e9,
+                "-",
+                color=color,
+                alpha=0.7,
+                label=f"fit: peak {d[p]['peak_flops'] / 1e9:,.0f} GFLOP/s, half at "
+                f"{d[p]['half_work_flops'] / 1e6:,.1f} MFLOP",
+            )
     ax.set_xscale("log")
     ax.set_ylim(bottom=0)
     ax.set(xlabel="work of one Linear GEMM (FLOP = 2 x batch x in x out)", ylabel="GFLOP/s")
@@ -170,6 +211,7 @@ def gemm_figure(profile: dict):
 def allreduce_figure(profile: dict):
     """The allreduce sweep's bus bandwidth by message size, the alpha-beta fit, and bare MPI where measured."""
     import matplotlib.pyplot as plt
+
     rows, link = profile["allreduce"], profile["link"]
     n = profile["environment"]["world_size"]
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
@@ -180,8 +222,13 @@ def allreduce_figure(profile: dict):
         ax.plot(*zip(*raw), "s--", mfc="white", label="bare MPI_Allreduce (mpi4py): busbw")
     steps = 2.0 * (n - 1)
     model = steps * link["alpha_s"] + steps / n * size / link["bus_bandwidth"]
-    ax.plot(size, size / model / 1e9 * steps / n, ":", color="black",
-            label=f"alpha-beta fit: alpha {link['alpha_s'] * 1e6:.2f} us, busbw {link['bus_bandwidth'] / 1e9:.2f} GB/s")
+    ax.plot(
+        size,
+        size / model / 1e9 * steps / n,
+        ":",
+        color="black",
+        label=f"alpha-beta fit: alpha {link['alpha_s'] * 1e6:.2f} us, busbw {link['bus_bandwidth'] / 1e9:.2f} GB/s",
+    )
     lo, hi = link.get("fit_bytes", (size.min(), size.max()))
     ax.axvspan(lo, hi, color="0.9", zorder=0, label="sizes the fit uses (gradient buckets)")
     if any(r["wrong"] for r in rows):
@@ -210,8 +257,10 @@ PLOT_FILES = ("gemm.png", "allreduce.png")
 def write_plots(directory: str, profile: dict) -> list:
     """gemm.png, and allreduce.png when the profile has a sweep (more than one rank)."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     os.makedirs(directory, exist_ok=True)
     figures = [("gemm", gemm_figure)] + ([("allreduce", allreduce_figure)] if profile["allreduce"] else [])
     paths = []
@@ -231,8 +280,11 @@ def cmd_topo(a, pg) -> int:
     if a.no_save and a.out:
         raise ConfigError("--out names the file the profile is saved to, and --no-save saves none: give one of them")
     # the plots' files where their directory exists already (else it is made, empty)
-    plots = ({f"--plots {name}": os.path.join(a.plots, name) for name in PLOT_FILES}
-             if a.plots and os.path.isdir(a.plots) else {})
+    plots = (
+        {f"--plots {name}": os.path.join(a.plots, name) for name in PLOT_FILES}
+        if a.plots and os.path.isdir(a.plots)
+        else {}
+    )
     check_outputs({"--out": a.out, "--json": a.json, **plots})
     if a.plots is not None:
         check_output_dir(a.plots, "--plots")
@@ -268,14 +320,22 @@ def _mebibytes(text: str) -> int:
 
 
 def add_parser(sub) -> None:
-    t = sub.add_parser("topo", help="measure devices, GEMM rates and the allreduce; write the calibration profile",
-                       description="Measure this machine (under mpirun: every rank's device and the communicator) "
-                                   "and save the calibration profile the strategy selector uses.")
+    t = sub.add_parser(
+        "topo",
+        help="measure devices, GEMM rates and the allreduce; write the calibration profile",
+        description="Measure this machine (under mpirun: every rank's device and the communicator) "
+        "and save the calibration profile the strategy selector uses.",
+    )
     t.add_argument("--device", choices=("cpu", "cuda", "auto"), default="auto")
-    t.add_argument("--threads", type=bounded_int("threads per rank", MAX_THREADS), default=None,
-                   help="CPU threads per rank (default: cores / ranks per node)")
-    t.add_argument("--max-mb", dest="max_bytes", type=_mebibytes, default=256 * MiB,
-                   help="largest allreduce in MiB (default 256)")
+    t.add_argument(
+        "--threads",
+        type=bounded_int("threads per rank", MAX_THREADS),
+        default=None,
+        help="CPU threads per rank (default: cores / ranks per node)",
+    )
+    t.add_argument(
+        "--max-mb", dest="max_bytes", type=_mebibytes, default=256 * MiB, help="largest allreduce in MiB (default 256)"
+    )
     t.add_argument("--quick", action="store_true", help="fewer sizes and repeats (seconds, not minutes)")
     t.add_argument("--out", metavar="PATH", help=f"profile path (default {default_profile_path()})")
     t.add_argument("--no-save", action="store_true", help="measure and print only")

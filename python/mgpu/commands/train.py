@@ -2,6 +2,7 @@
 threads of this process, one GPU each); one-line errors on every rank, signals that stop
 at a step boundary with a checkpoint.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -72,8 +73,14 @@ RESUME_LATEST = "latest"  # bare --resume (or this word): the newest in --checkp
 
 # train's telemetry options, filled in when --telemetry is given (None until then: given
 # without it, they are refused rather than ignored)
-TELEMETRY_DEFAULTS = {"telemetry_interval": 1.0, "max_temp": 85.0, "max_memory_percent": 95.0,
-                      "power_limit": None, "stop_above_temp": False, "stop_above_memory": False}
+TELEMETRY_DEFAULTS = {
+    "telemetry_interval": 1.0,
+    "max_temp": 85.0,
+    "max_memory_percent": 95.0,
+    "power_limit": None,
+    "stop_above_temp": False,
+    "stop_above_memory": False,
+}
 
 
 def _shares(text: str):
@@ -82,21 +89,41 @@ def _shares(text: str):
 
 def _config_from_args(a) -> TrainConfig:
     lr = a.lr if a.lr is not None else (0.001 if a.optimizer == "adamw" else 0.01)
-    return TrainConfig(model=a.model or ("medium" if a.layers is None else None), layers=a.layers,
-                       dataset=a.dataset, batch_size=a.batch_size,
-                       epochs=None if a.steps is not None else (a.epochs if a.epochs is not None else 5),
-                       steps=a.steps, lr=lr, optimizer=a.optimizer, momentum=a.momentum,
-                       weight_decay=a.weight_decay, loss=a.loss, dropout=a.dropout, seed=a.seed,
-                       device=a.device, threads=a.threads,
-                       bucket_mb=a.bucket_mb if isinstance(a.bucket_mb, float) else 4.0, overlap=not a.no_overlap,
-                       accumulate=a.accumulate, max_grad_norm=a.max_grad_norm, lr_schedule=a.lr_schedule,
-                       warmup_steps=a.warmup_steps, lr_step_size=a.lr_step_size, lr_gamma=a.lr_gamma,
-                       min_lr=a.min_lr, checkpoint_dir=a.checkpoint_dir,
-                       checkpoint_every=a.checkpoint_every if a.checkpoint_every is not None else 0,
-                       keep_checkpoints=a.keep_checkpoints if a.keep_checkpoints is not None else 3,
-                       watchdog_timeout=a.watchdog_timeout,
-                       max_bad_steps=a.max_bad_steps, precision=a.precision, comm=a.comm,
-                       cuda_graph=a.cuda_graph, grad_dtype=a.grad_dtype)
+    return TrainConfig(
+        model=a.model or ("medium" if a.layers is None else None),
+        layers=a.layers,
+        dataset=a.dataset,
+        batch_size=a.batch_size,
+        epochs=None if a.steps is not None else (a.epochs if a.epochs is not None else 5),
+        steps=a.steps,
+        lr=lr,
+        optimizer=a.optimizer,
+        momentum=a.momentum,
+        weight_decay=a.weight_decay,
+        loss=a.loss,
+        dropout=a.dropout,
+        seed=a.seed,
+        device=a.device,
+        threads=a.threads,
+        bucket_mb=a.bucket_mb if isinstance(a.bucket_mb, float) else 4.0,
+        overlap=not a.no_overlap,
+        accumulate=a.accumulate,
+        max_grad_norm=a.max_grad_norm,
+        lr_schedule=a.lr_schedule,
+        warmup_steps=a.warmup_steps,
+        lr_step_size=a.lr_step_size,
+        lr_gamma=a.lr_gamma,
+        min_lr=a.min_lr,
+        checkpoint_dir=a.checkpoint_dir,
+        checkpoint_every=a.checkpoint_every if a.checkpoint_every is not None else 0,
+        keep_checkpoints=a.keep_checkpoints if a.keep_checkpoints is not None else 3,
+        watchdog_timeout=a.watchdog_timeout,
+        max_bad_steps=a.max_bad_steps,
+        precision=a.precision,
+        comm=a.comm,
+        cuda_graph=a.cuda_graph,
+        grad_dtype=a.grad_dtype,
+    )
 
 
 def _refuse_another_runs_checkpoints(directory: str) -> None:
@@ -104,9 +131,11 @@ def _refuse_another_runs_checkpoints(directory: str) -> None:
     earlier run's it would replace some of them and prune the rest (a mix of two runs)."""
     found = list_checkpoints(directory)
     if found:
-        raise CheckpointError(f"--checkpoint-dir '{directory}' holds {len(found)} checkpoint(s) of an earlier run "
-                              f"(newest {os.path.basename(found[-1])}): continue it with --resume, or give an "
-                              "empty directory")
+        raise CheckpointError(
+            f"--checkpoint-dir '{directory}' holds {len(found)} checkpoint(s) of an earlier run "
+            f"(newest {os.path.basename(found[-1])}): continue it with --resume, or give an "
+            "empty directory"
+        )
 
 
 def _resolve_resume(a, cfg):
@@ -127,11 +156,15 @@ def _resolve_resume(a, cfg):
         step = checkpoint_step(a.resume)
         step = step if step is not None else step_of(a.resume)
         if step is not None and step < step_of(newest):
-            raise CheckpointError(f"--checkpoint-dir '{cfg.checkpoint_dir}' holds checkpoints newer than the one "
-                                  f"resumed (step {step}), newest {os.path.basename(newest)}: resume that one, move "
-                                  "them away, or give another directory")
-        raise CheckpointError(f"--checkpoint-dir '{cfg.checkpoint_dir}' holds checkpoints other than the one resumed "
-                              f"(newest {os.path.basename(newest)}): give an empty directory, or move them away")
+            raise CheckpointError(
+                f"--checkpoint-dir '{cfg.checkpoint_dir}' holds checkpoints newer than the one "
+                f"resumed (step {step}), newest {os.path.basename(newest)}: resume that one, move "
+                "them away, or give another directory"
+            )
+        raise CheckpointError(
+            f"--checkpoint-dir '{cfg.checkpoint_dir}' holds checkpoints other than the one resumed "
+            f"(newest {os.path.basename(newest)}): give an empty directory, or move them away"
+        )
     return a.resume
 
 
@@ -182,8 +215,11 @@ def _check_outputs(a, telemetry: Optional[TelemetrySettings]) -> None:
     if telemetry is not None:
         outputs.update(output_options(telemetry.prefix))
     check_outputs(outputs, {"--dataset": a.dataset, "--resume": a.resume if a.resume != RESUME_LATEST else None})
-    check_outputs_outside_dirs(outputs, {"--checkpoint-dir": a.checkpoint_dir, "--tensorboard": a.tensorboard},
-                               {"--checkpoint-dir": CHECKPOINT_NAME})
+    check_outputs_outside_dirs(
+        outputs,
+        {"--checkpoint-dir": a.checkpoint_dir, "--tensorboard": a.tensorboard},
+        {"--checkpoint-dir": CHECKPOINT_NAME},
+    )
     if a.trace_steps is not None and not a.trace:
         raise ConfigError("--trace-steps chooses the steps of --trace: give --trace PATH too")
     for option, value in (("--checkpoint-every", a.checkpoint_every), ("--keep-checkpoints", a.keep_checkpoints)):
@@ -218,12 +254,26 @@ def _telemetry_settings(a) -> Optional[TelemetrySettings]:
             raise ConfigError(f"{given[0]} belongs to the training telemetry: give --telemetry PREFIX too")
         return None
     value = {k: default if getattr(a, k) is None else getattr(a, k) for k, default in TELEMETRY_DEFAULTS.items()}
-    check_monitor_options(value["telemetry_interval"], value["max_temp"], value["max_memory_percent"],
-                          value["power_limit"], interval_option="--telemetry-interval")
-    stop_on = tuple(m for m, flag in (("temperature_c", value["stop_above_temp"]),
-                                      ("memory_used_pct", value["stop_above_memory"])) if flag)
-    return TelemetrySettings(a.telemetry, value["telemetry_interval"], value["max_temp"],
-                             value["max_memory_percent"], value["power_limit"], stop_on)
+    check_monitor_options(
+        value["telemetry_interval"],
+        value["max_temp"],
+        value["max_memory_percent"],
+        value["power_limit"],
+        interval_option="--telemetry-interval",
+    )
+    stop_on = tuple(
+        m
+        for m, flag in (("temperature_c", value["stop_above_temp"]), ("memory_used_pct", value["stop_above_memory"]))
+        if flag
+    )
+    return TelemetrySettings(
+        a.telemetry,
+        value["telemetry_interval"],
+        value["max_temp"],
+        value["max_memory_percent"],
+        value["power_limit"],
+        stop_on,
+    )
 
 
 @dataclass(frozen=True)
@@ -233,18 +283,18 @@ class RunPlan:
     stay as they were given; what was 'auto' or left out is resolved here."""
 
     args: argparse.Namespace
-    config: TrainConfig              # validated; bucket_mb resolved
+    config: TrainConfig  # validated; bucket_mb resolved
     device: str
     device_index: int
     threads: int
     data: Dataset
     loss: str
-    sizes: tuple                     # the layers as built for the dataset
-    batch_shares: Optional[tuple]    # per rank, or None for equal shares
-    bucket_note: Optional[str]       # why --bucket-mb auto chose its bucket (said once the model is built)
-    resume: Optional[str]            # the checkpoint resumed, or None
+    sizes: tuple  # the layers as built for the dataset
+    batch_shares: Optional[tuple]  # per rank, or None for equal shares
+    bucket_note: Optional[str]  # why --bucket-mb auto chose its bucket (said once the model is built)
+    resume: Optional[str]  # the checkpoint resumed, or None
     telemetry: Optional[TelemetrySettings]
-    emulated: bool                   # the device is mgpu's GPU emulation: every figure says so
+    emulated: bool  # the device is mgpu's GPU emulation: every figure says so
 
     @property
     def total_steps(self) -> int:
@@ -261,18 +311,23 @@ def plan_run(a, pg) -> RunPlan:
         try:
             split_counts(cfg.batch_size, pg.size, a.batch_shares)
         except ConfigError:
-            raise ConfigError(f"--batch-shares needs {pg.size} non-negative numbers (one per rank) "
-                              f"with a positive sum, got {a.batch_shares}") from None
+            raise ConfigError(
+                f"--batch-shares needs {pg.size} non-negative numbers (one per rank) "
+                f"with a positive sum, got {a.batch_shares}"
+            ) from None
     device, device_index = pg.resolve_device(cfg.device)
     error, resume, bucket_note, telemetry = None, None, None, None
     batch_shares, bucket = a.batch_shares, a.bucket_mb
     try:  # work that can fail on some ranks only: agree before any collective
         fixed_in, fixed_out = cfg.fixed_io()
-        data = load_dataset(cfg.dataset, in_features=fixed_in, out_features=fixed_out, seed=42,
-                            val_fraction=cfg.val_fraction)
+        data = load_dataset(
+            cfg.dataset, in_features=fixed_in, out_features=fixed_out, seed=42, val_fraction=cfg.val_fraction
+        )
         loss = cfg.loss or data.default_loss
         if loss == "cross_entropy" and data.num_classes is None:
-            raise DataError(f"loss cross_entropy needs integer class labels, but dataset '{cfg.dataset}' has float targets")
+            raise DataError(
+                f"loss cross_entropy needs integer class labels, but dataset '{cfg.dataset}' has float targets"
+            )
         if loss == "mse" and data.num_classes is not None:
             raise DataError(f"loss mse needs float targets, but dataset '{cfg.dataset}' has class labels")
         if cfg.precision == "fp16" and device == "cuda":
@@ -303,10 +358,21 @@ def plan_run(a, pg) -> RunPlan:
         raise ConfigError(f"--precision {cfg.precision} needs a GPU; the CPU backend computes in fp32")
     if cfg.comm == "nccl" and device != "cuda":
         raise ConfigError("--comm nccl needs GPUs (--device cuda); CPU ranks use MPI")
-    return RunPlan(args=a, config=dataclasses.replace(cfg, bucket_mb=bucket), device=device,
-                   device_index=device_index, threads=cfg.threads or pg.default_threads(), data=data, loss=loss,
-                   sizes=tuple(sizes), batch_shares=tuple(shares) if shares is not None else None,
-                   bucket_note=bucket_note, resume=resume, telemetry=telemetry, emulated=gpus_emulated(device))
+    return RunPlan(
+        args=a,
+        config=dataclasses.replace(cfg, bucket_mb=bucket),
+        device=device,
+        device_index=device_index,
+        threads=cfg.threads or pg.default_threads(),
+        data=data,
+        loss=loss,
+        sizes=tuple(sizes),
+        batch_shares=tuple(shares) if shares is not None else None,
+        bucket_note=bucket_note,
+        resume=resume,
+        telemetry=telemetry,
+        emulated=gpus_emulated(device),
+    )
 
 
 def build_run(plan: RunPlan, pg) -> tuple:
@@ -317,45 +383,101 @@ def build_run(plan: RunPlan, pg) -> tuple:
     # this rank's rows of a micro-batch (a step takes no more rows than the dataset holds)
     rows = max(1, split_counts(min(cfg.batch_size, len(data.x_train)), pg.size, plan.batch_shares)[pg.rank])
     model, error = None, None
-    try:  # per rank: its environment (MGPU_CPU_GEMM, ...) and its device's memory; agree before the Trainer's collectives
-        check_training_memory(list(plan.sizes), rows, optimizer=cfg.optimizer, precision=cfg.precision,
-                              dropout=cfg.effective_dropout(), device=plan.device, device_index=plan.device_index,
-                              local_ranks=pg.local_size, eval_rows=split_counts(len(data.x_val), pg.size)[pg.rank],
-                              nccl=nccl, mpi_bucket_bytes=4.0 * cfg.bucket_elems() if pg.size > 1 and not nccl else 0.0)
-        model = MLP(list(plan.sizes), seed=cfg.seed, dropout=cfg.effective_dropout(), device=plan.device,
-                    device_index=plan.device_index, threads=plan.threads, precision=cfg.precision)
+    # per rank: its environment (MGPU_CPU_GEMM, ...) and its device's memory; agree before the Trainer's collectives
+    try:
+        check_training_memory(
+            list(plan.sizes),
+            rows,
+            optimizer=cfg.optimizer,
+            precision=cfg.precision,
+            dropout=cfg.effective_dropout(),
+            device=plan.device,
+            device_index=plan.device_index,
+            local_ranks=pg.local_size,
+            eval_rows=split_counts(len(data.x_val), pg.size)[pg.rank],
+            nccl=nccl,
+            mpi_bucket_bytes=4.0 * cfg.bucket_elems() if pg.size > 1 and not nccl else 0.0,
+        )
+        model = MLP(
+            list(plan.sizes),
+            seed=cfg.seed,
+            dropout=cfg.effective_dropout(),
+            device=plan.device,
+            device_index=plan.device_index,
+            threads=plan.threads,
+            precision=cfg.precision,
+        )
     except (ConfigError, DeviceError) as e:
         error = e
     pg.agree(error, what="building the model")
     if pg.is_root and plan.bucket_note:
         print(plan.bucket_note, flush=True)
     shares = list(plan.batch_shares) if plan.batch_shares is not None else None
-    trainer = Trainer(model, loss=plan.loss, optimizer=cfg.optimizer, lr=cfg.lr, momentum=cfg.momentum,
-                      weight_decay=cfg.weight_decay, process_group=pg, bucket_elems=cfg.bucket_elems(),
-                      overlap=cfg.overlap, batch_shares=shares, accumulate=cfg.accumulate,
-                      max_grad_norm=cfg.max_grad_norm, schedule=cfg.schedule(plan.total_steps),
-                      max_bad_steps=cfg.max_bad_steps, timeout=cfg.watchdog_timeout, communicator=cfg.comm,
-                      graph=cfg.cuda_graph, grad_dtype=cfg.grad_dtype,
-                      # timed: a device backend's phases are synchronised apart for the JSON log's
-                      # phase times (the trace needs no such thing: its spans are CUDA events)
-                      timed=plan.device == "cuda" and bool(a.log_json))
-    policy = (CheckpointPolicy(cfg.checkpoint_dir, cfg.checkpoint_every, cfg.keep_checkpoints)
-              if cfg.checkpoint_dir else None)
+    trainer = Trainer(
+        model,
+        loss=plan.loss,
+        optimizer=cfg.optimizer,
+        lr=cfg.lr,
+        momentum=cfg.momentum,
+        weight_decay=cfg.weight_decay,
+        process_group=pg,
+        bucket_elems=cfg.bucket_elems(),
+        overlap=cfg.overlap,
+        batch_shares=shares,
+        accumulate=cfg.accumulate,
+        max_grad_norm=cfg.max_grad_norm,
+        schedule=cfg.schedule(plan.total_steps),
+        max_bad_steps=cfg.max_bad_steps,
+        timeout=cfg.watchdog_timeout,
+        communicator=cfg.comm,
+        graph=cfg.cuda_graph,
+        grad_dtype=cfg.grad_dtype,
+        # timed: a device backend's phases are synchronised apart for the JSON log's
+        # phase times (the trace needs no such thing: its spans are CUDA events)
+        timed=plan.device == "cuda" and bool(a.log_json),
+    )
+    policy = (
+        CheckpointPolicy(cfg.checkpoint_dir, cfg.checkpoint_every, cfg.keep_checkpoints) if cfg.checkpoint_dir else None
+    )
     telemetry = None
     if plan.telemetry is not None:
         t = plan.telemetry
-        telemetry = TrainTelemetry(pg, prefix=t.prefix, interval=t.interval, device=plan.device,
-                                   device_index=plan.device_index, stop_on=list(t.stop_on), emulated=plan.emulated,
-                                   thresholds=Thresholds(t.max_temp, t.max_memory_percent, t.power_limit))
+        telemetry = TrainTelemetry(
+            pg,
+            prefix=t.prefix,
+            interval=t.interval,
+            device=plan.device,
+            device_index=plan.device_index,
+            stop_on=list(t.stop_on),
+            emulated=plan.emulated,
+            thresholds=Thresholds(t.max_temp, t.max_memory_percent, t.power_limit),
+        )
     observer = None
     if a.trace or a.log_json or a.tensorboard or a.straggler_threshold > 0 or telemetry is not None:
-        run_info = {"version": __version__, "device": plan.device, "threads_per_rank": plan.threads,
-                    "layers": list(plan.sizes), "params": model.num_params, "dataset": cfg.dataset,
-                    "batch_size": cfg.batch_size, "accumulate": cfg.accumulate, "resumed_from": plan.resume}
-        observer = Observer(pg, trace=a.trace, trace_steps=a.trace_steps or DEFAULT_TRACE_STEPS,
-                            log_json=a.log_json, tensorboard=a.tensorboard, every=a.observe_every,
-                            straggler_threshold=a.straggler_threshold / 100, emulated=plan.emulated,
-                            run_info=run_info, telemetry=telemetry, device_clock=plan.device == "cuda")
+        run_info = {
+            "version": __version__,
+            "device": plan.device,
+            "threads_per_rank": plan.threads,
+            "layers": list(plan.sizes),
+            "params": model.num_params,
+            "dataset": cfg.dataset,
+            "batch_size": cfg.batch_size,
+            "accumulate": cfg.accumulate,
+            "resumed_from": plan.resume,
+        }
+        observer = Observer(
+            pg,
+            trace=a.trace,
+            trace_steps=a.trace_steps or DEFAULT_TRACE_STEPS,
+            log_json=a.log_json,
+            tensorboard=a.tensorboard,
+            every=a.observe_every,
+            straggler_threshold=a.straggler_threshold / 100,
+            emulated=plan.emulated,
+            run_info=run_info,
+            telemetry=telemetry,
+            device_clock=plan.device == "cuda",
+        )
     return model, trainer, policy, telemetry, observer
 
 
@@ -364,26 +486,34 @@ def header(plan: RunPlan, model, trainer) -> str:
     cfg, data = plan.config, plan.data
     # a batch larger than the dataset: a step takes every sample, split among the ranks
     whole = _samples_per_step(cfg, data) < cfg.batch_size * cfg.accumulate
-    per_rank = ", ".join(str(c) for c in split_counts(len(data.x_train) if whole else cfg.batch_size, trainer.pg.size,
-                                                       plan.batch_shares)) + (" per rank a step" if whole else " per rank")
+    per_rank = ", ".join(
+        str(c) for c in split_counts(len(data.x_train) if whole else cfg.batch_size, trainer.pg.size, plan.batch_shares)
+    ) + (" per rank a step" if whole else " per rank")
     accum = f" x {cfg.accumulate} accumulated" if cfg.accumulate > 1 else ""
-    on = (f"{plan.device}, {cfg.precision}, {trainer.communicator_kind} allreduce" if plan.device == "cuda"
-          else plan.device)
+    on = (
+        f"{plan.device}, {cfg.precision}, {trainer.communicator_kind} allreduce"
+        if plan.device == "cuda"
+        else plan.device
+    )
     if cfg.grad_dtype != "fp32":
         on += f" of {cfg.grad_dtype} gradients"
     if plan.emulated:  # on the GPU emulation every line that shows a GPU or its speed says so
         on = f"EMULATED GPUs (CPU emulation, not real GPUs; speeds are not GPU speeds): {on}"
-    return (f"mgpu {__version__}: {trainer.pg.size} rank(s) x {plan.threads} thread(s) on {on}; "
-            f"model {'-'.join(map(str, plan.sizes))} ({model.num_params:,} params, {plan.loss}, {cfg.optimizer}); "
-            f"{cfg.dataset}: {len(data.x_train)} train / {len(data.x_val)} val; "
-            f"global batch {cfg.batch_size} ({per_rank}){accum}{_whole_dataset_note(cfg, data)}")
+    return (
+        f"mgpu {__version__}: {trainer.pg.size} rank(s) x {plan.threads} thread(s) on {on}; "
+        f"model {'-'.join(map(str, plan.sizes))} ({model.num_params:,} params, {plan.loss}, {cfg.optimizer}); "
+        f"{cfg.dataset}: {len(data.x_train)} train / {len(data.x_val)} val; "
+        f"global batch {cfg.batch_size} ({per_rank}){accum}{_whole_dataset_note(cfg, data)}"
+    )
 
 
 def _epoch_line(e: dict) -> None:
     acc = f"  val_acc {e['val_accuracy']:.4f}" if "val_accuracy" in e else ""
     on_emulation = " on EMULATED GPUs" if e.get("gpu_emulation") else ""
-    tqdm.write(f"epoch {e['epoch']:3d}  train_loss {e['train_loss']:.5f}  val_loss {e['val_loss']:.5f}"
-               f"{acc}  {e['samples_per_sec']:,.0f} samples/s{on_emulation}")
+    tqdm.write(
+        f"epoch {e['epoch']:3d}  train_loss {e['train_loss']:.5f}  val_loss {e['val_loss']:.5f}"
+        f"{acc}  {e['samples_per_sec']:,.0f} samples/s{on_emulation}"
+    )
 
 
 def run(plan: RunPlan, trainer, policy, observer, pg) -> tuple:
@@ -391,10 +521,18 @@ def run(plan: RunPlan, trainer, policy, observer, pg) -> tuple:
     cfg = plan.config
     t0 = time.perf_counter()
     with _StopOnSignals(trainer, pg):
-        history = trainer.fit(plan.data, batch_size=cfg.batch_size, epochs=cfg.epochs, steps=cfg.steps,
-                              seed=cfg.seed, progress=not plan.args.no_progress,
-                              on_epoch=_epoch_line if pg.is_root else None, checkpoint=policy, resume=plan.resume,
-                              observer=observer)
+        history = trainer.fit(
+            plan.data,
+            batch_size=cfg.batch_size,
+            epochs=cfg.epochs,
+            steps=cfg.steps,
+            seed=cfg.seed,
+            progress=not plan.args.no_progress,
+            on_epoch=_epoch_line if pg.is_root else None,
+            checkpoint=policy,
+            resume=plan.resume,
+            observer=observer,
+        )
     return history, time.perf_counter() - t0
 
 
@@ -408,31 +546,49 @@ def report(plan: RunPlan, model, trainer, telemetry, observer, history: list, wa
     samples = sum(e["samples"] for e in history)
     shares = list(plan.batch_shares) if plan.batch_shares is not None else None
     result = {
-        "version": __version__, "world_size": pg.size, "device": plan.device, "threads_per_rank": plan.threads,
+        "version": __version__,
+        "world_size": pg.size,
+        "device": plan.device,
+        "threads_per_rank": plan.threads,
         "grad_dtype": cfg.grad_dtype,
-        "config": {**cfg.to_dict(), "loss": plan.loss, "layers": list(plan.sizes), "dropout": cfg.effective_dropout(),
-                   "batch_shares": shares, "effective_batch": cfg.batch_size * cfg.accumulate,
-                   "samples_per_step": _samples_per_step(cfg, data)},
+        "config": {
+            **cfg.to_dict(),
+            "loss": plan.loss,
+            "layers": list(plan.sizes),
+            "dropout": cfg.effective_dropout(),
+            "batch_shares": shares,
+            "effective_batch": cfg.batch_size * cfg.accumulate,
+            "samples_per_step": _samples_per_step(cfg, data),
+        },
         "model": {"layers": list(plan.sizes), "params": model.num_params},
-        "dataset": {"name": cfg.dataset, "train": len(data.x_train), "val": len(data.x_val),
-                    "task": data.task},
-        "history": history, "steps": trainer.global_step,
+        "dataset": {"name": cfg.dataset, "train": len(data.x_train), "val": len(data.x_val), "task": data.task},
+        "history": history,
+        "steps": trainer.global_step,
         "samples_per_sec": samples / train_seconds if train_seconds > 0 else 0.0,
-        "wall_seconds": wall, "resumed_from": plan.resume, "stopped": trainer.stop_reason,
-        "checkpoint": trainer.last_checkpoint, "gpu_emulation": emulated_figures, "stragglers": trainer.stragglers,
+        "wall_seconds": wall,
+        "resumed_from": plan.resume,
+        "stopped": trainer.stop_reason,
+        "checkpoint": trainer.last_checkpoint,
+        "gpu_emulation": emulated_figures,
+        "stragglers": trainer.stragglers,
     }
     if telemetry is not None:
-        result["telemetry"] = {"files": observer.telemetry_files, "source": telemetry.source,
-                               "events": telemetry.events}
+        result["telemetry"] = {
+            "files": observer.telemetry_files,
+            "source": telemetry.source,
+            "events": telemetry.events,
+        }
     if trainer.stop_reason and trainer.global_step < trainer.run_end:  # (on the last step: done all the same)
         where = f"; checkpoint {trainer.last_checkpoint} (continue with --resume)" if trainer.last_checkpoint else ""
         say(f"stopped at step {trainer.global_step} ({trainer.stop_reason}){where}")
     elif history:
         final = history[-1]
         acc = f", val accuracy {final['val_accuracy']:.4f}" if "val_accuracy" in final else ""
-        say(f"done: {trainer.global_step} steps in {wall:.1f}s, {result['samples_per_sec']:,.0f} samples/s"
+        say(
+            f"done: {trainer.global_step} steps in {wall:.1f}s, {result['samples_per_sec']:,.0f} samples/s"
             f"{_emulation_words(plan.emulated, emulated_figures)}; final train loss {final['train_loss']:.5f}, "
-            f"val loss {final['val_loss']:.5f}{acc}")
+            f"val loss {final['val_loss']:.5f}{acc}"
+        )
     if pg.is_root:
         if a.json:
             write_json_atomic(a.json, result)
@@ -440,8 +596,12 @@ def report(plan: RunPlan, model, trainer, telemetry, observer, history: list, wa
         if a.save:
             model.save(a.save)
             say(f"parameters written to {a.save}")
-        for path, what in ((a.trace, "trace"), (a.log_json, "JSON log"), (a.tensorboard, "TensorBoard scalars"),
-                           *((p, "telemetry") for p in (observer.telemetry_files if telemetry else []))):
+        for path, what in (
+            (a.trace, "trace"),
+            (a.log_json, "JSON log"),
+            (a.tensorboard, "TensorBoard scalars"),
+            *((p, "telemetry") for p in (observer.telemetry_files if telemetry else [])),
+        ):
             if path:
                 say(f"{what} written to {path}")
     pg.barrier()
@@ -468,8 +628,10 @@ def _check_fp16_inputs(data) -> None:
     and every step's gradients NaN, which loss scaling cannot help (refused up front)."""
     peak = max(float(abs(x).max(initial=0.0)) for x in (data.x_train, data.x_val))
     if peak > FP16_MAX:
-        raise DataError(f"--precision fp16: the inputs reach {peak:g}, beyond fp16's largest value {FP16_MAX:g} "
-                        "(they would become inf): scale them, or use --precision bf16")
+        raise DataError(
+            f"--precision fp16: the inputs reach {peak:g}, beyond fp16's largest value {FP16_MAX:g} "
+            "(they would become inf): scale them, or use --precision bf16"
+        )
 
 
 def _emulation_words(emulated: bool, emulated_figures: bool) -> str:
@@ -498,8 +660,10 @@ def _whole_dataset_note(cfg, data) -> str:
 def train_in_one_process(a, pg) -> int:
     """`train --gpus N`: N ranks as threads of this process, one GPU each (see thread_group.py)."""
     if pg.size > 1:
-        raise ConfigError(f"--gpus runs every GPU from one process; under mpirun ({pg.size} ranks) each rank "
-                          f"already drives one GPU: leave --gpus out")
+        raise ConfigError(
+            f"--gpus runs every GPU from one process; under mpirun ({pg.size} ranks) each rank "
+            f"already drives one GPU: leave --gpus out"
+        )
     if not 1 <= a.gpus <= MAX_THREADS:  # a thread each, even where NCCL lets threads share a GPU
         raise ConfigError(f"--gpus must be in 1..{MAX_THREADS}, got {a.gpus}")
     if a.device == "cpu":
@@ -507,11 +671,15 @@ def train_in_one_process(a, pg) -> int:
     # Before any rank thread starts: a thread per GPU asked for, whatever is there.
     visible = cuda_device_count()
     if visible == 0:
-        raise ConfigError(f"--gpus drives GPUs, and no GPU is visible ({no_gpu_reason()}); CPU ranks run under "
-                          "mpirun (mpirun -np N python -m mgpu train --device cpu)")
+        raise ConfigError(
+            f"--gpus drives GPUs, and no GPU is visible ({no_gpu_reason()}); CPU ranks run under "
+            "mpirun (mpirun -np N python -m mgpu train --device cpu)"
+        )
     if a.gpus > visible and os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE") != "1":
-        raise ConfigError(f"--gpus {a.gpus} asked for, but {visible} GPU(s) visible: one thread drives one GPU "
-                          "(NCCL >= 2.30 shares a GPU with NCCL_MULTI_RANK_GPU_ENABLE=1)")
+        raise ConfigError(
+            f"--gpus {a.gpus} asked for, but {visible} GPU(s) visible: one thread drives one GPU "
+            "(NCCL >= 2.30 shares a GPU with NCCL_MULTI_RANK_GPU_ENABLE=1)"
+        )
     try:
         codes = run_on_gpus(lambda tg: cmd_train(a, tg), gpus=a.gpus)
     except KeyboardInterrupt:
@@ -530,8 +698,11 @@ def train_in_one_process(a, pg) -> int:
 
 
 def add_parser(sub) -> None:
-    t = sub.add_parser("train", help="train an MLP (run under mpirun -np N for N ranks)",
-                       description="Train an MLP data-parallel across the ranks of this MPI job.")
+    t = sub.add_parser(
+        "train",
+        help="train an MLP (run under mpirun -np N for N ranks)",
+        description="Train an MLP data-parallel across the ranks of this MPI job.",
+    )
     m = t.add_mutually_exclusive_group()
     m.add_argument("--model", choices=sorted(PRESETS), default=None, help="model preset (default: medium)")
     m.add_argument("--layers", type=int_list("layer sizes"), help="layer sizes in,h1,...,out (e.g. 50,256,3)")
@@ -548,33 +719,75 @@ def add_parser(sub) -> None:
     t.add_argument("--dropout", type=float, default=None, help="dropout after hidden layers (default: the preset's)")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--device", choices=DEVICES, default="auto")
-    t.add_argument("--gpus", type=int, default=None, metavar="N",
-                   help="single-process multi-GPU: drive N GPUs from threads of this process, no mpirun "
-                        "(NCCL between them; default: one rank per process)")
-    t.add_argument("--threads", type=bounded_int("threads per rank", MAX_THREADS), default=None,
-                   help="CPU threads per rank (default: cores / ranks per node)")
-    t.add_argument("--precision", choices=PRECISIONS, default="fp32",
-                   help="GEMM precision on GPUs: fp32 (default), tf32, bf16, fp16 (dynamic loss scaling)")
-    t.add_argument("--grad-dtype", choices=GRAD_DTYPES, default="fp32",
-                   help="type the gradients are allreduced in: bf16 or fp16 halve the bytes (NCCL between GPUs; "
-                        "default fp32)")
-    t.add_argument("--comm", choices=COMMS, default="auto",
-                   help="gradient allreduce: auto (NCCL between GPUs, else MPI), nccl, mpi (host-staged)")
-    t.add_argument("--cuda-graph", choices=GRAPH_MODES, default="auto",
-                   help="replay each step's forward and backward as a CUDA graph: auto (GPUs, models up to "
-                        "16M parameters, where kernel launches dominate), on, off")
-    t.add_argument("--bucket-mb", type=bucket_mb, default=None,
-                   help="gradient allreduce bucket size in MB, or 'auto': the size the performance model prefers "
-                        "for this model on the calibration (`mgpu topo`; CPUs stay below 32 MB). Default: auto "
-                        "when a calibration exists, else 4")
+    t.add_argument(
+        "--gpus",
+        type=int,
+        default=None,
+        metavar="N",
+        help="single-process multi-GPU: drive N GPUs from threads of this process, no mpirun "
+        "(NCCL between them; default: one rank per process)",
+    )
+    t.add_argument(
+        "--threads",
+        type=bounded_int("threads per rank", MAX_THREADS),
+        default=None,
+        help="CPU threads per rank (default: cores / ranks per node)",
+    )
+    t.add_argument(
+        "--precision",
+        choices=PRECISIONS,
+        default="fp32",
+        help="GEMM precision on GPUs: fp32 (default), tf32, bf16, fp16 (dynamic loss scaling)",
+    )
+    t.add_argument(
+        "--grad-dtype",
+        choices=GRAD_DTYPES,
+        default="fp32",
+        help="type the gradients are allreduced in: bf16 or fp16 halve the bytes (NCCL between GPUs; default fp32)",
+    )
+    t.add_argument(
+        "--comm",
+        choices=COMMS,
+        default="auto",
+        help="gradient allreduce: auto (NCCL between GPUs, else MPI), nccl, mpi (host-staged)",
+    )
+    t.add_argument(
+        "--cuda-graph",
+        choices=GRAPH_MODES,
+        default="auto",
+        help="replay each step's forward and backward as a CUDA graph: auto (GPUs, models up to "
+        "16M parameters, where kernel launches dominate), on, off",
+    )
+    t.add_argument(
+        "--bucket-mb",
+        type=bucket_mb,
+        default=None,
+        help="gradient allreduce bucket size in MB, or 'auto': the size the performance model prefers "
+        "for this model on the calibration (`mgpu topo`; CPUs stay below 32 MB). Default: auto "
+        "when a calibration exists, else 4",
+    )
     t.add_argument("--no-overlap", action="store_true", help="allreduce after backward instead of during it")
-    t.add_argument("--batch-shares", type=_shares, default=None,
-                   help="per-rank shares of the global batch, e.g. 0.7,0.3, or 'auto': by each rank's device "
-                        "speed in the calibration (`mgpu topo`) (default: equal)")
-    t.add_argument("--accumulate", type=int, default=1, metavar="K",
-                   help="gradient accumulation: K micro-batches of --batch-size per step, one allreduce")
-    t.add_argument("--max-grad-norm", type=float, default=0.0, metavar="X",
-                   help="clip gradients to global L2 norm X (default 0: off)")
+    t.add_argument(
+        "--batch-shares",
+        type=_shares,
+        default=None,
+        help="per-rank shares of the global batch, e.g. 0.7,0.3, or 'auto': by each rank's device "
+        "speed in the calibration (`mgpu topo`) (default: equal)",
+    )
+    t.add_argument(
+        "--accumulate",
+        type=int,
+        default=1,
+        metavar="K",
+        help="gradient accumulation: K micro-batches of --batch-size per step, one allreduce",
+    )
+    t.add_argument(
+        "--max-grad-norm",
+        type=float,
+        default=0.0,
+        metavar="X",
+        help="clip gradients to global L2 norm X (default 0: off)",
+    )
     t.add_argument("--lr-schedule", choices=SCHEDULES, default="constant")
     t.add_argument("--warmup-steps", type=int, default=0, help="linear learning-rate warm-up steps")
     t.add_argument("--lr-step-size", type=int, default=1000, help="step schedule: steps between decays")
@@ -582,54 +795,125 @@ def add_parser(sub) -> None:
     t.add_argument("--min-lr", type=float, default=0.0, help="cosine schedule: final learning rate")
     c = t.add_argument_group("checkpoints and faults")
     c.add_argument("--checkpoint-dir", metavar="DIR", help="write checkpoints here (rank 0, atomically)")
-    c.add_argument("--checkpoint-every", type=int, metavar="N",
-                   help="checkpoint every N steps (default 0: at the end and when stopped by a signal)")
+    c.add_argument(
+        "--checkpoint-every",
+        type=int,
+        metavar="N",
+        help="checkpoint every N steps (default 0: at the end and when stopped by a signal)",
+    )
     c.add_argument("--keep-checkpoints", type=int, metavar="K", help="newest checkpoints kept (default 3)")
-    c.add_argument("--resume", nargs="?", const=RESUME_LATEST, metavar="PATH",
-                   help="continue from a checkpoint: PATH, or the newest in --checkpoint-dir (none there yet: "
-                        "start a new run, so one command line starts a job and restarts it; a file named "
-                        "'latest': ./latest)")
-    c.add_argument("--watchdog-timeout", type=float, default=300.0, metavar="S",
-                   help="end the job when a peer has not joined a collective for S seconds (0: wait forever)")
-    c.add_argument("--max-bad-steps", type=int, default=3, metavar="N",
-                   help="stop after N consecutive steps with non-finite loss or gradients (each is skipped)")
+    c.add_argument(
+        "--resume",
+        nargs="?",
+        const=RESUME_LATEST,
+        metavar="PATH",
+        help="continue from a checkpoint: PATH, or the newest in --checkpoint-dir (none there yet: "
+        "start a new run, so one command line starts a job and restarts it; a file named "
+        "'latest': ./latest)",
+    )
+    c.add_argument(
+        "--watchdog-timeout",
+        type=float,
+        default=300.0,
+        metavar="S",
+        help="end the job when a peer has not joined a collective for S seconds (0: wait forever)",
+    )
+    c.add_argument(
+        "--max-bad-steps",
+        type=int,
+        default=3,
+        metavar="N",
+        help="stop after N consecutive steps with non-finite loss or gradients (each is skipped)",
+    )
     t.add_argument("--json", metavar="PATH", help="write results (config, history, samples/s) as JSON")
     o = t.add_argument_group("observability (observe.py)")
-    o.add_argument("--trace", metavar="PATH",
-                   help="write a timeline of the traced steps, one track per rank, as Chrome trace-event JSON "
-                        "(open in ui.perfetto.dev or chrome://tracing); on GPUs the phases are synchronized "
-                        "to separate them, which costs the overlap")
-    o.add_argument("--trace-steps", type=parse_step_range, default=None, metavar="A:B",
-                   help=f"trace the steps A <= step < B (0-based; 'A:' to the end; default "
-                        f"{DEFAULT_TRACE_STEPS[0]}:{DEFAULT_TRACE_STEPS[1]}), bounding the trace's size")
-    o.add_argument("--log-json", metavar="PATH",
-                   help="append one JSON object per line and event (run, step x rank with phase times, epoch, "
-                        "warning, checkpoint, straggler) to PATH")
-    o.add_argument("--tensorboard", metavar="DIR",
-                   help="write loss, validation metrics, learning rate, samples/s, gradient norm, loss scale "
-                        "and skipped steps as TensorBoard scalars to DIR (rank 0; needs tensorboardX)")
-    o.add_argument("--straggler-threshold", type=float, default=25.0, metavar="PCT",
-                   help="name a rank whose median step work is PCT%% above the median rank's, with the phase "
-                        "(progress bar, --json history, --log-json); 0: off (default 25)")
-    o.add_argument("--observe-every", type=int, default=50, metavar="N",
-                   help="steps between gathers of every rank's step times to rank 0 (the straggler check's "
-                        "window and --log-json's delay; default 50)")
+    o.add_argument(
+        "--trace",
+        metavar="PATH",
+        help="write a timeline of the traced steps, one track per rank, as Chrome trace-event JSON "
+        "(open in ui.perfetto.dev or chrome://tracing); on GPUs the phases are synchronized "
+        "to separate them, which costs the overlap",
+    )
+    o.add_argument(
+        "--trace-steps",
+        type=parse_step_range,
+        default=None,
+        metavar="A:B",
+        help=f"trace the steps A <= step < B (0-based; 'A:' to the end; default "
+        f"{DEFAULT_TRACE_STEPS[0]}:{DEFAULT_TRACE_STEPS[1]}), bounding the trace's size",
+    )
+    o.add_argument(
+        "--log-json",
+        metavar="PATH",
+        help="append one JSON object per line and event (run, step x rank with phase times, epoch, "
+        "warning, checkpoint, straggler) to PATH",
+    )
+    o.add_argument(
+        "--tensorboard",
+        metavar="DIR",
+        help="write loss, validation metrics, learning rate, samples/s, gradient norm, loss scale "
+        "and skipped steps as TensorBoard scalars to DIR (rank 0; needs tensorboardX)",
+    )
+    o.add_argument(
+        "--straggler-threshold",
+        type=float,
+        default=25.0,
+        metavar="PCT",
+        help="name a rank whose median step work is PCT%% above the median rank's, with the phase "
+        "(progress bar, --json history, --log-json); 0: off (default 25)",
+    )
+    o.add_argument(
+        "--observe-every",
+        type=int,
+        default=50,
+        metavar="N",
+        help="steps between gathers of every rank's step times to rank 0 (the straggler check's "
+        "window and --log-json's delay; default 50)",
+    )
     w = t.add_argument_group("telemetry and safety (monitor/training.py; the thresholds of `mgpu stress`)")
-    w.add_argument("--telemetry", metavar="PREFIX",
-                   help="sample every rank's device (NVML on GPUs, /proc on CPUs) and its training samples/s "
-                        "while training; rank 0 writes PREFIX.csv, PREFIX.json and PREFIX.png at the end")
-    w.add_argument("--telemetry-interval", type=float, default=None, metavar="S",
-                   help=f"seconds between samples (default {TELEMETRY_DEFAULTS['telemetry_interval']:g})")
-    w.add_argument("--max-temp", type=float, default=None, metavar="C",
-                   help=f"warn above this device temperature (default {TELEMETRY_DEFAULTS['max_temp']:g})")
-    w.add_argument("--max-memory-percent", type=float, default=None, metavar="PCT",
-                   help=f"warn above this share of device memory used (default "
-                        f"{TELEMETRY_DEFAULTS['max_memory_percent']:g})")
-    w.add_argument("--power-limit", type=float, default=None, metavar="W",
-                   help="warn above this power draw (default: the device's enforced limit)")
-    w.add_argument("--stop-above-temp", action="store_true",
-                   help="above --max-temp, stop at the next step with a checkpoint instead of warning")
-    w.add_argument("--stop-above-memory", action="store_true",
-                   help="above --max-memory-percent, stop at the next step with a checkpoint instead of warning")
+    w.add_argument(
+        "--telemetry",
+        metavar="PREFIX",
+        help="sample every rank's device (NVML on GPUs, /proc on CPUs) and its training samples/s "
+        "while training; rank 0 writes PREFIX.csv, PREFIX.json and PREFIX.png at the end",
+    )
+    w.add_argument(
+        "--telemetry-interval",
+        type=float,
+        default=None,
+        metavar="S",
+        help=f"seconds between samples (default {TELEMETRY_DEFAULTS['telemetry_interval']:g})",
+    )
+    w.add_argument(
+        "--max-temp",
+        type=float,
+        default=None,
+        metavar="C",
+        help=f"warn above this device temperature (default {TELEMETRY_DEFAULTS['max_temp']:g})",
+    )
+    w.add_argument(
+        "--max-memory-percent",
+        type=float,
+        default=None,
+        metavar="PCT",
+        help=f"warn above this share of device memory used (default {TELEMETRY_DEFAULTS['max_memory_percent']:g})",
+    )
+    w.add_argument(
+        "--power-limit",
+        type=float,
+        default=None,
+        metavar="W",
+        help="warn above this power draw (default: the device's enforced limit)",
+    )
+    w.add_argument(
+        "--stop-above-temp",
+        action="store_true",
+        help="above --max-temp, stop at the next step with a checkpoint instead of warning",
+    )
+    w.add_argument(
+        "--stop-above-memory",
+        action="store_true",
+        help="above --max-memory-percent, stop at the next step with a checkpoint instead of warning",
+    )
     t.add_argument("--save", metavar="PATH", help="write final parameters as .npz (layers.{i}.weight/bias)")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")

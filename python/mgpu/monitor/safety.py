@@ -2,6 +2,7 @@
 temperature, memory and power, and what each crossing does (throttle, stop growing the
 buffer, warn); every action is an event with its time and reading.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -6,6 +6,7 @@ Sources, in order: NVML through pynvml when importable, `nvidia-smi
 --query-gpu` otherwise (GPUs); /proc/stat (busy share since the last sample),
 /proc/meminfo and /sys/class/thermal (the CPU). A reading a source cannot give is None.
 """
+
 from __future__ import annotations
 
 import csv
@@ -22,8 +23,15 @@ from .._runtime import gpus_emulated
 from ..errors import ConfigError
 from ..hostinfo import host_meminfo
 
-METRICS = ("temperature_c", "power_w", "power_limit_w", "utilization_pct", "sm_clock_mhz", "mem_clock_mhz",
-           "memory_used_pct")
+METRICS = (
+    "temperature_c",
+    "power_w",
+    "power_limit_w",
+    "utilization_pct",
+    "sm_clock_mhz",
+    "mem_clock_mhz",
+    "memory_used_pct",
+)
 
 
 _last_cpu_times: list = []
@@ -64,6 +72,7 @@ def cpu_reading() -> dict:
 def _nvml_reader(index: int) -> Optional[Callable[[], dict]]:
     try:
         import pynvml
+
         pynvml.nvmlInit()
         h = pynvml.nvmlDeviceGetHandleByIndex(index)
     except Exception:  # noqa: BLE001 - absent library, driver or device
@@ -71,13 +80,16 @@ def _nvml_reader(index: int) -> Optional[Callable[[], dict]]:
 
     def read() -> dict:
         mem = pynvml.nvmlDeviceGetMemoryInfo(h)
-        return {"temperature_c": float(pynvml.nvmlDeviceGetTemperature(h, pynvml.NVML_TEMPERATURE_GPU)),
-                "power_w": pynvml.nvmlDeviceGetPowerUsage(h) / 1000.0,
-                "power_limit_w": pynvml.nvmlDeviceGetEnforcedPowerLimit(h) / 1000.0,
-                "utilization_pct": float(pynvml.nvmlDeviceGetUtilizationRates(h).gpu),
-                "sm_clock_mhz": float(pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM)),
-                "mem_clock_mhz": float(pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_MEM)),
-                "memory_used_pct": 100.0 * mem.used / mem.total}
+        return {
+            "temperature_c": float(pynvml.nvmlDeviceGetTemperature(h, pynvml.NVML_TEMPERATURE_GPU)),
+            "power_w": pynvml.nvmlDeviceGetPowerUsage(h) / 1000.0,
+            "power_limit_w": pynvml.nvmlDeviceGetEnforcedPowerLimit(h) / 1000.0,
+            "utilization_pct": float(pynvml.nvmlDeviceGetUtilizationRates(h).gpu),
+            "sm_clock_mhz": float(pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM)),
+            "mem_clock_mhz": float(pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_MEM)),
+            "memory_used_pct": 100.0 * mem.used / mem.total,
+        }
+
     return read
 
 
@@ -87,18 +99,34 @@ def _smi_reader(index: int) -> Optional[Callable[[], dict]]:
     fields = "temperature.gpu,power.draw,power.limit,utilization.gpu,clocks.sm,clocks.mem,memory.used,memory.total"
 
     def read() -> dict:
-        out = subprocess.run(["nvidia-smi", f"--id={index}", f"--query-gpu={fields}", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=10).stdout.strip().split(",")
+        out = (
+            subprocess.run(
+                ["nvidia-smi", f"--id={index}", f"--query-gpu={fields}", "--format=csv,noheader,nounits"],
+                capture_output=True,
+                text=True,
+                timeout=10,
+            )
+            .stdout.strip()
+            .split(",")
+        )
 
         def num(i):
             try:
                 return float(out[i])
             except (IndexError, ValueError):
                 return None
+
         used, total = num(6), num(7)
-        return {"temperature_c": num(0), "power_w": num(1), "power_limit_w": num(2), "utilization_pct": num(3),
-                "sm_clock_mhz": num(4), "mem_clock_mhz": num(5),
-                "memory_used_pct": 100.0 * used / total if used is not None and total else None}
+        return {
+            "temperature_c": num(0),
+            "power_w": num(1),
+            "power_limit_w": num(2),
+            "utilization_pct": num(3),
+            "sm_clock_mhz": num(4),
+            "mem_clock_mhz": num(5),
+            "memory_used_pct": 100.0 * used / total if used is not None and total else None,
+        }
+
     return read
 
 
@@ -119,8 +147,13 @@ def reader_for(device: str, index: int = 0) -> tuple:
 MAX_WAIT_S = 7 * 86400.0  # sampling intervals and hang timeouts: a thread's wait beyond it overflows its timer
 
 
-def check_monitor_options(interval: float, max_temp: float, max_memory_percent: float,
-                          power_limit: Optional[float], interval_option: str = "--interval") -> None:
+def check_monitor_options(
+    interval: float,
+    max_temp: float,
+    max_memory_percent: float,
+    power_limit: Optional[float],
+    interval_option: str = "--interval",
+) -> None:
     """ConfigError for a sampling interval or safety threshold the monitor cannot use."""
     if not 0 < interval <= MAX_WAIT_S:
         raise ConfigError(f"{interval_option} must be > 0 and at most {MAX_WAIT_S:g} seconds, got {interval!r}")
@@ -193,21 +226,30 @@ def summarize(samples: list) -> dict:
 THROUGHPUT = "samples_per_s"
 
 # Each plotted metric: its axis label, and the metric drawn dashed on the same axis (the device's own limit).
-PLOTTED = {"temperature_c": ("temperature (C)", None), "power_w": ("power (W)", "power_limit_w"),
-           "utilization_pct": ("utilisation (%)", None), "sm_clock_mhz": ("SM clock (MHz)", None),
-           "mem_clock_mhz": ("memory clock (MHz)", None), "memory_used_pct": ("memory used (%)", None),
-           THROUGHPUT: ("training samples/s", None)}
+PLOTTED = {
+    "temperature_c": ("temperature (C)", None),
+    "power_w": ("power (W)", "power_limit_w"),
+    "utilization_pct": ("utilisation (%)", None),
+    "sm_clock_mhz": ("SM clock (MHz)", None),
+    "mem_clock_mhz": ("memory clock (MHz)", None),
+    "memory_used_pct": ("memory used (%)", None),
+    THROUGHPUT: ("training samples/s", None),
+}
 
 
-def write_series(path_prefix: str, series: dict, title: str = "", limits: Optional[dict] = None,
-                 events: Optional[list] = None) -> list:
+def write_series(
+    path_prefix: str, series: dict, title: str = "", limits: Optional[dict] = None, events: Optional[list] = None
+) -> list:
     """series: {device label: [samples]} -> PREFIX.csv, PREFIX.json, PREFIX.png; returns the paths.
     The plot draws `limits` ({metric: value}, the monitor's thresholds) as red lines and
     `events` (the monitor's actions: dicts with t and action) as vertical lines."""
     # the throughput column only where a sampler added it (train), so stress files keep their columns
     extra = [THROUGHPUT] if any(THROUGHPUT in s for ss in series.values() for s in ss) else []
-    rows = [{"device": label, **{k: s.get(k) for k in ("t", *METRICS, *extra)}} for label, samples in series.items()
-            for s in samples]
+    rows = [
+        {"device": label, **{k: s.get(k) for k in ("t", *METRICS, *extra)}}
+        for label, samples in series.items()
+        for s in samples
+    ]
     with open(f"{path_prefix}.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=["device", "t", *METRICS, *extra])
         w.writeheader()
@@ -215,9 +257,11 @@ def write_series(path_prefix: str, series: dict, title: str = "", limits: Option
     with open(f"{path_prefix}.json", "w") as f:
         json.dump(series, f)
     # the title also as the PNG's text metadata: what the picture shows (an emulated GPU, say) stays machine-readable
-    figure(series, title, limits or {}, events or []).savefig(f"{path_prefix}.png", dpi=100,
-                                                              metadata={"Title": title or "telemetry"})
+    figure(series, title, limits or {}, events or []).savefig(
+        f"{path_prefix}.png", dpi=100, metadata={"Title": title or "telemetry"}
+    )
     import matplotlib.pyplot as plt
+
     plt.close("all")
     return [f"{path_prefix}.csv", f"{path_prefix}.json", f"{path_prefix}.png"]
 
@@ -225,11 +269,14 @@ def write_series(path_prefix: str, series: dict, title: str = "", limits: Option
 def figure(series: dict, title: str, limits: dict, events: list):
     """One panel per metric some source gave, every device a line; percentages on 0-100."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     shown = [m for m in PLOTTED if any(s.get(m) is not None for ss in series.values() for s in ss)]
-    fig, axes = plt.subplots(max(len(shown), 1), 1, figsize=(8, 1.0 + 2.0 * max(len(shown), 1)), sharex=True,
-                             squeeze=False)
+    fig, axes = plt.subplots(
+        max(len(shown), 1), 1, figsize=(8, 1.0 + 2.0 * max(len(shown), 1)), sharex=True, squeeze=False
+    )
     for ax, metric in zip(axes[:, 0], shown):
         label, beside = PLOTTED[metric]
         for i, (device, samples) in enumerate(series.items()):
@@ -241,8 +288,9 @@ def figure(series: dict, title: str, limits: dict, events: list):
             if limit:
                 ax.plot(*zip(*limit), color=color, linestyle="--", linewidth=1, label=f"{device}: power limit")
         if metric in limits and limits[metric] is not None:
-            ax.axhline(limits[metric], color="red", linestyle=":", linewidth=1.2,
-                       label=f"monitor threshold {limits[metric]:g}")
+            ax.axhline(
+                limits[metric], color="red", linestyle=":", linewidth=1.2, label=f"monitor threshold {limits[metric]:g}"
+            )
         ax.margins(y=0.12)
         top = max(ax.get_ylim()[1], 1.1 * (limits.get(metric) or 0))  # the threshold in view, not on the edge
         ax.set_ylim(0, 105 if metric.endswith("_pct") else top)
@@ -253,8 +301,16 @@ def figure(series: dict, title: str, limits: dict, events: list):
         if e.get("t") is not None:
             for ax in axes[:, 0]:
                 ax.axvline(e["t"], color="red", alpha=0.4, linewidth=1)
-            axes[0, 0].annotate(e["action"], (e["t"], 1.0), xycoords=("data", "axes fraction"), fontsize=7,
-                                color="red", rotation=90, va="top", ha="right")
+            axes[0, 0].annotate(
+                e["action"],
+                (e["t"], 1.0),
+                xycoords=("data", "axes fraction"),
+                fontsize=7,
+                color="red",
+                rotation=90,
+                va="top",
+                ha="right",
+            )
     if not shown:
         axes[0, 0].text(0.5, 0.5, "no telemetry source gave a reading", ha="center", transform=axes[0, 0].transAxes)
     axes[-1, 0].set_xlabel("seconds since the start")

@@ -11,6 +11,7 @@ the metrics named in `stop_on`, asks the trainer to stop: the request travels in
 next step's allreduce, so every rank stops at the same step and a checkpoint is written.
 Observer (train/observe.py) drives it: start after its clock barrier, on_step, close.
 """
+
 from __future__ import annotations
 
 import os
@@ -34,16 +35,28 @@ def output_options(prefix: str) -> dict:
     """--telemetry PREFIX's files as output options ('--telemetry (.csv)' -> path), for
     commands.common.check_outputs; ConfigError when the prefix names no file (empty, a directory)."""
     if not prefix or not os.path.basename(prefix):
-        raise ConfigError(f"--telemetry '{prefix}': give a file name prefix (PREFIX.csv, .json and .png are "
-                          "written), not an empty path or a directory")
+        raise ConfigError(
+            f"--telemetry '{prefix}': give a file name prefix (PREFIX.csv, .json and .png are "
+            "written), not an empty path or a directory"
+        )
     return {f"--telemetry ({os.path.splitext(p)[1]})": p for p in output_paths(prefix)}
 
 
 class TrainTelemetry:
     """One rank's sampler and monitor; start/close are collective, on_step is local."""
 
-    def __init__(self, pg, *, prefix: str, interval: float, device: str, device_index: int,
-                 thresholds: Thresholds, stop_on: Iterable[str] = (), emulated: bool = False):
+    def __init__(
+        self,
+        pg,
+        *,
+        prefix: str,
+        interval: float,
+        device: str,
+        device_index: int,
+        thresholds: Thresholds,
+        stop_on: Iterable[str] = (),
+        emulated: bool = False,
+    ):
         self.pg, self.prefix, self.thresholds, self.emulated = pg, prefix, thresholds, emulated
         self.source, read = reader_for(device, device_index)
         where = f"cuda:{device_index}" if device == "cuda" else "cpu"
@@ -51,10 +64,10 @@ class TrainTelemetry:
         self.monitor = SafetyMonitor(thresholds, pg.rank, command="train")
         self.stop_on = set(stop_on)
         self.stopping = False
-        self.events: list = []          # rank 0 after close: every rank's monitor events
-        self._above: set = set()        # the metrics above their threshold at the last check
-        self._done = 0                  # this rank's samples in finished steps (the sampler thread reads it)
-        self._last = None               # (monotonic time, _done) at the previous sample
+        self.events: list = []  # rank 0 after close: every rank's monitor events
+        self._above: set = set()  # the metrics above their threshold at the last check
+        self._done = 0  # this rank's samples in finished steps (the sampler thread reads it)
+        self._last = None  # (monotonic time, _done) at the previous sample
 
         def read_with_throughput() -> dict:
             reading = read()
@@ -62,6 +75,7 @@ class TrainTelemetry:
             last, self._last = self._last, (now, done)
             reading[THROUGHPUT] = (done - last[1]) / (now - last[0]) if last and now > last[0] else None
             return reading
+
         self.sampler = Sampler(read_with_throughput, interval)
 
     def start(self) -> None:
@@ -96,14 +110,25 @@ class TrainTelemetry:
         series = {label: s for label, s, _ in everyone}
         self.events = [e for _, _, ev in everyone for e in ev]
         # Short lines: the figure is 8 inches wide and the title is not wrapped for us.
-        kind = ("EMULATED GPUs (the CPU running mgpu's CUDA code):\nhost CPU readings, not GPU readings"
-                if self.emulated else "host CPU readings from /proc (one per host, shared by its ranks)"
-                if self.source == "proc" else f"readings: {self.source}")
-        missing = [name for metric, name in (("temperature_c", "temperature"), ("power_w", "power"))
-                   if not any(x.get(metric) is not None for ss in series.values() for x in ss)]
-        title = "\n".join([f"mgpu train on {self.pg.size} rank(s), {kind}",
-                           *([f"no {' or '.join(missing)} sensor readable"] if missing else []),
-                           "training samples/s: each rank's shard of the global batch"])
+        kind = (
+            "EMULATED GPUs (the CPU running mgpu's CUDA code):\nhost CPU readings, not GPU readings"
+            if self.emulated
+            else "host CPU readings from /proc (one per host, shared by its ranks)"
+            if self.source == "proc"
+            else f"readings: {self.source}"
+        )
+        missing = [
+            name
+            for metric, name in (("temperature_c", "temperature"), ("power_w", "power"))
+            if not any(x.get(metric) is not None for ss in series.values() for x in ss)
+        ]
+        title = "\n".join(
+            [
+                f"mgpu train on {self.pg.size} rank(s), {kind}",
+                *([f"no {' or '.join(missing)} sensor readable"] if missing else []),
+                "training samples/s: each rank's shard of the global batch",
+            ]
+        )
         t = self.thresholds
         limits = {"temperature_c": t.max_temp_c, "memory_used_pct": t.max_memory_pct, "power_w": t.power_limit_w}
         return write_series(self.prefix, series, title, limits, self.events)

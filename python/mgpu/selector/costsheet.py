@@ -12,6 +12,7 @@ up the difference. Arithmetic only: nothing here runs on a GPU. The counts of la
 GEMM calls, host synchronisations and copied bytes are checked against the GPU emulation's
 counters (tests/gpu/test_cost_sheet.py), so the sheet cannot drift from the code.
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -27,21 +28,21 @@ from .hardware import H100_SXM, HOST_LOOP_S, GpuSpec
 # What would remove each family's cost (the gaps' causes, as the sheet prints them).
 REMEDIES = {
     "input copy": "from pinned staging, but on the compute stream: a copy stream fed ahead by the data "
-                  "loader would hide it behind the previous step",
+    "loader would hide it behind the previous step",
     "operand casts": "fp32 -> half copies of the input and the loss gradient, once each (the weights' copy "
-                     "is the optimizer's, the activations' and their gradients' the ReLU kernels'); the loss "
-                     "kernel and the input staging could write them too",
+    "is the optimizer's, the activations' and their gradients' the ReLU kernels'); the loss "
+    "kernel and the input staging could write them too",
     "optimizer": "fp32 master weights and state read and written once per step, whatever the batch: its "
-                 "share of the floor falls as the samples per step grow",
+    "share of the floor falls as the samples per step grow",
     "health check": "one read of every gradient for the norm and the NaN/Inf check",
     "relu/dropout": "a read and write of every activation, forward and backward",
     "bias broadcast": "bias written into the output before the GEMM adds onto it (a cuBLASLt bias epilogue "
-                      "would fuse it)",
+    "would fuse it)",
     "bias gradient": "a read of every output gradient for the column sums",
 }
 
 HALF_PRECISIONS = ("bf16", "fp16")
-GRAPH_AUTO_MAX_PARAMS = 1 << 24   # StepOptions::kGraphAutoMaxParams (csrc/core/train_step.h)
+GRAPH_AUTO_MAX_PARAMS = 1 << 24  # StepOptions::kGraphAutoMaxParams (csrc/core/train_step.h)
 
 
 # kernels/reduce.cu's column_splits: the bias gradient's row splits (one launch,
@@ -52,8 +53,12 @@ COLUMN_PARTIALS = 2 * REDUCE_BLOCKS * COL_TILE
 
 def column_splits(B: int, OUT: int) -> int:
     ceil = lambda a, b: -(-a // b)
-    splits = min(ceil(REDUCE_BLOCKS, ceil(OUT, COL_TILE)), ceil(B, COL_ROWS * COL_UNROLL), COL_ROWS * COL_UNROLL,
-                 COLUMN_PARTIALS // OUT)
+    splits = min(
+        ceil(REDUCE_BLOCKS, ceil(OUT, COL_TILE)),
+        ceil(B, COL_ROWS * COL_UNROLL),
+        COL_ROWS * COL_UNROLL,
+        COLUMN_PARTIALS // OUT,
+    )
     return max(splits, 1)
 
 
@@ -80,11 +85,12 @@ def best_gemm_rate(gpu: GpuSpec, precision: str) -> float:
 @dataclass
 class Op:
     """One kind of operation in the step, `count` times per step."""
-    family: str          # what it belongs to (the rows of the sheet)
-    kind: str            # gemm | kernel | h2d | d2h | graph | sync
+
+    family: str  # what it belongs to (the rows of the sheet)
+    kind: str  # gemm | kernel | h2d | d2h | graph | sync
     count: int = 1
-    flops: float = 0.0   # per operation
-    bytes: float = 0.0   # device memory traffic (or bus bytes for copies), per operation
+    flops: float = 0.0  # per operation
+    bytes: float = 0.0  # device memory traffic (or bus bytes for copies), per operation
     in_graph: bool = False
     gemm_shape: Optional[tuple] = None
 
@@ -102,7 +108,7 @@ class Op:
 @dataclass
 class Workload:
     sizes: List[int]
-    batch: int                      # global batch
+    batch: int  # global batch
     precision: str = "fp32"
     optimizer: str = "sgd"
     momentum: bool = True
@@ -133,7 +139,7 @@ def step_ops(w: Workload) -> List[Op]:
     if w.precision not in ("fp32", "tf32", *HALF_PRECISIONS):
         raise ValueError(f"unknown precision '{w.precision}'")
     half = w.precision in HALF_PRECISIONS
-    eb = 2 if half else 4   # GEMM operand bytes
+    eb = 2 if half else 4  # GEMM operand bytes
     s = w.sizes
     L = len(s) - 1
     ops: List[Op] = [Op("stop flag", "h2d", bytes=4)]
@@ -145,42 +151,65 @@ def step_ops(w: Workload) -> List[Op]:
         ops.append(Op("input copy", "h2d", bytes=r * s[0] * 4))
         ops.append(Op("input copy", "h2d", bytes=r * s[-1] * 4 if w.loss == "mse" else r * 4))
         if g:
-            ops.append(Op("graph replay", "kernel", bytes=8))     # set_replay_args
+            ops.append(Op("graph replay", "kernel", bytes=8))  # set_replay_args
             ops.append(Op("graph replay", "graph"))
-        for l in range(L):   # forward: inp (r, IN), w (OUT, IN) -> out (r, OUT)
+        for l in range(L):  # forward: inp (r, IN), w (OUT, IN) -> out (r, OUT)
             IN, OUT = s[l], s[l + 1]
             ops.append(Op("bias broadcast", "kernel", bytes=r * OUT * 4 + OUT * 4, in_graph=g))
             # Half operands: the weights' copy is the optimizer's, an activation's the ReLU's
             # that produced it; only the input is cast (once: backward reads that copy too).
             if half and l == 0:
                 ops.append(Op("operand casts", "kernel", bytes=r * IN * 6, in_graph=g))
-            ops.append(Op("GEMM forward", "gemm", flops=2.0 * r * IN * OUT, in_graph=g, gemm_shape=(OUT, r, IN),
-                          bytes=(OUT * IN + r * IN) * eb + 2 * r * OUT * 4))
-            if l + 1 < L:   # + its half copy, written with it
+            ops.append(
+                Op(
+                    "GEMM forward",
+                    "gemm",
+                    flops=2.0 * r * IN * OUT,
+                    in_graph=g,
+                    gemm_shape=(OUT, r, IN),
+                    bytes=(OUT * IN + r * IN) * eb + 2 * r * OUT * 4,
+                )
+            )
+            if l + 1 < L:  # + its half copy, written with it
                 ops.append(Op("relu/dropout", "kernel", bytes=r * OUT * (10 if half else 8), in_graph=g))
         C = s[-1]
-        ops.append(Op("loss", "kernel", in_graph=g,
-                      bytes=r * C * 12 if w.loss == "mse" else r * C * 8 + r * 4))
-        ops.append(Op("loss", "kernel", bytes=64, in_graph=g))   # finalize_partials
+        ops.append(Op("loss", "kernel", in_graph=g, bytes=r * C * 12 if w.loss == "mse" else r * C * 8 + r * 4))
+        ops.append(Op("loss", "kernel", bytes=64, in_graph=g))  # finalize_partials
         if written:
             ops.append(Op("loss", "kernel", bytes=12, in_graph=g))  # axpy into the loss slot
-        for l in reversed(range(L)):   # backward: dout (r, OUT) -> dW (OUT, IN), db (OUT), dinp (r, IN)
+        for l in reversed(range(L)):  # backward: dout (r, OUT) -> dW (OUT, IN), db (OUT), dinp (r, IN)
             IN, OUT = s[l], s[l + 1]
             acc = 2 if written else 1
-            if half and l == L - 1:   # the loss gradient, cast once for both GEMMs; later ones are the ReLU's
+            if half and l == L - 1:  # the loss gradient, cast once for both GEMMs; later ones are the ReLU's
                 ops.append(Op("operand casts", "kernel", bytes=r * OUT * 6, in_graph=g))
             if l > 0:
-                ops.append(Op("GEMM backward", "gemm", flops=2.0 * r * IN * OUT, in_graph=g, gemm_shape=(IN, r, OUT),
-                              bytes=(OUT * IN + r * OUT) * eb + r * IN * 4))
-            ops.append(Op("GEMM backward", "gemm", flops=2.0 * r * IN * OUT, in_graph=g, gemm_shape=(IN, OUT, r),
-                          bytes=(r * IN + r * OUT) * eb + acc * OUT * IN * 4))
+                ops.append(
+                    Op(
+                        "GEMM backward",
+                        "gemm",
+                        flops=2.0 * r * IN * OUT,
+                        in_graph=g,
+                        gemm_shape=(IN, r, OUT),
+                        bytes=(OUT * IN + r * OUT) * eb + r * IN * 4,
+                    )
+                )
+            ops.append(
+                Op(
+                    "GEMM backward",
+                    "gemm",
+                    flops=2.0 * r * IN * OUT,
+                    in_graph=g,
+                    gemm_shape=(IN, OUT, r),
+                    bytes=(r * IN + r * OUT) * eb + acc * OUT * IN * 4,
+                )
+            )
             splits = column_splits(r, OUT)
             if splits == 1:
                 ops.append(Op("bias gradient", "kernel", bytes=r * OUT * 4 + acc * OUT * 4, in_graph=g))
-            else:   # row splits into partials, then their fixed-order sum
+            else:  # row splits into partials, then their fixed-order sum
                 ops.append(Op("bias gradient", "kernel", bytes=r * OUT * 4 + splits * OUT * 4, in_graph=g))
                 ops.append(Op("bias gradient", "kernel", bytes=splits * OUT * 4 + acc * OUT * 4, in_graph=g))
-            if l > 0:   # + the half copy of the gradient it passes on
+            if l > 0:  # + the half copy of the gradient it passes on
                 ops.append(Op("relu/dropout", "kernel", bytes=r * IN * (14 if half else 12), in_graph=g))
         written = True
     # The tail (health check, verdict, update) runs on the device with no host wait:
@@ -189,16 +218,16 @@ def step_ops(w: Workload) -> List[Op]:
     P = w.params
     tail_graph = w.graph and w.ranks > 1
     if tail_graph:
-        ops.append(Op("graph replay", "kernel", bytes=8))     # set_replay_args
+        ops.append(Op("graph replay", "kernel", bytes=8))  # set_replay_args
         ops.append(Op("graph replay", "graph"))
     g = w.graph
-    ops.append(Op("health check", "kernel", bytes=P * 4, in_graph=g))     # sum_squares
-    ops.append(Op("health check", "kernel", bytes=64, in_graph=g))        # its finalize
-    ops.append(Op("health check", "kernel", bytes=64, in_graph=g))        # the verdict (decide_step)
-    state = {"sgd": 2 if w.momentum else 1, "adamw": 3}[w.optimizer]   # arrays read and written
+    ops.append(Op("health check", "kernel", bytes=P * 4, in_graph=g))  # sum_squares
+    ops.append(Op("health check", "kernel", bytes=64, in_graph=g))  # its finalize
+    ops.append(Op("health check", "kernel", bytes=64, in_graph=g))  # the verdict (decide_step)
+    state = {"sgd": 2 if w.momentum else 1, "adamw": 3}[w.optimizer]  # arrays read and written
     # + the gradient, read; + the parameters' half copy, written, for half-precision GEMMs
     ops.append(Op("optimizer", "kernel", bytes=P * 4 * (2 * state + 1) + (P * 2 if half else 0), in_graph=g))
-    ops.append(Op("verdict read-back", "d2h", bytes=STEP_VERDICT_BYTES))   # loss, stop, norm, applied
+    ops.append(Op("verdict read-back", "d2h", bytes=STEP_VERDICT_BYTES))  # loss, stop, norm, applied
     ops.append(Op("host sync", "sync"))
     return ops
 
@@ -216,12 +245,24 @@ class Sheet:
 
     def as_dict(self) -> dict:
         w = self.workload
-        return {"gpu": self.gpu.name, "sources": list(self.gpu.sources),
-                "workload": {"layers": list(w.sizes), "batch": w.batch, "precision": w.precision,
-                             "optimizer": w.optimizer, "loss": w.loss, "accumulate": w.accumulate,
-                             "cuda_graph": w.graph, "ranks": w.ranks, "params": w.params},
-                "rows": [dict(family=k, **v) for k, v in self.rows.items()],
-                "totals": self.totals, "gaps": self.gaps}
+        return {
+            "gpu": self.gpu.name,
+            "sources": list(self.gpu.sources),
+            "workload": {
+                "layers": list(w.sizes),
+                "batch": w.batch,
+                "precision": w.precision,
+                "optimizer": w.optimizer,
+                "loss": w.loss,
+                "accumulate": w.accumulate,
+                "cuda_graph": w.graph,
+                "ranks": w.ranks,
+                "params": w.params,
+            },
+            "rows": [dict(family=k, **v) for k, v in self.rows.items()],
+            "totals": self.totals,
+            "gaps": self.gaps,
+        }
 
 
 def counts(ops: List[Op]) -> dict:
@@ -236,7 +277,7 @@ def counts(ops: List[Op]) -> dict:
         "blas_calls": sum(o.count for o in ops if o.kind == "gemm" and not o.in_graph),
         "host_syncs": sum(o.count for o in ops if o.kind == "sync"),
         "h2d_bytes": sum(o.count * o.bytes for o in ops if o.kind == "h2d"),
-        "pageable_h2d_copies": 0,   # every input goes through the backend's pinned staging
+        "pageable_h2d_copies": 0,  # every input goes through the backend's pinned staging
         "d2h_bytes": sum(o.count * o.bytes for o in ops if o.kind == "d2h"),
     }
 
@@ -264,8 +305,7 @@ def explain(w: Workload, gpu: GpuSpec = H100_SXM) -> Sheet:
     # the queue, so its latency adds to the step, and so does the host loop after it
     # (the device is idle until the next step's first launch).
     issued = [o for o in ops if o.kind in ("kernel", "gemm", "h2d", "d2h", "graph")]
-    gaps = sum(o.count * (gpu.graph_node_s if o.in_graph else gpu.stream_gap_s)
-               for o in issued if o.kind != "graph")
+    gaps = sum(o.count * (gpu.graph_node_s if o.in_graph else gpu.stream_gap_s) for o in issued if o.kind != "graph")
     host = sum(o.count * gpu.launch_s for o in issued if not o.in_graph)
     syncs = sum(o.count for o in ops if o.kind == "sync")
     busy = device + gaps
@@ -273,49 +313,82 @@ def explain(w: Workload, gpu: GpuSpec = H100_SXM) -> Sheet:
     # rank 0 holds the most rows (a share of the batch, rounded up): the slowest GPU's floor
     floor = 6.0 * w.params * sum(micro_batches(w.batch, w.ranks, w.accumulate)) / best_gemm_rate(gpu, w.precision)
     c = counts(ops)
-    sheet.totals = {"device_ms": device * 1e3, "launch_gaps_ms": gaps * 1e3, "host_issue_ms": host * 1e3,
-                    "host_bound": host > busy, "sync_ms": syncs * gpu.sync_s * 1e3,
-                    "host_loop_ms": HOST_LOOP_S * 1e3, "in_graph_ms": in_graph * 1e3,
-                    "step_ms": step * 1e3, "floor_ms": floor * 1e3, "ratio_to_floor": step / floor,
-                    "samples_per_s": w.batch / step, **c}
+    sheet.totals = {
+        "device_ms": device * 1e3,
+        "launch_gaps_ms": gaps * 1e3,
+        "host_issue_ms": host * 1e3,
+        "host_bound": host > busy,
+        "sync_ms": syncs * gpu.sync_s * 1e3,
+        "host_loop_ms": HOST_LOOP_S * 1e3,
+        "in_graph_ms": in_graph * 1e3,
+        "step_ms": step * 1e3,
+        "floor_ms": floor * 1e3,
+        "ratio_to_floor": step / floor,
+        "samples_per_s": w.batch / step,
+        **c,
+    }
     # What separates the step from the floor, largest first; they add up to step - floor.
     # The GEMMs' work is below 6 x params x rows (the first layer computes no input
     # gradient, a bias no product): a negative entry, so that the rest are not understated.
     gemm_ms = sum(v["ms"] for k, v in sheet.rows.items() if k.startswith("GEMM"))
     gemm_at_peak_ms = sum(o.count * o.flops for o in ops if o.kind == "gemm") / best_gemm_rate(gpu, w.precision) * 1e3
-    causes = [("GEMM shapes below cuBLAS's best rate (and their fp32 output traffic)", gemm_ms - gemm_at_peak_ms),
-              ("GEMM work below 6 x params x rows: the first layer computes no input gradient, a bias no product",
-               gemm_at_peak_ms - floor * 1e3)]
-    causes += [(f"{k}: " + REMEDIES.get(k, "memory-bound, or the shortest kernel time"), v["ms"])
-               for k, v in sheet.rows.items() if not k.startswith("GEMM") and v["ms"] > 0]
-    causes.append(("launch gaps and host issue" + (" (host-bound: the GPU waits for launches)"
-                                                    if host > busy else ""), (max(busy, host) - device) * 1e3))
+    causes = [
+        ("GEMM shapes below cuBLAS's best rate (and their fp32 output traffic)", gemm_ms - gemm_at_peak_ms),
+        (
+            "GEMM work below 6 x params x rows: the first layer computes no input gradient, a bias no product",
+            gemm_at_peak_ms - floor * 1e3,
+        ),
+    ]
+    causes += [
+        (f"{k}: " + REMEDIES.get(k, "memory-bound, or the shortest kernel time"), v["ms"])
+        for k, v in sheet.rows.items()
+        if not k.startswith("GEMM") and v["ms"] > 0
+    ]
+    causes.append(
+        (
+            "launch gaps and host issue" + (" (host-bound: the GPU waits for launches)" if host > busy else ""),
+            (max(busy, host) - device) * 1e3,
+        )
+    )
     causes.append(("host synchronisation", syncs * gpu.sync_s * 1e3))
-    causes.append(("host loop: mgpu's Python and bookkeeping a step, while the drained device waits",
-                   HOST_LOOP_S * 1e3))
-    sheet.gaps = [{"cause": k, "ms": v, "of_floor": v / (floor * 1e3)}
-                  for k, v in sorted(causes, key=lambda kv: -kv[1]) if abs(v) > 1e-6]
+    causes.append(
+        ("host loop: mgpu's Python and bookkeeping a step, while the drained device waits", HOST_LOOP_S * 1e3)
+    )
+    sheet.gaps = [
+        {"cause": k, "ms": v, "of_floor": v / (floor * 1e3)}
+        for k, v in sorted(causes, key=lambda kv: -kv[1])
+        if abs(v) > 1e-6
+    ]
     return sheet
 
 
 def format_sheet(sheet: Sheet) -> str:
     w, t = sheet.workload, sheet.totals
-    head = (f"cost sheet: layers {','.join(map(str, w.sizes))} ({w.params / 1e6:.2f}M params), batch {w.batch}"
-            f"{f' over {w.ranks} GPUs' if w.ranks > 1 else ''}, {w.precision}, {w.optimizer}, "
-            f"accumulate {w.accumulate}, CUDA graph {'on' if w.graph else 'off'}, on an {sheet.gpu.name} "
-            f"(analytic, from published figures: nothing was run)")
+    head = (
+        f"cost sheet: layers {','.join(map(str, w.sizes))} ({w.params / 1e6:.2f}M params), batch {w.batch}"
+        f"{f' over {w.ranks} GPUs' if w.ranks > 1 else ''}, {w.precision}, {w.optimizer}, "
+        f"accumulate {w.accumulate}, CUDA graph {'on' if w.graph else 'off'}, on an {sheet.gpu.name} "
+        f"(analytic, from published figures: nothing was run)"
+    )
     lines = [head, f"  {'what':<18}{'launches':>9} {'GEMMs':>6} {'GFLOP':>9} {'MB':>9} {'ms':>8}"]
     for k, v in sheet.rows.items():  # a space between columns: huge models widen them, never merge them
-        lines.append(f"  {k:<18}{v['launches']:>9} {v['gemms']:>6} {v['gflop']:>9.2f} {v['mbytes']:>9.2f} "
-                     f"{v['ms']:>8.4f}")
-    lines.append(f"  device work {t['device_ms']:.4f} ms + launch gaps {t['launch_gaps_ms']:.4f} ms; host issue "
-                 f"{t['host_issue_ms']:.4f} ms{' (host-bound)' if t['host_bound'] else ''}; "
-                 f"{t['host_syncs']} host sync {t['sync_ms']:.4f} ms; host loop {t['host_loop_ms']:.4f} ms")
+        lines.append(
+            f"  {k:<18}{v['launches']:>9} {v['gemms']:>6} {v['gflop']:>9.2f} {v['mbytes']:>9.2f} {v['ms']:>8.4f}"
+        )
+    lines.append(
+        f"  device work {t['device_ms']:.4f} ms + launch gaps {t['launch_gaps_ms']:.4f} ms; host issue "
+        f"{t['host_issue_ms']:.4f} ms{' (host-bound)' if t['host_bound'] else ''}; "
+        f"{t['host_syncs']} host sync {t['sync_ms']:.4f} ms; host loop {t['host_loop_ms']:.4f} ms"
+    )
     if w.graph:
-        lines.append(f"  the graph replay: {t['in_graph_ms']:.4f} ms of the step ({100 * t['in_graph_ms'] / t['step_ms']:.0f} %)")
-    lines.append(f"  predicted step {t['step_ms']:.4f} ms ({t['samples_per_s']:,.0f} samples/s); floor 6 x params "
-                 f"x rows a GPU / peak {w.precision} GEMM rate = {t['floor_ms']:.4f} ms; step / floor = "
-                 f"{t['ratio_to_floor']:.2f}x")
+        lines.append(
+            f"  the graph replay: {t['in_graph_ms']:.4f} ms of the step ({100 * t['in_graph_ms'] / t['step_ms']:.0f} %)"
+        )
+    lines.append(
+        f"  predicted step {t['step_ms']:.4f} ms ({t['samples_per_s']:,.0f} samples/s); floor 6 x params "
+        f"x rows a GPU / peak {w.precision} GEMM rate = {t['floor_ms']:.4f} ms; step / floor = "
+        f"{t['ratio_to_floor']:.2f}x"
+    )
     lines.append("  gaps to the floor:")
     for g in sheet.gaps:
         lines.append(f"    {g['ms']:9.4f} ms ({100 * g['of_floor']:6.1f} % of the floor)  {g['cause']}")

@@ -10,6 +10,7 @@ table of its own takes the other's fit. The fit is a bounded linear least square
 
     python -m mgpu.gemm_fit --markdown docs/gemm-validation.md
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,8 +51,12 @@ def points(table: dict) -> list:
     out = []
     for m, n, k, value in table["points"]:
         work = 2.0 * m * n * k
-        seconds = {"tflops": lambda v: work / (v * 1e12), "flops": lambda v: work / v,
-                   "time_us": lambda v: v * 1e-6}[table["quantity"]](value)
+        to_seconds = {
+            "tflops": lambda v, w=work: w / (v * 1e12),
+            "flops": lambda v, w=work: w / v,
+            "time_us": lambda v: v * 1e-6,
+        }
+        seconds = to_seconds[table["quantity"]](value)
         if table["timing"] == "host-loop" and seconds < HOST_BOUND_S:
             continue
         out.append((int(m), int(n), int(k), work, seconds))
@@ -78,8 +83,13 @@ def fit_rate(rows: list, harness: Optional[list] = None, fixed_s: Optional[float
     best = None
     # With every row timed by events, a GEMM's fixed time and the harness's cost are one
     # constant: the fixed time is then the small kernels' measured one.
-    choices = ((fixed_s,) if fixed_s is not None else (TYPICAL_FIXED_S,) if all(h is not None for h in harness)
-               else ("free", MIN_FIXED_S, MAX_FIXED_S))
+    choices = (
+        (fixed_s,)
+        if fixed_s is not None
+        else (TYPICAL_FIXED_S,)
+        if all(h is not None for h in harness)
+        else ("free", MIN_FIXED_S, MAX_FIXED_S)
+    )
     for fixed_choice in choices:
         for zeroed in itertools.product((False, True), repeat=len(groups)):
             theta = np.zeros(a.shape[1])
@@ -88,8 +98,11 @@ def fit_rate(rows: list, harness: Optional[list] = None, fixed_s: Optional[float
                 theta[1] = fixed_choice
             rhs = np.ones(len(t)) - a @ theta
             theta[free] = np.linalg.lstsq(a[:, free], rhs, rcond=None)[0]
-            if (theta[0] <= 0 or not MIN_FIXED_S * (1 - 1e-9) <= theta[1] <= MAX_FIXED_S * (1 + 1e-9)
-                    or (theta[2:] < 0).any()):
+            if (
+                theta[0] <= 0
+                or not MIN_FIXED_S * (1 - 1e-9) <= theta[1] <= MAX_FIXED_S * (1 + 1e-9)
+                or (theta[2:] < 0).any()
+            ):
                 continue
             cost = float(((a @ theta - 1.0) ** 2).sum())
             if best is None or cost < best[0]:
@@ -142,8 +155,11 @@ def rate(gpu: str, precision: str) -> Optional[dict]:
 
 def sources(gpu: str) -> list:
     """The published tables behind a GPU type's fitted rates, as profile sources."""
-    return [{"url": t["source"], "figure": f"GEMM table ({t['role']}, {t['precision']}): {t['system']}"}
-            for t in load_published()["tables"] if gpu in t["gpus"]]
+    return [
+        {"url": t["source"], "figure": f"GEMM table ({t['role']}, {t['precision']}): {t['system']}"}
+        for t in load_published()["tables"]
+        if gpu in t["gpus"]
+    ]
 
 
 def validate(fits: Optional[dict] = None) -> list:
@@ -157,9 +173,18 @@ def validate(fits: Optional[dict] = None) -> list:
             continue
         for m, n, k, work, seconds in points(t):
             predicted = (work + fit["half_work_flops"]) / fit["peak_flops"] + fit["harness_s"].get(t["id"], 0.0)
-            out.append({"table": t["id"], "gpu": gpu, "precision": t["precision"], "role": t["role"],
-                        "shape": (m, n, k), "measured_tflops": work / seconds / 1e12,
-                        "predicted_tflops": work / predicted / 1e12, "error": predicted / seconds - 1.0})
+            out.append(
+                {
+                    "table": t["id"],
+                    "gpu": gpu,
+                    "precision": t["precision"],
+                    "role": t["role"],
+                    "shape": (m, n, k),
+                    "measured_tflops": work / seconds / 1e12,
+                    "predicted_tflops": work / predicted / 1e12,
+                    "error": predicted / seconds - 1.0,
+                }
+            )
     return out
 
 
@@ -171,53 +196,82 @@ def summary(rows: list) -> list:
     for table, rs in by.items():
         errs = [abs(r["error"]) for r in rs]
         worst = max(rs, key=lambda r: abs(r["error"]))
-        out.append({"table": table, "gpu": rs[0]["gpu"], "precision": rs[0]["precision"], "role": rs[0]["role"],
-                    "points": len(rs), "median": float(np.median(errs)), "worst": max(errs),
-                    "worst_at": "x".join(map(str, worst["shape"]))})
+        out.append(
+            {
+                "table": table,
+                "gpu": rs[0]["gpu"],
+                "precision": rs[0]["precision"],
+                "role": rs[0]["role"],
+                "points": len(rs),
+                "median": float(np.median(errs)),
+                "worst": max(errs),
+                "worst_at": "x".join(map(str, worst["shape"])),
+            }
+        )
     return out
 
 
 def markdown() -> str:
     rows, fits = validate(), fitted_rates()
     doc = load_published()
-    lines = ["# Selector validation: GEMM rates against published benchmarks", "",
-             "Generated by `python -m mgpu.gemm_fit --markdown docs/gemm-validation.md` from "
-             "`python/mgpu/data/gemm_published.json`. The named GPU profiles price a GEMM of w FLOP at "
-             "rate(w) = peak w / (w + half), i.e. w / peak plus a fixed time half / peak (the model adds the "
-             "launch apart), fitted per GPU and precision to the 'fit' tables (least squares on the relative "
-             "error of the time); 'holdout' tables are never fitted. Error = predicted / measured time - 1. The "
-             f"fixed time lies in {MIN_FIXED_S * 1e6:.0f}-{MAX_FIXED_S * 1e6:.0f} us (small GEMMs measured kernel "
-             "by kernel take 5-7 us; tables from 1024^3 up cannot tell a fixed time from a slow mid-size kernel, "
-             "nor show one a table slower per FLOP at its largest sizes would fit below zero: a GPU and "
-             f"precision fitted to host-loop tables alone takes the {TYPICAL_FIXED_S * 1e6:.0f} us small kernels "
-             "take). Tables timed per "
-             "call by CUDA events also time their harness's dispatch: a cost a call fitted per table, with the "
-             f"GEMM's fixed time then at the {TYPICAL_FIXED_S * 1e6:.0f} us small kernels take. Rows of "
-             f"host-timed loops under {HOST_BOUND_S * 1e6:.0f} us a call are left out (the host's dispatch, not "
-             "the GPU, set them). tests/unit/test_gemm_model.py asserts the bounds (median |error| <= "
-             f"{BOUNDS['median']:.0%}, worst <= {BOUNDS['worst']:.0%} per table). Below a table's smallest size "
-             "the rate is the fit's extrapolation.", "",
-             "| GPU | precision | peak TFLOP/s | half-peak work GFLOP | fixed time us | harness us a call | fitted to |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        "# Selector validation: GEMM rates against published benchmarks",
+        "",
+        "Generated by `python -m mgpu.gemm_fit --markdown docs/gemm-validation.md` from "
+        "`python/mgpu/data/gemm_published.json`. The named GPU profiles price a GEMM of w FLOP at "
+        "rate(w) = peak w / (w + half), i.e. w / peak plus a fixed time half / peak (the model adds the "
+        "launch apart), fitted per GPU and precision to the 'fit' tables (least squares on the relative "
+        "error of the time); 'holdout' tables are never fitted. Error = predicted / measured time - 1. The "
+        f"fixed time lies in {MIN_FIXED_S * 1e6:.0f}-{MAX_FIXED_S * 1e6:.0f} us (small GEMMs measured kernel "
+        "by kernel take 5-7 us; tables from 1024^3 up cannot tell a fixed time from a slow mid-size kernel, "
+        "nor show one a table slower per FLOP at its largest sizes would fit below zero: a GPU and "
+        f"precision fitted to host-loop tables alone takes the {TYPICAL_FIXED_S * 1e6:.0f} us small kernels "
+        "take). Tables timed per "
+        "call by CUDA events also time their harness's dispatch: a cost a call fitted per table, with the "
+        f"GEMM's fixed time then at the {TYPICAL_FIXED_S * 1e6:.0f} us small kernels take. Rows of "
+        f"host-timed loops under {HOST_BOUND_S * 1e6:.0f} us a call are left out (the host's dispatch, not "
+        "the GPU, set them). tests/unit/test_gemm_model.py asserts the bounds (median |error| <= "
+        f"{BOUNDS['median']:.0%}, worst <= {BOUNDS['worst']:.0%} per table). Below a table's smallest size "
+        "the rate is the fit's extrapolation.",
+        "",
+        "| GPU | precision | peak TFLOP/s | half-peak work GFLOP | fixed time us | harness us a call | fitted to |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for (gpu, precision), f in sorted(fits.items()):
         fitted = ", ".join(f["tables"]) + (f" (the {f['shared_from']} fit)" if "shared_from" in f else "")
         harness = ", ".join(f"{c * 1e6:.1f}" for c in f["harness_s"].values()) or "-"
-        lines.append(f"| {gpu} | {precision} | {f['peak_flops'] / 1e12:.1f} | {f['half_work_flops'] / 1e9:.3g} | "
-                     f"{f['half_work_flops'] / f['peak_flops'] * 1e6:.1f} | {harness} | {fitted} |")
-    lines += ["", "| table | GPU | precision | role | points | median abs error | worst abs error (at m x n x k) |",
-              "|---|---|---|---|---|---|---|"]
+        lines.append(
+            f"| {gpu} | {precision} | {f['peak_flops'] / 1e12:.1f} | {f['half_work_flops'] / 1e9:.3g} | "
+            f"{f['half_work_flops'] / f['peak_flops'] * 1e6:.1f} | {harness} | {fitted} |"
+        )
+    lines += [
+        "",
+        "| table | GPU | precision | role | points | median abs error | worst abs error (at m x n x k) |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for s in summary(rows):
-        lines.append(f"| {s['table']} | {s['gpu']} | {s['precision']} | {s['role']} | {s['points']} | "
-                     f"{s['median']:.1%} | {s['worst']:.1%} ({s['worst_at']}) |")
+        lines.append(
+            f"| {s['table']} | {s['gpu']} | {s['precision']} | {s['role']} | {s['points']} | "
+            f"{s['median']:.1%} | {s['worst']:.1%} ({s['worst_at']}) |"
+        )
     lines += ["", "## Sources", ""]
     for t in doc["tables"]:
-        lines.append(f"- `{t['id']}` ({t['role']}, {', '.join(t['gpus'])}, {t['precision']}, timing: {t['timing']}): "
-                     f"{t['system']}. {t['source']} ({t['note']})")
-    lines += ["", "## Every point", "", "| table | m x n x k | measured TFLOP/s | predicted TFLOP/s | error |",
-              "|---|---|---|---|---|"]
+        lines.append(
+            f"- `{t['id']}` ({t['role']}, {', '.join(t['gpus'])}, {t['precision']}, timing: {t['timing']}): "
+            f"{t['system']}. {t['source']} ({t['note']})"
+        )
+    lines += [
+        "",
+        "## Every point",
+        "",
+        "| table | m x n x k | measured TFLOP/s | predicted TFLOP/s | error |",
+        "|---|---|---|---|---|",
+    ]
     for r in rows:
-        lines.append(f"| {r['table']} | {'x'.join(map(str, r['shape']))} | {r['measured_tflops']:.1f} | "
-                     f"{r['predicted_tflops']:.1f} | {r['error']:+.1%} |")
+        lines.append(
+            f"| {r['table']} | {'x'.join(map(str, r['shape']))} | {r['measured_tflops']:.1f} | "
+            f"{r['predicted_tflops']:.1f} | {r['error']:+.1%} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -235,16 +289,28 @@ def check_profile(profile: dict) -> list:
                 continue
             for work, measured in (dev.get(precision) or {}).get("measured", []):
                 fitted = fit["peak_flops"] * work / (work + fit["half_work_flops"])
-                rows.append({"device": i, "gpu": gpu, "precision": precision, "work": work, "measured_flops": measured,
-                             "fitted_flops": fitted, "error": measured / fitted - 1.0})
+                rows.append(
+                    {
+                        "device": i,
+                        "gpu": gpu,
+                        "precision": precision,
+                        "work": work,
+                        "measured_flops": measured,
+                        "fitted_flops": fitted,
+                        "error": measured / fitted - 1.0,
+                    }
+                )
     return rows
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m mgpu.gemm_fit", description=__doc__.splitlines()[0])
     ap.add_argument("--markdown", metavar="PATH", help="write the validation page here")
-    ap.add_argument("--check-profile", metavar="PATH",
-                    help="compare a GPU calibration's GEMM points (mgpu topo --device cuda --json) with the fits")
+    ap.add_argument(
+        "--check-profile",
+        metavar="PATH",
+        help="compare a GPU calibration's GEMM points (mgpu topo --device cuda --json) with the fits",
+    )
     a = ap.parse_args(argv)
     if a.check_profile:
         with open(a.check_profile) as f:
@@ -253,16 +319,20 @@ def main(argv=None) -> int:
         if not rows:
             print("no GEMM points of a GPU the published fits know (H100, A100 SXM, RTX 5080, RTX 4060)")
         for r in rows:
-            print(f"GPU {r['device']} ({r['gpu']}) {r['precision']:4s} {r['work'] / 1e9:10.4f} GFLOP  measured "
-                  f"{r['measured_flops'] / 1e12:8.2f} TFLOP/s  fit {r['fitted_flops'] / 1e12:8.2f}  time error of "
-                  f"the fit {r['error']:+.1%}")
+            print(
+                f"GPU {r['device']} ({r['gpu']}) {r['precision']:4s} {r['work'] / 1e9:10.4f} GFLOP  measured "
+                f"{r['measured_flops'] / 1e12:8.2f} TFLOP/s  fit {r['fitted_flops'] / 1e12:8.2f}  time error of "
+                f"the fit {r['error']:+.1%}"
+            )
         return 0
     if a.markdown:
         with open(a.markdown, "w") as f:
             f.write(markdown())
     for s in summary(validate()):
-        print(f"{s['table']:28s} {s['role']:8s} {s['points']:3d} points  median {s['median']:6.1%}  "
-              f"worst {s['worst']:6.1%} at {s['worst_at']}")
+        print(
+            f"{s['table']:28s} {s['role']:8s} {s['points']:3d} points  median {s['median']:6.1%}  "
+            f"worst {s['worst']:6.1%} at {s['worst_at']}"
+        )
     return 0
 
 

@@ -13,6 +13,7 @@ With none of them (no calibration, no GPU) the selector falls back to seed
 001's parameter/batch threshold table, and says so. The model itself is C++
 (csrc/core/perf_model.cpp); this file builds its inputs and formats its answer.
 """
+
 from __future__ import annotations
 
 import json
@@ -21,8 +22,7 @@ import os
 import socket
 from typing import Optional
 
-from .._runtime import _core
-from .._runtime import gpus_emulated
+from .._runtime import _core, gpus_emulated
 from ..atomic import atomic_file
 from ..errors import ConfigError
 from ..hostinfo import placement_moved
@@ -51,45 +51,105 @@ def _link_sources(link: str) -> list:
     """The published tables and anchors behind a fitted link (data/nccl_published.json)."""
     doc = load_published()
     names = {link, _fitted_link(link).get("intra_from", link)}  # with the link it builds on
-    out = [{"url": t["source"], "figure": f"allreduce table ({t['role']}): {t['system']}"}
-           for t in doc["tables"] if t["profile"] in names]
+    out = [
+        {"url": t["source"], "figure": f"allreduce table ({t['role']}): {t['system']}"}
+        for t in doc["tables"]
+        if t["profile"] in names
+    ]
     out += [{"url": a["source"], "figure": a["what"]} for a in doc["anchors"] if a["profile"] in names]
     return out
 
 
 # Named profiles of real systems. 'link' names a fitted link in data/allreduce_fit.json.
 NAMED_PROFILES = {
-    "h100-sxm-8": dict(title="8x H100 SXM, NVLink 4 + NVSwitch (one node)", devices=["h100-sxm"] * 8,
-                       link="h100-sxm-8", gpus_per_node=8, specs=["h100-sxm-azure"]),
-    "a100-sxm-8": dict(title="8x A100 SXM4 80GB, NVLink 3 + NVSwitch (one node)", devices=["a100-80gb"] * 8,
-                       link="a100-sxm-8", gpus_per_node=8, specs=["a100-azure"]),
-    "h100-pcie-nvlink-2": dict(title="2x H100 PCIe with an NVLink bridge", devices=["h100-pcie"] * 2,
-                               link="h100-pcie-nvlink-2", gpus_per_node=2, specs=["h100-pcie"]),
-    "pcie-pair-no-p2p": dict(title="2 consumer GPUs on PCIe without peer-to-peer (RTX 4070 Ti SUPER pair)",
-                             devices=["rtx-4070-ti-super"] * 2, link="pcie-pair-no-p2p", gpus_per_node=2, specs=[]),
-    "pcie-pair-p2p": dict(title="2 consumer GPUs on PCIe with peer-to-peer (RTX 4070 Ti SUPER pair; "
-                                "busbw from 4x RTX 4090 with P2P)",
-                          devices=["rtx-4070-ti-super"] * 2, link="pcie-pair-p2p", gpus_per_node=2, specs=[]),
-    "rtx5080-rtx4060": dict(title="the seeds' mixed pair: RTX 5080 + RTX 4060 on PCIe without peer-to-peer",
-                            devices=["rtx-5080", "rtx-4060"], link="pcie-pair-no-p2p", gpus_per_node=2,
-                            specs=["rtx-5080", "rtx-4060"]),
-    "h100-ib-2x8": dict(title="2 nodes x 8 H100 SXM, InfiniBand NDR (one 400G NIC per GPU)", devices=["h100-sxm"] * 16,
-                        link="h100-ib-2x8", gpus_per_node=8, specs=["h100-sxm-azure"]),
-    "a100-ib-2x8": dict(title="2 nodes x 8 A100 SXM4, InfiniBand HDR (8x 200G per node)", devices=["a100-80gb"] * 16,
-                        link="a100-ib-2x8", gpus_per_node=8, specs=["a100-azure"]),
-    "a100-roce-2x8": dict(title="2 nodes x 8 A100 SXM4, RoCE v2 Ethernet (OCI BM.GPU4.8, 16x 100G per node)",
-                          devices=["a100-40gb"] * 16, link="a100-roce-2x8", gpus_per_node=8, specs=["a100-40gb"]),
-    "h100-ethernet-2x8": dict(title="2 nodes x 8 H100, Ethernet (GCP A3 Mega, GPUDirect-TCPXO)",
-                              devices=["h100-sxm"] * 16, link="h100-ethernet-2x8", gpus_per_node=8,
-                              specs=["h100-sxm-azure"]),
-    "h100-efa-2x8": dict(title="2 nodes x 8 H100, AWS Elastic Fabric Adapter (p5.48xlarge, 32x 100G per node)",
-                         devices=["h100-sxm"] * 16, link="h100-efa-2x8", gpus_per_node=8,
-                         specs=["h100-sxm-azure"]),
-    "cpu": dict(title="CPU ranks, MPI over shared memory (nominal)", devices=None, link=None, gpus_per_node=0, specs=[]),
+    "h100-sxm-8": dict(
+        title="8x H100 SXM, NVLink 4 + NVSwitch (one node)",
+        devices=["h100-sxm"] * 8,
+        link="h100-sxm-8",
+        gpus_per_node=8,
+        specs=["h100-sxm-azure"],
+    ),
+    "a100-sxm-8": dict(
+        title="8x A100 SXM4 80GB, NVLink 3 + NVSwitch (one node)",
+        devices=["a100-80gb"] * 8,
+        link="a100-sxm-8",
+        gpus_per_node=8,
+        specs=["a100-azure"],
+    ),
+    "h100-pcie-nvlink-2": dict(
+        title="2x H100 PCIe with an NVLink bridge",
+        devices=["h100-pcie"] * 2,
+        link="h100-pcie-nvlink-2",
+        gpus_per_node=2,
+        specs=["h100-pcie"],
+    ),
+    "pcie-pair-no-p2p": dict(
+        title="2 consumer GPUs on PCIe without peer-to-peer (RTX 4070 Ti SUPER pair)",
+        devices=["rtx-4070-ti-super"] * 2,
+        link="pcie-pair-no-p2p",
+        gpus_per_node=2,
+        specs=[],
+    ),
+    "pcie-pair-p2p": dict(
+        title="2 consumer GPUs on PCIe with peer-to-peer (RTX 4070 Ti SUPER pair; busbw from 4x RTX 4090 with P2P)",
+        devices=["rtx-4070-ti-super"] * 2,
+        link="pcie-pair-p2p",
+        gpus_per_node=2,
+        specs=[],
+    ),
+    "rtx5080-rtx4060": dict(
+        title="the seeds' mixed pair: RTX 5080 + RTX 4060 on PCIe without peer-to-peer",
+        devices=["rtx-5080", "rtx-4060"],
+        link="pcie-pair-no-p2p",
+        gpus_per_node=2,
+        specs=["rtx-5080", "rtx-4060"],
+    ),
+    "h100-ib-2x8": dict(
+        title="2 nodes x 8 H100 SXM, InfiniBand NDR (one 400G NIC per GPU)",
+        devices=["h100-sxm"] * 16,
+        link="h100-ib-2x8",
+        gpus_per_node=8,
+        specs=["h100-sxm-azure"],
+    ),
+    "a100-ib-2x8": dict(
+        title="2 nodes x 8 A100 SXM4, InfiniBand HDR (8x 200G per node)",
+        devices=["a100-80gb"] * 16,
+        link="a100-ib-2x8",
+        gpus_per_node=8,
+        specs=["a100-azure"],
+    ),
+    "a100-roce-2x8": dict(
+        title="2 nodes x 8 A100 SXM4, RoCE v2 Ethernet (OCI BM.GPU4.8, 16x 100G per node)",
+        devices=["a100-40gb"] * 16,
+        link="a100-roce-2x8",
+        gpus_per_node=8,
+        specs=["a100-40gb"],
+    ),
+    "h100-ethernet-2x8": dict(
+        title="2 nodes x 8 H100, Ethernet (GCP A3 Mega, GPUDirect-TCPXO)",
+        devices=["h100-sxm"] * 16,
+        link="h100-ethernet-2x8",
+        gpus_per_node=8,
+        specs=["h100-sxm-azure"],
+    ),
+    "h100-efa-2x8": dict(
+        title="2 nodes x 8 H100, AWS Elastic Fabric Adapter (p5.48xlarge, 32x 100G per node)",
+        devices=["h100-sxm"] * 16,
+        link="h100-efa-2x8",
+        gpus_per_node=8,
+        specs=["h100-sxm-azure"],
+    ),
+    "cpu": dict(
+        title="CPU ranks, MPI over shared memory (nominal)", devices=None, link=None, gpus_per_node=0, specs=[]
+    ),
 }
 # Names of v1 (round-number profiles) that keep working.
-PROFILE_ALIASES = {"pcie-host-bridge": "pcie-pair-no-p2p", "pcie-p2p": "pcie-pair-p2p", "nvlink": "a100-sxm-8",
-                   "h100-nvswitch": "h100-sxm-8"}
+PROFILE_ALIASES = {
+    "pcie-host-bridge": "pcie-pair-no-p2p",
+    "pcie-p2p": "pcie-pair-p2p",
+    "nvlink": "a100-sxm-8",
+    "h100-nvswitch": "h100-sxm-8",
+}
 
 
 def list_profiles() -> str:
@@ -132,42 +192,77 @@ def _gemm_rates(gpu: str) -> dict:
 def device_entry(gpu: str) -> dict:
     """A profile's device entry of a GPU_TYPES kind."""
     g = GPU_TYPES[gpu]
-    return {"name": g["name"], "kind": "cuda", "memory_bytes": g["memory"], "memory_bandwidth": g["bandwidth"],
-            "host_to_device_bandwidth": g["h2d"], "launch_overhead_s": GPU_LAUNCH_S, "graph_node_s": GRAPH_NODE_S,
-            "context_bytes": g["context"], **_gemm_rates(gpu)}
+    return {
+        "name": g["name"],
+        "kind": "cuda",
+        "memory_bytes": g["memory"],
+        "memory_bandwidth": g["bandwidth"],
+        "host_to_device_bandwidth": g["h2d"],
+        "launch_overhead_s": GPU_LAUNCH_S,
+        "graph_node_s": GRAPH_NODE_S,
+        "context_bytes": g["context"],
+        **_gemm_rates(gpu),
+    }
 
 
 def profile_sources(spec: dict) -> list:
     """Where a named profile's figures come from: allreduce tables, GEMM tables, specs."""
     gemm = [src for gpu in dict.fromkeys(spec["devices"]) for src in gemm_fit.sources(gpu)]
-    return (_link_sources(spec["link"]) + gemm + [SPECS[k] for k in spec["specs"]]
-            + [SPECS["graph-node"], SPECS["latencies"]])
+    return (
+        _link_sources(spec["link"])
+        + gemm
+        + [SPECS[k] for k in spec["specs"]]
+        + [SPECS["graph-node"], SPECS["latencies"]]
+    )
 
 
 def _fitted_link(link: str) -> dict:
     links = load_fitted()["links"]
     if link not in links:
-        raise ConfigError(f"no fitted allreduce parameters for link '{link}': run `python -m mgpu.allreduce_fit --refit`")
+        raise ConfigError(
+            f"no fitted allreduce parameters for link '{link}': run `python -m mgpu.allreduce_fit --refit`"
+        )
     return links[link]
 
 
 def named_profile(name: str, devices: Optional[int] = None) -> dict:
     name = PROFILE_ALIASES.get(name, name)
     if name not in NAMED_PROFILES:
-        raise ConfigError(f"unknown hardware profile '{name}' (expected one of {', '.join(NAMED_PROFILES)}, an alias "
-                          f"({', '.join(PROFILE_ALIASES)}), 'calibrated', or a profile JSON path; "
-                          "`mgpu recommend --list-profiles` lists them)")
+        raise ConfigError(
+            f"unknown hardware profile '{name}' (expected one of {', '.join(NAMED_PROFILES)}, an alias "
+            f"({', '.join(PROFILE_ALIASES)}), 'calibrated', or a profile JSON path; "
+            "`mgpu recommend --list-profiles` lists them)"
+        )
     spec = NAMED_PROFILES[name]
     if spec["devices"] is None:
-        device = {"name": "CPU core (AVX2/FMA, nominal)", "kind": "cpu", "fp32": _gemm_dict(90e9, 5e6),
-                  "memory_bytes": 8e9, "memory_bandwidth": 15e9, "host_to_device_bandwidth": 0.0,
-                  "launch_overhead_s": 1e-6, "context_bytes": 0.1e9}
-        return {"format": PROFILE_FORMAT, "version": PROFILE_VERSION, "name": name, "source": "named",
-                "title": spec["title"], "sources": [],
-                "devices": [dict(device) for _ in range(max(1, devices or 8))],
-                "link": {"name": "MPI over shared memory (nominal)", "alpha_s": 5e-6, "bus_bandwidth": 5e9,
-                         "overlaps_compute": False, "buffer_bytes": 0.0},
-                "step_overhead_s": 2e-4, "model_error": 0.3}
+        device = {
+            "name": "CPU core (AVX2/FMA, nominal)",
+            "kind": "cpu",
+            "fp32": _gemm_dict(90e9, 5e6),
+            "memory_bytes": 8e9,
+            "memory_bandwidth": 15e9,
+            "host_to_device_bandwidth": 0.0,
+            "launch_overhead_s": 1e-6,
+            "context_bytes": 0.1e9,
+        }
+        return {
+            "format": PROFILE_FORMAT,
+            "version": PROFILE_VERSION,
+            "name": name,
+            "source": "named",
+            "title": spec["title"],
+            "sources": [],
+            "devices": [dict(device) for _ in range(max(1, devices or 8))],
+            "link": {
+                "name": "MPI over shared memory (nominal)",
+                "alpha_s": 5e-6,
+                "bus_bandwidth": 5e9,
+                "overlaps_compute": False,
+                "buffer_bytes": 0.0,
+            },
+            "step_overhead_s": 2e-4,
+            "model_error": 0.3,
+        }
     entries = []
     for key in spec["devices"]:
         entries.append(device_entry(key))
@@ -176,13 +271,26 @@ def named_profile(name: str, devices: Optional[int] = None) -> dict:
     if fit.get("inter"):
         nccl["inter"] = fit["inter"]
     ring = fit["intra"].get("ring_busbw") or fit["intra"].get("nvls_busbw")
-    return {"format": PROFILE_FORMAT, "version": PROFILE_VERSION, "name": name, "source": "named",
-            "title": spec["title"], "gpus_per_node": spec["gpus_per_node"],
-            "sources": profile_sources(spec),
-            "devices": entries,
-            "link": {"name": spec["title"], "alpha_s": 0.0, "bus_bandwidth": ring, "overlaps_compute": True,
-                     "buffer_bytes": NCCL_BUFFER_BYTES, "nccl": nccl},
-            "step_overhead_s": GPU_STEP_OVERHEAD_S, "model_error": 0.3}
+    return {
+        "format": PROFILE_FORMAT,
+        "version": PROFILE_VERSION,
+        "name": name,
+        "source": "named",
+        "title": spec["title"],
+        "gpus_per_node": spec["gpus_per_node"],
+        "sources": profile_sources(spec),
+        "devices": entries,
+        "link": {
+            "name": spec["title"],
+            "alpha_s": 0.0,
+            "bus_bandwidth": ring,
+            "overlaps_compute": True,
+            "buffer_bytes": NCCL_BUFFER_BYTES,
+            "nccl": nccl,
+        },
+        "step_overhead_s": GPU_STEP_OVERHEAD_S,
+        "model_error": 0.3,
+    }
 
 
 def detected_profile(devices: Optional[int] = None) -> Optional[dict]:
@@ -198,8 +306,13 @@ def detected_profile(devices: Optional[int] = None) -> Optional[dict]:
         known = known_gpu_type(str(g.get("name", "")))
         if known:  # a GPU of a named profile: its published GEMM rates and bandwidths
             entry = device_entry(known)
-            entries.append({**entry, "name": g.get("name", "GPU"),
-                            "memory_bytes": float(g.get("total_memory_mib", 0)) * 2 ** 20 or entry["memory_bytes"]})
+            entries.append(
+                {
+                    **entry,
+                    "name": g.get("name", "GPU"),
+                    "memory_bytes": float(g.get("total_memory_mib", 0)) * 2**20 or entry["memory_bytes"],
+                }
+            )
             continue
         sms = float(g.get("multiprocessors", 0) or 0)
         clock = 1.7e9  # typical boost clock of recent data-centre GPUs
@@ -212,23 +325,46 @@ def detected_profile(devices: Optional[int] = None) -> Optional[dict]:
         # only, about 8x FP32 by spec (V100 125 / 15.7, T4 65 / 8.1 TFLOPS): TF32 and BF16
         # fall back to FP32 there.
         tensor = 16.0 if cc == "8.0" or cc.split(".")[0] in ("9", "10") else 4.0
-        rates = {"fp32": fp32, "fp16": fp32 * 8.0} if cc.startswith("7.") else {
-            "fp32": fp32, "tf32": fp32 * tensor / 2, "bf16": fp32 * tensor, "fp16": fp32 * tensor}
-        entries.append({"name": g.get("name", "GPU"), "kind": "cuda", "memory_bytes": float(g.get("total_memory_mib", 0)) * 2 ** 20,
-                        "memory_bandwidth": 1e12, "host_to_device_bandwidth": 20e9, "launch_overhead_s": GPU_LAUNCH_S,
-                        "graph_node_s": GRAPH_NODE_S, "context_bytes": 0.6e9,
-                        # a GEMM's fixed time as the fitted GPUs' small kernels take it
-                        **{p: _gemm_dict(peak, peak * gemm_fit.TYPICAL_FIXED_S) for p, peak in rates.items()}})
+        rates = (
+            {"fp32": fp32, "fp16": fp32 * 8.0}
+            if cc.startswith("7.")
+            else {"fp32": fp32, "tf32": fp32 * tensor / 2, "bf16": fp32 * tensor, "fp16": fp32 * tensor}
+        )
+        entries.append(
+            {
+                "name": g.get("name", "GPU"),
+                "kind": "cuda",
+                "memory_bytes": float(g.get("total_memory_mib", 0)) * 2**20,
+                "memory_bandwidth": 1e12,
+                "host_to_device_bandwidth": 20e9,
+                "launch_overhead_s": GPU_LAUNCH_S,
+                "graph_node_s": GRAPH_NODE_S,
+                "context_bytes": 0.6e9,
+                # a GEMM's fixed time as the fitted GPUs' small kernels take it
+                **{p: _gemm_dict(peak, peak * gemm_fit.TYPICAL_FIXED_S) for p, peak in rates.items()},
+            }
+        )
     if devices and devices > len(entries):
         entries += [dict(entries[-1]) for _ in range(devices - len(entries))]
     emulated = gpus_emulated()
-    return {"format": PROFILE_FORMAT, "version": PROFILE_VERSION, "source": "detected", "devices": entries,
-            "name": f"detected: {socket.gethostname()}" + (" (EMULATED GPUs: the CPU running mgpu's CUDA code)"
-                                                           if emulated else ""),
-            "gpu_emulation": emulated,
-            "link": {"name": "assumed PCIe P2P", "alpha_s": 10e-6, "bus_bandwidth": 20e9, "overlaps_compute": True,
-                     "buffer_bytes": 64e6},
-            "step_overhead_s": GPU_STEP_OVERHEAD_S, "model_error": 0.35}
+    return {
+        "format": PROFILE_FORMAT,
+        "version": PROFILE_VERSION,
+        "source": "detected",
+        "devices": entries,
+        "name": f"detected: {socket.gethostname()}"
+        + (" (EMULATED GPUs: the CPU running mgpu's CUDA code)" if emulated else ""),
+        "gpu_emulation": emulated,
+        "link": {
+            "name": "assumed PCIe P2P",
+            "alpha_s": 10e-6,
+            "bus_bandwidth": 20e9,
+            "overlaps_compute": True,
+            "buffer_bytes": 64e6,
+        },
+        "step_overhead_s": GPU_STEP_OVERHEAD_S,
+        "model_error": 0.35,
+    }
 
 
 def save_profile(profile: dict, path: Optional[str] = None) -> str:
@@ -260,8 +396,9 @@ def load_profile(path: str) -> dict:
         raise ConfigError(f"hardware profile '{path}' has version {profile.get('version')}; expected {PROFILE_VERSION}")
     per_node = profile.get("gpus_per_node", 1)
     if not isinstance(per_node, int) or isinstance(per_node, bool) or per_node < 0:
-        raise ConfigError(f"hardware profile '{path}' is malformed: gpus_per_node must be an integer >= 0, "
-                          f"got {per_node!r}")
+        raise ConfigError(
+            f"hardware profile '{path}' is malformed: gpus_per_node must be an integer >= 0, got {per_node!r}"
+        )
     try:
         to_core(profile)  # validates the fields
     except ConfigError:
@@ -269,8 +406,9 @@ def load_profile(path: str) -> dict:
     except (AttributeError, TypeError, ValueError, KeyError, IndexError) as e:  # a field of the wrong shape
         raise ConfigError(f"hardware profile '{path}' is malformed ({type(e).__name__}: {e})") from None
     entries = profile["devices"]
-    if profile.get("source") == "calibrated" and all(isinstance(e.get("step_overhead_s"), (int, float)) and
-                                                     "probe_step_s" not in e for e in entries):
+    if profile.get("source") == "calibrated" and all(
+        isinstance(e.get("step_overhead_s"), (int, float)) and "probe_step_s" not in e for e in entries
+    ):
         # calibrated before topo took the probe's own work out of its step: the model
         # would price that work twice in every step (on a GPU, most of the probe)
         net_step_overheads(profile)
@@ -347,10 +485,16 @@ def checked_placement(profile: dict) -> Optional[dict]:
 
     def round_trips(key: str, count: Optional[int] = None) -> None:
         v = placement.get(key)
-        if (not isinstance(v, list) or not v or (count is not None and len(v) != count) or
-                not all(isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t) and t > 0
-                        for t in v)):
+        if (
+            not isinstance(v, list)
+            or not v
+            or (count is not None and len(v) != count)
+            or not all(
+                isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t) and t > 0 for t in v
+            )
+        ):
             raise malformed(f"{key} must be a list of {count or 'one or more'} positive round trips in ns")
+
     if not isinstance(placement, dict):
         raise malformed("not an object")
     round_trips("readings_ns")
@@ -379,15 +523,27 @@ def placement_profile(profile: dict, probe: str) -> Optional[dict]:
         return None if probe == "second" else profile
     devices = list(profile.get("devices") or [])
     if any("step_phases" in d and "step_phases_other_placement" not in d for d in devices):
-        raise ConfigError(f"hardware profile '{profile.get('name', '?')}' is malformed (placement: a second probe "
-                          "of the wait without every device's step_phases_other_placement)")
+        raise ConfigError(
+            f"hardware profile '{profile.get('name', '?')}' is malformed (placement: a second probe "
+            "of the wait without every device's step_phases_other_placement)"
+        )
     if probe == "first":
         return {**profile, "placement": {**placement, "other_share": 0.0}}
-    return {**profile, "devices": [{**d, "step_phases": d["step_phases_other_placement"],
-                                    "step_phases_other_placement": d["step_phases"]}
-                                   if "step_phases" in d else d for d in devices],
-            "placement": {**placement, "wait_probe_ns": placement["other_wait_probe_ns"],
-                          "other_wait_probe_ns": placement["wait_probe_ns"], "other_share": 0.0}}
+    return {
+        **profile,
+        "devices": [
+            {**d, "step_phases": d["step_phases_other_placement"], "step_phases_other_placement": d["step_phases"]}
+            if "step_phases" in d
+            else d
+            for d in devices
+        ],
+        "placement": {
+            **placement,
+            "wait_probe_ns": placement["other_wait_probe_ns"],
+            "other_wait_probe_ns": placement["wait_probe_ns"],
+            "other_share": 0.0,
+        },
+    }
 
 
 def second_placement_share(profile: dict) -> float:
@@ -404,10 +560,17 @@ def _placement_weighted(phases: dict, other: Optional[dict], share: float) -> di
     if share == 0.0:
         return phases
     if not isinstance(other, dict) or not isinstance(phases, dict) or list(other["params"]) != list(phases["params"]):
-        raise ConfigError("hardware profile is malformed (placement: step_phases_other_placement must be measured "
-                          "on the step_phases' parameter counts)")
-    return {**phases, **{k: [(1 - share) * float(a) + share * float(b) for a, b in zip(phases[k], other[k])]
-                         for k in ("update_s", "wait_s", "wait_spread_s")}}
+        raise ConfigError(
+            "hardware profile is malformed (placement: step_phases_other_placement must be measured "
+            "on the step_phases' parameter counts)"
+        )
+    return {
+        **phases,
+        **{
+            k: [(1 - share) * float(a) + share * float(b) for a, b in zip(phases[k], other[k])]
+            for k in ("update_s", "wait_s", "wait_spread_s")
+        },
+    }
 
 
 def _placement_widened(phases: dict, moved: bool) -> dict:
@@ -417,8 +580,10 @@ def _placement_widened(phases: dict, moved: bool) -> dict:
     least the wait itself."""
     if not moved or not isinstance(phases, dict) or int(phases.get("ranks", 1)) < 2:
         return phases  # (a malformed table is _phases_to_core's to refuse)
-    return {**phases, "wait_spread_s": [max(float(s), float(w)) for s, w in zip(phases["wait_spread_s"],
-                                                                               phases["wait_s"])]}
+    return {
+        **phases,
+        "wait_spread_s": [max(float(s), float(w)) for s, w in zip(phases["wait_spread_s"], phases["wait_s"])],
+    }
 
 
 def to_core(profile: dict, devices: Optional[int] = None):
@@ -465,8 +630,15 @@ def to_core(profile: dict, devices: Optional[int] = None):
         hw.devices = core_devices
         link = P.LinkProfile()
         l = profile["link"]
-        link.name, link.alpha_s, link.bus_bandwidth = str(l.get("name", "")), float(l["alpha_s"]), float(l["bus_bandwidth"])
-        link.overlaps_compute, link.buffer_bytes = bool(l.get("overlaps_compute", True)), float(l.get("buffer_bytes", 0.0))
+        link.name, link.alpha_s, link.bus_bandwidth = (
+            str(l.get("name", "")),
+            float(l["alpha_s"]),
+            float(l["bus_bandwidth"]),
+        )
+        link.overlaps_compute, link.buffer_bytes = (
+            bool(l.get("overlaps_compute", True)),
+            float(l.get("buffer_bytes", 0.0)),
+        )
         link.step_sync_s = float(l.get("step_sync_s", 0.0))
         link.measured = sorted((float(b), float(t)) for b, t in l.get("measured", []) if b > 0 and t > 0)
         link.measured_devices = int(l.get("fitted_at_ranks", 0)) if link.measured else 0
@@ -480,7 +652,9 @@ def to_core(profile: dict, devices: Optional[int] = None):
     except ConfigError:
         raise  # already one line that names what is wrong
     except (KeyError, TypeError, ValueError) as e:
-        raise ConfigError(f"hardware profile '{profile.get('name', '?')}' is malformed ({type(e).__name__}: {e})") from None
+        raise ConfigError(
+            f"hardware profile '{profile.get('name', '?')}' is malformed ({type(e).__name__}: {e})"
+        ) from None
     return hw
 
 
@@ -516,8 +690,8 @@ def emulation_mismatch(prof: dict, device: str) -> Optional[str]:
     there = profile_is_emulated(prof)
     if here == there:
         return None
-    return (f"the calibration was measured on {'emulated' if there else 'real'} GPUs and this job runs on "
-            f"{'emulated' if here else 'real'} ones (calibrate with `mgpu topo --device cuda` "
-            f"{'under MGPU_EMULATE_GPU' if here else 'without MGPU_EMULATE_GPU'})")
-
-
+    return (
+        f"the calibration was measured on {'emulated' if there else 'real'} GPUs and this job runs on "
+        f"{'emulated' if here else 'real'} ones (calibrate with `mgpu topo --device cuda` "
+        f"{'under MGPU_EMULATE_GPU' if here else 'without MGPU_EMULATE_GPU'})"
+    )

@@ -1,6 +1,7 @@
 """The strategy selector's Python face: `recommend()` (single device or several, how many,
 and why) and its text, and the bucket size the model prefers.
 """
+
 from __future__ import annotations
 
 from typing import Optional, Sequence
@@ -23,27 +24,48 @@ from .workload import build_workload
 
 
 def _as_dict(rec) -> dict:
-    cands = [{"devices": c.devices, "predicted_step_ms": c.step_s * 1e3, "predicted_speedup": c.speedup,
-              "efficiency": c.efficiency, "memory_fits": c.memory_fits,
-              "predicted_samples_per_sec": c.samples_per_s, "batch_shares": list(c.batch_shares),
-              "forward_ms": c.forward_s * 1e3, "backward_ms": c.backward_s * 1e3, "optimizer_ms": c.optimizer_s * 1e3,
-              "overhead_ms": c.overhead_s * 1e3, "allreduce_ms": c.comm_s * 1e3,
-              "exposed_allreduce_ms": c.exposed_comm_s * 1e3, "timing_spread_ms": c.timing_spread_s * 1e3,
-              "bucket_mb": c.bucket_elems * 4 / 2 ** 20, "cuda_graph": c.graphs,
-              "memory_bytes": c.memory_bytes,
-              "memory_usable_bytes": c.memory_usable_bytes,
-              **({"cost_per_million_samples": c.cost_per_million_samples} if c.cost_per_million_samples else {})}
-             for c in rec.candidates]
-    return {"strategy": rec.strategy, "devices": rec.devices, "candidates": cands,
-            "break_even_batch": rec.break_even_batch if rec.break_even_batch > 0 else None,
-            "reasons": list(rec.reasons), "confidence": rec.confidence, "roi": rec.roi or None,
-            "fallback": rec.fallback, "profile": rec.profile, "profile_source": rec.profile_source,
-            "params": int(rec.params)}
+    cands = [
+        {
+            "devices": c.devices,
+            "predicted_step_ms": c.step_s * 1e3,
+            "predicted_speedup": c.speedup,
+            "efficiency": c.efficiency,
+            "memory_fits": c.memory_fits,
+            "predicted_samples_per_sec": c.samples_per_s,
+            "batch_shares": list(c.batch_shares),
+            "forward_ms": c.forward_s * 1e3,
+            "backward_ms": c.backward_s * 1e3,
+            "optimizer_ms": c.optimizer_s * 1e3,
+            "overhead_ms": c.overhead_s * 1e3,
+            "allreduce_ms": c.comm_s * 1e3,
+            "exposed_allreduce_ms": c.exposed_comm_s * 1e3,
+            "timing_spread_ms": c.timing_spread_s * 1e3,
+            "bucket_mb": c.bucket_elems * 4 / 2**20,
+            "cuda_graph": c.graphs,
+            "memory_bytes": c.memory_bytes,
+            "memory_usable_bytes": c.memory_usable_bytes,
+            **({"cost_per_million_samples": c.cost_per_million_samples} if c.cost_per_million_samples else {}),
+        }
+        for c in rec.candidates
+    ]
+    return {
+        "strategy": rec.strategy,
+        "devices": rec.devices,
+        "candidates": cands,
+        "break_even_batch": rec.break_even_batch if rec.break_even_batch > 0 else None,
+        "reasons": list(rec.reasons),
+        "confidence": rec.confidence,
+        "roi": rec.roi or None,
+        "fallback": rec.fallback,
+        "profile": rec.profile,
+        "profile_source": rec.profile_source,
+        "params": int(rec.params),
+    }
 
 
 # OpenMPI's allreduce collapses from >= 32 MB buffers on CPUs (docs/journal.md):
 # CPU buckets stay below that whatever the model prefers.
-CPU_MAX_BUCKET_BYTES = 16 * 2 ** 20
+CPU_MAX_BUCKET_BYTES = 16 * 2**20
 
 
 NAMED_CONFIDENCE = 0.6  # the selector's base confidence for a profile it did not measure (perf_model.cpp)
@@ -60,8 +82,15 @@ def _whole_nodes(prof: dict, count: int) -> dict:
     same kind joined by the same inter-node link, whose model prices the extra nodes."""
     devices, per_node, link = prof.get("devices"), prof.get("gpus_per_node"), prof.get("link")
     inter = link.get("nccl", {}).get("inter") if isinstance(link, dict) and isinstance(link.get("nccl"), dict) else None
-    if (not isinstance(devices, list) or not devices or not isinstance(per_node, int) or per_node < 1 or not inter
-            or count <= len(devices) or len(devices) % per_node):
+    if (
+        not isinstance(devices, list)
+        or not devices
+        or not isinstance(per_node, int)
+        or per_node < 1
+        or not inter
+        or count <= len(devices)
+        or len(devices) % per_node
+    ):
         return prof
     return {**prof, "devices": [devices[i % len(devices)] for i in range(count)]}
 
@@ -75,14 +104,18 @@ def _candidate_counts(prof: Optional[dict], devices: Optional[Sequence[int]], no
         if not isinstance(nodes, int) or not 1 <= nodes <= MAX_NODES:
             raise ConfigError(f"--nodes must be an integer from 1 to {MAX_NODES}, got {nodes}")
         if not per_node:
-            raise ConfigError("--nodes needs a profile that says how many devices a node holds: a named "
-                              "one (`mgpu recommend --list-profiles`) or a calibration across hosts "
-                              "(mpirun --hostfile FILE python -m mgpu topo)")
+            raise ConfigError(
+                "--nodes needs a profile that says how many devices a node holds: a named "
+                "one (`mgpu recommend --list-profiles`) or a calibration across hosts "
+                "(mpirun --hostfile FILE python -m mgpu topo)"
+            )
         if nodes > 1 and not (prof.get("link", {}).get("nccl") or {}).get("inter"):
             multi = [n for n, s in NAMED_PROFILES.items() if s["link"] and "2x8" in n]
-            raise ConfigError(f"profile '{prof['name']}' has no inter-node link; for {nodes} nodes calibrate "
-                              f"across hosts (mpirun --hostfile FILE python -m mgpu topo) or use one of "
-                              f"{', '.join(multi)}")
+            raise ConfigError(
+                f"profile '{prof['name']}' has no inter-node link; for {nodes} nodes calibrate "
+                f"across hosts (mpirun --hostfile FILE python -m mgpu topo) or use one of "
+                f"{', '.join(multi)}"
+            )
         return sorted({1, per_node, nodes * per_node})
     if devices is None:
         return [1, per_node] if per_node > 1 else [1, 2]
@@ -96,16 +129,33 @@ def auto_bucket(prof: dict, w, devices: int, options=None) -> dict:
     hw = to_core(prof, devices)
     cpu = hw.devices[0].kind == "cpu"
     choice = P.choose_bucket(w, hw, devices, options or P.Options(), CPU_MAX_BUCKET_BYTES if cpu else 0.0)
-    return {"bucket_mb": choice.bucket_elems * 4 / 2 ** 20, "exposed_allreduce_ms": choice.exposed_comm_s * 1e3,
-            "allreduce_ms": choice.comm_s * 1e3, "reason": choice.reason + (
-                f" (CPU: capped below OpenMPI's >= 32 MB slow path)" if cpu else "")}
+    return {
+        "bucket_mb": choice.bucket_elems * 4 / 2**20,
+        "exposed_allreduce_ms": choice.exposed_comm_s * 1e3,
+        "allreduce_ms": choice.comm_s * 1e3,
+        "reason": choice.reason + (" (CPU: capped below OpenMPI's >= 32 MB slow path)" if cpu else ""),
+    }
 
 
-def recommend(*, model: Optional[str] = None, layers: Optional[Sequence[int]] = None, params: Optional[int] = None,
-              batch_size: int, devices: Optional[Sequence[int]] = None, profile=None, precision: str = "fp32",
-              optimizer: str = "adamw", bucket_mb="auto", memory_margin: float = MEMORY_MARGIN,
-              price_per_device_hour: float = 0.0, dropout: Optional[float] = None, grad_dtype: str = "fp32",
-              nodes: Optional[int] = None, cuda_graph: str = "auto", accumulate: int = 1) -> dict:
+def recommend(
+    *,
+    model: Optional[str] = None,
+    layers: Optional[Sequence[int]] = None,
+    params: Optional[int] = None,
+    batch_size: int,
+    devices: Optional[Sequence[int]] = None,
+    profile=None,
+    precision: str = "fp32",
+    optimizer: str = "adamw",
+    bucket_mb="auto",
+    memory_margin: float = MEMORY_MARGIN,
+    price_per_device_hour: float = 0.0,
+    dropout: Optional[float] = None,
+    grad_dtype: str = "fp32",
+    nodes: Optional[int] = None,
+    cuda_graph: str = "auto",
+    accumulate: int = 1,
+) -> dict:
     """Single device or several, how many, and why, for a model and global batch.
 
     profile: None/'auto', 'calibrated', a named profile, a JSON path, or a
@@ -113,9 +163,10 @@ def recommend(*, model: Optional[str] = None, layers: Optional[Sequence[int]] = 
     per node, plus nodes x that with `nodes`). cuda_graph: auto | on | off, as
     `train --cuda-graph` (captured steps cost less per kernel and allreduce after
     backward instead of during it). accumulate: micro-batches the global batch is
-    split into a step (train's step is --batch-size x --accumulate rows). bucket_mb: MB or 'auto' (default:
-    each multi-device candidate at the bucket the model prefers for it). Returns a dict: strategy (single_gpu | multi_gpu |
-    benchmark_required | does_not_fit), devices, candidates (per count:
+    split into a step (train's step is --batch-size x --accumulate rows). bucket_mb: MB or
+    'auto' (default: each multi-device candidate at the bucket the model prefers for it).
+    Returns a dict: strategy (single_gpu | multi_gpu | benchmark_required | does_not_fit),
+    devices, candidates (per count:
     predicted_step_ms, predicted_speedup, efficiency, memory_fits, ...),
     break_even_batch, reasons, confidence, roi, fallback, profile, bucket.
     """
@@ -126,8 +177,19 @@ def recommend(*, model: Optional[str] = None, layers: Optional[Sequence[int]] = 
     if optimizer not in ("sgd", "adamw"):
         raise ConfigError(f"unknown optimizer '{optimizer}' (expected sgd or adamw)")
     auto = bucket_mb == "auto"
-    w = build_workload(model, layers, params, batch_size, precision, optimizer, 4.0 if auto else bucket_mb, dropout,
-                  grad_dtype, cuda_graph, accumulate)
+    w = build_workload(
+        model,
+        layers,
+        params,
+        batch_size,
+        precision,
+        optimizer,
+        4.0 if auto else bucket_mb,
+        dropout,
+        grad_dtype,
+        cuda_graph,
+        accumulate,
+    )
     prof = profile if isinstance(profile, dict) else resolve_profile(profile, None)
     counts = _candidate_counts(prof, devices, nodes)
     if counts[0] < 1:
@@ -147,8 +209,9 @@ def recommend(*, model: Optional[str] = None, layers: Optional[Sequence[int]] = 
         raise ConfigError(f"profile '{hw.name}' has {len(hw.devices)} device(s); cannot predict {counts[-1]}")
     if any(d.kind == "cpu" for d in hw.devices) and (precision, grad_dtype) != ("fp32", "fp32"):  # as train refuses
         given = f"--precision {precision}" if precision != "fp32" else f"--grad-dtype {grad_dtype}"
-        raise ConfigError(f"{given}: profile '{hw.name}' is of CPUs, which compute and allreduce in fp32 "
-                          "(a GPU profile prices it)")
+        raise ConfigError(
+            f"{given}: profile '{hw.name}' is of CPUs, which compute and allreduce in fp32 (a GPU profile prices it)"
+        )
     # auto: every multi-device candidate at its own best bucket, so that e.g. a second
     # node is not judged at a bucket size chosen for one.
     options.choose_buckets = auto
@@ -162,53 +225,80 @@ def recommend(*, model: Optional[str] = None, layers: Optional[Sequence[int]] = 
     result = _as_dict(rec)
     if extrapolated:  # no measurement (named table or calibration) of that many nodes
         per_node = prof["gpus_per_node"]
-        result["reasons"].append(f"{counts[-1] // per_node} nodes extrapolated from the profile's "
-                                 f"{described // per_node}: more nodes of the same kind over the same inter-node "
-                                 "link, priced by its model")
+        result["reasons"].append(
+            f"{counts[-1] // per_node} nodes extrapolated from the profile's "
+            f"{described // per_node}: more nodes of the same kind over the same inter-node "
+            "link, priced by its model"
+        )
         result["confidence"] = min(result["confidence"], NAMED_CONFIDENCE)
     if multi and placement_moved_in(prof):
         readings = prof["placement"]["readings_ns"]
-        result["reasons"].append(f"the calibration saw the ranks' cores change cache domains (a cache line's round "
-                                 f"trip {min(readings):.0f}-{max(readings):.0f} ns), as a VM's vCPUs do when its "
-                                 "hypervisor moves them: a multi-rank wait after backward may be off by its own "
-                                 "size, and the error band widens by it")
+        result["reasons"].append(
+            f"the calibration saw the ranks' cores change cache domains (a cache line's round "
+            f"trip {min(readings):.0f}-{max(readings):.0f} ns), as a VM's vCPUs do when its "
+            "hypervisor moves them: a multi-rank wait after backward may be off by its own "
+            "size, and the error band widens by it"
+        )
         second = placement_profile(prof, "second")
         if second is not None:  # the same candidate (its bucket) with the cores held in either placement
-            at_its_bucket = build_workload(model, layers, params, batch_size, precision, optimizer,
-                                      fastest.bucket_elems * 4 / 2 ** 20, dropout, grad_dtype, cuda_graph, accumulate)
+            at_its_bucket = build_workload(
+                model,
+                layers,
+                params,
+                batch_size,
+                precision,
+                optimizer,
+                fastest.bucket_elems * 4 / 2**20,
+                dropout,
+                grad_dtype,
+                cuda_graph,
+                accumulate,
+            )
             options.choose_buckets = False
-            here, there = (P.predict(at_its_bucket, to_core(p, counts[-1]), fastest.devices, options).speedup
-                           for p in (placement_profile(prof, "first"), second))
+            here, there = (
+                P.predict(at_its_bucket, to_core(p, counts[-1]), fastest.devices, options).speedup
+                for p in (placement_profile(prof, "first"), second)
+            )
             here_ns, there_ns = prof["placement"]["wait_probe_ns"], second["placement"]["wait_probe_ns"]
             result["reasons"].append(
                 f"{fastest.devices} ranks: {here:.2f}x with the cores as the wait was first probed "
                 f"({min(here_ns):.0f}-{max(here_ns):.0f} ns), {there:.2f}x as it was probed again "
                 f"({min(there_ns):.0f}-{max(there_ns):.0f} ns); priced at {fastest.speedup:.2f}x, as "
-                f"{second_placement_share(prof):.0%} of topo's readings found them in the second placement")
+                f"{second_placement_share(prof):.0%} of topo's readings found them in the second placement"
+            )
     result["bucket"] = bucket
-    result["bucket_mb_used"] = (fastest.bucket_elems if fastest else w.bucket_elems) * 4 / 2 ** 20
+    result["bucket_mb_used"] = (fastest.bucket_elems if fastest else w.bucket_elems) * 4 / 2**20
     result["sources"] = prof.get("sources", [])
     result["gpu_emulation"] = profile_is_emulated(prof)
     if result["gpu_emulation"]:  # never mistakable for a real GPU's answer
-        result["reasons"].insert(0, "GPU EMULATION: this profile is of mgpu's emulated GPUs (the CPU running its "
-                                    "CUDA code), not of real ones; its times are not a GPU's, and neither is this "
-                                    "answer")
+        result["reasons"].insert(
+            0,
+            "GPU EMULATION: this profile is of mgpu's emulated GPUs (the CPU running its "
+            "CUDA code), not of real ones; its times are not a GPU's, and neither is this "
+            "answer",
+        )
     return result
 
 
 def format_recommendation(r: dict) -> str:
-    lines = [f"strategy: {r['strategy']}  (devices: {r['devices']}, confidence {r['confidence']:.0%}, "
-             f"profile: {r['profile']} [{r['profile_source']}])"]
+    lines = [
+        f"strategy: {r['strategy']}  (devices: {r['devices']}, confidence {r['confidence']:.0%}, "
+        f"profile: {r['profile']} [{r['profile_source']}])"
+    ]
     if r["candidates"]:
-        lines.append(f"{'devices':>7} {'step ms':>9} {'samples/s':>11} {'speedup':>8} {'effic.':>7} "
-                     f"{'allreduce ms':>13} {'exposed':>8} {'bucket MiB':>10} {'memory/dev':>11} {'fits':>5}")
+        lines.append(
+            f"{'devices':>7} {'step ms':>9} {'samples/s':>11} {'speedup':>8} {'effic.':>7} "
+            f"{'allreduce ms':>13} {'exposed':>8} {'bucket MiB':>10} {'memory/dev':>11} {'fits':>5}"
+        )
         for c in r["candidates"]:
             # 6 digits: 1024 MiB prints as such, not as 1.02e+03
             bucket = f"{c['bucket_mb']:>10.6g}" if c["devices"] > 1 and c.get("bucket_mb") else f"{'-':>10}"
-            lines.append(f"{c['devices']:>7} {c['predicted_step_ms']:>9.3f} {c['predicted_samples_per_sec']:>11,.0f} "
-                         f"{c['predicted_speedup']:>7.2f}x {c['efficiency']:>6.0%} {c['allreduce_ms']:>13.3f} "
-                         f"{c['exposed_allreduce_ms']:>8.3f} {bucket} {c['memory_bytes'] / 1e9:>9.2f}GB "
-                         f"{'yes' if c['memory_fits'] else 'NO':>5}")
+            lines.append(
+                f"{c['devices']:>7} {c['predicted_step_ms']:>9.3f} {c['predicted_samples_per_sec']:>11,.0f} "
+                f"{c['predicted_speedup']:>7.2f}x {c['efficiency']:>6.0%} {c['allreduce_ms']:>13.3f} "
+                f"{c['exposed_allreduce_ms']:>8.3f} {bucket} {c['memory_bytes'] / 1e9:>9.2f}GB "
+                f"{'yes' if c['memory_fits'] else 'NO':>5}"
+            )
     if r["break_even_batch"]:
         lines.append(f"break-even global batch: {r['break_even_batch']}")
     lines += [f"- {reason}" for reason in r["reasons"]]
@@ -216,6 +306,8 @@ def format_recommendation(r: dict) -> str:
         lines.append(f"ROI: {r['roi']}")
     if r.get("bucket"):
         b = r["bucket"]
-        lines.append(f"bucket: {b['bucket_mb']:g} MiB minimises the exposed allreduce ({b['reason']}); "
-                     f"`train --bucket-mb auto` uses it")
+        lines.append(
+            f"bucket: {b['bucket_mb']:g} MiB minimises the exposed allreduce ({b['reason']}); "
+            f"`train --bucket-mb auto` uses it"
+        )
     return "\n".join(lines)

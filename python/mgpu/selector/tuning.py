@@ -1,6 +1,7 @@
 """What `train` asks of the selector for its run: `--bucket-mb auto` and `--batch-shares
 auto`, priced on this machine's calibration for train's whole step.
 """
+
 from __future__ import annotations
 
 import os
@@ -16,8 +17,10 @@ def calibrated_kind_differs(profile, ranks: int, device: str):
     (a CPU calibration says nothing of NCCL on GPUs, nor the reverse), or None."""
     kinds = sorted({d.get("kind", "cuda") for d in profile["devices"][:ranks]})
     if kinds != [device]:
-        return (f"the calibration measured {'/'.join(kinds)} devices, this job runs on {device} "
-                f"(calibrate with `mgpu topo --device {device}` under the job's launcher)")
+        return (
+            f"the calibration measured {'/'.join(kinds)} devices, this job runs on {device} "
+            f"(calibrate with `mgpu topo --device {device}` under the job's launcher)"
+        )
     return emulation_mismatch(profile, device)
 
 
@@ -38,8 +41,19 @@ def auto_bucket_mb(cfg, pg, sizes, device: str) -> tuple:
     if differs:
         return 4.0, f"bucket 4 MB: {differs}"
     # a step of train's: --accumulate micro-batches of --batch-size each
-    w = build_workload(None, sizes, None, cfg.batch_size * cfg.accumulate, cfg.precision, cfg.optimizer, 4.0,
-                       cfg.effective_dropout(), cfg.grad_dtype, cfg.cuda_graph, cfg.accumulate)
+    w = build_workload(
+        None,
+        sizes,
+        None,
+        cfg.batch_size * cfg.accumulate,
+        cfg.precision,
+        cfg.optimizer,
+        4.0,
+        cfg.effective_dropout(),
+        cfg.grad_dtype,
+        cfg.cuda_graph,
+        cfg.accumulate,
+    )
     b = recommend.auto_bucket(profile, w, pg.size)
     return b["bucket_mb"], f"bucket {b['bucket_mb']:g} MiB (auto): {b['reason']}"
 
@@ -49,16 +63,31 @@ def auto_batch_shares(cfg, pg, sizes, device: str) -> list:
     rank's share in proportion to its device's predicted speed (seed 000's unequal GPUs)."""
     path = profiles.default_profile_path()
     if not os.path.exists(path):
-        raise ConfigError("--batch-shares auto needs a calibration of this machine: run "
-                          f"`mpirun -np {pg.size} python -m mgpu topo` first")
+        raise ConfigError(
+            "--batch-shares auto needs a calibration of this machine: run "
+            f"`mpirun -np {pg.size} python -m mgpu topo` first"
+        )
     profile = profiles.load_profile(path)
     if len(profile["devices"]) != pg.size:
-        raise ConfigError(f"--batch-shares auto: the calibration at {path} has {len(profile['devices'])} "
-                          f"device(s) but this job has {pg.size} ranks; rerun `mgpu topo` with {pg.size} ranks")
+        raise ConfigError(
+            f"--batch-shares auto: the calibration at {path} has {len(profile['devices'])} "
+            f"device(s) but this job has {pg.size} ranks; rerun `mgpu topo` with {pg.size} ranks"
+        )
     differs = calibrated_kind_differs(profile, pg.size, device)
     if differs:
         raise ConfigError(f"--batch-shares auto: {differs}")
-    w = build_workload(None, sizes, None, cfg.batch_size * cfg.accumulate, cfg.precision, cfg.optimizer,
-                       cfg.bucket_mb, cfg.effective_dropout(), cfg.grad_dtype, cfg.cuda_graph, cfg.accumulate)
+    w = build_workload(
+        None,
+        sizes,
+        None,
+        cfg.batch_size * cfg.accumulate,
+        cfg.precision,
+        cfg.optimizer,
+        cfg.bucket_mb,
+        cfg.effective_dropout(),
+        cfg.grad_dtype,
+        cfg.cuda_graph,
+        cfg.accumulate,
+    )
     prediction = profiles.P.predict(w, profiles.to_core(profile), pg.size, profiles.P.Options())
     return [float(s) for s in prediction.batch_shares]

@@ -2,6 +2,7 @@
 or a parameter count, batch, precision, optimizer, bucket, dropout, gradient dtype, CUDA
 graphs and accumulation, each checked with a one-line ConfigError.
 """
+
 from __future__ import annotations
 
 import operator
@@ -16,15 +17,25 @@ P = _core.perf
 
 
 # --- the selector --------------------------------------------------------------------
-def build_workload(model: Optional[str], layers: Optional[Sequence[int]], params: Optional[int], batch_size: int,
-              precision: str, optimizer: str, bucket_mb: float, dropout: Optional[float] = None,
-              grad_dtype: str = "fp32", cuda_graph: str = "auto", accumulate: int = 1):
+def build_workload(
+    model: Optional[str],
+    layers: Optional[Sequence[int]],
+    params: Optional[int],
+    batch_size: int,
+    precision: str,
+    optimizer: str,
+    bucket_mb: float,
+    dropout: Optional[float] = None,
+    grad_dtype: str = "fp32",
+    cuda_graph: str = "auto",
+    accumulate: int = 1,
+):
     w = P.Workload()
     try:
         k = operator.index(accumulate) if not isinstance(accumulate, bool) else None
     except TypeError:
         k = None
-    if k is None or not 1 <= k <= 2 ** 62:
+    if k is None or not 1 <= k <= 2**62:
         raise ConfigError(f"micro-batches per step (accumulate) must be an integer in 1..2^62, got {accumulate!r}")
     w.accumulate = k
     if grad_dtype not in GRAD_DTYPES:

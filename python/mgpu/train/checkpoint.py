@@ -9,6 +9,7 @@ Format (version 1): an .npz archive read with allow_pickle=False holding
 Writes are atomic (temporary file in the same directory, fsync, rename, fsync of
 the directory), so a crash or full disk leaves the previous checkpoint intact.
 """
+
 from __future__ import annotations
 
 import errno
@@ -97,8 +98,7 @@ def save_checkpoint(directory: str, step: int, arrays: dict, meta: dict, keep: i
     On any failure the temporary file is removed, earlier checkpoints are left
     as they were, and CheckpointError says why.
     """
-    meta = dict(meta, format=FORMAT, version=VERSION,
-                checksums={k: _digest(v) for k, v in arrays.items()})
+    meta = dict(meta, format=FORMAT, version=VERSION, checksums={k: _digest(v) for k, v in arrays.items()})
     payload = dict(arrays, meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8))
     path = os.path.join(directory, checkpoint_name(step))
     try:
@@ -154,8 +154,9 @@ def load_checkpoint(path: str) -> tuple:
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise CheckpointError(f"'{path}' is not an mgpu checkpoint")
     if meta.get("version") != VERSION:
-        raise CheckpointError(f"checkpoint '{path}' has format version {meta.get('version')}; "
-                              f"this mgpu reads version {VERSION}")
+        raise CheckpointError(
+            f"checkpoint '{path}' has format version {meta.get('version')}; this mgpu reads version {VERSION}"
+        )
     checksums = meta.get("checksums", {})
     if set(checksums) != set(arrays):
         raise CheckpointError(f"checkpoint '{path}' is incomplete (arrays do not match its metadata)")
@@ -179,7 +180,10 @@ def check_compatible(meta: dict, expected: dict, path: str) -> None:
             continue
         if saved.get(key) != value:
             if key == "dataset_sha256":
-                raise CheckpointError(f"checkpoint '{path}' does not fit this run: its dataset held other samples "
-                                      f"than {expected.get('dataset', 'this one')!r} holds here")
-            raise CheckpointError(f"checkpoint '{path}' does not fit this run: {key} is "
-                                  f"{saved.get(key)!r} there but {value!r} here")
+                raise CheckpointError(
+                    f"checkpoint '{path}' does not fit this run: its dataset held other samples "
+                    f"than {expected.get('dataset', 'this one')!r} holds here"
+                )
+            raise CheckpointError(
+                f"checkpoint '{path}' does not fit this run: {key} is {saved.get(key)!r} there but {value!r} here"
+            )

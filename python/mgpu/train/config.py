@@ -3,6 +3,7 @@
 Every check happens at construction, identically on every rank, so bad
 values fail fast with one clear message and never inside a collective.
 """
+
 from __future__ import annotations
 
 import math
@@ -17,7 +18,7 @@ from .schedule import SCHEDULES, LRSchedule
 class ModelPreset:
     hidden: tuple
     dropout: float
-    in_features: Optional[int] = None   # None: taken from the dataset
+    in_features: Optional[int] = None  # None: taken from the dataset
     out_features: Optional[int] = None
 
 
@@ -26,8 +27,7 @@ class ModelPreset:
 PRESETS = {
     "medium": ModelPreset(hidden=(256, 128, 64), dropout=0.2),
     "large": ModelPreset(hidden=(1024, 1024, 512, 512, 256), dropout=0.3),
-    "xl": ModelPreset(hidden=(8192, 6144, 4096, 2048, 1024), dropout=0.0, in_features=4096,
-                      out_features=512),
+    "xl": ModelPreset(hidden=(8192, 6144, 4096, 2048, 1024), dropout=0.0, in_features=4096, out_features=512),
 }
 
 OPTIMIZERS = ("sgd", "adamw")
@@ -49,39 +49,39 @@ class TrainConfig:
     """Everything a training run needs. `model` (a preset) or `layers` picks the network."""
 
     model: Optional[str] = "medium"
-    layers: Optional[list] = None       # [in, hidden..., out]; overrides model
-    dataset: str = "synthetic"          # synthetic | digits | PATH.npz
-    batch_size: int = 256               # global, across all ranks
+    layers: Optional[list] = None  # [in, hidden..., out]; overrides model
+    dataset: str = "synthetic"  # synthetic | digits | PATH.npz
+    batch_size: int = 256  # global, across all ranks
     epochs: Optional[int] = 5
-    steps: Optional[int] = None         # total steps; overrides epochs
+    steps: Optional[int] = None  # total steps; overrides epochs
     lr: float = 0.01
     optimizer: str = "sgd"
     momentum: float = 0.9
     weight_decay: float = 0.0
-    loss: Optional[str] = None          # default: mse (regression) / cross_entropy (classification)
-    dropout: Optional[float] = None     # default: the preset's, 0 with --layers
+    loss: Optional[str] = None  # default: mse (regression) / cross_entropy (classification)
+    dropout: Optional[float] = None  # default: the preset's, 0 with --layers
     seed: int = 0
     device: str = "auto"
-    threads: Optional[int] = None       # per rank; default: node cores / ranks on the node
+    threads: Optional[int] = None  # per rank; default: node cores / ranks on the node
     bucket_mb: float = 4.0
     overlap: bool = True
     val_fraction: float = 0.2
-    accumulate: int = 1                 # micro-batches per step (gradient accumulation)
-    max_grad_norm: float = 0.0          # global-norm clipping; 0: off
-    lr_schedule: str = "constant"       # constant | step | cosine
+    accumulate: int = 1  # micro-batches per step (gradient accumulation)
+    max_grad_norm: float = 0.0  # global-norm clipping; 0: off
+    lr_schedule: str = "constant"  # constant | step | cosine
     warmup_steps: int = 0
-    lr_step_size: int = 1000            # step schedule
-    lr_gamma: float = 0.1               # step schedule
-    min_lr: float = 0.0                 # cosine schedule
+    lr_step_size: int = 1000  # step schedule
+    lr_gamma: float = 0.1  # step schedule
+    min_lr: float = 0.0  # cosine schedule
     checkpoint_dir: Optional[str] = None
-    checkpoint_every: int = 0           # steps; 0: at the end and on stop requests only
+    checkpoint_every: int = 0  # steps; 0: at the end and on stop requests only
     keep_checkpoints: int = 3
-    watchdog_timeout: float = 300.0     # seconds a collective may wait for a peer; 0: forever
-    max_bad_steps: int = 3              # consecutive non-finite steps before stopping
-    precision: str = "fp32"             # fp32 | tf32 | bf16 | fp16 (GPU; fp16 with dynamic loss scaling)
-    grad_dtype: str = "fp32"            # fp32 | bf16 | fp16: gradients allreduced in half (NCCL)
-    comm: str = "auto"                  # auto (NCCL between GPUs, else MPI) | nccl | mpi (host-staged)
-    cuda_graph: str = "auto"            # auto (small models on GPUs) | on | off: replay steps as CUDA graphs
+    watchdog_timeout: float = 300.0  # seconds a collective may wait for a peer; 0: forever
+    max_bad_steps: int = 3  # consecutive non-finite steps before stopping
+    precision: str = "fp32"  # fp32 | tf32 | bf16 | fp16 (GPU; fp16 with dynamic loss scaling)
+    grad_dtype: str = "fp32"  # fp32 | bf16 | fp16: gradients allreduced in half (NCCL)
+    comm: str = "auto"  # auto (NCCL between GPUs, else MPI) | nccl | mpi (host-staged)
+    cuda_graph: str = "auto"  # auto (small models on GPUs) | on | off: replay steps as CUDA graphs
 
     def __post_init__(self):
         self.validate()
@@ -108,8 +108,10 @@ class TrainConfig:
         if not _is_int(self.batch_size) or self.batch_size < 1:
             fail(f"batch size must be an integer >= 1, got {self.batch_size}")
         if self.batch_size < world_size:
-            fail(f"global batch size {self.batch_size} is smaller than the number of ranks "
-                 f"({world_size}): every rank needs at least one sample")
+            fail(
+                f"global batch size {self.batch_size} is smaller than the number of ranks "
+                f"({world_size}): every rank needs at least one sample"
+            )
         if self.steps is not None:
             if not _is_int(self.steps) or self.steps < 1:
                 fail(f"steps must be an integer >= 1, got {self.steps}")
@@ -135,7 +137,7 @@ class TrainConfig:
             fail(f"bucket size must be > 0 MB, got {self.bucket_mb}")
         if not (0 < self.val_fraction < 1):
             fail(f"validation fraction must be in (0, 1), got {self.val_fraction}")
-        if not _is_int(self.seed) or not 0 <= self.seed < 2 ** 64:  # the core's seed is a uint64
+        if not _is_int(self.seed) or not 0 <= self.seed < 2**64:  # the core's seed is a uint64
             fail(f"seed must be an integer in 0..2^64-1, got {self.seed}")
         if not _is_int(self.accumulate) or self.accumulate < 1:
             fail(f"accumulation steps must be an integer >= 1, got {self.accumulate}")
@@ -192,23 +194,20 @@ class TrainConfig:
         if self.layers is not None:
             sizes = list(self.layers)
             if sizes[0] != in_features:
-                raise ConfigError(f"layers start with {sizes[0]} inputs but the dataset has "
-                                  f"{in_features} features")
+                raise ConfigError(f"layers start with {sizes[0]} inputs but the dataset has {in_features} features")
             if sizes[-1] != out_features:
-                raise ConfigError(f"layers end with {sizes[-1]} outputs but the dataset needs "
-                                  f"{out_features}")
+                raise ConfigError(f"layers end with {sizes[-1]} outputs but the dataset needs {out_features}")
             return sizes
         p = self.preset
-        for fixed, actual, what in ((p.in_features, in_features, "inputs"),
-                                    (p.out_features, out_features, "outputs")):
+        for fixed, actual, what in ((p.in_features, in_features, "inputs"), (p.out_features, out_features, "outputs")):
             if fixed is not None and fixed != actual:
-                raise ConfigError(f"preset '{self.model}' has {fixed} {what} but the dataset "
-                                  f"needs {actual}")
+                raise ConfigError(f"preset '{self.model}' has {fixed} {what} but the dataset needs {actual}")
         return [in_features, *p.hidden, out_features]
 
     def schedule(self, total_steps: int) -> LRSchedule:
-        return LRSchedule(self.lr, self.lr_schedule, self.warmup_steps, self.lr_step_size, self.lr_gamma,
-                          total_steps, self.min_lr)
+        return LRSchedule(
+            self.lr, self.lr_schedule, self.warmup_steps, self.lr_step_size, self.lr_gamma, total_steps, self.min_lr
+        )
 
     def bucket_elems(self) -> int:
         return max(1, int(self.bucket_mb * (1 << 20) / 4))

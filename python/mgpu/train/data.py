@@ -8,6 +8,7 @@ on the number of ranks; each rank takes a contiguous share of that global
 batch. Together with exact gradient averaging this makes N ranks train the
 same model as one.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -20,14 +21,14 @@ import numpy as np
 
 from ..errors import ConfigError, DataError
 
-MAX_CLASSES = 2 ** 31 - 1  # class labels: the output layer's width is an int32 in the core
+MAX_CLASSES = 2**31 - 1  # class labels: the output layer's width is an int32 in the core
 
 
 @dataclass
 class Dataset:
     name: str
-    x_train: np.ndarray   # (n, in) float32
-    y_train: np.ndarray   # (n, out) float32 (regression) or (n,) int64 (classification)
+    x_train: np.ndarray  # (n, in) float32
+    y_train: np.ndarray  # (n, out) float32 (regression) or (n,) int64 (classification)
     x_val: np.ndarray
     y_val: np.ndarray
     num_classes: Optional[int] = None  # set for classification
@@ -59,8 +60,7 @@ class Dataset:
         return h.hexdigest()
 
 
-def synthetic_regression(n: int = 10000, in_features: int = 50, out_features: int = 3,
-                         seed: int = 42) -> tuple:
+def synthetic_regression(n: int = 10000, in_features: int = 50, out_features: int = 3, seed: int = 42) -> tuple:
     """Seed 001's benchmark set (n x 50 standard-normal features, 3 targets, seed 42).
 
     The seed draws targets as pure noise, which no model can learn; here they
@@ -99,8 +99,9 @@ def _read_npz(path: str) -> dict:
     except (OSError, ValueError, EOFError, zipfile.BadZipFile, KeyError) as e:  # the archive or a member corrupt
         raise DataError(f"cannot read dataset '{path}' ({type(e).__name__}: {e})") from None
     if arrays is None:
-        raise DataError(f"dataset '{path}' is not an .npz archive (a single .npy array?): save x and y with "
-                        "numpy.savez")
+        raise DataError(
+            f"dataset '{path}' is not an .npz archive (a single .npy array?): save x and y with numpy.savez"
+        )
     return arrays
 
 
@@ -109,13 +110,11 @@ def _check_arrays(name: str, x, y) -> tuple:
     x = np.asarray(x)
     y = np.asarray(y)
     if x.dtype.kind not in "fiu" or x.ndim != 2:
-        raise DataError(f"{name}: x must be a 2-D numeric array (samples, features), got "
-                        f"{x.ndim}-D {x.dtype}")
+        raise DataError(f"{name}: x must be a 2-D numeric array (samples, features), got {x.ndim}-D {x.dtype}")
     if x.shape[0] == 0 or x.shape[1] == 0:
         raise DataError(f"{name}: dataset is empty (x has shape {x.shape})")
     if y.shape[:1] != x.shape[:1]:
-        raise DataError(f"{name}: x has {x.shape[0]} samples but y has "
-                        f"{y.shape[0] if y.ndim else 0}")
+        raise DataError(f"{name}: x has {x.shape[0]} samples but y has {y.shape[0] if y.ndim else 0}")
     x = x.astype(np.float32, copy=False)
     if not np.isfinite(x).all():
         raise DataError(f"{name}: x contains NaN or Inf")
@@ -123,8 +122,9 @@ def _check_arrays(name: str, x, y) -> tuple:
         if y.min() < 0:
             raise DataError(f"{name}: class labels must be >= 0, found {int(y.min())}")
         if int(y.max()) >= MAX_CLASSES:  # the output layer has a unit per class (and uint64 2**63 would wrap)
-            raise DataError(f"{name}: class labels must be < {MAX_CLASSES:,} (one output unit each), "
-                            f"found {int(y.max())}")
+            raise DataError(
+                f"{name}: class labels must be < {MAX_CLASSES:,} (one output unit each), found {int(y.max())}"
+            )
         return x, y.astype(np.int64), int(y.max()) + 1
     if y.dtype.kind == "b" or y.dtype.kind not in "fiu":
         raise DataError(f"{name}: y must be integer class labels (1-D) or float targets, got {y.dtype}")
@@ -146,8 +146,15 @@ def _split(x, y, val_fraction: float, seed: int) -> tuple:
     return x[train], y[train], x[val], y[val]
 
 
-def load_dataset(spec: str, *, in_features: Optional[int] = None, out_features: Optional[int] = None,
-                 val_fraction: float = 0.2, seed: int = 42, samples: Optional[int] = None) -> Dataset:
+def load_dataset(
+    spec: str,
+    *,
+    in_features: Optional[int] = None,
+    out_features: Optional[int] = None,
+    val_fraction: float = 0.2,
+    seed: int = 42,
+    samples: Optional[int] = None,
+) -> Dataset:
     """'synthetic' (sized to in/out_features when given), 'digits', or a .npz path."""
     if spec == "synthetic":
         x, y = synthetic_regression(samples or 10000, in_features or 50, out_features or 3)
@@ -182,11 +189,11 @@ def check_dataset_fits(ds: Dataset, sizes: Sequence[int]) -> None:
     if ds.in_features != sizes[0]:
         raise DataError(f"dataset '{ds.name}' has {ds.in_features} features but the model expects {sizes[0]}")
     if ds.num_classes is not None and ds.num_classes > sizes[-1]:
-        raise DataError(f"dataset '{ds.name}' has labels up to {ds.num_classes - 1} but the model has "
-                        f"{sizes[-1]} outputs")
+        raise DataError(
+            f"dataset '{ds.name}' has labels up to {ds.num_classes - 1} but the model has {sizes[-1]} outputs"
+        )
     if ds.num_classes is None and ds.y_train.shape[1] != sizes[-1]:
-        raise DataError(f"dataset '{ds.name}' has {ds.y_train.shape[1]} targets but the model has "
-                        f"{sizes[-1]} outputs")
+        raise DataError(f"dataset '{ds.name}' has {ds.y_train.shape[1]} targets but the model has {sizes[-1]} outputs")
 
 
 def split_counts(total: int, world: int, shares: Optional[Sequence[float]] = None) -> list:
@@ -223,7 +230,7 @@ class GlobalBatches:
     def epoch(self, epoch: int) -> Iterator[np.ndarray]:
         order = np.random.default_rng([self.seed, epoch]).permutation(self.n)
         for start in range(0, self.n, self.batch_size):
-            yield order[start:start + self.batch_size]
+            yield order[start : start + self.batch_size]
 
 
 def local_slice(global_rows: int, rank: int, world: int, shares=None) -> slice:

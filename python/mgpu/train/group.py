@@ -4,14 +4,14 @@ transports share (device choice, the core communicator and its NCCL factory, agr
 on errors). ProcessGroup (process_group.py) is ranks as MPI processes; ThreadGroup
 (thread_group.py) is ranks as threads of one process, one GPU each.
 """
+
 from __future__ import annotations
 
 import os
 import re
 from typing import Any, Callable, Optional, Protocol
 
-from .._runtime import _core
-from .._runtime import gpus_emulated
+from .._runtime import _core, gpus_emulated
 from ..errors import ConfigError
 from ..hostinfo import cuda_device_count, no_gpu_reason
 
@@ -23,7 +23,7 @@ class Group(Protocol):
 
     rank: int
     size: int
-    local_rank: int      # among the ranks on this host
+    local_rank: int  # among the ranks on this host
     local_size: int
     timeout: float
 
@@ -95,8 +95,10 @@ class GroupBase:
     def _nccl_device(self, device_index: Optional[int]) -> int:
         """This rank's GPU for NCCL (ConfigError when the build has no NCCL)."""
         if not hasattr(_core, "NcclCommunicator"):
-            raise ConfigError("communicator 'nccl' requested, but this build of mgpu has no NCCL "
-                              "(built without the CUDA toolkit or NCCL); use --comm mpi")
+            raise ConfigError(
+                "communicator 'nccl' requested, but this build of mgpu has no NCCL "
+                "(built without the CUDA toolkit or NCCL); use --comm mpi"
+            )
         return self.resolve_device("cuda")[1] if device_index is None else device_index
 
     def close(self) -> None:
@@ -123,11 +125,12 @@ class GroupBase:
         if device == "cpu":
             return "cpu", 0
         if not _core.build_info()["cuda"]["backend"]:
-            raise ConfigError("device 'cuda' requested, but this build of mgpu has no CUDA backend "
-                              "(built without the CUDA toolkit); use --device cpu")
+            raise ConfigError(
+                "device 'cuda' requested, but this build of mgpu has no CUDA backend "
+                "(built without the CUDA toolkit); use --device cpu"
+            )
         if gpus == 0:
-            raise ConfigError(f"device 'cuda' requested, but no GPU is visible ({no_gpu_reason()}); "
-                              "use --device cpu")
+            raise ConfigError(f"device 'cuda' requested, but no GPU is visible ({no_gpu_reason()}); use --device cpu")
         return "cuda", self.local_rank % gpus
 
     def name_hosts(self, message: str) -> str:
@@ -140,6 +143,7 @@ class GroupBase:
 
     def _nccl_communicator(self, device_index: Optional[int]) -> "_core.Communicator":
         raise NotImplementedError  # a transport's own
+
 
 def error_report(error: Optional[BaseException]):
     """What agree() tells the other ranks of this rank's error (None: no error)."""
@@ -206,8 +210,10 @@ def raise_if_gpu_shared(seen: list, ranks: str = "ranks") -> None:
         raise ConfigError(
             f"{len(seen)} {ranks_word} share {len(set(seen))} GPU(s), but NCCL {version} allows one rank per "
             f"GPU (it fails with 'duplicate GPU'); run at most one {ranks[:-1]} per GPU, {instead}, or use "
-            "NCCL >= 2.30 with NCCL_MULTI_RANK_GPU_ENABLE=1")
+            "NCCL >= 2.30 with NCCL_MULTI_RANK_GPU_ENABLE=1"
+        )
     if os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE") != "1":
         raise ConfigError(
             f"{len(seen)} {ranks_word} share {len(set(seen))} GPU(s): set NCCL_MULTI_RANK_GPU_ENABLE=1 "
-            f"(NCCL {version}) to let NCCL run several ranks on one GPU, or {instead}")
+            f"(NCCL {version}) to let NCCL run several ranks on one GPU, or {instead}"
+        )

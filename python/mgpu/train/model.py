@@ -3,6 +3,7 @@
 Parameters and gradients are lists [W0 (out, in), b0 (out,), W1, b1, ...]
 of float32 arrays (copies of the core's flat buffers).
 """
+
 from __future__ import annotations
 
 import os
@@ -23,9 +24,17 @@ class MLP:
     every rank and every backend.
     """
 
-    def __init__(self, layers: Sequence[int], *, seed: int = 0, dropout: float = 0.0,
-                 device: str = "cpu", device_index: int = 0, threads: Optional[int] = None,
-                 precision: str = "fp32"):
+    def __init__(
+        self,
+        layers: Sequence[int],
+        *,
+        seed: int = 0,
+        dropout: float = 0.0,
+        device: str = "cpu",
+        device_index: int = 0,
+        threads: Optional[int] = None,
+        precision: str = "fp32",
+    ):
         layers = list(layers)
         if len(layers) < 2 or not all(isinstance(s, (int, np.integer)) and s >= 1 for s in layers):
             raise ConfigError(f"layers must be >= 2 positive integers [in, hidden..., out], got {layers}")
@@ -66,7 +75,7 @@ class MLP:
         out = []
         for (w_off, b_off), (w_shape, b_shape) in zip(self._offsets, self._shapes()):
             out.append(flat[w_off:b_off].reshape(w_shape))
-            out.append(flat[b_off:b_off + b_shape[0]])
+            out.append(flat[b_off : b_off + b_shape[0]])
         return out
 
     def get_parameters(self) -> list:

@@ -22,6 +22,7 @@ clock_offsets), at the start and again at the end, and the trace moves each rank
 events onto rank 0's clock (the offset interpolated between the two measurements, for
 drift). The barrier alone leaves its exit skew: milliseconds on an oversubscribed host.
 """
+
 from __future__ import annotations
 
 import json
@@ -36,13 +37,28 @@ from ..atomic import write_json_atomic
 from ..errors import ConfigError
 
 # One row per step and rank (float64): what the gather moves and the outputs read.
-FIELDS = ("step", "epoch", "t_begin", "t_call", "t_end", "forward", "backward", "comm_wait", "optimizer",
-          "total", "loss", "grad_norm", "loss_scale", "applied", "rows")
+FIELDS = (
+    "step",
+    "epoch",
+    "t_begin",
+    "t_call",
+    "t_end",
+    "forward",
+    "backward",
+    "comm_wait",
+    "optimizer",
+    "total",
+    "loss",
+    "grad_norm",
+    "loss_scale",
+    "applied",
+    "rows",
+)
 _COL = {name: i for i, name in enumerate(FIELDS)}
 # The phases a step's time is split into, in the order they run, as the trace names them.
 PHASES = ("forward", "backward", "comm_wait", "optimizer")
 ALLREDUCE_TID = 1  # each rank's second lane: its gradient buckets' allreduces
-DEVICE_TID = 2     # a GPU rank's third lane: the core's spans, from CUDA events on its compute stream
+DEVICE_TID = 2  # a GPU rank's third lane: the core's spans, from CUDA events on its compute stream
 DEFAULT_TRACE_STEPS = (0, 200)  # --trace without --trace-steps: a bounded file
 STRAGGLER_MIN_STEPS = 5  # fewer steps than this in a window: too few to call anyone slow
 
@@ -51,6 +67,7 @@ def parse_step_range(text: str) -> tuple:
     """argparse type for --trace-steps: A:B, the steps A <= step < B (0-based, as the log
     numbers them); A: for every step from A on."""
     import argparse
+
     a, sep, b = text.partition(":")
     try:
         if not sep:
@@ -69,8 +86,9 @@ def import_summary_writer():
     try:
         from tensorboardX import SummaryWriter
     except ImportError as e:
-        raise ConfigError(f"--tensorboard needs the tensorboardX package ({e}): "
-                          f"pip install tensorboardX tensorboard") from None
+        raise ConfigError(
+            f"--tensorboard needs the tensorboardX package ({e}): pip install tensorboardX tensorboard"
+        ) from None
     return SummaryWriter
 
 
@@ -96,9 +114,15 @@ def find_straggler(rows: np.ndarray, size: int, threshold: float) -> Optional[di
     others = {name: float(np.median([p[name] for r, (_, p) in per_rank.items() if r != slow])) for name in phases}
     phase = max(phases, key=lambda name: phases[name] - others[name])
     steps = rows[:, _COL["step"]]
-    return {"rank": slow, "slower_by": busy / typical - 1, "busy_seconds": busy, "median_rank_seconds": typical,
-            "phase": phase, "phase_excess_seconds": phases[phase] - others[phase],
-            "steps": [int(steps.min()), int(steps.max())]}
+    return {
+        "rank": slow,
+        "slower_by": busy / typical - 1,
+        "busy_seconds": busy,
+        "median_rank_seconds": typical,
+        "phase": phase,
+        "phase_excess_seconds": phases[phase] - others[phase],
+        "steps": [int(steps.min()), int(steps.max())],
+    }
 
 
 class Observer:
@@ -107,10 +131,21 @@ class Observer:
     start/flush/close are collective (every rank calls them at the same steps: the
     schedule depends only on the step number); on_step and span are local."""
 
-    def __init__(self, pg, *, trace: Optional[str] = None, trace_steps: tuple = (0, None),
-                 log_json: Optional[str] = None, tensorboard: Optional[str] = None, every: int = 50,
-                 straggler_threshold: float = 0.0, emulated: bool = False, run_info: Optional[dict] = None,
-                 telemetry=None, device_clock: bool = False):
+    def __init__(
+        self,
+        pg,
+        *,
+        trace: Optional[str] = None,
+        trace_steps: tuple = (0, None),
+        log_json: Optional[str] = None,
+        tensorboard: Optional[str] = None,
+        every: int = 50,
+        straggler_threshold: float = 0.0,
+        emulated: bool = False,
+        run_info: Optional[dict] = None,
+        telemetry=None,
+        device_clock: bool = False,
+    ):
         if not isinstance(every, int) or every < 1:
             raise ConfigError(f"steps between gathers must be an integer >= 1, got {every}")
         self.pg = pg
@@ -118,23 +153,23 @@ class Observer:
         self.every, self.straggler_threshold, self.emulated = every, straggler_threshold, emulated
         self.device_clock = device_clock  # the core's spans are a device's (CUDA events): a lane of their own
         self.run_info = dict(run_info or {})
-        self._rows: list = []             # this rank's step records since the last gather
-        self._spans: list = []            # this rank's other spans (validation, checkpoints) since then
-        self._buckets: list = []          # this rank's bucket allreduces of traced steps since then
-        self._core_spans: list = []       # this rank's core spans (StepResult.spans) of traced steps since then
-        self._core_clock = 0.0            # this rank's origin on the core's clock (_core.steady_seconds)
-        self.clock_offsets: list = []     # rank 0: [(start, end)] per rank of (offset, uncertainty, when)
+        self._rows: list = []  # this rank's step records since the last gather
+        self._spans: list = []  # this rank's other spans (validation, checkpoints) since then
+        self._buckets: list = []  # this rank's bucket allreduces of traced steps since then
+        self._core_spans: list = []  # this rank's core spans (StepResult.spans) of traced steps since then
+        self._core_clock = 0.0  # this rank's origin on the core's clock (_core.steady_seconds)
+        self.clock_offsets: list = []  # rank 0: [(start, end)] per rank of (offset, uncertainty, when)
         self._offsets_at_start: list = []
-        self._trace_events: list = []     # rank 0: every rank's events of the traced steps
+        self._trace_events: list = []  # rank 0: every rank's events of the traced steps
         self._log = None
         self._writer = None
-        self._scalars: list = []          # rank 0: step scalars not yet handed to the writer
-        self.stragglers: list = []        # rank 0: what the straggler check found, window by window
+        self._scalars: list = []  # rank 0: step scalars not yet handed to the writer
+        self.stragglers: list = []  # rank 0: what the straggler check found, window by window
         self.skipped_steps = 0
         self.origin = 0.0
-        self.on_straggler = None          # rank 0: called with each window's finding or None (Trainer)
-        self.telemetry = telemetry        # a monitor.training.TrainTelemetry (train --telemetry) or None
-        self.telemetry_files: list = []   # rank 0: what it wrote at close
+        self.on_straggler = None  # rank 0: called with each window's finding or None (Trainer)
+        self.telemetry = telemetry  # a monitor.training.TrainTelemetry (train --telemetry) or None
+        self.telemetry_files: list = []  # rank 0: what it wrote at close
 
     @property
     def gathers(self) -> bool:
@@ -157,8 +192,12 @@ class Observer:
             self.telemetry.start()
         if not self.pg.is_root:
             return
-        self.run_info.update(origin_unix_time=time.time(), world_size=self.pg.size, gpu_emulation=self.emulated,
-                             start_step=trainer.global_step)
+        self.run_info.update(
+            origin_unix_time=time.time(),
+            world_size=self.pg.size,
+            gpu_emulation=self.emulated,
+            start_step=trainer.global_step,
+        )
         if self.log_json:
             # Appended to, never truncated: a resumed job continues its own log.
             self._log = open(self.log_json, "a", buffering=1)
@@ -183,15 +222,24 @@ class Observer:
         if self._log is not None:
             for row in table[np.lexsort((table[:, -1], table[:, 0]))]:
                 rec = {name: float(row[i]) for i, name in enumerate(FIELDS)}
-                self.log("step", step=int(rec["step"]), epoch=int(rec["epoch"]), rank=int(row[-1]),
-                         loss=rec["loss"], applied=bool(rec["applied"]), rows=int(rec["rows"]),
-                         times={"data": rec["t_call"] - rec["t_begin"],
-                                **{k: rec[k] for k in PHASES}, "step": rec["t_end"] - rec["t_begin"]})
+                self.log(
+                    "step",
+                    step=int(rec["step"]),
+                    epoch=int(rec["epoch"]),
+                    rank=int(row[-1]),
+                    loss=rec["loss"],
+                    applied=bool(rec["applied"]),
+                    rows=int(rec["rows"]),
+                    times={
+                        "data": rec["t_call"] - rec["t_begin"],
+                        **{k: rec[k] for k in PHASES},
+                        "step": rec["t_end"] - rec["t_begin"],
+                    },
+                )
         if self.trace:
             lane = DEVICE_TID if self.device_clock else 0
             for rank, (r, spans, buckets, core) in enumerate(everyone):
-                self._trace_events += [e for row in r if self._traced(int(row[0]))
-                                       for e in _step_events(row, rank)]
+                self._trace_events += [e for row in r if self._traced(int(row[0])) for e in _step_events(row, rank)]
                 self._trace_events += [_span_event(rank, *s) for s in spans]
                 self._trace_events += [_bucket_event(rank, *b) for b in buckets]
                 self._trace_events += [_core_span_event(rank, lane, *c) for c in core]
@@ -253,8 +301,10 @@ class Observer:
 
     def _measure_offsets(self) -> list:
         """Collective: rank 0's list of each rank's (offset, uncertainty, when) on the trace's clock."""
+
         def clock() -> float:
             return time.perf_counter() - self.origin
+
         offsets = self.pg.clock_offsets(clock, what="trace clock offsets")
         now = clock()
         return [(o, u, now) for o, u in offsets]
@@ -262,8 +312,9 @@ class Observer:
     def take_spans(self, spans) -> None:
         """Keep the core's spans (TraceSpan, on the core's clock) of traced steps, on the trace's clock."""
         shift = self._core_clock
-        self._core_spans += [(s.step, s.name, s.category, s.micro, s.begin - shift, s.end - shift)
-                             for s in spans if self._traced(s.step)]
+        self._core_spans += [
+            (s.step, s.name, s.category, s.micro, s.begin - shift, s.end - shift) for s in spans if self._traced(s.step)
+        ]
 
     def on_step(self, trainer, result, t_begin: float, rows: int) -> None:
         """After each step (every rank): keep its record; rank 0 writes its scalars."""
@@ -274,22 +325,53 @@ class Observer:
         if self.telemetry is not None:
             self.telemetry.on_step(trainer, rows)
         if self.gathers and (self.log_json or self.straggler_threshold > 0 or self._traced(step)):
-            self._rows.append((step, trainer.epoch, t_begin - self.origin, trainer.t_call - self.origin,
-                               trainer.t_return - self.origin, t.forward, t.backward, t.comm_wait, t.optimizer,
-                               t.total, result.loss, result.grad_norm, result.loss_scale, float(result.applied),
-                               rows))
+            self._rows.append(
+                (
+                    step,
+                    trainer.epoch,
+                    t_begin - self.origin,
+                    trainer.t_call - self.origin,
+                    trainer.t_return - self.origin,
+                    t.forward,
+                    t.backward,
+                    t.comm_wait,
+                    t.optimizer,
+                    t.total,
+                    result.loss,
+                    result.grad_norm,
+                    result.loss_scale,
+                    float(result.applied),
+                    rows,
+                )
+            )
         if self.trace and self._traced(step):
             # The core times buckets from the step's start, which it reads on its own clock.
             core_start = result.started - self._core_clock
-            self._buckets += [(step, b.index, b.offset, b.count, b.bytes, core_start + b.launch, core_start + b.done)
-                              for b in result.buckets]
+            self._buckets += [
+                (step, b.index, b.offset, b.count, b.bytes, core_start + b.launch, core_start + b.done)
+                for b in result.buckets
+            ]
         if not result.applied:
             self.skipped_steps += 1
-            self.log("warning", step=step, rank=self.pg.rank, message="non-finite loss or gradients; step skipped",
-                     loss=float(result.loss), grad_norm=float(result.grad_norm))
+            self.log(
+                "warning",
+                step=step,
+                rank=self.pg.rank,
+                message="non-finite loss or gradients; step skipped",
+                loss=float(result.loss),
+                grad_norm=float(result.grad_norm),
+            )
         if self._writer is not None:
-            self._scalars.append((step, result.loss, trainer.schedule.lr_at(step), result.grad_norm,
-                                  result.loss_scale, self.skipped_steps))
+            self._scalars.append(
+                (
+                    step,
+                    result.loss,
+                    trainer.schedule.lr_at(step),
+                    result.grad_norm,
+                    result.loss_scale,
+                    self.skipped_steps,
+                )
+            )
         if trainer.global_step % self.every == 0:
             self._publish()
             if self.gathers:
@@ -338,34 +420,46 @@ class Observer:
         tag = " (EMULATED GPU)" if self.emulated else ""
         meta = []
         for rank in range(self.pg.size):
-            meta.append({"name": "process_name", "ph": "M", "pid": rank, "tid": 0, "args": {"name": f"rank {rank}{tag}"}})
+            meta.append(
+                {"name": "process_name", "ph": "M", "pid": rank, "tid": 0, "args": {"name": f"rank {rank}{tag}"}}
+            )
             meta.append({"name": "process_sort_index", "ph": "M", "pid": rank, "tid": 0, "args": {"sort_index": rank}})
             meta.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": 0, "args": {"name": "step"}})
-            meta.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": ALLREDUCE_TID,
-                         "args": {"name": "allreduce"}})
+            meta.append(
+                {"name": "thread_name", "ph": "M", "pid": rank, "tid": ALLREDUCE_TID, "args": {"name": "allreduce"}}
+            )
             if self.device_clock:
-                stream = "EMULATED GPU compute stream (CUDA events)" if self.emulated else "GPU compute stream (CUDA events)"
-                meta.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": DEVICE_TID,
-                             "args": {"name": stream}})
+                stream = (
+                    "EMULATED GPU compute stream (CUDA events)" if self.emulated else "GPU compute stream (CUDA events)"
+                )
+                meta.append(
+                    {"name": "thread_name", "ph": "M", "pid": rank, "tid": DEVICE_TID, "args": {"name": stream}}
+                )
         a, b = self.trace_steps
         events = self._trace_events
         if self.clock_offsets:
             events = [_on_rank0_clock(e, self.clock_offsets[e["pid"]]) for e in events]
-        other = {**self.run_info, "trace_steps": [a, b],
-                 "clock": "seconds on rank 0's monotonic clock from a barrier all ranks left together; each "
-                          "rank's events moved by its clock's offset to rank 0's, measured by ping-pong at the "
-                          "start and the end (clock_offsets: [offset, uncertainty, when] in seconds, per rank)",
-                 "clock_offsets": [[list(start), list(end)] for start, end in self.clock_offsets],
-                 "phases": ("the core's trace marks: CUDA events on each GPU's compute stream, in lane "
-                            "'GPU compute stream'; a span ends when the GPU finished its work, so one may "
-                            "include time the GPU waited for the host" if self.device_clock else
-                            "the core's trace marks (host clock), nested in their step") +
-                           "; 'allreduce wait' is the allreduce time not hidden behind backward",
-                 "allreduce": "lane 'allreduce': each gradient bucket's allreduce from its launch to its "
-                              "completion as observed: MPI: when the blocking per-bucket allreduce returned, "
-                              "or (queued beside a GPU backend) when a test or wait of the host saw its last "
-                              "request complete; NCCL: a CUDA event after the bucket's group on the "
-                              "communication stream (NCCL runs a group as one launch: its buckets end together)"}
+        other = {
+            **self.run_info,
+            "trace_steps": [a, b],
+            "clock": "seconds on rank 0's monotonic clock from a barrier all ranks left together; each "
+            "rank's events moved by its clock's offset to rank 0's, measured by ping-pong at the "
+            "start and the end (clock_offsets: [offset, uncertainty, when] in seconds, per rank)",
+            "clock_offsets": [[list(start), list(end)] for start, end in self.clock_offsets],
+            "phases": (
+                "the core's trace marks: CUDA events on each GPU's compute stream, in lane "
+                "'GPU compute stream'; a span ends when the GPU finished its work, so one may "
+                "include time the GPU waited for the host"
+                if self.device_clock
+                else "the core's trace marks (host clock), nested in their step"
+            )
+            + "; 'allreduce wait' is the allreduce time not hidden behind backward",
+            "allreduce": "lane 'allreduce': each gradient bucket's allreduce from its launch to its "
+            "completion as observed: MPI: when the blocking per-bucket allreduce returned, "
+            "or (queued beside a GPU backend) when a test or wait of the host saw its last "
+            "request complete; NCCL: a CUDA event after the bucket's group on the "
+            "communication stream (NCCL runs a group as one launch: its buckets end together)",
+        }
         if self.emulated:
             other["warning"] = "EMULATED GPUs: the CPU running mgpu's CUDA code; timings are not GPU timings"
         return {"traceEvents": meta + events, "displayTimeUnit": "ms", "otherData": other}
@@ -408,29 +502,69 @@ def _step_events(row: np.ndarray, rank: int) -> list:
     r = {name: float(row[i]) for i, name in enumerate(FIELDS)}
     step = int(r["step"])
     base = {"pid": rank, "tid": 0, "ph": "X"}
-    return [{**base, "name": f"step {step}", "cat": "step", "ts": _us(r["t_begin"]),
-             "dur": _us(r["t_end"] - r["t_begin"]),
-             "args": {"step": step, "epoch": int(r["epoch"]), "loss": r["loss"], "rows": int(r["rows"]),
-                      "applied": bool(r["applied"])}},
-            {**base, "name": "data", "cat": "phase", "ts": _us(r["t_begin"]), "dur": _us(r["t_call"] - r["t_begin"]),
-             "args": {"step": step}}]
+    return [
+        {
+            **base,
+            "name": f"step {step}",
+            "cat": "step",
+            "ts": _us(r["t_begin"]),
+            "dur": _us(r["t_end"] - r["t_begin"]),
+            "args": {
+                "step": step,
+                "epoch": int(r["epoch"]),
+                "loss": r["loss"],
+                "rows": int(r["rows"]),
+                "applied": bool(r["applied"]),
+            },
+        },
+        {
+            **base,
+            "name": "data",
+            "cat": "phase",
+            "ts": _us(r["t_begin"]),
+            "dur": _us(r["t_call"] - r["t_begin"]),
+            "args": {"step": step},
+        },
+    ]
 
 
-def _core_span_event(rank: int, tid: int, step: int, name: str, category: str, micro: int, t0: float,
-                     t1: float) -> dict:
+def _core_span_event(
+    rank: int, tid: int, step: int, name: str, category: str, micro: int, t0: float, t1: float
+) -> dict:
     args = {"step": step} if micro < 0 else {"step": step, "micro_batch": micro}
-    return {"pid": rank, "tid": tid, "ph": "X", "name": name, "cat": category, "ts": _us(t0),
-            "dur": _us(t1 - t0), "args": args}
+    return {
+        "pid": rank,
+        "tid": tid,
+        "ph": "X",
+        "name": name,
+        "cat": category,
+        "ts": _us(t0),
+        "dur": _us(t1 - t0),
+        "args": args,
+    }
 
 
-def _bucket_event(rank: int, step: int, index: int, offset: int, count: int, nbytes: int, t0: float,
-                  t1: float) -> dict:
-    return {"pid": rank, "tid": ALLREDUCE_TID, "ph": "X", "name": f"bucket {index}", "cat": "allreduce",
-            "ts": _us(t0), "dur": _us(t1 - t0),
-            "args": {"step": step, "bucket": index, "offset": offset, "count": count, "bytes": nbytes}}
+def _bucket_event(rank: int, step: int, index: int, offset: int, count: int, nbytes: int, t0: float, t1: float) -> dict:
+    return {
+        "pid": rank,
+        "tid": ALLREDUCE_TID,
+        "ph": "X",
+        "name": f"bucket {index}",
+        "cat": "allreduce",
+        "ts": _us(t0),
+        "dur": _us(t1 - t0),
+        "args": {"step": step, "bucket": index, "offset": offset, "count": count, "bytes": nbytes},
+    }
 
 
 def _span_event(rank: int, name: str, t0: float, t1: float, args: dict) -> dict:
-    return {"pid": rank, "tid": 0, "ph": "X", "name": name, "cat": "loop", "ts": _us(t0), "dur": _us(t1 - t0),
-            "args": args}
-
+    return {
+        "pid": rank,
+        "tid": 0,
+        "ph": "X",
+        "name": name,
+        "cat": "loop",
+        "ts": _us(t0),
+        "dur": _us(t1 - t0),
+        "args": args,
+    }

@@ -6,6 +6,7 @@ from the local rank. Without mpi4py or mpirun it is a world of one. Every rank's
 host name is gathered at start, so a watchdog error can name the hosts of the
 ranks it names (name_hosts) when the job spans several.
 """
+
 from __future__ import annotations
 
 import math
@@ -17,8 +18,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from .._runtime import _core
-from .._runtime import gpus_emulated
+from .._runtime import _core, gpus_emulated
 from ..errors import CommError, ConfigError
 from .group import GroupBase, error_report, raise_agreed, raise_if_gpu_shared
 
@@ -65,8 +65,9 @@ class ProcessGroup(GroupBase):
         sidecar = self._mpi_communicator() if self.size > 1 else None
         unique_id = _core.nccl_unique_id() if self.rank == 0 else None
         unique_id = self.bcast(unique_id, root=0, what="NCCL setup")
-        return _core.NcclCommunicator(unique_id, self.rank, self.size, device_index, sidecar,
-                                      setup_timeout=self.timeout)
+        return _core.NcclCommunicator(
+            unique_id, self.rank, self.size, device_index, sidecar, setup_timeout=self.timeout
+        )
 
     def _check_gpu_sharing(self, device_index: int) -> None:
         """Collective: ConfigError on every rank when ranks would share a GPU NCCL cannot share."""
@@ -95,10 +96,10 @@ class ProcessGroup(GroupBase):
             if now > deadline:
                 why = comm.diagnose_stall(2.5 * beat_interval) if comm is not None else "a peer did not arrive"
                 where = f" at step {comm.current_step}" if comm is not None else ""
-                gpu = (f" ({'emulated ' if gpus_emulated() else ''}GPU {self._gpu})"
-                       if self._gpu is not None else "")
-                raise CommError(f"{what}{where} did not complete within {self.timeout:g} s on rank {self.rank}"
-                                f"{gpu}: {why}")
+                gpu = f" ({'emulated ' if gpus_emulated() else ''}GPU {self._gpu})" if self._gpu is not None else ""
+                raise CommError(
+                    f"{what}{where} did not complete within {self.timeout:g} s on rank {self.rank}{gpu}: {why}"
+                )
             if now - start > 1e-3:
                 time.sleep(5e-4)  # waiting long: leave the core to the ranks still working
 
@@ -145,7 +146,7 @@ class ProcessGroup(GroupBase):
         offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]])
         out = np.empty(int(sizes.sum()), dtype=np.uint8)
         self._wait(self.comm.Iallgatherv(data, [out, sizes, offsets, self._mpi.BYTE]), what)
-        return [pickle.loads(out[o:o + n].tobytes()) for o, n in zip(offsets, sizes)]
+        return [pickle.loads(out[o : o + n].tobytes()) for o, n in zip(offsets, sizes)]
 
     def barrier(self, what: str = "barrier") -> None:
         if self.comm is not None:
@@ -234,7 +235,7 @@ class ProcessGroup(GroupBase):
             self.comm.Abort(code)
 
     def __repr__(self) -> str:
-        return (f"ProcessGroup(rank={self.rank}, size={self.size}, local_rank={self.local_rank}, "
-                f"local_size={self.local_size})")
-
-
+        return (
+            f"ProcessGroup(rank={self.rank}, size={self.size}, local_rank={self.local_rank}, "
+            f"local_size={self.local_size})"
+        )

@@ -4,6 +4,7 @@ Pure functions of the step number keep resumed runs exact: a checkpoint needs
 only the step to continue the schedule. Shapes follow PyTorch's StepLR and
 CosineAnnealingLR, optionally preceded by a linear warm-up from lr/warmup to lr.
 """
+
 from __future__ import annotations
 
 import math
@@ -20,10 +21,10 @@ class LRSchedule:
     lr: float
     kind: str = "constant"
     warmup_steps: int = 0
-    step_size: int = 1000          # step: multiply by gamma every step_size steps
+    step_size: int = 1000  # step: multiply by gamma every step_size steps
     gamma: float = 0.1
     total_steps: Optional[int] = None  # cosine: steps to anneal over (the run's length)
-    min_lr: float = 0.0            # cosine: the floor
+    min_lr: float = 0.0  # cosine: the floor
 
     def __post_init__(self):
         if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):

@@ -15,6 +15,7 @@ GPUs run concurrently.
 
     histories = mgpu.run_on_gpus(work, gpus=4)
 """
+
 from __future__ import annotations
 
 import copy
@@ -42,11 +43,11 @@ class _Shared:
         self.size = size
         self.cond = threading.Condition()
         self.arrived = 0
-        self.generation = 0                  # completed meetings
+        self.generation = 0  # completed meetings
         self.slots: list = [None] * size
-        self.failed: Optional[str] = None     # why the group was aborted
-        self.comms: Any = None               # the NCCL communicators, or the error making them
-        self.stop_hooks: list = []           # called with a signal's name (see _StopOnSignals)
+        self.failed: Optional[str] = None  # why the group was aborted
+        self.comms: Any = None  # the NCCL communicators, or the error making them
+        self.stop_hooks: list = []  # called with a signal's name (see _StopOnSignals)
 
     def meet(self, timeout: float, what: str) -> Optional[str]:
         """Wait until every rank arrives; the reason for failing when the group failed or timed out."""
@@ -60,13 +61,13 @@ class _Shared:
                 self.generation += 1
                 self.cond.notify_all()
                 return None
-            self.cond.wait_for(lambda: self.generation != generation or self.failed is not None,
-                               timeout if timeout > 0 else None)
+            self.cond.wait_for(
+                lambda: self.generation != generation or self.failed is not None, timeout if timeout > 0 else None
+            )
             if self.generation != generation:
                 return None
             if self.failed is None:
-                self.failed = (f"{what} did not complete within {timeout:g} s: a rank of this process "
-                               f"stopped responding")
+                self.failed = f"{what} did not complete within {timeout:g} s: a rank of this process stopped responding"
                 self.cond.notify_all()
             return self.failed
 
@@ -115,14 +116,17 @@ class ThreadGroup(GroupBase):
     def exscan(self, value: int) -> int:
         if self.size == 1:
             return 0
-        return int(sum(self._exchange(int(value), "exscan")[:self.rank]))
+        return int(sum(self._exchange(int(value), "exscan")[: self.rank]))
 
     def bcast(self, obj, root: int = 0):
         if self.size == 1:
             return obj
         # Ranks own what they receive, as they would in separate processes.
-        return self._exchange(obj if self.rank == root else None, "broadcast",
-                              lambda slots: slots[root] if self.rank == root else copy.deepcopy(slots[root]))
+        return self._exchange(
+            obj if self.rank == root else None,
+            "broadcast",
+            lambda slots: slots[root] if self.rank == root else copy.deepcopy(slots[root]),
+        )
 
     def allgather(self, obj, what: str = "allgather") -> list:
         if self.size == 1:
@@ -171,18 +175,24 @@ class ThreadGroup(GroupBase):
             return kind, 0
         if kind != "cuda":
             why = f"no GPU is visible ({no_gpu_reason()})" if cuda_device_count() == 0 else "the device is the CPU"
-            raise ConfigError(f"single-process mode drives GPUs, one thread each, and {why}; CPU ranks run under "
-                              "mpirun (mpirun -np N python -m mgpu train --device cpu)")
+            raise ConfigError(
+                f"single-process mode drives GPUs, one thread each, and {why}; CPU ranks run under "
+                "mpirun (mpirun -np N python -m mgpu train --device cpu)"
+            )
         gpus = cuda_device_count()
         if gpus < self.size and os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE") != "1":
-            raise ConfigError(f"{self.size} GPU threads asked for, but {gpus} GPU(s) visible: one thread drives "
-                              f"one GPU (NCCL >= 2.30 shares a GPU with NCCL_MULTI_RANK_GPU_ENABLE=1)")
+            raise ConfigError(
+                f"{self.size} GPU threads asked for, but {gpus} GPU(s) visible: one thread drives "
+                f"one GPU (NCCL >= 2.30 shares a GPU with NCCL_MULTI_RANK_GPU_ENABLE=1)"
+            )
         return "cuda", self.rank % gpus
 
     def communicator(self, kind: str = "mpi", device_index: Optional[int] = None) -> "_core.Communicator":
         if kind == "mpi" and self.size > 1:
-            raise ConfigError("the threads of one process have no MPI communicator: single-process "
-                              "multi-GPU training uses NCCL (--comm auto or nccl, --device cuda)")
+            raise ConfigError(
+                "the threads of one process have no MPI communicator: single-process "
+                "multi-GPU training uses NCCL (--comm auto or nccl, --device cuda)"
+            )
         return super().communicator(kind, device_index)
 
     def _nccl_communicator(self, device_index: Optional[int]) -> "_core.Communicator":
@@ -230,8 +240,9 @@ def run_on_gpus(fn: Callable[[ThreadGroup], Any], gpus: Optional[int] = None) ->
     if gpus is None:
         gpus = cuda_device_count()
     if not isinstance(gpus, int) or gpus < 1:
-        raise ConfigError(f"the number of GPUs must be an integer >= 1, got {gpus!r}"
-                          + (" (no GPU is visible)" if gpus == 0 else ""))
+        raise ConfigError(
+            f"the number of GPUs must be an integer >= 1, got {gpus!r}" + (" (no GPU is visible)" if gpus == 0 else "")
+        )
     shared = _Shared(gpus)
     results: list = [None] * gpus
     errors: list = [None] * gpus

@@ -6,6 +6,7 @@ gradient accumulation, K micro-batches per call). This file owns the loop
 around it: which samples each rank takes, the learning-rate schedule, epochs,
 validation, skipped steps, checkpoints, stop requests, progress and history.
 """
+
 from __future__ import annotations
 
 import math
@@ -16,9 +17,8 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from .._runtime import _core
 from .._core import __version__
-from .._runtime import gpus_emulated
+from .._runtime import _core, gpus_emulated
 from ..errors import ConfigError, NumericsError
 from .checkpoint import (
     CheckpointError,
@@ -40,8 +40,8 @@ class CheckpointPolicy:
     """Where and how often fit() writes checkpoints (rank 0 writes; all ranks agree on success)."""
 
     directory: str
-    every: int = 0      # steps between checkpoints; 0: only at the end and on a stop request
-    keep: int = 3       # newest checkpoints kept
+    every: int = 0  # steps between checkpoints; 0: only at the end and on a stop request
+    keep: int = 3  # newest checkpoints kept
 
     def __post_init__(self):
         if not isinstance(self.every, int) or self.every < 0:
@@ -70,16 +70,22 @@ def _resume_state(meta: dict, path: str) -> dict:
             value = record.get(key)
             if key == "val_accuracy" and key not in record:  # regression runs have none
                 continue
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or (
-                    key in _HISTORY_COUNTS and (not isinstance(value, int) or value < 0)):
+            if (
+                not isinstance(value, (int, float))
+                or isinstance(value, bool)
+                or (key in _HISTORY_COUNTS and (not isinstance(value, int) or value < 0))
+            ):
                 raise CheckpointError(f"checkpoint '{path}' has malformed metadata: history[{i}].{key} is {value!r}")
     out = {}
     for key in _STATE_INTS + _STATE_FLOATS:
         value = s.get(key)
         number = isinstance(value, (int, float)) and not isinstance(value, bool)
-        limit = 2 ** 31 - 1 if key == "good_steps" else 2 ** 62  # what the core's counters hold
-        ok = (isinstance(value, int) and number and 0 <= value <= limit if key in _STATE_INTS else
-              number and (key != "loss_scale" or (math.isfinite(value) and value > 0)))
+        limit = 2**31 - 1 if key == "good_steps" else 2**62  # what the core's counters hold
+        ok = (
+            isinstance(value, int) and number and 0 <= value <= limit
+            if key in _STATE_INTS
+            else number and (key != "loss_scale" or (math.isfinite(value) and value > 0))
+        )
         if not ok:
             raise CheckpointError(f"checkpoint '{path}' has malformed metadata: state.{key} is {value!r}")
         out[key] = value
@@ -89,8 +95,9 @@ def _resume_state(meta: dict, path: str) -> dict:
     out["dynamic_loss_scale"] = dynamic
     out["epoch_emulated"] = s.get("epoch_emulated", False)
     if not isinstance(out["epoch_emulated"], bool):
-        raise CheckpointError(f"checkpoint '{path}' has malformed metadata: state.epoch_emulated is "
-                              f"{out['epoch_emulated']!r}")
+        raise CheckpointError(
+            f"checkpoint '{path}' has malformed metadata: state.epoch_emulated is {out['epoch_emulated']!r}"
+        )
     return out
 
 
@@ -101,14 +108,33 @@ class Trainer:
     step/fit/evaluate collectively.
     """
 
-    def __init__(self, model: MLP, *, loss: str = "mse", optimizer: str = "sgd", lr: float = 0.01,
-                 momentum: float = 0.0, weight_decay: float = 0.0, betas=(0.9, 0.999), eps: float = 1e-8,
-                 process_group: Optional[Group] = None, bucket_elems: int = 1 << 20,
-                 overlap: bool = True, batch_shares: Optional[Sequence[float]] = None,
-                 accumulate: int = 1, max_grad_norm: float = 0.0, schedule: Optional[LRSchedule] = None,
-                 loss_scale: Optional[float] = None, dynamic_loss_scale: Optional[bool] = None,
-                 max_bad_steps: int = 3, timeout: float = 300.0, communicator: str = "auto",
-                 timed: bool = False, graph: str = "auto", grad_dtype: str = "fp32"):
+    def __init__(
+        self,
+        model: MLP,
+        *,
+        loss: str = "mse",
+        optimizer: str = "sgd",
+        lr: float = 0.01,
+        momentum: float = 0.0,
+        weight_decay: float = 0.0,
+        betas=(0.9, 0.999),
+        eps: float = 1e-8,
+        process_group: Optional[Group] = None,
+        bucket_elems: int = 1 << 20,
+        overlap: bool = True,
+        batch_shares: Optional[Sequence[float]] = None,
+        accumulate: int = 1,
+        max_grad_norm: float = 0.0,
+        schedule: Optional[LRSchedule] = None,
+        loss_scale: Optional[float] = None,
+        dynamic_loss_scale: Optional[bool] = None,
+        max_bad_steps: int = 3,
+        timeout: float = 300.0,
+        communicator: str = "auto",
+        timed: bool = False,
+        graph: str = "auto",
+        grad_dtype: str = "fp32",
+    ):
         if not (isinstance(lr, (int, float)) and np.isfinite(lr) and lr > 0):
             raise ConfigError(f"learning rate must be a finite number > 0, got {lr}")
         if not isinstance(accumulate, int) or accumulate < 1:
@@ -136,11 +162,11 @@ class Trainer:
         if communicator not in ("auto", "nccl", "mpi"):
             raise ConfigError(f"unknown communicator '{communicator}' (expected auto, nccl or mpi)")
         if communicator == "auto":  # NCCL between GPUs when this build has it; MPI otherwise
-            communicator = ("nccl" if model.device == "cuda" and self.pg.size > 1
-                            and hasattr(_core, "NcclCommunicator") else "mpi")
+            communicator = (
+                "nccl" if model.device == "cuda" and self.pg.size > 1 and hasattr(_core, "NcclCommunicator") else "mpi"
+            )
         self.communicator_kind = communicator
-        comm = (self.pg.communicator("nccl", model.device_index) if communicator == "nccl"
-                else self.pg.communicator())
+        comm = self.pg.communicator("nccl", model.device_index) if communicator == "nccl" else self.pg.communicator()
         comm.timeout = timeout
         self._comm = comm  # the one this trainer's collectives use (MPI or NCCL), resume included
         # fp16 needs loss scaling (dynamic unless a scale is given), in the GEMMs or in the
@@ -149,37 +175,44 @@ class Trainer:
         if dynamic_loss_scale is None:
             dynamic_loss_scale = fp16 and loss_scale is None
         if loss_scale is None:
-            loss_scale = 2.0 ** 16 if fp16 else 1.0
+            loss_scale = 2.0**16 if fp16 else 1.0
         self.dynamic_loss_scale = bool(dynamic_loss_scale)
         self._scale_note_shown = False  # the overflow note: once per run of skipped steps
         self._optimizer = _core.Optimizer(model._core, optimizer, momentum, weight_decay, betas[0], betas[1], eps)
         # timed: separate the phases of a step on device backends too (benchmarks; costs overlap)
         # graph: capture each step's forward/backward in a CUDA graph (auto: small models on GPUs)
         # grad_dtype: the type gradients travel in (bf16/fp16 halve the allreduce; NCCL only)
-        options = _core.StepOptions(bucket_elems=bucket_elems, overlap=overlap, max_grad_norm=max_grad_norm,
-                                    loss_scale=loss_scale, dynamic_loss_scale=dynamic_loss_scale,
-                                    loss_scale_window=_LOSS_SCALE_GROWTH_INTERVAL, timed=timed, graph=graph,
-                                    grad_dtype=grad_dtype)
+        options = _core.StepOptions(
+            bucket_elems=bucket_elems,
+            overlap=overlap,
+            max_grad_norm=max_grad_norm,
+            loss_scale=loss_scale,
+            dynamic_loss_scale=dynamic_loss_scale,
+            loss_scale_window=_LOSS_SCALE_GROWTH_INTERVAL,
+            timed=timed,
+            graph=graph,
+            grad_dtype=grad_dtype,
+        )
         self._step = _core.DataParallelStep(model._core, self._optimizer, comm, loss, options)
         self._graph_fallback_reported = False
         self._step.broadcast_parameters(0)
         # Loop state: everything a checkpoint must hold to continue exactly.
-        self.global_step = 0          # steps taken (including skipped ones)
-        self.epoch = 0                # 0-based epoch in progress
-        self.batch_in_epoch = 0       # sampler position within it
+        self.global_step = 0  # steps taken (including skipped ones)
+        self.epoch = 0  # 0-based epoch in progress
+        self.batch_in_epoch = 0  # sampler position within it
         self._epoch_loss_sum, self._epoch_samples, self._epoch_seconds = 0.0, 0, 0.0
-        self.bad_steps = 0            # consecutive steps with non-finite loss or gradients
+        self.bad_steps = 0  # consecutive steps with non-finite loss or gradients
         # mgpu's emulated GPUs: every figure of their steps says so (an epoch begun on them
         # and resumed elsewhere too: its time holds theirs)
         self.emulated = gpus_emulated(model.device)
         self._epoch_emulated = self.emulated
         self.history: list = []
-        self.stragglers: list = []    # rank 0: slow ranks found by the observer's check
+        self.stragglers: list = []  # rank 0: slow ranks found by the observer's check
         self._epoch_stragglers: list = []
         self._straggler_note = ""
         self.last_result = None
         self.stop_reason: Optional[str] = None  # set once every rank agreed to stop early
-        self.run_end = 0              # the step fit's run ends at (stopped early: global_step is short of it)
+        self.run_end = 0  # the step fit's run ends at (stopped early: global_step is short of it)
         self._stop_request: Optional[str] = None
         self._last_checkpoint_step = -1
         self.last_checkpoint: Optional[str] = None
@@ -196,8 +229,15 @@ class Trainer:
         The request travels in the gradient allreduce, so all ranks stop at the same step."""
         self._stop_request = reason
 
-    def step(self, x_local: np.ndarray, y_local: np.ndarray, *, global_batch: Optional[int] = None,
-             first_sample: Optional[int] = None, trace: bool = False) -> float:
+    def step(
+        self,
+        x_local: np.ndarray,
+        y_local: np.ndarray,
+        *,
+        global_batch: Optional[int] = None,
+        first_sample: Optional[int] = None,
+        trace: bool = False,
+    ) -> float:
         """One data-parallel step on this rank's shard; returns the global mean loss.
 
         With accumulate=K the shard is processed as K consecutive micro-batches
@@ -225,14 +265,19 @@ class Trainer:
         if not self._graph_fallback_reported and self._step.graph_fallback:
             self._graph_fallback_reported = True
             if self.pg.is_root:
-                print(f"mgpu: warning: CUDA graph capture failed, steps run uncaptured from here on: "
-                      f"{self._step.graph_fallback}", file=sys.stderr, flush=True)
+                print(
+                    f"mgpu: warning: CUDA graph capture failed, steps run uncaptured from here on: "
+                    f"{self._step.graph_fallback}",
+                    file=sys.stderr,
+                    flush=True,
+                )
         if result.stop_requested and self.stop_reason is None:
             # Every rank sees the agreed stop at this same step: the reasons can be gathered.
             reasons = self.pg.allgather(self._stop_request, what="stop reasons")
             asked = [(r, why) for r, why in enumerate(reasons) if why]
             self.stop_reason = self._stop_request or (
-                f"{asked[0][1]} (on rank {asked[0][0]})" if asked else "a stop requested on another rank")
+                f"{asked[0][1]} (on rank {asked[0][0]})" if asked else "a stop requested on another rank"
+            )
         self.global_step += 1
         if result.applied:
             self.bad_steps = 0
@@ -242,22 +287,30 @@ class Trainer:
             # the scale (fp16 starts at 2^16, which most models' gradients overflow for a
             # few steps): its own business, not a numerical failure, so not a bad step.
             if self.pg.is_root and not self._scale_note_shown:
-                print(f"mgpu: note: step {self.global_step - 1}: the scaled gradients overflowed at loss scale "
-                      f"{result.loss_scale:g}; dynamic loss scaling skips such steps and halves the scale "
-                      f"until they fit", file=sys.stderr, flush=True)
+                print(
+                    f"mgpu: note: step {self.global_step - 1}: the scaled gradients overflowed at loss scale "
+                    f"{result.loss_scale:g}; dynamic loss scaling skips such steps and halves the scale "
+                    f"until they fit",
+                    file=sys.stderr,
+                    flush=True,
+                )
             self._scale_note_shown = True
         else:
             self.bad_steps += 1
             if self.pg.is_root:
-                print(f"mgpu: warning: step {self.global_step - 1}: non-finite loss or gradients "
-                      f"(loss {result.loss}, gradient norm {result.grad_norm}); step skipped, parameters "
-                      f"unchanged ({self.bad_steps} of at most {self.max_bad_steps} in a row)",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"mgpu: warning: step {self.global_step - 1}: non-finite loss or gradients "
+                    f"(loss {result.loss}, gradient norm {result.grad_norm}); step skipped, parameters "
+                    f"unchanged ({self.bad_steps} of at most {self.max_bad_steps} in a row)",
+                    file=sys.stderr,
+                    flush=True,
+                )
             if self.bad_steps >= self.max_bad_steps:
                 raise NumericsError(
                     f"{self.bad_steps} consecutive steps with non-finite loss or gradients (the last at step "
                     f"{self.global_step - 1}); stopping. Parameters are those of the last good step; "
-                    f"lower the learning rate or set a gradient-norm limit")
+                    f"lower the learning rate or set a gradient-norm limit"
+                )
         return result.loss
 
     def _scaler_absorbs(self, result) -> bool:
@@ -267,8 +320,12 @@ class Trainer:
         range, an aborted allreduce). A true blow-up so counts after the scale's halvings
         down to 1 (16 steps from fp16's 2^16): the price of never stopping on overflows
         the scale exists to absorb."""
-        return (self.dynamic_loss_scale and math.isfinite(result.loss) and not math.isfinite(result.grad_norm)
-                and result.loss_scale > 1.0)
+        return (
+            self.dynamic_loss_scale
+            and math.isfinite(result.loss)
+            and not math.isfinite(result.grad_norm)
+            and result.loss_scale > 1.0
+        )
 
     def drain_trace(self) -> list:
         """The traced spans (TraceSpan) no step has handed over yet, after waiting for the device."""
@@ -288,13 +345,19 @@ class Trainer:
         return out
 
     # --- checkpoints -----------------------------------------------------------
-    def _compat(self, data: Optional[Dataset], batch_size: Optional[int], seed: Optional[int],
-                fingerprint: bool = True) -> dict:
+    def _compat(
+        self, data: Optional[Dataset], batch_size: Optional[int], seed: Optional[int], fingerprint: bool = True
+    ) -> dict:
         """What a checkpoint of this run must match to be continued by it (fingerprint:
         the dataset's contents too, a pass over them: only where checkpoints are involved)."""
-        compat = {"layers": list(self.model.layers), "loss": self.loss, "optimizer": self.optimizer_name,
-                  "optimizer_state": list(self._optimizer.state_names()), "dropout": self.model.dropout,
-                  "model_seed": self.model.seed}
+        compat = {
+            "layers": list(self.model.layers),
+            "loss": self.loss,
+            "optimizer": self.optimizer_name,
+            "optimizer_state": list(self._optimizer.state_names()),
+            "dropout": self.model.dropout,
+            "model_seed": self.model.seed,
+        }
         if data is not None:
             compat.update(dataset=data.name, train_samples=len(data.x_train))
             if fingerprint:
@@ -312,15 +375,26 @@ class Trainer:
         for name in self._optimizer.state_names():
             arrays[f"opt.{name}"] = self._optimizer.get_state(name, n)
         meta = {
-            "mgpu_version": __version__, "world_size": self.pg.size, "compat": compat,
-            "state": {"global_step": self.global_step, "epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch,
-                      "epoch_loss_sum": self._epoch_loss_sum, "epoch_samples": self._epoch_samples,
-                      "epoch_seconds": self._epoch_seconds, "optimizer_steps": self._optimizer.steps_taken,
-                      "loss_scale": self._step.loss_scale, "good_steps": self._step.good_steps_in_a_row,
-                      "dynamic_loss_scale": self.dynamic_loss_scale,
-                      "bad_steps": self.bad_steps, "accumulate": self.accumulate,
-                      "epoch_emulated": self._epoch_emulated and self._epoch_samples > 0},
-            "schedule": self.schedule.to_dict(), "history": self.history,
+            "mgpu_version": __version__,
+            "world_size": self.pg.size,
+            "compat": compat,
+            "state": {
+                "global_step": self.global_step,
+                "epoch": self.epoch,
+                "batch_in_epoch": self.batch_in_epoch,
+                "epoch_loss_sum": self._epoch_loss_sum,
+                "epoch_samples": self._epoch_samples,
+                "epoch_seconds": self._epoch_seconds,
+                "optimizer_steps": self._optimizer.steps_taken,
+                "loss_scale": self._step.loss_scale,
+                "good_steps": self._step.good_steps_in_a_row,
+                "dynamic_loss_scale": self.dynamic_loss_scale,
+                "bad_steps": self.bad_steps,
+                "accumulate": self.accumulate,
+                "epoch_emulated": self._epoch_emulated and self._epoch_samples > 0,
+            },
+            "schedule": self.schedule.to_dict(),
+            "history": self.history,
         }
         return arrays, meta
 
@@ -332,8 +406,10 @@ class Trainer:
             try:
                 arrays, meta = self.state(compat)
                 if self.bad_steps or not all(np.isfinite(a).all() for a in arrays.values()):
-                    raise CheckpointError(f"refusing to checkpoint step {self.global_step}: the state is not "
-                                          f"finite or the last step was skipped")
+                    raise CheckpointError(
+                        f"refusing to checkpoint step {self.global_step}: the state is not "
+                        f"finite or the last step was skipped"
+                    )
                 path = save_checkpoint(policy.directory, self.global_step, arrays, meta, policy.keep)
             except CheckpointError as e:
                 error = e
@@ -359,8 +435,10 @@ class Trainer:
                         raise CheckpointError(f"checkpoint '{path}' does not hold '{key}' for {n:,} parameters")
                 s = _resume_state(meta, path)  # the checksums cover the arrays, not the metadata
                 if steps_per_epoch is not None and s["batch_in_epoch"] > steps_per_epoch:
-                    raise CheckpointError(f"checkpoint '{path}' has malformed metadata: state.batch_in_epoch is "
-                                          f"{s['batch_in_epoch']}, beyond the {steps_per_epoch} steps of an epoch")
+                    raise CheckpointError(
+                        f"checkpoint '{path}' has malformed metadata: state.batch_in_epoch is "
+                        f"{s['batch_in_epoch']}, beyond the {steps_per_epoch} steps of an epoch"
+                    )
             except CheckpointError as e:
                 error = e
         self.pg.agree(error, what="checkpoint")
@@ -372,7 +450,7 @@ class Trainer:
             if key == "params":
                 self.model._core.set_parameters(buf)
             else:
-                self._optimizer.set_state(key[len("opt."):], buf)
+                self._optimizer.set_state(key[len("opt.") :], buf)
         s = _resume_state(meta, path)
         self._optimizer.steps_taken = s["optimizer_steps"]
         # The saved scale continues a dynamically scaled run; a run of another kind (fp32,
@@ -389,16 +467,29 @@ class Trainer:
         self._last_checkpoint_step = self.global_step
         self.last_checkpoint = path
         if self.pg.is_root and meta.get("world_size") != self.pg.size:
-            print(f"mgpu: note: checkpoint written by {meta.get('world_size')} rank(s), resumed on {self.pg.size}: "
-                  f"same samples and global batch, results match an uninterrupted run within float rounding",
-                  file=sys.stderr, flush=True)
+            print(
+                f"mgpu: note: checkpoint written by {meta.get('world_size')} rank(s), resumed on {self.pg.size}: "
+                f"same samples and global batch, results match an uninterrupted run within float rounding",
+                file=sys.stderr,
+                flush=True,
+            )
         return meta
 
     # --- the loop --------------------------------------------------------------
-    def fit(self, data: Dataset, *, batch_size: int, epochs: Optional[int] = None, steps: Optional[int] = None,
-            seed: int = 0, progress: bool = True, on_epoch: Optional[Callable[[dict], None]] = None,
-            checkpoint: Optional[CheckpointPolicy] = None, resume: Optional[str] = None,
-            observer=None) -> list:
+    def fit(
+        self,
+        data: Dataset,
+        *,
+        batch_size: int,
+        epochs: Optional[int] = None,
+        steps: Optional[int] = None,
+        seed: int = 0,
+        progress: bool = True,
+        on_epoch: Optional[Callable[[dict], None]] = None,
+        checkpoint: Optional[CheckpointPolicy] = None,
+        resume: Optional[str] = None,
+        observer=None,
+    ) -> list:
         """Train for `epochs` epochs (or `steps` steps) with global batch `batch_size`
         (per micro-batch; each step takes batch_size x accumulate samples).
 
@@ -418,8 +509,9 @@ class Trainer:
         check_dataset_fits(data, self.model.layers)
         effective = batch_size * self.accumulate
         # the dataset's hash where rank 0 writes or checks a checkpoint (only it reads compat)
-        compat = self._compat(data, batch_size, seed,
-                              fingerprint=(checkpoint is not None or resume is not None) and self.pg.is_root)
+        compat = self._compat(
+            data, batch_size, seed, fingerprint=(checkpoint is not None or resume is not None) and self.pg.is_root
+        )
         if checkpoint is not None:
             error = None
             try:
@@ -436,16 +528,25 @@ class Trainer:
         total = self.run_end = length if resume is not None else self.global_step + length
         if resume is not None and self.global_step >= total:
             if self.pg.is_root:
-                print(f"mgpu: note: the checkpoint is at step {self.global_step}, at or past this run's end (step "
-                      f"{total}): nothing to train (the steps or epochs count from the start of the run)",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"mgpu: note: the checkpoint is at step {self.global_step}, at or past this run's end (step "
+                    f"{total}): nothing to train (the steps or epochs count from the start of the run)",
+                    file=sys.stderr,
+                    flush=True,
+                )
             if self._epoch_samples > 0:  # an epoch left open (stopped on its last step, by an older mgpu)
                 self._close_epoch(data, on_epoch)
         bar = None
         if progress and self.pg.is_root:
             from tqdm.auto import tqdm
-            bar = tqdm(total=total, initial=min(self.global_step, total), unit="step", dynamic_ncols=True,
-                       desc="train on EMULATED GPUs" if self.emulated else "train")
+
+            bar = tqdm(
+                total=total,
+                initial=min(self.global_step, total),
+                unit="step",
+                dynamic_ncols=True,
+                desc="train on EMULATED GPUs" if self.emulated else "train",
+            )
         obs = self.observer = observer
         if obs is not None:
             obs.start(self)
@@ -460,9 +561,13 @@ class Trainer:
                     t_begin = time.perf_counter()
                     part = local_slice(len(idx), self.pg.rank, self.pg.size, self.batch_shares)
                     mine = idx[part]
-                    loss = self.step(data.x_train[mine], data.y_train[mine], global_batch=len(idx),
-                                     first_sample=part.start,
-                                     trace=obs is not None and obs.wants_trace(self.global_step))
+                    loss = self.step(
+                        data.x_train[mine],
+                        data.y_train[mine],
+                        global_batch=len(idx),
+                        first_sample=part.start,
+                        trace=obs is not None and obs.wants_trace(self.global_step),
+                    )
                     if obs is not None:
                         obs.on_step(self, self.last_result, t_begin, len(mine))
                     self.batch_in_epoch += 1
@@ -474,8 +579,12 @@ class Trainer:
                         bar.set_postfix(epoch=self.epoch + 1, loss=f"{loss:.4f}", **slow, refresh=False)
                     if self.global_step >= total or self.stop_reason is not None:
                         break
-                    if (checkpoint is not None and checkpoint.every and self.global_step % checkpoint.every == 0
-                            and self.bad_steps == 0):
+                    if (
+                        checkpoint is not None
+                        and checkpoint.every
+                        and self.global_step % checkpoint.every == 0
+                        and self.bad_steps == 0
+                    ):
                         self._epoch_seconds += time.perf_counter() - t0
                         t0 = time.perf_counter()
                         self._checkpoint(checkpoint, compat)
@@ -491,10 +600,17 @@ class Trainer:
                 if self.bad_steps == 0:
                     self._checkpoint(checkpoint, compat)
                 elif self.pg.is_root:  # a skipped step's state is not checkpointed: say what is kept
-                    kept = (f"the newest is {self.last_checkpoint} (step {self._last_checkpoint_step})"
-                            if self.last_checkpoint else "none was written")
-                    print(f"mgpu: warning: no checkpoint of step {self.global_step}: the last {self.bad_steps} "
-                          f"step(s) were skipped (non-finite loss or gradients); {kept}", file=sys.stderr, flush=True)
+                    kept = (
+                        f"the newest is {self.last_checkpoint} (step {self._last_checkpoint_step})"
+                        if self.last_checkpoint
+                        else "none was written"
+                    )
+                    print(
+                        f"mgpu: warning: no checkpoint of step {self.global_step}: the last {self.bad_steps} "
+                        f"step(s) were skipped (non-finite loss or gradients); {kept}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
             if obs is not None:
                 obs.close(self)
             finished = True
@@ -521,21 +637,33 @@ class Trainer:
             return
         self.stragglers.append(found)
         self._epoch_stragglers.append(found)
-        text = (f"rank {found['rank']} {found['slower_by']:.0%} slower ({found['phase']} "
-                f"+{found['phase_excess_seconds'] * 1e3:.1f} ms/step{' on EMULATED GPUs' if self.emulated else ''})")
+        text = (
+            f"rank {found['rank']} {found['slower_by']:.0%} slower ({found['phase']} "
+            f"+{found['phase_excess_seconds'] * 1e3:.1f} ms/step{' on EMULATED GPUs' if self.emulated else ''})"
+        )
         if bar is not None:
-            self._straggler_note = f"rank {found['rank']} +{found['slower_by']:.0%} {found['phase']}"  # stays on the bar
+            self._straggler_note = (
+                f"rank {found['rank']} +{found['slower_by']:.0%} {found['phase']}"  # stays on the bar
+            )
             bar.write(f"straggler: {text} over steps {found['steps'][0]}-{found['steps'][1]}")
         else:
-            print(f"mgpu: straggler: {text} over steps {found['steps'][0]}-{found['steps'][1]}",
-                  file=sys.stderr, flush=True)
+            print(
+                f"mgpu: straggler: {text} over steps {found['steps'][0]}-{found['steps'][1]}",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def _close_epoch(self, data: Dataset, on_epoch) -> None:
         seconds, samples = self._epoch_seconds, self._epoch_samples
-        entry = {"epoch": self.epoch + 1, "train_loss": self._epoch_loss_sum / max(samples, 1),
-                 "steps": self.global_step, "samples": samples, "seconds": seconds,
-                 "samples_per_sec": samples / seconds if seconds > 0 else 0.0,
-                 "lr": self.schedule.lr_at(max(self.global_step - 1, 0))}
+        entry = {
+            "epoch": self.epoch + 1,
+            "train_loss": self._epoch_loss_sum / max(samples, 1),
+            "steps": self.global_step,
+            "samples": samples,
+            "seconds": seconds,
+            "samples_per_sec": samples / seconds if seconds > 0 else 0.0,
+            "lr": self.schedule.lr_at(max(self.global_step - 1, 0)),
+        }
         if self.observer is not None:
             with self.observer.span("validation", self.global_step - 1):
                 val = self.evaluate(data.x_val, data.y_val)

@@ -6,6 +6,7 @@ venv's, or Debian's /usr/bin/python3 with python3-torch), without mgpu.
 
 Prints one JSON line on rank 0: per-step seconds of the measured steps.
 """
+
 import argparse
 import contextlib
 import json
@@ -24,8 +25,12 @@ def main():
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--precision", choices=("fp32", "tf32", "bf16", "fp16"), default="fp32",
-                   help="as mgpu's: tf32 GEMMs, or bf16/fp16 autocast with fp32 master weights")
+    p.add_argument(
+        "--precision",
+        choices=("fp32", "tf32", "bf16", "fp16"),
+        default="fp32",
+        help="as mgpu's: tf32 GEMMs, or bf16/fp16 autocast with fp32 master weights",
+    )
     p.add_argument("--port", type=int, default=29533)
     a = p.parse_args()
     # torch.set_num_threads does not reach the BLAS: Debian's torch calls OpenBLAS,
@@ -35,6 +40,7 @@ def main():
 
     import torch
     import torch.distributed as dist
+
     torch.set_num_threads(a.threads)
     if a.precision != "fp32" and a.device != "cuda":
         raise SystemExit(f"--precision {a.precision} needs --device cuda")
@@ -46,7 +52,9 @@ def main():
     rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", 0))
     world = int(os.environ.get("OMPI_COMM_WORLD_SIZE", 1))
     local = int(os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK", 0))
-    device = torch.device("cuda", local % max(torch.cuda.device_count(), 1)) if a.device == "cuda" else torch.device("cpu")
+    device = (
+        torch.device("cuda", local % max(torch.cuda.device_count(), 1)) if a.device == "cuda" else torch.device("cpu")
+    )
     if world > 1:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(a.port))
@@ -63,8 +71,11 @@ def main():
     net = torch.nn.Sequential(*mods).to(device)
     if world > 1:
         net = torch.nn.parallel.DistributedDataParallel(net, device_ids=[device.index] if a.device == "cuda" else None)
-    opt = (torch.optim.SGD(net.parameters(), lr=1e-3, momentum=0.9) if a.optimizer == "sgd"
-           else torch.optim.AdamW(net.parameters(), lr=1e-3))
+    opt = (
+        torch.optim.SGD(net.parameters(), lr=1e-3, momentum=0.9)
+        if a.optimizer == "sgd"
+        else torch.optim.AdamW(net.parameters(), lr=1e-3)
+    )
     lossf = torch.nn.MSELoss()
     local_batch = a.batch_size // world + (rank < a.batch_size % world)
     xs = [torch.randn(local_batch, sizes[0], device=device) for _ in range(4)]
@@ -96,8 +107,17 @@ def main():
             sync()
             times.append(time.perf_counter() - t0)
     if rank == 0:
-        print(json.dumps({"impl": "torch", "version": torch.__version__, "ranks": world, "precision": a.precision,
-                          "step_seconds": times}))
+        print(
+            json.dumps(
+                {
+                    "impl": "torch",
+                    "version": torch.__version__,
+                    "ranks": world,
+                    "precision": a.precision,
+                    "step_seconds": times,
+                }
+            )
+        )
     if world > 1:
         dist.destroy_process_group()
 
