@@ -36,9 +36,16 @@ else
     for e in "${CXX_EXTS[@]}"; do patterns+=("$d/*.$e"); done
   done
   files=()
+  list_sources() {  # the files git tracks or would track; outside a git checkout, every one under CXX_DIRS
+    if git rev-parse --is-inside-work-tree > /dev/null 2>&1; then
+      git ls-files -z --cached --others --exclude-standard -- "${patterns[@]}"
+    else
+      find "${CXX_DIRS[@]}" -type f \( -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh' \) -print0
+    fi
+  }
   while IFS= read -r -d '' f; do
     [ -f "$f" ] && files+=("$f")  # not one deleted but still in the index
-  done < <(git ls-files -z --cached --others --exclude-standard -- "${patterns[@]}" | sort -zu)
+  done < <(list_sources | sort -zu)
   if [ ${#files[@]} -eq 0 ]; then
     failed+=("clang-format: no C++ or CUDA files found under ${CXX_DIRS[*]} (not a git checkout?)")
   elif ! out=$("$CLANG_FORMAT" --dry-run --Werror --ferror-limit=1 "${files[@]}" 2>&1); then

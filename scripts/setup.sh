@@ -12,7 +12,7 @@ APT_PACKAGES=(build-essential cmake ninja-build pkg-config openmpi-bin libopenmp
               libdnnl-dev  # oneDNN: the CPU backend's sgemm for small products
               libboost-context-dev   # fibers of the GPU emulation (emulation/README.md)
               iproute2 util-linux nftables  # the virtual cluster of tests/cluster (vcluster.py)
-              clang-format)  # the C++ style check of scripts/lint.sh (version 14 on Debian 12)
+              clang-format git)  # the C++ style check of scripts/lint.sh (version 14 on Debian 12)
 # MGPU_SETUP_TORCH_PEER=1 (scripts/test.sh): Debian's PyTorch, the peer of `bench --compare torch`
 if [ "${MGPU_SETUP_TORCH_PEER:-0}" = 1 ]; then
   APT_PACKAGES+=(python3-torch)

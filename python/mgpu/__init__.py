@@ -5,15 +5,17 @@ training, benchmarks and the CLI (``python -m mgpu --help``). Its layers, each i
 only those below it:
 
     commands/    the command line: one module per command
-    selector/    the performance model's Python side: hardware, profiles, fits, memory, recommend
     calibrate/   measurements: topo's tables, bench's harness
+    selector/    the performance model's Python side: hardware, profiles, fits, memory, recommend
     train/       process groups, config, data, model, schedule, checkpoints, the trainer, observe
     monitor/     device telemetry and the safety rules shared by stress and train
-    _runtime, errors, atomic, hostinfo   the bottom
+    _runtime, errors, atomic, console, hostinfo   the bottom
 """
 
 # The runtime first: it sets the OpenMP environment before the core loads and picks the core.
-from ._runtime import OPENMP_ONLY_ENV, gpus_emulated  # noqa: F401  (mgpu.OPENMP_ONLY_ENV: what mgpu set for its OpenMP-only steps)
+# mgpu._core is the core it chose (the emulation's under MGPU_EMULATE_GPU); mgpu.OPENMP_ONLY_ENV
+# what mgpu set for its own OpenMP-only steps.
+from ._runtime import OPENMP_ONLY_ENV, _core, gpus_emulated  # noqa: F401
 from ._core import __version__, build_info
 from .errors import CommError, ConfigError, DataError, DeviceError, MgpuError, NumericsError
 from .train.process_group import ProcessGroup

@@ -1,32 +1,91 @@
-"""mgpu.perf: the strategy selector's public face, as documented before the package had
-layers (`mgpu.perf.recommend(...)`); the code lives in mgpu.selector.
+"""mgpu.perf: the strategy selector's public names as they were before the package had
+layers (`mgpu.perf.recommend(...)` is documented); the code lives in mgpu.selector. Names
+only: patching one here changes nothing the selector calls.
 """
 
-from .selector.memory import check_training_memory, training_memory_bytes
+from .selector.hardware import GPU_LAUNCH_S, GPU_STEP_OVERHEAD_S, NCCL_BUFFER_BYTES, PRECISIONS
+from .selector.memory import (
+    MEMORY_MARGIN,
+    MPI_TEMPORARY_BUCKETS,
+    RUNTIME_OVERHEAD_BYTES,
+    RUNTIME_OVERHEAD_FRACTION,
+    check_training_memory,
+    gpu_step_memory,
+    rank_memory_bytes,
+    training_memory_bytes,
+)
 from .selector.profiles import (
+    LAYER_COLD_KEYS,
     NAMED_PROFILES,
     PROFILE_ALIASES,
+    PROFILE_FORMAT,
+    PROFILE_VERSION,
+    P,
+    cache_dir,
+    checked_placement,
+    default_profile_path,
     detected_profile,
+    emulation_mismatch,
     list_profiles,
     load_profile,
     named_profile,
+    net_step_overheads,
+    placement_moved_in,
+    placement_profile,
+    profile_is_emulated,
     resolve_profile,
     save_profile,
+    to_core,
 )
-from .selector.recommend import auto_bucket, format_recommendation, recommend
+from .selector.recommend import (
+    CPU_MAX_BUCKET_BYTES,
+    MAX_DEVICES,
+    MAX_NODES,
+    NAMED_CONFIDENCE,
+    auto_bucket,
+    format_recommendation,
+    recommend,
+)
 
 __all__ = [
+    "CPU_MAX_BUCKET_BYTES",
+    "GPU_LAUNCH_S",
+    "GPU_STEP_OVERHEAD_S",
+    "LAYER_COLD_KEYS",
+    "MAX_DEVICES",
+    "MAX_NODES",
+    "MEMORY_MARGIN",
+    "MPI_TEMPORARY_BUCKETS",
+    "NAMED_CONFIDENCE",
     "NAMED_PROFILES",
+    "NCCL_BUFFER_BYTES",
+    "P",
+    "PRECISIONS",
     "PROFILE_ALIASES",
+    "PROFILE_FORMAT",
+    "PROFILE_VERSION",
+    "RUNTIME_OVERHEAD_BYTES",
+    "RUNTIME_OVERHEAD_FRACTION",
     "auto_bucket",
+    "cache_dir",
     "check_training_memory",
+    "checked_placement",
+    "default_profile_path",
     "detected_profile",
+    "emulation_mismatch",
     "format_recommendation",
+    "gpu_step_memory",
     "list_profiles",
     "load_profile",
     "named_profile",
+    "net_step_overheads",
+    "placement_moved_in",
+    "placement_profile",
+    "profile_is_emulated",
+    "rank_memory_bytes",
     "recommend",
     "resolve_profile",
     "save_profile",
+    "to_core",
     "training_memory_bytes",
 ]
