@@ -20,7 +20,7 @@ from ._core import __version__, build_info
 from .errors import CommError, ConfigError, DataError, DeviceError, MgpuError, NumericsError
 from .train.process_group import ProcessGroup
 from .train.thread_group import ThreadGroup, run_on_gpus
-from .train.config import PRESETS, TrainConfig
+from .train.config import PRESETS, TrainConfig, TrainerConfig
 from .train.model import MLP
 from .train.data import Dataset, load_dataset, split_counts
 from .train.schedule import LRSchedule
@@ -35,6 +35,7 @@ __all__ = [
     "ThreadGroup",
     "run_on_gpus",
     "TrainConfig",
+    "TrainerConfig",
     "PRESETS",
     "MLP",
     "Trainer",

@@ -337,3 +337,60 @@ def test_everything_mgpu_raises_is_an_mgpu_error_and_bad_input_a_value_error():
     assert all(issubclass(e, ValueError) for e in (mgpu.ConfigError, mgpu.DataError, checkpoint_error))
     with pytest.raises(mgpu.MgpuError, match="layers"):  # raised in the core, caught by the common base
         mgpu.MLP([0])
+
+
+def test_a_trainer_config_gives_the_same_trainer_as_its_keywords():
+    settings = dict(optimizer="adamw", lr=1e-3, accumulate=2, max_grad_norm=0.5, weight_decay=0.01)
+    by_keywords = mgpu.Trainer(mgpu.MLP([50, 8, 3], seed=0, threads=1), process_group=one_rank(), **settings)
+    by_config = mgpu.Trainer(mgpu.MLP([50, 8, 3], seed=0, threads=1), mgpu.TrainerConfig(**settings), one_rank())
+    for t in (by_keywords, by_config):
+        t.fit(DATA, batch_size=32, steps=5, progress=False)
+    for a, b in zip(by_keywords.model.get_parameters(), by_config.model.get_parameters()):
+        assert np.array_equal(a, b)
+    assert by_config.config == by_keywords.config == mgpu.TrainerConfig(**settings)
+    model = mgpu.MLP([2, 2], threads=1)
+    with pytest.raises(TypeError, match="not both"):
+        mgpu.Trainer(model, mgpu.TrainerConfig(), one_rank(), lr=0.1)
+    with pytest.raises(TypeError, match="must be a TrainerConfig"):
+        mgpu.Trainer(model, "mse")
+    with pytest.raises(TypeError, match="give the group once"):
+        mgpu.Trainer(model, None, one_rank(), process_group=one_rank())
+    for bad, match in (
+        (dict(lr=0.0), "learning rate"),
+        (dict(accumulate=0), "accumulation steps"),
+        (dict(timeout=-1.0), "watchdog timeout"),
+        (dict(communicator="gloo"), "communicator"),
+        (dict(graph="maybe"), "CUDA graph mode"),
+        (dict(grad_dtype="int8"), "gradient dtype"),
+        (dict(max_bad_steps=0), "max bad steps"),
+    ):
+        with pytest.raises(mgpu.ConfigError, match=match):
+            mgpu.TrainerConfig(**bad)
+
+
+def test_a_runs_config_hands_its_trainer_every_setting():
+    cfg = mgpu.TrainConfig(
+        layers=[50, 8, 3],
+        optimizer="adamw",
+        lr=0.002,
+        momentum=0.5,
+        weight_decay=0.1,
+        bucket_mb=1.0,
+        overlap=False,
+        accumulate=3,
+        max_grad_norm=2.0,
+        lr_schedule="cosine",
+        warmup_steps=4,
+        min_lr=0.001,
+        watchdog_timeout=7.0,
+        max_bad_steps=5,
+        comm="mpi",
+        cuda_graph="off",
+        grad_dtype="bf16",
+    )
+    t = cfg.trainer_config(loss="cross_entropy", total_steps=40, batch_shares=[1.0], timed=True)
+    assert (t.loss, t.optimizer, t.lr, t.momentum, t.weight_decay) == ("cross_entropy", "adamw", 0.002, 0.5, 0.1)
+    assert (t.bucket_elems, t.overlap, t.accumulate, t.max_grad_norm) == (cfg.bucket_elems(), False, 3, 2.0)
+    assert (t.timeout, t.max_bad_steps, t.communicator, t.graph, t.grad_dtype) == (7.0, 5, "mpi", "off", "bf16")
+    assert t.batch_shares == [1.0] and t.timed
+    assert [t.schedule.lr_at(s) for s in (0, 4, 39)] == [cfg.schedule(40).lr_at(s) for s in (0, 4, 39)]

@@ -7,6 +7,7 @@ mpirun, rounds merged, and the selector's predictions set beside the measurement
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -27,7 +28,7 @@ from ..selector import profiles
 from ..selector.memory import check_training_memory
 from ..selector.recommend import recommend
 from ..selector.workload import build_workload
-from ..train.config import PRESETS
+from ..train.config import PRESETS, TrainerConfig
 from ..train.data import local_slice
 from ..train.model import MLP
 from ..train.observe import Observer
@@ -105,18 +106,17 @@ def measure(
     model = MLP(
         sizes, seed=0, dropout=dropout, device=device, device_index=device_index, threads=threads, precision=precision
     )
-    trainer = Trainer(
-        model,
+    settings = TrainerConfig(
         loss="mse",
         optimizer=optimizer,
         lr=1e-3,
         momentum=0.9,
-        process_group=pg,
         timed=True,
         graph=graph,
         accumulate=accumulate,
         grad_dtype=grad_dtype,
     )
+    trainer = Trainer(model, settings, pg)
     part = local_slice(batch, pg.rank, pg.size)
     rng = np.random.default_rng(pg.rank)
     rows = part.stop - part.start
@@ -213,17 +213,8 @@ def count_emulated_work(model, timed_trainer, pg, data, batch: int, first_sample
     """On the GPU emulation: the CUDA work of one steady-state step (kernel and graph
     launches, host synchronisations, allocations, bytes each way), averaged over `steps`
     steps of an untimed trainer (the timed one adds a synchronisation per phase)."""
-    trainer = Trainer(
-        model,
-        loss="mse",
-        optimizer=timed_trainer.optimizer_name,
-        lr=1e-3,
-        momentum=0.9,
-        process_group=pg,
-        graph="on" if timed_trainer._step.uses_graphs else "off",
-        accumulate=timed_trainer.accumulate,
-        grad_dtype=timed_trainer.grad_dtype,
-    )
+    graph = "on" if timed_trainer._step.uses_graphs else "off"
+    trainer = Trainer(model, dataclasses.replace(timed_trainer.config, timed=False, graph=graph), pg)
     for i in range(2):  # first appearance and capture of the shape
         trainer.step(*data[i % 4], global_batch=batch, first_sample=first_sample)
     model._backend.synchronize()

@@ -40,6 +40,7 @@ from ..selector.profiles import (
     PROFILE_VERSION,
     net_step_overheads,
 )
+from ..train.config import TrainerConfig
 from ..train.data import local_slice
 from ..train.model import MLP
 from ..train.process_group import ProcessGroup
@@ -167,7 +168,7 @@ def measure_step_phases(pg, backend_kind: str, threads: int, quick: bool) -> dic
     with _timeouts_kept(pg):
         for h in STEP_WIDTHS_QUICK if quick else STEP_WIDTHS:
             model = MLP([h, h, h], seed=0, device=backend_kind, threads=threads)
-            trainer = Trainer(model, loss="mse", optimizer="sgd", lr=1e-3, momentum=0.9, process_group=pg)
+            trainer = Trainer(model, TrainerConfig(loss="mse", optimizer="sgd", lr=1e-3, momentum=0.9), pg)
             x, y = np.zeros((STEP_ROWS, h), np.float32), np.zeros((STEP_ROWS, h), np.float32)
             update, wait = [], []
             for i in range(5 + (10 if quick else 30)):
@@ -618,7 +619,7 @@ def _step_seconds(pg, sizes, dropout, batch, device, device_index, threads, step
     """Median wall time of a training step of an MLP on this process group (communicator:
     the kind the group already uses, where it uses one)."""
     model = MLP(sizes, seed=0, dropout=dropout, device=device, device_index=device_index, threads=threads)
-    trainer = Trainer(model, lr=1e-3, process_group=pg, communicator=communicator)
+    trainer = Trainer(model, TrainerConfig(lr=1e-3, communicator=communicator), pg)
     part = local_slice(batch, pg.rank, pg.size)
     x = np.zeros((part.stop - part.start, sizes[0]), np.float32)
     y = np.zeros((part.stop - part.start, sizes[-1]), np.float32)

@@ -413,29 +413,15 @@ def build_run(plan: RunPlan, pg) -> tuple:
     if pg.is_root and plan.bucket_note:
         print(plan.bucket_note, flush=True)
     shares = list(plan.batch_shares) if plan.batch_shares is not None else None
-    trainer = Trainer(
-        model,
+    # timed: a device backend's phases are synchronised apart for the JSON log's phase times
+    # (the trace needs no such thing: its spans are CUDA events)
+    settings = cfg.trainer_config(
         loss=plan.loss,
-        optimizer=cfg.optimizer,
-        lr=cfg.lr,
-        momentum=cfg.momentum,
-        weight_decay=cfg.weight_decay,
-        process_group=pg,
-        bucket_elems=cfg.bucket_elems(),
-        overlap=cfg.overlap,
+        total_steps=plan.total_steps,
         batch_shares=shares,
-        accumulate=cfg.accumulate,
-        max_grad_norm=cfg.max_grad_norm,
-        schedule=cfg.schedule(plan.total_steps),
-        max_bad_steps=cfg.max_bad_steps,
-        timeout=cfg.watchdog_timeout,
-        communicator=cfg.comm,
-        graph=cfg.cuda_graph,
-        grad_dtype=cfg.grad_dtype,
-        # timed: a device backend's phases are synchronised apart for the JSON log's
-        # phase times (the trace needs no such thing: its spans are CUDA events)
         timed=plan.device == "cuda" and bool(a.log_json),
     )
+    trainer = Trainer(model, settings, pg)
     policy = (
         CheckpointPolicy(cfg.checkpoint_dir, cfg.checkpoint_every, cfg.keep_checkpoints) if cfg.checkpoint_dir else None
     )

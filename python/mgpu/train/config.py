@@ -1,14 +1,16 @@
-"""Model presets and the validated training configuration.
+"""Model presets, the validated training configuration (TrainConfig: a whole run, as
+`mgpu train` takes it) and the trainer's (TrainerConfig: how a Trainer steps).
 
 Every check happens at construction, identically on every rank, so bad
-values fail fast with one clear message and never inside a collective.
+values fail fast with one clear message and never inside a collective. A rule both
+configurations share is written once (_check_step_options).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 from ..errors import ConfigError
 from .schedule import SCHEDULES, LRSchedule
@@ -42,6 +44,65 @@ BUILTIN_DATASETS = ("synthetic", "digits")
 
 def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_step_options(*, lr, accumulate, max_bad_steps, timeout, communicator, graph, grad_dtype) -> None:
+    """The rules TrainConfig and TrainerConfig share: ConfigError at the first value broken."""
+    if not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr <= 0:
+        raise ConfigError(f"learning rate must be a finite number > 0, got {lr}")
+    if not _is_int(accumulate) or accumulate < 1:
+        raise ConfigError(f"accumulation steps must be an integer >= 1, got {accumulate}")
+    if not _is_int(max_bad_steps) or max_bad_steps < 1:
+        raise ConfigError(f"max bad steps must be an integer >= 1, got {max_bad_steps}")
+    if not (timeout >= 0 and math.isfinite(timeout)):
+        raise ConfigError(f"watchdog timeout must be >= 0 seconds (0: wait forever), got {timeout}")
+    if communicator not in COMMS:
+        raise ConfigError(f"unknown communicator '{communicator}' (expected {', '.join(COMMS)})")
+    if graph not in GRAPH_MODES:
+        raise ConfigError(f"unknown CUDA graph mode '{graph}' (expected {', '.join(GRAPH_MODES)})")
+    if grad_dtype not in GRAD_DTYPES:
+        raise ConfigError(f"unknown gradient dtype '{grad_dtype}' (expected {', '.join(GRAD_DTYPES)})")
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    """How a Trainer steps: the loss, the optimizer and its hyperparameters, gradient
+    buckets, batch shares, accumulation, clipping, the learning-rate schedule, loss
+    scaling, the watchdog, the communicator, CUDA graphs and the gradients' dtype.
+    Checked here, once; the optimizer's name and hyperparameters by the core's Optimizer."""
+
+    loss: str = "mse"
+    optimizer: str = "sgd"
+    lr: float = 0.01
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    betas: tuple = (0.9, 0.999)
+    eps: float = 1e-8
+    bucket_elems: int = 1 << 20
+    overlap: bool = True
+    batch_shares: Optional[Sequence[float]] = None  # per rank (the group checks their count); None: equal
+    accumulate: int = 1
+    max_grad_norm: float = 0.0
+    schedule: Optional[LRSchedule] = None  # None: constant at lr
+    loss_scale: Optional[float] = None  # None: 2^16 where fp16 is in play, else 1
+    dynamic_loss_scale: Optional[bool] = None  # None: where fp16 is and no scale is given
+    max_bad_steps: int = 3
+    timeout: float = 300.0  # seconds a collective may wait for a peer; 0: forever
+    communicator: str = "auto"  # auto (NCCL between GPUs where built, else MPI) | nccl | mpi
+    timed: bool = False  # separate a step's phases on device backends too (benchmarks; costs overlap)
+    graph: str = "auto"  # capture each step's forward/backward in a CUDA graph (auto: small models on GPUs)
+    grad_dtype: str = "fp32"  # the type gradients travel in (bf16/fp16 halve the allreduce; NCCL only)
+
+    def __post_init__(self):
+        _check_step_options(
+            lr=self.lr,
+            accumulate=self.accumulate,
+            max_bad_steps=self.max_bad_steps,
+            timeout=self.timeout,
+            communicator=self.communicator,
+            graph=self.graph,
+            grad_dtype=self.grad_dtype,
+        )
 
 
 @dataclass
@@ -117,8 +178,15 @@ class TrainConfig:
                 fail(f"steps must be an integer >= 1, got {self.steps}")
         elif self.epochs is None or not _is_int(self.epochs) or self.epochs < 1:
             fail(f"epochs must be an integer >= 1, got {self.epochs}")
-        if not isinstance(self.lr, (int, float)) or not math.isfinite(self.lr) or self.lr <= 0:
-            fail(f"learning rate must be a finite number > 0, got {self.lr}")
+        _check_step_options(
+            lr=self.lr,
+            accumulate=self.accumulate,
+            max_bad_steps=self.max_bad_steps,
+            timeout=self.watchdog_timeout,
+            communicator=self.comm,
+            graph=self.cuda_graph,
+            grad_dtype=self.grad_dtype,
+        )
         if self.optimizer not in OPTIMIZERS:
             fail(f"unknown optimizer '{self.optimizer}' (expected {' or '.join(OPTIMIZERS)})")
         if not (0 <= self.momentum < 1):
@@ -139,8 +207,6 @@ class TrainConfig:
             fail(f"validation fraction must be in (0, 1), got {self.val_fraction}")
         if not _is_int(self.seed) or not 0 <= self.seed < 2**64:  # the core's seed is a uint64
             fail(f"seed must be an integer in 0..2^64-1, got {self.seed}")
-        if not _is_int(self.accumulate) or self.accumulate < 1:
-            fail(f"accumulation steps must be an integer >= 1, got {self.accumulate}")
         if not (self.max_grad_norm >= 0 and math.isfinite(self.max_grad_norm)):
             fail(f"max gradient norm must be >= 0 (0: no clipping), got {self.max_grad_norm}")
         if self.lr_schedule not in SCHEDULES:
@@ -159,18 +225,8 @@ class TrainConfig:
             fail(f"checkpoint interval must be an integer >= 0 steps, got {self.checkpoint_every}")
         if not _is_int(self.keep_checkpoints) or self.keep_checkpoints < 1:
             fail(f"checkpoints to keep must be an integer >= 1, got {self.keep_checkpoints}")
-        if not (self.watchdog_timeout >= 0 and math.isfinite(self.watchdog_timeout)):
-            fail(f"watchdog timeout must be >= 0 seconds (0: wait forever), got {self.watchdog_timeout}")
         if self.precision not in PRECISIONS:
             fail(f"unknown precision '{self.precision}' (expected {', '.join(PRECISIONS)})")
-        if self.grad_dtype not in GRAD_DTYPES:
-            fail(f"unknown gradient dtype '{self.grad_dtype}' (expected {', '.join(GRAD_DTYPES)})")
-        if self.comm not in COMMS:
-            fail(f"unknown communicator '{self.comm}' (expected {', '.join(COMMS)})")
-        if self.cuda_graph not in GRAPH_MODES:
-            fail(f"unknown CUDA graph mode '{self.cuda_graph}' (expected {', '.join(GRAPH_MODES)})")
-        if not _is_int(self.max_bad_steps) or self.max_bad_steps < 1:
-            fail(f"max bad steps must be an integer >= 1, got {self.max_bad_steps}")
         return self
 
     # --- derived values -----------------------------------------------------
@@ -211,6 +267,31 @@ class TrainConfig:
 
     def bucket_elems(self) -> int:
         return max(1, int(self.bucket_mb * (1 << 20) / 4))
+
+    def trainer_config(
+        self, *, loss: str, total_steps: int, batch_shares: Optional[Sequence[float]] = None, timed: bool = False
+    ) -> TrainerConfig:
+        """How the run's Trainer steps: this configuration's settings, with what the run
+        resolved (the loss the data asks for, the steps its schedule spans, the shares)."""
+        return TrainerConfig(
+            loss=loss,
+            optimizer=self.optimizer,
+            lr=self.lr,
+            momentum=self.momentum,
+            weight_decay=self.weight_decay,
+            bucket_elems=self.bucket_elems(),
+            overlap=self.overlap,
+            batch_shares=batch_shares,
+            accumulate=self.accumulate,
+            max_grad_norm=self.max_grad_norm,
+            schedule=self.schedule(total_steps),
+            max_bad_steps=self.max_bad_steps,
+            timeout=self.watchdog_timeout,
+            communicator=self.comm,
+            timed=timed,
+            graph=self.cuda_graph,
+            grad_dtype=self.grad_dtype,
+        )
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -13,7 +13,7 @@ import math
 import sys
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -27,7 +27,7 @@ from .checkpoint import (
     prepare_directory,
     save_checkpoint,
 )
-from .config import GRAD_DTYPES, GRAPH_MODES
+from .config import TrainerConfig
 from .data import Dataset, GlobalBatches, check_dataset_fits, local_slice, split_counts
 from .group import Group
 from .model import MLP
@@ -111,89 +111,74 @@ class Trainer:
     def __init__(
         self,
         model: MLP,
+        config: Optional[TrainerConfig] = None,
+        group: Optional[Group] = None,
         *,
-        loss: str = "mse",
-        optimizer: str = "sgd",
-        lr: float = 0.01,
-        momentum: float = 0.0,
-        weight_decay: float = 0.0,
-        betas=(0.9, 0.999),
-        eps: float = 1e-8,
         process_group: Optional[Group] = None,
-        bucket_elems: int = 1 << 20,
-        overlap: bool = True,
-        batch_shares: Optional[Sequence[float]] = None,
-        accumulate: int = 1,
-        max_grad_norm: float = 0.0,
-        schedule: Optional[LRSchedule] = None,
-        loss_scale: Optional[float] = None,
-        dynamic_loss_scale: Optional[bool] = None,
-        max_bad_steps: int = 3,
-        timeout: float = 300.0,
-        communicator: str = "auto",
-        timed: bool = False,
-        graph: str = "auto",
-        grad_dtype: str = "fp32",
+        **settings,
     ):
-        if not (isinstance(lr, (int, float)) and np.isfinite(lr) and lr > 0):
-            raise ConfigError(f"learning rate must be a finite number > 0, got {lr}")
-        if not isinstance(accumulate, int) or accumulate < 1:
-            raise ConfigError(f"accumulation steps must be an integer >= 1, got {accumulate}")
-        if not isinstance(max_bad_steps, int) or max_bad_steps < 1:
-            raise ConfigError(f"max bad steps must be an integer >= 1, got {max_bad_steps}")
-        if not (timeout >= 0 and np.isfinite(timeout)):
-            raise ConfigError(f"watchdog timeout must be >= 0 seconds (0: none), got {timeout}")
+        """Trainer(model, TrainerConfig(...), group); or, as before, the config's fields as
+        keywords (Trainer(model, lr=1e-3, process_group=pg)). The group defaults to
+        ProcessGroup() (mpi4py's world, or a world of one)."""
+        if config is None:
+            config = TrainerConfig(**settings)  # an unknown keyword: TypeError, as a signature gives
+        elif not isinstance(config, TrainerConfig):
+            raise TypeError(f"Trainer's config must be a TrainerConfig, got {type(config).__name__}")
+        elif settings:
+            raise TypeError(
+                f"give the trainer's settings in its TrainerConfig or as keywords, not both "
+                f"(got {', '.join(sorted(settings))} beside a TrainerConfig)"
+            )
+        if group is not None and process_group is not None and group is not process_group:
+            raise TypeError("give the group once: as the third argument or as process_group")
+        c = self.config = config
         self.model = model
-        self.loss = loss
-        self.optimizer_name = optimizer
-        self.pg = process_group or ProcessGroup()
-        if batch_shares is not None:
-            split_counts(self.pg.size, self.pg.size, batch_shares)  # validates
-        self.batch_shares = batch_shares
-        self.accumulate = accumulate
-        self.grad_dtype = grad_dtype
-        self.schedule = schedule or LRSchedule(float(lr))
-        self.max_bad_steps = max_bad_steps
-        self.pg.timeout = timeout
-        if graph not in GRAPH_MODES:
-            raise ConfigError(f"unknown CUDA graph mode '{graph}' (expected {', '.join(GRAPH_MODES)})")
-        if grad_dtype not in GRAD_DTYPES:
-            raise ConfigError(f"unknown gradient dtype '{grad_dtype}' (expected {', '.join(GRAD_DTYPES)})")
-        if communicator not in ("auto", "nccl", "mpi"):
-            raise ConfigError(f"unknown communicator '{communicator}' (expected auto, nccl or mpi)")
+        self.loss = c.loss
+        self.optimizer_name = c.optimizer
+        self.pg = group or process_group or ProcessGroup()
+        if c.batch_shares is not None:
+            split_counts(self.pg.size, self.pg.size, c.batch_shares)  # one share per rank of this group
+        self.batch_shares = c.batch_shares
+        self.accumulate = c.accumulate
+        self.grad_dtype = c.grad_dtype
+        self.schedule = c.schedule or LRSchedule(float(c.lr))
+        self.max_bad_steps = c.max_bad_steps
+        self.pg.timeout = c.timeout
+        communicator = c.communicator
         if communicator == "auto":  # NCCL between GPUs when this build has it; MPI otherwise
             communicator = (
                 "nccl" if model.device == "cuda" and self.pg.size > 1 and hasattr(_core, "NcclCommunicator") else "mpi"
             )
         self.communicator_kind = communicator
         comm = self.pg.communicator("nccl", model.device_index) if communicator == "nccl" else self.pg.communicator()
-        comm.timeout = timeout
+        comm.timeout = c.timeout
         self._comm = comm  # the one this trainer's collectives use (MPI or NCCL), resume included
         # fp16 needs loss scaling (dynamic unless a scale is given), in the GEMMs or in the
         # gradients' allreduce alike (small gradients underflow fp16); other precisions none
-        fp16 = getattr(model._backend, "precision", "fp32") == "fp16" or grad_dtype == "fp16"
+        fp16 = getattr(model._backend, "precision", "fp32") == "fp16" or c.grad_dtype == "fp16"
+        dynamic_loss_scale = c.dynamic_loss_scale
         if dynamic_loss_scale is None:
-            dynamic_loss_scale = fp16 and loss_scale is None
+            dynamic_loss_scale = fp16 and c.loss_scale is None
+        loss_scale = c.loss_scale
         if loss_scale is None:
             loss_scale = 2.0**16 if fp16 else 1.0
         self.dynamic_loss_scale = bool(dynamic_loss_scale)
         self._scale_note_shown = False  # the overflow note: once per run of skipped steps
-        self._optimizer = _core.Optimizer(model._core, optimizer, momentum, weight_decay, betas[0], betas[1], eps)
-        # timed: separate the phases of a step on device backends too (benchmarks; costs overlap)
-        # graph: capture each step's forward/backward in a CUDA graph (auto: small models on GPUs)
-        # grad_dtype: the type gradients travel in (bf16/fp16 halve the allreduce; NCCL only)
+        self._optimizer = _core.Optimizer(
+            model._core, c.optimizer, c.momentum, c.weight_decay, c.betas[0], c.betas[1], c.eps
+        )
         options = _core.StepOptions(
-            bucket_elems=bucket_elems,
-            overlap=overlap,
-            max_grad_norm=max_grad_norm,
+            bucket_elems=c.bucket_elems,
+            overlap=c.overlap,
+            max_grad_norm=c.max_grad_norm,
             loss_scale=loss_scale,
             dynamic_loss_scale=dynamic_loss_scale,
             loss_scale_window=_LOSS_SCALE_GROWTH_INTERVAL,
-            timed=timed,
-            graph=graph,
-            grad_dtype=grad_dtype,
+            timed=c.timed,
+            graph=c.graph,
+            grad_dtype=c.grad_dtype,
         )
-        self._step = _core.DataParallelStep(model._core, self._optimizer, comm, loss, options)
+        self._step = _core.DataParallelStep(model._core, self._optimizer, comm, c.loss, options)
         self._graph_fallback_reported = False
         self._step.broadcast_parameters(0)
         # Loop state: everything a checkpoint must hold to continue exactly.
