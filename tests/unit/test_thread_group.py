@@ -190,3 +190,23 @@ def test_clock_offsets_of_threads_are_exact(size):
     assert all(r[1] == [] for r in results[1:]) and len(offsets) == size
     for rank, (offset, uncertainty) in enumerate(offsets):
         assert 0 <= uncertainty < 1e-3 and abs(offset - (origins[0] - origins[rank])) <= uncertainty + 1e-9
+
+
+def test_both_transports_are_groups_with_every_member_of_the_protocol():
+    import inspect
+
+    from mpi4py import MPI
+
+    from mgpu.train.group import Group
+
+    members = [n for n in vars(Group) if not n.startswith("_")] + list(Group.__annotations__)
+    groups = (mgpu.ProcessGroup(comm=MPI.COMM_SELF), ThreadGroup(_Shared(1), 0))
+    for g in groups:
+        missing = [n for n in members if not hasattr(g, n)]
+        assert not missing, (type(g).__name__, missing)
+        for n in members:  # the collectives take what the Protocol says they take
+            if callable(getattr(Group, n, None)):
+                wanted = list(inspect.signature(getattr(Group, n)).parameters)
+                given = list(inspect.signature(getattr(g, n)).parameters)
+                assert given[: len(wanted) - 1] == wanted[1:], (type(g).__name__, n, given, wanted)
+        assert (g.rank, g.size, g.is_root) == (0, 1, True)
