@@ -15,8 +15,6 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
-from tqdm.auto import tqdm
-
 from .._core import __version__
 from .._runtime import gpus_emulated
 from ..atomic import write_json_atomic
@@ -290,7 +288,7 @@ class RunPlan:
     data: Dataset
     loss: str
     sizes: tuple  # the layers as built for the dataset
-    batch_shares: Optional[tuple]  # per rank, or None for equal shares
+    batch_shares: Optional[list]  # per rank, or None for equal shares
     bucket_note: Optional[str]  # why --bucket-mb auto chose its bucket (said once the model is built)
     resume: Optional[str]  # the checkpoint resumed, or None
     telemetry: Optional[TelemetrySettings]
@@ -367,7 +365,7 @@ def plan_run(a, pg) -> RunPlan:
         data=data,
         loss=loss,
         sizes=tuple(sizes),
-        batch_shares=tuple(shares) if shares is not None else None,
+        batch_shares=shares,
         bucket_note=bucket_note,
         resume=resume,
         telemetry=telemetry,
@@ -412,13 +410,12 @@ def build_run(plan: RunPlan, pg) -> tuple:
     pg.agree(error, what="building the model")
     if pg.is_root and plan.bucket_note:
         print(plan.bucket_note, flush=True)
-    shares = list(plan.batch_shares) if plan.batch_shares is not None else None
     # timed: a device backend's phases are synchronised apart for the JSON log's phase times
     # (the trace needs no such thing: its spans are CUDA events)
     settings = cfg.trainer_config(
         loss=plan.loss,
         total_steps=plan.total_steps,
-        batch_shares=shares,
+        batch_shares=plan.batch_shares,
         timed=plan.device == "cuda" and bool(a.log_json),
     )
     trainer = Trainer(model, settings, pg)
@@ -494,6 +491,8 @@ def header(plan: RunPlan, model, trainer) -> str:
 
 
 def _epoch_line(e: dict) -> None:
+    from tqdm.auto import tqdm  # where an epoch is printed, as the trainer's bar imports it: not at every start-up
+
     acc = f"  val_acc {e['val_accuracy']:.4f}" if "val_accuracy" in e else ""
     on_emulation = " on EMULATED GPUs" if e.get("gpu_emulation") else ""
     tqdm.write(
@@ -530,7 +529,6 @@ def report(plan: RunPlan, model, trainer, telemetry, observer, history: list, wa
     emulated_figures = plan.emulated or any(e.get("gpu_emulation") for e in history)
     train_seconds = sum(e["seconds"] for e in history)
     samples = sum(e["samples"] for e in history)
-    shares = list(plan.batch_shares) if plan.batch_shares is not None else None
     result = {
         "version": __version__,
         "world_size": pg.size,
@@ -542,7 +540,7 @@ def report(plan: RunPlan, model, trainer, telemetry, observer, history: list, wa
             "loss": plan.loss,
             "layers": list(plan.sizes),
             "dropout": cfg.effective_dropout(),
-            "batch_shares": shares,
+            "batch_shares": plan.batch_shares,
             "effective_batch": cfg.batch_size * cfg.accumulate,
             "samples_per_step": _samples_per_step(cfg, data),
         },
