@@ -34,6 +34,30 @@ class Communicator {
   virtual bool reduces_half_types() const { return false; }
   virtual void allreduce_sum_bf16_async(void*, size_t) { refuse_half_types(); }
   virtual void allreduce_sum_fp16_async(void*, size_t) { refuse_half_types(); }
+  // A sharded optimizer's collectives (ZeRO), in place over a range of
+  // sum(parts) elements cut into consecutive parts, parts[r] elements owned by
+  // rank r (any may be 0; every rank passes the same parts). reduce_scatter_sum:
+  // each rank's own part ends holding the sum over ranks, the rest of the range
+  // is left unspecified. all_gather: every part ends holding its owner's values
+  // on every rank. The defaults are correct but move more than they need (an
+  // allreduce; a broadcast per part); transports override them. The *_async
+  // forms are queued and completed like allreduce_sum_async.
+  virtual void reduce_scatter_sum(float* data, const std::vector<size_t>& parts) {
+    allreduce_sum(data, parts_total(parts));
+  }
+  virtual void all_gather(float* data, const std::vector<size_t>& parts) {
+    parts_total(parts);
+    size_t offset = 0;
+    for (size_t r = 0; r < parts.size(); offset += parts[r], ++r)
+      if (parts[r]) broadcast(data + offset, parts[r], static_cast<int>(r));
+  }
+  virtual void reduce_scatter_sum_async(float* data, const std::vector<size_t>& parts) {
+    reduce_scatter_sum(data, parts);
+  }
+  virtual void all_gather_async(float* data, const std::vector<size_t>& parts) { all_gather(data, parts); }
+  // Compressed gradients of a sharded step: bf16 / fp16 values in device memory, as allreduce_sum_bf16_async.
+  virtual void reduce_scatter_sum_bf16_async(void*, const std::vector<size_t>&) { refuse_half_types(); }
+  virtual void reduce_scatter_sum_fp16_async(void*, const std::vector<size_t>&) { refuse_half_types(); }
   // True when async collectives advance without the caller's help (NCCL kernels);
   // false when they need progress() calls from the host thread (MPI).
   virtual bool progresses_independently() const { return false; }
@@ -96,6 +120,15 @@ class Communicator {
   // memory; those that cannot are wrapped in a StagedCommunicator.
   virtual bool accepts_device_memory() const { return false; }
 
+  // The elements of a range cut into parts; ConfigError unless there is one part per rank.
+  size_t parts_total(const std::vector<size_t>& parts) const {
+    MGPU_CHECK(parts.size() == static_cast<size_t>(size()), ConfigError, "a range cut into ", parts.size(),
+               " parts for ", size(), " ranks (one part per rank)");
+    size_t total = 0;
+    for (size_t p : parts) total += p;
+    return total;
+  }
+
  protected:
   [[noreturn]] void refuse_half_types() const {
     throw ConfigError("the " + name() + " communicator reduces fp32 only (gradient compression needs NCCL)");
@@ -141,6 +174,10 @@ class LocalCommunicator final : public Communicator {
   bool reduces_half_types() const override { return true; }
   void allreduce_sum_bf16_async(void*, size_t) override {}
   void allreduce_sum_fp16_async(void*, size_t) override {}
+  void reduce_scatter_sum(float*, const std::vector<size_t>& parts) override { parts_total(parts); }
+  void all_gather(float*, const std::vector<size_t>& parts) override { parts_total(parts); }
+  void reduce_scatter_sum_bf16_async(void*, const std::vector<size_t>& parts) override { parts_total(parts); }
+  void reduce_scatter_sum_fp16_async(void*, const std::vector<size_t>& parts) override { parts_total(parts); }
 };
 
 }  // namespace mgpu
