@@ -290,6 +290,13 @@ void bind_backends(py::module_& m) {
       "The library that computes an (M, N, K) product on this CPU backend now.");
 }
 
+// A range cut into one part per rank must be the whole array.
+void check_parts(const Communicator& c, const FloatArray& buf, const std::vector<size_t>& parts) {
+  const size_t total = c.parts_total(parts);
+  MGPU_CHECK(total == static_cast<size_t>(buf.size()), ConfigError, "the parts hold ", total, " elements, the array ",
+             buf.size());
+}
+
 // Communicators: local, MPI and NCCL.
 void bind_communicators(py::module_& m) {
   py::class_<Communicator, std::shared_ptr<Communicator>>(m, "Communicator")
@@ -374,6 +381,48 @@ void bind_communicators(py::module_& m) {
             c.broadcast(buf.mutable_data(), static_cast<size_t>(buf.size()), root);
           },
           py::arg("buffer"), py::arg("root") = 0)
+      .def(
+          "reduce_scatter_sum",
+          [](Communicator& c, py::array a, const std::vector<size_t>& parts) {
+            auto buf = writable_float_array(a, "reduce-scatter buffer");
+            check_parts(c, buf, parts);
+            py::gil_scoped_release nogil;
+            c.reduce_scatter_sum(buf.mutable_data(), parts);
+          },
+          py::arg("buffer"), py::arg("parts"),
+          "In place: the float32 array is cut into consecutive parts, parts[r] elements owned by rank r; "
+          "each rank's own part ends holding the sum over ranks (the rest is left unspecified).")
+      .def(
+          "all_gather",
+          [](Communicator& c, py::array a, const std::vector<size_t>& parts) {
+            auto buf = writable_float_array(a, "all-gather buffer");
+            check_parts(c, buf, parts);
+            py::gil_scoped_release nogil;
+            c.all_gather(buf.mutable_data(), parts);
+          },
+          py::arg("buffer"), py::arg("parts"),
+          "In place: the float32 array is cut into consecutive parts, parts[r] elements owned by rank r; "
+          "every part ends holding its owner's values on every rank.")
+      .def(
+          "reduce_scatter_sum_async",
+          [](Communicator& c, py::array a, const std::vector<size_t>& parts) {
+            auto buf = writable_float_array(a, "reduce-scatter buffer");
+            check_parts(c, buf, parts);
+            in_flight_buffers()[&c].push_back(buf);
+            py::gil_scoped_release nogil;
+            c.reduce_scatter_sum_async(buf.mutable_data(), parts);
+          },
+          py::arg("buffer"), py::arg("parts"), "reduce_scatter_sum, queued; complete once wait_all() returns.")
+      .def(
+          "all_gather_async",
+          [](Communicator& c, py::array a, const std::vector<size_t>& parts) {
+            auto buf = writable_float_array(a, "all-gather buffer");
+            check_parts(c, buf, parts);
+            in_flight_buffers()[&c].push_back(buf);
+            py::gil_scoped_release nogil;
+            c.all_gather_async(buf.mutable_data(), parts);
+          },
+          py::arg("buffer"), py::arg("parts"), "all_gather, queued; complete once wait_all() returns.")
       .def("barrier", [](Communicator& c) {
         py::gil_scoped_release nogil;
         c.barrier();

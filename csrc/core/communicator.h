@@ -122,8 +122,8 @@ class Communicator {
 
   // The elements of a range cut into parts; ConfigError unless there is one part per rank.
   size_t parts_total(const std::vector<size_t>& parts) const {
-    MGPU_CHECK(parts.size() == static_cast<size_t>(size()), ConfigError, "a range cut into ", parts.size(),
-               " parts for ", size(), " ranks (one part per rank)");
+    MGPU_CHECK(parts.size() == static_cast<size_t>(size()), ConfigError, parts.size(), " parts given for a world of ",
+               size(), " (one part per rank)");
     size_t total = 0;
     for (size_t p : parts) total += p;
     return total;
