@@ -98,6 +98,14 @@ void step_verdict(StepVerdict* verdict, const float* slots, float loss_scale, fl
                   const unsigned long long* pending_label_errors, const int* comm_failed, cudaStream_t stream,
                   const ReplayArgs* replay = nullptr);
 
+// A sharded step's health check (see step_verdict.h): sums (kShardSums) =
+// slots (2) and *sum_squares (device double, written before in stream order);
+// then the verdict from `ranks` ranks' sums, flags and replay as step_verdict.
+void shard_health_sums(float* sums, const float* slots, const double* sum_squares, cudaStream_t stream);
+void step_verdict_from_shards(StepVerdict* verdict, const float* all_sums, int ranks, float loss_scale, float max_norm,
+                              const unsigned long long* pending_label_errors, const int* comm_failed,
+                              cudaStream_t stream, const ReplayArgs* replay = nullptr);
+
 // reduce.cu
 // *out (device double) = sum x^2 (NaN/Inf propagate); partials: kPartialsSize doubles.
 void sum_squares(double* out, const float* x, size_t n, double* partials, cudaStream_t stream);

@@ -5,7 +5,8 @@
 // update can also write the new parameter in the GEMMs' half type (HalfShadow)
 // through the functors cast_to_bf16 / cast_to_fp16 use (common.cuh), for 2 bytes
 // a parameter instead of a cast pass that reads it again. The step's verdict
-// (CPU reference: CpuBackend::step_verdict) is decide_step, shared with the CPU.
+// (CPU reference: CpuBackend::step_verdict, and step_verdict_from_shards for a
+// sharded step) is decide_step / decide_sharded_step, shared with the CPU.
 #include <cmath>
 
 #include "common.cuh"
@@ -98,6 +99,21 @@ __global__ void step_verdict_kernel(StepVerdict* v, const float* slots, float lo
   decide_step(*v, slots, scale, max_norm, labels_ok && comm_ok);
 }
 
+// One thread each: a sharded step's share of the health check, and the verdict from every rank's share.
+__global__ void shard_health_sums_kernel(float* sums, const float* slots, const double* sum_squares) {
+  write_shard_sums(sums, slots, *sum_squares);
+}
+
+__global__ void step_verdict_from_shards_kernel(StepVerdict* v, const float* all_sums, int ranks, float loss_scale,
+                                                float max_norm, const unsigned long long* pending_label_errors,
+                                                const int* comm_failed, const ReplayArgs* replay) {
+  const float scale = replay ? replay->loss_scale : loss_scale;
+  const bool labels_ok =
+      !(pending_label_errors && *static_cast<const volatile unsigned long long*>(pending_label_errors));
+  const bool comm_ok = !(comm_failed && *static_cast<const volatile int*>(comm_failed));
+  decide_sharded_step(*v, all_sums, ranks, scale, max_norm, labels_ok && comm_ok);
+}
+
 }  // namespace
 
 void sgd_update(float* param, const float* grad, float* momentum_buf, size_t n, const SgdParams& hp,
@@ -138,6 +154,19 @@ void step_verdict(StepVerdict* verdict, const float* slots, float loss_scale, fl
   MGPU_LAUNCH(step_verdict_kernel, 1, 1, 0, stream)
   (verdict, slots, loss_scale, max_norm, pending_label_errors, comm_failed, replay);
   MGPU_CUDA_CHECK_LAUNCH("step_verdict_kernel");
+}
+
+void shard_health_sums(float* sums, const float* slots, const double* sum_squares, cudaStream_t stream) {
+  MGPU_LAUNCH(shard_health_sums_kernel, 1, 1, 0, stream)(sums, slots, sum_squares);
+  MGPU_CUDA_CHECK_LAUNCH("shard_health_sums_kernel");
+}
+
+void step_verdict_from_shards(StepVerdict* verdict, const float* all_sums, int ranks, float loss_scale, float max_norm,
+                              const unsigned long long* pending_label_errors, const int* comm_failed,
+                              cudaStream_t stream, const ReplayArgs* replay) {
+  MGPU_LAUNCH(step_verdict_from_shards_kernel, 1, 1, 0, stream)
+  (verdict, all_sums, ranks, loss_scale, max_norm, pending_label_errors, comm_failed, replay);
+  MGPU_CUDA_CHECK_LAUNCH("step_verdict_from_shards_kernel");
 }
 
 }  // namespace kernels

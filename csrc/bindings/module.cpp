@@ -605,16 +605,16 @@ void bind_optimizer(py::module_& m) {
       .def(
           "get_state",
           [](Optimizer& o, const std::string& name, size_t n) {
-            if (n != o.num_params())
-              throw ConfigError(
-                  detail::concat("optimizer state '", name, "' holds ", o.num_params(), " values, not ", n));
+            if (n != o.state_size())
+              throw ConfigError(detail::concat("optimizer state '", name, "' holds ", o.state_size(), " values",
+                                               o.state_size() == o.num_params() ? "" : " (a shard)", ", not ", n));
             return host_copy(n, [&](float* d) { o.get_state(name, d); });
           },
           py::arg("name"), py::arg("num_params"))
       .def("set_state", [](Optimizer& o, const std::string& name, FloatArray a) {
-        if (static_cast<size_t>(a.size()) != o.num_params())
-          throw ConfigError(
-              detail::concat("optimizer state '", name, "' needs ", o.num_params(), " float32 values, got ", a.size()));
+        if (static_cast<size_t>(a.size()) != o.state_size())
+          throw ConfigError(detail::concat("optimizer state '", name, "' needs ", o.state_size(), " float32 values",
+                                           o.state_size() == o.num_params() ? "" : " (a shard)", ", got ", a.size()));
         py::gil_scoped_release nogil;
         o.set_state(name, a.data());
       });
@@ -688,26 +688,29 @@ void bind_step(py::module_& m) {
                           "How a DataParallelStep runs (C++ StepOptions): bucket size, overlap, clipping, loss "
                           "scaling, captured steps (graph: 'off' | 'auto' | 'on'), the gradients' allreduce type "
                           "(grad_dtype: 'fp32' | 'bf16' | 'fp16') and timing.")
-      .def(
-          py::init([](size_t bucket_elems, bool overlap, float max_grad_norm, float loss_scale, bool dynamic_loss_scale,
-                      int loss_scale_window, const std::string& graph, const std::string& grad_dtype, bool timed) {
-            StepOptions o;
-            o.grad_dtype = parse_precision(grad_dtype);
-            o.graph = parse_graph_mode(graph);
-            o.bucket_elems = bucket_elems;
-            o.overlap = overlap;
-            o.max_grad_norm = max_grad_norm;
-            o.loss_scale = loss_scale;
-            o.dynamic_loss_scale = dynamic_loss_scale;
-            o.loss_scale_window = loss_scale_window;
-            o.timed = timed;
-            return o;
-          }),
-          py::kw_only(), py::arg("bucket_elems") = defaults.bucket_elems, py::arg("overlap") = defaults.overlap,
-          py::arg("max_grad_norm") = defaults.max_grad_norm, py::arg("loss_scale") = defaults.loss_scale,
-          py::arg("dynamic_loss_scale") = defaults.dynamic_loss_scale,
-          py::arg("loss_scale_window") = defaults.loss_scale_window, py::arg("graph") = graph_mode_name(defaults.graph),
-          py::arg("grad_dtype") = precision_name(defaults.grad_dtype), py::arg("timed") = defaults.timed)
+      .def(py::init([](size_t bucket_elems, bool overlap, float max_grad_norm, float loss_scale,
+                       bool dynamic_loss_scale, int loss_scale_window, const std::string& graph,
+                       const std::string& grad_dtype, bool timed, bool shard_optimizer) {
+             StepOptions o;
+             o.grad_dtype = parse_precision(grad_dtype);
+             o.graph = parse_graph_mode(graph);
+             o.bucket_elems = bucket_elems;
+             o.overlap = overlap;
+             o.max_grad_norm = max_grad_norm;
+             o.loss_scale = loss_scale;
+             o.dynamic_loss_scale = dynamic_loss_scale;
+             o.loss_scale_window = loss_scale_window;
+             o.timed = timed;
+             o.shard_optimizer = shard_optimizer;
+             return o;
+           }),
+           py::kw_only(), py::arg("bucket_elems") = defaults.bucket_elems, py::arg("overlap") = defaults.overlap,
+           py::arg("max_grad_norm") = defaults.max_grad_norm, py::arg("loss_scale") = defaults.loss_scale,
+           py::arg("dynamic_loss_scale") = defaults.dynamic_loss_scale,
+           py::arg("loss_scale_window") = defaults.loss_scale_window,
+           py::arg("graph") = graph_mode_name(defaults.graph),
+           py::arg("grad_dtype") = precision_name(defaults.grad_dtype), py::arg("timed") = defaults.timed,
+           py::arg("shard_optimizer") = defaults.shard_optimizer)
       .def_readwrite("bucket_elems", &StepOptions::bucket_elems)
       .def_readwrite("overlap", &StepOptions::overlap)
       .def_readwrite("max_grad_norm", &StepOptions::max_grad_norm)
@@ -724,13 +727,16 @@ void bind_step(py::module_& m) {
           [](StepOptions& o, const std::string& name) { o.grad_dtype = parse_precision(name); },
           "The type the gradients' allreduce carries: 'fp32' | 'bf16' | 'fp16'.")
       .def_readwrite("timed", &StepOptions::timed)
+      .def_readwrite("shard_optimizer", &StepOptions::shard_optimizer,
+                     "ZeRO-1: each rank keeps optimizer state for its shard of the parameters only (no effect on "
+                     "one rank).")
       .def("__repr__", [](const StepOptions& o) {
         return detail::concat("StepOptions(bucket_elems=", o.bucket_elems, ", overlap=", o.overlap ? "True" : "False",
                               ", max_grad_norm=", o.max_grad_norm, ", loss_scale=", o.loss_scale,
                               ", dynamic_loss_scale=", o.dynamic_loss_scale ? "True" : "False",
                               ", loss_scale_window=", o.loss_scale_window, ", graph='", graph_mode_name(o.graph),
                               "', grad_dtype='", precision_name(o.grad_dtype), "', timed=", o.timed ? "True" : "False",
-                              ")");
+                              ", shard_optimizer=", o.shard_optimizer ? "True" : "False", ")");
       });
   py::class_<DataParallelStep, std::shared_ptr<DataParallelStep>>(m, "DataParallelStep")
       .def(py::init([](std::shared_ptr<MLP> model, std::shared_ptr<Optimizer> opt, std::shared_ptr<Communicator> comm,
@@ -787,6 +793,31 @@ void bind_step(py::module_& m) {
                              "Micro-batches run as a replayed graph so far.")
       .def_property_readonly("graph_fallback", &DataParallelStep::graph_fallback,
                              "Why graph='auto' gave captured steps up ('' if it did not).")
+      .def_property_readonly("shards_optimizer", &DataParallelStep::shards_optimizer,
+                             "Whether each rank keeps optimizer state for its shard only (ZeRO-1 on > 1 rank).")
+      .def_property_readonly("shard_sizes", &DataParallelStep::shard_sizes,
+                             "Parameters each rank's shard holds, in rank order (empty: not sharded).")
+      .def_property_readonly("shard_offset", &DataParallelStep::shard_offset,
+                             "Where this rank's shard starts in the flat parameter buffer.")
+      .def(
+          "optimizer_state",
+          [](DataParallelStep& s, const std::string& name) {
+            return host_copy(s.model().num_params(), [&](float* d) { s.gather_optimizer_state(name, d); });
+          },
+          py::arg("name"),
+          "The whole optimizer state `name` (num_params float32): collective when sharded (every rank "
+          "calls it and gets the shards gathered).")
+      .def(
+          "set_optimizer_state",
+          [](DataParallelStep& s, const std::string& name, FloatArray a) {
+            if (static_cast<size_t>(a.size()) != s.model().num_params())
+              throw ConfigError(detail::concat("optimizer state '", name, "' needs ", s.model().num_params(),
+                                               " float32 values, got ", a.size()));
+            py::gil_scoped_release nogil;
+            s.set_optimizer_state(name, a.data());
+          },
+          py::arg("name"), py::arg("values"),
+          "Sets optimizer state `name` from the whole state (num_params float32); a sharded rank keeps its shard.")
       .def_property_readonly("overlaps", &DataParallelStep::overlaps,
                              "Whether allreduces overlap backward (needs NCCL or a device backend).")
       .def(

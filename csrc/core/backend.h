@@ -211,6 +211,16 @@ class Backend {
   virtual void step_verdict(StepVerdict* verdict, const float* grads, size_t n, const float* slots, float loss_scale,
                             float max_norm, const int* comm_failed) = 0;
 
+  // A sharded step's health check (StepOptions::shard_optimizer), in two halves
+  // around an all-gather of every rank's kShardSums floats: this rank's share
+  // into `sums` (its loss and stop slots and the sum of squares of its shard's
+  // n reduced gradients, see write_shard_sums), then the verdict from all
+  // ranks' shares (decide_sharded_step). Captured, the second reads loss_scale
+  // from the replay's ReplayArgs, as step_verdict does.
+  virtual void shard_health_sums(float* sums, const float* grads, size_t n, const float* slots) = 0;
+  virtual void step_verdict_from_shards(StepVerdict* verdict, const float* all_sums, int ranks, float loss_scale,
+                                        float max_norm, const int* comm_failed) = 0;
+
   // Helpers for accumulation, clipping, loss scaling and health checks.
   // sum_squares is NaN/Inf when any element is.
   virtual double sum_squares(const float* x, size_t n) = 0;

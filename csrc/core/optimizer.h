@@ -38,21 +38,32 @@ class Optimizer {
 
   const OptimizerConfig& config() const { return config_; }
   int64_t steps_taken() const { return steps_; }
-  size_t num_params() const { return n_; }
+  size_t num_params() const { return num_params_; }
   void set_steps_taken(int64_t steps) { steps_ = steps; }
+  // A sharded step (ZeRO-1) keeps state for its own shard only: from
+  // restrict_to(offset, count) on, step() updates parameters [offset, offset +
+  // count) of the buffers it is given, and each state holds count values (the
+  // state so far is sliced). State is allocated at its first use, so a shard
+  // never holds the whole state, even for a moment.
+  void restrict_to(size_t offset, size_t count);
+  size_t shard_offset() const { return offset_; }
+  size_t state_size() const { return n_; }  // values each state holds: num_params() unless restricted
   // Checkpoint access: SGD has "momentum_buffer" (when momentum > 0); AdamW has
-  // "exp_avg" and "exp_avg_sq". Each holds num_params floats.
+  // "exp_avg" and "exp_avg_sq". Each holds state_size() floats.
   std::vector<std::string> state_names() const;
   void get_state(const std::string& name, float* host_dst);
   void set_state(const std::string& name, const float* host_src);
 
  private:
   BackendArray<float>& state(const std::string& name);
+  void allocate_state();           // zeroed state_size() floats per state, once
   static void check_lr(float lr);  // ConfigError unless finite and >= 0
   SgdParams sgd_params(float lr) const;
   AdamWParams adamw_params(float lr) const;
 
   std::shared_ptr<Backend> backend_;
+  size_t num_params_;
+  size_t offset_ = 0;
   size_t n_;
   OptimizerConfig config_;
   int64_t steps_ = 0;

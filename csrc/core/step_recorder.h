@@ -22,28 +22,29 @@ namespace mgpu {
 
 // The named points of a step, in the order they happen (spans a traced step ends there in quotes).
 enum class StepEvent {
-  kBegin,              // the step starts: its clock, its trace, the collective stamps
-  kStaged,             // a micro-batch's shard is on the backend ("stage")
-  kForwardBegin,       // its forward starts (where the enclosing "forward" span opens)
-  kForwardLayer,       // forward wrote layer `layer`'s output ("forward layer l")
-  kForwardEnd,         // forward done ("forward", around its layers)
-  kLoss,               // loss and its gradient done; the forward phase ends ("loss")
-  kBackwardBegin,      // backward starts (where "backward" opens)
-  kBackwardLayer,      // backward wrote layer `layer`'s gradients ("backward layer l")
-  kBackwardEnd,        // backward done; the backward phase ends ("backward")
-  kReplayBegin,        // a captured micro-batch: staged, the forward phase ends
-  kReplayEnd,          // its forward, loss and backward queued; the backward phase ends ("... (how)")
-  kReplayWithTailEnd,  // the same with the step's tail in the graph too
-  kAllreduceDone,      // wait_all returned: when the unstamped queued buckets completed
-  kGradientsReduced,   // every rank holds the summed gradients ("allreduce wait")
-  kTailBegin,          // a captured tail starts: the wait ends
-  kTailReplayEnd,      // the captured health check and update queued ("health check + optimizer (how)")
-  kHealthChecked,      // the verdict queued; the wait ends ("health check")
-  kUpdated,            // the update queued ("optimizer")
-  kTailQueued,         // a host backend ran the tail, a device one queued it
-  kVerdictRead,        // the verdict is on the host: the transport's stamps are final
-  kUpdateSkipped,      // the verdict refused the update (the last span says so)
-  kEnd,                // the step returns: timings computed, finished spans handed over
+  kBegin,               // the step starts: its clock, its trace, the collective stamps
+  kStaged,              // a micro-batch's shard is on the backend ("stage")
+  kForwardBegin,        // its forward starts (where the enclosing "forward" span opens)
+  kForwardLayer,        // forward wrote layer `layer`'s output ("forward layer l")
+  kForwardEnd,          // forward done ("forward", around its layers)
+  kLoss,                // loss and its gradient done; the forward phase ends ("loss")
+  kBackwardBegin,       // backward starts (where "backward" opens)
+  kBackwardLayer,       // backward wrote layer `layer`'s gradients ("backward layer l")
+  kBackwardEnd,         // backward done; the backward phase ends ("backward")
+  kReplayBegin,         // a captured micro-batch: staged, the forward phase ends
+  kReplayEnd,           // its forward, loss and backward queued; the backward phase ends ("... (how)")
+  kReplayWithTailEnd,   // the same with the step's tail in the graph too
+  kAllreduceDone,       // wait_all returned: when the unstamped queued buckets completed
+  kGradientsReduced,    // every rank holds the summed gradients ("allreduce wait"; sharded: "reduce-scatter wait")
+  kTailBegin,           // a captured tail starts: the wait ends
+  kTailReplayEnd,       // the captured health check and update queued ("health check + optimizer (how)")
+  kHealthChecked,       // the verdict queued; the wait ends ("health check")
+  kUpdated,             // the update queued ("optimizer")
+  kParametersGathered,  // a sharded step's updated shards gathered on every rank ("all-gather"), waiting included
+  kTailQueued,          // a host backend ran the tail, a device one queued it
+  kVerdictRead,         // the verdict is on the host: the transport's stamps are final
+  kUpdateSkipped,       // the verdict refused the update (the last span says so)
+  kEnd,                 // the step returns: timings computed, finished spans handed over
 };
 
 class StepRecorder {
@@ -53,8 +54,9 @@ class StepRecorder {
   // timed: synchronise a device backend at the phase boundaries and stamp buckets;
   // traced: record spans (trace) and stamp buckets. result receives the timings,
   // bucket stamps and spans.
+  // sharded: the step reduce-scatters its buckets and all-gathers the parameters (the spans' names).
   StepRecorder(Backend& backend, Communicator& comm, StepTrace& trace, StepResult& result, uint64_t step, bool timed,
-               bool traced, size_t buckets)
+               bool traced, size_t buckets, bool sharded = false)
       : be_(backend),
         comm_(comm),
         trace_(trace),
@@ -63,7 +65,8 @@ class StepRecorder {
         sync_phases_(timed && !backend.host_accessible()),
         traced_(traced),
         stamps_buckets_(timed || traced),
-        buckets_(buckets) {}
+        buckets_(buckets),
+        sharded_(sharded) {}
 
   bool traced() const { return traced_; }
   bool stamps_buckets() const { return stamps_buckets_; }
@@ -83,6 +86,9 @@ class StepRecorder {
     result_.buckets.push_back({index, offset, count, bytes, launch_, done});
     queued_.push_back(queued);
   }
+  // A queued collective of the step's tail (a sharded step's health-check and
+  // parameter all-gathers): the transport stamps it after the buckets' ones.
+  void queued_after_buckets() { ++queued_after_buckets_; }
 
  private:
   void handle(StepEvent event, int micro, int layer, const char* how) {
@@ -127,7 +133,7 @@ class StepRecorder {
         if (stamps_buckets_) waited_ = Clock::now();
         break;
       case StepEvent::kGradientsReduced:
-        if (traced_) trace_.end("allreduce wait", "phase", -1);
+        if (traced_) trace_.end(sharded_ ? "reduce-scatter wait" : "allreduce wait", "phase", -1);
         break;
       case StepEvent::kTailBegin:
         tail_ = now();
@@ -140,6 +146,11 @@ class StepRecorder {
         break;
       case StepEvent::kUpdated:
         if (traced_) trace_.end("optimizer", "phase", -1);
+        if (sharded_) updated_ = now();
+        break;
+      case StepEvent::kParametersGathered:
+        if (traced_) trace_.end("all-gather", "phase", -1);
+        gathering_ += seconds(updated_, now());
         break;
       case StepEvent::kTailQueued: queued_at_ = now(); break;
       case StepEvent::kVerdictRead:
@@ -153,8 +164,9 @@ class StepRecorder {
         const Clock::time_point tail = tail_started_ ? tail_ : phase_;
         // The read-back waits for whatever the device still runs, the peers' allreduce
         // included: waiting, as the straggler check reads it, not this rank's update.
-        result_.timings.comm_wait = seconds(phase_, tail) + seconds(queued_at_, end);
-        result_.timings.optimizer = seconds(tail, queued_at_);
+        // A sharded step's all-gather is communication, though it follows the update.
+        result_.timings.comm_wait = seconds(phase_, tail) + seconds(queued_at_, end) + gathering_;
+        result_.timings.optimizer = seconds(tail, queued_at_) - gathering_;
         result_.timings.total = seconds(start_, end);
         // This step's spans whose marks have happened, and those an earlier traced step left.
         if (trace_.pending()) result_.spans = trace_.take_ready();
@@ -195,7 +207,7 @@ class StepRecorder {
     std::vector<BucketTiming>& spans = result_.buckets;
     const double waited = seconds(start_, waited_);
     const auto times = comm_.collective_times();  // always called: it also ends the stamping
-    size_t expected = 0;
+    size_t expected = queued_after_buckets_;
     for (int q : queued_) expected += static_cast<size_t>(q);
     const bool stamped = times.size() == expected;
     size_t next = 0;
@@ -219,7 +231,10 @@ class StepRecorder {
   const uint64_t step_;
   const bool sync_phases_, traced_, stamps_buckets_;
   const size_t buckets_;
-  Clock::time_point start_, phase_, tail_, queued_at_, waited_{};
+  const bool sharded_;
+  Clock::time_point start_, phase_, tail_, queued_at_, updated_, waited_{};
+  double gathering_ = 0.0;           // seconds of a sharded step's parameter all-gather
+  size_t queued_after_buckets_ = 0;  // queued collectives of the tail, stamped after the buckets'
   bool tail_started_ = false;
   uint64_t opened_ = 0;      // the mark the enclosing span (forward, backward) opened at
   double launch_ = 0.0;      // the bucket being launched: its launch stamp

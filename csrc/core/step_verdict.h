@@ -8,6 +8,7 @@
 #pragma once
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 #include "host_device.h"
 
@@ -37,6 +38,33 @@ MGPU_HD void decide_step(StepVerdict& v, const float* slots, float loss_scale, f
   double factor = 1.0 / loss_scale;
   if (max_norm > 0.0f && v.grad_norm > max_norm) factor *= max_norm / (v.grad_norm + 1e-6);
   v.factor = v.apply ? static_cast<float>(factor) : 0.0f;
+}
+
+// A sharded step's health check: each rank's share is kShardSums floats, its
+// loss and stop slots and the sum of squares of its shard of the reduced
+// gradients as a double's bytes (an all-gather copies them, never adds: the
+// double arrives exact); the verdict sums the shares in rank order, in double,
+// so every rank decides alike and as the unsharded step does within rounding.
+constexpr int kShardSums = 4;
+MGPU_HD void write_shard_sums(float* sums, const float* slots, double sum_squares) {
+  sums[0] = slots[0];
+  sums[1] = slots[1];
+  memcpy(sums + 2, &sum_squares, sizeof(double));
+}
+MGPU_HD void decide_sharded_step(StepVerdict& v, const float* all_sums, int ranks, float loss_scale, float max_norm,
+                                 bool usable) {
+  double loss = 0.0, stop = 0.0, sum_squares = 0.0;
+  for (int r = 0; r < ranks; ++r) {
+    const float* s = all_sums + r * kShardSums;
+    double shard = 0.0;
+    memcpy(&shard, s + 2, sizeof(double));
+    loss += s[0];
+    stop += s[1];
+    sum_squares += shard;
+  }
+  const float slots[2] = {static_cast<float>(loss), static_cast<float>(stop)};
+  v.sum_squares = sum_squares;
+  decide_step(v, slots, loss_scale, max_norm, usable);
 }
 
 // What an update does with a verdict (nullable: none, the update runs with

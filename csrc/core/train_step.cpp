@@ -102,6 +102,7 @@ DataParallelStep::DataParallelStep(std::shared_ptr<MLP> model, std::shared_ptr<O
     half_grads_ = BackendArray<uint16_t>(&model_->backend(), model_->num_params());
   }
   verdict_ = BackendArray<StepVerdict>(&model_->backend(), 1);
+  if (options_.shard_optimizer && comm_->size() > 1) plan_shards();
   trace_ = std::make_unique<StepTrace>(model_->backend());
   const Backend& be = model_->backend();
   MGPU_CHECK(options_.graph != StepOptions::Graph::kOn || be.supports_capture(), ConfigError,
@@ -202,7 +203,8 @@ StepResult DataParallelStep::step(const std::vector<MicroShard>& shards, int64_t
   const AsynchronousSignalsHeld signals_after_the_step;  // one mask change for all its GEMMs
   check_shards(shards, global_batch);
   StepResult result;
-  StepRecorder rec(model_->backend(), *comm_, *trace_, result, step_index, options_.timed, trace, buckets_.size());
+  StepRecorder rec(model_->backend(), *comm_, *trace_, result, step_index, options_.timed, trace, buckets_.size(),
+                   sharded_);
   rec.record(StepEvent::kBegin);
   Run run = plan_run(shards, global_batch, step_index, lr, rec);
   write_stop_flag(request_stop);
@@ -215,13 +217,17 @@ StepResult DataParallelStep::step(const std::vector<MicroShard>& shards, int64_t
     abort_buckets_in_flight(run, e);
     throw;
   }
-  if (!run.tail_queued && graphs_enabled_) {  // 6-7, one graph
+  if (!run.tail_queued && graphs_enabled_ && !sharded_) {  // 6-7, one graph
     replay_tail(run);
   } else if (!run.tail_queued) {  // 6-7
-    decide();
+    decide(run);
     rec.record(StepEvent::kHealthChecked);
     apply_update(lr);
     rec.record(StepEvent::kUpdated);
+    if (sharded_) {
+      gather_parameters(run);  // 7b
+      rec.record(StepEvent::kParametersGathered);
+    }
   }
   rec.record(StepEvent::kTailQueued);
   const StepVerdict verdict = read_verdict(rec);  // the step's one synchronisation
@@ -330,7 +336,7 @@ void DataParallelStep::replay_micro_batch(Run& run, const MicroShard& s, const D
   const char* how = run_captured({rows, accumulate, with_tail}, run.replay_args(key, loss_scale_), [&] {
     forward_loss_backward(rows, key, grad_scale, accumulate, nullptr);
     if (with_tail) {
-      decide();
+      decide(run);
       apply_update(lr);
     }
   });
@@ -349,7 +355,7 @@ void DataParallelStep::launch_ready_buckets(Run& run, int layer) {
     const int index = static_cast<int>(run.next_bucket);
     const Bucket& b = buckets_[run.next_bucket++];
     if (rec.stamps_buckets()) rec.launching();
-    const int queued = launch_bucket(b);
+    const int queued = launch_bucket(static_cast<size_t>(index));
     if (rec.stamps_buckets()) rec.launched(index, b.offset, b.count, bucket_bytes(b), queued);
     const bool layer_ends =
         run.next_bucket == buckets_.size() || buckets_[run.next_bucket].ready_layer != b.ready_layer;
@@ -370,8 +376,9 @@ void DataParallelStep::reduce_gradients(Run& run) {
   launch_ready_buckets(run, -1);
   comm_->wait_all();
   run.rec.record(StepEvent::kAllreduceDone);
-  if (half_grads_.size())
-    model_->backend().widen(model_->grads(), half_grads_.data(), model_->num_params(), options_.grad_dtype);
+  if (half_grads_.size())  // sharded: only this rank's shard was reduced
+    model_->backend().widen(model_->grads() + shard_offset_, half_grads_.data() + shard_offset_,
+                            sharded_ ? shard_size_ : model_->num_params(), options_.grad_dtype);
   run.rec.record(StepEvent::kGradientsReduced);
 }
 
@@ -388,7 +395,7 @@ void DataParallelStep::replay_tail(Run& run) {
   const DropoutKey none{model_->seed(), run.index, 0, 0};
   const float lr = run.lr;
   const char* how = run_captured({-1, false, true}, run.replay_args(none, loss_scale_), [&] {
-    decide();
+    decide(run);
     apply_update(lr);
   });
   run.rec.record(StepEvent::kTailReplayEnd, -1, how);
@@ -398,10 +405,22 @@ void DataParallelStep::replay_tail(Run& run) {
 // its one reduction gives the gradient norm (non-finite when any gradient is)
 // and, with the loss, the verdict: whether the update runs, and its unscale and
 // clip factor g *= (1/scale) * min(1, max_norm / (norm + 1e-6)).
-void DataParallelStep::decide() {
+// Sharded, each rank holds only its shard's reduced gradients and its own loss
+// and stop slots: the shares are all-gathered and summed, in rank order, by every rank alike.
+void DataParallelStep::decide(Run& run) {
   MLP& m = *model_;
-  m.backend().step_verdict(verdict_.data(), m.grads(), m.num_params(), m.loss_slot(), loss_scale_,
-                           options_.max_grad_norm, comm_->failure_flag());
+  Backend& be = m.backend();
+  if (!sharded_) {
+    be.step_verdict(verdict_.data(), m.grads(), m.num_params(), m.loss_slot(), loss_scale_, options_.max_grad_norm,
+                    comm_->failure_flag());
+    return;
+  }
+  const int ranks = comm_->size();
+  be.shard_health_sums(shard_sums_.data() + size_t(kShardSums) * comm_->rank(), m.grads() + shard_offset_, shard_size_,
+                       m.loss_slot());
+  all_gather_in_tail(run, shard_sums_.data(), std::vector<size_t>(size_t(ranks), size_t(kShardSums)));
+  be.step_verdict_from_shards(verdict_.data(), shard_sums_.data(), ranks, loss_scale_, options_.max_grad_norm,
+                              comm_->failure_flag());
 }
 
 // 7. The update, identical on every rank, applies the verdict's factor as it
@@ -409,6 +428,23 @@ void DataParallelStep::decide() {
 // reduced, still loss-scaled and unclipped values), or nothing if it refused.
 void DataParallelStep::apply_update(float lr) {
   optimizer_->step(model_->params(), model_->grads(), lr, verdict_.data());
+}
+
+// 7b. Sharded: every rank's updated shard to every rank (unchanged shards when
+// the verdict refused the update: every rank issues the same collectives).
+void DataParallelStep::gather_parameters(Run& run) {
+  all_gather_in_tail(run, model_->params(), shard_sizes_);
+  model_->backend().parameters_changed();  // written by the communicator, not the backend
+}
+
+void DataParallelStep::all_gather_in_tail(Run& run, float* data, const std::vector<size_t>& parts) {
+  if (!overlap_) {
+    comm_->all_gather(data, parts);
+    return;
+  }
+  comm_->all_gather_async(data, parts);
+  if (run.rec.stamps_buckets()) run.rec.queued_after_buckets();
+  comm_->wait_all();
 }
 
 // The verdict on the host: the step's one synchronisation. After it a device
@@ -448,9 +484,30 @@ size_t DataParallelStep::bucket_bytes(const Bucket& b) const {
   return half * sizeof(uint16_t) + (b.count - half) * sizeof(float);
 }
 
-int DataParallelStep::launch_bucket(const Bucket& b) {
+int DataParallelStep::launch_bucket(size_t index) {
+  const Bucket& b = buckets_[index];
   MLP& m = *model_;
   float* grads = m.grads();
+  if (sharded_) {
+    const std::vector<size_t>& parts = bucket_parts_[index];
+    if (parts.empty()) return 0;  // only the loss and stop slots: they travel in the health check
+    if (!half_grads_.size()) {
+      if (overlap_) {
+        comm_->reduce_scatter_sum_async(grads + b.offset, parts);
+        return 1;
+      }
+      comm_->reduce_scatter_sum(grads + b.offset, parts);
+      return 0;
+    }
+    const size_t n = std::min(b.offset + b.count, m.num_params()) - b.offset;
+    uint16_t* half = half_grads_.data() + b.offset;
+    m.backend().narrow(half, grads + b.offset, n, options_.grad_dtype);
+    if (options_.grad_dtype == Precision::kBF16)
+      comm_->reduce_scatter_sum_bf16_async(half, parts);
+    else
+      comm_->reduce_scatter_sum_fp16_async(half, parts);
+    return 1;
+  }
   if (!half_grads_.size()) {
     if (overlap_) {
       comm_->allreduce_sum_async(grads + b.offset, b.count);
@@ -479,6 +536,54 @@ int DataParallelStep::launch_bucket(const Bucket& b) {
     ++queued;
   }
   return queued;
+}
+
+// Shards balanced by elements, starting at multiples of 16 bytes where every
+// rank can have that many; each bucket's parameters cut at the shard bounds.
+void DataParallelStep::plan_shards() {
+  const size_t ranks = static_cast<size_t>(comm_->size()), params = model_->num_params();
+  const size_t align = params >= kBucketAlignElems * ranks ? kBucketAlignElems : 1;
+  std::vector<size_t> bound(ranks + 1, params);
+  for (size_t r = 0; r < ranks; ++r)  // floor(params * r / ranks), without overflow, then aligned down
+    bound[r] = (params / ranks * r + params % ranks * r / ranks) / align * align;
+  shard_sizes_.assign(ranks, 0);
+  for (size_t r = 0; r < ranks; ++r) shard_sizes_[r] = bound[r + 1] - bound[r];
+  shard_offset_ = bound[size_t(comm_->rank())];
+  shard_size_ = shard_sizes_[size_t(comm_->rank())];
+  for (const Bucket& b : buckets_) {
+    const size_t begin = b.offset, end = std::min(b.offset + b.count, params);
+    std::vector<size_t> parts;
+    if (begin < end) {
+      parts.assign(ranks, 0);
+      for (size_t r = 0; r < ranks; ++r) {
+        const size_t lo = std::max(begin, bound[r]), hi = std::min(end, bound[r + 1]);
+        parts[r] = hi > lo ? hi - lo : 0;
+      }
+    }
+    bucket_parts_.push_back(std::move(parts));
+  }
+  optimizer_->restrict_to(shard_offset_, shard_size_);
+  shard_sums_ = BackendArray<float>(&model_->backend(), size_t(kShardSums) * ranks);
+  model_->backend().zero(shard_sums_.data(), size_t(kShardSums) * ranks);
+  sharded_ = true;
+}
+
+void DataParallelStep::gather_optimizer_state(const std::string& name, float* host_dst) {
+  if (!sharded_) {
+    optimizer_->get_state(name, host_dst);
+    return;
+  }
+  Backend& be = model_->backend();
+  const size_t params = model_->num_params();
+  optimizer_->get_state(name, host_dst + shard_offset_);
+  BackendArray<float> whole(&be, params);
+  be.copy_to_backend(whole.data() + shard_offset_, host_dst + shard_offset_, shard_size_ * sizeof(float));
+  comm_->all_gather(whole.data(), shard_sizes_);
+  be.copy_to_host(host_dst, whole.data(), params * sizeof(float));
+}
+
+void DataParallelStep::set_optimizer_state(const std::string& name, const float* host_src) {
+  optimizer_->set_state(name, host_src + shard_offset_);
 }
 
 void DataParallelStep::broadcast_parameters(int root) {

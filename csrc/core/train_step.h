@@ -88,6 +88,12 @@ struct StepOptions {
   // them on a device backend (benchmarks; costs overlap). Host backends are
   // always timed exactly.
   bool timed = false;
+  // A sharded optimizer (ZeRO stage 1) on more than one rank: each rank owns a
+  // contiguous shard of the parameters (balanced by elements), keeps optimizer
+  // state for it only and updates it; buckets are reduce-scattered instead of
+  // allreduced and the updated shards all-gathered at the step's end. Equals
+  // the unsharded step within float rounding. No effect on one rank.
+  bool shard_optimizer = false;
 };
 
 // One rank's share of one micro-batch: rows of the step's global batch whose
@@ -158,6 +164,16 @@ class DataParallelStep {
   std::vector<TraceSpan> drain_trace() { return trace_->drain(); }
   // Make every rank's parameters equal to root's.
   void broadcast_parameters(int root);
+  // Whether the optimizer is sharded (StepOptions::shard_optimizer on more than
+  // one rank), and the shard sizes in parameters, one per rank, in rank order.
+  bool shards_optimizer() const { return sharded_; }
+  const std::vector<size_t>& shard_sizes() const { return shard_sizes_; }
+  size_t shard_offset() const { return shard_offset_; }
+  // The whole optimizer state `name` (num_params floats) into host_dst on every
+  // rank: collective when sharded (the shards all-gathered), local otherwise.
+  void gather_optimizer_state(const std::string& name, float* host_dst);
+  // Sets state `name` from the whole state (num_params floats): each rank keeps its shard. Local.
+  void set_optimizer_state(const std::string& name, const float* host_src);
 
   const std::vector<Bucket>& buckets() const { return buckets_; }
   // Whether this step overlaps the allreduce with backward (never with graphs).
@@ -192,8 +208,13 @@ class DataParallelStep {
   void reduce_gradients(Run& run);
   void abort_buckets_in_flight(const Run& run, const std::exception& e);
   void replay_tail(Run& run);
-  void decide();
+  void decide(Run& run);
   void apply_update(float lr);
+  void gather_parameters(Run& run);
+  void plan_shards();  // StepOptions::shard_optimizer on more than one rank: the shards and each bucket's parts
+  // A collective of the step's tail over backend memory (all-gather): queued
+  // and waited for where buckets are (the device then waits, not the host), else blocking.
+  void all_gather_in_tail(Run& run, float* data, const std::vector<size_t>& parts);
   StepVerdict read_verdict(StepRecorder& rec);
   void finish(const StepVerdict& v, StepResult& result, StepRecorder& rec);
 
@@ -208,9 +229,10 @@ class DataParallelStep {
   // with `args`; `work` must read nothing else that changes between steps.
   // Returns how it ran: "graph replay", "graph capture + replay" or "uncaptured".
   const char* run_captured(const GraphKey& key, const ReplayArgs& args, const std::function<void()>& work);
-  // Launches bucket b's allreduce (queued or blocking as overlap_ says; compressed with grad_dtype).
+  // Launches bucket b's allreduce (queued or blocking as overlap_ says; compressed with grad_dtype;
+  // sharded: its parameters' reduce-scatter, the loss and stop slots travel in the health check).
   // Returns how many queued collectives it issued (0: it completed before returning).
-  int launch_bucket(const Bucket& b);
+  int launch_bucket(size_t index);
   size_t bucket_bytes(const Bucket& b) const;
 
   std::shared_ptr<MLP> model_;
@@ -220,7 +242,12 @@ class DataParallelStep {
   StepOptions options_;
   bool overlap_ = false;
   std::vector<Bucket> buckets_;
-  BackendArray<uint16_t> half_grads_;  // grad_dtype's copy of the parameters' gradients (compression)
+  bool sharded_ = false;
+  std::vector<size_t> shard_sizes_;                // parameters owned by each rank (sharded)
+  size_t shard_offset_ = 0, shard_size_ = 0;       // this rank's shard
+  std::vector<std::vector<size_t>> bucket_parts_;  // each bucket's parameters cut by owner (sharded)
+  BackendArray<float> shard_sums_;                 // every rank's health-check share (kShardSums each)
+  BackendArray<uint16_t> half_grads_;              // grad_dtype's copy of the parameters' gradients (compression)
   float loss_scale_ = 1.0f;
   int good_steps_ = 0;
   BackendArray<StepVerdict> verdict_;  // the step's verdict, in backend memory (read back once a step)

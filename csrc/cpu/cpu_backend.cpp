@@ -576,6 +576,22 @@ void CpuBackend::decide(StepVerdict* verdict, const float* grads, size_t n, cons
   decide_step(*verdict, slots, loss_scale, max_norm, usable);
 }
 
+void CpuBackend::shard_health_sums(float* sums, const float* grads, size_t n, const float* slots) {
+  if (record([=] { shard_health_sums(sums, grads, n, slots); })) return;
+  write_shard_sums(sums, slots, sum_of_squares(grads, n));
+}
+
+void CpuBackend::step_verdict_from_shards(StepVerdict* verdict, const float* all_sums, int ranks, float loss_scale,
+                                          float max_norm, const int* comm_failed) {
+  auto decide_at = [=](float scale) {
+    const bool usable = !(comm_failed && __atomic_load_n(comm_failed, __ATOMIC_ACQUIRE));
+    decide_sharded_step(*verdict, all_sums, ranks, scale, max_norm, usable);
+  };
+  // Replays divide by the replayed step's loss scale.
+  if (record([this, decide_at] { decide_at(replay_args_.loss_scale); })) return;
+  decide_at(loss_scale);
+}
+
 double CpuBackend::sum_squares(const float* x, size_t n) {
   refuse_in_capture("sum_squares (it reads back)");
   return sum_of_squares(x, n);

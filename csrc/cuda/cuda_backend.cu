@@ -628,6 +628,21 @@ void CudaBackend::step_verdict(StepVerdict* verdict, const float* grads, size_t 
                         captured_args());
 }
 
+void CudaBackend::shard_health_sums(float* sums, const float* grads, size_t n, const float* slots) {
+  activate();
+  writes(sums, kShardSums * sizeof(float));
+  kernels::sum_squares(sum_out_, grads, n, partials_, stream_);
+  kernels::shard_health_sums(sums, slots, sum_out_, stream_);
+}
+
+void CudaBackend::step_verdict_from_shards(StepVerdict* verdict, const float* all_sums, int ranks, float loss_scale,
+                                           float max_norm, const int* comm_failed) {
+  activate();
+  writes(verdict, sizeof(StepVerdict));
+  kernels::step_verdict_from_shards(verdict, all_sums, ranks, loss_scale, max_norm, label_errors_.host, comm_failed,
+                                    stream_, captured_args());
+}
+
 double CudaBackend::sum_squares(const float* x, size_t n) {
   activate();
   MGPU_CHECK(!captures_.capturing(), DeviceError, "sum_squares reads back to the host: not allowed in a capture");

@@ -88,6 +88,9 @@ class CudaBackend final : public Backend {
                     const AdamWParams& hp) override;
   void step_verdict(StepVerdict* verdict, const float* grads, size_t n, const float* slots, float loss_scale,
                     float max_norm, const int* comm_failed) override;
+  void shard_health_sums(float* sums, const float* grads, size_t n, const float* slots) override;
+  void step_verdict_from_shards(StepVerdict* verdict, const float* all_sums, int ranks, float loss_scale,
+                                float max_norm, const int* comm_failed) override;
   double sum_squares(const float* x, size_t n) override;
   void scale(float* x, size_t n, float alpha) override;
   void narrow(void* half, const float* x, size_t n, Precision dtype) override;

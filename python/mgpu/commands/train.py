@@ -121,6 +121,7 @@ def _config_from_args(a) -> TrainConfig:
         comm=a.comm,
         cuda_graph=a.cuda_graph,
         grad_dtype=a.grad_dtype,
+        shard_optimizer=a.shard_optimizer,
     )
 
 
@@ -480,6 +481,8 @@ def header(plan: RunPlan, model, trainer) -> str:
     )
     if cfg.grad_dtype != "fp32":
         on += f" of {cfg.grad_dtype} gradients"
+    if trainer.shards_optimizer:
+        on += f", optimizer sharded {trainer.pg.size} ways"
     if plan.emulated:  # on the GPU emulation every line that shows a GPU or its speed says so
         on = f"EMULATED GPUs (CPU emulation, not real GPUs; speeds are not GPU speeds): {on}"
     return (
@@ -728,6 +731,12 @@ def add_parser(sub) -> None:
         choices=GRAD_DTYPES,
         default="fp32",
         help="type the gradients are allreduced in: bf16 or fp16 halve the bytes (NCCL between GPUs; default fp32)",
+    )
+    t.add_argument(
+        "--shard-optimizer",
+        action="store_true",
+        help="ZeRO-1: each rank keeps optimizer state for, and updates, its own shard of the parameters "
+        "(gradients reduce-scattered, parameters all-gathered); the same results, 1/ranks of the state",
     )
     t.add_argument(
         "--comm",

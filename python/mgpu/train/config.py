@@ -92,8 +92,11 @@ class TrainerConfig:
     timed: bool = False  # separate a step's phases on device backends too (benchmarks; costs overlap)
     graph: str = "auto"  # capture each step's forward/backward in a CUDA graph (auto: small models on GPUs)
     grad_dtype: str = "fp32"  # the type gradients travel in (bf16/fp16 halve the allreduce; NCCL only)
+    shard_optimizer: bool = False  # ZeRO-1: optimizer state and update for each rank's shard only
 
     def __post_init__(self):
+        if not isinstance(self.shard_optimizer, bool):
+            raise ConfigError(f"shard_optimizer must be True or False, got {self.shard_optimizer!r}")
         _check_step_options(
             lr=self.lr,
             accumulate=self.accumulate,
@@ -143,6 +146,7 @@ class TrainConfig:
     grad_dtype: str = "fp32"  # fp32 | bf16 | fp16: gradients allreduced in half (NCCL)
     comm: str = "auto"  # auto (NCCL between GPUs, else MPI) | nccl | mpi (host-staged)
     cuda_graph: str = "auto"  # auto (small models on GPUs) | on | off: replay steps as CUDA graphs
+    shard_optimizer: bool = False  # ZeRO-1: each rank keeps optimizer state for its shard of the parameters
 
     def __post_init__(self):
         self.validate()
@@ -227,6 +231,8 @@ class TrainConfig:
             fail(f"checkpoints to keep must be an integer >= 1, got {self.keep_checkpoints}")
         if self.precision not in PRECISIONS:
             fail(f"unknown precision '{self.precision}' (expected {', '.join(PRECISIONS)})")
+        if not isinstance(self.shard_optimizer, bool):
+            fail(f"shard_optimizer must be True or False, got {self.shard_optimizer!r}")
         return self
 
     # --- derived values -----------------------------------------------------
@@ -291,6 +297,7 @@ class TrainConfig:
             timed=timed,
             graph=self.cuda_graph,
             grad_dtype=self.grad_dtype,
+            shard_optimizer=self.shard_optimizer,
         )
 
     def to_dict(self) -> dict:

@@ -177,6 +177,7 @@ class Trainer:
             timed=c.timed,
             graph=c.graph,
             grad_dtype=c.grad_dtype,
+            shard_optimizer=c.shard_optimizer,
         )
         self._step = _core.DataParallelStep(model._core, self._optimizer, comm, c.loss, options)
         self._graph_fallback_reported = False
@@ -203,6 +204,11 @@ class Trainer:
         self.last_checkpoint: Optional[str] = None
         self.t_call = self.t_return = 0.0
         self.observer = None  # an observe.Observer during fit(observer=...)
+
+    @property
+    def shards_optimizer(self) -> bool:
+        """Whether each rank keeps optimizer state for its shard of the parameters only (ZeRO-1)."""
+        return self._step.shards_optimizer
 
     @property
     def lr(self) -> float:
@@ -353,12 +359,22 @@ class Trainer:
             compat["data_seed"] = seed
         return compat
 
-    def state(self, compat: dict) -> tuple:
-        """(arrays, meta) describing this run exactly (what a checkpoint holds)."""
-        n = self.model.num_params
-        arrays = {"params": self.model._core.get_parameters()}
-        for name in self._optimizer.state_names():
-            arrays[f"opt.{name}"] = self._optimizer.get_state(name, n)
+    def optimizer_state(self) -> dict:
+        """The optimizer's whole state by checkpoint key ('opt.NAME': num_params float32).
+        Collective with a sharded optimizer (every rank calls it; each gets the shards gathered)."""
+        return {f"opt.{name}": self._step.optimizer_state(name) for name in self._optimizer.state_names()}
+
+    def state(self, compat: dict, optimizer_state: Optional[dict] = None) -> tuple:
+        """(arrays, meta) describing this run exactly (what a checkpoint holds). With a
+        sharded optimizer, every rank calls optimizer_state() first and passes it here."""
+        if optimizer_state is None:
+            if self._step.shards_optimizer:
+                raise ConfigError(
+                    "a sharded optimizer's state is gathered collectively: call optimizer_state() on every "
+                    "rank and pass it to state()"
+                )
+            optimizer_state = self.optimizer_state()
+        arrays = {"params": self.model._core.get_parameters(), **optimizer_state}
         meta = {
             "mgpu_version": __version__,
             "world_size": self.pg.size,
@@ -387,9 +403,11 @@ class Trainer:
         """Collective: rank 0 writes a checkpoint of the current state; every rank
         raises CheckpointError if that failed. Never writes a non-finite state."""
         error, path = None, None
+        # collective when sharded (every rank, before rank 0 alone writes); else rank 0's own
+        optimizer_state = self.optimizer_state() if self._step.shards_optimizer or self.pg.is_root else None
         if self.pg.is_root:
             try:
-                arrays, meta = self.state(compat)
+                arrays, meta = self.state(compat, optimizer_state)
                 if self.bad_steps or not all(np.isfinite(a).all() for a in arrays.values()):
                     raise CheckpointError(
                         f"refusing to checkpoint step {self.global_step}: the state is not "
@@ -435,7 +453,7 @@ class Trainer:
             if key == "params":
                 self.model._core.set_parameters(buf)
             else:
-                self._optimizer.set_state(key[len("opt.") :], buf)
+                self._step.set_optimizer_state(key[len("opt.") :], buf)
         s = _resume_state(meta, path)
         self._optimizer.steps_taken = s["optimizer_steps"]
         # The saved scale continues a dynamically scaled run; a run of another kind (fp32,
