@@ -602,6 +602,10 @@ void bind_optimizer(py::module_& m) {
            py::arg("beta1") = 0.9f, py::arg("beta2") = 0.999f, py::arg("eps") = 1e-8f)
       .def_property("steps_taken", &Optimizer::steps_taken, &Optimizer::set_steps_taken)
       .def("state_names", &Optimizer::state_names)
+      .def_property_readonly("state_size", &Optimizer::state_size,
+                             "Values each state holds: the parameters', or a sharded step's shard's.")
+      .def_property_readonly("shard_offset", &Optimizer::shard_offset,
+                             "The first parameter its state covers (0 unless a sharded step restricted it).")
       .def(
           "get_state",
           [](Optimizer& o, const std::string& name, size_t n) {

@@ -211,6 +211,11 @@ class Trainer:
         return self._step.shards_optimizer
 
     @property
+    def optimizer_state_elements(self) -> int:
+        """Values each optimizer state holds on this rank: every parameter's, or its shard's."""
+        return self._optimizer.state_size
+
+    @property
     def lr(self) -> float:
         return self.schedule.lr_at(self.global_step)
 

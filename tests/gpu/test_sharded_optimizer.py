@@ -1,0 +1,141 @@
+"""The sharded optimizer (ZeRO-1) on GPUs: 2 GPUs driven by threads (NCCL from
+ncclCommInitAll) and by 2 processes (NCCL, and MPI staged through the host)
+train as the unsharded step does, with CUDA graphs, half-precision GEMMs, fp16
+loss scaling and bf16/fp16 gradient compression; each GPU holds half the
+optimizer state; a steady step still synchronises the host once."""
+
+import sys
+
+import numpy as np
+import pytest
+
+import mgpu
+from conftest import mpi_env, mpirun  # tests/conftest.py helpers
+from mgpu import _core
+from reference import rel_err
+
+EMULATED = _core.build_info().get("gpu_emulation", False)
+LAYERS = [12, 48, 32, 3]
+BATCH = 32
+
+
+def needs_two_gpus():
+    if _core.cuda_device_count() < 2:
+        pytest.skip("needs 2 GPUs (MGPU_EMULATE_GPU=2 on the emulation)")
+
+
+def batches(steps, layers, seed=4):
+    rng = np.random.default_rng(seed)
+    return [
+        (
+            rng.standard_normal((BATCH, layers[0])).astype(np.float32),
+            rng.standard_normal((BATCH, layers[-1])).astype(np.float32),
+        )
+        for _ in range(steps)
+    ]
+
+
+def train_on_two_gpus(shard, steps=8, precision="fp32", graph="off", layers=LAYERS, **opt):
+    """Per rank: (parameters, losses, optimizer state elements, device bytes in use, host syncs of the last steps)."""
+    data = batches(steps, layers)
+
+    def run(pg):
+        model = mgpu.MLP(layers, seed=2, device="cuda", device_index=pg.local_rank, precision=precision)
+        trainer = mgpu.Trainer(
+            model, optimizer="adamw", lr=1e-2, process_group=pg, graph=graph, shard_optimizer=shard, **opt
+        )
+        half = BATCH // pg.size
+        part = slice(half * pg.rank, half * (pg.rank + 1))
+        losses, syncs = [], 0
+        for t, (x, y) in enumerate(data):
+            if t == steps - 3 and EMULATED:  # the process's count, read while no rank steps
+                pg.barrier()
+                before = _core.emulation.counters()["host_syncs"]
+                pg.barrier()
+            losses.append(trainer.step(x[part], y[part], global_batch=BATCH, first_sample=part.start))
+        if EMULATED:
+            pg.barrier()
+            syncs = _core.emulation.counters()["host_syncs"] - before
+            pg.barrier()  # reading the memory in use below synchronises too
+        free, total = _core.cuda_memory_info(pg.local_rank)
+        params = np.concatenate([a.ravel() for a in model.get_parameters()])
+        return params, losses, trainer.optimizer_state_elements, total - free, syncs
+
+    return mgpu.run_on_gpus(run, gpus=2)
+
+
+@pytest.mark.parametrize(
+    "precision, graph, opt",
+    [
+        ("fp32", "off", {}),
+        ("fp32", "on", {"max_grad_norm": 0.05}),
+        ("bf16", "on", {}),  # the all-gathered shards must reach the bf16 weight copy
+        ("fp16", "off", {}),  # dynamic loss scaling: overflowing steps skipped on every rank alike
+    ],
+)
+def test_two_gpus_sharded_train_as_unsharded(gpu, precision, graph, opt):
+    needs_two_gpus()
+    sharded = train_on_two_gpus(True, precision=precision, graph=graph, **opt)
+    plain = train_on_two_gpus(False, precision=precision, graph=graph, **opt)
+    for (p, losses, *_), (q, plain_losses, *_) in zip(sharded, plain):
+        assert rel_err(p, q) < 1e-6
+        np.testing.assert_allclose(losses, plain_losses, rtol=1e-6)
+    assert np.array_equal(sharded[0][0], sharded[1][0])
+
+
+def test_each_gpu_holds_half_the_optimizer_state(gpu):
+    needs_two_gpus()
+    layers = [64, 512, 512, 8]  # 300k parameters: AdamW's state is 2.4 MB
+    sharded = train_on_two_gpus(True, steps=3, layers=layers)
+    plain = train_on_two_gpus(False, steps=3, layers=layers)
+    params = sum(a * b + b for a, b in zip(layers, layers[1:]))
+    assert [r[2] for r in plain] == [params, params]
+    assert sum(r[2] for r in sharded) == params and max(r[2] for r in sharded) <= params // 2 + 4
+    for s, p in zip(sharded, plain):  # device memory: two states of the other half are not held
+        saved = p[3] - s[3]
+        assert saved >= 0.9 * 2 * 4 * (params - s[2]), (saved, params)
+
+
+def test_a_sharded_steady_step_synchronises_the_host_once(gpu):
+    if not EMULATED:
+        pytest.skip("counts host synchronisations on the emulation")
+    needs_two_gpus()
+    sharded = train_on_two_gpus(True, steps=6)
+    plain = train_on_two_gpus(False, steps=6)
+    # both threads count in this process: 2 GPUs x 3 steps, one read-back each
+    assert sharded[0][4] == plain[0][4] == 6
+
+
+ARGS = ["--dataset", "digits", "--layers", "64,32,10", "--batch-size", "64", "--optimizer", "adamw", "--lr", "0.01"]
+
+
+def train_processes(tmp_path, name, *extra, steps=10):
+    params = tmp_path / f"{name}.npz"
+    r = mpirun(
+        2,
+        [sys.executable, "-m", "mgpu", "train", *ARGS, "--steps", str(steps), "--device", "cuda", "--no-progress"]
+        + ["--save", params, *extra],
+        timeout=600,
+        env=mpi_env(),
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    with np.load(params) as z:
+        return r, np.concatenate([z[k].ravel() for k in sorted(z.files)])
+
+
+# (ids without "mpi": pytest-mpi would skip a test with that keyword unless --with-mpi)
+@pytest.mark.parametrize("comm", ["nccl", "mpi"], ids=["nccl", "staged"])
+def test_two_processes_sharded_train_as_unsharded(two_gpus, tmp_path, comm):
+    r, sharded = train_processes(tmp_path, "sharded", "--comm", comm, "--shard-optimizer")
+    assert "optimizer sharded 2 ways" in r.stdout
+    _, plain = train_processes(tmp_path, "plain", "--comm", comm)
+    assert rel_err(sharded, plain) < 1e-6
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_compressed_gradients_reduce_scatter_as_they_allreduce(two_gpus, tmp_path, dtype):
+    # The emulation sums the half values of every rank in rank order either way: the same bits.
+    extra = ("--comm", "nccl", "--grad-dtype", dtype)
+    _, sharded = train_processes(tmp_path, "sharded", *extra, "--shard-optimizer", steps=6)
+    _, plain = train_processes(tmp_path, "plain", *extra, steps=6)
+    assert rel_err(sharded, plain) < 1e-6
