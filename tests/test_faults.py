@@ -136,9 +136,11 @@ def test_resume_at_another_world_size(tmp_path):
         assert np.linalg.norm(a[k] - b[k]) <= 1e-4 * np.linalg.norm(a[k]), k
 
 
-def test_killed_rank_ends_the_job_and_keeps_the_checkpoint(tmp_path):
+@pytest.mark.parametrize("shard", [[], ["--shard-optimizer"]], ids=["allreduce", "sharded"])
+def test_killed_rank_ends_the_job_and_keeps_the_checkpoint(tmp_path, shard):
     ckpt = tmp_path / "ckpt"
-    job = Job(2, [*MGPU, *RUN, "--steps", 10**6, "--checkpoint-dir", ckpt, "--checkpoint-every", 10], tmp_path)
+    args = [*MGPU, *RUN, *shard, "--steps", 10**6, "--checkpoint-dir", ckpt, "--checkpoint-every", 10]
+    job = Job(2, args, tmp_path)
     first_checkpoint(ckpt, job)
     os.kill(job.ranks()[1], signal.SIGKILL)
     t0 = time.monotonic()
@@ -185,10 +187,12 @@ def freeze_a_rank(run, tmp_path, frozen, timeout):
     return job.stderr, elapsed
 
 
+# sharded: the step's collectives are reduce-scatters and all-gathers instead of allreduces
+@pytest.mark.parametrize("shard", [[], ["--shard-optimizer"]], ids=["allreduce", "sharded"])
 @pytest.mark.parametrize("frozen", [0, 1])
-def test_frozen_rank_is_named_by_the_watchdog(tmp_path, frozen):
+def test_frozen_rank_is_named_by_the_watchdog(tmp_path, frozen, shard):
     timeout = 3
-    stderr, elapsed = freeze_a_rank(RUN, tmp_path, frozen, timeout)
+    stderr, elapsed = freeze_a_rank([*RUN, *shard], tmp_path, frozen, timeout)
     survivor = 1 - frozen
     message = re.search(
         rf"on rank {survivor}: rank {frozen} (has not reached this step|stopped responding during it) "

@@ -97,10 +97,12 @@ def measure(
     graph: str = "auto",
     accumulate: int = 1,
     grad_dtype: str = "fp32",
+    shard_optimizer: bool = False,
     observe: bool = False,
 ) -> dict:
     """Collective: time `repeats` x `steps` training steps at global batch `batch` on this world
-    (each rank's share in `accumulate` micro-batches; gradients allreduced in `grad_dtype`).
+    (each rank's share in `accumulate` micro-batches; gradients allreduced in `grad_dtype`;
+    shard_optimizer: ZeRO-1, each rank updating its shard of the parameters).
     observe: also time as many steps with every `train` observability output on, in rounds
     interleaved with the plain ones (off, on, on, off, ...: drift falls on both alike)."""
     model = MLP(
@@ -115,6 +117,7 @@ def measure(
         graph=graph,
         accumulate=accumulate,
         grad_dtype=grad_dtype,
+        shard_optimizer=shard_optimizer,
     )
     trainer = Trainer(model, settings, pg)
     part = local_slice(batch, pg.rank, pg.size)
@@ -204,6 +207,11 @@ def measure(
         "precision": precision,
         "accumulate": accumulate,
         "grad_dtype": grad_dtype,
+        "shard_optimizer": trainer.shards_optimizer,
+        # the most any rank holds (the optimizer's states times the values each holds)
+        "optimizer_state_bytes": pg.allreduce(
+            4.0 * trainer.optimizer_state_elements * len(trainer.optimizer_state_names), op="max"
+        ),
         "cuda_graph": trainer._step.uses_graphs,
         "graph_fallback": trainer._step.graph_fallback or None,
     }
@@ -299,6 +307,7 @@ def run_worker(pg, a, repeats: Optional[int] = None) -> list:
             graph=a.cuda_graph,
             accumulate=a.accumulate,
             grad_dtype=a.grad_dtype,
+            shard_optimizer=a.shard_optimizer,
             observe=a.observe,
         )
         after = placement()
@@ -416,7 +425,7 @@ def run_torch(py: str, ranks: int, sizes, dropout, batch, a, device: str, thread
         a.precision,
         "--port",
         str(29500 + (os.getpid() + ranks + batch) % 400),
-    ]
+    ] + (["--shard-optimizer"] if a.shard_optimizer else [])
     limit = 120 + 10 * (a.warmup + a.steps)  # generous: a hung peer must not hang the benchmark
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, env=_mpi_env(peer=True), timeout=limit)
@@ -656,6 +665,7 @@ def measure_world(pg, a, repeats: int, reverse: bool = False) -> list:
         f"--grad-dtype={a.grad_dtype}",
         "--no-progress",
     ]
+    passthrough += ["--shard-optimizer"] if a.shard_optimizer else []
     passthrough += ["--observe"] if a.observe else []
     passthrough += [f"--layers={','.join(map(str, a.layers))}"] if a.layers else [f"--model={a.model or 'large'}"]
     if a.dropout is not None:

@@ -713,6 +713,11 @@ def add_parser(sub) -> None:
         default="fp32",
         help="type the gradients are allreduced in (bf16/fp16: NCCL between GPUs)",
     )
+    b.add_argument(
+        "--shard-optimizer",
+        action="store_true",
+        help="ZeRO-1: each rank keeps optimizer state for, and updates, its shard of the parameters",
+    )
     b.add_argument("--compare", choices=("torch",), default=None, help="run the same workload in PyTorch (DDP)")
     b.add_argument(
         "--validate-selector",

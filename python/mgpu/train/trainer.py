@@ -216,6 +216,11 @@ class Trainer:
         return self._optimizer.state_size
 
     @property
+    def optimizer_state_names(self) -> list:
+        """The optimizer's states ('exp_avg', ...; none for plain SGD)."""
+        return list(self._optimizer.state_names())
+
+    @property
     def lr(self) -> float:
         return self.schedule.lr_at(self.global_step)
 

@@ -31,6 +31,11 @@ def main():
         default="fp32",
         help="as mgpu's: tf32 GEMMs, or bf16/fp16 autocast with fp32 master weights",
     )
+    p.add_argument(
+        "--shard-optimizer",
+        action="store_true",
+        help="as mgpu's: ZeroRedundancyOptimizer shards the optimizer state and update over the ranks",
+    )
     p.add_argument("--port", type=int, default=29533)
     a = p.parse_args()
     # torch.set_num_threads does not reach the BLAS: Debian's torch calls OpenBLAS,
@@ -71,11 +76,15 @@ def main():
     net = torch.nn.Sequential(*mods).to(device)
     if world > 1:
         net = torch.nn.parallel.DistributedDataParallel(net, device_ids=[device.index] if a.device == "cuda" else None)
-    opt = (
-        torch.optim.SGD(net.parameters(), lr=1e-3, momentum=0.9)
-        if a.optimizer == "sgd"
-        else torch.optim.AdamW(net.parameters(), lr=1e-3)
+    kind, settings = (
+        (torch.optim.SGD, {"lr": 1e-3, "momentum": 0.9}) if a.optimizer == "sgd" else (torch.optim.AdamW, {"lr": 1e-3})
     )
+    if a.shard_optimizer and world > 1:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        opt = ZeroRedundancyOptimizer(net.parameters(), optimizer_class=kind, **settings)
+    else:
+        opt = kind(net.parameters(), **settings)
     lossf = torch.nn.MSELoss()
     local_batch = a.batch_size // world + (rank < a.batch_size % world)
     xs = [torch.randn(local_batch, sizes[0], device=device) for _ in range(4)]
