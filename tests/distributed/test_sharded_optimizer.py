@@ -131,3 +131,26 @@ def test_checkpoints_resume_sharded_or_not(tmp_path, save_sharded, resume_sharde
         steps(solo, x, y, batch, 6, 12)
         assert rel_err(np.concatenate([p.ravel() for p in solo_model.get_parameters()]), uninterrupted) < 1e-5
     WORLD.Barrier()
+
+
+def test_a_traced_sharded_step_names_its_collectives():
+    # The tail's spans tile it: the reduce-scatter's wait, the health check (with its
+    # all-gather of the shares), the shard's update, the parameters' all-gather.
+    pg = mgpu.ProcessGroup()
+    layers = [9, 31, 17, 4]
+    x, y = data(layers, "mse", 23)
+    _, trainer = make(pg, layers, "mse", "adamw", shard_optimizer=True)
+    part = local_slice(23, pg.rank, pg.size)
+    trainer.step(x[part], y[part], global_batch=23, first_sample=part.start, trace=True)
+    result = trainer.last_result
+    spans = [s for s in result.spans + trainer.drain_trace() if s.micro == -1 and s.name != "stage"]
+    tail = [s.name for s in spans if not s.name.startswith(("forward", "backward", "loss"))]
+    if pg.size == 1:  # nothing to shard
+        assert tail == ["allreduce wait", "health check", "optimizer"]
+        return
+    assert tail == ["reduce-scatter wait", "health check", "optimizer", "all-gather"]
+    ends = [s.end for s in spans]
+    assert ends == sorted(ends)
+    t = result.timings
+    assert min(t.forward, t.backward, t.comm_wait, t.optimizer) >= 0
+    assert t.forward + t.backward + t.comm_wait + t.optimizer <= t.total * 1.001
