@@ -14,6 +14,7 @@ LAYERS = {
     "atomic": 0,
     "console": 0,
     "hostinfo": 0,
+    "npzfile": 0,
     "_core": 0,
     "_core_emu": 0,
     "monitor": 1,

@@ -14,17 +14,16 @@ from __future__ import annotations
 
 import errno
 import hashlib
-import io
 import json
 import os
 import re
-import zipfile
 from typing import Optional
 
 import numpy as np
 
 from ..atomic import atomic_file
 from ..errors import ConfigError
+from ..npzfile import NpzError, read_npz
 
 FORMAT = "mgpu-checkpoint"
 VERSION = 1
@@ -136,15 +135,9 @@ def load_checkpoint(path: str) -> tuple:
     except OSError as e:
         raise CheckpointError(f"cannot read checkpoint '{path}': {e.strerror}") from None
     try:
-        z = np.load(io.BytesIO(raw), allow_pickle=False)
-        arrays = None  # a single .npy array, not an archive
-        if isinstance(z, np.lib.npyio.NpzFile):
-            with z:
-                arrays = {k: z[k] for k in z.files}
-    except (ValueError, OSError, EOFError, zipfile.BadZipFile, KeyError) as e:
-        raise CheckpointError(f"checkpoint '{path}' is corrupt or truncated ({type(e).__name__}: {e})") from None
-    if arrays is None:
-        raise CheckpointError(f"'{path}' is not an mgpu checkpoint (not an .npz archive)")
+        arrays = read_npz(raw)
+    except NpzError as e:
+        raise CheckpointError(f"cannot read checkpoint '{path}': {e}") from None
     if "meta" not in arrays:
         raise CheckpointError(f"'{path}' is not an mgpu checkpoint (no metadata)")
     try:

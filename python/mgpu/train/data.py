@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import hashlib
 import os
-import zipfile
 from dataclasses import dataclass
 from typing import Iterator, Optional, Sequence
 
 import numpy as np
 
 from ..errors import ConfigError, DataError
+from ..npzfile import NpzError, read_npz
 
 MAX_CLASSES = 2**31 - 1  # class labels: the output layer's width is an int32 in the core
 
@@ -91,18 +91,11 @@ def _read_npz(path: str) -> dict:
     if not os.path.isfile(path):  # a directory, or a FIFO that would block the read
         raise DataError(f"dataset '{path}' is not a regular file")
     try:
-        f = np.load(path, allow_pickle=False)
-        arrays = None  # a single .npy array, not an archive
-        if isinstance(f, np.lib.npyio.NpzFile):
-            with f:
-                arrays = {k: f[k] for k in f.files}
-    except (OSError, ValueError, EOFError, zipfile.BadZipFile, KeyError) as e:  # the archive or a member corrupt
-        raise DataError(f"cannot read dataset '{path}' ({type(e).__name__}: {e})") from None
-    if arrays is None:
-        raise DataError(
-            f"dataset '{path}' is not an .npz archive (a single .npy array?): save x and y with numpy.savez"
-        )
-    return arrays
+        return read_npz(path)
+    except NpzError as e:
+        raise DataError(f"cannot read dataset '{path}': {e}") from None
+    except OSError as e:
+        raise DataError(f"cannot read dataset '{path}': {e.strerror}") from None
 
 
 def _check_arrays(name: str, x, y) -> tuple:

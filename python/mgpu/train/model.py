@@ -14,6 +14,7 @@ import numpy as np
 from .._runtime import _core
 from ..atomic import atomic_file
 from ..errors import ConfigError, DataError
+from ..npzfile import NpzError, read_npz
 
 
 class MLP:
@@ -125,10 +126,11 @@ class MLP:
     def load(self, path: str) -> None:
         """Load parameters saved by save() (no pickle)."""
         try:
-            with np.load(path, allow_pickle=False) as f:
-                arrays = {k: f[k] for k in f.files}
-        except (OSError, ValueError, EOFError) as e:
+            arrays = read_npz(path)
+        except NpzError as e:
             raise DataError(f"cannot read parameters from '{path}': {e}") from None
+        except OSError as e:
+            raise DataError(f"cannot read parameters from '{path}': {e.strerror}") from None
         names = list(self.state_dict())
         missing = [n for n in names if n not in arrays]
         if missing:
