@@ -47,7 +47,7 @@ from ..train.config import (
     TrainConfig,
 )
 from ..train.data import Dataset, load_dataset, split_counts
-from ..train.model import MLP
+from ..train.model import MLP, check_parameter_format
 from ..train.observe import DEFAULT_TRACE_STEPS, Observer, import_summary_writer, parse_step_range
 from ..train.schedule import SCHEDULES
 from ..train.thread_group import rank_threads_alive, run_on_gpus
@@ -219,6 +219,8 @@ def _check_outputs(a, telemetry: Optional[TelemetrySettings]) -> None:
         {"--checkpoint-dir": a.checkpoint_dir, "--tensorboard": a.tensorboard},
         {"--checkpoint-dir": CHECKPOINT_NAME},
     )
+    if a.save:
+        check_parameter_format(a.save)  # a missing writer: said before training, not after it
     if a.trace_steps is not None and not a.trace:
         raise ConfigError("--trace-steps chooses the steps of --trace: give --trace PATH too")
     for option, value in (("--checkpoint-every", a.checkpoint_every), ("--keep-checkpoints", a.keep_checkpoints)):
@@ -908,5 +910,10 @@ def add_parser(sub) -> None:
         action="store_true",
         help="above --max-memory-percent, stop at the next step with a checkpoint instead of warning",
     )
-    t.add_argument("--save", metavar="PATH", help="write final parameters as .npz (layers.{i}.weight/bias)")
+    t.add_argument(
+        "--save",
+        metavar="PATH",
+        help="write final parameters as .npz, or safetensors for a PATH ending in .safetensors "
+        "(layers.{i}.weight/bias, nn.Linear's layout)",
+    )
     t.add_argument("--no-progress", action="store_true", help="no progress bar")

@@ -16,6 +16,15 @@ from ..atomic import atomic_file
 from ..errors import ConfigError, DataError
 from ..npzfile import NpzError, read_npz
 
+try:  # optional: `--save PATH.safetensors` and MLP.load of one
+    import safetensors.numpy as safetensors_numpy
+    from safetensors import SafetensorError
+except ImportError:
+    safetensors_numpy = None
+    SafetensorError = ValueError
+
+SAFETENSORS_SUFFIX = ".safetensors"
+
 
 class MLP:
     """Linear layers with ReLU (and optional dropout) between them.
@@ -120,13 +129,19 @@ class MLP:
         return {f"layers.{i // 2}.{'weight' if i % 2 == 0 else 'bias'}": p for i, p in enumerate(params)}
 
     def save(self, path: str) -> None:
-        """Write the parameters as .npz (layers.{i}.weight / layers.{i}.bias), atomically."""
-        save_npz_atomic(path, self.state_dict())
+        """Write the parameters (layers.{i}.weight / layers.{i}.bias, nn.Linear's layout),
+        atomically: as .npz, or as safetensors where the path ends in .safetensors (what
+        safetensors.torch.load_file reads straight into a torch.nn.Sequential's state)."""
+        if str(path).endswith(SAFETENSORS_SUFFIX):
+            check_parameter_format(path)
+            write_atomic(path, safetensors_numpy.save(self.state_dict()))
+        else:
+            save_npz_atomic(path, self.state_dict())
 
     def load(self, path: str) -> None:
-        """Load parameters saved by save() (no pickle)."""
+        """Load parameters saved by save(), .npz or .safetensors (neither unpickles)."""
         try:
-            arrays = read_npz(path)
+            arrays = _read_safetensors(path) if str(path).endswith(SAFETENSORS_SUFFIX) else read_npz(path)
         except NpzError as e:
             raise DataError(f"cannot read parameters from '{path}': {e}") from None
         except OSError as e:
@@ -139,6 +154,34 @@ class MLP:
 
     def __repr__(self) -> str:
         return f"MLP(layers={self.layers}, params={self.num_params:,}, dropout={self.dropout}, device={self.device})"
+
+
+def check_parameter_format(path) -> None:
+    """ConfigError when `path` names a format this installation cannot write or read."""
+    if str(path).endswith(SAFETENSORS_SUFFIX) and safetensors_numpy is None:
+        raise ConfigError(f"'{path}': .safetensors files need the safetensors package (pip install safetensors)")
+
+
+def _read_safetensors(path) -> dict:
+    """The tensors of a .safetensors file as NumPy arrays; NpzError-worded reasons for a bad file."""
+    check_parameter_format(path)
+    with open(path, "rb") as f:
+        raw = f.read()
+    try:
+        return safetensors_numpy.load(raw)
+    except (SafetensorError, ValueError, TypeError) as e:
+        raise NpzError(
+            f"not a readable safetensors file ({str(e).splitlines()[0] if str(e) else 'malformed'})"
+        ) from None
+
+
+def write_atomic(path: str, data: bytes) -> None:
+    """`data` to `path` whole or not at all (see save_npz_atomic)."""
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        raise ConfigError(f"cannot save to '{path}': directory '{directory}' does not exist")
+    with atomic_file(path, binary=True) as f:
+        f.write(data)
 
 
 def save_npz_atomic(path: str, arrays: dict) -> None:
