@@ -195,8 +195,9 @@ struct DataParallelStep::Run {
 
 // One optimizer step: 1-4 forward and backward of each micro-batch (the last
 // one's backward launches the gradient allreduce), 5 the reduced gradients,
-// 6-7 the health check's verdict and the update, queued on the backend, 8 the
-// verdict read back once and the loss scale adjusted. The recorder takes the
+// 6-7 the health check's verdict and the update, queued on the backend (7b,
+// sharded: the updated shards all-gathered), 8 the verdict read back once and
+// the loss scale adjusted. The recorder takes the
 // timings and trace spans at named points in between.
 StepResult DataParallelStep::step(const std::vector<MicroShard>& shards, int64_t global_batch, uint64_t step_index,
                                   float lr, bool request_stop, bool trace) {

@@ -1,6 +1,7 @@
 // One data-parallel training step, top to bottom (train_step.cpp): stage this
 // rank's shard, forward, loss, backward with bucketed gradient allreduce (after
-// K-1 local micro-batches when accumulating), health check, clip, update.
+// K-1 local micro-batches when accumulating), health check, clip, update; with
+// a sharded optimizer, reduce-scatter, the shard's update, then all-gather.
 // Exact averaging: every rank scales its per-sample gradient sum by
 // 1/global_batch, so the allreduced sum is the mean over the global batch
 // however unevenly it is split.
