@@ -12,7 +12,7 @@ ZeRO-1 MPI collectives (branch zero-mpi).
         [--params 10e6,40e6] [--via mpi4py|mgpu]
 
 --via mpi4py times the bare MPI calls of each algorithm; --via mgpu times mgpu's
-MpiCommunicator (reduce_scatter_sum and all_gather against allreduce_sum, blocking).
+MpiCommunicator (reduce_scatter_sum and all_gather against allreduce_sum, blocking and async).
 """
 
 import argparse
@@ -93,6 +93,14 @@ def all_gather(buf, parts, chunk):
         WORLD.Allgatherv(MPI.IN_PLACE, [buf[w:e], counts, displs, MPI.FLOAT])
 
 
+def queued(start, calls) -> None:
+    """Each call started as the step does (async, progressed between), then waited on once."""
+    for args in calls:
+        start(*args)
+        start.__self__.progress()
+    start.__self__.wait_all()
+
+
 def measure(a, comm, n: int) -> None:
     """Times each side on a model of n floats, rounds alternated; rank 0 prints medians and spread."""
     rank, size = WORLD.rank, WORLD.size
@@ -129,6 +137,11 @@ def measure(a, comm, n: int) -> None:
             ),
             "reduce_scatter": lambda: [comm.reduce_scatter_sum(grads[s : s + sum(q)], q) for s, q in plan],
             "gather": lambda: comm.all_gather(params, whole),
+            "allreduce (async)": lambda: queued(comm.allreduce_sum_async, [(grads[s : s + sum(q)],) for s, q in plan]),
+            "reduce_scatter (async)": lambda: queued(
+                comm.reduce_scatter_sum_async, [(grads[s : s + sum(q)], q) for s, q in plan]
+            ),
+            "gather (async)": lambda: queued(comm.all_gather_async, [(params, whole)]),
         }
     times = {k: [] for k in sides}
     for fn in sides.values():  # warm-up: first touches, connection set-up
