@@ -245,6 +245,87 @@ def test_a_rank_that_skips_a_step_is_named_within_the_watchdog_timeout(tmp_path)
     assert named, r.stdout[-2000:] + r.stderr[-2000:]
 
 
+# A sharded step's collectives under a 1 s timeout on MpiCommunicator itself, blocking (the
+# worker thread) or queued (waited on against the deadline). "skip": rank 1 never reaches
+# step 0 (it gives up after GRACE s, so a timeout that never fires fails in seconds);
+# "stop": every rank loops over steps until the test SIGSTOPs rank 1 mid-run. Rank 0's
+# CommError must name the collective and rank 1.
+SHARDED_FAULT = """
+import os, sys, time
+from mpi4py import MPI
+import numpy as np
+from mgpu import _core
+COLLECTIVE, QUEUED, MODE, GRACE = sys.argv[1], sys.argv[2] == "async", sys.argv[3], float(sys.argv[4])
+world = MPI.COMM_WORLD
+comm = _core.MpiCommunicator(MPI._handleof(world))
+comm.timeout = 1.0
+parts = [1 << 14] * world.size
+buf = np.ones(sum(parts), np.float32)
+
+def collective():
+    if QUEUED:
+        getattr(comm, COLLECTIVE + "_async")(buf, parts)
+        comm.wait_all()
+    else:
+        getattr(comm, COLLECTIVE)(buf, parts)
+
+world.Barrier()
+if MODE == "skip" and world.rank == 1:
+    time.sleep(GRACE)
+    print(f"rank 1: rank 0 was not stopped within {GRACE} s", flush=True)
+    os._exit(7)
+step, t0 = 0, time.monotonic()
+try:
+    while MODE == "stop" or step == 0:
+        comm.begin_step(step)
+        t0 = time.monotonic()
+        collective()
+        step += 1
+        if step == 50 and world.rank == 1:
+            print("rank 1: READY", flush=True)
+    print(f"rank {world.rank}: the collective completed without rank 1", flush=True)
+except _core.CommError as e:
+    print(f"rank {world.rank}: CommError after {time.monotonic() - t0:.2f} s: {e}", flush=True)
+os._exit(3)
+"""
+SHARDED_NAMED = (
+    r"rank 0: CommError after ([\d.]+) s: {what} at step \d+ did not complete within 1 s on rank 0: "
+    r"rank 1 (has not reached this step|stopped responding during it) \(stopped, hung or dead\)"
+)
+WHAT = {"reduce_scatter_sum": "reduce-scatter", "all_gather": "all-gather"}
+
+
+@pytest.mark.parametrize("queued", ["blocking", "async"])
+@pytest.mark.parametrize("collective", ["reduce_scatter_sum", "all_gather"])
+def test_a_rank_that_skips_a_sharded_collective_is_named_within_the_timeout(tmp_path, collective, queued):
+    script = tmp_path / "sharded.py"
+    script.write_text(SHARDED_FAULT)
+    r = mpirun(2, [PYTHON, script, collective, queued, "skip", 20], timeout=120)
+    named = re.search(SHARDED_NAMED.format(what=WHAT[collective]), r.stdout)
+    assert named and "has not reached this step" in named.group(0), r.stdout[-2000:] + r.stderr[-2000:]
+    assert float(named.group(1)) < 5, named.group(0)
+
+
+@pytest.mark.parametrize("collective, queued", [("reduce_scatter_sum", "blocking"), ("all_gather", "async")])
+def test_a_rank_frozen_in_sharded_collectives_is_named_within_the_timeout(tmp_path, collective, queued):
+    script = tmp_path / "sharded.py"
+    script.write_text(SHARDED_FAULT)
+    job = Job(2, [PYTHON, script, collective, queued, "stop", 0], tmp_path)
+    try:
+        wait_for(lambda: "READY" in job.stdout or job.proc.poll() is not None, 60, "rank 1 at step 50")
+        assert job.proc.poll() is None, job.stdout[-2000:] + job.stderr[-2000:]
+        os.kill(job.ranks()[1], signal.SIGSTOP)
+        t0 = time.monotonic()
+        wait_for(lambda: "rank 0: " in job.stdout or job.proc.poll() is not None, 30, "rank 0's CommError")
+        elapsed = time.monotonic() - t0
+    finally:
+        job.kill()
+    named = re.search(SHARDED_NAMED.format(what=WHAT[collective]), job.stdout)
+    assert named, job.stdout[-2000:] + job.stderr[-2000:]
+    assert elapsed < 10, elapsed
+    print(f"SIGSTOP of rank 1 in {WHAT[collective]}s ({queued}): rank 0 named it after {elapsed:.2f} s")
+
+
 def test_diverging_run_stops_on_every_rank_without_a_bad_checkpoint(tmp_path):
     ckpt = tmp_path / "ckpt"
     r = mpirun(

@@ -8,6 +8,9 @@
 // queue follow: a step waits for the device once for its buckets and once for
 // its read-back. Blocking collectives copy synchronously. Host buffers are
 // kept per launch slot and only grow, so steady-state steps allocate nothing.
+// A sharded step's collectives are staged alike, each copying only what it
+// needs: a reduce-scatter all of its range to the host and its own part back,
+// an all-gather its own part to the host and all of its range back.
 // DataParallelStep wraps a communicator in one when the backend is not
 // host-accessible and the communicator does not accept device memory.
 #pragma once
@@ -58,11 +61,33 @@ class StagedCommunicator final : public Communicator {
     backend_->copy_to_backend(data, host, count * sizeof(float));
   }
   void barrier() override { inner_->barrier(); }
-  void allreduce_sum_async(float* data, size_t count) override {
+  void reduce_scatter_sum(float* data, const std::vector<size_t>& parts) override {
+    const size_t count = parts_total(parts);
+    const Range mine = own(parts.data());
     float* host = slot(pending_.size(), count);
-    backend_->copy_to_host_async(host, data, count * sizeof(float));
-    pending_.push_back({data, host, count, backend_->fence()});
-    launch_copied();
+    backend_->copy_to_host(host, data, count * sizeof(float));
+    inner_->reduce_scatter_sum(host, parts);
+    backend_->copy_to_backend(data + mine.offset, host + mine.offset, mine.count * sizeof(float));
+  }
+  // Every rank copies its own part in (which waits for the queue, as copy_to_host
+  // does) before the peers' parts are written into the slot from the host.
+  void all_gather(float* data, const std::vector<size_t>& parts) override {
+    const size_t count = parts_total(parts);
+    const Range mine = own(parts.data());
+    float* host = slot(pending_.size(), count);
+    if (mine.count)
+      backend_->copy_to_host(host + mine.offset, data + mine.offset, mine.count * sizeof(float));
+    else
+      backend_->synchronize();
+    inner_->all_gather(host, parts);
+    backend_->copy_to_backend(data, host, count * sizeof(float));
+  }
+  void allreduce_sum_async(float* data, size_t count) override { enqueue(Kind::kAllreduce, data, count, nullptr); }
+  void reduce_scatter_sum_async(float* data, const std::vector<size_t>& parts) override {
+    enqueue(Kind::kReduceScatter, data, parts_total(parts), parts.data());
+  }
+  void all_gather_async(float* data, const std::vector<size_t>& parts) override {
+    enqueue(Kind::kAllGather, data, parts_total(parts), parts.data());
   }
   bool progresses_independently() const override { return inner_->progresses_independently(); }
   void progress() override {
@@ -73,8 +98,13 @@ class StagedCommunicator final : public Communicator {
     if (launched_ < pending_.size()) backend_->wait_fence(pending_.back().fence);
     launch_copied();
     inner_->wait_all();
-    for (const Pending& p : pending_) backend_->copy_to_backend_async(p.device, p.host, p.count * sizeof(float));
+    for (const Pending& p : pending_) {
+      const Range out = p.kind == Kind::kReduceScatter ? own(&parts_[p.parts]) : Range{0, p.count};
+      if (out.count)
+        backend_->copy_to_backend_async(p.device + out.offset, p.host + out.offset, out.count * sizeof(float));
+    }
     pending_.clear();
+    parts_.clear();
     launched_ = 0;
   }
   void set_timeout(double seconds) override {
@@ -98,6 +128,7 @@ class StagedCommunicator final : public Communicator {
     } catch (...) {
     }
     pending_.clear();
+    parts_.clear();
     launched_ = 0;
   }
   void raise_if_failed() override { inner_->raise_if_failed(); }
@@ -107,20 +138,50 @@ class StagedCommunicator final : public Communicator {
   void close() override { inner_->close(); }
 
  private:
+  enum class Kind { kAllreduce, kReduceScatter, kAllGather };
   struct Pending {
+    Kind kind;
     float* device;
     float* host;
-    size_t count;
+    size_t count;    // elements of the range
+    size_t parts;    // reduce-scatter, all-gather: where its size() parts start in parts_
     uint64_t fence;  // passed: the copy into host has landed
   };
+  struct Range {
+    size_t offset, count;
+  };
+  // This rank's part of a range cut into size() parts.
+  Range own(const size_t* parts) const {
+    size_t offset = 0;
+    for (int r = 0; r < rank(); ++r) offset += parts[r];
+    return {offset, parts[rank()]};
+  }
   struct Slot {
     float* data = nullptr;
     size_t capacity = 0;  // floats
   };
+  // Queues the copy of what the collective reads into its slot, and the collective
+  // behind a fence (an all-gather with no own part still waits for the copies back
+  // queued before, which may read its slot).
+  void enqueue(Kind kind, float* data, size_t count, const size_t* parts) {
+    float* host = slot(pending_.size(), count);
+    const size_t at = parts_.size();
+    if (parts) parts_.insert(parts_.end(), parts, parts + size());
+    const Range in = kind == Kind::kAllGather ? own(parts) : Range{0, count};
+    if (in.count) backend_->copy_to_host_async(host + in.offset, data + in.offset, in.count * sizeof(float));
+    pending_.push_back({kind, data, host, count, at, backend_->fence()});
+    launch_copied();
+  }
   // Starts, in launch order, the collectives whose copy to the host has landed.
   void launch_copied() {
     while (launched_ < pending_.size() && backend_->fence_passed(pending_[launched_].fence)) {
-      inner_->allreduce_sum_async(pending_[launched_].host, pending_[launched_].count);
+      const Pending& p = pending_[launched_];
+      if (p.kind != Kind::kAllreduce) launch_parts_.assign(&parts_[p.parts], &parts_[p.parts] + size());
+      switch (p.kind) {
+        case Kind::kAllreduce: inner_->allreduce_sum_async(p.host, p.count); break;
+        case Kind::kReduceScatter: inner_->reduce_scatter_sum_async(p.host, launch_parts_); break;
+        case Kind::kAllGather: inner_->all_gather_async(p.host, launch_parts_); break;
+      }
       ++launched_;
     }
   }
@@ -144,7 +205,9 @@ class StagedCommunicator final : public Communicator {
   std::shared_ptr<Backend> backend_;
   std::vector<Slot> slots_;
   std::vector<Pending> pending_;
-  size_t launched_ = 0;  // pending_[0, launched_) were handed to inner_
+  std::vector<size_t> parts_;         // the parts of pending_'s sharded collectives, size() each
+  std::vector<size_t> launch_parts_;  // launch_copied's scratch: one collective's parts
+  size_t launched_ = 0;               // pending_[0, launched_) were handed to inner_
 };
 
 }  // namespace mgpu

@@ -28,11 +28,35 @@ constexpr size_t kMaxChunk = static_cast<size_t>(INT_MAX);
 // a chunk adds one collective's latency (microseconds) per 8 MiB moved: at most a few
 // percent even over a slow network.
 constexpr size_t kAllreduceChunk = size_t{8} << 20 >> 2;
+// All-gathers go in windows of at most this many elements (MPI counts and displacements
+// are int): unlike the allreduce, OpenMPI's MPI_Allgatherv is faster in one call than in
+// 8 MiB windows (scripts/experiments/reduce_scatter_choice.py). A reduce-scatter is one
+// MPI_Reduce per part to its owner, in kAllreduceChunk pieces: MPI_Reduce collapses on
+// large messages as MPI_Allreduce does, and MPI_Reduce_scatter is several times slower.
+constexpr size_t kGatherChunk = kMaxChunk;
 
 // Calls fn(offset, elements) for consecutive pieces of at most `chunk` of `count` elements.
 template <typename Fn>
 void for_each_chunk(size_t count, size_t chunk, Fn&& fn) {
   for (size_t done = 0; done < count; done += chunk) fn(done, static_cast<int>(std::min(chunk, count - done)));
+}
+// Calls fn(owner, offset, elements) for consecutive pieces of at most kAllreduceChunk of
+// each nonzero part (a reduce-scatter's reductions to each part's owner).
+template <typename Fn>
+void for_each_part_chunk(const size_t* parts, int size, Fn&& fn) {
+  size_t offset = 0;
+  for (int r = 0; r < size; offset += parts[r], ++r)
+    for_each_chunk(parts[r], kAllreduceChunk, [&](size_t done, int n) { fn(r, offset + done, n); });
+}
+// Counts (out[0, size)) and displacements (out[size, 2 size)) of the window [begin, end)
+// of a range cut into parts, for MPI_Allgatherv over it: each part's intersection with it.
+void gather_window(const size_t* parts, int size, size_t begin, size_t end, int* out) {
+  size_t lo = 0;
+  for (int r = 0; r < size; lo += parts[r], ++r) {
+    const size_t a = std::min(std::max(lo, begin), end), b = std::min(std::max(lo + parts[r], begin), end);
+    out[r] = static_cast<int>(b - a);
+    out[size + r] = static_cast<int>(a - begin);
+  }
 }
 // Up to this many ranks everyone watches everyone (size - 1 tiny messages per
 // rank and step); beyond it heartbeats go to rank 0 and back.
@@ -129,7 +153,14 @@ bool MpiCommunicator::test_stamped(bool block) {
 
 void MpiCommunicator::wait(std::vector<MPI_Request>& requests, const char* what) {
   if (requests.empty()) return;
-  const bool stamped = &requests == &pending_ && stamping();
+  const bool is_pending = &requests == &pending_;
+  const bool stamped = is_pending && stamping();
+  auto finish = [&] {
+    if (is_pending)
+      clear_pending();
+    else
+      requests.clear();
+  };
   if (timeout_seconds_ <= 0.0 && stamped) {
     while (!test_stamped(/*block=*/true)) {
     }
@@ -138,8 +169,8 @@ void MpiCommunicator::wait(std::vector<MPI_Request>& requests, const char* what)
   }
   if (timeout_seconds_ <= 0.0) {
     const int rc = MPI_Waitall(static_cast<int>(requests.size()), requests.data(), MPI_STATUSES_IGNORE);
-    requests.clear();
-    check(rc, what);
+    finish();
+    check(rc, what ? what : "wait_all");
     return;
   }
   // While waiting, repeat the heartbeat so peers can tell a waiting rank from a frozen one.
@@ -154,13 +185,12 @@ void MpiCommunicator::wait(std::vector<MPI_Request>& requests, const char* what)
     } else {
       const int rc = MPI_Testall(static_cast<int>(requests.size()), requests.data(), &done, MPI_STATUSES_IGNORE);
       if (rc != MPI_SUCCESS) {
-        requests.clear();
-        check(rc, what);
+        finish();
+        check(rc, what ? what : "wait_all");
       }
     }
     if (done) {
-      if (stamped) owner_.clear();
-      requests.clear();
+      finish();
       return;
     }
     if ((spins & 1023) == 1023) {
@@ -170,7 +200,7 @@ void MpiCommunicator::wait(std::vector<MPI_Request>& requests, const char* what)
         drain_heartbeats();
         next_beat = now + beat_interval;
       }
-      if (now > deadline) fail_timeout(what, 2.5 * beat_interval);
+      if (now > deadline) fail_timeout(what ? what : first_open_kind(), 2.5 * beat_interval);
       sched_yield();  // share the core with a peer rank on an oversubscribed node
     }
   }
@@ -252,43 +282,122 @@ void MpiCommunicator::send_heartbeat() {
           "MPI_Isend");
 }
 
-void MpiCommunicator::allreduce_sum(float* data, size_t count) {
+void MpiCommunicator::allreduce_sum(float* data, size_t count) { run({Kind::kAllreduce, data, count, nullptr}); }
+
+void MpiCommunicator::reduce_scatter_sum(float* data, const std::vector<size_t>& parts) {
+  run({Kind::kReduceScatter, data, parts_total(parts), parts.data()});
+}
+
+void MpiCommunicator::all_gather(float* data, const std::vector<size_t>& parts) {
+  run({Kind::kAllGather, data, parts_total(parts), parts.data()});
+}
+
+const char* MpiCommunicator::words(Kind kind) {
+  switch (kind) {
+    case Kind::kReduceScatter: return "reduce-scatter";
+    case Kind::kAllGather: return "all-gather";
+    default: return "allreduce";
+  }
+}
+
+const char* MpiCommunicator::blocking_call(Kind kind) {
+  switch (kind) {
+    case Kind::kReduceScatter: return "MPI_Reduce";
+    case Kind::kAllGather: return "MPI_Allgatherv";
+    default: return "MPI_Allreduce";
+  }
+}
+
+std::vector<int>& MpiCommunicator::next_arrays() {
+  if (pending_.empty()) arrays_used_ = 0;
+  if (arrays_.size() <= arrays_used_) arrays_.resize(arrays_used_ + 1);
+  return arrays_[arrays_used_++];
+}
+
+void MpiCommunicator::run(const Job& job) {
   ensure_usable();
   if (timeout_seconds_ > 0.0 && thread_multiple_) {
-    allreduce_on_worker(data, count);
+    run_on_worker(job);
     return;
   }
   if (timeout_seconds_ <= 0.0) {
-    for_each_chunk(count, kAllreduceChunk, [&](size_t done, int n) {
-      check(MPI_Allreduce(MPI_IN_PLACE, data + done, n, MPI_FLOAT, MPI_SUM, comm_), "MPI_Allreduce");
-    });
+    check(run_blocking(job, comm_, rank_, size_, next_arrays()), blocking_call(job.kind));
     return;
   }
   std::vector<MPI_Request> requests;
-  for_each_chunk(count, kAllreduceChunk, [&](size_t done, int n) {
-    requests.emplace_back();
-    check(MPI_Iallreduce(MPI_IN_PLACE, data + done, n, MPI_FLOAT, MPI_SUM, comm_, &requests.back()), "MPI_Iallreduce");
-  });
-  wait(requests, "allreduce");
+  start(job, requests);
+  wait(requests, words(job.kind));
 }
 
-namespace {
-// The worker: one blocking MPI_Allreduce per job, on `comm`, until told to stop.
-// It holds only the shared state and the handle, never the communicator object.
-template <typename State>
-void allreduce_worker(std::shared_ptr<State> w, MPI_Comm comm) {
+int MpiCommunicator::run_blocking(const Job& job, MPI_Comm comm, int rank, int size, std::vector<int>& arrays) {
+  int rc = MPI_SUCCESS;
+  switch (job.kind) {
+    case Kind::kAllreduce:
+      for_each_chunk(job.count, kAllreduceChunk, [&](size_t done, int n) {
+        if (rc == MPI_SUCCESS) rc = MPI_Allreduce(MPI_IN_PLACE, job.data + done, n, MPI_FLOAT, MPI_SUM, comm);
+      });
+      break;
+    case Kind::kReduceScatter:
+      for_each_part_chunk(job.parts, size, [&](int owner, size_t offset, int n) {
+        float* p = job.data + offset;
+        if (rc == MPI_SUCCESS)
+          rc = MPI_Reduce(owner == rank ? MPI_IN_PLACE : p, owner == rank ? p : nullptr, n, MPI_FLOAT, MPI_SUM, owner,
+                          comm);
+      });
+      break;
+    case Kind::kAllGather:
+      arrays.resize(2 * static_cast<size_t>(size));
+      for (size_t w = 0; w < job.count && rc == MPI_SUCCESS; w += kGatherChunk) {
+        gather_window(job.parts, size, w, std::min(job.count, w + kGatherChunk), arrays.data());
+        rc = MPI_Allgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, job.data + w, arrays.data(), arrays.data() + size,
+                            MPI_FLOAT, comm);
+      }
+      break;
+  }
+  return rc;
+}
+
+void MpiCommunicator::start(const Job& job, std::vector<MPI_Request>& requests) {
+  switch (job.kind) {
+    case Kind::kAllreduce:
+      for_each_chunk(job.count, kAllreduceChunk, [&](size_t done, int n) {
+        requests.emplace_back();
+        check(MPI_Iallreduce(MPI_IN_PLACE, job.data + done, n, MPI_FLOAT, MPI_SUM, comm_, &requests.back()),
+              "MPI_Iallreduce");
+      });
+      break;
+    case Kind::kReduceScatter:
+      for_each_part_chunk(job.parts, size_, [&](int owner, size_t offset, int n) {
+        float* p = job.data + offset;
+        requests.emplace_back();
+        check(MPI_Ireduce(owner == rank_ ? MPI_IN_PLACE : p, owner == rank_ ? p : nullptr, n, MPI_FLOAT, MPI_SUM, owner,
+                          comm_, &requests.back()),
+              "MPI_Ireduce");
+      });
+      break;
+    case Kind::kAllGather:
+      for (size_t w = 0; w < job.count; w += kGatherChunk) {
+        std::vector<int>& a = next_arrays();  // read by MPI until the request completes
+        a.resize(2 * static_cast<size_t>(size_));
+        gather_window(job.parts, size_, w, std::min(job.count, w + kGatherChunk), a.data());
+        requests.emplace_back();
+        check(MPI_Iallgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, job.data + w, a.data(), a.data() + size_, MPI_FLOAT,
+                              comm_, &requests.back()),
+              "MPI_Iallgatherv");
+      }
+      break;
+  }
+}
+
+void MpiCommunicator::worker_loop(std::shared_ptr<Worker> w, MPI_Comm comm, int rank, int size) {
   std::unique_lock<std::mutex> lock(w->m);
   for (;;) {
     w->work_cv.wait(lock, [&] { return w->pending || w->stop; });
     if (w->stop) return;
     w->pending = false;
-    float* data = w->data;
-    const size_t count = w->count;
+    const Job job = w->job;
     lock.unlock();
-    int rc = MPI_SUCCESS;
-    for_each_chunk(count, kAllreduceChunk, [&](size_t done, int n) {
-      if (rc == MPI_SUCCESS) rc = MPI_Allreduce(MPI_IN_PLACE, data + done, n, MPI_FLOAT, MPI_SUM, comm);
-    });
+    const int rc = run_blocking(job, comm, rank, size, w->arrays);
     lock.lock();
     w->rc = rc;
     w->done = true;
@@ -297,14 +406,16 @@ void allreduce_worker(std::shared_ptr<State> w, MPI_Comm comm) {
     lock.lock();
   }
 }
-}  // namespace
 
-void MpiCommunicator::allreduce_on_worker(float* data, size_t count) {
+void MpiCommunicator::run_on_worker(const Job& job) {
   Worker& w = *worker_state_;
   std::unique_lock<std::mutex> lock(w.m);
-  if (!worker_.joinable()) worker_ = std::thread(allreduce_worker<Worker>, worker_state_, comm_);
-  w.data = data;
-  w.count = count;
+  if (!worker_.joinable()) worker_ = std::thread(worker_loop, worker_state_, comm_, rank_, size_);
+  w.job = job;
+  if (job.parts) {  // the worker's own copy: after a timeout it may outlive the caller's
+    w.parts.assign(job.parts, job.parts + size_);
+    w.job.parts = w.parts.data();
+  }
   w.done = false;
   w.pending = true;
   lock.unlock();
@@ -317,7 +428,7 @@ void MpiCommunicator::allreduce_on_worker(float* data, size_t count) {
     const double now = now_seconds();
     if (now > deadline) {
       lock.unlock();
-      fail_timeout("allreduce", 2.5 * beat_interval);
+      fail_timeout(words(job.kind), 2.5 * beat_interval);
     }
     const double wake = std::min(deadline, now + beat_interval);
     w.done_cv.wait_for(lock, std::chrono::duration<double>(wake - now), [&] { return w.done; });
@@ -330,7 +441,7 @@ void MpiCommunicator::allreduce_on_worker(float* data, size_t count) {
   }
   const int rc = w.rc;
   lock.unlock();
-  check(rc, "MPI_Allreduce");
+  check(rc, blocking_call(job.kind));
 }
 
 void MpiCommunicator::broadcast(float* data, size_t count, int root) {
@@ -360,22 +471,28 @@ void MpiCommunicator::barrier() {
 }
 
 void MpiCommunicator::allreduce_sum_async(float* data, size_t count) {
+  launch({Kind::kAllreduce, data, count, nullptr});
+}
+
+void MpiCommunicator::reduce_scatter_sum_async(float* data, const std::vector<size_t>& parts) {
+  launch({Kind::kReduceScatter, data, parts_total(parts), parts.data()});
+}
+
+void MpiCommunicator::all_gather_async(float* data, const std::vector<size_t>& parts) {
+  launch({Kind::kAllGather, data, parts_total(parts), parts.data()});
+}
+
+void MpiCommunicator::launch(const Job& job) {
   ensure_usable();
   const bool stamp = stamping();
-  if (stamp) {
-    timed_.emplace_back(now_seconds() - timing_start_, -1.0);
-    open_requests_.push_back(0);
-  }
-  for_each_chunk(count, kAllreduceChunk, [&](size_t done, int n) {
-    MPI_Request req;
-    check(MPI_Iallreduce(MPI_IN_PLACE, data + done, n, MPI_FLOAT, MPI_SUM, comm_, &req), "MPI_Iallreduce");
-    pending_.push_back(req);
-    if (stamp) {
-      owner_.push_back(static_cast<int>(timed_.size()) - 1);
-      ++open_requests_.back();
-    }
-  });
-  if (stamp && count == 0) timed_.back().second = timed_.back().first;  // nothing to wait for
+  if (stamp) timed_.emplace_back(now_seconds() - timing_start_, -1.0);
+  const size_t before = pending_.size();
+  start(job, pending_);
+  pending_kind_.resize(pending_.size(), job.kind);
+  if (!stamp) return;
+  owner_.resize(pending_.size(), static_cast<int>(timed_.size()) - 1);
+  open_requests_.push_back(static_cast<int>(pending_.size() - before));
+  if (pending_.size() == before) timed_.back().second = timed_.back().first;  // nothing to wait for
 }
 
 void MpiCommunicator::start_collective_timing() {
@@ -405,12 +522,23 @@ void MpiCommunicator::progress() {
   int flag = 0;
   // Testing drives OpenMPI's progress engine for the outstanding collectives.
   check(MPI_Testall(static_cast<int>(pending_.size()), pending_.data(), &flag, MPI_STATUSES_IGNORE), "MPI_Testall");
-  if (flag) pending_.clear();
+  if (flag) clear_pending();
 }
 
 void MpiCommunicator::wait_all() {
   ensure_usable();
-  wait(pending_, "allreduce");
+  wait(pending_, nullptr);
+}
+
+const char* MpiCommunicator::first_open_kind() {
+  // MPI_Testall leaves every request as it was unless all completed: test them
+  // with MPI_Testsome, which sets the completed ones to MPI_REQUEST_NULL.
+  std::vector<int> done(pending_.size());
+  int count = 0;
+  MPI_Testsome(static_cast<int>(pending_.size()), pending_.data(), &count, done.data(), MPI_STATUSES_IGNORE);
+  for (size_t i = 0; i < pending_.size() && i < pending_kind_.size(); ++i)
+    if (pending_[i] != MPI_REQUEST_NULL) return words(pending_kind_[i]);
+  return pending_kind_.empty() ? words(Kind::kAllreduce) : words(pending_kind_.back());
 }
 
 std::string mpi_library_version() {

@@ -37,10 +37,14 @@ class MpiCommunicator final : public Communicator {
   void broadcast(float* data, size_t count, int root) override;
   void barrier() override;
   void allreduce_sum_async(float* data, size_t count) override;
+  void reduce_scatter_sum(float* data, const std::vector<size_t>& parts) override;
+  void all_gather(float* data, const std::vector<size_t>& parts) override;
+  void reduce_scatter_sum_async(float* data, const std::vector<size_t>& parts) override;
+  void all_gather_async(float* data, const std::vector<size_t>& parts) override;
   void progress() override;
   void wait_all() override;
   void begin_step(uint64_t step) override;
-  // Each async allreduce is stamped done when a test or wait here sees its last
+  // Each async collective is stamped done when a test or wait here sees its last
   // request complete (MPI progresses only in such calls: that is when it ends).
   void start_collective_timing() override;
   std::vector<std::pair<double, double>> collective_times() override;
@@ -54,22 +58,55 @@ class MpiCommunicator final : public Communicator {
 
  private:
   void ensure_usable() const;
-  // allreduce_sum under a deadline: the blocking MPI_Allreduce runs on worker_ while
-  // this thread waits for it against the deadline, sending heartbeats. OpenMPI's
+  // One collective: an allreduce of `count` elements, or a reduce-scatter or
+  // all-gather over the parts (size_ of them, summing to count) cut from data.
+  enum class Kind { kAllreduce, kReduceScatter, kAllGather };
+  struct Job {
+    Kind kind = Kind::kAllreduce;
+    float* data = nullptr;
+    size_t count = 0;
+    const size_t* parts = nullptr;
+  };
+  // A blocking collective: MPI's blocking calls without a timeout; under a
+  // deadline, on the worker with MPI_THREAD_MULTIPLE, else non-blocking calls
+  // waited on here.
+  void run(const Job& job);
+  // run under a deadline: the blocking MPI call runs on worker_ while this thread
+  // waits for it against the deadline, sending heartbeats. OpenMPI's
   // MPI_Iallreduce (libnbc) is several times slower than MPI_Allreduce at gradient
   // sizes, tested in a loop or waited on (docs/journal.md). Needs MPI_THREAD_MULTIPLE;
   // the caller waits, so comm_ never sees two collectives at once.
-  void allreduce_on_worker(float* data, size_t count);
-  // Completes `requests` (cleared on return) or throws CommError after the timeout.
+  void run_on_worker(const Job& job);
+  // The job's blocking MPI calls; returns the first error code. `arrays`: scratch
+  // for an all-gather's counts and displacements.
+  static int run_blocking(const Job& job, MPI_Comm comm, int rank, int size, std::vector<int>& arrays);
+  static const char* words(Kind kind);          // for messages: "allreduce", ...
+  static const char* blocking_call(Kind kind);  // the MPI function run_blocking calls
+  struct Worker;
+  // The worker thread: one run_blocking per job, until told to stop. It holds
+  // only the shared state and the handle, never the communicator object.
+  static void worker_loop(std::shared_ptr<Worker> w, MPI_Comm comm, int rank, int size);
+  // Starts the job's non-blocking calls, appending their requests; the count and
+  // displacement arrays they read live in arrays_ until pending_ is empty.
+  void start(const Job& job, std::vector<MPI_Request>& requests);
+  // The async forms: start(), with each request stamped and its kind kept.
+  void launch(const Job& job);
+  // Completes `requests` (cleared on return) or throws CommError after the
+  // timeout, naming `what`, or for pending_ (what null) the first collective not done.
   void wait(std::vector<MPI_Request>& requests, const char* what);
-  // Tests (block: waits for some of) the async allreduces' requests, stamping
+  // Tests (block: waits for some of) the async collectives' requests, stamping
   // the collectives whose last request completed; true once all have.
   bool test_stamped(bool block);
   bool stamping() const { return timing_ && owner_.size() == pending_.size(); }
   void clear_pending() {
     pending_.clear();
+    pending_kind_.clear();
     owner_.clear();
   }
+  // The words for the first collective in pending_ that has not completed.
+  const char* first_open_kind();
+  // A free slot of arrays_ (all free once pending_ is empty).
+  std::vector<int>& next_arrays();
   [[noreturn]] void fail_timeout(const char* what, double silence);
   void drain_heartbeats();
   void send_heartbeat();
@@ -81,8 +118,13 @@ class MpiCommunicator final : public Communicator {
   int rank_ = 0, size_ = 1;
   bool broken_ = false;  // a wait timed out: requests may still be in flight
   std::vector<MPI_Request> pending_;
+  std::vector<Kind> pending_kind_;  // the collective each request of pending_ belongs to
+  // Count and displacement arrays of the all-gathers started, [0, arrays_used_)
+  // in use; kept (inner buffers keep their address when the outer grows).
+  std::vector<std::vector<int>> arrays_;
+  size_t arrays_used_ = 0;
   bool thread_multiple_ = false;
-  // Collective timing: (launch, done) of each async allreduce since
+  // Collective timing: (launch, done) of each async collective since
   // start_collective_timing (seconds since it; done < 0 while open), the
   // requests each has open, and the collective each request of pending_ belongs to.
   bool timing_ = false;
@@ -100,8 +142,9 @@ class MpiCommunicator final : public Communicator {
     // notifier still holds m would only block on it again (two context
     // switches a bucket instead of one, on cores the allreduce needs).
     std::condition_variable work_cv, done_cv;
-    float* data = nullptr;  // the job (guarded by m)
-    size_t count = 0;
+    Job job;  // guarded by m; job.parts points into parts
+    std::vector<size_t> parts;
+    std::vector<int> arrays;  // the all-gather's counts and displacements
     bool pending = false, done = false, stop = false;
     int rc = MPI_SUCCESS;
   };
