@@ -150,7 +150,10 @@ void bind_perf(py::module_& m) {
       .def_readwrite("inter", &LinkProfile::inter)
       .def_readwrite("gpus_per_node", &LinkProfile::gpus_per_node)
       .def("allreduce_seconds", &LinkProfile::allreduce_seconds, py::arg("devices"), py::arg("bytes"))
-      .def("allreduce_choice", &LinkProfile::allreduce_choice, py::arg("devices"), py::arg("bytes"));
+      .def("allreduce_choice", &LinkProfile::allreduce_choice, py::arg("devices"), py::arg("bytes"))
+      .def("reduce_scatter_seconds", &LinkProfile::reduce_scatter_seconds, py::arg("devices"), py::arg("bytes"))
+      .def("all_gather_seconds", &LinkProfile::all_gather_seconds, py::arg("devices"), py::arg("bytes"))
+      .def("reduce_scatter_choice", &LinkProfile::reduce_scatter_choice, py::arg("devices"), py::arg("bytes"));
   py::class_<HardwareProfile>(pm, "HardwareProfile")
       .def(py::init<>())
       .def_readwrite("name", &HardwareProfile::name)
@@ -171,6 +174,7 @@ void bind_perf(py::module_& m) {
       .def_readwrite("grad_dtype", &Workload::grad_dtype)
       .def_readwrite("cuda_graph", &Workload::cuda_graph)
       .def_readwrite("accumulate", &Workload::accumulate)
+      .def_readwrite("shard_optimizer", &Workload::shard_optimizer)
       .def("resolved_layers", &Workload::resolved_layers);
   py::class_<Options>(pm, "Options")
       .def(py::init<>())
@@ -189,8 +193,11 @@ void bind_perf(py::module_& m) {
       .def_readonly("overhead_s", &Prediction::overhead_s)
       .def_readonly("bucket_elems", &Prediction::bucket_elems)
       .def_readonly("graphs", &Prediction::graphs)
+      .def_readonly("sharded", &Prediction::sharded)
       .def_readonly("comm_s", &Prediction::comm_s)
       .def_readonly("exposed_comm_s", &Prediction::exposed_comm_s)
+      .def_readonly("gather_s", &Prediction::gather_s)
+      .def_readonly("optimizer_state_bytes", &Prediction::optimizer_state_bytes)
       .def_readonly("step_s", &Prediction::step_s)
       .def_readonly("samples_per_s", &Prediction::samples_per_s)
       .def_readonly("speedup", &Prediction::speedup)
@@ -221,7 +228,11 @@ void bind_perf(py::module_& m) {
       .def_readonly("reason", &BucketChoice::reason);
   pm.def("choose_bucket", &choose_bucket, py::arg("workload"), py::arg("hardware"), py::arg("devices"),
          py::arg("options"), py::arg("max_bucket_bytes") = 0.0);
-  pm.def("training_memory_bytes", &training_memory_bytes, py::arg("workload"), py::arg("rows"));
+  pm.def("training_memory_bytes", &training_memory_bytes, py::arg("workload"), py::arg("rows"), py::arg("devices") = 1,
+         "Bytes one of `devices` holds to train the workload on `rows` samples a step (weights, gradients, "
+         "optimizer state (its shard where workload.shard_optimizer), activations).");
+  pm.def("optimizer_state_bytes", &optimizer_state_bytes, py::arg("workload"), py::arg("devices") = 1,
+         "Optimizer state one of `devices` holds (SGD 4 B, AdamW 8 B a parameter; 1/devices of it sharded).");
   pm.def("predict", &predict, py::arg("workload"), py::arg("hardware"), py::arg("devices"), py::arg("options"));
   pm.def("recommend", &recommend, py::arg("workload"), py::arg("hardware"), py::arg("options"));
   pm.def("recommend_by_thresholds", &recommend_by_thresholds, py::arg("workload"), py::arg("options"));

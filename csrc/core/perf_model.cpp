@@ -89,22 +89,31 @@ int column_sum_launches(double rows, double out) {
   return splits > 1 ? 2 : 1;
 }
 
+// Optimizer state one of `devices` holds for P parameters: SGD's momentum, AdamW's two
+// moments, fp32; sharded over the devices where the workload says so.
+double optimizer_state(double P, const Workload& w, int devices) {
+  const double whole = (w.optimizer == "sgd" ? 4.0 : 8.0) * P;
+  return w.shard_optimizer && devices > 1 ? whole / devices : whole;
+}
+
 double memory_per_device(const std::vector<int>& sizes, int64_t b, const Workload& w, const DeviceProfile& d,
                          const LinkProfile& link, int devices);
 
 // The share of a step's arrays that the last-level cache cannot hold: `sharing` ranks
-// each with the arrays of `rows` rows (weights, gradients, optimizer state,
-// activations). 0 where the cache is unknown or holds them all.
+// each with the arrays of `rows` rows (weights, gradients, optimizer state (its shard
+// of `shards`), activations). 0 where the cache is unknown or holds them all.
 double cache_miss_share(const std::vector<int>& sizes, int64_t rows, const Workload& w, const DeviceProfile& d,
-                        int sharing) {
+                        int sharing, int shards) {
   if (!(d.cache_bytes > 0)) return 0.0;
-  const double arrays = double(std::max(sharing, 1)) *
-                        memory_per_device(sizes, std::max<int64_t>(rows, 1), w, DeviceProfile{}, LinkProfile{}, 1);
+  const double arrays =
+      double(std::max(sharing, 1)) *
+      memory_per_device(sizes, std::max<int64_t>(rows, 1), w, DeviceProfile{}, LinkProfile{}, std::max(shards, 1));
   return std::clamp(1.0 - d.cache_bytes / arrays, 0.0, 1.0);
 }
 
+// shards: the devices the optimizer is sharded over (1: not sharded); this one updates 1/shards of the parameters.
 DeviceTimes device_times(const std::vector<int>& sizes, int64_t b, const DeviceProfile& d, const Workload& w,
-                         double step_overhead, bool alone, bool use_phases, bool graphs, int sharing) {
+                         double step_overhead, bool alone, bool use_phases, bool graphs, int sharing, int shards) {
   const GemmRate& rate = d.gemm(w.precision);
   // Measured layer times, where topo took them, at the precision they were taken at.
   const LayerTimes* measured = alone && d.layers_alone.enabled() ? &d.layers_alone : &d.layers;
@@ -115,9 +124,10 @@ DeviceTimes device_times(const std::vector<int>& sizes, int64_t b, const DeviceP
   const int64_t micro_batches = std::min<int64_t>(w.accumulate, std::max<int64_t>(b, 1));
   // Warm tables time a layer on arrays the caches hold; a step whose arrays outgrow the
   // last-level cache (its largest micro-batch's) meets its layers between them and the cold ones.
-  const double miss = measured && measured->has_cold()
-                          ? cache_miss_share(sizes, (b + micro_batches - 1) / micro_batches, w, d, alone ? 1 : sharing)
-                          : 0.0;
+  const double miss =
+      measured && measured->has_cold()
+          ? cache_miss_share(sizes, (b + micro_batches - 1) / micro_batches, w, d, alone ? 1 : sharing, shards)
+          : 0.0;
   auto layer = [&](const std::vector<double>& warm, const std::vector<double>& cold, double R, double in, double out) {
     const double t = measured->at(warm, R, in, out);
     return miss > 0 ? t + miss * (measured->at(cold, R, in, out) - t) : t;
@@ -209,32 +219,47 @@ DeviceTimes device_times(const std::vector<int>& sizes, int64_t b, const DeviceP
     for (int l = 0; l < layers; ++l) t.backward_done[l] = t.backward - last.backward + last.done[l];
   }
   const double P = parameter_count(sizes);
-  const double update_bytes = (w.optimizer == "sgd" ? 20.0 : 28.0) * P;
+  // Sharded, this device updates and checks its shard only (1/shards of the parameters).
+  const bool sharded = shards > 1;
+  const double owned = P / std::max(shards, 1);
+  const double update_bytes = (w.optimizer == "sgd" ? 20.0 : 28.0) * owned;
+  // A kernel launched outside any graph: a sharded step's tail (the health check, the
+  // update) runs uncaptured (DataParallelStep::step), as do the gradients' casts.
+  auto launched_alone = [&](double bytes) {
+    const double work = bytes / d.bandwidth_at(bytes, alone);
+    return gpu ? std::max(work, d.launch_overhead_s) : work + d.launch_overhead_s;
+  };
+  auto tail_pass = [&](double bytes) { return sharded ? launched_alone(bytes) : pass(bytes); };
+  const double tail_launch = sharded ? d.launch_overhead_s : L;
   const StepPhases& phases = alone && d.step_phases_alone.enabled() ? d.step_phases_alone : d.step_phases;
   if (use_phases && phases.enabled()) {
-    // The update as measured in training, scaled by the bytes this optimizer moves;
-    // the health check is part of the measured wait (predict adds it).
+    // The update as measured in training, scaled by the bytes this optimizer moves
+    // (over the shard where sharded); the health check is part of the measured wait (predict adds it).
     t.measured = &phases;
     t.optimizer = phases.update_at(P) * update_bytes / (StepPhases::kUpdateBytesPerParam * P);
   } else {
     // the health check: the gradients' sum of squares, its partials' sum, the verdict
     // (with half-precision GEMMs the update's kernel also writes the weights' half copy, 2 B each)
-    t.optimizer = pass(update_bytes + (half ? 2.0 * P : 0.0)) + pass(4.0 * P) + (gpu ? 2.0 * L : 0.0);
+    t.optimizer = tail_pass(update_bytes + (half && !sharded ? 2.0 * P : 0.0)) + tail_pass(4.0 * owned) +
+                  (gpu ? 2.0 * tail_launch : 0.0);
   }
   // A measured update is fp32's: with half-precision GEMMs its kernel also writes the weights' half copy.
-  if (half && t.measured) t.optimizer += 2.0 * P / d.bandwidth_at(2.0 * P, alone);
-  // Compressed gradients: narrowed, then the sum widened, each a kernel launched
-  // outside any graph (fp32 read and half written, or the reverse: 6 B a parameter).
-  if (w.grad_dtype != "fp32") {
-    const double cast = 6.0 * P / d.bandwidth_at(6.0 * P, alone);
-    t.optimizer += 2.0 * (gpu ? std::max(cast, d.launch_overhead_s) : cast + d.launch_overhead_s);
-  }
+  if (half && t.measured && !sharded) t.optimizer += 2.0 * P / d.bandwidth_at(2.0 * P, alone);
+  // Sharded, the update writes its shard only and no half copy: the next forward casts
+  // the gathered parameters to half anew (fp32 read, half written: 6 B a parameter).
+  if (half && sharded) t.optimizer += launched_alone(6.0 * P);
+  // Compressed gradients: narrowed, then the sum widened (sharded: only the shard's),
+  // each a kernel launched outside any graph (fp32 read and half written, or the
+  // reverse: 6 B a parameter).
+  if (w.grad_dtype != "fp32") t.optimizer += launched_alone(6.0 * P) + launched_alone(6.0 * owned);
   t.overhead = step_overhead;
   // Graphs: an argument update and a launch each: the forward/backward graph, and
   // the update's own after the allreduce on several devices or with compressed
-  // gradients (on one device with fp32 ones the first graph holds the update too).
+  // gradients (on one device with fp32 ones the first graph holds the update too; a
+  // sharded step's update is not captured).
   if (graphs)
-    t.overhead += (2.0 * double(micro_batches) + (alone && w.grad_dtype == "fp32" ? 0.0 : 2.0)) * d.launch_overhead_s;
+    t.overhead += (2.0 * double(micro_batches) + ((alone && w.grad_dtype == "fp32") || sharded ? 0.0 : 2.0)) *
+                  d.launch_overhead_s;
   if (d.host_to_device_bandwidth > 0)  // the micro-batches' copies, outside any graph
     t.overhead += 4.0 * B * (sizes.front() + sizes.back()) / d.host_to_device_bandwidth +
                   (2.0 * double(micro_batches) + 1.0) * d.launch_overhead_s;  // inputs and targets, the stop flag
@@ -260,7 +285,7 @@ std::vector<int64_t> shares_by_weight(int64_t total, const std::vector<double>& 
 double memory_per_device(const std::vector<int>& sizes, int64_t b, const Workload& w, const DeviceProfile& d,
                          const LinkProfile& link, int devices) {
   const double P = parameter_count(sizes), B = double(b);
-  double mem = 4.0 * P + 4.0 * (P + MLP::kGradExtraSlots) + (w.optimizer == "sgd" ? 4.0 : 8.0) * P;
+  double mem = 4.0 * P + 4.0 * (P + MLP::kGradExtraSlots) + optimizer_state(P, w, devices);
   double activations = 0, widest = 0;
   for (size_t l = 1; l < sizes.size(); ++l) {
     activations += sizes[l];
@@ -346,9 +371,16 @@ void validate(const Workload& w, const HardwareProfile& hw, const Options& o) {
 
 }  // namespace
 
-double training_memory_bytes(const Workload& w, int64_t rows) {
+double training_memory_bytes(const Workload& w, int64_t rows, int devices) {
   MGPU_CHECK(rows >= 1, ConfigError, "rows must be >= 1, got ", rows);
-  return memory_per_device(w.resolved_layers(), rows, w, DeviceProfile{}, LinkProfile{}, 1);
+  MGPU_CHECK(devices >= 1, ConfigError, "devices must be >= 1, got ", devices);
+  // LinkProfile{}: no communication buffers, whatever the device count
+  return memory_per_device(w.resolved_layers(), rows, w, DeviceProfile{}, LinkProfile{}, devices);
+}
+
+double optimizer_state_bytes(const Workload& w, int devices) {
+  MGPU_CHECK(devices >= 1, ConfigError, "devices must be >= 1, got ", devices);
+  return optimizer_state(parameter_count(w.resolved_layers()), w, devices);
 }
 
 void LayerTimes::check(const std::string& what) const {
@@ -482,13 +514,14 @@ struct Pick {
   double latency = 0, transfer = 0;
 };
 
-// The fastest pair, as NCCL's tuner picks it.
-Pick fastest(const CollectiveModel& m, int ranks, double bytes) {
+// The fastest pair, as NCCL's tuner picks it, for a collective that moves `share` of
+// an allreduce's bytes (1: the allreduce; 1/2: a reduce-scatter or an all-gather).
+Pick fastest(const CollectiveModel& m, int ranks, double bytes, double share = 1.0) {
   MGPU_CHECK(m.enabled(), ConfigError, "the collective model has no algorithm with a bandwidth");
   Pick best;
   bool any = false;
   for_each_pair(m, ranks, bytes, [&](const std::string& name, double lat, double transfer) {
-    if (!any || lat + transfer < best.latency + best.transfer) best = {name, lat, transfer};
+    if (!any || lat + share * transfer < best.latency + best.transfer) best = {name, lat, share * transfer};
     any = true;
   });
   MGPU_CHECK(any, ConfigError, "the collective model has no usable protocol (every bw_fraction is 0)");
@@ -508,24 +541,41 @@ std::string CollectiveModel::choice(int ranks, double bytes) const {
   return fastest(*this, ranks, bytes).name;
 }
 
-double LinkProfile::allreduce_seconds(int devices, double bytes) const {
+namespace {
+
+// A ring reduce-scatter is the first half of a ring allreduce and an all-gather the
+// second: each device sends (n-1)/n of the buffer instead of 2(n-1)/n, so `share` (1/2)
+// scales the bandwidth term. The latency term stays whole although a ring
+// reduce-scatter takes n-1 steps, not 2(n-1): the fitted latencies are mostly a
+// collective's launch and synchronisation, which every collective pays, and a whole
+// one errs on the slow side for collectives no published table measured.
+double collective_seconds(const LinkProfile& link, int devices, double bytes, double share) {
   if (devices <= 1 || bytes <= 0) return 0.0;
-  if (intra.enabled()) {
-    const int per_node = gpus_per_node > 0 ? gpus_per_node : devices;
-    if (devices <= per_node) return intra.seconds(devices, bytes);
-    MGPU_CHECK(inter.enabled(), ConfigError, "link '", name, "' has no inter-node model; cannot predict ", devices,
-               " devices over ", per_node, " per node");
+  if (link.intra.enabled()) {
+    const int per_node = link.gpus_per_node > 0 ? link.gpus_per_node : devices;
+    if (devices <= per_node) {
+      const Pick p = fastest(link.intra, devices, bytes, share);
+      return p.latency + p.transfer;
+    }
+    MGPU_CHECK(link.inter.enabled(), ConfigError, "link '", link.name, "' has no inter-node model; cannot predict ",
+               devices, " devices over ", per_node, " per node");
     const int nodes = (devices + per_node - 1) / per_node;
     // Latencies add up along the path; the transfers pipeline (NCCL splits the
     // bytes into chunks that move over NVLink and the network at once), so the
     // slower level's transfer sets the pace.
-    const Pick in = fastest(intra, per_node, bytes), out = fastest(inter, nodes, bytes / per_node);
+    const Pick in = fastest(link.intra, per_node, bytes, share),
+               out = fastest(link.inter, nodes, bytes / per_node, share);
     return in.latency + out.latency + std::max(in.transfer, out.transfer);
   }
-  MGPU_CHECK(bus_bandwidth > 0, ConfigError, "link '", name, "' has no bandwidth in its profile");
-  const double steps = 2.0 * (devices - 1);
-  const double model = steps * alpha_s + steps / devices * bytes / bus_bandwidth;
-  if (measured.size() < 2 || measured_devices < 2 || bytes < measured.front().first || bytes > measured.back().first)
+  MGPU_CHECK(link.bus_bandwidth > 0, ConfigError, "link '", link.name, "' has no bandwidth in its profile");
+  auto ring = [&](int n, double s) {
+    const double steps = 2.0 * (n - 1);
+    return steps * link.alpha_s + s * steps / n * bytes / link.bus_bandwidth;
+  };
+  const double model = ring(devices, share);
+  const auto& measured = link.measured;
+  if (measured.size() < 2 || link.measured_devices < 2 || bytes < measured.front().first ||
+      bytes > measured.back().first)
     return model;
   double at_measured = model;
   for (size_t i = 1; i < measured.size(); ++i) {
@@ -536,11 +586,21 @@ double LinkProfile::allreduce_seconds(int devices, double bytes) const {
     at_measured = std::exp(std::log(t0) + f * (std::log(t1) - std::log(t0)));
     break;
   }
-  // Another device count: scale by the ring model's ratio between the two counts.
-  if (devices == measured_devices) return at_measured;
-  const double m_steps = 2.0 * (measured_devices - 1);
-  const double model_at_measured = m_steps * alpha_s + m_steps / measured_devices * bytes / bus_bandwidth;
+  // The measured allreduce at another device count or another collective: scaled by
+  // the ring model's ratio between the two.
+  if (devices == link.measured_devices && share == 1.0) return at_measured;
+  const double model_at_measured = ring(link.measured_devices, 1.0);
   return model_at_measured > 0 ? at_measured * model / model_at_measured : model;
+}
+
+}  // namespace
+
+double LinkProfile::allreduce_seconds(int devices, double bytes) const {
+  return collective_seconds(*this, devices, bytes, 1.0);
+}
+
+double LinkProfile::reduce_scatter_seconds(int devices, double bytes) const {
+  return collective_seconds(*this, devices, bytes, 0.5);
 }
 
 std::string LinkProfile::allreduce_choice(int devices, double bytes) const {
@@ -550,6 +610,15 @@ std::string LinkProfile::allreduce_choice(int devices, double bytes) const {
   const int nodes = (devices + per_node - 1) / per_node;
   return intra.choice(per_node, bytes) + " in each node + " + inter.choice(nodes, bytes / per_node) + " across " +
          std::to_string(nodes) + " nodes";
+}
+
+std::string LinkProfile::reduce_scatter_choice(int devices, double bytes) const {
+  if (!intra.enabled() || devices <= 1 || bytes <= 0) return "";
+  const int per_node = gpus_per_node > 0 ? gpus_per_node : devices;
+  if (devices <= per_node) return fastest(intra, devices, bytes, 0.5).name;
+  const int nodes = (devices + per_node - 1) / per_node;
+  return fastest(intra, per_node, bytes, 0.5).name + " in each node + " +
+         fastest(inter, nodes, bytes / per_node, 0.5).name + " across " + std::to_string(nodes) + " nodes";
 }
 
 std::vector<int> Workload::resolved_layers() const {
@@ -579,6 +648,10 @@ Prediction predict(const Workload& w, const HardwareProfile& hw, int devices, co
   const int64_t batch = w.global_batch;
   const double params = parameter_count(sizes);
   p.graphs = replays_graphs(w, hw, devices, params);
+  // A sharded optimizer on several devices (DataParallelStep: none on one).
+  p.sharded = w.shard_optimizer && devices > 1;
+  const int shards = p.sharded ? devices : 1;
+  p.optimizer_state_bytes = optimizer_state(params, w, devices);
   // Shares: proportional to each device's throughput at an equal split.
   // Measured in-step phases count only where every device has them: a device
   // without would add its modelled health check beside the measured wait.
@@ -590,7 +663,8 @@ Prediction predict(const Workload& w, const HardwareProfile& hw, int devices, co
   std::vector<double> speed(devices);
   for (int i = 0; i < devices; ++i) {
     const int64_t b = std::max<int64_t>(1, batch / devices);
-    const DeviceTimes t = device_times(sizes, b, hw.devices[i], w, 0.0, devices == 1, use_phases, p.graphs, sharing);
+    const DeviceTimes t =
+        device_times(sizes, b, hw.devices[i], w, 0.0, devices == 1, use_phases, p.graphs, sharing, shards);
     speed[i] = b / std::max(t.forward + t.backward, 1e-30);
   }
   p.batch_shares = shares_by_weight(batch, o.equal_shares ? std::vector<double>(devices, 1.0) : speed);
@@ -603,7 +677,7 @@ Prediction predict(const Workload& w, const HardwareProfile& hw, int devices, co
   bool fits = true;
   for (int i = 0; i < devices; ++i) {
     times.push_back(device_times(sizes, p.batch_shares[i], hw.devices[i], w, hw.step_overhead_s, devices == 1,
-                                 use_phases, p.graphs, sharing));
+                                 use_phases, p.graphs, sharing, shards));
     const DeviceTimes& t = times.back();
     compute_end = std::max(compute_end, t.forward + t.backward);
     p.forward_s = std::max(p.forward_s, t.forward);
@@ -624,10 +698,13 @@ Prediction predict(const Workload& w, const HardwareProfile& hw, int devices, co
   }
   // The allreduce of each bucket can start once every device has its gradients;
   // replayed steps allreduce after the whole backward (DataParallelStep::overlaps()).
+  // Sharded, a reduce-scatter takes each bucket's place on the same schedule.
   if (devices > 1) {
     double channel_free = 0;
     for (const BucketRun& run : plan_bucket_runs(sizes, MLP::kGradExtraSlots, static_cast<size_t>(w.bucket_elems))) {
-      const double t = hw.link.allreduce_seconds(devices, (w.grad_dtype == "fp32" ? 4.0 : 2.0) * run.count);
+      const double bytes = (w.grad_dtype == "fp32" ? 4.0 : 2.0) * run.count;
+      const double t =
+          p.sharded ? hw.link.reduce_scatter_seconds(devices, bytes) : hw.link.allreduce_seconds(devices, bytes);
       p.comm_s += double(run.repeat) * t;
       double ready = compute_end;
       if (hw.link.overlaps_compute && !p.graphs) {
@@ -638,6 +715,15 @@ Prediction predict(const Workload& w, const HardwareProfile& hw, int devices, co
       channel_free = std::max(channel_free, ready) + double(run.repeat) * t;
     }
     p.exposed_comm_s = std::max(0.0, channel_free - compute_end);
+    if (p.sharded) {
+      // After the last bucket, the health check's shares (kShardSums floats a device:
+      // latency, in effect); after the update, the whole parameter buffer in fp32
+      // (compression narrows gradients only). Neither overlaps anything.
+      p.gather_s = hw.link.all_gather_seconds(devices, 4.0 * kShardSums * devices) +
+                   hw.link.all_gather_seconds(devices, 4.0 * params);
+      p.comm_s += p.gather_s;
+      p.exposed_comm_s += p.gather_s;
+    }
   }
   // Measured in-step phases (CPU calibrations): the wait after backward as
   // training met it at the calibration's world and bucket size, moved by what
@@ -823,6 +909,33 @@ Decision decide_strategy(const Workload& w, const HardwareProfile& hw, const Opt
     d.devices = c[best].devices;
     reason(Kind::kGainWithinError, best_multi).value = err;
   }
+  // A sharded optimizer where the workload has none: said where it would change the
+  // answer, for the fastest multi-device count it helps: one that fits only sharded
+  // (and beats the pick), or a sharded step faster than the pick by more than the error.
+  if (!w.shard_optimizer) {
+    Workload sharded = w;
+    sharded.shard_optimizer = true;
+    int at = -1;
+    std::optional<Prediction> alternative;
+    for (int i = 0; i < static_cast<int>(c.size()); ++i) {
+      if (c[i].devices < 2) continue;
+      Prediction q = predict_candidate(sharded, hw, c[i].devices, o);
+      if (!q.memory_fits || (alternative && q.step_s >= alternative->step_s)) continue;
+      const bool helps = c[i].memory_fits ? best >= 0 && q.step_s * (1.0 + err) < c[best].step_s
+                                          : best < 0 || q.step_s < c[best].step_s;
+      if (!helps) continue;
+      at = i;
+      alternative = std::move(q);
+    }
+    if (alternative) {
+      Reason& r = reason(Kind::kShardingWouldHelp, at);
+      r.other = best;
+      r.flag = !c[at].memory_fits;
+      r.value = c[at].optimizer_state_bytes;
+      r.value2 = err;
+      r.alternative = std::move(alternative);
+    }
+  }
 
   // Why, in numbers.
   if (one >= 0) reason(Kind::kOneDeviceStep, one);
@@ -855,7 +968,8 @@ Decision decide_strategy(const Workload& w, const HardwareProfile& hw, const Opt
   if (best_multi >= 0) {
     const double bucket_bytes = (w.grad_dtype == "fp32" ? 4.0 : 2.0) *  // on the wire
                                 std::min<double>(double(c[best_multi].bucket_elems), d.params);
-    const std::string how = hw.link.allreduce_choice(c[best_multi].devices, bucket_bytes);
+    const std::string how = c[best_multi].sharded ? hw.link.reduce_scatter_choice(c[best_multi].devices, bucket_bytes)
+                                                  : hw.link.allreduce_choice(c[best_multi].devices, bucket_bytes);
     if (!how.empty()) {
       Reason& r = reason(Kind::kAllreduceAlgorithm, best_multi);
       r.value = bucket_bytes;
@@ -912,9 +1026,15 @@ std::string word_reason(const Reason& r, const Decision& d, const Workload& w, c
              count_text(p->samples_per_s) + " samples/s";
     case Kind::kMultiDeviceStep: {
       std::string line = device_word(hw, p->devices) + ": " + ms(p->step_s) + " a step, " + fmt("%.2fx", p->speedup) +
-                         fmt(" (efficiency %.0f%%)", p->efficiency * 100) + "; the " + bytes_text(r.value) +
-                         " gradient allreduce takes " + ms(p->comm_s) + ", " + ms(p->exposed_comm_s) +
-                         " of it not hidden behind backward";
+                         fmt(" (efficiency %.0f%%)", p->efficiency * 100) + "; the " + bytes_text(r.value);
+      if (p->sharded)
+        line += " gradient reduce-scatter (optimizer sharded) takes " + ms(p->comm_s - p->gather_s) + ", " +
+                ms(std::max(0.0, p->exposed_comm_s - p->gather_s)) +
+                " of it not hidden behind backward, the parameters' all-gather after the update " + ms(p->gather_s) +
+                "; optimizer state " + bytes_text(p->optimizer_state_bytes) + " a device";
+      else
+        line += " gradient allreduce takes " + ms(p->comm_s) + ", " + ms(p->exposed_comm_s) +
+                " of it not hidden behind backward";
       if (p->comm_s > 0)
         line += fmt("; communication/computation %.2f", p->comm_s / std::max(p->forward_s + p->backward_s, 1e-30));
       return line;
@@ -955,7 +1075,8 @@ std::string word_reason(const Reason& r, const Decision& d, const Workload& w, c
              "; train with --batch-shares " + flag;
     }
     case Kind::kAllreduceAlgorithm:
-      return "allreduce of one " + bytes_text(r.value) + " bucket on " + device_word(hw, p->devices) + ": " + r.text +
+      return std::string(p->sharded ? "reduce-scatter" : "allreduce") + " of one " + bytes_text(r.value) +
+             " bucket on " + device_word(hw, p->devices) + ": " + r.text +
              " (NCCL-shaped model, fitted to published nccl-tests tables)";
     case Kind::kBreakEven:
       return "several devices beat one from a global batch of " + std::to_string(r.count) +
@@ -972,6 +1093,20 @@ std::string word_reason(const Reason& r, const Decision& d, const Workload& w, c
     case Kind::kProfile:
       return "profile '" + hw.name + "' (" + hw.source + ")" +
              (hw.source == "calibrated" ? "" : ": run `python -m mgpu topo` on the machine to calibrate");
+    case Kind::kShardingWouldHelp: {
+      const Prediction& q = *r.alternative;
+      const std::string state =
+          "optimizer state " + bytes_text(r.value) + " -> " + bytes_text(q.optimizer_state_bytes) + " a device";
+      if (r.flag)
+        return device_word(hw, q.devices) + " fit with --shard-optimizer: " + state + " (" +
+               bytes_text(q.memory_bytes) +
+               (q.memory_usable_bytes > 0 ? " of " + bytes_text(q.memory_usable_bytes) + " usable" : std::string()) +
+               "), " + ms(q.step_s) + " a step" + (d.one >= 0 ? fmt(", %.2fx one device", q.speedup) : std::string());
+      return "--shard-optimizer would be faster: " + device_word(hw, q.devices) + " at " + ms(q.step_s) +
+             " a step against " + ms(other->step_s) + " for " + device_word(hw, other->devices) +
+             fmt(" (beyond the model's +-%.0f%%)", r.value2 * 100) + ": the update on 1/" + std::to_string(q.devices) +
+             " of the parameters, " + ms(q.gather_s) + " of all-gathers after it; " + state;
+    }
   }
   return "";
 }
@@ -1059,11 +1194,13 @@ BucketChoice choose_bucket(const Workload& workload, const HardwareProfile& hw, 
   // Calibrated CPU steps add the measured wait after backward (the ranks' skew, the
   // health check) to the exposed time, which can then exceed the allreduce itself.
   const bool wait_beyond = best.exposed_comm_s > best.comm_s * 1.001;
+  // sharded: the buckets' reduce-scatters, and the all-gathers that follow them
+  const std::string what = w.shard_optimizer ? " reduce-scatter and all-gathers" : " allreduce";
   best.reason = "bucket of " + bytes_text(4.0 * best.bucket_elems) + " exposes " + ms(best.exposed_comm_s) +
-                (wait_beyond ? " after backward: the " + ms(best.comm_s) +
-                                   " allreduce plus the ranks' skew and "
+                (wait_beyond ? " after backward: the " + ms(best.comm_s) + what +
+                                   " plus the ranks' skew and "
                                    "the health check;"
-                             : " of a " + ms(best.comm_s) + " allreduce") +
+                             : " of a " + ms(best.comm_s) + what) +
                 " on " + device_word(hw, devices) + " (step " + ms(best.step_s) + "; tried " +
                 std::to_string(best.tried.size()) + " sizes from " + bytes_text(4.0 * best.tried.front().first) + ")" +
                 (capped ? "; capped at " + bytes_text(max_bucket_bytes) : "");

@@ -5,6 +5,9 @@
 //
 // Step time on n devices with local batch b_i:
 //   overhead + forward(b) + loss + backward(b) + exposed allreduce + optimizer
+// A sharded optimizer (Workload::shard_optimizer, ZeRO stage 1) on n > 1 devices
+// reduce-scatters each bucket where the allreduce would run, updates 1/n of the
+// parameters, and all-gathers them after the update (exposed): see predict.
 // GEMMs: work / rate(work), with rate(w) = peak * w / (w + half_work) (small
 // GEMMs reach a fraction of the peak); elementwise kernels: bytes / bandwidth;
 // plus a launch overhead per kernel. Allreduce of each gradient bucket (the
@@ -169,6 +172,13 @@ struct LinkProfile {
   int gpus_per_node = 0;  // 0: one node holds every device
   double allreduce_seconds(int devices, double bytes) const;
   std::string allreduce_choice(int devices, double bytes) const;  // "" without the NCCL-shaped model
+  // A reduce-scatter of a `bytes` buffer (each device ends with its part of the sum)
+  // or an all-gather of one (each device starts with its part): the allreduce's
+  // latency and half its bandwidth term, on the pair (or level) the allreduce's
+  // machinery finds fastest for that cost (see collective_seconds in perf_model.cpp).
+  double reduce_scatter_seconds(int devices, double bytes) const;
+  double all_gather_seconds(int devices, double bytes) const { return reduce_scatter_seconds(devices, bytes); }
+  std::string reduce_scatter_choice(int devices, double bytes) const;  // "" without the NCCL-shaped model
 };
 
 struct HardwareProfile {
@@ -196,6 +206,11 @@ struct Workload {
   // Micro-batches per step (train --accumulate): each runs forward and backward on its
   // share of the rows; only the last one's backward overlaps the allreduce.
   int64_t accumulate = 1;
+  // A sharded optimizer (train --shard-optimizer, StepOptions::shard_optimizer): on
+  // more than one device each keeps optimizer state for 1/n of the parameters and
+  // updates them; buckets are reduce-scattered and the parameters all-gathered after
+  // the update. No effect on one device.
+  bool shard_optimizer = false;
   // The layers that stand in for a bare parameter count: four square hidden
   // layers holding the same number of parameters.
   std::vector<int> resolved_layers() const;
@@ -216,10 +231,13 @@ struct Prediction {
   int devices = 1;
   std::vector<int64_t> batch_shares;  // samples per device (unequal devices get unequal shares)
   double forward_s = 0, backward_s = 0, optimizer_s = 0, overhead_s = 0;
-  int64_t bucket_elems = 0;   // the gradient bucket the prediction assumes
-  bool graphs = false;        // steps replay as graphs: kernels at graph-node cost, the allreduce after backward
-  double comm_s = 0;          // total allreduce time of one step
-  double exposed_comm_s = 0;  // the part not hidden behind backward
+  int64_t bucket_elems = 0;          // the gradient bucket the prediction assumes
+  bool graphs = false;               // steps replay as graphs: kernels at graph-node cost, the allreduce after backward
+  bool sharded = false;              // the optimizer is sharded (shard_optimizer on several devices)
+  double comm_s = 0;                 // total communication of one step (sharded: reduce-scatters and all-gathers)
+  double exposed_comm_s = 0;         // the part not hidden behind backward
+  double gather_s = 0;               // sharded: the all-gathers after backward (health check, parameters), all exposed
+  double optimizer_state_bytes = 0;  // optimizer state one device holds (sharded: its shard's)
   double step_s = 0;
   double samples_per_s = 0, speedup = 1, efficiency = 1;
   double timing_spread_s = 0;  // how far a measured step may wander from step_s (calibrated CPUs: the ranks' jitter)
@@ -256,8 +274,12 @@ BucketChoice choose_bucket(const Workload& workload, const HardwareProfile& hw, 
 
 // Bytes one device holds to train the workload on `rows` samples a step: weights,
 // gradients, optimizer state and activations, as predict prices them (without a
-// device's context or communication buffers). train checks host memory with it.
-double training_memory_bytes(const Workload& workload, int64_t rows);
+// device's context or communication buffers), on one of `devices` (the optimizer
+// state's shard where the workload shards it). train checks host memory with it.
+double training_memory_bytes(const Workload& workload, int64_t rows, int devices = 1);
+// Optimizer state one of `devices` holds: SGD's momentum 4 B a parameter, AdamW's two
+// moments 8 B; 1/devices of it where the workload shards the optimizer.
+double optimizer_state_bytes(const Workload& workload, int devices = 1);
 // Step time and memory of one candidate device count.
 Prediction predict(const Workload& workload, const HardwareProfile& hw, int devices, const Options& options);
 // One reason behind a Decision, as data: what it is about and its numbers
@@ -282,11 +304,18 @@ struct Reason {
     kDevicesLeftOut,      // count: a device count that would leave some device without a sample
     kMemory,              // candidate: the pick (or the first candidate when nothing fits)
     kProfile,             // the profile's name and source
+    // Said after why this strategy, where the workload does not shard the optimizer and
+    // sharding it would change the answer. candidate: the unsharded candidate of that
+    // device count; other: the pick (-1: none fits); alternative: the sharded step;
+    // flag: it fits only sharded (else it is faster by more than value2, the model's
+    // relative error); value: the optimizer state of one device unsharded.
+    kShardingWouldHelp,
   };
   Kind kind = Kind::kProfile;
   int candidate = -1;  // an index into Decision::candidates (-1: none)
   int other = -1;      // a second one
   double value = 0.0;
+  double value2 = 0.0;
   int64_t count = 0;
   bool flag = false;
   std::string text;

@@ -13,6 +13,7 @@ import pytest
 
 from conftest import mpi_env, mpirun
 from mgpu import _core
+from mgpu.errors import ConfigError
 from mgpu.selector import hardware, memory
 from mgpu.train.model import MLP
 
@@ -141,3 +142,51 @@ def test_predict_in_chunks_equals_row_by_row():
     assert whole.shape == (len(x), 3)
     np.testing.assert_allclose(whole, pieces, rtol=1e-5, atol=1e-6)
     assert not np.allclose(whole[chunk - 1 : chunk + 1], whole[:2])
+
+
+# --- a sharded optimizer: 1/N of the state a rank -------------------------------------
+LAYERS = [64, 4096, 4096, 10]
+PARAMS = 64 * 4096 + 4096 + 4096 * 4096 + 4096 + 4096 * 10 + 10
+
+
+@pytest.mark.parametrize("optimizer, per_param", [("sgd", 4), ("adamw", 8)])
+def test_a_sharded_optimizer_holds_its_share_of_the_state(optimizer, per_param):
+    # SGD's momentum 4 B a parameter, AdamW's two moments 8 B, as the selector prices them
+    kw = dict(optimizer=optimizer, precision="fp32", dropout=0.0)
+    state = per_param * PARAMS
+    assert memory.training_memory_bytes(LAYERS, 8, **kw) - memory.training_memory_bytes(
+        LAYERS, 8, optimizer_shards=4, **kw
+    ) == pytest.approx(state * 3 / 4, rel=1e-12)
+    plain = memory.rank_memory_bytes(LAYERS, 8, **kw)
+    assert memory.rank_memory_bytes(LAYERS, 8, optimizer_shards=1, **kw) == plain
+    assert plain - memory.rank_memory_bytes(LAYERS, 8, optimizer_shards=2, **kw) == pytest.approx(
+        state / 2 * (1 + memory.RUNTIME_OVERHEAD_FRACTION), rel=1e-12
+    )
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ConfigError, match="optimizer_shards must be an integer >= 1"):
+            memory.rank_memory_bytes(LAYERS, 8, optimizer_shards=bad, **kw)
+
+
+def test_the_memory_check_names_what_a_sharded_optimizer_would_need(monkeypatch):
+    kw = dict(optimizer="adamw", precision="fp32", dropout=0.0, device="cpu", device_index=0, local_ranks=4)
+    plain = memory.rank_memory_bytes(LAYERS, 8, optimizer="adamw", precision="fp32", dropout=0.0)
+    sharded = memory.rank_memory_bytes(LAYERS, 8, optimizer="adamw", precision="fp32", dropout=0.0, optimizer_shards=4)
+    usable = (plain + sharded) / 2  # the unsharded run does not fit, the sharded one does
+    monkeypatch.setattr(memory, "available_memory", lambda device, index, ranks: usable)
+    with pytest.raises(ConfigError) as e:
+        memory.check_training_memory(LAYERS, 8, **kw)
+    assert str(e.value).endswith(f"; --shard-optimizer would need about {sharded / 1e9:.3g} GB a rank")
+    memory.check_training_memory(LAYERS, 8, optimizer_shards=4, **kw)  # sharded, it fits
+    # over the run's 2 ranks (on this host 4) sharding saves less: the hint prices those
+    two = memory.rank_memory_bytes(LAYERS, 8, optimizer="adamw", precision="fp32", dropout=0.0, optimizer_shards=2)
+    assert two <= usable
+    with pytest.raises(ConfigError, match=f"would need about {two / 1e9:.3g} GB"):
+        memory.check_training_memory(LAYERS, 8, world_ranks=2, **kw)
+    # no hint where sharding would not fit either, nor on one rank, nor when already sharded
+    monkeypatch.setattr(memory, "available_memory", lambda device, index, ranks: sharded * 0.99)
+    for extra in ({}, {"world_ranks": 1}, {"optimizer_shards": 4}):
+        with pytest.raises(ConfigError) as e:
+            memory.check_training_memory(LAYERS, 8, **{**kw, **extra})
+        assert "--shard-optimizer" not in str(e.value)
+    with pytest.raises(ConfigError, match=r"adamw state \(1/4 of it\)"):
+        memory.check_training_memory(LAYERS, 8, optimizer_shards=4, **kw)

@@ -1416,3 +1416,182 @@ def test_device_counts_beyond_the_models_reach_are_refused_before_a_profile_is_b
         mgpu.ConfigError, match=f"--devices: at most {selector_recommend.MAX_DEVICES} devices, got 100000"
     ):
         selector_recommend.recommend(model="medium", batch_size=64, devices=[1, 100000], profile="h100-sxm-8")
+
+
+# --- a sharded optimizer (ZeRO stage 1: Workload.shard_optimizer) ---------------------
+def sharded_pair(prof, n, layers=(1024, 4096, 4096, 10), batch=4096, optimizer="adamw", **kw):
+    """(unsharded, sharded) predictions of the same step on n devices."""
+    hw = prof if isinstance(prof, P.HardwareProfile) else perf.to_core(prof)
+    return tuple(
+        P.predict(
+            workload.build_workload(None, list(layers), None, batch, "fp32", optimizer, 4.0, shard_optimizer=s, **kw),
+            hw,
+            n,
+            P.Options(),
+        )
+        for s in (False, True)
+    )
+
+
+FIELDS = ("step_s", "forward_s", "backward_s", "optimizer_s", "overhead_s", "comm_s", "exposed_comm_s", "memory_bytes")
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_sharding_on_one_device_changes_nothing(optimizer):
+    plain, sharded = sharded_pair(perf.named_profile("h100-sxm-8", 1), 1, optimizer=optimizer)
+    assert not sharded.sharded and sharded.gather_s == 0
+    assert [getattr(sharded, f) for f in FIELDS] == [getattr(plain, f) for f in FIELDS]
+    w = workload.build_workload(None, [1024, 4096, 10], None, 64, "fp32", optimizer, 4.0, shard_optimizer=True)
+    assert P.training_memory_bytes(w, 64, 1) == P.training_memory_bytes(w, 64)
+    assert P.optimizer_state_bytes(w, 1) == (4 if optimizer == "sgd" else 8) * (1024 * 4096 + 4096 + 4096 * 10 + 10)
+
+
+@pytest.mark.parametrize("optimizer, per_param", [("sgd", 4), ("adamw", 8)])
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_sharded_memory_drops_by_all_but_one_nth_of_the_optimizer_state(optimizer, per_param, n):
+    layers = (1024, 4096, 4096, 10)
+    params = 1024 * 4096 + 4096 + 4096 * 4096 + 4096 + 4096 * 10 + 10
+    plain, sharded = sharded_pair(perf.named_profile("h100-sxm-8", n), n, layers=layers, optimizer=optimizer)
+    state = per_param * params
+    assert sharded.sharded and not plain.sharded
+    assert (plain.optimizer_state_bytes, sharded.optimizer_state_bytes) == (state, state / n)
+    assert plain.memory_bytes - sharded.memory_bytes == pytest.approx(state * (n - 1) / n, rel=1e-12)
+    # training_memory_bytes with the device count says the same (it leaves the context and buffers out)
+    w = workload.build_workload(None, list(layers), None, 512, "fp32", optimizer, 4.0, shard_optimizer=True)
+    unsharded = workload.build_workload(None, list(layers), None, 512, "fp32", optimizer, 4.0)
+    assert P.training_memory_bytes(unsharded, 512, n) - P.training_memory_bytes(w, 512, n) == pytest.approx(
+        state * (n - 1) / n, rel=1e-12
+    )
+    assert memory.optimizer_state_bytes(list(layers), optimizer=optimizer, optimizer_shards=n) == state / n
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+@pytest.mark.parametrize("n", [2, 4])
+def test_a_sharded_update_takes_one_nth_of_the_time(optimizer, n):
+    # no launch cost, one bandwidth for every size: the update and the health check's
+    # sum of squares are bytes over the bandwidth, and a shard has 1/n of the bytes
+    plain, sharded = sharded_pair(profile([device()] * n), n, optimizer=optimizer, cuda_graph="off")
+    assert sharded.optimizer_s == pytest.approx(plain.optimizer_s / n, rel=1e-12)
+    assert (sharded.forward_s, sharded.backward_s) == (plain.forward_s, plain.backward_s)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_sharded_communication_is_a_reduce_scatter_a_bucket_and_two_all_gathers(overlap):
+    # ring alpha-beta: an allreduce is 2(n-1) alpha + 2(n-1)/n B / busbw; a reduce-scatter
+    # or an all-gather the same latency and half the bandwidth term
+    alpha, busbw, n = 1e-5, 1e10, 4
+    layers = [1024, 4096, 4096, 10]
+    params = 1024 * 4096 + 4096 + 4096 * 4096 + 4096 + 4096 * 10 + 10
+    link = P.LinkProfile()
+    link.alpha_s, link.bus_bandwidth = alpha, busbw
+    half = lambda b: 2 * (n - 1) * alpha + (n - 1) / n * b / busbw
+    assert link.reduce_scatter_seconds(n, 1e8) == pytest.approx(half(1e8), rel=1e-12)
+    assert link.all_gather_seconds(n, 1e8) == link.reduce_scatter_seconds(n, 1e8)
+    assert link.reduce_scatter_seconds(1, 1e8) == 0.0
+    prof = profile([device()] * n, alpha=alpha, busbw=busbw, overlap=overlap)
+    hw = perf.to_core(prof)
+    # one bucket holds every gradient and the loss and stop slots (1 GiB buckets)
+    w = workload.build_workload(None, layers, None, 4096, "fp32", "adamw", 1024.0, shard_optimizer=True)
+    s = P.predict(w, hw, n, P.Options())
+    reduce_scatter = half(4.0 * (params + 2))
+    gathers = half(4.0 * 4 * n) + half(4.0 * params)  # the health check's 4 floats a rank; the parameters
+    assert s.gather_s == pytest.approx(gathers, rel=1e-12)
+    assert s.comm_s == pytest.approx(reduce_scatter + gathers, rel=1e-12)
+    # the one bucket is ready when backward ends: nothing of it hides, overlap or not
+    assert s.exposed_comm_s == pytest.approx(reduce_scatter + gathers, rel=1e-12)
+    assert s.step_s == pytest.approx(s.overhead_s + s.forward_s + s.backward_s + s.exposed_comm_s + s.optimizer_s)
+    # compressed gradients halve the reduce-scatter, not the all-gather of fp32 parameters
+    wb = workload.build_workload(
+        None, layers, None, 4096, "fp32", "adamw", 1024.0, grad_dtype="bf16", shard_optimizer=True
+    )
+    b = P.predict(wb, hw, n, P.Options())
+    assert b.comm_s == pytest.approx(half(2.0 * (params + 2)) + gathers, rel=1e-12)
+
+
+def test_a_named_links_reduce_scatter_is_its_allreduces_latency_and_half_its_transfer():
+    # h100-pcie-nvlink-2's NCCL-shaped link: a 1 GB buffer goes ring/Simple, whose
+    # latency is lat + 2(n-1) hop and transfer B 2(n-1)/n / (ring busbw x fraction)
+    hw = perf.to_core(perf.named_profile("h100-pcie-nvlink-2", 2))
+    m, B, S = hw.link.intra, 1e9, 2  # Simple: the protocols are LL, LL128, Simple
+    latency = m.latency_s[S] + 2 * m.hop_s[S]
+    transfer = B * 1.0 / (m.ring_busbw * m.bw_fraction[S])
+    assert hw.link.allreduce_choice(2, B) == hw.link.reduce_scatter_choice(2, B) == "ring/Simple"
+    assert hw.link.allreduce_seconds(2, B) == pytest.approx(latency + transfer, rel=1e-12)
+    assert hw.link.reduce_scatter_seconds(2, B) == pytest.approx(latency + transfer / 2, rel=1e-12)
+    assert hw.link.all_gather_seconds(2, B) == hw.link.reduce_scatter_seconds(2, B)
+    # and predict prices the parameters' all-gather with it
+    layers = [8192, 8192, 8192, 10]
+    params = 2 * (8192 * 8192 + 8192) + 8192 * 10 + 10
+    _, s = sharded_pair(hw, 2, layers=layers, batch=64)
+    assert s.gather_s == pytest.approx(
+        hw.link.all_gather_seconds(2, 4.0 * 4 * 2) + hw.link.all_gather_seconds(2, 4.0 * params), rel=1e-12
+    )
+
+
+# 4.5e9 parameters with AdamW: 72 GB of weights, gradients and state, more than 80 % of
+# an 80 GB H100 PCIe; sharded over two, 54 GB each
+BIG = ["--params", "4.5e9", "--batch-size", "8", "--profile", "h100-pcie-nvlink-2"]
+
+
+def test_a_model_only_two_sharded_gpus_hold_gets_the_reason_and_shard_optimizer_picks_it(tmp_path, capfd):
+    from mgpu.commands import main as cli
+
+    out = tmp_path / "r.json"
+    assert cli.main(["recommend", *BIG, "--json", str(out)]) == 0
+    plain = json.loads(out.read_text())
+    text = capfd.readouterr().out
+    assert plain["strategy"] == "does_not_fit"
+    assert [c["memory_fits"] for c in plain["candidates"]] == [False, False]
+    assert [c["shard_optimizer"] for c in plain["candidates"]] == [False, False]
+    state = plain["candidates"][1]["optimizer_state_bytes"]
+    assert state == pytest.approx(8 * 4.5e9, rel=1e-3)
+    said = [r for r in plain["reasons"] if "--shard-optimizer" in r]
+    assert len(said) == 1, plain["reasons"]
+    assert re.match(
+        rf"2 GPUs fit with --shard-optimizer: optimizer state {state / 1e9:.2f} GB -> {state / 2e9:.2f} GB a device "
+        r"\([\d.]+ GB of [\d.]+ GB usable\), [\d.]+ ms a step",
+        said[0],
+    ), said[0]
+    assert said[0] in text and plain["request"]["shard_optimizer"] is False
+
+    assert cli.main(["recommend", *BIG, "--shard-optimizer", "--json", str(out)]) == 0
+    sharded = json.loads(out.read_text())
+    text = capfd.readouterr().out
+    assert (sharded["strategy"], sharded["devices"]) == ("multi_gpu", 2)
+    one, two = sharded["candidates"]
+    assert (one["shard_optimizer"], two["shard_optimizer"]) == (False, True)  # one device: nothing to shard
+    assert (one["memory_fits"], two["memory_fits"]) == (False, True)
+    assert two["optimizer_state_bytes"] == pytest.approx(state / 2)
+    assert plain["candidates"][1]["memory_bytes"] - two["memory_bytes"] == pytest.approx(state / 2, rel=1e-9)
+    assert two["all_gather_ms"] > 0 and two["exposed_allreduce_ms"] >= two["all_gather_ms"]
+    assert not any("fit with --shard-optimizer" in r for r in sharded["reasons"])
+    assert any("gradient reduce-scatter (optimizer sharded)" in r for r in sharded["reasons"])
+    assert "reduce-scatter of one" in text and "optimizer sharded on several devices" in text
+
+
+def test_recommend_says_when_a_sharded_step_is_faster_by_more_than_the_error():
+    # an update far slower than the link (slow memory, a fast link): sharded over four,
+    # the update takes a quarter of the time and the all-gather hardly anything
+    prof = profile([device(bandwidth=2e10)] * 4, alpha=1e-7, busbw=1e13, error=0.1)
+    kw = dict(layers=[1024, 4096, 4096, 10], batch_size=256, devices=[1, 4], profile=prof, optimizer="adamw")
+    plain = selector_recommend.recommend(**kw)
+    said = [r for r in plain["reasons"] if "--shard-optimizer" in r]
+    assert len(said) == 1 and said[0].startswith("--shard-optimizer would be faster: 4 GPUs at "), plain["reasons"]
+    assert "(beyond the model's +-" in said[0] and "the update on 1/4 of the parameters" in said[0]
+    sharded = selector_recommend.recommend(**kw, shard_optimizer=True)
+    assert sharded["candidates"][1]["predicted_step_ms"] * 1.1 < plain["candidates"][1]["predicted_step_ms"]
+    assert not any("would be faster" in r for r in sharded["reasons"])
+    # where sharding changes nothing worth saying, nothing is said
+    quiet = selector_recommend.recommend(**{**kw, "profile": profile([device()] * 4, alpha=1e-3, busbw=1e9)})
+    assert not any("--shard-optimizer" in r for r in quiet["reasons"])
+
+
+def test_gpu_step_memory_prices_a_sharded_optimizer():
+    kw = dict(optimizer="adamw", precision="fp32", dropout=0.0)
+    layers, params = [1024, 4096, 10], 1024 * 4096 + 4096 + 4096 * 10 + 10
+    plain = memory.gpu_step_memory("h100-sxm", layers, 64, 4, **kw)
+    sharded = memory.gpu_step_memory("h100-sxm", layers, 64, 4, shard_optimizer=True, **kw)
+    assert plain["bytes"] - sharded["bytes"] == pytest.approx(8 * params * 3 / 4, rel=1e-12)
+    assert (plain["optimizer_state_bytes"], sharded["optimizer_state_bytes"]) == (8 * params, 2 * params)
+    one = memory.gpu_step_memory("h100-sxm", layers, 64, 1, shard_optimizer=True, **kw)
+    assert one == memory.gpu_step_memory("h100-sxm", layers, 64, 1, **kw)

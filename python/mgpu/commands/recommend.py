@@ -73,6 +73,12 @@ def add_parser(sub) -> None:
         "`--batch-size B --accumulate K` is --batch-size B*K --accumulate K here",
     )
     r.add_argument(
+        "--shard-optimizer",
+        action="store_true",
+        help="as `train --shard-optimizer`: price every multi-device candidate with optimizer state "
+        "sharded (1/N a device, gradients reduce-scattered, parameters all-gathered after the update)",
+    )
+    r.add_argument(
         "--bucket-mb",
         type=bucket_mb,
         default="auto",
@@ -162,6 +168,7 @@ def cmd_recommend(a, pg) -> int:
         nodes=a.nodes,
         cuda_graph=a.cuda_graph,
         accumulate=a.accumulate,
+        shard_optimizer=a.shard_optimizer,
     )
     if pg.is_root:
         print(format_recommendation(result))

@@ -1,11 +1,12 @@
 """The memory model `train`, `bench` and `recommend` check against: what a rank holds for
-a step (weights, gradients, optimizer state, activations, as the selector prices them),
-the runtime's buffers and margin, and the check that refuses a run before it starts.
+a step (weights, gradients, optimizer state (its shard with a sharded optimizer),
+activations, as the selector prices them), the runtime's buffers and margin, and the
+check that refuses a run before it starts.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 from .._runtime import _core, gpus_emulated
 from ..errors import ConfigError
@@ -17,12 +18,37 @@ from .workload import build_workload
 MEMORY_MARGIN = 0.8  # the fraction of a device's memory a recommendation plans to use
 
 
+def _check_shards(optimizer_shards) -> int:
+    if isinstance(optimizer_shards, bool) or not isinstance(optimizer_shards, int) or optimizer_shards < 1:
+        raise ConfigError(f"optimizer_shards must be an integer >= 1, got {optimizer_shards!r}")
+    return optimizer_shards
+
+
+def _workload(layers: Sequence[int], rows: int, optimizer: str, precision: str, dropout: float, shards: int):
+    return build_workload(None, layers, None, rows, precision, optimizer, 4.0, dropout, shard_optimizer=shards > 1)
+
+
 def training_memory_bytes(
-    layers: Sequence[int], rows: int, *, optimizer: str = "adamw", precision: str = "fp32", dropout: float = 0.0
+    layers: Sequence[int],
+    rows: int,
+    *,
+    optimizer: str = "adamw",
+    precision: str = "fp32",
+    dropout: float = 0.0,
+    optimizer_shards: int = 1,
 ) -> float:
     """Bytes one rank holds to train `layers` on `rows` samples a step: weights, gradients,
-    optimizer state and activations, as the selector prices them."""
-    return P.training_memory_bytes(build_workload(None, layers, None, rows, precision, optimizer, 4.0, dropout), rows)
+    optimizer state (1/optimizer_shards of it: a sharded optimizer over that many ranks)
+    and activations, as the selector prices them."""
+    shards = _check_shards(optimizer_shards)
+    return P.training_memory_bytes(_workload(layers, rows, optimizer, precision, dropout, shards), rows, shards)
+
+
+def optimizer_state_bytes(layers: Sequence[int], *, optimizer: str = "adamw", optimizer_shards: int = 1) -> float:
+    """Optimizer state one rank holds, as the selector prices it (SGD's momentum 4 B a
+    parameter, AdamW's moments 8 B), 1/optimizer_shards of it with a sharded optimizer."""
+    shards = _check_shards(optimizer_shards)
+    return P.optimizer_state_bytes(_workload(layers, 1, optimizer, "fp32", 0.0, shards), shards)
 
 
 def gpu_step_memory(
@@ -35,10 +61,12 @@ def gpu_step_memory(
     precision: str,
     dropout: float,
     accumulate: int = 1,
+    shard_optimizer: bool = False,
 ) -> dict:
     """What each of `ranks` GPUs of a named type (GPU_TYPES) holds for a step, as the
     selector prices it (the largest share's micro-batch, weights, gradients, optimizer
-    state, the CUDA context, NCCL's buffers on several): bytes, usable_bytes, fits."""
+    state (its shard with shard_optimizer on several), the CUDA context, NCCL's buffers on
+    several): bytes, usable_bytes, fits, optimizer_state_bytes."""
     prof = {
         "format": PROFILE_FORMAT,
         "version": PROFILE_VERSION,
@@ -57,9 +85,25 @@ def gpu_step_memory(
     }
     options = P.Options()
     options.memory_margin = MEMORY_MARGIN
-    w = build_workload(None, layers, None, batch, precision, optimizer, 4.0, dropout, accumulate=accumulate)
+    w = build_workload(
+        None,
+        layers,
+        None,
+        batch,
+        precision,
+        optimizer,
+        4.0,
+        dropout,
+        accumulate=accumulate,
+        shard_optimizer=shard_optimizer,
+    )
     p = P.predict(w, to_core(prof, ranks), ranks, options)
-    return {"bytes": p.memory_bytes, "usable_bytes": p.memory_usable_bytes, "fits": bool(p.memory_fits)}
+    return {
+        "bytes": p.memory_bytes,
+        "usable_bytes": p.memory_usable_bytes,
+        "fits": bool(p.memory_fits),
+        "optimizer_state_bytes": p.optimizer_state_bytes,
+    }
 
 
 # What a rank allocates beyond what training_memory_bytes prices: a fixed part (the BLAS
@@ -96,13 +140,22 @@ def rank_memory_bytes(
     eval_rows: int = 0,
     nccl: bool = False,
     mpi_bucket_bytes: float = 0.0,
+    optimizer_shards: int = 1,
 ) -> float:
     """Bytes a training rank allocates: training_memory_bytes at the most rows its buffers
     hold (eval_rows: the validation rows it evaluates, in chunks of EVAL_CHUNK_ROWS), with
     the runtime's buffers and margin, NCCL's buffers where it allreduces over NCCL, and
-    MPI's temporaries for a bucket of mpi_bucket_bytes where it allreduces over MPI."""
+    MPI's temporaries for a bucket of mpi_bucket_bytes where it allreduces over MPI.
+    optimizer_shards: the ranks a sharded optimizer splits its state over (1: unsharded)."""
     _, activation_rows = _buffer_rows(rows, eval_rows)
-    model = training_memory_bytes(layers, activation_rows, optimizer=optimizer, precision=precision, dropout=dropout)
+    model = training_memory_bytes(
+        layers,
+        activation_rows,
+        optimizer=optimizer,
+        precision=precision,
+        dropout=dropout,
+        optimizer_shards=optimizer_shards,
+    )
     gradient_bytes = 4.0 * _parameter_count(layers)
     return (
         model * (1 + RUNTIME_OVERHEAD_FRACTION)
@@ -125,13 +178,16 @@ def check_training_memory(
     eval_rows: int = 0,
     nccl: bool = False,
     mpi_bucket_bytes: float = 0.0,
+    optimizer_shards: int = 1,
+    world_ranks: Optional[int] = None,
 ) -> None:
     """ConfigError when training `layers` on `rows` samples a rank cannot fit the memory a
     rank may use (its GPU's free memory, or the host's available memory over its ranks),
-    instead of an allocation failing inside the run or the kernel's OOM killer ending a rank."""
-    need = rank_memory_bytes(
-        layers,
-        rows,
+    instead of an allocation failing inside the run or the kernel's OOM killer ending a rank.
+    optimizer_shards: the ranks a sharded optimizer splits its state over (1: unsharded).
+    world_ranks: the run's ranks (default local_ranks): an unsharded run the check refuses
+    is told what --shard-optimizer over them would need, where that would fit."""
+    kw = dict(
         optimizer=optimizer,
         precision=precision,
         dropout=dropout,
@@ -139,6 +195,7 @@ def check_training_memory(
         nccl=nccl,
         mpi_bucket_bytes=mpi_bucket_bytes,
     )
+    need = rank_memory_bytes(layers, rows, optimizer_shards=optimizer_shards, **kw)
     usable = available_memory(device, device_index, local_ranks)
     if need > usable:
         params = _parameter_count(layers)
@@ -153,8 +210,15 @@ def check_training_memory(
             if evaluated > rows
             else ""
         )
+        ranks = local_ranks if world_ranks is None else world_ranks
+        hint = ""
+        if optimizer_shards == 1 and ranks > 1:  # what sharding the optimizer over the run's ranks would need
+            sharded = rank_memory_bytes(layers, rows, optimizer_shards=ranks, **kw)
+            if sharded <= usable:
+                hint = f"; --shard-optimizer would need about {sharded / 1e9:.3g} GB a rank"
+        state = f"{optimizer} state" + (f" (1/{optimizer_shards} of it)" if optimizer_shards > 1 else "")
         raise ConfigError(
             f"training {params:,} parameters on {rows_said} a rank needs about {need / 1e9:.3g} GB a "
-            f"rank (weights, gradients, {optimizer} state, activations, runtime buffers), more than the "
-            f"{usable / 1e9:.3g} GB of {where}: a smaller model or batch, or more machines"
+            f"rank (weights, gradients, {state}, activations, runtime buffers), more than the "
+            f"{usable / 1e9:.3g} GB of {where}: a smaller model or batch, or more machines{hint}"
         )

@@ -39,6 +39,10 @@ def _as_dict(rec) -> dict:
             "overhead_ms": c.overhead_s * 1e3,
             "allreduce_ms": c.comm_s * 1e3,
             "exposed_allreduce_ms": c.exposed_comm_s * 1e3,
+            # sharded: allreduce_ms is the reduce-scatters and the all-gathers, these last exposed
+            "shard_optimizer": c.sharded,
+            "all_gather_ms": c.gather_s * 1e3,
+            "optimizer_state_bytes": c.optimizer_state_bytes,
             "timing_spread_ms": c.timing_spread_s * 1e3,
             "bucket_mb": c.bucket_elems * 4 / 2**20,
             "cuda_graph": c.graphs,
@@ -155,6 +159,7 @@ def recommend(
     nodes: Optional[int] = None,
     cuda_graph: str = "auto",
     accumulate: int = 1,
+    shard_optimizer: bool = False,
 ) -> dict:
     """Single device or several, how many, and why, for a model and global batch.
 
@@ -165,6 +170,8 @@ def recommend(
     backward instead of during it). accumulate: micro-batches the global batch is
     split into a step (train's step is --batch-size x --accumulate rows). bucket_mb: MB or
     'auto' (default: each multi-device candidate at the bucket the model prefers for it).
+    shard_optimizer: price every multi-device candidate with a sharded optimizer (`train
+    --shard-optimizer`); without it a reason says where sharding would change the answer.
     Returns a dict: strategy (single_gpu | multi_gpu | benchmark_required | does_not_fit),
     devices, candidates (per count:
     predicted_step_ms, predicted_speedup, efficiency, memory_fits, ...),
@@ -189,6 +196,7 @@ def recommend(
         grad_dtype,
         cuda_graph,
         accumulate,
+        shard_optimizer,
     )
     prof = profile if isinstance(profile, dict) else resolve_profile(profile, None)
     counts = _candidate_counts(prof, devices, nodes)
@@ -253,6 +261,7 @@ def recommend(
                 grad_dtype,
                 cuda_graph,
                 accumulate,
+                shard_optimizer,
             )
             options.choose_buckets = False
             here, there = (
@@ -299,6 +308,11 @@ def format_recommendation(r: dict) -> str:
                 f"{c['exposed_allreduce_ms']:>8.3f} {bucket} {c['memory_bytes'] / 1e9:>9.2f}GB "
                 f"{'yes' if c['memory_fits'] else 'NO':>5}"
             )
+    if any(c.get("shard_optimizer") for c in r["candidates"]):
+        lines.append(
+            "optimizer sharded on several devices: their allreduce ms is the gradients' reduce-scatter and the "
+            "all-gathers after the update, exposed ms includes the all-gathers"
+        )
     if r["break_even_batch"]:
         lines.append(f"break-even global batch: {r['break_even_batch']}")
     lines += [f"- {reason}" for reason in r["reasons"]]

@@ -1,5 +1,6 @@
 """What `train` asks of the selector for its run: `--bucket-mb auto` and `--batch-shares
-auto`, priced on this machine's calibration for train's whole step.
+auto`, priced on this machine's calibration for train's whole step (its optimizer sharded
+or not).
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ def auto_bucket_mb(cfg, pg, sizes, device: str) -> tuple:
         cfg.grad_dtype,
         cfg.cuda_graph,
         cfg.accumulate,
+        cfg.shard_optimizer,
     )
     b = recommend.auto_bucket(profile, w, pg.size)
     return b["bucket_mb"], f"bucket {b['bucket_mb']:g} MiB (auto): {b['reason']}"
@@ -88,6 +90,7 @@ def auto_batch_shares(cfg, pg, sizes, device: str) -> list:
         cfg.grad_dtype,
         cfg.cuda_graph,
         cfg.accumulate,
+        cfg.shard_optimizer,
     )
     prediction = profiles.P.predict(w, profiles.to_core(profile), pg.size, profiles.P.Options())
     return [float(s) for s in prediction.batch_shares]

@@ -1,6 +1,6 @@
 """The selector's description of a training step (the C++ Workload): model or layer sizes
 or a parameter count, batch, precision, optimizer, bucket, dropout, gradient dtype, CUDA
-graphs and accumulation, each checked with a one-line ConfigError.
+graphs, accumulation and a sharded optimizer, each checked with a one-line ConfigError.
 """
 
 from __future__ import annotations
@@ -29,8 +29,12 @@ def build_workload(
     grad_dtype: str = "fp32",
     cuda_graph: str = "auto",
     accumulate: int = 1,
+    shard_optimizer: bool = False,
 ):
     w = P.Workload()
+    if not isinstance(shard_optimizer, bool):
+        raise ConfigError(f"shard_optimizer must be True or False, got {shard_optimizer!r}")
+    w.shard_optimizer = shard_optimizer
     try:
         k = operator.index(accumulate) if not isinstance(accumulate, bool) else None
     except TypeError:
