@@ -574,13 +574,19 @@ void DataParallelStep::gather_optimizer_state(const std::string& name, float* ho
     optimizer_->get_state(name, host_dst);
     return;
   }
+  // Shard by shard through a buffer of the largest shard's size: a checkpoint
+  // needs no whole state in backend memory, which sharding exists to avoid.
   Backend& be = model_->backend();
-  const size_t params = model_->num_params();
   optimizer_->get_state(name, host_dst + shard_offset_);
-  BackendArray<float> whole(&be, params);
-  be.copy_to_backend(whole.data() + shard_offset_, host_dst + shard_offset_, shard_size_ * sizeof(float));
-  comm_->all_gather(whole.data(), shard_sizes_);
-  be.copy_to_host(host_dst, whole.data(), params * sizeof(float));
+  BackendArray<float> piece(&be, *std::max_element(shard_sizes_.begin(), shard_sizes_.end()));
+  size_t offset = 0;
+  for (size_t r = 0; r < shard_sizes_.size(); offset += shard_sizes_[r], ++r) {
+    const size_t n = shard_sizes_[r];
+    if (!n) continue;
+    if (r == size_t(comm_->rank())) be.copy_to_backend(piece.data(), host_dst + offset, n * sizeof(float));
+    comm_->broadcast(piece.data(), n, static_cast<int>(r));
+    be.copy_to_host(host_dst + offset, piece.data(), n * sizeof(float));
+  }
 }
 
 void DataParallelStep::set_optimizer_state(const std::string& name, const float* host_src) {

@@ -171,7 +171,7 @@ class DataParallelStep {
   const std::vector<size_t>& shard_sizes() const { return shard_sizes_; }
   size_t shard_offset() const { return shard_offset_; }
   // The whole optimizer state `name` (num_params floats) into host_dst on every
-  // rank: collective when sharded (the shards all-gathered), local otherwise.
+  // rank: collective when sharded (each shard broadcast by its owner), local otherwise.
   void gather_optimizer_state(const std::string& name, float* host_dst);
   // Sets state `name` from the whole state (num_params floats): each rank keeps its shard. Local.
   void set_optimizer_state(const std::string& name, const float* host_src);

@@ -277,6 +277,8 @@ def run_worker(pg, a, repeats: Optional[int] = None) -> list:
                 nccl=device == "cuda" and pg.size > 1,
                 # bench trains at the Trainer's default bucket
                 mpi_bucket_bytes=4 * 2**20 if device != "cuda" and pg.size > 1 else 0.0,
+                optimizer_shards=pg.size if a.shard_optimizer else 1,
+                world_ranks=pg.size,
             )
     except ConfigError as e:
         error = e
@@ -499,6 +501,7 @@ def _predict(row: dict, profile: dict):
         row.get("grad_dtype", "fp32"),
         "on" if row.get("cuda_graph") else "off",
         int(row.get("accumulate", 1)),
+        shard_optimizer=bool(row.get("shard_optimizer")),
     )
     options = profiles.P.Options()
     options.equal_shares = True
@@ -608,6 +611,7 @@ def validate_selector(rows: list, profile: dict, a) -> list:
             grad_dtype=a.grad_dtype,
             cuda_graph=_graph_mode_used(cells, a),
             accumulate=a.accumulate,
+            shard_optimizer=a.shard_optimizer,
         )
         # by the same measure as the speedup printed (paired rounds when alternated)
         measure = "speedup" if all("speedup" in c for c in cells.values()) else "samples_per_sec"

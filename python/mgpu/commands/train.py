@@ -398,6 +398,8 @@ def build_run(plan: RunPlan, pg) -> tuple:
             eval_rows=split_counts(len(data.x_val), pg.size)[pg.rank],
             nccl=nccl,
             mpi_bucket_bytes=4.0 * cfg.bucket_elems() if pg.size > 1 and not nccl else 0.0,
+            optimizer_shards=pg.size if cfg.shard_optimizer else 1,
+            world_ranks=pg.size,
         )
         model = MLP(
             list(plan.sizes),
