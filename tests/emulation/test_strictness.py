@@ -74,6 +74,13 @@ def test_device_wide_free_during_an_in_process_collective_is_reported(call, flag
         assert said == []
 
 
+def test_a_reduce_gives_its_root_what_an_allreduce_gives():
+    # Bit for bit (a reduce-scatter built of reduces then equals an allreduce on its
+    # parts); a non-root passes no receive buffer, which NCCL ignores.
+    assert scenario("reduce_matches_allreduce") == ""
+    assert _core.emulation.violations() == []
+
+
 def test_dynamic_shared_memory_opt_in():
     assert float(scenario("dynamic_shared_opt_in")) == 63.0
 
