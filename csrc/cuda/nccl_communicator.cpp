@@ -103,7 +103,8 @@ const char* name_of(Pending::Kind kind) {
   }
 }
 
-size_t element_bytes(ncclDataType_t type) { return type == ncclFloat32 ? sizeof(float) : 2; }  // or bf16, fp16
+// float32, or a half type (bf16, fp16): the types the communicator reduces.
+size_t element_bytes(ncclDataType_t type) { return type == ncclFloat32 ? sizeof(float) : 2; }
 
 }  // namespace
 

@@ -1,8 +1,8 @@
 // NCCL stand-in of the GPU emulation (NVIDIA's prototypes from nccl.h):
 // allreduce, broadcast and reduce between processes over MPI
 // (ncclCommInitRank), between threads of one process through shared memory
-// (ncclCommInitAll). Each NCCL group
-// becomes one operation on its stream, like the kernel NCCL would launch.
+// (ncclCommInitAll). Each NCCL group becomes one operation on its stream, like
+// the kernel NCCL would launch.
 // Stricter than NCCL: before moving any data, the ranks compare what they
 // issued (collective, type, op, count, root and the group it belongs to); a
 // mismatch, which real NCCL turns into a hang or wrong sums, is an
