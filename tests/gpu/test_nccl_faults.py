@@ -128,12 +128,16 @@ def test_an_injected_fault_at_a_reduce_scatter_ends_it_within_the_timeout(emulat
         comm.timeout = 2.0
         comm.begin_step(4)
         t0 = time.monotonic()
-        with pytest.raises(_core.CommError) as e:
+        try:  # (not pytest.raises: its traceback would keep `comm` alive past the test)
             comm.reduce_scatter_sum(np.ones(12, np.float32), [5, 7])
-        return str(e.value), time.monotonic() - t0
+        except _core.CommError as e:
+            return str(e), time.monotonic() - t0
+        return "no CommError", 0.0
 
     with ThreadPoolExecutor(2) as pool:
         said = list(pool.map(run, comms))
+    del comms  # destroyed now, not while a later test's collectives run
+    gc.collect()
     for rank, (text, elapsed) in enumerate(said):
         assert elapsed < 10, (elapsed, text)
         assert text.startswith(f"reduce-scatter at step 4 on rank {rank} (emulated GPU {rank}): "), text
