@@ -295,6 +295,62 @@ std::string run_scenario(const std::string& name) {
     cudaSetDevice(0);
     return err;
   }
+  if (name == "reduce_matches_allreduce") {
+    // Two GPUs reduce to GPU 1 (in a buffer of its own) and allreduce the same
+    // inputs: the root's values equal the allreduce's bit for bit; GPU 0 passes
+    // no receive buffer at all, as NCCL allows a reduce's non-roots.
+    int gpus = 0;
+    cudaGetDeviceCount(&gpus);
+    if (gpus < 2) return "needs 2 emulated GPUs";
+    constexpr int kRoot = 1;
+    ncclComm_t comms[2] = {nullptr, nullptr};
+    const int devices[2] = {0, 1};
+    if (ncclCommInitAll(comms, 2, devices) != ncclSuccess) return "ncclCommInitAll failed";
+    float *send[2] = {nullptr, nullptr}, *both[2] = {nullptr, nullptr}, *reduced = nullptr;
+    cudaStream_t streams[2] = {nullptr, nullptr};
+    std::vector<float> host[2];
+    for (int g = 0; g < 2; ++g) {
+      cudaSetDevice(g);
+      for (int i = 0; i < kN; ++i) host[g].push_back(0.1f * float(i + 1) / float(g + 3) - 0.7f * float(g));
+      cudaMalloc(reinterpret_cast<void**>(&send[g]), kN * sizeof(float));
+      cudaMalloc(reinterpret_cast<void**>(&both[g]), kN * sizeof(float));
+      cudaMemcpy(send[g], host[g].data(), kN * sizeof(float), cudaMemcpyHostToDevice);
+      cudaMemcpy(both[g], host[g].data(), kN * sizeof(float), cudaMemcpyHostToDevice);
+      cudaStreamCreateWithFlags(&streams[g], cudaStreamNonBlocking);
+    }
+    cudaMalloc(reinterpret_cast<void**>(&reduced), kN * sizeof(float));  // on GPU 1, the root
+    cudaMemset(reduced, 0, kN * sizeof(float));
+    cudaDeviceSynchronize();
+    std::string err;
+    for (int g = 0; g < 2 && err.empty(); ++g) {
+      cudaSetDevice(g);
+      if (ncclReduce(send[g], g == kRoot ? reduced : nullptr, kN, ncclFloat32, ncclSum, kRoot, comms[g], streams[g]) !=
+              ncclSuccess ||
+          ncclAllReduce(both[g], both[g], kN, ncclFloat32, ncclSum, comms[g], streams[g]) != ncclSuccess)
+        err = ncclGetLastError(comms[g]);
+    }
+    for (int g = 0; g < 2; ++g) {
+      cudaSetDevice(g);
+      cudaStreamSynchronize(streams[g]);
+    }
+    std::vector<float> root(kN), all(kN);
+    cudaMemcpy(root.data(), reduced, kN * sizeof(float), cudaMemcpyDeviceToHost);
+    cudaMemcpy(all.data(), both[kRoot], kN * sizeof(float), cudaMemcpyDeviceToHost);
+    for (int i = 0; i < kN && err.empty(); ++i)
+      if (root[size_t(i)] != all[size_t(i)] || root[size_t(i)] != host[0][size_t(i)] + host[1][size_t(i)])
+        err = "element " + std::to_string(i) + ": reduce " + std::to_string(root[size_t(i)]) + ", allreduce " +
+              std::to_string(all[size_t(i)]);
+    cudaFree(reduced);
+    for (int g = 0; g < 2; ++g) {
+      cudaSetDevice(g);
+      cudaFree(send[g]);
+      cudaFree(both[g]);
+      cudaStreamDestroy(streams[g]);
+      ncclCommDestroy(comms[g]);
+    }
+    cudaSetDevice(0);
+    return err;
+  }
   return "unknown scenario " + name;
 }
 

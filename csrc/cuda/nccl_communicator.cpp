@@ -84,11 +84,27 @@ void grant_peer_pool_access(const std::vector<int>& devices) {
   }
 }
 
+// One queued collective, in place: an allreduce of `count` elements, or a
+// reduce-scatter / all-gather of the `count` elements cut into `parts` (one
+// per rank), issued as one NCCL call per nonzero part.
 struct Pending {
+  enum Kind { kAllReduce, kReduceScatter, kAllGather } kind;
   void* data;
   size_t count;
   ncclDataType_t type;
+  std::vector<size_t> parts;  // reduce-scatter and all-gather only
 };
+
+const char* name_of(Pending::Kind kind) {
+  switch (kind) {
+    case Pending::kReduceScatter: return "reduce-scatter";
+    case Pending::kAllGather: return "all-gather";
+    default: return "allreduce";
+  }
+}
+
+// float32, or a half type (bf16, fp16): the types the communicator reduces.
+size_t element_bytes(ncclDataType_t type) { return type == ncclFloat32 ? sizeof(float) : 2; }
 
 }  // namespace
 
@@ -100,12 +116,13 @@ struct NcclCommunicator::Impl {
   cudaStream_t compute = nullptr;        // attached backend's stream (none: order by device sync)
   cudaEvent_t compute_ready = nullptr, comm_done = nullptr;
   std::shared_ptr<Communicator> sidecar;
-  std::vector<Pending> queued;  // enqueued by *_async, launched at progress()/wait_all()
-  bool outstanding = false;     // launched since the last wait
-  bool broken = false;          // aborted after a timeout or an asynchronous error
-  bool closed = false;          // close() ended it normally
-  std::string broken_why;       // what aborted it
-  float* staging = nullptr;     // device copy of host buffers (grows, never shrinks)
+  std::vector<Pending> queued;         // enqueued by *_async, launched at progress()/wait_all()
+  bool outstanding = false;            // launched since the last wait
+  std::string launched = "allreduce";  // what is outstanding, for errors: one kind's name, or "collectives"
+  bool broken = false;                 // aborted after a timeout or an asynchronous error
+  bool closed = false;                 // close() ended it normally
+  std::string broken_why;              // what aborted it
+  float* staging = nullptr;            // device copy of host buffers (grows, never shrinks)
   size_t staging_capacity = 0;
   // Collective timing (start_collective_timing, timed steps only): an origin
   // event, then one event per launched group on the communication stream,
@@ -129,6 +146,7 @@ struct NcclCommunicator::Impl {
   bool watching = false, stopping = false;
   std::chrono::steady_clock::time_point watch_start;  // of the oldest wait not yet complete
   uint64_t watch_step = 0;
+  std::string watch_what;  // what the watched waits cover, as `launched`
   double watch_timeout = 0.0;
   std::string failure;            // the watchdog's CommError, thrown by raise_if_failed()
   int* failed_flag = nullptr;     // host-pinned, 1 from the first abort on (failure_flag())
@@ -203,20 +221,7 @@ struct NcclCommunicator::Impl {
   void launch(const std::vector<Pending>& ops, double timeout_seconds) {
     if (ops.empty()) return;
     order_after_compute();
-    MGPU_NCCL_CHECK(comm, ncclGroupStart());
-    // A failed call inside the group must still close it: an open group would
-    // silently defer every later NCCL call of this thread.
-    struct GroupEnd {
-      bool armed = true;
-      ~GroupEnd() {
-        if (armed) ncclGroupEnd();
-      }
-    } group_end;
-    outstanding = true;
-    for (const Pending& op : ops)
-      MGPU_NCCL_CHECK(comm, ncclAllReduce(op.data, op.data, op.count, op.type, ncclSum, comm, comm_stream));
-    group_end.armed = false;
-    MGPU_NCCL_CHECK(comm, ncclGroupEnd());
+    issue_group(ops);
     if (timing) {
       if (groups_timed == timing_events.size()) {
         timing_events.push_back(nullptr);
@@ -225,7 +230,84 @@ struct NcclCommunicator::Impl {
       MGPU_CUDA_CHECK(cudaEventRecord(timing_events[groups_timed], comm_stream));
       group_of.insert(group_of.end(), ops.size(), groups_timed++);
     }
-    settle("allreduce", timeout_seconds);
+    settle(launched.c_str(), timeout_seconds);
+  }
+
+  // The ops as one NCCL group on the communication stream. `outstanding` is
+  // set before the group closes; a failed call inside the group still closes
+  // it: an open group would silently defer every later NCCL call of this thread.
+  void issue_group(const std::vector<Pending>& ops) {
+    MGPU_NCCL_CHECK(comm, ncclGroupStart());
+    struct GroupEnd {
+      bool armed = true;
+      ~GroupEnd() {
+        if (armed) ncclGroupEnd();
+      }
+    } group_end;
+    std::string what = outstanding ? launched : std::string();
+    outstanding = true;
+    for (const Pending& op : ops) {
+      what = what.empty() || what == name_of(op.kind) ? name_of(op.kind) : "collectives";
+      issue(op);
+    }
+    launched = what;
+    group_end.armed = false;
+    MGPU_NCCL_CHECK(comm, ncclGroupEnd());
+  }
+
+  // One collective's NCCL calls on the communication stream, inside the
+  // caller's group. NCCL has no uneven reduce-scatter or all-gather: a part
+  // is reduced to its owner (ncclReduce) or broadcast from it, in place.
+  void issue(const Pending& op) {
+    if (op.kind == Pending::kAllReduce) {
+      MGPU_NCCL_CHECK(comm, ncclAllReduce(op.data, op.data, op.count, op.type, ncclSum, comm, comm_stream));
+      return;
+    }
+    char* part = static_cast<char*>(op.data);
+    for (int r = 0; r < size; part += op.parts[size_t(r)] * element_bytes(op.type), ++r) {
+      const size_t n = op.parts[size_t(r)];
+      if (!n) continue;
+      if (op.kind == Pending::kReduceScatter)
+        MGPU_NCCL_CHECK(comm, ncclReduce(part, part, n, op.type, ncclSum, r, comm, comm_stream));
+      else
+        MGPU_NCCL_CHECK(comm, ncclBroadcast(part, part, n, op.type, r, comm, comm_stream));
+    }
+  }
+
+  // Queues an *_async collective (m held); nothing for an empty range.
+  void enqueue(Pending op) {
+    ensure_usable();
+    if (!op.count) return;
+    queued.push_back(std::move(op));
+    note_queued();
+  }
+
+  // A float32 collective of host memory, synchronous: earlier collectives
+  // complete first, against the deadline (the pageable copy would otherwise
+  // block the host behind them with no timeout at all); it then runs on a
+  // device copy, and what it defines is copied back (a reduce-scatter: this
+  // rank's part).
+  void run_staged(Pending op, float* host, double timeout_seconds) {
+    wait_launched(timeout_seconds, true);
+    float* dev = stage(op.count);
+    MGPU_CUDA_CHECK(cudaMemcpyAsync(dev, host, op.count * sizeof(float), cudaMemcpyHostToDevice, comm_stream));
+    op.data = dev;
+    issue_group({op});
+    settle(launched.c_str(), timeout_seconds);
+    wait(name_of(op.kind), timeout_seconds, true);
+    size_t first = 0, count = op.count;
+    if (op.kind == Pending::kReduceScatter) {
+      for (int r = 0; r < rank; ++r) first += op.parts[size_t(r)];
+      count = op.parts[size_t(rank)];
+    }
+    if (count) copy_back(host + first, dev + first, count);
+  }
+
+  // Launches what is queued, then completes everything launched, named by what it is.
+  void wait_launched(double timeout_seconds, bool host_wait) {
+    flush(timeout_seconds);
+    const std::string what = launched;
+    wait(what.c_str(), timeout_seconds, host_wait);
   }
 
   // A non-blocking comm's calls may return before NCCL finished them
@@ -307,9 +389,11 @@ struct NcclCommunicator::Impl {
   // newest record of comm_done completes last, so one watch covers every wait
   // since the oldest incomplete one, whose start sets the deadline.
   void watch(double timeout_seconds) {
+    const bool watching_before = watching;
     if (!watching) watch_start = std::chrono::steady_clock::now();
     watching = true;
     watch_step = step;
+    watch_what = watching_before && watch_what != launched ? "collectives" : launched;
     watch_timeout = timeout_seconds;
     if (!watchdog.joinable()) watchdog = std::thread([this] { watchdog_loop(); });
     watch_cv.notify_all();
@@ -369,7 +453,7 @@ struct NcclCommunicator::Impl {
   }
 
   void watchdog_fail(const std::string& why) {  // m held
-    failure = detail::concat("allreduce at step ", watch_step, " on rank ", rank, kGpuWord, device, "): ", why);
+    failure = detail::concat(watch_what, " at step ", watch_step, " on rank ", rank, kGpuWord, device, "): ", why);
     watching = false;
     flag_failure();  // before the abort lets the compute stream run on to the step's verdict
     broken = true;
@@ -598,11 +682,7 @@ void NcclCommunicator::allreduce_sum_async(float* data, size_t count) {
     return;
   }
   std::lock_guard<std::mutex> lock(s.m);
-  s.ensure_usable();
-  if (count) {
-    s.queued.push_back({data, count, ncclFloat32});
-    s.note_queued();
-  }
+  s.enqueue({Pending::kAllReduce, data, count, ncclFloat32, {}});
 }
 
 void NcclCommunicator::allreduce_sum_bf16_async(void* data, size_t count) {
@@ -610,10 +690,7 @@ void NcclCommunicator::allreduce_sum_bf16_async(void* data, size_t count) {
   std::lock_guard<std::mutex> lock(s.m);
   s.ensure_usable();
   MGPU_CHECK(!count || is_device_pointer(data), ConfigError, "bf16 allreduce needs device memory");
-  if (count) {
-    s.queued.push_back({data, count, ncclBfloat16});
-    s.note_queued();
-  }
+  s.enqueue({Pending::kAllReduce, data, count, ncclBfloat16, {}});
 }
 
 void NcclCommunicator::allreduce_sum_fp16_async(void* data, size_t count) {
@@ -621,10 +698,61 @@ void NcclCommunicator::allreduce_sum_fp16_async(void* data, size_t count) {
   std::lock_guard<std::mutex> lock(s.m);
   s.ensure_usable();
   MGPU_CHECK(!count || is_device_pointer(data), ConfigError, "fp16 allreduce needs device memory");
-  if (count) {
-    s.queued.push_back({data, count, ncclFloat16});
-    s.note_queued();
-  }
+  s.enqueue({Pending::kAllReduce, data, count, ncclFloat16, {}});
+}
+
+void NcclCommunicator::reduce_scatter_sum(float* data, const std::vector<size_t>& parts) {
+  Impl& s = *impl_;
+  Pending op{Pending::kReduceScatter, data, parts_total(parts), ncclFloat32, parts};
+  std::lock_guard<std::mutex> lock(s.m);
+  s.ensure_usable();
+  if (!op.count) return;
+  s.activate();
+  if (!is_device_pointer(data)) return s.run_staged(std::move(op), data, timeout_seconds_);
+  s.queued.push_back(std::move(op));
+  s.wait_launched(timeout_seconds_, false);
+}
+
+void NcclCommunicator::all_gather(float* data, const std::vector<size_t>& parts) {
+  Impl& s = *impl_;
+  Pending op{Pending::kAllGather, data, parts_total(parts), ncclFloat32, parts};
+  std::lock_guard<std::mutex> lock(s.m);
+  s.ensure_usable();
+  if (!op.count) return;
+  s.activate();
+  if (!is_device_pointer(data)) return s.run_staged(std::move(op), data, timeout_seconds_);
+  s.queued.push_back(std::move(op));
+  s.wait_launched(timeout_seconds_, false);
+}
+
+void NcclCommunicator::reduce_scatter_sum_async(float* data, const std::vector<size_t>& parts) {
+  const size_t total = parts_total(parts);
+  if (total && !is_device_pointer(data)) return reduce_scatter_sum(data, parts);  // host memory: staged, synchronous
+  std::lock_guard<std::mutex> lock(impl_->m);
+  impl_->enqueue({Pending::kReduceScatter, data, total, ncclFloat32, parts});
+}
+
+void NcclCommunicator::all_gather_async(float* data, const std::vector<size_t>& parts) {
+  const size_t total = parts_total(parts);
+  if (total && !is_device_pointer(data)) return all_gather(data, parts);  // host memory: staged, synchronous
+  std::lock_guard<std::mutex> lock(impl_->m);
+  impl_->enqueue({Pending::kAllGather, data, total, ncclFloat32, parts});
+}
+
+void NcclCommunicator::reduce_scatter_sum_bf16_async(void* data, const std::vector<size_t>& parts) {
+  const size_t total = parts_total(parts);
+  std::lock_guard<std::mutex> lock(impl_->m);
+  impl_->ensure_usable();
+  MGPU_CHECK(!total || is_device_pointer(data), ConfigError, "bf16 reduce-scatter needs device memory");
+  impl_->enqueue({Pending::kReduceScatter, data, total, ncclBfloat16, parts});
+}
+
+void NcclCommunicator::reduce_scatter_sum_fp16_async(void* data, const std::vector<size_t>& parts) {
+  const size_t total = parts_total(parts);
+  std::lock_guard<std::mutex> lock(impl_->m);
+  impl_->ensure_usable();
+  MGPU_CHECK(!total || is_device_pointer(data), ConfigError, "fp16 reduce-scatter needs device memory");
+  impl_->enqueue({Pending::kReduceScatter, data, total, ncclFloat16, parts});
 }
 
 void NcclCommunicator::progress() {
@@ -641,7 +769,7 @@ void NcclCommunicator::wait_all() {
   s.ensure_usable();
   s.activate();
   if (timeout_seconds_ <= 0.0 || !s.compute || !s.watchdog_may_beat) {
-    s.wait("allreduce", timeout_seconds_, false);  // no deadline, or one this thread keeps
+    s.wait_launched(timeout_seconds_, false);  // no deadline, or one this thread keeps
     return;
   }
   s.flush(timeout_seconds_);
@@ -708,13 +836,13 @@ void NcclCommunicator::allreduce_sum(float* data, size_t count) {
   if (!count) return;
   s.activate();
   if (is_device_pointer(data)) {
-    s.queued.push_back({data, count, ncclFloat32});
-    s.wait("allreduce", timeout_seconds_, false);
+    s.queued.push_back({Pending::kAllReduce, data, count, ncclFloat32, {}});
+    s.wait_launched(timeout_seconds_, false);
     return;
   }
   // Earlier collectives first, against the deadline: the pageable copy below
   // would otherwise block the host behind them with no timeout at all.
-  s.wait("allreduce", timeout_seconds_, true);
+  s.wait_launched(timeout_seconds_, true);
   float* dev = s.stage(count);
   MGPU_CUDA_CHECK(cudaMemcpyAsync(dev, data, count * sizeof(float), cudaMemcpyHostToDevice, s.comm_stream));
   MGPU_NCCL_CHECK(s.comm, ncclAllReduce(dev, dev, count, ncclFloat32, ncclSum, s.comm, s.comm_stream));

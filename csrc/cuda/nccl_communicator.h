@@ -60,6 +60,14 @@ class NcclCommunicator final : public Communicator {
   // progress() or wait_all(): the step calls progress() after each batch of
   // ready buckets, so buckets that become ready together launch together.
   void allreduce_sum_async(float* data, size_t count) override;
+  // A sharded optimizer's collectives (Communicator's contract), in place: one
+  // group of an ncclReduce to each nonzero part's owner, or of an ncclBroadcast
+  // from it (NCCL has no uneven reduce-scatter or all-gather). Host memory is
+  // staged and synchronous, as allreduce_sum; the *_async forms queue device memory.
+  void reduce_scatter_sum(float* data, const std::vector<size_t>& parts) override;
+  void all_gather(float* data, const std::vector<size_t>& parts) override;
+  void reduce_scatter_sum_async(float* data, const std::vector<size_t>& parts) override;
+  void all_gather_async(float* data, const std::vector<size_t>& parts) override;
   bool progresses_independently() const override { return true; }
   bool accepts_device_memory() const override { return true; }
   void progress() override;
@@ -81,6 +89,8 @@ class NcclCommunicator final : public Communicator {
   bool reduces_half_types() const override { return true; }
   void allreduce_sum_bf16_async(void* data, size_t count) override;
   void allreduce_sum_fp16_async(void* data, size_t count) override;
+  void reduce_scatter_sum_bf16_async(void* data, const std::vector<size_t>& parts) override;
+  void reduce_scatter_sum_fp16_async(void* data, const std::vector<size_t>& parts) override;
 
   void begin_step(uint64_t step) override;
   std::vector<int> missing_peers() override;

@@ -1,12 +1,14 @@
 // NCCL stand-in of the GPU emulation (NVIDIA's prototypes from nccl.h):
-// collectives between processes over MPI (ncclCommInitRank), between threads
-// of one process through shared memory (ncclCommInitAll). Each NCCL group
-// becomes one operation on its stream, like the kernel NCCL would launch.
+// allreduce, broadcast and reduce between processes over MPI
+// (ncclCommInitRank), between threads of one process through shared memory
+// (ncclCommInitAll). Each NCCL group becomes one operation on its stream, like
+// the kernel NCCL would launch.
 // Stricter than NCCL: before moving any data, the ranks compare what they
 // issued (collective, type, op, count, root and the group it belongs to); a
 // mismatch, which real NCCL turns into a hang or wrong sums, is an
 // asynchronous ncclInvalidUsage naming the ranks and their calls. Results are
-// identical on every rank (reduced once, in a fixed order, then shared).
+// identical on every rank (reduced once, in a fixed order, then shared; a
+// reduce's root gets bit-for-bit what an allreduce would give).
 // ncclCommAbort ends a collective that waits for a peer; a rank can be made
 // to hang or fail at its Nth group (MGPU_EMULATE_NCCL_FAULT=rank:group:hang|error)
 // to exercise watchdogs.
@@ -35,7 +37,7 @@
 namespace {
 
 struct Call {
-  enum Kind { kAllReduce, kBroadcast } kind;
+  enum Kind { kAllReduce, kBroadcast, kReduce } kind;
   const void* send;
   void* recv;
   size_t count;
@@ -43,6 +45,10 @@ struct Call {
   ncclRedOp_t op;
   int root;
   cudaStream_t stream;
+  // Every rank reads its send buffer but a broadcast's non-roots; every rank
+  // writes its recv buffer but a reduce's non-roots (NCCL ignores theirs).
+  bool reads(int rank) const { return kind != kBroadcast || rank == root; }
+  bool writes(int rank) const { return kind != kReduce || rank == root; }
 };
 
 size_t type_size(ncclDataType_t t) {
@@ -94,6 +100,8 @@ std::string describe(const std::vector<Call>& calls) {
     if (i) o << ", ";
     if (c.kind == Call::kAllReduce)
       o << "allreduce " << type_name(c.type) << " " << op_name(c.op) << " x" << c.count;
+    else if (c.kind == Call::kReduce)
+      o << "reduce " << type_name(c.type) << " " << op_name(c.op) << " root " << c.root << " x" << c.count;
     else
       o << "broadcast " << type_name(c.type) << " root " << c.root << " x" << c.count;
   }
@@ -291,14 +299,31 @@ void sum_float_in_order(float* out, const std::vector<const float*>& ins, size_t
   }
 }
 
+// The reduction of one allreduce or reduce into `out`, input(r) being NCCL
+// rank r's send buffer: every path (threads, processes) computes it here, so
+// a reduce gives bit-identical values to an allreduce of the same inputs.
+void reduce_in_rank_order(void* out, const Call& k, int nranks, const std::function<const void*(int)>& input) {
+  if (k.type == ncclFloat32 && k.op == ncclSum) {
+    std::vector<const float*> ins;
+    for (int r = 0; r < nranks; ++r) ins.push_back(static_cast<const float*>(input(r)));
+    sum_float_in_order(static_cast<float*>(out), ins, k.count);
+    return;
+  }
+  std::vector<double> acc(k.count);
+  for (int r = 0; r < nranks; ++r) reduce_into(acc, input(r), k.count, k.type, k.op, r == 0);
+  if (k.op == ncclAvg)
+    for (double& v : acc) v /= nranks;
+  store(out, acc, k.count, k.type);
+}
+
 // Runs one group of this rank (on the stream's worker thread).
 void run_group(const std::shared_ptr<ncclComm>& cp, const std::vector<Call>& calls, uint64_t group) {
   ncclComm& c = *cp;
   if (c.aborted || c.async_error != ncclSuccess) return;
   for (const Call& k : calls) {
     const size_t bytes = k.count * type_size(k.type);
-    if (k.kind == Call::kAllReduce || c.rank == k.root) mgpu_emu::touch(k.send, bytes, false, false);
-    mgpu_emu::touch(k.recv, bytes, true, false);
+    if (k.reads(c.rank)) mgpu_emu::touch(k.send, bytes, false, false);
+    if (k.writes(c.rank)) mgpu_emu::touch(k.recv, bytes, true, false);
   }
   const std::string desc = describe(calls);
   if (c.fault.rank == c.rank && c.fault.group == group) {
@@ -341,26 +366,18 @@ void run_group(const std::shared_ptr<ncclComm>& cp, const std::vector<Call>& cal
     std::vector<std::vector<char>> results(calls.size());
     for (size_t i = 0; i < calls.size(); ++i) {
       const Call& k = calls[i];
+      if (!k.writes(c.rank)) continue;  // a reduce's non-root: nothing to compute
       const size_t bytes = k.count * type_size(k.type);
       results[i].resize(bytes);
       if (k.kind == Call::kBroadcast) {
         std::memcpy(results[i].data(), q.posted[size_t(k.root)]->at(i).send, bytes);
         continue;
       }
-      if (k.type == ncclFloat32 && k.op == ncclSum) {
-        std::vector<const float*> ins;
-        for (int r = 0; r < q.size; ++r) ins.push_back(static_cast<const float*>(q.posted[size_t(r)]->at(i).send));
-        sum_float_in_order(reinterpret_cast<float*>(results[i].data()), ins, k.count);
-        continue;
-      }
-      std::vector<double> acc(k.count);
-      for (int r = 0; r < q.size; ++r) reduce_into(acc, q.posted[size_t(r)]->at(i).send, k.count, k.type, k.op, r == 0);
-      if (k.op == ncclAvg)
-        for (double& v : acc) v /= q.size;
-      store(results[i].data(), acc, k.count, k.type);
+      reduce_in_rank_order(results[i].data(), k, q.size, [&](int r) { return q.posted[size_t(r)]->at(i).send; });
     }
     if (!clique_barrier(c, q)) return;  // nobody reads inputs any more
-    for (size_t i = 0; i < calls.size(); ++i) std::memcpy(calls[i].recv, results[i].data(), results[i].size());
+    for (size_t i = 0; i < calls.size(); ++i)
+      if (calls[i].writes(c.rank)) std::memcpy(calls[i].recv, results[i].data(), results[i].size());
     return;
   }
   if (c.nranks == 1) {
@@ -408,27 +425,18 @@ void run_group(const std::shared_ptr<ncclComm>& cp, const std::vector<Call>& cal
       if (!mpi_wait(c, &req)) return;
       continue;
     }
-    // Gather every rank's input on NCCL rank 0, reduce in rank order, broadcast the result.
-    const int root = c.world_of[0];
-    std::vector<char> all(c.rank == 0 ? bytes * size_t(c.nranks) : 0);
+    // Gather every rank's input on one NCCL rank (0 for an allreduce, a reduce's
+    // root), reduce in rank order there; an allreduce then broadcasts the result.
+    const int reducer = k.kind == Call::kReduce ? k.root : 0;
+    const int root = c.world_of[size_t(reducer)];
+    std::vector<char> all(c.rank == reducer ? bytes * size_t(c.nranks) : 0);
     std::vector<char> mine_copy(static_cast<const char*>(k.send), static_cast<const char*>(k.send) + bytes);
     MPI_Igather(mine_copy.data(), int(bytes), MPI_BYTE, all.data(), int(bytes), MPI_BYTE, root, c.mpi, &req);
     if (!mpi_wait(c, &req)) return;
-    if (c.rank == 0) {
-      // `all` is in MPI rank order; reduce in NCCL rank order.
-      auto input = [&](int r) { return all.data() + size_t(c.world_of[size_t(r)]) * bytes; };
-      if (k.type == ncclFloat32 && k.op == ncclSum) {
-        std::vector<const float*> ins;
-        for (int r = 0; r < c.nranks; ++r) ins.push_back(reinterpret_cast<const float*>(input(r)));
-        sum_float_in_order(static_cast<float*>(k.recv), ins, k.count);
-      } else {
-        std::vector<double> acc(k.count);
-        for (int r = 0; r < c.nranks; ++r) reduce_into(acc, input(r), k.count, k.type, k.op, r == 0);
-        if (k.op == ncclAvg)
-          for (double& v : acc) v /= c.nranks;
-        store(k.recv, acc, k.count, k.type);
-      }
-    }
+    if (c.rank == reducer)  // `all` is in MPI rank order; reduce in NCCL rank order.
+      reduce_in_rank_order(k.recv, k, c.nranks,
+                           [&](int r) { return all.data() + size_t(c.world_of[size_t(r)]) * bytes; });
+    if (k.kind == Call::kReduce) continue;  // the non-roots' recv is not written
     MPI_Ibcast(k.recv, int(bytes), MPI_BYTE, root, c.mpi, &req);
     if (!mpi_wait(c, &req)) return;
   }
@@ -749,21 +757,21 @@ ncclResult_t add_call(ncclComm_t comm, const Call& call, const char* name) {
     return fail_call(c.get(), ncclInvalidUsage, std::string(name) + " before the communicator finished initialising");
   if (type_size(call.type) == 0)
     return fail_call(c.get(), ncclInvalidArgument, std::string(name) + ": invalid data type");
-  if (call.kind == Call::kBroadcast && (call.root < 0 || call.root >= c->nranks))
+  if (call.kind != Call::kAllReduce && (call.root < 0 || call.root >= c->nranks))
     return fail_call(c.get(), ncclInvalidArgument,
                      std::string(name) + ": root " + std::to_string(call.root) + " out of range");
   const size_t bytes = call.count * type_size(call.type);
   // As NCCL: device pointers of the communicator's GPU (checked here, not on a GPU).
   if (bytes > 0) {
-    const bool reads = call.kind == Call::kAllReduce || c->rank == call.root;
+    const bool reads = call.reads(c->rank), writes = call.writes(c->rank);
     std::string why = reads ? mgpu_emu::check_device_range(call.send, bytes, c->device, false) : "";
-    if (why.empty()) why = mgpu_emu::check_device_range(call.recv, bytes, c->device, false);
+    if (why.empty() && writes) why = mgpu_emu::check_device_range(call.recv, bytes, c->device, false);
     if (!why.empty()) return fail_call(c.get(), ncclInvalidArgument, std::string(name) + ": " + why);
     if (c->clique)
       for (int peer : c->clique->devices) {
         if (peer == c->device) continue;
         if (reads) why = mgpu_emu::check_peer_access(call.send, bytes, peer);
-        if (why.empty()) why = mgpu_emu::check_peer_access(call.recv, bytes, peer);
+        if (why.empty() && writes) why = mgpu_emu::check_peer_access(call.recv, bytes, peer);
         if (!why.empty()) {
           mgpu_emu::report_violation(c->device, cudaErrorIllegalAddress, std::string(name) + ": " + why);
           return fail_call(c.get(), ncclUnhandledCudaError, std::string(name) + ": " + why);
@@ -787,6 +795,12 @@ ncclResult_t ncclAllReduce(const void* sendbuff, void* recvbuff, size_t count, n
   if (int(op) < 0 || int(op) > int(ncclAvg))
     return fail_call(nullptr, ncclInvalidArgument, "ncclAllReduce: invalid op");
   return add_call(comm, {Call::kAllReduce, sendbuff, recvbuff, count, datatype, op, 0, stream}, "ncclAllReduce");
+}
+
+ncclResult_t ncclReduce(const void* sendbuff, void* recvbuff, size_t count, ncclDataType_t datatype, ncclRedOp_t op,
+                        int root, ncclComm_t comm, cudaStream_t stream) {
+  if (int(op) < 0 || int(op) > int(ncclAvg)) return fail_call(nullptr, ncclInvalidArgument, "ncclReduce: invalid op");
+  return add_call(comm, {Call::kReduce, sendbuff, recvbuff, count, datatype, op, root, stream}, "ncclReduce");
 }
 
 ncclResult_t ncclBroadcast(const void* sendbuff, void* recvbuff, size_t count, ncclDataType_t datatype, int root,

@@ -3,6 +3,10 @@ either computes the right answer or is refused with a message that names the
 kernel and the rule, where a GPU would hang, crash later or silently compute
 garbage."""
 
+import gc
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
 import pytest
 
 import mgpu
@@ -72,6 +76,13 @@ def test_device_wide_free_during_an_in_process_collective_is_reported(call, flag
         assert said and "cudaFree on GPU 1" in said[0] and "cudaFreeAsync" in said[0], said
     else:
         assert said == []
+
+
+def test_a_reduce_gives_its_root_what_an_allreduce_gives():
+    # Bit for bit (a reduce-scatter built of reduces then equals an allreduce on its
+    # parts); a non-root passes no receive buffer, which NCCL ignores.
+    assert scenario("reduce_matches_allreduce") == ""
+    assert _core.emulation.violations() == []
 
 
 def test_dynamic_shared_memory_opt_in():
@@ -271,3 +282,39 @@ def test_device_timers_time_back_to_back_calls_between_waits():
     after = _core.emulation.counters()
     assert after["graph_launches"] - before["graph_launches"] >= 2 + repeats  # warm-up, sizing, the samples
     assert after["host_syncs"] - before["host_syncs"] <= repeats + 4  # + before the capture and at the release
+
+
+@pytest.mark.parametrize(
+    "call, issued",
+    [
+        ("reduce_scatter_sum", "reduce float32 sum root {r} x{n}"),
+        ("all_gather", "broadcast float32 root {r} x{n}"),
+    ],
+)
+def test_ranks_cutting_a_range_into_different_parts_are_a_mismatch(call, issued):
+    # Every rank must pass the same parts. Here thread 0 cuts 8 elements 3 + 5 and
+    # thread 1 4 + 4: on NCCL their per-part calls would pair up wrongly (a hang or
+    # wrong values); the emulation compares the groups and names both ranks' calls.
+    comms = _core.nccl_init_all([0, 1])
+    parts = {0: [3, 5], 1: [4, 4]}
+
+    def run(comm):
+        comm.timeout = 30.0
+        try:  # (not pytest.raises: its traceback would keep `comm` alive past the test)
+            getattr(comm, call)(np.ones(8, np.float32), parts[comm.rank])
+        except _core.CommError as e:
+            return str(e)
+        return "no CommError"
+
+    with ThreadPoolExecutor(2) as pool:
+        said = list(pool.map(run, comms))
+    # Destroyed now, not by a later garbage collection while another test's collectives
+    # run (a device-wide cudaFreeHost then, which the emulation reports).
+    del comms
+    gc.collect()
+    for rank, text in enumerate(said):
+        assert f"on rank {rank} (emulated GPU {rank})" in text and "NCCL calls differ between ranks" in text, text
+        for r, cut in parts.items():
+            calls = ", ".join(issued.format(r=owner, n=n) for owner, n in enumerate(cut))
+            assert f"rank {r} issued group of 2: [{calls}]" in text, text
+    assert any("NCCL calls differ between ranks" in v for v in _core.emulation.violations())

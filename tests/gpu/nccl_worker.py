@@ -3,8 +3,12 @@ backend with the NCCL (or MPI) communicator and checks the result against a
 single-process run of the whole global batch; prints OK on success. A mode
 ending in "+graph" captures the steps (CUDA graphs): several ranks replay the
 micro-batch's graph, allreduce, then replay the tail's (verdict and update);
-the single-process reference replays one graph for the whole step."""
+the single-process reference replays one graph for the whole step. Mode
+"sharded": reduce-scatter and all-gather (tests/sharded.py) instead of training;
+"sharded-fault": one reduce-scatter at step 7 that must end in a CommError
+(MGPU_EMULATE_NCCL_FAULT), printed as "SAID <message>"."""
 
+import os
 import sys
 from pathlib import Path
 
@@ -17,6 +21,7 @@ from mgpu import _core  # noqa: E402
 from mgpu.errors import ConfigError  # noqa: E402
 from mgpu.train.data import local_slice  # noqa: E402
 from reference import rel_err  # noqa: E402
+from sharded import check_sharded  # noqa: E402
 
 SIZES, BATCH, STEPS = [12, 48, 48, 5], 30, 15
 
@@ -71,6 +76,24 @@ def main(mode):
         raise SystemExit("expected a ConfigError for ranks sharing a GPU")
     comm = pg.communicator("mpi" if mode == "mpi" else "nccl")
     comm.timeout = 60.0
+    if mode == "sharded-fault":
+        comm.timeout = 3.0
+        comm.begin_step(7)
+        try:
+            comm.reduce_scatter_sum(np.ones(12, np.float32), [5, 7] if pg.size == 2 else [12] + [0] * (pg.size - 1))
+        except _core.CommError as e:
+            sys.stdout.write(f"SAID {e}\n")
+            sys.stdout.flush()
+        MPI.COMM_WORLD.Barrier()  # each rank says its own error before any exits (mpirun then ends the job)
+        # No MPI_Finalize: the peer's half of the aborted collective may still be pending in MPI.
+        os._exit(0)
+    if mode == "sharded":
+        exact = pg.size <= 2 or _core.build_info().get("gpu_emulation", False)
+        for form in ("sync", "async"):
+            check_sharded(comm, form, exact)
+        MPI.COMM_WORLD.Barrier()
+        print("OK", flush=True)
+        return
     part = local_slice(BATCH, pg.rank, pg.size)
     first, rows = part.start, part.stop - part.start
     if mode == "nccl-zero-rows":  # the last rank gets no rows: its buckets must group like the others'

@@ -5,6 +5,7 @@ gradients) under mpirun needs no NCCL at all."""
 
 import re
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +13,7 @@ import pytest
 
 from conftest import mpi_env, mpirun  # tests/conftest.py helpers
 from mgpu import _core
+from sharded import check_sharded  # tests/sharded.py
 
 WORKER = Path(__file__).with_name("nccl_worker.py")
 HAS_NCCL = hasattr(_core, "NcclCommunicator")
@@ -130,3 +132,27 @@ def test_two_ranks_cuda_with_mpi_staging(gpu, mode):
         assert len(counts) == 2, r.stdout
         for syncs, buckets in counts:
             assert int(buckets) >= 4 and float(syncs) <= 2.0, r.stdout
+
+
+@needs_nccl
+def test_reduce_scatter_and_all_gather_between_processes(gpu):
+    # Uneven parts, an empty one, and a part on every rank; sync and async; each
+    # rank checks its parts against numpy (tests/sharded.py).
+    if _core.cuda_device_count() < 2 and NCCL_CODE < 23000:
+        pytest.skip("needs 2 GPUs (or NCCL >= 2.30 to share one)")
+    r = launch(2, "sharded")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.count("OK") == 2, r.stdout + r.stderr
+
+
+@needs_nccl
+@pytest.mark.parametrize("form", ["sync", "async"])
+def test_reduce_scatter_and_all_gather_between_threads(gpu, form):
+    # One thread per visible GPU (ncclCommInitAll), as `train --gpus N`.
+    comms = _core.nccl_init_all(list(range(_core.cuda_device_count())))
+    exact = len(comms) <= 2 or _core.build_info().get("gpu_emulation", False)
+    for comm in comms:
+        comm.timeout = 60.0  # a wrong grouping fails instead of hanging
+    with ThreadPoolExecutor(len(comms)) as pool:
+        for done in [pool.submit(check_sharded, comm, form, exact) for comm in comms]:
+            done.result()

@@ -11,7 +11,10 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -111,6 +114,56 @@ def test_an_injected_nccl_fault_ends_the_job_within_the_timeout(emulated_faults,
     assert "Traceback" not in r.stderr
     if fault.endswith("error"):  # an error NCCL reported is not a stuck collective
         assert "stuck" not in r.stderr, r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("kind", ["hang", "error"])
+def test_an_injected_fault_at_a_reduce_scatter_ends_it_within_the_timeout(emulated_faults, monkeypatch, kind):
+    # Threads of one process (ncclCommInitAll): rank 1's first group, its part of
+    # a reduce-scatter, never completes or fails. Neither rank waits past its
+    # timeout: each gets a CommError naming the collective, the step and itself.
+    monkeypatch.setenv("MGPU_EMULATE_NCCL_FAULT", f"1:1:{kind}")
+    comms = _core.nccl_init_all([0, 1])
+
+    def run(comm):
+        comm.timeout = 2.0
+        comm.begin_step(4)
+        t0 = time.monotonic()
+        try:  # (not pytest.raises: its traceback would keep `comm` alive past the test)
+            comm.reduce_scatter_sum(np.ones(12, np.float32), [5, 7])
+        except _core.CommError as e:
+            return str(e), time.monotonic() - t0
+        return "no CommError", 0.0
+
+    with ThreadPoolExecutor(2) as pool:
+        said = list(pool.map(run, comms))
+    del comms  # destroyed now, not while a later test's collectives run
+    gc.collect()
+    for rank, (text, elapsed) in enumerate(said):
+        assert elapsed < 10, (elapsed, text)
+        assert text.startswith(f"reduce-scatter at step 4 on rank {rank} (emulated GPU {rank}): "), text
+    if kind == "hang":
+        for text, _ in said:
+            assert "did not complete within 2 s: every rank reached this step and is responding" in text, text
+    else:
+        assert re.search(r"NCCL reported an (asynchronous )?error: .*injected failure", said[1][0]), said[1][0]
+        assert "did not complete within 2 s" in said[0][0], said[0][0]
+
+
+@pytest.mark.parametrize("kind", ["hang", "error"])
+def test_an_injected_fault_at_a_reduce_scatter_between_processes_ends_it_within_the_timeout(emulated_faults, kind):
+    # As between threads, over MPI (mpirun): rank 1's first group, its reduce-scatter, hangs or fails.
+    worker = Path(__file__).with_name("nccl_worker.py")
+    t0 = time.monotonic()
+    r = mpirun(
+        2, [sys.executable, worker, "sharded-fault"], timeout=90, env=mpi_env(MGPU_EMULATE_NCCL_FAULT=f"1:1:{kind}")
+    )
+    elapsed = time.monotonic() - t0
+    said = {rank: text for text, rank in re.findall(r"SAID (reduce-scatter at step 7 on rank (\d)[^\n]*)", r.stdout)}
+    assert set(said) == {"0", "1"} and elapsed < 60, (elapsed, r.stdout, r.stderr[-2000:])
+    if kind == "hang":
+        assert all("did not complete within 3 s" in text for text in said.values()), said
+    else:
+        assert re.search(r"NCCL reported an (asynchronous )?error: .*injected failure", said["1"]), said
 
 
 def train_two_threads(
