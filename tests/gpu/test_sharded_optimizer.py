@@ -139,3 +139,24 @@ def test_compressed_gradients_reduce_scatter_as_they_allreduce(two_gpus, tmp_pat
     _, sharded = train_processes(tmp_path, "sharded", *extra, "--shard-optimizer", steps=6)
     _, plain = train_processes(tmp_path, "plain", *extra, steps=6)
     assert rel_err(sharded, plain) < 1e-6
+
+
+def test_a_traced_sharded_step_on_two_gpus_stamps_its_reduce_scatters(gpu):
+    # Each bucket's reduce-scatter is one stamped collective, the tail's all-gathers after them.
+    needs_two_gpus()
+    x, y = batches(1, LAYERS)[0]
+
+    def run(pg):
+        model = mgpu.MLP(LAYERS, seed=2, device="cuda", device_index=pg.local_rank)
+        trainer = mgpu.Trainer(model, lr=1e-2, process_group=pg, graph="off", shard_optimizer=True, bucket_elems=300)
+        part = slice(16 * pg.rank, 16 * (pg.rank + 1))
+        for t in range(3):
+            trainer.step(x[part], y[part], global_batch=BATCH, first_sample=part.start, trace=t == 2)
+        r = trainer.last_result
+        names = [s.name for s in r.spans + trainer.drain_trace() if s.step == 2]
+        return [(b.launch, b.done) for b in r.buckets], names, len(trainer._step.buckets())
+
+    for stamps, names, buckets in mgpu.run_on_gpus(run, gpus=2):
+        assert buckets > 1 and len(stamps) == buckets
+        assert all(0 <= launch <= done for launch, done in stamps), stamps
+        assert names.index("reduce-scatter wait") < names.index("optimizer") < names.index("all-gather")
