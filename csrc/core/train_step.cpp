@@ -543,6 +543,10 @@ int DataParallelStep::launch_bucket(size_t index) {
 // rank can have that many; each bucket's parameters cut at the shard bounds.
 void DataParallelStep::plan_shards() {
   const size_t ranks = static_cast<size_t>(comm_->size()), params = model_->num_params();
+  // Blocking collectives after backward (nothing to overlap): one reduce-scatter of
+  // every gradient, which the transport cuts as suits it (MPI: a ring every rank sums
+  // in; per bucket, each would have a single owner summing while the others wait).
+  if (!overlap_) buckets_ = {Bucket{0, model_->grad_buffer_size(), 0}};
   const size_t align = params >= kBucketAlignElems * ranks ? kBucketAlignElems : 1;
   std::vector<size_t> bound(ranks + 1, params);
   for (size_t r = 0; r < ranks; ++r)  // floor(params * r / ranks), without overflow, then aligned down

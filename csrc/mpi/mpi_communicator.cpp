@@ -30,9 +30,12 @@ constexpr size_t kMaxChunk = static_cast<size_t>(INT_MAX);
 constexpr size_t kAllreduceChunk = size_t{8} << 20 >> 2;
 // All-gathers go in windows of at most this many elements (MPI counts and displacements
 // are int): unlike the allreduce, OpenMPI's MPI_Allgatherv is faster in one call than in
-// 8 MiB windows (scripts/experiments/reduce_scatter_choice.py). A reduce-scatter is one
-// MPI_Reduce per part to its owner, in kAllreduceChunk pieces: MPI_Reduce collapses on
-// large messages as MPI_Allreduce does, and MPI_Reduce_scatter is several times slower.
+// 8 MiB windows (scripts/experiments/reduce_scatter_choice.py). A reduce-scatter of a
+// range one rank owns is an MPI_Reduce to it, in kAllreduceChunk pieces: MPI_Reduce
+// collapses on large messages as MPI_Allreduce does. A range several ranks own parts of
+// goes round a ring (ring_reduce_scatter): one MPI_Reduce per part would leave every
+// rank but the part's owner idle while it sums, and MPI_Reduce_scatter is several times
+// slower (docs/journal.md).
 constexpr size_t kGatherChunk = kMaxChunk;
 
 // Calls fn(offset, elements) for consecutive pieces of at most `chunk` of `count` elements.
@@ -58,6 +61,41 @@ void gather_window(const size_t* parts, int size, size_t begin, size_t end, int*
     out[size + r] = static_cast<int>(a - begin);
   }
 }
+// The ring's messages: on comm_, which carries no other point-to-point traffic.
+constexpr int kRingTag = 11;
+
+// An in-place reduce-scatter over parts several ranks own, in windows of
+// kAllreduceChunk elements of every part: size - 1 times, each rank sends a part's
+// window (its values plus those added so far) to the next rank and adds what the
+// previous rank sent into its copy of another part's window, so every rank sums at
+// once, and ends holding the sum of its own part (the ring of NCCL's reduce-scatter).
+// Two ranks add a + b, each the other's: what an allreduce of two gives, bit for bit.
+int ring_reduce_scatter(float* data, const size_t* parts, int rank, int size, MPI_Comm comm,
+                        std::vector<float>& window) {
+  size_t longest = 0;
+  for (int r = 0; r < size; ++r) longest = std::max(longest, parts[r]);
+  window.resize(std::min(longest, kAllreduceChunk));
+  auto start = [&](int part) {
+    size_t offset = 0;
+    for (int r = 0; r < part; ++r) offset += parts[r];
+    return offset;
+  };
+  auto length = [&](int part, size_t w) { return parts[part] > w ? std::min(kAllreduceChunk, parts[part] - w) : 0; };
+  const int next = (rank + 1) % size, prev = (rank + size - 1) % size;
+  for (size_t w = 0; w < longest; w += kAllreduceChunk)
+    for (int s = 0; s < size - 1; ++s) {
+      const int send = (rank - s - 1 + 2 * size) % size, recv = (rank - s - 2 + 2 * size) % size;
+      const size_t ns = length(send, w), nr = length(recv, w);
+      const int rc =
+          MPI_Sendrecv(data + start(send) + w, static_cast<int>(ns), MPI_FLOAT, next, kRingTag, window.data(),
+                       static_cast<int>(nr), MPI_FLOAT, prev, kRingTag, comm, MPI_STATUS_IGNORE);
+      if (rc != MPI_SUCCESS) return rc;
+      float* sum = data + start(recv) + w;
+      for (size_t i = 0; i < nr; ++i) sum[i] += window[i];
+    }
+  return MPI_SUCCESS;
+}
+
 // Up to this many ranks everyone watches everyone (size - 1 tiny messages per
 // rank and step); beyond it heartbeats go to rank 0 and back.
 constexpr int kAllToAllHeartbeats = 32;
@@ -302,7 +340,7 @@ const char* MpiCommunicator::words(Kind kind) {
 
 const char* MpiCommunicator::blocking_call(Kind kind) {
   switch (kind) {
-    case Kind::kReduceScatter: return "MPI_Reduce";
+    case Kind::kReduceScatter: return "MPI_Reduce or MPI_Sendrecv";
     case Kind::kAllGather: return "MPI_Allgatherv";
     default: return "MPI_Allreduce";
   }
@@ -321,7 +359,7 @@ void MpiCommunicator::run(const Job& job) {
     return;
   }
   if (timeout_seconds_ <= 0.0) {
-    check(run_blocking(job, comm_, rank_, size_, next_arrays()), blocking_call(job.kind));
+    check(run_blocking(job, comm_, rank_, size_, next_arrays(), window_), blocking_call(job.kind));
     return;
   }
   std::vector<MPI_Request> requests;
@@ -329,7 +367,8 @@ void MpiCommunicator::run(const Job& job) {
   wait(requests, words(job.kind));
 }
 
-int MpiCommunicator::run_blocking(const Job& job, MPI_Comm comm, int rank, int size, std::vector<int>& arrays) {
+int MpiCommunicator::run_blocking(const Job& job, MPI_Comm comm, int rank, int size, std::vector<int>& arrays,
+                                  std::vector<float>& window) {
   int rc = MPI_SUCCESS;
   switch (job.kind) {
     case Kind::kAllreduce:
@@ -338,6 +377,8 @@ int MpiCommunicator::run_blocking(const Job& job, MPI_Comm comm, int rank, int s
       });
       break;
     case Kind::kReduceScatter:
+      if (std::count_if(job.parts, job.parts + size, [](size_t n) { return n > 0; }) > 1)
+        return ring_reduce_scatter(job.data, job.parts, rank, size, comm, window);
       for_each_part_chunk(job.parts, size, [&](int owner, size_t offset, int n) {
         float* p = job.data + offset;
         if (rc == MPI_SUCCESS)
@@ -397,7 +438,7 @@ void MpiCommunicator::worker_loop(std::shared_ptr<Worker> w, MPI_Comm comm, int 
     w->pending = false;
     const Job job = w->job;
     lock.unlock();
-    const int rc = run_blocking(job, comm, rank, size, w->arrays);
+    const int rc = run_blocking(job, comm, rank, size, w->arrays, w->window);
     lock.lock();
     w->rc = rc;
     w->done = true;

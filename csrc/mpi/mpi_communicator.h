@@ -78,8 +78,9 @@ class MpiCommunicator final : public Communicator {
   // the caller waits, so comm_ never sees two collectives at once.
   void run_on_worker(const Job& job);
   // The job's blocking MPI calls; returns the first error code. `arrays`: scratch
-  // for an all-gather's counts and displacements.
-  static int run_blocking(const Job& job, MPI_Comm comm, int rank, int size, std::vector<int>& arrays);
+  // for an all-gather's counts and displacements; `window`: a ring's receive buffer.
+  static int run_blocking(const Job& job, MPI_Comm comm, int rank, int size, std::vector<int>& arrays,
+                          std::vector<float>& window);
   static const char* words(Kind kind);          // for messages: "allreduce", ...
   static const char* blocking_call(Kind kind);  // the MPI function run_blocking calls
   struct Worker;
@@ -123,6 +124,7 @@ class MpiCommunicator final : public Communicator {
   // in use; kept (inner buffers keep their address when the outer grows).
   std::vector<std::vector<int>> arrays_;
   size_t arrays_used_ = 0;
+  std::vector<float> window_;  // a blocking reduce-scatter's ring window, on this thread
   bool thread_multiple_ = false;
   // Collective timing: (launch, done) of each async collective since
   // start_collective_timing (seconds since it; done < 0 while open), the
@@ -144,7 +146,8 @@ class MpiCommunicator final : public Communicator {
     std::condition_variable work_cv, done_cv;
     Job job;  // guarded by m; job.parts points into parts
     std::vector<size_t> parts;
-    std::vector<int> arrays;  // the all-gather's counts and displacements
+    std::vector<int> arrays;    // the all-gather's counts and displacements
+    std::vector<float> window;  // the reduce-scatter's ring window
     bool pending = false, done = false, stop = false;
     int rc = MPI_SUCCESS;
   };
