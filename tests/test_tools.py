@@ -354,6 +354,8 @@ def test_bench_compares_with_pytorch_in_the_same_run(tmp_path):
             "2",
             "--threads",
             "1",
+            "--dropout",
+            "0.1",
             "--compare",
             "torch",
             "--json",
@@ -367,6 +369,10 @@ def test_bench_compares_with_pytorch_in_the_same_run(tmp_path):
     assert sorted(x["ranks"] for x in rows) == [1, 2]
     for x in rows:
         assert x["torch"]["samples_per_sec"] > 0 and x["torch"]["version"]
+        # the same workload on both sides: the preset's dropout too, which the peer's own default lacks
+        ran = x["torch"]["workload"]
+        assert ran["layers"] == x["layers"] and ran["dropout"] == x["dropout"] == 0.1 and ran["batch_size"] == 64
+        assert ran["threads"] == x["threads"] == 1 and ran["optimizer"] == "sgd"
         # two alternating rounds of 5 steps each side, merged; the ratio per round pair
         assert len(x["step_seconds"]) == 10 and len(x["torch"]["step_seconds"]) == 10
         ratio = x["torch_ratio"]

@@ -436,9 +436,23 @@ def run_torch(py: str, ranks: int, sizes, dropout, batch, a, device: str, thread
     if r.returncode != 0:
         raise ConfigError(f"the PyTorch peer failed at {ranks} rank(s): {peer_error(r.stderr)}")
     result = json.loads(r.stdout.strip().splitlines()[-1])
+    # A fair ratio needs the same workload on both sides (a peer without the preset's
+    # dropout runs 1.6x faster on medium b64 here: docs/benchmarks.md).
+    asked = {
+        "layers": list(sizes),
+        "dropout": float(dropout),
+        "batch_size": batch,
+        "optimizer": a.optimizer,
+        "threads": threads,
+        "shard_optimizer": bool(a.shard_optimizer) and ranks > 1,
+    }
+    ran = result.get("workload", {})
+    if any(ran.get(k) != v for k, v in asked.items()):
+        raise ConfigError(f"the PyTorch peer ran another workload than mgpu: asked {asked}, ran {ran}")
     stats = summarize(result["step_seconds"])
     return {
         "version": result["version"],
+        "workload": result["workload"],
         "step": stats,
         "samples_per_sec": batch / stats["median"],
         "step_seconds": result["step_seconds"],
@@ -471,6 +485,7 @@ def merge_rounds(rounds: list) -> list:
             stats = summarize(peer)
             row["torch"] = {
                 "version": row["torch"]["version"],
+                "workload": row["torch"]["workload"],
                 "step": stats,
                 "step_seconds": peer,
                 "samples_per_sec": row["batch_size"] / stats["median"],

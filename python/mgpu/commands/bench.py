@@ -532,6 +532,7 @@ def cmd_bench(a, pg) -> int:
             print(
                 f"mgpu / PyTorch {r['torch']['version']}, batch {r['batch_size']} x {r['ranks']} rank(s)"
                 + (f" x {r['threads']} thread(s)" if several_threads else "")
+                + f", dropout {r['dropout']:g} on both sides"
                 + ": "
                 f"{t['median']:.2f}x median of {len(t['rounds'])} alternating rounds "
                 f"(range {t['min']:.2f}-{t['max']:.2f}x)"

@@ -123,6 +123,15 @@ def main():
                     "version": torch.__version__,
                     "ranks": world,
                     "precision": a.precision,
+                    # what it ran, as it parsed it: bench checks it is the workload mgpu ran
+                    "workload": {
+                        "layers": sizes,
+                        "dropout": a.dropout,
+                        "batch_size": a.batch_size,
+                        "optimizer": a.optimizer,
+                        "threads": a.threads,
+                        "shard_optimizer": a.shard_optimizer and world > 1,
+                    },
                     "step_seconds": times,
                 }
             )
