@@ -130,7 +130,7 @@ check() {
   {
     echo "# $OUT_DIR: what scripts/gpu_session.sh installs on the device (scripts/gpu_prepare.sh, $(date -u +%F))"
     echo "size: $(du -sh "$OUT_DIR" | cut -f1)"
-    echo "mgpu extension NEEDED: $needed"
+    echo "mgpu extension NEEDED:" $needed
     echo "mgpu extension RUNPATH: $(readelf -d "$so" | sed -n 's/.*(R.*PATH).*\[\(.*\)\]/\1/p')"
     echo "mgpu CUDA code (fatbin entries x translation units): $elf; AVX-512 instructions: $zmm"
     echo "Open MPI prefix: $OMPI_PREFIX ($(du -sh "$OUT_DIR/ompi" | cut -f1))"
