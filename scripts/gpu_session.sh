@@ -180,8 +180,9 @@ build_there() {  # the fallback: mgpu from source with the image's nvcc, NCCL wh
   sed -i "s#=/usr/#=$DEB_ROOT/usr/#" "$pc/openblas.pc"
   export PKG_CONFIG_PATH=$pc CPATH=$DEB_ROOT/usr/include/x86_64-linux-gnu/openblas-pthread${CPATH:+:$CPATH}
   local nccl
-  nccl=$("$INSTALL_PY" -c "import glob, site; print([p for s in site.getsitepackages() for p in
-    glob.glob(s + '/nvidia/**/include/nccl.h', recursive=True)][0].rsplit('/include/', 1)[0])")
+  nccl=$("$INSTALL_PY" -c "import glob, site; print(([p for s in site.getsitepackages() for p in
+    glob.glob(s + '/nvidia/**/include/nccl.h', recursive=True)] + [''])[0].rsplit('/include/', 1)[0])")
+  [ -n "$nccl" ] || nccl=${CUDA_HOME:-/usr/local/cuda}  # no NCCL wheel: the toolkit's (this machine's)
   mkdir -p /tmp/mgpu-nccl && ln -sf "$nccl"/lib/libnccl.so.2 /tmp/mgpu-nccl/libnccl.so
   export CMAKE_ARGS="-DCMAKE_CUDA_ARCHITECTURES=90 -DMGPU_WITH_GPU_EMULATION=OFF -DMGPU_NATIVE_ARCH=OFF \
     -DMGPU_WITH_ONEDNN=OFF -DMPI_C_COMPILER=$OMPI_PREFIX/bin/mpicc -DNCCL_INCLUDE_DIR=$nccl/include \
