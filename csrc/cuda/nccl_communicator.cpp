@@ -282,6 +282,20 @@ struct NcclCommunicator::Impl {
     note_queued();
   }
 
+  // A reduce-scatter or all-gather that completes before returning (m held):
+  // device memory queued behind what is queued and waited for, host memory staged.
+  void run_now(Pending op, double timeout_seconds) {
+    ensure_usable();
+    if (!op.count) return;
+    activate();
+    if (!is_device_pointer(op.data)) {
+      float* host = static_cast<float*>(op.data);
+      return run_staged(std::move(op), host, timeout_seconds);
+    }
+    queued.push_back(std::move(op));
+    wait_launched(timeout_seconds, false);
+  }
+
   // A float32 collective of host memory, synchronous: earlier collectives
   // complete first, against the deadline (the pageable copy would otherwise
   // block the host behind them with no timeout at all); it then runs on a
@@ -702,27 +716,15 @@ void NcclCommunicator::allreduce_sum_fp16_async(void* data, size_t count) {
 }
 
 void NcclCommunicator::reduce_scatter_sum(float* data, const std::vector<size_t>& parts) {
-  Impl& s = *impl_;
   Pending op{Pending::kReduceScatter, data, parts_total(parts), ncclFloat32, parts};
-  std::lock_guard<std::mutex> lock(s.m);
-  s.ensure_usable();
-  if (!op.count) return;
-  s.activate();
-  if (!is_device_pointer(data)) return s.run_staged(std::move(op), data, timeout_seconds_);
-  s.queued.push_back(std::move(op));
-  s.wait_launched(timeout_seconds_, false);
+  std::lock_guard<std::mutex> lock(impl_->m);
+  impl_->run_now(std::move(op), timeout_seconds_);
 }
 
 void NcclCommunicator::all_gather(float* data, const std::vector<size_t>& parts) {
-  Impl& s = *impl_;
   Pending op{Pending::kAllGather, data, parts_total(parts), ncclFloat32, parts};
-  std::lock_guard<std::mutex> lock(s.m);
-  s.ensure_usable();
-  if (!op.count) return;
-  s.activate();
-  if (!is_device_pointer(data)) return s.run_staged(std::move(op), data, timeout_seconds_);
-  s.queued.push_back(std::move(op));
-  s.wait_launched(timeout_seconds_, false);
+  std::lock_guard<std::mutex> lock(impl_->m);
+  impl_->run_now(std::move(op), timeout_seconds_);
 }
 
 void NcclCommunicator::reduce_scatter_sum_async(float* data, const std::vector<size_t>& parts) {

@@ -6,6 +6,7 @@ of float32 arrays (copies of the core's flat buffers).
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Optional, Sequence
 
@@ -132,11 +133,13 @@ class MLP:
         """Write the parameters (layers.{i}.weight / layers.{i}.bias, nn.Linear's layout),
         atomically: as .npz, or as safetensors where the path ends in .safetensors (what
         safetensors.torch.load_file reads straight into a torch.nn.Sequential's state)."""
-        if str(path).endswith(SAFETENSORS_SUFFIX):
-            check_parameter_format(path)
-            write_atomic(path, safetensors_numpy.save(self.state_dict()))
-        else:
-            save_npz_atomic(path, self.state_dict())
+        check_parameter_format(path)
+        state = self.state_dict()
+        with _parameter_file(path) as f:
+            if str(path).endswith(SAFETENSORS_SUFFIX):
+                f.write(safetensors_numpy.save(state))
+            else:
+                np.savez(f, **state)
 
     def load(self, path: str) -> None:
         """Load parameters saved by save(), .npz or .safetensors (neither unpickles)."""
@@ -175,20 +178,12 @@ def _read_safetensors(path) -> dict:
         ) from None
 
 
-def write_atomic(path: str, data: bytes) -> None:
-    """`data` to `path` whole or not at all (see save_npz_atomic)."""
+@contextlib.contextmanager
+def _parameter_file(path: str):
+    """A binary file that replaces `path` whole or not at all (a temporary in the same
+    directory, fsynced, then renamed): a crash leaves the old file or the new one."""
     directory = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(directory):
         raise ConfigError(f"cannot save to '{path}': directory '{directory}' does not exist")
     with atomic_file(path, binary=True) as f:
-        f.write(data)
-
-
-def save_npz_atomic(path: str, arrays: dict) -> None:
-    """np.savez to a temporary file in the same directory, fsync, then rename:
-    a crash leaves either the old file or the new one, never a torn one."""
-    directory = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(directory):
-        raise ConfigError(f"cannot save to '{path}': directory '{directory}' does not exist")
-    with atomic_file(path, binary=True) as f:
-        np.savez(f, **arrays)
+        yield f
