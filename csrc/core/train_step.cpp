@@ -419,7 +419,7 @@ void DataParallelStep::decide(Run& run) {
   const int ranks = comm_->size();
   be.shard_health_sums(shard_sums_.data() + size_t(kShardSums) * comm_->rank(), m.grads() + shard_offset_, shard_size_,
                        m.loss_slot());
-  all_gather_in_tail(run, shard_sums_.data(), std::vector<size_t>(size_t(ranks), size_t(kShardSums)));
+  all_gather_in_tail(run, shard_sums_.data(), shard_sums_parts_);
   be.step_verdict_from_shards(verdict_.data(), shard_sums_.data(), ranks, loss_scale_, options_.max_grad_norm,
                               comm_->failure_flag());
 }
@@ -569,6 +569,7 @@ void DataParallelStep::plan_shards() {
   }
   optimizer_->restrict_to(shard_offset_, shard_size_);
   shard_sums_ = BackendArray<float>(&model_->backend(), size_t(kShardSums) * ranks);
+  shard_sums_parts_.assign(ranks, size_t(kShardSums));
   model_->backend().zero(shard_sums_.data(), size_t(kShardSums) * ranks);
   sharded_ = true;
 }

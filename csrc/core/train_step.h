@@ -248,6 +248,7 @@ class DataParallelStep {
   size_t shard_offset_ = 0, shard_size_ = 0;       // this rank's shard
   std::vector<std::vector<size_t>> bucket_parts_;  // each bucket's parameters cut by owner (sharded)
   BackendArray<float> shard_sums_;                 // every rank's health-check share (kShardSums each)
+  std::vector<size_t> shard_sums_parts_;           // kShardSums a rank: the shares' all-gather
   BackendArray<uint16_t> half_grads_;              // grad_dtype's copy of the parameters' gradients (compression)
   float loss_scale_ = 1.0f;
   int good_steps_ = 0;
