@@ -14,6 +14,7 @@ from mgpu.selector import allreduce_fit as af
 from mgpu.selector import profiles as perf
 from mgpu.selector import recommend as selector_recommend
 from mgpu.selector import workload
+from mgpu.selector.intervals import HELD_OUT_MISSES  # known held-out misses, each strict until fixed
 
 P = perf.P
 
@@ -44,19 +45,6 @@ def test_fitted_tables_meet_the_issue_bounds_from_32k_to_8g():
         assert np.median(errs) <= af.BOUNDS["median"], profile
         assert max(errs) <= af.BOUNDS["worst"], profile
     assert checked >= 6
-
-
-# Held-out published tables the model is known to miss, with why: they stay in the data
-# and in docs/selector-validation.md, and each must keep failing (strict) until fixed.
-HELD_OUT_MISSES = {
-    ("nccl-1244-h20-2x8-ib", "median"): "a slower Hopper + NDR fabric than the H100 system h100-ib-2x8 is fitted "
-    "to (its reporter calls its 343 GB/s low): the profile predicts it too fast",
-    ("nccl-1244-h20-2x8-ib", "worst"): "the same slower fabric",
-    ("abci2-a100-16x8-ib-nccl2.8.4", "worst"): "the median holds; its 128 KiB row is a stall (203.2 us out-of-place "
-    "against 129.6 in-place, between 102.9 and 147.7), ~35 % off",
-    ("nccl-tests-309-h100-4x8-ndr-vm", "worst"): "4 VMs with a custom topology file: the median holds; its 2 MiB row "
-    "(slower than its 4 MiB row) is ~44 % off",
-}
 
 
 def _held_out(bound):

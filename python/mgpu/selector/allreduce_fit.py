@@ -526,7 +526,8 @@ def markdown(published: Optional[dict] = None, fit: Optional[dict] = None) -> st
             "",
             "Outside the bounds: "
             + "; ".join(f"{s['table']} ({s['role']}, median {s['median']:.1%}, worst {s['worst']:.1%})" for s in misses)
-            + ". Each is a known miss with its reason in tests/unit/test_allreduce_model.py (HELD_OUT_MISSES).",
+            + ". Each is a known miss with its reason in python/mgpu/selector/intervals.py (HELD_OUT_MISSES), "
+            "which tests/unit/test_allreduce_model.py checks.",
         ]
     covered = {r["profile"] for r in rows}
     missing = [n for n in fit["links"] if n not in covered]
@@ -536,6 +537,9 @@ def markdown(published: Optional[dict] = None, fit: Optional[dict] = None) -> st
             "Profiles with no published point in range (built from cited anchors or assumptions, "
             "not validated): " + ", ".join(missing) + ".",
         ]
+    from .intervals import scores_markdown  # intervals imports this module
+
+    lines += ["", *scores_markdown(published, fit).rstrip("\n").split("\n")]
     lines += ["", "## Sources", ""]
     for t in published["tables"]:
         lines.append(
