@@ -4,10 +4,12 @@ allreduce checks, the selector's validation, and one-line errors."""
 
 import csv
 import json
+import math
 import os
 import re
 import subprocess
 
+import numpy as np
 import pytest
 
 from conftest import PYTHON, mpi_env, mpirun, run_cli
@@ -301,6 +303,18 @@ def test_bench_launches_each_rank_count_and_validates_the_selector(calibration, 
         "throughput_vs_batch.png",
     ]
     assert re.search(r"measured\s+predicted", r.stdout)
+    # every cell holds its 80 % interval, and the grid is scored (issue 42)
+    for x in rows:
+        low, high = x["predicted_step_interval_ms"]
+        assert 0 < low < high  # (a calibration's bands may lie to one side of the point: a biased model)
+        assert x["inside_interval"] == (low <= x["step"]["median"] * 1e3 <= high)
+    scores = result["scores"]
+    assert scores["cells"] == 4 and 0 <= scores["coverage"] <= 1
+    assert scores["median_abs_error"] <= scores["p90_abs_error"]
+    assert [d["batch_size"] for d in scores["decisions"]] == [64, 256]
+    assert 0 <= scores["decision_accuracy"] <= 1 and 0 <= scores["benchmark_required_share"] <= 1
+    assert "scores: step error median" in r.stdout and "the 80% interval held the measured step" in r.stdout
+    assert "predicted (80% interval)" in r.stdout
 
 
 def test_bench_under_mpirun_measures_that_world(tmp_path):
@@ -492,3 +506,81 @@ def test_train_batch_shares_auto_follows_the_calibration(calibration, tmp_path):
     assert abs(shares[0] - shares[1]) <= 1
     r = mpirun(2, args, env=mpi_env(XDG_CACHE_HOME=tmp_path / "none"))
     assert r.returncode == 2 and r.stderr.count("needs a calibration") == 2, r.stderr[-2000:]
+
+
+def test_topo_measures_its_own_error_on_held_out_steps(calibration):
+    d, _ = calibration
+    profile = json.loads((d / "profile.json").read_text())
+    model, checks = profile["error_model"], profile["held_out_steps"]
+    assert "held-out steps at calibration alone and on 2 ranks" in model["source"]
+    assert model["compute_shared"] is False and len(checks) >= 3
+    for c in checks:
+        assert min(c["alone_s"], c["together_s"], c["alone_predicted_s"], c["together_predicted_s"]) > 0
+    # each band: the 10th-90th percentile of the checks' log(measured / predicted)
+    ratios = {
+        "compute": [math.log(c["alone_s"] / c["alone_predicted_s"]) for c in checks],
+        "compute_together": [math.log(c["together_s"] / c["together_predicted_s"]) for c in checks],
+    }
+    ratios["comm"] = ratios["compute_together"]
+    for key, values in ratios.items():
+        assert model[key] == pytest.approx(list(np.percentile(values, [10, 90])))
+    low, high = model["speedup"]
+    assert -3 < low <= high < 3
+
+
+def _train_with(profile: dict, tmp_path, name: str):
+    cache = tmp_path / name
+    (cache / "mgpu").mkdir(parents=True)
+    (cache / "mgpu" / "profile.json").write_text(json.dumps(profile))
+    out = tmp_path / f"{name}.json"
+    args = [*MGPU, "train", "--layers", "50,256,256,3", "--steps", "40", "--batch-size", "256", "--threads", "1"]
+    args += ["--no-progress", "--json", out, "--log-json", tmp_path / f"{name}.jsonl"]
+    r = mpirun(2, args, env=mpi_env(XDG_CACHE_HOME=cache))
+    assert r.returncode == 0, r.stderr[-2000:]
+    log = [json.loads(line) for line in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
+    return r, json.loads(out.read_text())["prediction"], log
+
+
+def test_train_holds_the_calibrations_prediction_against_its_steps(calibration, tmp_path):
+    d, _ = calibration
+    r, p, log = _train_with(json.loads((d / "profile.json").read_text()), tmp_path, "own")
+    assert p["available"] and p["profile_source"] == "calibrated" and p["measured_steps"] >= 30
+    low, high = p["interval_ms"]
+    assert 0 < low < high and p["measured_step_ms"] > 0
+    assert p["error"] == pytest.approx(p["predicted_step_ms"] / p["measured_step_ms"] - 1)
+    assert p["inside"] == (low <= p["measured_step_ms"] <= high)
+    assert set(p["measured_phases_ms"]) == {"forward", "backward", "comm_wait", "optimizer"}
+    assert r.stdout.count("prediction: ") == 1 and "(80% interval" in r.stdout
+    assert r.stderr.count("mgpu: warning: the measured step") == (0 if p["inside"] else 1)
+    # the JSON-lines log: the prediction at the start, held against the steps before the end
+    events = [e["event"] for e in log]
+    assert events.index("prediction") == events.index("run_end") - 1
+    assert log[0]["prediction"]["predicted_step_ms"] == p["predicted_step_ms"]
+    assert log[events.index("prediction")]["measured_step_ms"] == p["measured_step_ms"]
+
+
+def test_a_wrong_calibration_warns_naming_the_phase(calibration, tmp_path):
+    # a calibration whose layers ran 5x faster than this machine's (another machine's, say)
+    d, _ = calibration
+    profile = json.loads((d / "profile.json").read_text())
+    for dev in profile["devices"]:
+        for key in ("layer_times", "layer_times_alone"):
+            grid = dev[key]
+            for table in [k for k in grid if k.startswith(("forward", "backward"))]:
+                grid[table] = [t / 5 for t in grid[table]]
+    r, p, _ = _train_with(profile, tmp_path, "wrong")
+    assert p["available"] and not p["inside"] and p["differs_most"] in ("forward", "backward"), p
+    assert r.stderr.count("mgpu: warning: the measured step") == 1  # rank 0 alone says it
+    assert f"{p['differs_most']} differs most" in r.stderr and "computes slower" in r.stderr
+    assert "OUTSIDE the interval" in r.stdout
+
+
+def test_train_without_a_calibration_says_it_has_no_prediction(tmp_path):
+    r = run_cli(
+        ["train", "--layers", "8,8,2", "--steps", "3", "--no-progress", "--json", tmp_path / "t.json"],
+        env=mpi_env(XDG_CACHE_HOME=tmp_path / "empty"),
+    )
+    assert r.returncode == 0, r.stderr
+    assert "prediction: none (no calibration of this machine" in r.stdout
+    p = json.loads((tmp_path / "t.json").read_text())["prediction"]
+    assert p["available"] is False and "mgpu topo" in p["reason"]

@@ -154,6 +154,21 @@ void bind_perf(py::module_& m) {
       .def("reduce_scatter_seconds", &LinkProfile::reduce_scatter_seconds, py::arg("devices"), py::arg("bytes"))
       .def("all_gather_seconds", &LinkProfile::all_gather_seconds, py::arg("devices"), py::arg("bytes"))
       .def("reduce_scatter_choice", &LinkProfile::reduce_scatter_choice, py::arg("devices"), py::arg("bytes"));
+  py::class_<ErrorBand>(pm, "ErrorBand")
+      .def(py::init<>())
+      .def_readwrite("low", &ErrorBand::low)
+      .def_readwrite("high", &ErrorBand::high)
+      .def("center", &ErrorBand::center)
+      .def("half_width", &ErrorBand::half_width);
+  py::class_<ErrorModel>(pm, "ErrorModel")
+      .def(py::init<>())
+      .def_readwrite("compute", &ErrorModel::compute)
+      .def_readwrite("compute_together", &ErrorModel::compute_together)
+      .def_readwrite("comm", &ErrorModel::comm)
+      .def_readwrite("speedup", &ErrorModel::speedup)
+      .def_readwrite("speedup_measured", &ErrorModel::speedup_measured)
+      .def_readwrite("compute_shared", &ErrorModel::compute_shared)
+      .def_readwrite("source", &ErrorModel::source);
   py::class_<HardwareProfile>(pm, "HardwareProfile")
       .def(py::init<>())
       .def_readwrite("name", &HardwareProfile::name)
@@ -161,7 +176,7 @@ void bind_perf(py::module_& m) {
       .def_readwrite("devices", &HardwareProfile::devices)
       .def_readwrite("link", &HardwareProfile::link)
       .def_readwrite("step_overhead_s", &HardwareProfile::step_overhead_s)
-      .def_readwrite("model_error", &HardwareProfile::model_error);
+      .def_readwrite("error", &HardwareProfile::error);
   py::class_<Workload>(pm, "Workload")
       .def(py::init<>())
       .def_readwrite("layers", &Workload::layers)
@@ -203,6 +218,10 @@ void bind_perf(py::module_& m) {
       .def_readonly("speedup", &Prediction::speedup)
       .def_readonly("efficiency", &Prediction::efficiency)
       .def_readonly("timing_spread_s", &Prediction::timing_spread_s)
+      .def_readonly("step_low_s", &Prediction::step_low_s)
+      .def_readonly("step_high_s", &Prediction::step_high_s)
+      .def_readonly("speedup_low", &Prediction::speedup_low)
+      .def_readonly("speedup_high", &Prediction::speedup_high)
       .def_readonly("memory_bytes", &Prediction::memory_bytes)
       .def_readonly("memory_usable_bytes", &Prediction::memory_usable_bytes)
       .def_readonly("memory_fits", &Prediction::memory_fits)

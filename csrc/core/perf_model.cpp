@@ -300,6 +300,9 @@ double memory_per_device(const std::vector<int>& sizes, int64_t b, const Workloa
   return mem + d.context_bytes;
 }
 
+// A band beyond e^3 (20x either way) says nothing a prediction could use.
+constexpr double kMaxLogError = 3.0;
+
 void validate(const Workload& w, const HardwareProfile& hw, const Options& o) {
   MGPU_CHECK(w.global_batch >= 1, ConfigError, "global batch must be >= 1, got ", w.global_batch);
   MGPU_CHECK(!hw.devices.empty(), ConfigError, "hardware profile '", hw.name, "' lists no devices");
@@ -322,8 +325,12 @@ void validate(const Workload& w, const HardwareProfile& hw, const Options& o) {
   auto finite_at_least_0 = [](double x) { return std::isfinite(x) && x >= 0; };
   MGPU_CHECK(finite_at_least_0(hw.step_overhead_s), ConfigError, "profile '", hw.name,
              "': step overhead must be finite and >= 0, got ", hw.step_overhead_s);
-  MGPU_CHECK(finite_at_least_0(hw.model_error) && hw.model_error < 1, ConfigError, "profile '", hw.name,
-             "': model error is a relative error in [0, 1), got ", hw.model_error);
+  for (const ErrorBand* b : {&hw.error.compute, &hw.error.compute_together, &hw.error.comm, &hw.error.speedup})
+    MGPU_CHECK(std::isfinite(b->low) && std::isfinite(b->high) && b->low <= b->high && b->low >= -kMaxLogError &&
+                   b->high <= kMaxLogError,
+               ConfigError, "profile '", hw.name,
+               "': an error band is a low <= high pair of log(measured / predicted) within +-", kMaxLogError, ", got ",
+               b->low, ", ", b->high);
   const LinkProfile& link = hw.link;
   MGPU_CHECK(finite_at_least_0(link.alpha_s) && finite_at_least_0(link.buffer_bytes) &&
                  finite_at_least_0(link.step_sync_s) && link.bus_bandwidth >= 0 /* NaN fails too */,
@@ -463,6 +470,9 @@ double DeviceProfile::bandwidth_at(double bytes, bool alone) const {
   const auto& table = alone && !pass_bandwidth_alone.empty() ? pass_bandwidth_alone : pass_bandwidth;
   return table.empty() ? memory_bandwidth : lookup_in_log_x(table, bytes, /*log_y=*/true);
 }
+
+double ErrorBand::center() const { return (std::exp(low) + std::exp(high)) / 2 - 1; }
+double ErrorBand::half_width() const { return (std::exp(high) - std::exp(low)) / 2; }
 
 double GemmRate::at(double work_flops) const {
   if (measured.size() >= 2) return lookup_in_log_x(measured, work_flops, /*log_y=*/false);
@@ -638,6 +648,52 @@ std::vector<int> Workload::resolved_layers() const {
   return std::vector<int>(5, width);
 }
 
+namespace {
+
+double sq(double x) { return x * x; }
+
+// The step's 80 % interval: the compute and communication errors (their centres add,
+// their half widths add in quadrature with the timing spread: independent sources). Its
+// floor, a tenth of the step, only holds where bands beyond any validated one would cross zero.
+const ErrorBand& compute_band(const ErrorModel& e, int devices) {
+  return devices > 1 && !e.compute_shared ? e.compute_together : e.compute;
+}
+
+void set_step_interval(Prediction& p, const ErrorModel& e) {
+  const double comm = p.exposed_comm_s, compute = p.step_s - comm;
+  const ErrorBand& band = compute_band(e, p.devices);
+  const double shift = compute * band.center() + comm * e.comm.center();
+  const double half =
+      std::sqrt(sq(compute * band.half_width()) + sq(comm * e.comm.half_width()) + sq(p.timing_spread_s));
+  p.step_low_s = std::max(0.1 * p.step_s, p.step_s + shift - half);
+  p.step_high_s = p.step_s + shift + half;
+}
+
+// The speedup's 80 % interval, in log space: log s = log t1 - log tn, each step's share of
+// compute and communication weighting its band. A shared compute error moves both steps
+// alike and only their difference in compute share counts; the counts' communication and
+// timing spreads are independent.
+void set_speedup_interval(Prediction& p, const Prediction& one, const ErrorModel& e) {
+  if (e.speedup_measured) {
+    p.speedup_low = p.speedup * std::exp(e.speedup.low);
+    p.speedup_high = p.speedup * std::exp(e.speedup.high);
+    return;
+  }
+  const double t1 = one.step_s, tn = p.step_s;
+  const double m1 = one.exposed_comm_s / t1, mn = p.exposed_comm_s / tn, c1 = 1 - m1, cn = 1 - mn;
+  const ErrorBand& together = compute_band(e, p.devices);
+  double shift = c1 * e.compute.center() - cn * together.center() + (m1 - mn) * e.comm.center();
+  double variance = e.compute_shared ? sq((c1 - cn) * e.compute.half_width())
+                                     : sq(c1 * e.compute.half_width()) + sq(cn * together.half_width());
+  variance += sq(m1 * e.comm.half_width()) + sq(mn * e.comm.half_width());
+  variance += sq(one.timing_spread_s / t1) + sq(p.timing_spread_s / tn);
+  const double half = std::sqrt(variance);
+  p.speedup_low = p.speedup * std::exp(shift - half);
+  p.speedup_high = p.speedup * std::exp(shift + half);
+}
+
+}  // namespace
+
 Prediction predict(const Workload& w, const HardwareProfile& hw, int devices, const Options& o) {
   validate(w, hw, o);
   MGPU_CHECK(devices >= 1 && devices <= static_cast<int>(hw.devices.size()), ConfigError, "profile '", hw.name,
@@ -761,12 +817,14 @@ Prediction predict(const Workload& w, const HardwareProfile& hw, int devices, co
   p.memory_fits = fits;
   if (o.price_per_device_hour > 0)
     p.cost_per_million_samples = devices * o.price_per_device_hour / 3600.0 * p.step_s / batch * 1e6;
+  set_step_interval(p, hw.error);
   if (devices > 1) {
     const Prediction one = predict(w, hw, 1, o);
     p.speedup = one.step_s / p.step_s;
     double ideal = 0;  // what perfect scaling would give on these (possibly unequal) devices
     for (double s : speed) ideal += o.equal_shares ? 1.0 : s / speed[0];
     p.efficiency = p.speedup / ideal;
+    set_speedup_interval(p, one, hw.error);
   }
   return p;
 }
@@ -862,13 +920,10 @@ Decision decide_strategy(const Workload& w, const HardwareProfile& hw, const Opt
     if (c[i].devices > 1 && (best_multi < 0 || c[i].step_s < c[best_multi].step_s)) best_multi = i;
   }
   const int one = d.one, best = d.pick;
-  // The model's relative error, widened where the calibration saw steps wander by
-  // an absolute amount (ranks' jitter), which weighs most on short steps.
+  // How far apart two predictions must be to differ: the relative half width of the
+  // fastest multi-device candidate's speedup interval (its geometric half).
   const double err =
-      std::max(hw.model_error, 0.01) + (one >= 0 && best_multi >= 0
-                                            ? c[one].timing_spread_s / std::max(c[one].step_s, 1e-30) +
-                                                  c[best_multi].timing_spread_s / std::max(c[best_multi].step_s, 1e-30)
-                                            : 0.0);
+      best_multi >= 0 ? std::max(0.01, std::sqrt(c[best_multi].speedup_high / c[best_multi].speedup_low) - 1) : 0.01;
   using Kind = Reason::Kind;
   auto reason = [&d](Kind kind, int candidate = -1) -> Reason& {
     d.reasons.push_back(Reason{});
@@ -896,18 +951,17 @@ Decision decide_strategy(const Workload& w, const HardwareProfile& hw, const Opt
     bool multi = false;
     for (const Prediction& p : c) multi |= p.devices > 1;
     reason(Kind::kNoMultiToCompare).flag = multi;
-  } else if (c[best_multi].speedup * (1.0 - err) > 1.0) {
-    // model_error is relative: the band of a predicted speedup s is s(1 -+ err).
+  } else if (c[best_multi].speedup_low > 1.0) {  // the whole 80 % interval of its speedup above 1.0x
     d.strategy = Decision::Strategy::kMultiGpu;
     d.devices = c[best_multi].devices;
-  } else if (c[best_multi].speedup * (1.0 + err) < 1.0) {
+  } else if (c[best_multi].speedup_high < 1.0) {
     d.strategy = Decision::Strategy::kSingleGpu;
     d.devices = 1;
-    reason(Kind::kOneIsFaster, best_multi).value = err;
+    reason(Kind::kOneIsFaster, best_multi);
   } else {
     d.strategy = Decision::Strategy::kBenchmarkRequired;
     d.devices = c[best].devices;
-    reason(Kind::kGainWithinError, best_multi).value = err;
+    reason(Kind::kGainWithinError, best_multi);
   }
   // A sharded optimizer where the workload has none: said where it would change the
   // answer, for the fastest multi-device count it helps: one that fits only sharded
@@ -1014,12 +1068,12 @@ std::string word_reason(const Reason& r, const Decision& d, const Workload& w, c
     case Kind::kNoMultiToCompare:
       return r.flag ? "no multi-device candidate fits in memory" : "no multi-device candidate to compare with";
     case Kind::kOneIsFaster:
-      return fmt("%.2fx", p->speedup) + fmt(" with the model's +-%.0f%%", r.value * 100) +
-             fmt(" is at most %.2fx: one device is faster", p->speedup * (1.0 + r.value));
+      return fmt("%.2fx", p->speedup) + fmt(" (80%% interval %.2f", p->speedup_low) + fmt("-%.2fx, ", p->speedup_high) +
+             hw.error.source + "): one device is faster";
     case Kind::kGainWithinError:
       return fmt("the predicted gain (%.2fx) is within the model's error", p->speedup) +
-             fmt(" (+-%.0f%%", r.value * 100) + fmt(": %.2fx", std::max(0.0, p->speedup * (1.0 - r.value))) +
-             fmt("-%.2fx): measure it with `mgpu bench`", p->speedup * (1.0 + r.value));
+             fmt(" (80%% interval %.2f", p->speedup_low) + fmt("-%.2fx spans 1.0x, ", p->speedup_high) +
+             hw.error.source + "): measure it with `mgpu bench`";
     case Kind::kOneDeviceStep:
       return device_word(hw, 1) + ": " + ms(p->step_s) + " a step (forward " + ms(p->forward_s) + ", backward " +
              ms(p->backward_s) + ", optimizer " + ms(p->optimizer_s) + ", overhead " + ms(p->overhead_s) + "), " +

@@ -181,13 +181,36 @@ struct LinkProfile {
   std::string reduce_scatter_choice(int devices, double bytes) const;  // "" without the NCCL-shaped model
 };
 
+// How far measured times fall from the model's: the 10th and 90th percentiles of
+// log(measured / predicted) over validated residuals, so a time T predicted lies in
+// [T exp(low), T exp(high)] four times in five. Uncentred bands (a biased model) shift the interval.
+struct ErrorBand {
+  double low = -0.25, high = 0.25;
+  double center() const;      // relative shift of the interval's middle: (exp(low) + exp(high)) / 2 - 1
+  double half_width() const;  // relative half width: (exp(high) - exp(low)) / 2
+};
+
+// The model's error by what prices a phase: compute (layers, passes, the update, the host's
+// overhead) and communication (collectives, the wait after backward). Where one device's
+// compute error holds for every device count (the same GEMM rates price them) it cancels in
+// a speedup; where the counts' times were measured apart (a CPU rank alone or beside
+// others) the two errors are independent and compute_together is a device's among several.
+// A calibration that ran held-out steps on one device and on several measured the speedup's
+// error itself (speedup_measured): its band replaces the one the phases' bands would give.
+struct ErrorModel {
+  ErrorBand compute, compute_together, comm, speedup;
+  bool compute_shared = true;
+  bool speedup_measured = false;
+  std::string source = "default";  // where the bands come from, said with every interval
+};
+
 struct HardwareProfile {
   std::string name;
   std::string source = "named";        // "calibrated" | "detected" | "named"
   std::vector<DeviceProfile> devices;  // candidates with n devices use the first n
   LinkProfile link;
   double step_overhead_s = 0.0;  // host time per step outside kernels (Python, bookkeeping)
-  double model_error = 0.25;     // expected relative error of a predicted speedup
+  ErrorModel error;
 };
 
 struct Workload {
@@ -241,7 +264,10 @@ struct Prediction {
   double step_s = 0;
   double samples_per_s = 0, speedup = 1, efficiency = 1;
   double timing_spread_s = 0;  // how far a measured step may wander from step_s (calibrated CPUs: the ranks' jitter)
-  double memory_bytes = 0;     // the device closest to its capacity: its need
+  // Central 80 % intervals (the profile's ErrorModel with the timing spread): the step's
+  // seconds, and the speedup over one device (1 to 1 on one device).
+  double step_low_s = 0, step_high_s = 0, speedup_low = 1, speedup_high = 1;
+  double memory_bytes = 0;         // the device closest to its capacity: its need
   double memory_usable_bytes = 0;  // and its capacity x margin (0: unknown)
   bool memory_fits = true;
   double cost_per_million_samples = 0;  // when priced
@@ -290,8 +316,8 @@ struct Reason {
     kNoCandidateFits,   // candidate: the one needing the least memory; value: the usable fraction of memory
     kOneCannotHold,     // candidate: the one-device candidate; other: the pick
     kNoMultiToCompare,  // flag: some multi-device candidate exists (none fits)
-    kOneIsFaster,       // candidate: the fastest multi-device one; value: the model's relative error
-    kGainWithinError,   // candidate: the fastest multi-device one; value: the model's relative error
+    kOneIsFaster,       // candidate: the fastest multi-device one (its speedup interval lies below 1.0x)
+    kGainWithinError,   // candidate: the fastest multi-device one (its speedup interval spans 1.0x)
     // Why, in numbers.
     kOneDeviceStep,       // candidate: the one-device candidate
     kMultiDeviceStep,     // candidate: a multi-device candidate; value: bytes of the gradient allreduce
@@ -307,8 +333,8 @@ struct Reason {
     // Said after why this strategy, where the workload does not shard the optimizer and
     // sharding it would change the answer. candidate: the unsharded candidate of that
     // device count; other: the pick (-1: none fits); alternative: the sharded step;
-    // flag: it fits only sharded (else it is faster by more than value2, the model's
-    // relative error); value: the optimizer state of one device unsharded.
+    // flag: it fits only sharded (else it is faster by more than value2, the relative half
+    // width of the pick's interval); value: the optimizer state of one device unsharded.
     kShardingWouldHelp,
   };
   Kind kind = Kind::kProfile;

@@ -37,6 +37,11 @@ def test_topo_on_two_gpus_measures_devices_and_nccl_and_recommend_reads_it(two_g
     assert profile["link"]["bus_bandwidth"] > 0 and profile["link"]["step_sync_s"] >= 0
     rows = profile["allreduce"]
     assert rows[0]["bytes"] == 4 and rows[-1]["bytes"] == 1 << 20 and all(row["wrong"] == 0 for row in rows)
+    # its error model from held-out steps on one GPU and on both
+    model = profile["error_model"]
+    assert "held-out steps at calibration alone and on 2 ranks" in model["source"]
+    assert all(model[k][0] <= model[k][1] for k in ("compute", "compute_together", "comm", "speedup"))
+    assert all(c["alone_s"] > 0 and c["together_s"] > 0 for c in profile["held_out_steps"])
     assert profile["gpu_emulation"] is EMULATED
     assert ("EMULATED" in profile["name"]) is EMULATED and ("GPU EMULATION" in r.stdout + r.stderr) is EMULATED
 

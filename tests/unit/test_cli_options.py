@@ -446,8 +446,12 @@ def test_a_malformed_profile_is_one_config_error(tmp_path, field, value):
     [
         ("profile", "step_overhead_s", float("nan")),
         ("profile", "step_overhead_s", -1.0),
-        ("profile", "model_error", 100.0),
-        ("profile", "model_error", -0.1),
+        ("legacy", "model_error", 100.0),
+        ("legacy", "model_error", -0.1),
+        ("profile", "error_model", {"compute": [0.2, -0.2], "comm": [-0.1, 0.1]}),
+        ("profile", "error_model", {"compute": [-0.1, 0.1], "comm": [float("nan"), 0.1]}),
+        ("profile", "error_model", {"compute": [-0.1, 0.1], "comm": [-0.1, 0.1], "speedup": [-9.0, 0.1]}),
+        ("profile", "error_model", {"compute": [-0.1], "comm": [-0.1, 0.1]}),
         ("link", "step_sync_s", float("nan")),
         ("link", "buffer_bytes", -5.0),
         ("link", "alpha_s", float("inf")),
@@ -464,14 +468,17 @@ def test_a_profile_number_no_step_can_have_is_one_config_error(where, field, val
     from mgpu.selector import recommend as selector_recommend
 
     profile = perf.named_profile("h100-sxm-8")
+    if where == "legacy":  # a profile from before error bands: its one relative error
+        del profile["error_model"]
     target = {
+        "legacy": profile,
         "profile": profile,
         "link": profile["link"],
         "device": profile["devices"][0],
         "intra": profile["link"]["nccl"]["intra"],
     }[where]
     target[field] = value
-    with pytest.raises(mgpu.ConfigError, match="must be|needs finite|model error"):
+    with pytest.raises(mgpu.ConfigError, match="must be|needs finite|model_error|error band"):
         selector_recommend.recommend(model="medium", batch_size=64, profile=profile)
 
 

@@ -12,8 +12,17 @@ import mgpu
 from mgpu.selector import allreduce_fit as af
 from mgpu.selector import gemm_fit as gf
 from mgpu.selector import intervals as iv
+from mgpu.selector import profiles
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "selector-validation.md"
+
+
+def comm_rows():
+    return iv.residuals(af.validate(), "bytes")
+
+
+def gemm_rows():
+    return iv.residuals(gf.validate(), "shape")
 
 
 def test_band_is_the_10th_and_90th_percentile_with_linear_interpolation():
@@ -33,15 +42,15 @@ def test_band_leaves_out_what_is_not_finite_and_needs_two_values():
 
 def test_residuals_carry_the_log_ratio_of_measured_to_predicted():
     for rows, validated, where in (
-        (iv.allreduce_residuals(), af.validate(), "bytes"),
-        (iv.gemm_residuals(), gf.validate(), "shape"),
+        (comm_rows(), af.validate(), "bytes"),
+        (gemm_rows(), gf.validate(), "shape"),
     ):
         assert len(rows) == len(validated) and rows
         for r, v in zip(rows, validated):
             assert set(r) == {"table", "role", "log_ratio", "error", where}
             assert r["log_ratio"] == pytest.approx(math.log(1.0 / (1.0 + v["error"])))
             assert (r["table"], r["role"], r["error"], r[where]) == (v["table"], v["role"], v["error"], v[where])
-    ar = next(zip(iv.allreduce_residuals(), af.validate()))
+    ar = next(zip(comm_rows(), af.validate()))
     assert ar[0]["log_ratio"] == pytest.approx(math.log(ar[1]["measured_us"] / ar[1]["predicted_us"]))
 
 
@@ -83,9 +92,9 @@ def test_held_out_coverage_leaves_the_scored_table_out():
 
 
 def test_published_error_model_is_the_pooled_bands_and_a_fresh_copy_each_call():
-    m = iv.published_error_model()
+    m = profiles.published_error_model()
     assert set(m) == {"compute", "comm", "compute_shared", "source"} and m["compute_shared"] is True
-    for key, rows in (("compute", iv.gemm_residuals()), ("comm", iv.allreduce_residuals())):
+    for key, rows in (("compute", gemm_rows()), ("comm", comm_rows())):
         assert isinstance(m[key], list) and len(m[key]) == 2 and all(type(v) is float for v in m[key])
         low, high = m[key]
         assert low < 0 < high
@@ -94,31 +103,31 @@ def test_published_error_model_is_the_pooled_bands_and_a_fresh_copy_each_call():
     assert "GEMM" in m["source"] and "nccl-tests allreduce" in m["source"] and "10th-90th" in m["source"]
     m["compute"][0] = 99.0
     m["comm"] = None
-    fresh = iv.published_error_model()
+    fresh = profiles.published_error_model()
     assert fresh["compute"][0] != 99.0 and fresh["comm"] is not None
 
 
 @pytest.mark.parametrize("kind", ["allreduce", "gemm"])
 def test_scores_on_the_published_tables_are_finite_shares(kind):
-    rows = iv.allreduce_residuals() if kind == "allreduce" else iv.gemm_residuals()
+    rows = comm_rows() if kind == "allreduce" else gemm_rows()
     s = iv.score(rows)
     for part in (s, s["fit"]):
         assert part["points"] >= 5 and part["tables"] >= 2
         for key in ("median_abs_error", "p90_abs_error", "coverage"):
             assert type(part[key]) is float and math.isfinite(part[key]), key
         assert 0.0 <= part["coverage"] <= 1.0 and part["median_abs_error"] <= part["p90_abs_error"]
-    assert s["band"] == pytest.approx(iv.published_error_model()["comm" if kind == "allreduce" else "compute"])
+    assert s["band"] == pytest.approx(profiles.published_error_model()["comm" if kind == "allreduce" else "compute"])
 
 
 def test_known_misses_are_held_out_allreduce_tables():
     held = {t["id"] for t in af.load_published()["tables"] if t["role"] == "holdout"}
     assert set(iv.known_miss_tables()) <= held
-    rows = iv.allreduce_residuals()
+    rows = comm_rows()
     assert iv.score(rows, exclude=iv.known_miss_tables())["points"] < iv.score(rows)["points"]
 
 
 def test_the_validation_page_carries_the_current_scores():
-    text = iv.scores_markdown()
+    text = iv.scores_markdown(comm_rows(), gemm_rows())
     assert text.startswith("## Scores: point error and the 80 % interval")
     assert text in DOC.read_text(), "regenerate: python -m mgpu.allreduce_fit --markdown docs/selector-validation.md"
     assert text in af.markdown()

@@ -545,11 +545,19 @@ def add_derived(rows: list, profile: Optional[dict], thread_scaling: bool = Fals
             scale = r["ranks"] / base["ranks"] * (r["threads"] / base["threads"] if thread_scaling else 1)
             r["efficiency"] = r["speedup"] / scale
         if profile is not None:
+            differs = _threads_differ(r, profile)
+            if differs:
+                r["prediction_error"] = differs
+                continue
             try:
                 p = _predict(r, profile)
                 r["allreduce_floor_ms"] = p.comm_s * 1e3
                 r["predicted_step_ms"] = p.step_s * 1e3
                 r["predicted_speedup"] = p.speedup
+                # central 80 % intervals, and whether the measured median fell in the step's
+                r["predicted_step_interval_ms"] = [p.step_low_s * 1e3, p.step_high_s * 1e3]
+                r["predicted_speedup_interval"] = [p.speedup_low, p.speedup_high]
+                r["inside_interval"] = p.step_low_s <= r["step"]["median"] <= p.step_high_s
                 # the phases as the core's timers split them (the model's exposed allreduce is
                 # the wait after backward: allreduce, skew, health check)
                 r["predicted_breakdown_ms"] = {
@@ -560,6 +568,14 @@ def add_derived(rows: list, profile: Optional[dict], thread_scaling: bool = Fals
                 }
             except ConfigError as e:
                 r["prediction_error"] = str(e)
+
+
+def _threads_differ(row: dict, profile: dict) -> Optional[str]:
+    """Why a CPU row cannot be priced from a calibration of another thread count, or None."""
+    calibrated = (profile.get("environment") or {}).get("threads_per_rank")
+    if row.get("device") != "cpu" or not calibrated or row["threads"] == calibrated:
+        return None
+    return f"calibrated at {calibrated} thread(s) per rank, measured at {row['threads']} (bench --threads {calibrated})"
 
 
 def _graph_mode_used(cells: dict, a) -> str:
@@ -638,6 +654,7 @@ def validate_selector(rows: list, profile: dict, a) -> list:
             err = (c["predicted_speedup"] - c["speedup"]) / c["speedup"] if "predicted_speedup" in c else None
             out.append(
                 {
+                    "layers": c["layers"],
                     "batch_size": batch,
                     "ranks": n,
                     "measured_speedup": c["speedup"],
@@ -662,6 +679,53 @@ def validate_selector(rows: list, profile: dict, a) -> list:
 
 # The CPU selector's bound on a predicted speedup against the measured one (issue 13, item 6).
 VALIDATION_BOUND = 0.10
+# A pick is right where its measured throughput reaches this share of the best cell's; a
+# "benchmark required" where every candidate measured within it of the others.
+DECISION_TOLERANCE = 0.95
+
+
+def score_validation(rows: list, validation: list) -> dict:
+    """The selector's scores over a --validate-selector grid: the point prediction's error
+    of the step (predicted / measured - 1) over every priced cell, its median and 90th
+    percentile; the share of cells whose measured step fell inside the 80 % interval
+    (coverage); and per batch, whether the decision was right (module constants)."""
+    priced = [r for r in rows if r.get("predicted_step_ms") is not None]
+    errors = [r["predicted_step_ms"] / (r["step"]["median"] * 1e3) - 1 for r in priced]
+    out = {
+        "cells": len(priced),
+        "unpriced": [
+            {"batch_size": r["batch_size"], "ranks": r["ranks"], "why": r["prediction_error"]}
+            for r in rows
+            if r.get("prediction_error")
+        ],
+    }
+    if errors:
+        out.update(
+            median_abs_error=float(np.median(np.abs(errors))),
+            p90_abs_error=float(np.percentile(np.abs(errors), 90)),
+            coverage=sum(bool(r["inside_interval"]) for r in priced) / len(priced),
+        )
+    decisions = []
+    cell = lambda r: (tuple(r.get("layers", ())), r["batch_size"])  # grids of several models pool
+    unpriced = {cell(r) for r in rows if r.get("prediction_error")}
+    for layers, batch in sorted({cell(v) for v in validation} - unpriced):
+        cells = [v for v in validation if cell(v) == (layers, batch)]
+        throughput = {1: 1.0, **{v["ranks"]: v["measured_speedup"] for v in cells}}  # against 1 rank
+        best = max(throughput.values())
+        required = cells[0]["selector_strategy"] == "benchmark_required"
+        right = (
+            min(throughput.values()) >= DECISION_TOLERANCE * best
+            if required
+            else throughput.get(cells[0]["selector_devices"], 0.0) >= DECISION_TOLERANCE * best
+        )
+        decisions.append({"layers": list(layers), "batch_size": batch, "benchmark_required": required, "right": right})
+    if decisions:
+        out.update(
+            decisions=decisions,
+            decision_accuracy=sum(d["right"] for d in decisions) / len(decisions),
+            benchmark_required_share=sum(d["benchmark_required"] for d in decisions) / len(decisions),
+        )
+    return out
 
 
 def measure_world(pg, a, repeats: int, reverse: bool = False) -> list:

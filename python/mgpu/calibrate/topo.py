@@ -13,12 +13,16 @@ reports). Measures, on the backend and communicator training would use:
   - an allreduce sweep, 4 B to 256 MB, nccl-tests style: time, algbw, busbw =
     algbw x 2(n-1)/n, every result checked bit for bit;
   - the host overhead of a training step (a tiny model);
+  - held-out steps: real training steps of models on none of those tables, alone and
+    on every rank, whose spread about the model's prediction is the profile's error
+    model (the 80 % intervals of every prediction made from it);
 then fits the alpha-beta allreduce model and writes the profile (JSON).
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import socket
 import sys
@@ -31,6 +35,7 @@ from .._core import __version__
 from .._runtime import _core, gpus_emulated
 from ..errors import ConfigError, DeviceError
 from ..hostinfo import cpu_description, last_level_cache_bytes, placement_moved
+from ..selector import intervals, profiles
 from ..selector.hardware import PRECISIONS
 from ..selector.profiles import (
     LAYER_COLD_KEYS,
@@ -40,6 +45,7 @@ from ..selector.profiles import (
     PROFILE_VERSION,
     net_step_overheads,
 )
+from ..selector.workload import build_workload
 from ..train.config import TrainerConfig
 from ..train.data import local_slice
 from ..train.model import MLP
@@ -615,9 +621,9 @@ def node_sweeps(pg, backend, max_bytes: int, quick: bool) -> Optional[dict]:
     }
 
 
-def _step_seconds(pg, sizes, dropout, batch, device, device_index, threads, steps, communicator="auto") -> float:
-    """Median wall time of a training step of an MLP on this process group (communicator:
-    the kind the group already uses, where it uses one)."""
+def _step_times(pg, sizes, dropout, batch, device, device_index, threads, steps, communicator="auto") -> list:
+    """Wall times of `steps` training steps of an MLP on this process group after a warm-up
+    (communicator: the kind the group already uses, where it uses one)."""
     model = MLP(sizes, seed=0, dropout=dropout, device=device, device_index=device_index, threads=threads)
     trainer = Trainer(model, TrainerConfig(lr=1e-3, communicator=communicator), pg)
     part = local_slice(batch, pg.rank, pg.size)
@@ -630,7 +636,86 @@ def _step_seconds(pg, sizes, dropout, batch, device, device_index, threads, step
         t0 = time.perf_counter()
         trainer.step(x, y, global_batch=batch, first_sample=part.start)
         times.append(time.perf_counter() - t0)
-    return _median(times)
+    return times
+
+
+def _step_seconds(pg, sizes, dropout, batch, device, device_index, threads, steps, communicator="auto") -> float:
+    """Median wall time of a training step (see _step_times)."""
+    return _median(_step_times(pg, sizes, dropout, batch, device, device_index, threads, steps, communicator))
+
+
+# Held-out steps: MLPs whose widths lie between the layer grid's and whose parameter counts
+# between the step-phase probes', each at a small and a large global batch: (layers, batch).
+HELD_OUT_CHECKS = (
+    ([64, 384, 192, 96, 4], 96),
+    ([64, 384, 192, 96, 4], 1536),
+    ([96, 768, 768, 10], 192),
+    ([96, 768, 768, 10], 768),
+    ([384, 1536, 1536, 1536, 48], 80),
+    ([384, 1536, 1536, 1536, 48], 320),
+)
+HELD_OUT_QUICK = (0, 1, 2)  # the checks --quick runs: the smaller models
+HELD_OUT_DROPOUT = 0.1
+HELD_OUT_STEPS, HELD_OUT_STEPS_QUICK = 15, 6
+
+
+def measure_held_out_steps(pg, device: str, device_index: int, threads: int, quick: bool, communicator: str) -> list:
+    """Collective: each held-out check's median step seconds on rank 0 alone with the whole
+    batch (every other rank sleeping) and, with several ranks, on every rank at once
+    (rank 0's reading): a measured step and speedup the model never saw."""
+    steps = HELD_OUT_STEPS_QUICK if quick else HELD_OUT_STEPS
+    chosen = [HELD_OUT_CHECKS[i] for i in HELD_OUT_QUICK] if quick else HELD_OUT_CHECKS
+    checks = []
+    for layers, batch in chosen:
+        check = {"layers": list(layers), "batch": batch, "dropout": HELD_OUT_DROPOUT}
+        if pg.is_root:
+            check["alone_s"] = _step_seconds(
+                _self_group(), layers, HELD_OUT_DROPOUT, batch, device, device_index, threads, steps
+            )
+        if pg.size > 1:
+            pg.sleeping_barrier()
+            with _timeouts_kept(pg):
+                check["together_s"] = _step_seconds(
+                    pg, layers, HELD_OUT_DROPOUT, batch, device, device_index, threads, steps, communicator
+                )
+        checks.append(check)
+    return checks
+
+
+def held_out_error_model(profile: dict, checks: list) -> dict:
+    """The profile's error model from its held-out checks, each band the 10th-90th
+    percentile of log(measured / predicted) over them: the step alone (one device's
+    compute), the step on every rank (a device's among several: compute and communication
+    alike, as the ranks' times were measured apart from the one's) and the speedup. Each
+    check keeps its predictions."""
+    hw = profiles.to_core({**profile, "error_model": None})
+    options = profiles.P.Options()
+    options.equal_shares = True
+    ranks = len(profile["devices"])
+    alone, together, speedup = [], [], []
+    for c in checks:
+        w = build_workload(None, c["layers"], None, c["batch"], "fp32", "sgd", 4.0, c["dropout"])
+        one = profiles.P.predict(w, hw, 1, options)
+        c["alone_predicted_s"] = one.step_s
+        alone.append(math.log(c["alone_s"] / one.step_s))
+        if "together_s" in c:
+            several = profiles.P.predict(w, hw, ranks, options)
+            c["together_predicted_s"] = several.step_s
+            together.append(math.log(c["together_s"] / several.step_s))
+            speedup.append(math.log((c["alone_s"] / c["together_s"]) / several.speedup))
+    compute = list(intervals.band(alone))
+    model = {
+        "compute": compute,
+        "compute_together": list(intervals.band(together)) if together else compute,
+        "comm": list(intervals.band(together)) if together else compute,
+        "compute_shared": False,
+        "source": f"{len(checks)} held-out steps at calibration"
+        + (f" alone and on {ranks} ranks" if together else " alone")
+        + " (10th-90th percentile of measured/predicted)",
+    }
+    if speedup:
+        model["speedup"] = list(intervals.band(speedup))
+    return model
 
 
 def _self_group():
@@ -704,6 +789,7 @@ def run_topo(
     entry["step_overhead_s"] = measure_step_overhead(device, device_index, threads)
     entry["dropout_s_per_unit"] = measure_dropout_cost(backend, quick)
     kind = comm_kind if comm_kind != "auto" else ("nccl" if device == "cuda" and pg.size > 1 else "mpi")
+    held_out = None  # (measured on the communicator the sweep used)
     rows, link, levels = [], None, None
     if pg.size > 1:
         comm = pg.communicator(kind, device_index) if kind == "nccl" else pg.communicator()
@@ -715,6 +801,7 @@ def run_topo(
             buffer_bytes=64e6 if kind == "nccl" else 0.0,
             step_sync_s=measure_step_sync(pg, device, device_index, threads, kind),
         )
+        held_out = measure_held_out_steps(pg, device, device_index, threads, quick, kind)
         if kind == "mpi":  # (NCCL between nodes: not measurable here, and not modelled from a sweep)
             levels = node_sweeps(pg, backend, max_bytes, quick)
         if device == "cpu":
@@ -730,6 +817,8 @@ def run_topo(
         if levels is not None and levels["intra"] is not None:
             link["nccl"] = hierarchical_link(levels["intra"], levels["inter"], levels["ranks_per_node"])
         pg.close()
+    else:
+        held_out = measure_held_out_steps(pg, device, device_index, threads, quick, kind)
     entries = pg.comm.gather(entry, root=0) if pg.comm is not None else [entry]
     if not pg.is_root:
         return None
@@ -758,7 +847,6 @@ def run_topo(
         "gpus_per_node": levels["ranks_per_node"] if levels else 0,
         "step_overhead_s": max(e["step_overhead_s"] for e in entries),
         "placement": entries[0].pop("placement", None),
-        "model_error": 0.15,
         "environment": {
             "openblas_coretype": os.environ.get("OPENBLAS_CORETYPE"),
             "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
@@ -769,4 +857,6 @@ def run_topo(
         },
     }
     net_step_overheads(profile)
+    profile["error_model"] = held_out_error_model(profile, held_out)
+    profile["held_out_steps"] = held_out
     return profile

@@ -41,6 +41,7 @@ from ..calibrate.bench import (
     resolve_layers,
     run_torch,
     run_worker,
+    score_validation,
     torch_python,
     validate_selector,
 )
@@ -49,6 +50,7 @@ from ..selector import costsheet
 from ..selector.hardware import GPUS, PRECISIONS
 from ..selector.memory import gpu_step_memory
 from ..selector.profiles import emulation_mismatch, resolve_profile
+from ..selector.tuning import calibration_for
 from ..train.config import GRAD_DTYPES, GRAPH_MODES, PRESETS
 from ..train.observe import import_summary_writer
 from .common import MAX_THREADS, check_output_dir, check_outputs, int_list
@@ -83,6 +85,47 @@ def format_table(rows: list) -> str:
             f"{cell(r['samples_per_sec'] / torch['samples_per_sec'] if torch else None, '.2f', 5)}"
         )
     return "\n".join(out)
+
+
+def format_predictions(rows: list) -> str:
+    """Each priced cell's measured step beside the prediction and its 80 % interval."""
+    out = [f"{'batch':>6} {'ranks':>5} {'thr':>3} {'step ms':>9} {'predicted (80% interval)':>26} {'error':>7}"]
+    for r in rows:
+        if "predicted_step_interval_ms" not in r:
+            why = r.get("prediction_error", "not priced")
+            out.append(
+                f"{r['batch_size']:>6} {r['ranks']:>5} {r['threads']:>3} {r['step']['median'] * 1e3:>9.3g}  {why}"
+            )
+            continue
+        low, high = r["predicted_step_interval_ms"]
+        measured = r["step"]["median"] * 1e3
+        where = "" if r["inside_interval"] else "  OUTSIDE"
+        predicted = f"{r['predicted_step_ms']:.3g} ({low:.3g}-{high:.3g})"
+        out.append(
+            f"{r['batch_size']:>6} {r['ranks']:>5} {r['threads']:>3} {measured:>9.3g} {predicted:>26} "
+            f"{r['predicted_step_ms'] / measured - 1:>+7.0%}{where}"
+        )
+    return "\n".join(out)
+
+
+def format_scores(scores: dict) -> str:
+    """The selector's scores over this grid (score_validation) in a line or two."""
+    if not scores["cells"]:
+        lines = ["scores: no cell priced"]
+    else:
+        lines = [
+            f"scores: step error median {scores['median_abs_error']:.1%}, 90th percentile "
+            f"{scores['p90_abs_error']:.1%} over {scores['cells']} cells; the 80% interval held the measured "
+            f"step in {scores['coverage']:.0%} of them"
+        ]
+        if scores.get("decisions"):
+            lines[0] += (
+                f"; decisions right in {sum(d['right'] for d in scores['decisions'])} of {len(scores['decisions'])} "
+                f"batches ({scores['decision_accuracy']:.0%}), benchmark required in "
+                f"{scores['benchmark_required_share']:.0%}"
+            )
+    lines += [f"  not priced: batch {u['batch_size']} x {u['ranks']} rank(s): {u['why']}" for u in scores["unpriced"]]
+    return "\n".join(lines)
 
 
 def format_validation(rows: list) -> str:
@@ -474,8 +517,8 @@ def cmd_bench(a, pg) -> int:
         if pg.is_root:
             write_json_atomic(a.worker_out, rows)
         return 0
-    # the device this run measures, where a check needs it (resolving it may refuse the run)
-    device = pg.resolve_device(a.device)[0] if a.validate_selector or a.compare == "torch" else None
+    # the device this run measures (resolving it may refuse the run)
+    device = pg.resolve_device(a.device)[0]
     profile = None
     if a.validate_selector or a.profile:
         profile = resolve_profile(a.profile or "calibrated", max(a.ranks or [pg.size]))
@@ -484,6 +527,10 @@ def cmd_bench(a, pg) -> int:
         mismatch = emulation_mismatch(profile, device) if a.validate_selector else None
         if mismatch:
             raise ConfigError(f"--validate-selector: {mismatch}")
+    elif pg.is_root:  # every run holds the prediction of a calibration that describes it
+        profile, unpriced = calibration_for(max(a.ranks or [pg.size]), device)
+        if unpriced:
+            print(f"prediction: none ({unpriced})", flush=True)
     if a.compare == "torch" and pg.size > 1:
         raise ConfigError(
             "--compare torch alternates launches of mgpu and PyTorch: run it from one process "
@@ -526,6 +573,8 @@ def cmd_bench(a, pg) -> int:
         r["optimizer"] = a.optimizer
     add_derived(rows, profile, thread_scaling=several_threads)
     print(format_table(rows))
+    if any("predicted_step_interval_ms" in r or "prediction_error" in r for r in rows):
+        print(format_predictions(rows))
     for r in rows:
         t = r.get("torch_ratio")
         if t:
@@ -585,7 +634,9 @@ def report(a, pg, rows: list, profile) -> int:
     }
     if a.validate_selector:
         result["validation"] = validate_selector(rows, profile, a)
+        result["scores"] = score_validation(rows, result["validation"])
         print(format_validation(result["validation"]))
+        print(format_scores(result["scores"]))
     if a.json:
         write_json_atomic(a.json, result)
     if a.csv:

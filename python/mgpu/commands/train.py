@@ -26,6 +26,7 @@ from ..monitor.telemetry import check_monitor_options
 from ..monitor.training import TrainTelemetry, output_options
 from ..selector import profiles
 from ..selector.memory import check_training_memory
+from ..selector.run_check import check_run, format_check, predict_run
 from ..selector.tuning import auto_batch_shares, auto_bucket_mb
 from ..train.checkpoint import (
     CHECKPOINT_NAME,
@@ -296,6 +297,7 @@ class RunPlan:
     resume: Optional[str]  # the checkpoint resumed, or None
     telemetry: Optional[TelemetrySettings]
     emulated: bool  # the device is mgpu's GPU emulation: every figure says so
+    prediction: dict  # the selector's step for this run (run_check.predict_run), rank 0's reading
 
     @property
     def total_steps(self) -> int:
@@ -317,7 +319,8 @@ def plan_run(a, pg) -> RunPlan:
                 f"with a positive sum, got {a.batch_shares}"
             ) from None
     device, device_index = pg.resolve_device(cfg.device)
-    error, resume, bucket_note, telemetry = None, None, None, None
+    threads = cfg.threads or pg.default_threads()
+    error, resume, bucket_note, telemetry, prediction = None, None, None, None, None
     batch_shares, bucket = a.batch_shares, a.bucket_mb
     try:  # work that can fail on some ranks only: agree before any collective
         fixed_in, fixed_out = cfg.fixed_io()
@@ -340,6 +343,9 @@ def plan_run(a, pg) -> RunPlan:
             bucket = "auto" if os.path.exists(profiles.default_profile_path()) else 4.0
         if bucket == "auto":
             bucket, bucket_note = auto_bucket_mb(cfg, pg, sizes, device)
+        if pg.is_root:  # made once, before the first step: nothing per step
+            at_bucket = dataclasses.replace(cfg, bucket_mb=float(bucket))
+            prediction = predict_run(at_bucket, pg.size, sizes, device, threads, batch_shares)
         if len(data.x_train) < pg.size:
             raise DataError(f"dataset has {len(data.x_train)} training samples, fewer than the {pg.size} ranks")
         telemetry = _telemetry_settings(a)
@@ -364,7 +370,7 @@ def plan_run(a, pg) -> RunPlan:
         config=dataclasses.replace(cfg, bucket_mb=bucket),
         device=device,
         device_index=device_index,
-        threads=cfg.threads or pg.default_threads(),
+        threads=threads,
         data=data,
         loss=loss,
         sizes=tuple(sizes),
@@ -373,6 +379,7 @@ def plan_run(a, pg) -> RunPlan:
         resume=resume,
         telemetry=telemetry,
         emulated=gpus_emulated(device),
+        prediction=pg.bcast(prediction),
     )
 
 
@@ -452,6 +459,7 @@ def build_run(plan: RunPlan, pg) -> tuple:
             "batch_size": cfg.batch_size,
             "accumulate": cfg.accumulate,
             "resumed_from": plan.resume,
+            "prediction": plan.prediction,
         }
         observer = Observer(
             pg,
@@ -466,7 +474,14 @@ def build_run(plan: RunPlan, pg) -> tuple:
             telemetry=telemetry,
             device_clock=plan.device == "cuda",
         )
+        observer.before_end = lambda t: [("prediction", checked_prediction(plan, t))]
     return model, trainer, policy, telemetry, observer
+
+
+def checked_prediction(plan: RunPlan, trainer) -> dict:
+    """The plan's prediction held against this rank's steady-state steps (run_check)."""
+    timed = plan.device == "cpu" or trainer.config.timed
+    return check_run(plan.prediction, trainer.step_times.medians(), phases_timed=timed)
 
 
 def header(plan: RunPlan, model, trainer) -> str:
@@ -562,6 +577,7 @@ def report(plan: RunPlan, model, trainer, telemetry, observer, history: list, wa
         "checkpoint": trainer.last_checkpoint,
         "gpu_emulation": emulated_figures,
         "stragglers": trainer.stragglers,
+        "prediction": checked_prediction(plan, trainer),
     }
     if telemetry is not None:
         result["telemetry"] = {
@@ -580,6 +596,9 @@ def report(plan: RunPlan, model, trainer, telemetry, observer, history: list, wa
             f"{_emulation_words(plan.emulated, emulated_figures)}; final train loss {final['train_loss']:.5f}, "
             f"val loss {final['val_loss']:.5f}{acc}"
         )
+    say(format_check(result["prediction"]))
+    if pg.is_root and result["prediction"].get("warning"):
+        print(f"mgpu: warning: {result['prediction']['warning']}", file=sys.stderr, flush=True)
     if pg.is_root:
         if a.json:
             write_json_atomic(a.json, result)

@@ -23,6 +23,7 @@ import numpy as np
 
 from .._runtime import _core
 from ..errors import ConfigError
+from . import gemm_fit, intervals
 
 P = _core.perf
 DATA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
@@ -537,9 +538,10 @@ def markdown(published: Optional[dict] = None, fit: Optional[dict] = None) -> st
             "Profiles with no published point in range (built from cited anchors or assumptions, "
             "not validated): " + ", ".join(missing) + ".",
         ]
-    from .intervals import scores_markdown  # intervals imports this module
-
-    lines += ["", *scores_markdown(published, fit).rstrip("\n").split("\n")]
+    scores = intervals.scores_markdown(
+        intervals.residuals(rows, "bytes"), intervals.residuals(gemm_fit.validate(), "shape")
+    )
+    lines += ["", *scores.rstrip("\n").split("\n")]
     lines += ["", "## Sources", ""]
     for t in published["tables"]:
         lines.append(

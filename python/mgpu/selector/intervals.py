@@ -1,24 +1,22 @@
-"""Error bands of the performance model from the published tables it is checked against, and
-their scores (issue 42): a prediction P carries the central 80 % interval [P exp(low), P exp(high)],
-where low and high are the 10th and 90th percentiles of r = log(measured / predicted) over the
-residuals of the allreduce model (nccl-tests tables) or of the GEMM rates (GEMM tables).
+"""Error bands of the performance model and their scores (issue 42): a prediction P carries the
+central 80 % interval [P exp(low), P exp(high)], where low and high are the 10th and 90th
+percentiles of r = log(measured / predicted) over residuals: the allreduce model's on nccl-tests
+tables, the GEMM rates' on GEMM tables (allreduce_fit and gemm_fit validate them; profiles
+pools them into a named profile's "error_model"), or a calibration's held-out steps (topo).
 
-published_error_model() is what a hardware profile stores under "error_model"; score() says how
-far the point predictions and those intervals hold on tables the fits never saw, and
-scores_markdown() writes it into docs/selector-validation.md.
+score() says how far the point predictions and those intervals hold on tables the fits never
+saw, and scores_markdown() writes it into docs/selector-validation.md. Plain arithmetic on
+residual rows: this module imports no model.
 """
 
 from __future__ import annotations
 
-import copy
-import functools
 import math
-from typing import Iterable, List, Optional, Sequence
+from typing import Iterable, List, Sequence
 
 import numpy as np
 
 from ..errors import ConfigError
-from . import allreduce_fit, gemm_fit
 
 QUANTILES = (10.0, 90.0)  # percent: the central 80 % interval
 # Issue 42's targets for the held-out allreduce tables.
@@ -53,43 +51,33 @@ def band(log_ratios: Iterable[float]) -> tuple:
     return float(low), float(high)
 
 
-def _residual(row: dict, where: str) -> dict:
-    return {
-        "table": row["table"],
-        "role": row["role"],
-        "log_ratio": -math.log1p(row["error"]),  # error = predicted / measured - 1
-        "error": row["error"],
-        where: row[where],
-    }
+def residuals(validated: Iterable[dict], where: str) -> List[dict]:
+    """Residual rows of validate() rows (allreduce_fit's: where="bytes"; gemm_fit's: "shape"):
+    table, role, log_ratio = log(measured / predicted), error = predicted / measured - 1, where."""
+    return [
+        {
+            "table": row["table"],
+            "role": row["role"],
+            "log_ratio": -math.log1p(row["error"]),
+            "error": row["error"],
+            where: row[where],
+        }
+        for row in validated
+    ]
 
 
-def allreduce_residuals(published: Optional[dict] = None, fit: Optional[dict] = None) -> List[dict]:
-    """One row per published allreduce point in the validated range (allreduce_fit.validate)."""
-    return [_residual(r, "bytes") for r in allreduce_fit.validate(published, fit)]
-
-
-def gemm_residuals(fits: Optional[dict] = None) -> List[dict]:
-    """One row per published GEMM point whose GPU and precision have a fit (gemm_fit.validate)."""
-    return [_residual(r, "shape") for r in gemm_fit.validate(fits)]
-
-
-@functools.lru_cache(maxsize=1)
-def _published_error_model() -> dict:
-    gemm, comm = gemm_residuals(), allreduce_residuals()
+def error_model(gemm: Sequence[dict], comm: Sequence[dict]) -> dict:
+    """{"compute": [low, high], "comm": [low, high], "compute_shared", "source"}: the bands of
+    every GEMM and every allreduce residual, fit and held-out tables pooled."""
     tables = lambda rows: len({r["table"] for r in rows})
     return {
         "compute": list(band(r["log_ratio"] for r in gemm)),
         "comm": list(band(r["log_ratio"] for r in comm)),
         "compute_shared": True,
         "source": f"published tables: {len(gemm)} GEMM points ({tables(gemm)} tables), {len(comm)} nccl-tests "
-        f"allreduce points ({tables(comm)} tables); 10th-90th percentile of measured/predicted",
+        f"allreduce points ({tables(comm)} tables); 10th-90th percentile of measured/predicted; no whole "
+        "GPU step measured against it yet",
     }
-
-
-def published_error_model() -> dict:
-    """{"compute": [low, high], "comm": [low, high], "compute_shared", "source"}: the bands of every
-    GEMM and every allreduce residual, fit and held-out tables pooled. A fresh copy each call."""
-    return copy.deepcopy(_published_error_model())
 
 
 def _point_stats(rows: Sequence[dict], band_of) -> dict:
@@ -152,9 +140,9 @@ def _verdict(s: dict) -> List[str]:
     return [f"{figure} ({target}: {'met' if ok else 'not met'})" for figure, target, ok in checks]
 
 
-def scores_markdown(published: Optional[dict] = None, fit: Optional[dict] = None) -> str:
-    """The section of docs/selector-validation.md: point error and interval coverage per kind and set."""
-    comm, gemm = allreduce_residuals(published, fit), gemm_residuals()
+def scores_markdown(comm: Sequence[dict], gemm: Sequence[dict]) -> str:
+    """The section of docs/selector-validation.md: point error and interval coverage per kind
+    and set, from the allreduce and GEMM residual rows."""
     misses = known_miss_tables()
     held_comm, held_known, held_gemm = score(comm), score(comm, exclude=misses), score(gemm)
     sets = [

@@ -16,6 +16,8 @@ With none of them (no calibration, no GPU) the selector falls back to seed
 
 from __future__ import annotations
 
+import copy
+import functools
 import json
 import math
 import os
@@ -26,8 +28,9 @@ from .._runtime import _core, gpus_emulated
 from ..atomic import atomic_file
 from ..errors import ConfigError
 from ..hostinfo import placement_moved
-from . import gemm_fit
+from . import gemm_fit, intervals
 from .allreduce_fit import load_fitted, load_published, model_from_dict
+from .allreduce_fit import validate as validate_allreduce
 from .hardware import (
     GPU_LAUNCH_S,
     GPU_STEP_OVERHEAD_S,
@@ -225,6 +228,18 @@ def _fitted_link(link: str) -> dict:
     return links[link]
 
 
+@functools.lru_cache(maxsize=1)
+def _published_error_model() -> dict:
+    gemm = intervals.residuals(gemm_fit.validate(), "shape")
+    return intervals.error_model(gemm, intervals.residuals(validate_allreduce(), "bytes"))
+
+
+def published_error_model() -> dict:
+    """A named GPU profile's "error_model": the bands of every published GEMM and allreduce
+    residual (intervals.error_model). A fresh copy each call."""
+    return copy.deepcopy(_published_error_model())
+
+
 def named_profile(name: str, devices: Optional[int] = None) -> dict:
     name = PROFILE_ALIASES.get(name, name)
     if name not in NAMED_PROFILES:
@@ -289,7 +304,8 @@ def named_profile(name: str, devices: Optional[int] = None) -> dict:
             "nccl": nccl,
         },
         "step_overhead_s": GPU_STEP_OVERHEAD_S,
-        "model_error": 0.3,
+        # the bands the published tables' residuals give (docs/selector-validation.md)
+        "error_model": published_error_model(),
     }
 
 
@@ -586,6 +602,43 @@ def _placement_widened(phases: dict, moved: bool) -> dict:
     }
 
 
+def _error_to_core(profile: dict):
+    """The profile's ErrorModel: its "error_model" (bands of log(measured / predicted)), or,
+    for a profile written before those, its "model_error" e as the band log(1 -+ e) on
+    compute and communication alike."""
+    e = P.ErrorModel()
+    given = profile.get("error_model")
+    if given is not None:
+        if not isinstance(given, dict):
+            raise ConfigError("hardware profile is malformed (error_model must be an object)")
+        for key in ("compute", "compute_together", "comm"):
+            pair = given.get(key, given.get("compute")) if key == "compute_together" else given.get(key)
+            if not (isinstance(pair, (list, tuple)) and len(pair) == 2):
+                raise ConfigError(f"hardware profile is malformed (error_model.{key} must be [low, high])")
+            band = P.ErrorBand()
+            band.low, band.high = float(pair[0]), float(pair[1])
+            setattr(e, key, band)
+        if given.get("speedup") is not None:  # measured on held-out steps (topo)
+            pair = given["speedup"]
+            if not (isinstance(pair, (list, tuple)) and len(pair) == 2):
+                raise ConfigError("hardware profile is malformed (error_model.speedup must be [low, high])")
+            band = P.ErrorBand()
+            band.low, band.high = float(pair[0]), float(pair[1])
+            e.speedup, e.speedup_measured = band, True
+        e.compute_shared = bool(given.get("compute_shared", True))
+        e.source = str(given.get("source", "the profile's error bands"))
+        return e
+    error = float(profile.get("model_error", 0.25))
+    if not 0 <= error < 1:
+        raise ConfigError(f"hardware profile: model_error is a relative error in [0, 1), got {error}")
+    for key in ("compute", "compute_together", "comm"):
+        band = P.ErrorBand()
+        band.low, band.high = math.log1p(-error), math.log1p(error)
+        setattr(e, key, band)
+    e.source = f"the profile's model error +-{error:.0%}, not validated"
+    return e
+
+
 def to_core(profile: dict, devices: Optional[int] = None):
     """The C++ HardwareProfile of a profile dict (repeating the last device up to `devices`)."""
     try:
@@ -648,7 +701,7 @@ def to_core(profile: dict, devices: Optional[int] = None):
             link.gpus_per_node = int(l["nccl"].get("gpus_per_node", 0))
         hw.link = link
         hw.step_overhead_s = float(profile.get("step_overhead_s", 0.0))
-        hw.model_error = float(profile.get("model_error", 0.25))
+        hw.error = _error_to_core(profile)
     except ConfigError:
         raise  # already one line that names what is wrong
     except (KeyError, TypeError, ValueError) as e:

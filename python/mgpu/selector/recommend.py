@@ -44,6 +44,9 @@ def _as_dict(rec) -> dict:
             "all_gather_ms": c.gather_s * 1e3,
             "optimizer_state_bytes": c.optimizer_state_bytes,
             "timing_spread_ms": c.timing_spread_s * 1e3,
+            # central 80 % intervals (the profile's error bands and the timing spread)
+            "step_interval_ms": [c.step_low_s * 1e3, c.step_high_s * 1e3],
+            "speedup_interval": [c.speedup_low, c.speedup_high],
             "bucket_mb": c.bucket_elems * 4 / 2**20,
             "cuda_graph": c.graphs,
             "memory_bytes": c.memory_bytes,
@@ -278,6 +281,13 @@ def recommend(
     result["bucket"] = bucket
     result["bucket_mb_used"] = (fastest.bucket_elems if fastest else w.bucket_elems) * 4 / 2**20
     result["sources"] = prof.get("sources", [])
+    result["error_model"] = {
+        "compute": [hw.error.compute.low, hw.error.compute.high],
+        "compute_together": [hw.error.compute_together.low, hw.error.compute_together.high],
+        "comm": [hw.error.comm.low, hw.error.comm.high],
+        "compute_shared": hw.error.compute_shared,
+        "source": hw.error.source,
+    }
     result["gpu_emulation"] = profile_is_emulated(prof)
     if result["gpu_emulation"]:  # never mistakable for a real GPU's answer
         result["reasons"].insert(
@@ -296,15 +306,19 @@ def format_recommendation(r: dict) -> str:
     ]
     if r["candidates"]:
         lines.append(
-            f"{'devices':>7} {'step ms':>9} {'samples/s':>11} {'speedup':>8} {'effic.':>7} "
+            f"{'devices':>7} {'step ms':>9} {'80% interval':>15} {'samples/s':>11} {'speedup':>8} {'80% interval':>13} "
+            f"{'effic.':>7} "
             f"{'allreduce ms':>13} {'exposed':>8} {'bucket MiB':>10} {'memory/dev':>11} {'fits':>5}"
         )
         for c in r["candidates"]:
             # 6 digits: 1024 MiB prints as such, not as 1.02e+03
             bucket = f"{c['bucket_mb']:>10.6g}" if c["devices"] > 1 and c.get("bucket_mb") else f"{'-':>10}"
+            step_low, step_high = c["step_interval_ms"]
+            speedup = f"{c['speedup_interval'][0]:.2f}-{c['speedup_interval'][1]:.2f}x" if c["devices"] > 1 else "-"
             lines.append(
-                f"{c['devices']:>7} {c['predicted_step_ms']:>9.3f} {c['predicted_samples_per_sec']:>11,.0f} "
-                f"{c['predicted_speedup']:>7.2f}x {c['efficiency']:>6.0%} {c['allreduce_ms']:>13.3f} "
+                f"{c['devices']:>7} {c['predicted_step_ms']:>9.3f} {f'{step_low:.3g}-{step_high:.3g}':>15} "
+                f"{c['predicted_samples_per_sec']:>11,.0f} {c['predicted_speedup']:>7.2f}x {speedup:>13} "
+                f"{c['efficiency']:>6.0%} {c['allreduce_ms']:>13.3f} "
                 f"{c['exposed_allreduce_ms']:>8.3f} {bucket} {c['memory_bytes'] / 1e9:>9.2f}GB "
                 f"{'yes' if c['memory_fits'] else 'NO':>5}"
             )
@@ -313,6 +327,8 @@ def format_recommendation(r: dict) -> str:
             "optimizer sharded on several devices: their allreduce ms is the gradients' reduce-scatter and the "
             "all-gathers after the update, exposed ms includes the all-gathers"
         )
+    if r.get("error_model"):
+        lines.append(f"80% intervals from {r['error_model']['source']}")
     if r["break_even_batch"]:
         lines.append(f"break-even global batch: {r['break_even_batch']}")
     lines += [f"- {reason}" for reason in r["reasons"]]

@@ -6,11 +6,31 @@ or not).
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 from ..errors import ConfigError
 from . import profiles, recommend
 from .profiles import emulation_mismatch
 from .workload import build_workload
+
+
+def run_workload(cfg, sizes, bucket_mb: float):
+    """A step of train's as the selector sees it: --accumulate micro-batches of --batch-size
+    rows each, at the given bucket."""
+    return build_workload(
+        None,
+        sizes,
+        None,
+        cfg.batch_size * cfg.accumulate,
+        cfg.precision,
+        cfg.optimizer,
+        bucket_mb,
+        cfg.effective_dropout(),
+        cfg.grad_dtype,
+        cfg.cuda_graph,
+        cfg.accumulate,
+        cfg.shard_optimizer,
+    )
 
 
 def calibrated_kind_differs(profile, ranks: int, device: str):
@@ -23,6 +43,22 @@ def calibrated_kind_differs(profile, ranks: int, device: str):
             f"(calibrate with `mgpu topo --device {device}` under the job's launcher)"
         )
     return emulation_mismatch(profile, device)
+
+
+def calibration_for(ranks: int, device: str, path: Optional[str] = None) -> tuple:
+    """(the calibration at `path` (default: this machine's), None), or (None, why it cannot
+    describe a job on `ranks` devices of kind `device`)."""
+    path = path or profiles.default_profile_path()
+    if not os.path.exists(path):
+        return None, f"no calibration of this machine (run `mpirun -np {ranks} python -m mgpu topo`)"
+    try:
+        profile = profiles.load_profile(path)
+    except ConfigError as e:
+        return None, f"the calibration cannot be read: {e}"
+    if len(profile["devices"]) < ranks:
+        return None, f"the calibration has {len(profile['devices'])} device(s), this job {ranks} ranks"
+    differs = calibrated_kind_differs(profile, ranks, device)
+    return (None, differs) if differs else (profile, None)
 
 
 def auto_bucket_mb(cfg, pg, sizes, device: str) -> tuple:
@@ -41,22 +77,7 @@ def auto_bucket_mb(cfg, pg, sizes, device: str) -> tuple:
     differs = calibrated_kind_differs(profile, pg.size, device)
     if differs:
         return 4.0, f"bucket 4 MB: {differs}"
-    # a step of train's: --accumulate micro-batches of --batch-size each
-    w = build_workload(
-        None,
-        sizes,
-        None,
-        cfg.batch_size * cfg.accumulate,
-        cfg.precision,
-        cfg.optimizer,
-        4.0,
-        cfg.effective_dropout(),
-        cfg.grad_dtype,
-        cfg.cuda_graph,
-        cfg.accumulate,
-        cfg.shard_optimizer,
-    )
-    b = recommend.auto_bucket(profile, w, pg.size)
+    b = recommend.auto_bucket(profile, run_workload(cfg, sizes, 4.0), pg.size)
     return b["bucket_mb"], f"bucket {b['bucket_mb']:g} MiB (auto): {b['reason']}"
 
 
@@ -78,19 +99,6 @@ def auto_batch_shares(cfg, pg, sizes, device: str) -> list:
     differs = calibrated_kind_differs(profile, pg.size, device)
     if differs:
         raise ConfigError(f"--batch-shares auto: {differs}")
-    w = build_workload(
-        None,
-        sizes,
-        None,
-        cfg.batch_size * cfg.accumulate,
-        cfg.precision,
-        cfg.optimizer,
-        cfg.bucket_mb,
-        cfg.effective_dropout(),
-        cfg.grad_dtype,
-        cfg.cuda_graph,
-        cfg.accumulate,
-        cfg.shard_optimizer,
-    )
+    w = run_workload(cfg, sizes, cfg.bucket_mb)
     prediction = profiles.P.predict(w, profiles.to_core(profile), pg.size, profiles.P.Options())
     return [float(s) for s in prediction.batch_shares]

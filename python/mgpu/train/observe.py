@@ -170,6 +170,8 @@ class Observer:
         self.on_straggler = None  # rank 0: called with each window's finding or None (Trainer)
         self.telemetry = telemetry  # a monitor.training.TrainTelemetry (train --telemetry) or None
         self.telemetry_files: list = []  # rank 0: what it wrote at close
+        # rank 0 at close: (event, fields) records of the finished run (train's prediction) logged before run_end
+        self.before_end = None
 
     @property
     def gathers(self) -> bool:
@@ -272,6 +274,8 @@ class Observer:
             self._writer.close()
             self._writer = None
         if self._log is not None:
+            for event, fields in self.before_end(trainer) if self.before_end and trainer is not None else ():
+                self.log(event, **fields)
             self.log("run_end", stragglers=len(self.stragglers), skipped_steps=self.skipped_steps)
             self._log.close()
             self._log = None

@@ -33,6 +33,7 @@ from .group import Group
 from .model import MLP
 from .process_group import ProcessGroup
 from .schedule import LRSchedule
+from .step_times import StepTimes
 
 
 @dataclass
@@ -204,6 +205,7 @@ class Trainer:
         self.last_checkpoint: Optional[str] = None
         self.t_call = self.t_return = 0.0
         self.observer = None  # an observe.Observer during fit(observer=...)
+        self.step_times = StepTimes()  # the steady-state step, which train holds its prediction against
 
     @property
     def shards_optimizer(self) -> bool:
@@ -250,6 +252,7 @@ class Trainer:
         trace: the core records the step's spans and bucket allreduces
         (last_result.spans, .buckets; drain_trace() returns any not handed over).
         """
+        t_start = time.perf_counter()
         rows = len(x_local)
         if global_batch is None:
             global_batch = int(self.pg.allreduce(rows))
@@ -263,6 +266,7 @@ class Trainer:
         result = self._step.step(micro, global_batch, self.global_step, self.lr, request, trace)
         self.t_return = time.perf_counter()
         self.last_result = result
+        self.step_times.add(self.t_return - t_start, result.timings)
         if not self._graph_fallback_reported and self._step.graph_fallback:
             self._graph_fallback_reported = True
             if self.pg.is_root:

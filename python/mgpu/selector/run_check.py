@@ -1,0 +1,136 @@
+"""The advisor checks itself on every run: the selector's prediction for a run's own
+configuration, from the calibration `--bucket-mb auto` would use, made once before the
+first step (predict_run), and held against the run's steady-state steps at its end
+(check_run): the measured and predicted step, the error, whether the measurement fell in
+the 80 % interval, and where it did not, the phase that differs most and what to do.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from ..errors import ConfigError
+from . import profiles
+from .tuning import calibration_for, run_workload
+
+# The core's StepTimings fields and the Prediction's seconds that price them.
+PHASES = (
+    ("forward", "forward_s"),
+    ("backward", "backward_s"),
+    ("comm_wait", "exposed_comm_s"),
+    ("optimizer", "optimizer_s"),
+)
+
+# What to do where a phase is off the prediction by much, slower or faster than it.
+ADVICE = {
+    ("compute", True): "the machine computes slower than when it was calibrated (other load, another "
+    "machine's or setup's calibration): run `mgpu topo` here under the job's launcher",
+    ("compute", False): "the machine computes faster than its calibration says (a calibration from a busier "
+    "time, another machine or setup): run `mgpu topo` here under the job's launcher",
+    ("comm_wait", True): "the wait after backward is longer than calibrated: a straggler rank (see "
+    "--straggler-threshold) or a slower link than `mgpu topo` measured (run it again)",
+    ("comm_wait", False): "the wait after backward is shorter than calibrated: run `mgpu topo` again",
+}
+
+
+def _none(reason: str) -> dict:
+    return {"available": False, "reason": reason}
+
+
+def predict_run(
+    cfg, ranks: int, sizes, device: str, threads: int, batch_shares=None, path: Optional[str] = None
+) -> dict:
+    """The prediction for a run of `cfg` (bucket resolved) on `ranks` devices of kind `device`
+    with `threads` per rank (batch_shares: the run's, None for equal), as a dict;
+    {"available": False, "reason": ...} where the calibration at `path` (default: this
+    machine's) cannot say. Never raises ConfigError."""
+    profile, why = calibration_for(ranks, device, path)
+    if profile is None:
+        return _none(why)
+    calibrated_threads = (profile.get("environment") or {}).get("threads_per_rank")
+    if device == "cpu" and calibrated_threads and calibrated_threads != threads:
+        return _none(
+            f"the calibration measured {calibrated_threads} thread(s) per rank, this run uses {threads} "
+            f"(calibrate with `mgpu topo --threads {threads}`)"
+        )
+    options = profiles.P.Options()
+    options.equal_shares = batch_shares is None
+    try:
+        hw = profiles.to_core(profile, ranks)
+        p = profiles.P.predict(run_workload(cfg, sizes, cfg.bucket_mb), hw, ranks, options)
+    except ConfigError as e:
+        return _none(f"the calibration cannot price this run: {e}")
+    return {
+        "available": True,
+        "profile": profile["name"],
+        "profile_source": profile.get("source", "named"),
+        "gpu_emulation": profiles.profile_is_emulated(profile),
+        "intervals_from": hw.error.source,
+        "predicted_step_ms": p.step_s * 1e3,
+        "interval_ms": [p.step_low_s * 1e3, p.step_high_s * 1e3],
+        "phases_ms": {name: getattr(p, field) * 1e3 for name, field in PHASES} | {"overhead": p.overhead_s * 1e3},
+        # the model's own split of the batch where --batch-shares gives another
+        "batch_shares": "equal" if batch_shares is None else "the model's",
+    }
+
+
+def check_run(prediction: dict, measured: Optional[dict], phases_timed: bool) -> dict:
+    """The prediction against the measured medians (StepTimes.medians(): seconds), or as it
+    was where there is none. phases_timed: the phase timings are durations (CPU ranks, timed
+    GPU steps), not a device's queueing times."""
+    if not prediction.get("available"):
+        return dict(prediction)
+    out = dict(prediction)
+    if measured is None:
+        out.update(measured_step_ms=None, note="too few steps after the warm-up to hold the prediction against")
+        return out
+    step_ms = measured["step"] * 1e3
+    low, high = prediction["interval_ms"]
+    out.update(
+        measured_step_ms=step_ms,
+        measured_steps=measured["steps"],
+        error=prediction["predicted_step_ms"] / step_ms - 1,
+        inside=low <= step_ms <= high,
+    )
+    if phases_timed:
+        out["measured_phases_ms"] = {name: measured[name] * 1e3 for name, _ in PHASES}
+        out["differs_most"] = max(
+            (name for name, _ in PHASES),
+            key=lambda name: abs(out["measured_phases_ms"][name] - prediction["phases_ms"][name]),
+        )
+    out["warning"] = None if out["inside"] else _warning(out)
+    return out
+
+
+def _warning(check: dict) -> str:
+    low, high = check["interval_ms"]
+    line = (
+        f"the measured step ({check['measured_step_ms']:.3g} ms) lies outside the prediction's 80% interval "
+        f"({low:.3g}-{high:.3g} ms; {check['predicted_step_ms']:.3g} ms predicted from '{check['profile']}')"
+    )
+    phase = check.get("differs_most")
+    if phase is None:  # a GPU's untimed steps: their phases are queueing times
+        slower = check["measured_step_ms"] > check["predicted_step_ms"]
+        return f"{line}: {ADVICE[('compute', slower)]} (time the phases with --log-json to see which differs)"
+    predicted, measured = check["phases_ms"][phase], check["measured_phases_ms"][phase]
+    advice = ADVICE[("comm_wait" if phase == "comm_wait" else "compute", measured > predicted)]
+    return f"{line}: {phase} differs most ({predicted:.3g} ms predicted, {measured:.3g} measured); {advice}"
+
+
+def format_check(check: dict) -> str:
+    """train's summary line of its prediction."""
+    if not check.get("available"):
+        return f"prediction: none ({check['reason']})"
+    emulated = " (EMULATED GPUs: not a GPU's times)" if check.get("gpu_emulation") else ""
+    low, high = check["interval_ms"]
+    line = (
+        f"prediction{emulated}: {check['predicted_step_ms']:.3g} ms a step (80% interval {low:.3g}-{high:.3g} ms, "
+        f"profile '{check['profile']}')"
+    )
+    if check.get("measured_step_ms") is None:
+        return f"{line}; {check.get('note', 'not measured')}"
+    where = "inside" if check["inside"] else "OUTSIDE"
+    return (
+        f"{line}; measured {check['measured_step_ms']:.3g} ms (median of {check['measured_steps']} steps after "
+        f"warm-up): predicted {check['error']:+.0%}, {where} the interval"
+    )

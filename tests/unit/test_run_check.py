@@ -1,0 +1,286 @@
+"""The advisor checks itself (issue 42): a run's own prediction from the calibration, held
+against its steady-state steps (StepTimes), the warning that names the phase that differs
+most, and bench --validate-selector's scores over a grid."""
+
+import json
+import math
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from mgpu.calibrate.bench import DECISION_TOLERANCE, score_validation
+from mgpu.commands.bench import format_predictions
+from mgpu.selector import run_check
+from mgpu.selector.tuning import calibration_for
+from mgpu.train.config import TrainConfig
+from mgpu.train.step_times import PHASES, StepTimes
+
+SIZES = [32, 256, 256, 4]
+
+
+def timings(forward=1e-3, backward=2e-3, comm_wait=5e-4, optimizer=2e-4):
+    return SimpleNamespace(forward=forward, backward=backward, comm_wait=comm_wait, optimizer=optimizer)
+
+
+def cpu_profile(threads=1, devices=2, layer_scale=1.0):
+    """A calibrated CPU profile whose layers take `layer_scale` x what a 20 GFLOP/s core takes."""
+    device = {
+        "name": "test cpu",
+        "kind": "cpu",
+        "fp32": {"peak_flops": 20e9 / layer_scale, "half_work_flops": 0.0},
+        "memory_bytes": 16e9,
+        "memory_bandwidth": 10e9 / layer_scale,
+        "launch_overhead_s": 0.0,
+    }
+    return {
+        "format": "mgpu-hardware-profile",
+        "version": 1,
+        "name": "calibrated: test",
+        "source": "calibrated",
+        "devices": [device] * devices,
+        "link": {"name": "test", "alpha_s": 1e-6, "bus_bandwidth": 5e9, "overlaps_compute": False},
+        "step_overhead_s": 1e-5,
+        "error_model": {"compute": [-0.1, 0.1], "comm": [-0.2, 0.3], "compute_shared": False, "source": "test"},
+        "environment": {"threads_per_rank": threads, "world_size": devices},
+    }
+
+
+def write(tmp_path, profile) -> str:
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(profile))
+    return str(path)
+
+
+def config(**kw):
+    return TrainConfig(batch_size=128, steps=10, **kw).validate(2)
+
+
+def test_step_times_leaves_out_the_warm_up_and_keeps_the_newest():
+    t = StepTimes(warmup=3, keep=4)
+    for _ in range(3):
+        t.add(100.0, timings(forward=100.0))  # the warm-up: never counted
+    assert t.steady_steps == 0 and t.medians(least=1) is None
+    for s in (1.0, 2.0, 3.0, 4.0, 5.0, 6.0):
+        t.add(s, timings(forward=s / 10))
+    m = t.medians(least=4)
+    assert t.seen == 9 and t.steady_steps == 4 and m["steps"] == 4
+    assert m["step"] == pytest.approx(4.5) and m["forward"] == pytest.approx(0.45)  # 3..6: the newest 4
+    assert set(m) == {"step", "steps", *PHASES}
+    assert t.medians(least=5) is None
+    with pytest.raises(ValueError):
+        StepTimes(warmup=-1)
+
+
+def test_no_calibration_no_prediction(tmp_path):
+    p = run_check.predict_run(config(), 2, SIZES, "cpu", 1, path=str(tmp_path / "none.json"))
+    assert p == {"available": False, "reason": p["reason"]} and "no calibration" in p["reason"]
+    check = run_check.check_run(p, {"step": 1e-3, "steps": 10}, phases_timed=True)
+    assert check == p
+    assert run_check.format_check(check).startswith("prediction: none (no calibration of this machine")
+
+
+@pytest.mark.parametrize(
+    "profile, ranks, device, threads, why",
+    [
+        (cpu_profile(threads=2), 2, "cpu", 1, "2 thread(s) per rank, this run uses 1"),
+        (cpu_profile(devices=1), 2, "cpu", 1, "1 device(s), this job 2 ranks"),
+        (cpu_profile(), 2, "cuda", 1, "measured cpu devices, this job runs on cuda"),
+    ],
+)
+def test_a_calibration_that_cannot_describe_the_run_says_why(tmp_path, profile, ranks, device, threads, why):
+    p = run_check.predict_run(config(), ranks, SIZES, device, threads, path=write(tmp_path, profile))
+    assert p["available"] is False and why in p["reason"], p
+
+
+def test_a_malformed_calibration_is_no_prediction_not_an_error(tmp_path):
+    path = tmp_path / "profile.json"
+    path.write_text("{not json")
+    p = run_check.predict_run(config(), 2, SIZES, "cpu", 1, path=str(path))
+    assert p["available"] is False and "cannot be read" in p["reason"]
+
+
+def test_the_prediction_carries_its_interval_and_phases(tmp_path):
+    p = run_check.predict_run(config(), 2, SIZES, "cpu", 1, path=write(tmp_path, cpu_profile()))
+    assert p["available"] and p["profile"] == "calibrated: test" and p["intervals_from"] == "test"
+    low, high = p["interval_ms"]
+    assert 0 < low < p["predicted_step_ms"] < high
+    assert set(p["phases_ms"]) == {"forward", "backward", "comm_wait", "optimizer", "overhead"}
+    assert sum(p["phases_ms"].values()) == pytest.approx(p["predicted_step_ms"], rel=1e-6)
+    assert p["batch_shares"] == "equal"
+    # one rank of a 2-device calibration: no communication
+    one = run_check.predict_run(config(), 1, SIZES, "cpu", 1, path=write(tmp_path, cpu_profile()))
+    assert one["phases_ms"]["comm_wait"] == 0 and one["predicted_step_ms"] > p["predicted_step_ms"]
+
+
+def prediction(step=10.0, low=8.0, high=12.0, **phases):
+    ms = {"forward": 3.0, "backward": 5.0, "comm_wait": 1.5, "optimizer": 0.4, "overhead": 0.1, **phases}
+    return {
+        "available": True,
+        "profile": "calibrated: test",
+        "predicted_step_ms": step,
+        "interval_ms": [low, high],
+        "phases_ms": ms,
+    }
+
+
+def measured(step, forward=3e-3, backward=5e-3, comm_wait=1.5e-3, optimizer=0.4e-3, steps=50):
+    return {
+        "step": step,
+        "forward": forward,
+        "backward": backward,
+        "comm_wait": comm_wait,
+        "optimizer": optimizer,
+        "steps": steps,
+    }
+
+
+def test_a_measurement_inside_the_interval_is_said_and_not_warned():
+    check = run_check.check_run(prediction(), measured(11e-3), phases_timed=True)
+    assert check["inside"] and check["warning"] is None
+    assert check["error"] == pytest.approx(10 / 11 - 1) and check["measured_steps"] == 50
+    line = run_check.format_check(check)
+    assert "10 ms a step (80% interval 8-12 ms" in line and "measured 11 ms" in line
+    assert "predicted -9%, inside the interval" in line
+
+
+@pytest.mark.parametrize(
+    "phase, value, advice",
+    [
+        ("comm_wait", 9e-3, "a straggler rank"),
+        ("comm_wait", 0.0, "shorter than calibrated"),
+        ("backward", 15e-3, "computes slower than when it was calibrated"),
+        ("forward", 0.1e-3, "computes faster than its calibration says"),
+    ],
+)
+def test_outside_the_interval_the_warning_names_the_phase_that_differs_most(phase, value, advice):
+    step = 20e-3 if value else 5e-3
+    check = run_check.check_run(prediction(), measured(step, **{phase: value}), phases_timed=True)
+    assert not check["inside"] and check["differs_most"] == phase
+    assert f"{phase} differs most" in check["warning"] and advice in check["warning"]
+    assert "outside the prediction's 80% interval (8-12 ms" in check["warning"]
+    assert "OUTSIDE the interval" in run_check.format_check(check)
+
+
+def test_untimed_device_steps_warn_without_naming_a_phase():
+    check = run_check.check_run(prediction(), measured(30e-3), phases_timed=False)
+    assert "differs_most" not in check and "measured_phases_ms" not in check
+    assert "--log-json" in check["warning"] and "slower than when it was calibrated" in check["warning"]
+
+
+def test_too_few_steps_say_so():
+    check = run_check.check_run(prediction(), None, phases_timed=True)
+    assert check["measured_step_ms"] is None and "too few steps" in run_check.format_check(check)
+
+
+def test_a_calibration_whose_compute_is_wrong_warns_on_a_compute_phase(tmp_path):
+    # calibrated as 4x faster than the steps run: the measured forward and backward differ most
+    slow = run_check.predict_run(config(), 2, SIZES, "cpu", 1, path=write(tmp_path, cpu_profile()))
+    fast = run_check.predict_run(config(), 2, SIZES, "cpu", 1, path=write(tmp_path, cpu_profile(layer_scale=0.25)))
+    truth = {k: v / 1e3 for k, v in slow["phases_ms"].items()}
+    check = run_check.check_run(fast, {**truth, "step": slow["predicted_step_ms"] / 1e3, "steps": 20}, True)
+    assert not check["inside"] and check["differs_most"] in ("forward", "backward")
+    assert "computes slower" in check["warning"]
+
+
+def cell(batch, ranks, step_ms, predicted_ms, low, high, speedup=None, why=None):
+    row = {"batch_size": batch, "ranks": ranks, "step": {"median": step_ms / 1e3}}
+    if why:
+        row["prediction_error"] = why
+    else:
+        row.update(predicted_step_ms=predicted_ms, inside_interval=low <= step_ms <= high)
+    return row
+
+
+def verdict(batch, ranks, measured_speedup, strategy, devices):
+    return {
+        "batch_size": batch,
+        "ranks": ranks,
+        "measured_speedup": measured_speedup,
+        "selector_strategy": strategy,
+        "selector_devices": devices,
+    }
+
+
+def test_scores_error_coverage_and_decisions():
+    rows = [
+        cell(64, 1, 10.0, 11.0, 9, 12),  # +10 %, inside
+        cell(64, 2, 12.0, 10.0, 9, 11),  # -17 %, outside
+        cell(256, 1, 40.0, 40.0, 35, 45),  # 0 %, inside
+        cell(256, 2, 25.0, 24.0, 20, 26),  # -4 %, inside
+        cell(1024, 1, 100.0, 90.0, 85, 99),  # -10 %, outside
+        cell(1024, 2, 55.0, 50.0, 45, 60),  # -9 %, inside
+    ]
+    validation = [
+        verdict(64, 2, 0.83, "single_gpu", 1),  # right: one is faster
+        verdict(256, 2, 1.6, "benchmark_required", 2),  # wrong: 1.6x is not within 5 %
+        verdict(1024, 2, 1.82, "multi_gpu", 2),  # right
+    ]
+    s = score_validation(rows, validation)
+    errors = [0.1, 10 / 12 - 1, 0.0, 24 / 25 - 1, -0.1, 50 / 55 - 1]
+    assert s["cells"] == 6 and s["unpriced"] == []
+    assert s["median_abs_error"] == pytest.approx(np.median(np.abs(errors)))
+    assert s["p90_abs_error"] == pytest.approx(np.percentile(np.abs(errors), 90))
+    assert s["coverage"] == pytest.approx(4 / 6)
+    assert [d["right"] for d in s["decisions"]] == [True, False, True]
+    assert s["decision_accuracy"] == pytest.approx(2 / 3) and s["benchmark_required_share"] == pytest.approx(1 / 3)
+
+
+def test_a_benchmark_required_is_right_only_where_the_candidates_measured_alike():
+    rows = [cell(64, 1, 10.0, 10.0, 9, 11), cell(64, 2, 10.2, 10.0, 9, 11)]
+    near = DECISION_TOLERANCE + (1 - DECISION_TOLERANCE) / 2  # within the tolerance of the best
+    s = score_validation(rows, [verdict(64, 2, near, "benchmark_required", 1)])
+    assert s["decisions"] == [{"layers": [], "batch_size": 64, "benchmark_required": True, "right": True}]
+    # a pick just inside the tolerance of the best is right; one beyond it is not
+    s = score_validation(rows, [verdict(64, 2, 1 / near, "single_gpu", 1)])
+    assert s["decisions"][0]["right"] is True
+    s = score_validation(rows, [verdict(64, 2, 1.2, "single_gpu", 1)])
+    assert s["decisions"][0]["right"] is False
+
+
+def test_unpriced_cells_are_listed_and_their_batches_not_judged():
+    why = "calibrated at 1 thread(s) per rank, measured at 2 (bench --threads 1)"
+    rows = [cell(64, 1, 10.0, 0, 0, 0, why=why), cell(64, 2, 8.0, 7.5, 7, 9)]
+    s = score_validation(rows, [verdict(64, 2, 1.25, "multi_gpu", 2)])
+    assert s["cells"] == 1 and s["coverage"] == 1.0 and "decisions" not in s
+    assert s["unpriced"] == [{"batch_size": 64, "ranks": 1, "why": why}]
+    assert math.isclose(s["median_abs_error"], abs(7.5 / 8 - 1))
+
+
+def test_the_calibration_for_a_job_says_why_not_where_it_cannot_describe_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    profile, why = calibration_for(2, "cpu")
+    assert profile is None and "no calibration of this machine" in why
+    (tmp_path / "mgpu").mkdir()
+    (tmp_path / "mgpu" / "profile.json").write_text(json.dumps(cpu_profile()))
+    profile, why = calibration_for(2, "cpu")
+    assert why is None and profile["name"] == "calibrated: test"
+    assert calibration_for(4, "cpu")[1] == "the calibration has 2 device(s), this job 4 ranks"
+    assert "this job runs on cuda" in calibration_for(2, "cuda")[1]
+
+
+def test_bench_prints_each_cells_prediction_beside_its_measurement():
+    rows = [
+        {**cell(64, 1, 10.0, 9.0, 8.5, 9.5), "threads": 1, "predicted_step_interval_ms": [8.5, 9.5]},
+        {**cell(64, 2, 6.0, 0, 0, 0, why="calibrated at 1 thread(s) per rank, measured at 2"), "threads": 2},
+    ]
+    text = format_predictions(rows).splitlines()
+    assert "predicted (80% interval)" in text[0]
+    assert "9 (8.5-9.5)" in text[1] and "-10%" in text[1] and text[1].endswith("OUTSIDE")
+    assert text[2].endswith("calibrated at 1 thread(s) per rank, measured at 2")
+
+
+def test_grids_of_several_models_are_judged_per_model_and_batch():
+    small, large = [50, 64, 3], [50, 1024, 3]
+    rows = [
+        {**cell(64, 1, 10.0, 10.0, 9, 11), "layers": small},
+        {**cell(64, 2, 12.0, 12.0, 11, 13), "layers": small},
+        {**cell(64, 1, 50.0, 50.0, 45, 55), "layers": large},
+        {**cell(64, 2, 30.0, 30.0, 27, 33), "layers": large},
+    ]
+    validation = [
+        {**verdict(64, 2, 0.83, "single_gpu", 1), "layers": small},
+        {**verdict(64, 2, 1.67, "single_gpu", 1), "layers": large},
+    ]
+    s = score_validation(rows, validation)
+    assert [(d["layers"], d["right"]) for d in s["decisions"]] == [(small, True), (large, False)]
