@@ -557,6 +557,10 @@ def test_train_holds_the_calibrations_prediction_against_its_steps(calibration, 
     assert events.index("prediction") == events.index("run_end") - 1
     assert log[0]["prediction"]["predicted_step_ms"] == p["predicted_step_ms"]
     assert log[events.index("prediction")]["measured_step_ms"] == p["measured_step_ms"]
+    # and rank 0 keeps it in the record beside the calibration, which its bands learn from
+    (record,) = [json.loads(line) for line in (tmp_path / "own" / "mgpu" / "checks.jsonl").read_text().splitlines()]
+    assert record["devices"] == 2 and record["what"] == "train"
+    assert record["log_ratio"] == pytest.approx(math.log(p["measured_step_ms"] / p["predicted_step_ms"]))
 
 
 def test_a_wrong_calibration_warns_naming_the_phase(calibration, tmp_path):

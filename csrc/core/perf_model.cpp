@@ -652,13 +652,13 @@ namespace {
 
 double sq(double x) { return x * x; }
 
-// The step's 80 % interval: the compute and communication errors (their centres add,
-// their half widths add in quadrature with the timing spread: independent sources). Its
-// floor, a tenth of the step, only holds where bands beyond any validated one would cross zero.
 const ErrorBand& compute_band(const ErrorModel& e, int devices) {
   return devices > 1 && !e.compute_shared ? e.compute_together : e.compute;
 }
 
+// The step's 80 % interval: the compute and communication errors (their centres add,
+// their half widths add in quadrature with the timing spread: independent sources). Its
+// floor, a tenth of the step, only holds where bands beyond any validated one would cross zero.
 void set_step_interval(Prediction& p, const ErrorModel& e) {
   const double comm = p.exposed_comm_s, compute = p.step_s - comm;
   const ErrorBand& band = compute_band(e, p.devices);
@@ -669,24 +669,24 @@ void set_step_interval(Prediction& p, const ErrorModel& e) {
   p.step_high_s = p.step_s + shift + half;
 }
 
-// The speedup's 80 % interval, in log space: log s = log t1 - log tn, each step's share of
-// compute and communication weighting its band. A shared compute error moves both steps
-// alike and only their difference in compute share counts; the counts' communication and
-// timing spreads are independent.
+// The speedup's 80 % interval, in log space: log s = log t1 - log tn. A measured speedup
+// band gives its centre and half width; otherwise each step's share of compute and
+// communication weights its band, and a shared compute error moves both steps alike so
+// that only their difference in compute share counts. The timing spreads add in quadrature.
 void set_speedup_interval(Prediction& p, const Prediction& one, const ErrorModel& e) {
-  if (e.speedup_measured) {
-    p.speedup_low = p.speedup * std::exp(e.speedup.low);
-    p.speedup_high = p.speedup * std::exp(e.speedup.high);
-    return;
-  }
   const double t1 = one.step_s, tn = p.step_s;
-  const double m1 = one.exposed_comm_s / t1, mn = p.exposed_comm_s / tn, c1 = 1 - m1, cn = 1 - mn;
-  const ErrorBand& together = compute_band(e, p.devices);
-  double shift = c1 * e.compute.center() - cn * together.center() + (m1 - mn) * e.comm.center();
-  double variance = e.compute_shared ? sq((c1 - cn) * e.compute.half_width())
-                                     : sq(c1 * e.compute.half_width()) + sq(cn * together.half_width());
-  variance += sq(m1 * e.comm.half_width()) + sq(mn * e.comm.half_width());
-  variance += sq(one.timing_spread_s / t1) + sq(p.timing_spread_s / tn);
+  double shift = 0, variance = sq(one.timing_spread_s / t1) + sq(p.timing_spread_s / tn);
+  if (e.speedup_measured) {
+    shift = (e.speedup.low + e.speedup.high) / 2;
+    variance += sq((e.speedup.high - e.speedup.low) / 2);
+  } else {
+    const double m1 = one.exposed_comm_s / t1, mn = p.exposed_comm_s / tn, c1 = 1 - m1, cn = 1 - mn;
+    const ErrorBand& together = compute_band(e, p.devices);
+    shift = c1 * e.compute.center() - cn * together.center() + (m1 - mn) * e.comm.center();
+    variance += e.compute_shared ? sq((c1 - cn) * e.compute.half_width())
+                                 : sq(c1 * e.compute.half_width()) + sq(cn * together.half_width());
+    variance += sq(m1 * e.comm.half_width()) + sq(mn * e.comm.half_width());
+  }
   const double half = std::sqrt(variance);
   p.speedup_low = p.speedup * std::exp(shift - half);
   p.speedup_high = p.speedup * std::exp(shift + half);

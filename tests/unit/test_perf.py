@@ -249,8 +249,25 @@ def test_a_shared_compute_error_cancels_in_the_speedup():
 def test_a_measured_speedup_band_is_the_speedup_interval():
     prof = with_bands(profile([device()] * 2, alpha=1e-5, busbw=1e10), (-0.1, 0.1), (-0.1, 0.1), speedup=(-0.3, 0.05))
     p = predict(prof, 2)
+    assert p.timing_spread_s == 0
     assert p.speedup_low == pytest.approx(p.speedup * math.exp(-0.3))
     assert p.speedup_high == pytest.approx(p.speedup * math.exp(0.05))
+
+
+def test_the_timing_spread_widens_a_measured_speedup_band_too():
+    # where the cores moved, the wait's spread (the wait itself) joins the held-out band
+    base = device(flops=1e11, bandwidth=50e9, kind="cpu")
+    busy = {"params": [1e5, 1e6], "update_s": [1e-5, 1e-4], "wait_s": [5e-5, 5e-4], "ranks": 2}
+    busy["wait_spread_s"] = [5e-5, 5e-4]
+    alone = {**busy, "wait_spread_s": [0.0, 0.0], "ranks": 1}
+    dev = {**base, "step_phases": busy, "step_phases_alone": alone}
+    prof = with_bands(profile([dev] * 2, alpha=1e-6, busbw=10e9, overlap=False), (-0.1, 0.1), (-0.1, 0.1))
+    prof["error_model"]["speedup"] = [-0.2, 0.1]
+    p = predict(prof, 2, layers=(64, 256, 256, 8), batch=32)
+    assert p.timing_spread_s > 0
+    half = math.hypot(0.15, p.timing_spread_s / p.step_s)
+    assert math.log(p.speedup_high / p.speedup) == pytest.approx(-0.05 + half)
+    assert math.log(p.speedup_low / p.speedup) == pytest.approx(-0.05 - half)
 
 
 def test_a_profile_before_error_bands_uses_its_model_error():

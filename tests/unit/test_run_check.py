@@ -11,7 +11,8 @@ import pytest
 
 from mgpu.calibrate.bench import DECISION_TOLERANCE, score_validation
 from mgpu.commands.bench import format_predictions
-from mgpu.selector import run_check
+from mgpu.selector import history, profiles, run_check
+from mgpu.selector.recommend import recommend
 from mgpu.selector.tuning import calibration_for
 from mgpu.train.config import TrainConfig
 from mgpu.train.step_times import PHASES, StepTimes
@@ -284,3 +285,67 @@ def test_grids_of_several_models_are_judged_per_model_and_batch():
     ]
     s = score_validation(rows, validation)
     assert [(d["layers"], d["right"]) for d in s["decisions"]] == [(small, True), (large, False)]
+
+
+def held_out_profile(created="2026-11-28T10:00:00+0000"):
+    """A calibration with two held-out checks (measured and predicted seconds)."""
+    checks = [
+        {"alone_s": 1.05, "alone_predicted_s": 1.0, "together_s": 0.6, "together_predicted_s": 0.5},
+        {"alone_s": 0.95, "alone_predicted_s": 1.0, "together_s": 0.5, "together_predicted_s": 0.5},
+    ]
+    return {**cpu_profile(), "created": created, "held_out_steps": checks}
+
+
+def test_the_error_model_is_the_held_out_steps_bands():
+    m = history.error_model(held_out_profile())
+    assert m["compute"] == pytest.approx(list(np.percentile([math.log(1.05), math.log(0.95)], [10, 90])))
+    assert m["compute_together"] == m["comm"] == pytest.approx(list(np.percentile([math.log(1.2), 0.0], [10, 90])))
+    speedups = [math.log((1.05 / 0.6) / (1.0 / 0.5)), math.log((0.95 / 0.5) / (1.0 / 0.5))]
+    assert m["speedup"] == pytest.approx(list(np.percentile(speedups, [10, 90])))
+    assert m["compute_shared"] is False and m["source"].startswith("2 held-out steps at calibration alone and on 2")
+
+
+def test_the_record_widens_its_calibrations_bands_and_no_other(tmp_path):
+    profile = held_out_profile()
+    path = write(tmp_path, profile)
+    narrow = history.error_model(profile)
+    for ratio in (1.3, 1.4, 0.7):  # this machine's runs since: slower and faster than predicted
+        history.append(path, profile["created"], 1, ratio, 1.0, "train", ratio < 1)
+        history.append(path, profile["created"], 2, ratio, 1.0, "bench", False, 1.2, 2.0)
+    history.append(path, "another calibration", 1, 9.0, 1.0, "train", False)
+    with open(history.record_path(path), "a") as f:
+        f.write('not a record\n{"calibration": 1}\n')
+    records = history.read(path, profile["created"])
+    assert len(records) == 6 and {r["what"] for r in records} == {"train", "bench"}
+    wide = history.error_model(profile, records)
+    assert wide["compute"][0] < narrow["compute"][0] and wide["compute"][1] > narrow["compute"][1]
+    assert wide["speedup"][0] < narrow["speedup"][0]
+    assert "and 6 priced steps of this machine's runs since" in wide["source"]
+    # loading the calibration applies its record; the file itself is left as topo wrote it
+    loaded = profiles.load_profile(path)
+    assert loaded["error_model"] == wide and json.loads(open(path).read())["error_model"] == profile["error_model"]
+    assert loaded["record"] == {"steps": 6, "judged": 6, "inside": 1}
+    r = recommend(layers=SIZES, batch_size=128, devices=[1, 2], profile=loaded)
+    assert r["record"]["inside"] == 1 and any("1 of 6 priced steps (17%)" in reason for reason in r["reasons"])
+
+
+def test_an_unwritable_record_leaves_the_run_alone(tmp_path):
+    profile = held_out_profile()
+    path = write(tmp_path, profile)
+    (tmp_path / history.RECORD_NAME).mkdir()  # not a file: appending fails
+    history.append(path, profile["created"], 1, 1.0, 1.0, "train", True)
+    assert history.read(path, profile["created"]) == []
+    history.append(path, profile["created"], 1, 0.0, 1.0, "train", True)  # nothing measured: nothing recorded
+
+
+def test_train_records_its_checked_step(tmp_path):
+    profile = held_out_profile()
+    path = write(tmp_path, profile)
+    p = run_check.predict_run(config(), 2, SIZES, "cpu", 1, path=path)
+    assert p["calibration"] == path and p["calibration_created"] == profile["created"]
+    check = run_check.check_run(p, measured(p["predicted_step_ms"] * 1.1e-3), phases_timed=True)
+    run_check.record_run(check, 2)
+    run_check.record_run(run_check.check_run(p, None, True), 2)  # unmeasured: not recorded
+    (rec,) = history.read(path, profile["created"])
+    assert rec["devices"] == 2 and rec["what"] == "train" and rec["log_ratio"] == pytest.approx(math.log(1.1))
+    assert rec["inside"] == check["inside"]

@@ -22,7 +22,6 @@ then fits the alpha-beta allreduce model and writes the profile (JSON).
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import socket
 import sys
@@ -35,7 +34,7 @@ from .._core import __version__
 from .._runtime import _core, gpus_emulated
 from ..errors import ConfigError, DeviceError
 from ..hostinfo import cpu_description, last_level_cache_bytes, placement_moved
-from ..selector import intervals, profiles
+from ..selector import history, profiles
 from ..selector.hardware import PRECISIONS
 from ..selector.profiles import (
     LAYER_COLD_KEYS,
@@ -682,40 +681,17 @@ def measure_held_out_steps(pg, device: str, device_index: int, threads: int, qui
     return checks
 
 
-def held_out_error_model(profile: dict, checks: list) -> dict:
-    """The profile's error model from its held-out checks, each band the 10th-90th
-    percentile of log(measured / predicted) over them: the step alone (one device's
-    compute), the step on every rank (a device's among several: compute and communication
-    alike, as the ranks' times were measured apart from the one's) and the speedup. Each
-    check keeps its predictions."""
+def price_held_out_steps(profile: dict, checks: list) -> None:
+    """Each held-out check's predictions from the profile it calibrated: its step alone and
+    (measured with several ranks) on every rank (history.error_model takes the bands)."""
     hw = profiles.to_core({**profile, "error_model": None})
     options = profiles.P.Options()
     options.equal_shares = True
-    ranks = len(profile["devices"])
-    alone, together, speedup = [], [], []
     for c in checks:
         w = build_workload(None, c["layers"], None, c["batch"], "fp32", "sgd", 4.0, c["dropout"])
-        one = profiles.P.predict(w, hw, 1, options)
-        c["alone_predicted_s"] = one.step_s
-        alone.append(math.log(c["alone_s"] / one.step_s))
+        c["alone_predicted_s"] = profiles.P.predict(w, hw, 1, options).step_s
         if "together_s" in c:
-            several = profiles.P.predict(w, hw, ranks, options)
-            c["together_predicted_s"] = several.step_s
-            together.append(math.log(c["together_s"] / several.step_s))
-            speedup.append(math.log((c["alone_s"] / c["together_s"]) / several.speedup))
-    compute = list(intervals.band(alone))
-    model = {
-        "compute": compute,
-        "compute_together": list(intervals.band(together)) if together else compute,
-        "comm": list(intervals.band(together)) if together else compute,
-        "compute_shared": False,
-        "source": f"{len(checks)} held-out steps at calibration"
-        + (f" alone and on {ranks} ranks" if together else " alone")
-        + " (10th-90th percentile of measured/predicted)",
-    }
-    if speedup:
-        model["speedup"] = list(intervals.band(speedup))
-    return model
+            c["together_predicted_s"] = profiles.P.predict(w, hw, len(profile["devices"]), options).step_s
 
 
 def _self_group():
@@ -782,6 +758,11 @@ def run_topo(
     device, device_index = pg.resolve_device(device)
     threads = threads or pg.default_threads()
     entry, backend = measure_device(pg, device, device_index, threads, quick)
+    # The held-out steps at the start and again at the end: a VM's speed drifts over a
+    # minute, and a later run meets the drift the calibration saw as well as the model's
+    # error. (GPUs: at the end only, on the communicator the sweep chose.)
+    started = time.perf_counter()
+    held_out_first = measure_held_out_steps(pg, device, device_index, threads, quick, "mpi") if device == "cpu" else []
     if device == "cpu":
         entry.update(measure_cpu_tables(pg, backend, threads, quick))
     entry["host"] = socket.gethostname()
@@ -801,7 +782,7 @@ def run_topo(
             buffer_bytes=64e6 if kind == "nccl" else 0.0,
             step_sync_s=measure_step_sync(pg, device, device_index, threads, kind),
         )
-        held_out = measure_held_out_steps(pg, device, device_index, threads, quick, kind)
+        held_out = held_out_first + measure_held_out_steps(pg, device, device_index, threads, quick, kind)
         if kind == "mpi":  # (NCCL between nodes: not measurable here, and not modelled from a sweep)
             levels = node_sweeps(pg, backend, max_bytes, quick)
         if device == "cpu":
@@ -818,7 +799,7 @@ def run_topo(
             link["nccl"] = hierarchical_link(levels["intra"], levels["inter"], levels["ranks_per_node"])
         pg.close()
     else:
-        held_out = measure_held_out_steps(pg, device, device_index, threads, quick, kind)
+        held_out = held_out_first + measure_held_out_steps(pg, device, device_index, threads, quick, kind)
     entries = pg.comm.gather(entry, root=0) if pg.comm is not None else [entry]
     if not pg.is_root:
         return None
@@ -857,6 +838,9 @@ def run_topo(
         },
     }
     net_step_overheads(profile)
-    profile["error_model"] = held_out_error_model(profile, held_out)
+    if held_out_first:
+        profile["held_out_minutes_apart"] = (time.perf_counter() - started) / 60
+    price_held_out_steps(profile, held_out)
     profile["held_out_steps"] = held_out
+    profile["error_model"] = history.error_model(profile)
     return profile

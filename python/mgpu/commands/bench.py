@@ -46,10 +46,10 @@ from ..calibrate.bench import (
     validate_selector,
 )
 from ..errors import ConfigError
-from ..selector import costsheet
+from ..selector import costsheet, history
 from ..selector.hardware import GPUS, PRECISIONS
 from ..selector.memory import gpu_step_memory
-from ..selector.profiles import emulation_mismatch, resolve_profile
+from ..selector.profiles import default_profile_path, emulation_mismatch, resolve_profile
 from ..selector.tuning import calibration_for
 from ..train.config import GRAD_DTYPES, GRAPH_MODES, PRESETS
 from ..train.observe import import_summary_writer
@@ -85,6 +85,24 @@ def format_table(rows: list) -> str:
             f"{cell(r['samples_per_sec'] / torch['samples_per_sec'] if torch else None, '.2f', 5)}"
         )
     return "\n".join(out)
+
+
+def record_cells(path: str, profile: dict, rows: list) -> None:
+    """Each priced cell's measured step (and a multi-rank cell's speedup) against its
+    prediction, in the record beside the calibration at `path` (history.py)."""
+    for r in (r for r in rows if "predicted_step_interval_ms" in r):
+        several = r["ranks"] > 1
+        history.append(
+            path,
+            profile.get("created"),
+            r["ranks"],
+            r["step"]["median"],
+            r["predicted_step_ms"] / 1e3,
+            "bench",
+            r["inside_interval"],
+            r.get("speedup") if several else None,
+            r.get("predicted_speedup") if several else None,
+        )
 
 
 def format_predictions(rows: list) -> str:
@@ -520,6 +538,8 @@ def cmd_bench(a, pg) -> int:
     # the device this run measures (resolving it may refuse the run)
     device = pg.resolve_device(a.device)[0]
     profile = None
+    # this machine's calibration: its record (history.py) gains the cells it priced
+    recorded = default_profile_path() if a.profile in (None, "calibrated") else None
     if a.validate_selector or a.profile:
         profile = resolve_profile(a.profile or "calibrated", max(a.ranks or [pg.size]))
         if profile is None:
@@ -572,6 +592,8 @@ def cmd_bench(a, pg) -> int:
     for r in rows:
         r["optimizer"] = a.optimizer
     add_derived(rows, profile, thread_scaling=several_threads)
+    if profile is not None and recorded and profile.get("source") == "calibrated":
+        record_cells(recorded, profile, rows)
     print(format_table(rows))
     if any("predicted_step_interval_ms" in r or "prediction_error" in r for r in rows):
         print(format_predictions(rows))

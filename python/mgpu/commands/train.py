@@ -26,7 +26,7 @@ from ..monitor.telemetry import check_monitor_options
 from ..monitor.training import TrainTelemetry, output_options
 from ..selector import profiles
 from ..selector.memory import check_training_memory
-from ..selector.run_check import check_run, format_check, predict_run
+from ..selector.run_check import check_run, format_check, predict_run, record_run
 from ..selector.tuning import auto_batch_shares, auto_bucket_mb
 from ..train.checkpoint import (
     CHECKPOINT_NAME,
@@ -597,8 +597,10 @@ def report(plan: RunPlan, model, trainer, telemetry, observer, history: list, wa
             f"val loss {final['val_loss']:.5f}{acc}"
         )
     say(format_check(result["prediction"]))
-    if pg.is_root and result["prediction"].get("warning"):
-        print(f"mgpu: warning: {result['prediction']['warning']}", file=sys.stderr, flush=True)
+    if pg.is_root:
+        if result["prediction"].get("warning"):
+            print(f"mgpu: warning: {result['prediction']['warning']}", file=sys.stderr, flush=True)
+        record_run(result["prediction"], pg.size)
     if pg.is_root:
         if a.json:
             write_json_atomic(a.json, result)

@@ -28,7 +28,7 @@ from .._runtime import _core, gpus_emulated
 from ..atomic import atomic_file
 from ..errors import ConfigError
 from ..hostinfo import placement_moved
-from . import gemm_fit, intervals
+from . import gemm_fit, history, intervals
 from .allreduce_fit import load_fitted, load_published, model_from_dict
 from .allreduce_fit import validate as validate_allreduce
 from .hardware import (
@@ -428,6 +428,13 @@ def load_profile(path: str) -> dict:
         # calibrated before topo took the probe's own work out of its step: the model
         # would price that work twice in every step (on a GPU, most of the probe)
         net_step_overheads(profile)
+    records = history.read(path, profile.get("created")) if profile.get("held_out_steps") else []
+    if records:  # this machine's runs since the calibration widen its bands (history.py)
+        try:
+            profile["error_model"] = history.error_model(profile, records)
+        except (ConfigError, KeyError, TypeError, ValueError, ZeroDivisionError) as e:
+            raise ConfigError(f"hardware profile '{path}' is malformed (held_out_steps: {e})") from None
+        profile["record"] = history.summary(records)
     return profile
 
 

@@ -281,6 +281,13 @@ def recommend(
     result["bucket"] = bucket
     result["bucket_mb_used"] = (fastest.bucket_elems if fastest else w.bucket_elems) * 4 / 2**20
     result["sources"] = prof.get("sources", [])
+    if prof.get("record", {}).get("judged"):  # the calibration's record of this machine's runs (history.py)
+        rec = prof["record"]
+        result["record"] = rec
+        result["reasons"].append(
+            f"this machine's record since the calibration: {rec['inside']} of {rec['judged']} priced steps "
+            f"({rec['inside'] / rec['judged']:.0%}) fell in their 80% interval; the bands now hold them too"
+        )
     result["error_model"] = {
         "compute": [hw.error.compute.low, hw.error.compute.high],
         "compute_together": [hw.error.compute_together.low, hw.error.compute_together.high],

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Optional
 
 from ..errors import ConfigError
-from . import profiles
+from . import history, profiles
 from .tuning import calibration_for, run_workload
 
 # The core's StepTimings fields and the Prediction's seconds that price them.
@@ -44,6 +44,7 @@ def predict_run(
     with `threads` per rank (batch_shares: the run's, None for equal), as a dict;
     {"available": False, "reason": ...} where the calibration at `path` (default: this
     machine's) cannot say. Never raises ConfigError."""
+    path = path or profiles.default_profile_path()
     profile, why = calibration_for(ranks, device, path)
     if profile is None:
         return _none(why)
@@ -63,6 +64,8 @@ def predict_run(
     return {
         "available": True,
         "profile": profile["name"],
+        "calibration": path,
+        "calibration_created": profile.get("created"),
         "profile_source": profile.get("source", "named"),
         "gpu_emulation": profiles.profile_is_emulated(profile),
         "intervals_from": hw.error.source,
@@ -72,6 +75,20 @@ def predict_run(
         # the model's own split of the batch where --batch-shares gives another
         "batch_shares": "equal" if batch_shares is None else "the model's",
     }
+
+
+def record_run(check: dict, ranks: int) -> None:
+    """A checked run's step in the record beside its calibration (history.py): rank 0, once."""
+    if check.get("available") and check.get("measured_step_ms") and check.get("profile_source") == "calibrated":
+        history.append(
+            check["calibration"],
+            check["calibration_created"],
+            ranks,
+            check["measured_step_ms"] / 1e3,
+            check["predicted_step_ms"] / 1e3,
+            "train",
+            check["inside"],
+        )
 
 
 def check_run(prediction: dict, measured: Optional[dict], phases_timed: bool) -> dict:
