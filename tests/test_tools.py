@@ -579,6 +579,20 @@ def test_a_wrong_calibration_warns_naming_the_phase(calibration, tmp_path):
     assert "OUTSIDE the interval" in r.stdout
 
 
+def test_a_step_over_the_whole_dataset_is_not_priced_as_its_batch(calibration, tmp_path):
+    d, _ = calibration
+    cache = tmp_path / "cache"
+    (cache / "mgpu").mkdir(parents=True)
+    (cache / "mgpu" / "profile.json").write_text((d / "profile.json").read_text())
+    data = tmp_path / "small.npz"
+    np.savez(data, x=np.zeros((40, 8), np.float32), y=np.zeros((40, 2), np.float32))
+    args = ["train", "--dataset", data, "--layers", "8,8,2", "--batch-size", "512", "--steps", "3", "--threads", "1"]
+    r = run_cli([*args, "--no-progress", "--json", tmp_path / "t.json"], env=mpi_env(XDG_CACHE_HOME=cache))
+    assert r.returncode == 0, r.stderr
+    assert "prediction: none (a step takes the whole dataset" in r.stdout
+    assert not (cache / "mgpu" / "checks.jsonl").exists()
+
+
 def test_train_without_a_calibration_says_it_has_no_prediction(tmp_path):
     r = run_cli(
         ["train", "--layers", "8,8,2", "--steps", "3", "--no-progress", "--json", tmp_path / "t.json"],

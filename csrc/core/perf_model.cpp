@@ -1068,12 +1068,12 @@ std::string word_reason(const Reason& r, const Decision& d, const Workload& w, c
     case Kind::kNoMultiToCompare:
       return r.flag ? "no multi-device candidate fits in memory" : "no multi-device candidate to compare with";
     case Kind::kOneIsFaster:
-      return fmt("%.2fx", p->speedup) + fmt(" (80%% interval %.2f", p->speedup_low) + fmt("-%.2fx, ", p->speedup_high) +
-             hw.error.source + "): one device is faster";
+      return fmt("%.2fx", p->speedup) + fmt(" (80%% interval %.2f", p->speedup_low) +
+             fmt("-%.2fx): one device is faster", p->speedup_high);
     case Kind::kGainWithinError:
       return fmt("the predicted gain (%.2fx) is within the model's error", p->speedup) +
-             fmt(" (80%% interval %.2f", p->speedup_low) + fmt("-%.2fx spans 1.0x, ", p->speedup_high) +
-             hw.error.source + "): measure it with `mgpu bench`";
+             fmt(" (80%% interval %.2f", p->speedup_low) +
+             fmt("-%.2fx spans 1.0x): measure it with `mgpu bench`", p->speedup_high);
     case Kind::kOneDeviceStep:
       return device_word(hw, 1) + ": " + ms(p->step_s) + " a step (forward " + ms(p->forward_s) + ", backward " +
              ms(p->backward_s) + ", optimizer " + ms(p->optimizer_s) + ", overhead " + ms(p->overhead_s) + "), " +

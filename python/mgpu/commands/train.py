@@ -343,7 +343,9 @@ def plan_run(a, pg) -> RunPlan:
             bucket = "auto" if os.path.exists(profiles.default_profile_path()) else 4.0
         if bucket == "auto":
             bucket, bucket_note = auto_bucket_mb(cfg, pg, sizes, device)
-        if pg.is_root:  # made once, before the first step: nothing per step
+        if pg.is_root and _samples_per_step(cfg, data) < cfg.batch_size * cfg.accumulate:
+            prediction = {"available": False, "reason": "a step takes the whole dataset, fewer samples than its batch"}
+        elif pg.is_root:  # made once, before the first step: nothing per step
             at_bucket = dataclasses.replace(cfg, bucket_mb=float(bucket))
             prediction = predict_run(at_bucket, pg.size, sizes, device, threads, batch_shares)
         if len(data.x_train) < pg.size:
