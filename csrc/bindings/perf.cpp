@@ -168,6 +168,7 @@ void bind_perf(py::module_& m) {
       .def_readwrite("speedup", &ErrorModel::speedup)
       .def_readwrite("speedup_measured", &ErrorModel::speedup_measured)
       .def_readwrite("compute_shared", &ErrorModel::compute_shared)
+      .def_readwrite("step_bands", &ErrorModel::step_bands)
       .def_readwrite("source", &ErrorModel::source);
   py::class_<HardwareProfile>(pm, "HardwareProfile")
       .def(py::init<>())

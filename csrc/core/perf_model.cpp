@@ -660,7 +660,7 @@ const ErrorBand& compute_band(const ErrorModel& e, int devices) {
 // their half widths add in quadrature with the timing spread: independent sources). Its
 // floor, a tenth of the step, only holds where bands beyond any validated one would cross zero.
 void set_step_interval(Prediction& p, const ErrorModel& e) {
-  const double comm = p.exposed_comm_s, compute = p.step_s - comm;
+  const double comm = e.step_bands ? 0.0 : p.exposed_comm_s, compute = p.step_s - comm;
   const ErrorBand& band = compute_band(e, p.devices);
   const double shift = compute * band.center() + comm * e.comm.center();
   const double half =
@@ -1044,8 +1044,11 @@ Decision decide_strategy(const Workload& w, const HardwareProfile& hw, const Opt
 
   // How sure: the source of the numbers, and how far the decision is from the error band.
   const double base = hw.source == "calibrated" ? 0.9 : hw.source == "detected" ? 0.7 : 0.6;
-  // How many error bands the predicted speedup lies from 1.0x (in log space, as the band is relative).
-  const double margin = best_multi >= 0 ? std::fabs(std::log(c[best_multi].speedup)) / std::log1p(err) : 2.0;
+  // How many half widths of its 80 % interval the speedup's interval centre lies from 1.0x (in log space).
+  const double margin =
+      best_multi >= 0
+          ? std::fabs(std::log(c[best_multi].speedup_low * c[best_multi].speedup_high) / 2) / std::log1p(err)
+          : 2.0;
   d.confidence = std::clamp(base * std::min(1.0, 0.5 + 0.25 * margin), 0.05, 0.99);
   return d;
 }

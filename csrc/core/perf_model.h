@@ -197,10 +197,13 @@ struct ErrorBand {
 // others) the two errors are independent and compute_together is a device's among several.
 // A calibration that ran held-out steps on one device and on several measured the speedup's
 // error itself (speedup_measured): its band replaces the one the phases' bands would give.
+// A calibration's bands are of whole steps (step_bands): a step's compute and communication
+// errors are one, and its band applies to the step as a whole.
 struct ErrorModel {
   ErrorBand compute, compute_together, comm, speedup;
   bool compute_shared = true;
   bool speedup_measured = false;
+  bool step_bands = false;
   std::string source = "default";  // where the bands come from, said with every interval
 };
 

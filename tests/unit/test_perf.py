@@ -160,7 +160,7 @@ def test_confidence_follows_the_source_and_the_error_bands_to_one(source, base, 
     prof = {**profile([device()] * 2, alpha=1e-5, busbw=busbw, error=0.2), "source": source}
     r = selector_recommend.recommend(layers=[512, 2048, 2048, 10], batch_size=512, devices=[1, 2], profile=prof)
     low, high = r["candidates"][1]["speedup_interval"]
-    bands = abs(math.log(r["candidates"][1]["predicted_speedup"])) / (math.log(high / low) / 2)
+    bands = abs(math.log(low * high) / 2) / (math.log(high / low) / 2)  # the interval's centre
     assert r["confidence"] == pytest.approx(min(0.99, max(0.05, base * min(1.0, 0.5 + 0.25 * bands))))
     assert busbw != 3e9 or bands < 1.5  # below the saturation at 2 bands
 
@@ -230,6 +230,19 @@ def test_compute_and_communication_errors_add_in_quadrature():
     center = compute * (math.cosh(0.1) - 1) + comm * (math.cosh(0.3) - 1)
     assert p.step_high_s == pytest.approx(p.step_s + center + half)
     assert p.step_low_s == pytest.approx(p.step_s + center - half)
+
+
+def test_a_calibrations_whole_step_bands_apply_to_the_step_as_a_whole():
+    # held-out steps measured whole steps: their band is not split into independent parts
+    prof = with_bands(profile([device()] * 2, alpha=1e-4, busbw=1e9, overlap=False), (-0.2, 0.2), (-0.2, 0.2))
+    prof["error_model"]["step_bands"] = True
+    p = predict(prof, 2)
+    assert p.exposed_comm_s > 0.1 * p.step_s
+    assert p.step_low_s == pytest.approx(p.step_s * math.exp(-0.2))
+    assert p.step_high_s == pytest.approx(p.step_s * math.exp(0.2))
+    del prof["error_model"]["step_bands"]
+    split = predict(prof, 2)
+    assert split.step_high_s - split.step_low_s < p.step_high_s - p.step_low_s
 
 
 def test_a_shared_compute_error_cancels_in_the_speedup():

@@ -262,8 +262,12 @@ def test_the_calibration_for_a_job_says_why_not_where_it_cannot_describe_it(tmp_
 
 def test_bench_prints_each_cells_prediction_beside_its_measurement():
     rows = [
-        {**cell(64, 1, 10.0, 9.0, 8.5, 9.5), "threads": 1, "predicted_step_interval_ms": [8.5, 9.5]},
-        {**cell(64, 2, 6.0, 0, 0, 0, why="calibrated at 1 thread(s) per rank, measured at 2"), "threads": 2},
+        {**cell(64, 1, 10.0, 9.0, 8.5, 9.5), "threads": 1, "device": "cpu", "predicted_step_interval_ms": [8.5, 9.5]},
+        {
+            **cell(64, 2, 6.0, 0, 0, 0, why="calibrated at 1 thread(s) per rank, measured at 2"),
+            "threads": 2,
+            "device": "cpu",
+        },
     ]
     text = format_predictions(rows).splitlines()
     assert "predicted (80% interval)" in text[0]
@@ -302,7 +306,8 @@ def test_the_error_model_is_the_held_out_steps_bands():
     assert m["compute_together"] == m["comm"] == pytest.approx(list(np.percentile([math.log(1.2), 0.0], [10, 90])))
     speedups = [math.log((1.05 / 0.6) / (1.0 / 0.5)), math.log((0.95 / 0.5) / (1.0 / 0.5))]
     assert m["speedup"] == pytest.approx(list(np.percentile(speedups, [10, 90])))
-    assert m["compute_shared"] is False and m["source"].startswith("2 held-out steps at calibration alone and on 2")
+    assert m["compute_shared"] is False and m["step_bands"] is True
+    assert m["source"].startswith("2 held-out steps at calibration alone and on 2")
 
 
 def test_the_record_widens_its_calibrations_bands_and_no_other(tmp_path):
@@ -313,6 +318,8 @@ def test_the_record_widens_its_calibrations_bands_and_no_other(tmp_path):
         history.append(path, profile["created"], 1, ratio, 1.0, "train", ratio < 1)
         history.append(path, profile["created"], 2, ratio, 1.0, "bench", False, 1.2, 2.0)
     history.append(path, "another calibration", 1, 9.0, 1.0, "train", False)
+    history.append(path, profile["created"], 1, 30.0, 1.0, "train", False)  # a stall, not the step priced
+    history.append(path, profile["created"], 2, 1.0, 1.0, "bench", True, 1.0, 40.0)
     with open(history.record_path(path), "a") as f:
         f.write('not a record\n{"calibration": 1}\n')
     records = history.read(path, profile["created"])

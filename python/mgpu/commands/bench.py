@@ -87,11 +87,12 @@ def format_table(rows: list) -> str:
     return "\n".join(out)
 
 
-def record_cells(path: str, profile: dict, rows: list) -> None:
-    """Each priced cell's measured step (and a multi-rank cell's speedup) against its
-    prediction, in the record beside the calibration at `path` (history.py)."""
+def record_cells(path: str, profile: dict, rows: list, speedups: bool) -> None:
+    """Each priced cell's measured step (and, with `speedups`, a multi-rank cell's speedup
+    over 1 rank of its thread count) against its prediction, in the record beside the
+    calibration at `path` (history.py)."""
     for r in (r for r in rows if "predicted_step_interval_ms" in r):
-        several = r["ranks"] > 1
+        several = speedups and r["ranks"] > 1
         history.append(
             path,
             profile.get("created"),
@@ -108,6 +109,8 @@ def record_cells(path: str, profile: dict, rows: list) -> None:
 def format_predictions(rows: list) -> str:
     """Each priced cell's measured step beside the prediction and its 80 % interval."""
     out = [f"{'batch':>6} {'ranks':>5} {'thr':>3} {'step ms':>9} {'predicted (80% interval)':>26} {'error':>7}"]
+    if any(gpus_emulated(r["device"]) for r in rows):  # never mistakable for a real GPU's figures
+        out[0] += "  (EMULATED GPUs: the CPU running mgpu's CUDA code)"
     for r in rows:
         if "predicted_step_interval_ms" not in r:
             why = r.get("prediction_error", "not priced")
@@ -538,8 +541,11 @@ def cmd_bench(a, pg) -> int:
     # the device this run measures (resolving it may refuse the run)
     device = pg.resolve_device(a.device)[0]
     profile = None
-    # this machine's calibration: its record (history.py) gains the cells it priced
-    recorded = default_profile_path() if a.profile in (None, "calibrated") else None
+    # this machine's calibration, where it describes these cells: its record (history.py)
+    # gains the CPU cells it priced (GPU cells here run timed, phase by phase)
+    recorded = None
+    if a.profile in (None, "calibrated") and device == "cpu" and pg.is_root:
+        recorded = default_profile_path() if calibration_for(max(a.ranks or [pg.size]), device)[0] else None
     if a.validate_selector or a.profile:
         profile = resolve_profile(a.profile or "calibrated", max(a.ranks or [pg.size]))
         if profile is None:
@@ -593,7 +599,7 @@ def cmd_bench(a, pg) -> int:
         r["optimizer"] = a.optimizer
     add_derived(rows, profile, thread_scaling=several_threads)
     if profile is not None and recorded and profile.get("source") == "calibrated":
-        record_cells(recorded, profile, rows)
+        record_cells(recorded, profile, rows, speedups=not several_threads)
     print(format_table(rows))
     if any("predicted_step_interval_ms" in r or "prediction_error" in r for r in rows):
         print(format_predictions(rows))

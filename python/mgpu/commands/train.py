@@ -602,7 +602,8 @@ def report(plan: RunPlan, model, trainer, telemetry, observer, history: list, wa
     if pg.is_root:
         if result["prediction"].get("warning"):
             print(f"mgpu: warning: {result['prediction']['warning']}", file=sys.stderr, flush=True)
-        record_run(result["prediction"], pg.size)
+        if plan.device == "cpu" or not trainer.config.timed:  # (timed GPU phases give up overlap)
+            record_run(result["prediction"], pg.size)
     if pg.is_root:
         if a.json:
             write_json_atomic(a.json, result)

@@ -17,6 +17,9 @@ from . import intervals
 
 RECORD_NAME = "checks.jsonl"
 KEEP = 1000  # the newest records a band is built from
+# A step 20x off its prediction says the run was not the step priced (a stall, another
+# machine's file): such records are left out, as the model refuses bands beyond e^3.
+MAX_LOG_RATIO = 3.0
 
 
 def record_path(profile_path: str) -> str:
@@ -76,7 +79,9 @@ def read(profile_path: str, calibration: Optional[str]) -> List[dict]:
             and rec.get("calibration") == calibration
             and isinstance(rec.get("devices"), int)
             and isinstance(rec.get("log_ratio"), float)
-            and math.isfinite(rec["log_ratio"])
+            and abs(rec["log_ratio"]) <= MAX_LOG_RATIO
+            and isinstance(rec.get("speedup_log_ratio", 0.0), float)
+            and abs(rec.get("speedup_log_ratio", 0.0)) <= MAX_LOG_RATIO
         ):
             out.append(rec)
     return out[-KEEP:]
@@ -105,6 +110,7 @@ def error_model(profile: dict, records: Iterable[dict] = ()) -> dict:
         "compute_together": list(intervals.band(together)) if len(together) >= 2 else compute,
         "comm": list(intervals.band(together)) if len(together) >= 2 else compute,
         "compute_shared": False,
+        "step_bands": True,
         "source": f"{len(checks)} held-out steps at calibration"
         + (f" alone and on {ranks} ranks" if together else " alone")
         + (f" and {len(records)} priced steps of this machine's runs since" if records else "")

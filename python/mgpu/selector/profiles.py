@@ -633,6 +633,7 @@ def _error_to_core(profile: dict):
             band.low, band.high = float(pair[0]), float(pair[1])
             e.speedup, e.speedup_measured = band, True
         e.compute_shared = bool(given.get("compute_shared", True))
+        e.step_bands = bool(given.get("step_bands", False))
         e.source = str(given.get("source", "the profile's error bands"))
         return e
     error = float(profile.get("model_error", 0.25))

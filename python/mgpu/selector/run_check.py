@@ -43,12 +43,13 @@ def predict_run(
     """The prediction for a run of `cfg` (bucket resolved) on `ranks` devices of kind `device`
     with `threads` per rank (batch_shares: the run's, None for equal), as a dict;
     {"available": False, "reason": ...} where the calibration at `path` (default: this
-    machine's) cannot say. Never raises ConfigError."""
+    machine's) cannot say: a calibration it cannot use never stops the run."""
     path = path or profiles.default_profile_path()
     profile, why = calibration_for(ranks, device, path)
     if profile is None:
         return _none(why)
-    calibrated_threads = (profile.get("environment") or {}).get("threads_per_rank")
+    environment = profile.get("environment")
+    calibrated_threads = environment.get("threads_per_rank") if isinstance(environment, dict) else None
     if device == "cpu" and calibrated_threads and calibrated_threads != threads:
         return _none(
             f"the calibration measured {calibrated_threads} thread(s) per rank, this run uses {threads} "
@@ -59,7 +60,7 @@ def predict_run(
     try:
         hw = profiles.to_core(profile, ranks)
         p = profiles.P.predict(run_workload(cfg, sizes, cfg.bucket_mb), hw, ranks, options)
-    except ConfigError as e:
+    except (ConfigError, KeyError, TypeError, ValueError) as e:  # a prediction never stops a run
         return _none(f"the calibration cannot price this run: {e}")
     return {
         "available": True,
@@ -121,7 +122,7 @@ def check_run(prediction: dict, measured: Optional[dict], phases_timed: bool) ->
 
 def _warning(check: dict) -> str:
     low, high = check["interval_ms"]
-    line = (
+    line = ("EMULATED GPUs (not a GPU's times): " if check.get("gpu_emulation") else "") + (
         f"the measured step ({check['measured_step_ms']:.3g} ms) lies outside the prediction's 80% interval "
         f"({low:.3g}-{high:.3g} ms; {check['predicted_step_ms']:.3g} ms predicted from '{check['profile']}')"
     )
