@@ -61,7 +61,7 @@ def append(
 
 def read(profile_path: str, calibration: Optional[str]) -> List[dict]:
     """The newest KEEP records of the calibration created at `calibration` (lines that are
-    not a record, or of another calibration, are left out)."""
+    not a record, of another calibration, or beyond MAX_LOG_RATIO are left out)."""
     try:
         with open(record_path(profile_path)) as f:
             lines = f.read().splitlines()
