@@ -540,23 +540,23 @@ def cmd_bench(a, pg) -> int:
         return 0
     # the device this run measures (resolving it may refuse the run)
     device = pg.resolve_device(a.device)[0]
-    profile = None
-    # this machine's calibration, where it describes these cells: its record (history.py)
-    # gains the CPU cells it priced (GPU cells here run timed, phase by phase)
-    recorded = None
-    if a.profile in (None, "calibrated") and device == "cpu" and pg.is_root:
-        recorded = default_profile_path() if calibration_for(max(a.ranks or [pg.size]), device)[0] else None
+    profile, described, most = None, False, max(a.ranks or [pg.size])
     if a.validate_selector or a.profile:
-        profile = resolve_profile(a.profile or "calibrated", max(a.ranks or [pg.size]))
+        profile = resolve_profile(a.profile or "calibrated", most)
         if profile is None:
             raise ConfigError("--validate-selector needs a calibration: run `python -m mgpu topo` under mpirun first")
         mismatch = emulation_mismatch(profile, device) if a.validate_selector else None
         if mismatch:
             raise ConfigError(f"--validate-selector: {mismatch}")
+        described = a.profile in (None, "calibrated") and pg.is_root and calibration_for(most, device)[0] is not None
     elif pg.is_root:  # every run holds the prediction of a calibration that describes it
-        profile, unpriced = calibration_for(max(a.ranks or [pg.size]), device)
+        profile, unpriced = calibration_for(most, device)
+        described = profile is not None
         if unpriced:
             print(f"prediction: none ({unpriced})", flush=True)
+    # this machine's calibration, where it describes these cells: its record (history.py)
+    # gains the CPU cells it priced (GPU cells here run timed, phase by phase)
+    recorded = default_profile_path() if described and device == "cpu" else None
     if a.compare == "torch" and pg.size > 1:
         raise ConfigError(
             "--compare torch alternates launches of mgpu and PyTorch: run it from one process "

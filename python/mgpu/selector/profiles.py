@@ -609,6 +609,15 @@ def _placement_widened(phases: dict, moved: bool) -> dict:
     }
 
 
+def _band(pair, key: str):
+    """The ErrorBand of a profile's [low, high] pair under error_model.key."""
+    if not (isinstance(pair, (list, tuple)) and len(pair) == 2):
+        raise ConfigError(f"hardware profile is malformed (error_model.{key} must be [low, high])")
+    band = P.ErrorBand()
+    band.low, band.high = float(pair[0]), float(pair[1])
+    return band
+
+
 def _error_to_core(profile: dict):
     """The profile's ErrorModel: its "error_model" (bands of log(measured / predicted)), or,
     for a profile written before those, its "model_error" e as the band log(1 -+ e) on
@@ -620,18 +629,9 @@ def _error_to_core(profile: dict):
             raise ConfigError("hardware profile is malformed (error_model must be an object)")
         for key in ("compute", "compute_together", "comm"):
             pair = given.get(key, given.get("compute")) if key == "compute_together" else given.get(key)
-            if not (isinstance(pair, (list, tuple)) and len(pair) == 2):
-                raise ConfigError(f"hardware profile is malformed (error_model.{key} must be [low, high])")
-            band = P.ErrorBand()
-            band.low, band.high = float(pair[0]), float(pair[1])
-            setattr(e, key, band)
+            setattr(e, key, _band(pair, key))
         if given.get("speedup") is not None:  # measured on held-out steps (topo)
-            pair = given["speedup"]
-            if not (isinstance(pair, (list, tuple)) and len(pair) == 2):
-                raise ConfigError("hardware profile is malformed (error_model.speedup must be [low, high])")
-            band = P.ErrorBand()
-            band.low, band.high = float(pair[0]), float(pair[1])
-            e.speedup, e.speedup_measured = band, True
+            e.speedup, e.speedup_measured = _band(given["speedup"], "speedup"), True
         e.compute_shared = bool(given.get("compute_shared", True))
         e.step_bands = bool(given.get("step_bands", False))
         e.source = str(given.get("source", "the profile's error bands"))
@@ -640,9 +640,7 @@ def _error_to_core(profile: dict):
     if not 0 <= error < 1:
         raise ConfigError(f"hardware profile: model_error is a relative error in [0, 1), got {error}")
     for key in ("compute", "compute_together", "comm"):
-        band = P.ErrorBand()
-        band.low, band.high = math.log1p(-error), math.log1p(error)
-        setattr(e, key, band)
+        setattr(e, key, _band([math.log1p(-error), math.log1p(error)], key))
     e.source = f"the profile's model error +-{error:.0%}, not validated"
     return e
 

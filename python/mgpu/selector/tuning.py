@@ -63,20 +63,13 @@ def calibration_for(ranks: int, device: str, path: Optional[str] = None) -> tupl
 
 def auto_bucket_mb(cfg, pg, sizes, device: str) -> tuple:
     """(MB, note or None): the model's bucket for this model and rank count on this machine's calibration."""
-    path = profiles.default_profile_path()
     if pg.size < 2:
         return 4.0, None  # one rank: no allreduce, nothing to say
-    if not os.path.exists(path):
-        return 4.0, "bucket 4 MB: --bucket-mb auto found no calibration (run `mgpu topo`)"
-    try:
-        profile = profiles.load_profile(path)
-    except ConfigError as e:  # a broken calibration must not stop a run that never asked for it by name
-        return 4.0, f"bucket 4 MB: {e} (rerun `mgpu topo`)"
-    if len(profile["devices"]) < pg.size:
-        return 4.0, f"bucket 4 MB: the calibration has {len(profile['devices'])} device(s), this job {pg.size} ranks"
-    differs = calibrated_kind_differs(profile, pg.size, device)
-    if differs:
-        return 4.0, f"bucket 4 MB: {differs}"
+    # a calibration that is missing, broken or of other devices must not stop a run that
+    # never asked for it by name
+    profile, why = calibration_for(pg.size, device)
+    if profile is None:
+        return 4.0, f"bucket 4 MB: --bucket-mb auto: {why}"
     b = recommend.auto_bucket(profile, run_workload(cfg, sizes, 4.0), pg.size)
     return b["bucket_mb"], f"bucket {b['bucket_mb']:g} MiB (auto): {b['reason']}"
 
