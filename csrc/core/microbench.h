@@ -14,11 +14,13 @@
 
 namespace mgpu {
 
-// inp (B, IN), weight (OUT, IN) -> out (B, OUT): the forward GEMM of a Linear layer.
+// inp (B, IN), weight (OUT, IN) -> out (B, OUT): the forward GEMM of a Linear layer, on
+// uniform random operands (a GPU multiplies zeros faster than a training step's data).
 // sweep_bytes > 0: each timed call after sweeping that much host memory (a cold layer).
 std::vector<double> time_linear(Backend& be, int B, int IN, int OUT, int repeats, size_t sweep_bytes);
 // dout (B, OUT), inp (B, IN), weight (OUT, IN) -> dinp (B, IN), dweight (OUT, IN), dbias (OUT):
-// linear_backward as training calls it (input_gradient false: no dinp, the first layer).
+// linear_backward as training calls it (input_gradient false: no dinp, the first layer);
+// random operands as time_linear's.
 std::vector<double> time_linear_backward(Backend& be, int B, int IN, int OUT, int repeats, bool input_gradient,
                                          size_t sweep_bytes);
 // y += a x over n floats: 12 bytes of traffic per element.

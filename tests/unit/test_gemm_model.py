@@ -120,6 +120,8 @@ def test_a_wrong_rate_fails_the_bounds():
         ("NVIDIA H100 80GB HBM3", "h100-sxm"),
         ("NVIDIA H100 PCIe", "h100-pcie"),
         ("NVIDIA H100 NVL", None),
+        ("NVIDIA H200", "h200"),
+        ("NVIDIA H200 NVL", None),
         ("NVIDIA H100 80GB HBM3 MIG 1g.10gb", None),
         ("NVIDIA GeForce RTX 4060 Laptop GPU", None),
         ("NVIDIA A100-SXM4-80GB", "a100-80gb"),

@@ -22,7 +22,7 @@ from typing import Optional
 
 import numpy as np
 
-from .hardware import known_gpu_type
+from .hardware import gemm_curve, known_gpu_type
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "gemm_published.json")
 BOUNDS = {"median": 0.15, "worst": 0.35}  # per table, as for the allreduce tables (issue 13)
@@ -149,8 +149,9 @@ def fitted_rates() -> dict:
 
 
 def rate(gpu: str, precision: str) -> Optional[dict]:
-    """The fitted rate of a GPU type at a precision, or None where no table has it."""
-    return fitted_rates().get((gpu, precision))
+    """The fitted rate of a GPU type at a precision (its sibling's where it prices on one), or None
+    where no table has it."""
+    return fitted_rates().get((gemm_curve(gpu), precision))
 
 
 def sources(gpu: str) -> list:
@@ -158,7 +159,7 @@ def sources(gpu: str) -> list:
     return [
         {"url": t["source"], "figure": f"GEMM table ({t['role']}, {t['precision']}): {t['system']}"}
         for t in load_published()["tables"]
-        if gpu in t["gpus"]
+        if gemm_curve(gpu) in t["gpus"]
     ]
 
 

@@ -122,7 +122,18 @@ GPU_TYPES = {
     ),
     # H100 PCIe 80GB spec: 2.0 TB/s
     "h100-pcie": dict(name="H100 PCIe 80GB", memory=80e9, bandwidth=1.7e12, h2d=25e9, context=0.6e9),
+    # H200 SXM 141GB: HBM copy 4.01 TB/s, host-to-device 55 GB/s (Azure ND H200 v5). The H100
+    # SXM's die, SM count and clocks (NVIDIA's spec: the same dense TFLOPS at every
+    # precision), so its GEMMs are priced on the H100 SXM tables' curve.
+    "h200": dict(name="H200 SXM 141GB", memory=141e9, bandwidth=4.01e12, h2d=55e9, context=0.6e9, gemm_like="h100-sxm"),
 }
+
+
+def gemm_curve(gpu: str) -> str:
+    """The GPU type whose fitted GEMM curve prices `gpu`'s GEMMs (itself, or a sibling of the same die and clocks)."""
+    return GPU_TYPES.get(gpu, {}).get("gemm_like", gpu)
+
+
 _AZURE = "https://github.com/Azure/AI-benchmarking-guide/blob/main/Azure_Results/"
 SPECS = {
     "h100-sxm-azure": {
@@ -130,6 +141,14 @@ SPECS = {
         "figure": "H100 HBM bandwidth 2.90 TB/s, host-device 51 GB/s",
     },
     "a100-azure": {"url": _AZURE + "ND_A100_v4_results.md", "figure": "A100 HBM 1.61 TB/s"},
+    "h200-azure": {
+        "url": _AZURE + "ND_H200_v5_results.md",
+        "figure": "H200 HBM bandwidth 4.01 TB/s, host-device 55 GB/s",
+    },
+    "h200": {
+        "url": "https://www.nvidia.com/en-us/data-center/h200/",
+        "figure": "H200 SXM: 141 GB HBM3e at 4.8 TB/s; dense TFLOPS as the H100 SXM's",
+    },
     "h100-pcie": {
         "url": "https://www.nvidia.com/en-us/data-center/h100/",
         "figure": "H100 PCIe memory bandwidth 2.0 TB/s",
@@ -168,6 +187,8 @@ def known_gpu_type(name: str) -> Optional[str]:
         return None
     if "H100" in n:  # "NVIDIA H100 80GB HBM3" is the SXM part
         return "h100-pcie" if "PCIE" in n else "h100-sxm"
+    if "H200" in n:  # "NVIDIA H200" is the SXM part (the NVL card is excluded above)
+        return "h200"
     if "A100" in n and "SXM" in n:  # PCIe A100s run lower clocks
         return "a100-40gb" if "40GB" in n else "a100-80gb"
     if "RTX 5080" in n:

@@ -311,7 +311,7 @@ def named_profile(name: str, devices: Optional[int] = None) -> dict:
 
 def detected_profile(devices: Optional[int] = None) -> Optional[dict]:
     """An uncalibrated profile of the visible GPUs, or None without GPUs: a GPU of a named
-    profile (H100, A100 SXM, RTX 5080, RTX 4060) at its published GEMM rates, another
+    profile (H100, H200, A100 SXM, RTX 5080, RTX 4060) at its published GEMM rates, another
     estimated from its properties."""
     info = _core.build_info().get("cuda", {})
     gpus = info.get("devices", [])
