@@ -1,6 +1,7 @@
 // Elementwise kernels of the CUDA backend: bias broadcast (the linear layer's
 // bias, CPU reference: CpuBackend::linear_forward's row copies), scale and axpy
-// (CpuBackend::scale / CpuBackend::axpy), and the fp32 <-> bf16/fp16
+// (CpuBackend::scale / CpuBackend::axpy), the row gather of resident datasets
+// (CpuBackend::gather_rows), and the fp32 <-> bf16/fp16
 // conversions of the mixed-precision GEMM inputs and of gradient compression
 // (CpuBackend::narrow / CpuBackend::widen).
 #include <cuda_bf16.h>
@@ -28,6 +29,15 @@ __global__ void scale_kernel(float* __restrict__ x, size_t n, float alpha) {
 __global__ void axpy_kernel(float* __restrict__ y, const float* __restrict__ x, size_t n, float alpha) {
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
     y[i] += alpha * x[i];
+}
+
+// One thread a word; consecutive threads read consecutive words of a row (coalesced).
+__global__ void gather_rows_kernel(uint32_t* __restrict__ dst, const uint32_t* __restrict__ src,
+                                   const int64_t* __restrict__ index, size_t n, int W) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+    const size_t r = i / unsigned(W), c = i - r * unsigned(W);
+    dst[i] = src[size_t(index[r]) * W + c];
+  }
 }
 
 template <typename Convert>
@@ -65,6 +75,13 @@ void axpy(float* y, const float* x, size_t n, float alpha, cudaStream_t stream) 
   if (n == 0) return;
   MGPU_LAUNCH(axpy_kernel, grid_for(n), kThreads, 0, stream)(y, x, n, alpha);
   MGPU_CUDA_CHECK_LAUNCH("axpy_kernel");
+}
+
+void gather_rows(uint32_t* dst, const uint32_t* src, const int64_t* index, int rows, int W, cudaStream_t stream) {
+  const size_t n = size_t(rows) * W;
+  if (n == 0) return;
+  MGPU_LAUNCH(gather_rows_kernel, grid_for(n), kThreads, 0, stream)(dst, src, index, n, W);
+  MGPU_CUDA_CHECK_LAUNCH("gather_rows_kernel");
 }
 
 void cast_to_bf16(void* out, const float* in, size_t n, cudaStream_t stream) {

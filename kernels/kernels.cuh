@@ -30,6 +30,8 @@ constexpr int kColumnPartialsSize = 2 * kReduceBlocks * 32;
 void broadcast_rows(float* out, const float* bias, int B, int C, cudaStream_t stream);
 void scale(float* x, size_t n, float alpha, cudaStream_t stream);
 void axpy(float* y, const float* x, size_t n, float alpha, cudaStream_t stream);  // y += alpha x
+// src (n, W), index (rows) -> dst (rows, W): dst row r = src row index[r] (4-byte words)
+void gather_rows(uint32_t* dst, const uint32_t* src, const int64_t* index, int rows, int W, cudaStream_t stream);
 // fp32 -> bf16 / fp16, round to nearest even (n elements; out holds 2-byte values).
 void cast_to_bf16(void* out, const float* in, size_t n, cudaStream_t stream);
 void cast_to_fp16(void* out, const float* in, size_t n, cudaStream_t stream);

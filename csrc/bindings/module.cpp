@@ -20,6 +20,7 @@
 #include "../core/model.h"
 #include "../core/optimizer.h"
 #include "../core/philox.h"
+#include "../core/resident_data.h"
 #include "../core/train_step.h"
 #include "../cpu/cpu_backend.h"
 #ifdef MGPU_HAVE_MPI
@@ -582,6 +583,32 @@ void bind_model(py::module_& m) {
           },
           py::arg("x"), py::arg("y"), py::arg("loss") = "mse",
           "(sum of losses, correct predictions) over the rows; MSE sums squared errors of every element.");
+
+  using OrderArray = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
+  py::class_<ResidentData, std::shared_ptr<ResidentData>>(m, "ResidentData")
+      .def(py::init([](const std::shared_ptr<MLP>& model, py::array x, py::object y, const std::string& loss) {
+             if (!model) throw ConfigError("resident data needs a model");
+             if (y.is_none()) throw ConfigError("resident data needs targets y");
+             BatchArgs b = make_batch(*model, x, y, parse_loss(loss));
+             py::gil_scoped_release nogil;
+             return std::make_shared<ResidentData>(model->backend_ptr(), b.view, model->in_features(),
+                                                   model->out_features());
+           }),
+           py::arg("model"), py::arg("x"), py::arg("y"), py::arg("loss") = "mse",
+           "The rows (x, y) copied once into the model's backend memory, for DataParallelStep.step_rows.")
+      .def(
+          "set_order",
+          [](ResidentData& d, const OrderArray& order) {
+            if (order.ndim() != 1) throw ConfigError("an order is a 1-D array of row numbers");
+            const int64_t* src = order.data();
+            const int64_t n = order.shape(0);
+            py::gil_scoped_release nogil;
+            d.set_order(src, n);
+          },
+          py::arg("order"), "The row numbers steps draw from (an epoch's permutation); copied once.")
+      .def_property_readonly("rows", &ResidentData::rows)
+      .def_property_readonly("order_size", &ResidentData::order_size)
+      .def_property_readonly("bytes", &ResidentData::bytes, "What it holds in the backend's memory.");
 }
 
 // The optimizer and its state.
@@ -774,6 +801,29 @@ void bind_step(py::module_& m) {
           "One optimizer step over this rank's micro-batches [(x, y, first_sample), ...] of a "
           "global batch of global_batch rows; returns a StepResult. trace: record its spans "
           "(StepResult.spans, now or in a later step's result) and bucket allreduces.")
+      .def(
+          "step_rows",
+          [](DataParallelStep& s, const std::shared_ptr<ResidentData>& data, py::list micro_batches,
+             int64_t global_batch, uint64_t step_index, float lr, bool request_stop, bool trace) {
+            if (!data) throw ConfigError("step_rows needs resident data");
+            std::vector<MicroShard> shards;
+            for (py::handle item : micro_batches) {
+              auto t = item.cast<py::tuple>();
+              if (t.size() != 3) throw ConfigError("each micro-batch is a tuple (order_offset, rows, first_sample)");
+              MicroShard shard;
+              shard.resident = data.get();
+              shard.order_offset = t[0].cast<int64_t>();
+              shard.batch.rows = t[1].cast<int>();
+              shard.first_sample = t[2].cast<int64_t>();
+              shards.push_back(shard);
+            }
+            py::gil_scoped_release nogil;
+            return s.step(shards, global_batch, step_index, lr, request_stop, trace);
+          },
+          py::arg("data"), py::arg("micro_batches"), py::arg("global_batch"), py::arg("step"), py::arg("lr"),
+          py::arg("request_stop") = false, py::arg("trace") = false,
+          "step over rows of resident data: micro-batches [(order_offset, rows, first_sample), ...], "
+          "each the rows order[order_offset, order_offset + rows) of data's current order.")
       .def(
           "drain_trace",
           [](DataParallelStep& s) {

@@ -191,6 +191,7 @@ void bind_perf(py::module_& m) {
       .def_readwrite("cuda_graph", &Workload::cuda_graph)
       .def_readwrite("accumulate", &Workload::accumulate)
       .def_readwrite("shard_optimizer", &Workload::shard_optimizer)
+      .def_readwrite("data_on_device", &Workload::data_on_device)
       .def("resolved_layers", &Workload::resolved_layers);
   py::class_<Options>(pm, "Options")
       .def(py::init<>())

@@ -303,6 +303,23 @@ void bind_probe(py::module_& parent) {
       py::arg("backend"), py::arg("y"), py::arg("x"), py::arg("alpha"), "-> y + alpha x");
 
   m.def(
+      "gather_rows",
+      [](BE be, F32 src, const py::array_t<int64_t, py::array::c_style | py::array::forcecast>& index) {
+        expect_2d(src, "src");
+        MGPU_CHECK(index.ndim() == 1, ConfigError, "index must be 1-D");
+        const int rows = static_cast<int>(index.size()), W = static_cast<int>(src.shape(1));
+        for (int r = 0; r < rows; ++r)
+          MGPU_CHECK(index.data()[r] >= 0 && index.data()[r] < src.shape(0), ConfigError, "index ", index.data()[r],
+                     " is outside the ", src.shape(0), " rows");
+        auto ds = upload(*be, src);
+        auto di = upload(*be, index);
+        BackendArray<float> out(be.get(), size_t(rows) * W);
+        be->gather_rows(out.data(), ds.data(), di.data(), rows, W);
+        return download(*be, out, {rows, W});
+      },
+      py::arg("backend"), py::arg("src"), py::arg("index"), "-> src[index] (rows gathered on the backend)");
+
+  m.def(
       "zero",
       [](BE be, F32 x) {
         auto d = upload(*be, x);

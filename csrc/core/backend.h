@@ -164,6 +164,11 @@ class Backend {
   }
   virtual void wait_fence(uint64_t fence) { (void)fence; }
 
+  // src (n, W), index (rows) -> dst (rows, W): dst row r = src row index[r], rows of W 4-byte
+  // words (float features or targets, int32 labels). A step's rows gathered from a dataset
+  // resident in the backend's memory; every index is in [0, n) (ResidentData checks it).
+  virtual void gather_rows(void* dst, const void* src, const int64_t* index, int rows, int W) = 0;
+
   // Linear layer. inp (B, IN), weight (OUT, IN), bias (OUT) -> out (B, OUT) = inp weight^T + bias
   virtual void linear_forward(float* out, const float* inp, const float* weight, const float* bias, int B, int IN,
                               int OUT) = 0;

@@ -8,6 +8,7 @@
 #include "async_signals.h"
 #include "errors.h"
 #include "philox.h"
+#include "resident_data.h"
 
 namespace mgpu {
 
@@ -120,6 +121,36 @@ void MLP::stage(const HostBatch& batch, LossKind loss, bool own_copy) {
   }
   if (batch.labels) {
     backend_->stage_to_backend(staged_labels_.data(), batch.labels, rows * sizeof(int32_t));
+    labels_ = staged_labels_.data();
+  }
+}
+
+void MLP::check_rows(const ResidentData& data, int64_t order_offset, int rows, LossKind loss) const {
+  MGPU_CHECK(data.backend() == backend_.get(), ConfigError, "resident data lives in another backend than the model's");
+  MGPU_CHECK(data.in_features() == in_features() && data.out_features() == out_features(), ConfigError,
+             "resident data of ", data.in_features(), " -> ", data.out_features(), " features does not fit a model of ",
+             in_features(), " -> ", out_features());
+  MGPU_CHECK(loss == LossKind::kCrossEntropy ? data.has_labels() : data.has_targets(), ConfigError,
+             "resident data holds ", data.has_labels() ? "class labels" : "float targets", ", not what the ",
+             loss_name(loss), " loss needs");
+  MGPU_CHECK(rows >= 0 && order_offset >= 0 && order_offset + rows <= data.order_size(), ConfigError, "rows [",
+             order_offset, ", ", order_offset + rows, ") are outside the resident order of ", data.order_size());
+}
+
+void MLP::stage_rows(const ResidentData& data, int64_t order_offset, int rows, LossKind loss) {
+  check_rows(data, order_offset, rows, loss);
+  ensure_capacity(std::max(rows, 1));
+  ensure_staging();
+  const int64_t* index = data.order() + order_offset;
+  backend_->gather_rows(staged_x_.data(), data.x(), index, rows, in_features());
+  input_ = staged_x_.data();
+  targets_ = nullptr;
+  labels_ = nullptr;
+  if (data.has_targets()) {
+    backend_->gather_rows(staged_targets_.data(), data.targets(), index, rows, out_features());
+    targets_ = staged_targets_.data();
+  } else {
+    backend_->gather_rows(staged_labels_.data(), data.labels(), index, rows, 1);
     labels_ = staged_labels_.data();
   }
 }

@@ -19,6 +19,8 @@ enum class LossKind { kMSE, kCrossEntropy };
 LossKind parse_loss(const std::string& name);
 std::string loss_name(LossKind loss);
 
+class ResidentData;  // resident_data.h
+
 // One batch (or one rank's shard of it) in host memory.
 struct HostBatch {
   const float* x = nullptr;         // (rows, in_features)
@@ -71,6 +73,12 @@ class MLP {
   // own_copy: copy on host backends too, into buffers whose addresses stay put
   // (a captured step replays with the addresses it was captured with).
   void stage(const HostBatch& batch, LossKind loss, bool own_copy = false);
+  // Gathers rows order[order_offset, order_offset + rows) of a dataset resident in
+  // this model's backend into the staged buffers (addresses that stay put, as with
+  // own_copy): no host memory is read. Its labels were checked when it was made.
+  void stage_rows(const ResidentData& data, int64_t order_offset, int rows, LossKind loss);
+  // ConfigError unless stage_rows can take those rows (the data's backend, features, loss, range).
+  void check_rows(const ResidentData& data, int64_t order_offset, int rows, LossKind loss) const;
   // Forward pass over the staged rows; dropout is active iff `dropout` is set.
   // Returns the output (rows, out_features) in backend memory. layer_done(l),
   // when given, is called once layer l's output is written (a trace marks it).

@@ -260,9 +260,13 @@ DeviceTimes device_times(const std::vector<int>& sizes, int64_t b, const DeviceP
   if (graphs)
     t.overhead += (2.0 * double(micro_batches) + ((alone && w.grad_dtype == "fp32") || sharded ? 0.0 : 2.0)) *
                   d.launch_overhead_s;
-  if (d.host_to_device_bandwidth > 0)  // the micro-batches' copies, outside any graph
-    t.overhead += 4.0 * B * (sizes.front() + sizes.back()) / d.host_to_device_bandwidth +
-                  (2.0 * double(micro_batches) + 1.0) * d.launch_overhead_s;  // inputs and targets, the stop flag
+  if (d.host_to_device_bandwidth > 0) {  // a device's inputs and targets, outside any graph
+    const double row_bytes = 4.0 * B * (sizes.front() + sizes.back());
+    // resident: two gathers (each row read and written, its 8-byte row number read); else copied in
+    t.overhead += (w.data_on_device && d.memory_bandwidth > 0 ? (2.0 * row_bytes + 16.0 * B) / d.memory_bandwidth
+                                                              : row_bytes / d.host_to_device_bandwidth) +
+                  (2.0 * double(micro_batches) + 1.0) * d.launch_overhead_s;  // those, and the stop flag
+  }
   return t;
 }
 

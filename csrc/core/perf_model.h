@@ -237,6 +237,9 @@ struct Workload {
   // updates them; buckets are reduce-scattered and the parameters all-gathered after
   // the update. No effect on one device.
   bool shard_optimizer = false;
+  // A device's inputs: gathered each step from a training set held in its memory (train
+  // --data-on-device, on GPUs by default where it fits), or copied from the host.
+  bool data_on_device = true;
   // The layers that stand in for a bare parameter count: four square hidden
   // layers holding the same number of parameters.
   std::vector<int> resolved_layers() const;

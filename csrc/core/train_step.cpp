@@ -246,6 +246,7 @@ void DataParallelStep::check_shards(const std::vector<MicroShard>& shards, int64
     MGPU_CHECK(s.batch.rows >= 0 && s.first_sample >= 0 && s.first_sample + s.batch.rows <= global_batch, ConfigError,
                "shard of ", s.batch.rows, " rows at sample ", s.first_sample, " does not fit a global batch of ",
                global_batch);
+    if (s.resident) model_->check_rows(*s.resident, s.order_offset, s.batch.rows, loss_);
     local_rows += s.batch.rows;
   }
   MGPU_CHECK(local_rows <= global_batch, ConfigError, "this rank's ", local_rows, " rows exceed the global batch of ",
@@ -272,8 +273,13 @@ DataParallelStep::Run DataParallelStep::plan_run(const std::vector<MicroShard>& 
 // The stop slot travels in the first bucket, which overlap launches during the
 // last backward: written before any backward runs.
 void DataParallelStep::write_stop_flag(bool request_stop) {
-  const float stop_flag = request_stop ? 1.0f : 0.0f;
-  model_->backend().stage_to_backend(model_->stop_slot(), &stop_flag, sizeof(float));
+  Backend& be = model_->backend();
+  if (!request_stop) {
+    be.zero(model_->stop_slot(), 1);  // no host memory read: a steady step with resident data copies nothing in
+    return;
+  }
+  const float stop_flag = 1.0f;
+  be.stage_to_backend(model_->stop_slot(), &stop_flag, sizeof(float));
 }
 
 // 1-4. Micro-batch k: stage the shard, then forward (dropout keyed by seed,
@@ -284,7 +290,10 @@ void DataParallelStep::run_micro_batch(Run& run, size_t k) {
   const MicroShard& s = run.shards[k];
   if (s.batch.rows == 0) return;
   const int micro = run.shards.size() > 1 ? static_cast<int>(k) : -1;  // spans name micro-batches when several
-  model_->stage(s.batch, loss_, /*own_copy=*/graphs_enabled_);
+  if (s.resident)
+    model_->stage_rows(*s.resident, s.order_offset, s.batch.rows, loss_);
+  else
+    model_->stage(s.batch, loss_, /*own_copy=*/graphs_enabled_);
   run.rec.record(StepEvent::kStaged, micro);
   const DropoutKey key{model_->seed(), run.index, 0, s.first_sample};
   if (graphs_enabled_) {

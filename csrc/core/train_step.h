@@ -19,6 +19,7 @@
 #include "communicator.h"
 #include "model.h"
 #include "optimizer.h"
+#include "resident_data.h"
 #include "step_trace.h"
 
 namespace mgpu {
@@ -99,9 +100,14 @@ struct StepOptions {
 
 // One rank's share of one micro-batch: rows of the step's global batch whose
 // first row is global sample first_sample (numbered across all micro-batches).
+// Its rows are batch's (host memory), or, where `resident` is set, rows
+// order[order_offset, order_offset + batch.rows) of a dataset in the backend's
+// memory (batch holds only the row count then).
 struct MicroShard {
   HostBatch batch;
   int64_t first_sample = 0;
+  const ResidentData* resident = nullptr;
+  int64_t order_offset = 0;
 };
 
 // Where a step's time went (seconds), from host timers; with a device backend

@@ -655,6 +655,16 @@ void CpuBackend::widen(float* x, const void* half, size_t n, Precision dtype) {
   }
 }
 
+// The reference of kernels::gather_rows: a row copy each.
+void CpuBackend::gather_rows(void* dst, const void* src, const int64_t* index, int rows, int W) {
+  if (record([=] { gather_rows(dst, src, index, rows, W); })) return;
+  const size_t row_bytes = size_t(W) * 4;
+  auto* out = static_cast<char*>(dst);
+  const auto* in = static_cast<const char*>(src);
+#pragma omp parallel for num_threads(threads_) if (parallel : long(rows) * W > kParallelMin) schedule(static)
+  for (int r = 0; r < rows; ++r) std::memcpy(out + size_t(r) * row_bytes, in + size_t(index[r]) * row_bytes, row_bytes);
+}
+
 void CpuBackend::axpy(float* y, const float* x, size_t n, float alpha) {
   if (record([=] { axpy(y, x, n, alpha); })) return;
   const long len = static_cast<long>(n);

@@ -78,6 +78,7 @@ class CpuBackend final : public Backend {
   void narrow(void* half, const float* x, size_t n, Precision dtype) override;
   void widen(float* x, const void* half, size_t n, Precision dtype) override;
   void axpy(float* y, const float* x, size_t n, float alpha) override;
+  void gather_rows(void* dst, const void* src, const int64_t* index, int rows, int W) override;
 
   // Capture as a list of recorded calls, replayed in order: nothing to gain on a
   // CPU, but it is the reference the CUDA graphs are checked against, and it

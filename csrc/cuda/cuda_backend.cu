@@ -678,6 +678,12 @@ void CudaBackend::axpy(float* y, const float* x, size_t n, float alpha) {
   kernels::axpy(y, x, n, alpha, stream_);
 }
 
+void CudaBackend::gather_rows(void* dst, const void* src, const int64_t* index, int rows, int W) {
+  activate();
+  writes(dst, size_t(rows) * W * 4);
+  kernels::gather_rows(static_cast<uint32_t*>(dst), static_cast<const uint32_t*>(src), index, rows, W, stream_);
+}
+
 // --- CUDA graphs ------------------------------------------------------------
 // Thread-local capture mode: only this thread's calls are checked against the
 // capture, so a communicator's watchdog thread may go on querying events.

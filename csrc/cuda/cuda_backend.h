@@ -96,6 +96,7 @@ class CudaBackend final : public Backend {
   void narrow(void* half, const float* x, size_t n, Precision dtype) override;
   void widen(float* x, const void* half, size_t n, Precision dtype) override;
   void axpy(float* y, const float* x, size_t n, float alpha) override;
+  void gather_rows(void* dst, const void* src, const int64_t* index, int rows, int W) override;
 
   void set_precision(Precision precision) override;
   Precision precision() const override { return precision_; }

@@ -9,7 +9,7 @@ import pytest
 from mpi4py import MPI
 
 import mgpu
-from mgpu.train.data import local_slice
+from mgpu.train.data import Dataset, local_slice
 from reference import rel_err
 
 WORLD = MPI.COMM_WORLD
@@ -74,6 +74,38 @@ def test_unequal_batch_shares_are_exact():
     ref, _ = run(mgpu.ProcessGroup(MPI.COMM_SELF), [6, 20, 3], "mse", "sgd", 31, 4, 0.0, lr=0.05)
     for p, r in zip(params, ref):
         assert rel_err(p, r) < 1e-5
+
+
+def fit(pg, data_on_device, shares=None, accumulate=1):
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((103, 8)).astype(np.float32)
+    labels = rng.integers(0, 4, 103)
+    data = Dataset("labels", x[:90], labels[:90], x[90:], labels[90:], num_classes=4)
+    model = mgpu.MLP([8, 24, 4], seed=3, dropout=0.25, threads=1)
+    trainer = mgpu.Trainer(
+        model,
+        loss="cross_entropy",
+        optimizer="adamw",
+        lr=0.01,
+        process_group=pg,
+        batch_shares=shares,
+        accumulate=accumulate,
+        data_on_device=data_on_device,
+    )
+    history = trainer.fit(data, batch_size=16, epochs=3, progress=False)  # 90 rows: a short last batch
+    assert trainer.data_placement["resident"] == (data_on_device == "on")
+    return np.concatenate([p.ravel() for p in model.get_parameters()]), [h["train_loss"] for h in history]
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_a_resident_training_set_trains_as_rows_from_the_host(accumulate):
+    pg = mgpu.ProcessGroup()
+    shares = [1.0 + r for r in range(pg.size)]
+    resident, resident_losses = fit(pg, "on", shares, accumulate)
+    staged, staged_losses = fit(pg, "off", shares, accumulate)
+    assert np.array_equal(resident, staged) and resident_losses == staged_losses
+    alone, _ = fit(mgpu.ProcessGroup(MPI.COMM_SELF), "on", accumulate=accumulate)
+    assert rel_err(resident, alone) < 1e-5
 
 
 def test_collectives_of_the_core_communicator():

@@ -135,17 +135,18 @@ def test_info_says_the_gpus_are_emulated():
 
 
 @pytest.mark.parametrize(
-    "graph, accumulate, precision, layers, batch",
+    "graph, accumulate, precision, layers, batch, placement",
     [
-        ("on", 1, "fp32", None, 64),
-        ("off", 1, "fp32", None, 64),
-        ("on", 4, "fp32", None, 64),
-        ("on", 1, "bf16", None, 64),
-        ("off", 3, "bf16", "7,5,9,3", 64),
-        ("on", 1, "fp32", "7,40,3", 512),
+        ("on", 1, "fp32", None, 64, "auto"),
+        ("off", 1, "fp32", None, 64, "auto"),
+        ("on", 1, "fp32", None, 64, "off"),  # rows copied from the host each step
+        ("on", 4, "fp32", None, 64, "auto"),
+        ("on", 1, "bf16", None, 64, "auto"),
+        ("off", 3, "bf16", "7,5,9,3", 64, "off"),
+        ("on", 1, "fp32", "7,40,3", 512, "auto"),
     ],
 )  # bias gradients in row splits (two launches each)
-def test_bench_reports_the_cuda_work_of_a_step(tmp_path, graph, accumulate, precision, layers, batch):
+def test_bench_reports_the_cuda_work_of_a_step(tmp_path, graph, accumulate, precision, layers, batch, placement):
     # The emulation's counters are the only performance signal without a GPU:
     # `mgpu bench` reports them per steady-state step: no allocation, and one
     # host synchronisation (the read-back of the step's verdict: loss, norm, applied).
@@ -186,6 +187,8 @@ def test_bench_reports_the_cuda_work_of_a_step(tmp_path, graph, accumulate, prec
             str(accumulate),
             "--precision",
             precision,
+            "--data-on-device",
+            placement,
             "--no-progress",
             "--json",
             str(out),
@@ -205,8 +208,11 @@ def test_bench_reports_the_cuda_work_of_a_step(tmp_path, graph, accumulate, prec
     # GPU, the last one holds the tail (health check, verdict, update) too: nothing is
     # launched outside them but each replay's arguments
     assert counted["graph_launches"] == (accumulate if graph == "on" else 0), counted
+    assert row["data_on_device"] == (placement == "auto")  # auto: resident on GPUs
+    assert (counted["h2d_bytes"] == 0) == row["data_on_device"], counted  # resident: nothing copied in
+    gathers = 2 if row["data_on_device"] else 0  # a resident training set's rows: x and y gathered
     if graph == "on":
-        assert counted["kernel_launches"] == accumulate and counted["blas_calls"] == 0, counted
+        assert counted["kernel_launches"] == accumulate * (1 + gathers) and counted["blas_calls"] == 0, counted
     assert row["accumulate"] == accumulate
     sizes, dropout = resolve_layers(
         None if layers else "medium", [int(v) for v in layers.split(",")] if layers else None
@@ -220,6 +226,7 @@ def test_bench_reports_the_cuda_work_of_a_step(tmp_path, graph, accumulate, prec
                 dropout=dropout,
                 accumulate=accumulate,
                 graph=graph == "on",
+                data_on_device=row["data_on_device"],
             )
         )
     )

@@ -274,6 +274,15 @@ def test_an_update_runs_as_its_verdict_says(cpu_backend, optimizer):
     assert not np.array_equal(applied[0], p)
 
 
+def test_gather_rows_copies_the_indexed_rows_and_refuses_an_index_outside(cpu_backend):
+    src = rand(20, 3)
+    index = np.array([19, 0, 0, 7], np.int64)
+    assert np.array_equal(ops.gather_rows(cpu_backend, src, index), src[index])
+    assert ops.gather_rows(cpu_backend, src, np.zeros(0, np.int64)).shape == (0, 3)
+    with pytest.raises(ConfigError, match="outside the 20 rows"):
+        ops.gather_rows(cpu_backend, src, np.array([20]))
+
+
 def test_sum_squares_scale_axpy_zero(cpu_backend):
     x, y = rand(1000), rand(1000)
     assert ops.sum_squares(cpu_backend, x) == pytest.approx((x.astype(np.float64) ** 2).sum(), rel=1e-12)

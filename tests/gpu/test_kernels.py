@@ -260,6 +260,16 @@ def test_sum_squares_scale_axpy(cuda_backend, cpu_backend, n):
     assert np.array_equal(ops.round_trip(cuda_backend, x), x)
 
 
+@pytest.mark.parametrize("rows, width", [(0, 5), (1, 1), (37, 3), (1024, 784), (3000, 1)])
+def test_gather_rows_matches_the_cpu_and_numpy(cuda_backend, cpu_backend, rows, width):
+    rng = np.random.default_rng(rows + width)
+    src = rand(rng, 257, width)
+    index = rng.integers(0, 257, rows)  # repeats and any order, as a permutation's slices are a case of
+    got = ops.gather_rows(cuda_backend, src, index)
+    assert np.array_equal(got, src[index])
+    assert np.array_equal(got, ops.gather_rows(cpu_backend, src, index))
+
+
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_gradient_compression_rounds_like_the_cpu_and_numpy(cuda_backend, cpu_backend, dtype):
     rng = np.random.default_rng(11)

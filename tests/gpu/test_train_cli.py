@@ -291,3 +291,33 @@ def test_a_model_too_big_for_one_ranks_gpu_ends_every_rank_with_one_line(two_gpu
     assert len(lines) == 2 and all(figures), r.stderr
     assert len({f.groups() for f in figures}) == 1 and float(figures[0][1]) > float(figures[0][2]) > 0.18, r.stderr
     assert any(line.startswith("mgpu: error (rank 0): rank 1: ") for line in lines) and "Traceback" not in r.stderr
+
+
+def test_the_training_set_goes_to_the_gpu_where_it_fits_beside_the_step(gpu, tmp_path):
+    # 24,000 training rows of 500 features (48 MB resident) beside a step that needs ~70 MB:
+    # resident on a 4 GiB GPU, staged from the host on a 0.1 GiB one, and refused there with `on`.
+    if not _core.build_info().get("gpu_emulation", False):
+        pytest.skip("sets the GPU's memory through the emulation (MGPU_EMULATE_GPU_MEMORY)")
+    rng = np.random.default_rng(0)
+    data = tmp_path / "wide.npz"
+    np.savez(data, x=rng.standard_normal((30000, 500), dtype=np.float32), y=rng.integers(0, 2, 30000))
+    base = [sys.executable, "-m", "mgpu", "train", "--device", "cuda", "--dataset", str(data), "--layers", "500,16,2"]
+    base += ["--batch-size", "64", "--steps", "2", "--no-progress"]
+
+    def train_with(memory, *extra):
+        out = tmp_path / "run.json"
+        env = dict(mpi_env(), MGPU_EMULATE_GPU_MEMORY=memory)
+        r = subprocess.run([*base, "--json", out, *extra], capture_output=True, text=True, timeout=300, env=env)
+        return r, json.loads(out.read_text()) if r.returncode == 0 else None
+
+    r, result = train_with("4GiB")
+    assert r.returncode == 0 and result["data_placement"]["resident"], r.stdout + r.stderr
+    assert result["data_placement"]["bytes"] == 24000 * (500 * 4 + 4 + 8)
+    assert "training set: on the device (auto: 48.3 MB, which fit beside the step" in r.stdout
+    r, result = train_with("0.1GiB")
+    assert r.returncode == 0 and not result["data_placement"]["resident"], r.stdout + r.stderr
+    assert "training set: each step's rows copied from the host (auto: 48.3 MB, which do not fit" in r.stdout
+    r, _ = train_with("0.1GiB", "--data-on-device", "on")
+    lines = [line for line in r.stderr.splitlines() if line.startswith("mgpu")]
+    assert r.returncode == 2 and len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    assert "the training set (0.0483 GB, --data-on-device)" in lines[0]

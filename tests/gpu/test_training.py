@@ -633,7 +633,9 @@ def test_half_operands_save_the_weight_and_activation_casts(gpu):
     from mgpu.selector import costsheet
 
     sheet = costsheet.counts(
-        costsheet.step_ops(costsheet.Workload(sizes=sizes, batch=32, precision="bf16", momentum=False))
+        costsheet.step_ops(
+            costsheet.Workload(sizes=sizes, batch=32, precision="bf16", momentum=False, data_on_device=False)
+        )
     )
     assert per_step == sheet["kernels_executed"]
     layers = len(sizes) - 1
@@ -641,5 +643,8 @@ def test_half_operands_save_the_weight_and_activation_casts(gpu):
     assert layers > 2
     assert (
         per_step
-        == costsheet.counts(costsheet.step_ops(costsheet.Workload(sizes=sizes, batch=32)))["kernels_executed"] + casts
+        == costsheet.counts(costsheet.step_ops(costsheet.Workload(sizes=sizes, batch=32, data_on_device=False)))[
+            "kernels_executed"
+        ]
+        + casts
     )

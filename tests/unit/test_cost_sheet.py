@@ -45,8 +45,9 @@ def test_ops_of_a_two_layer_fp32_step_counted_by_hand():
     # 4 -> 8 -> 2, one micro-batch, no graph. Forward: 2 x (bias, GEMM), one ReLU;
     # loss kernel + finalize; backward: 2 x (dW GEMM, column sums), 1 x (dX GEMM, ReLU
     # backward); health check: sum of squares + finalize, the verdict; one optimizer
-    # kernel; the verdict read back (32 bytes).
-    w = cs.Workload(sizes=[4, 8, 2], batch=16)
+    # kernel; the verdict read back (32 bytes). The rows copied from the host, or gathered
+    # (two more kernels) from a training set on the GPU; the stop flag a memset either way.
+    w = cs.Workload(sizes=[4, 8, 2], batch=16, data_on_device=False)
     c = cs.counts(cs.step_ops(w))
     assert c == {
         "kernel_launches": 2 + 1 + 2 + 2 + 1 + 3 + 1,
@@ -54,10 +55,14 @@ def test_ops_of_a_two_layer_fp32_step_counted_by_hand():
         "graph_launches": 0,
         "blas_calls": 2 + 3,
         "host_syncs": 1,
-        "h2d_bytes": 4 + 16 * 4 * 4 + 16 * 2 * 4,
+        "h2d_bytes": 16 * 4 * 4 + 16 * 2 * 4,
         "d2h_bytes": 32,
         "pageable_h2d_copies": 0,
     }
+    resident = cs.step_ops(cs.Workload(sizes=[4, 8, 2], batch=16))
+    assert cs.counts(resident) == {**c, "kernel_launches": 14, "kernels_executed": 14, "h2d_bytes": 0}
+    gathers = [o.bytes for o in resident if o.family == "input gather"]
+    assert gathers == [2 * 16 * 4 * 4 + 16 * 8, 2 * 16 * 2 * 4 + 16 * 8]  # rows read and written, indices read
     ops = cs.step_ops(w)
     gemm_flops = sum(o.count * o.flops for o in ops if o.kind == "gemm")
     assert gemm_flops == 2 * 16 * (4 * 8 * 2 + 8 * 2 * 3)  # the first layer has no input gradient
@@ -79,8 +84,8 @@ def test_half_precision_casts_the_input_and_the_loss_gradient_only():
 
 
 def test_accumulation_repeats_the_micro_batch_and_adds_the_loss():
-    one = cs.counts(cs.step_ops(cs.Workload(sizes=[4, 8, 2], batch=64)))
-    four = cs.counts(cs.step_ops(cs.Workload(sizes=[4, 8, 2], batch=64, accumulate=4)))
+    one = cs.counts(cs.step_ops(cs.Workload(sizes=[4, 8, 2], batch=64, data_on_device=False)))
+    four = cs.counts(cs.step_ops(cs.Workload(sizes=[4, 8, 2], batch=64, accumulate=4, data_on_device=False)))
     per_micro = 2 + 1 + 2 + 2 + 1
     assert four["kernel_launches"] == one["kernel_launches"] + 3 * per_micro + 3  # + an axpy per later micro-batch
     assert four["blas_calls"] == 4 * one["blas_calls"]
@@ -90,12 +95,17 @@ def test_accumulation_repeats_the_micro_batch_and_adds_the_loss():
 
 
 def test_a_graph_replays_the_micro_batch_and_on_one_gpu_the_step_tail_too():
-    c = cs.counts(cs.step_ops(cs.Workload(sizes=[4, 8, 2], batch=16, graph=True, accumulate=2)))
+    c = cs.counts(cs.step_ops(cs.Workload(sizes=[4, 8, 2], batch=16, graph=True, accumulate=2, data_on_device=False)))
     # outside: per replay its arguments' kernel; the last replay holds the health check (2),
     # the verdict and the optimizer
     assert c["kernel_launches"] == 2 and c["graph_launches"] == 2 and c["blas_calls"] == 0
+    # a resident training set: two gathers before each replay, outside it
+    gathered = cs.counts(cs.step_ops(cs.Workload(sizes=[4, 8, 2], batch=16, graph=True, accumulate=2)))
+    assert gathered["kernel_launches"] == 2 + 2 * 2 and gathered["graph_launches"] == 2
     # several GPUs: the tail is a graph of its own after the allreduce
-    two = cs.counts(cs.step_ops(cs.Workload(sizes=[4, 8, 2], batch=32, graph=True, accumulate=2, ranks=2)))
+    two = cs.counts(
+        cs.step_ops(cs.Workload(sizes=[4, 8, 2], batch=32, graph=True, accumulate=2, ranks=2, data_on_device=False))
+    )
     assert two["kernel_launches"] == 3 and two["graph_launches"] == 3
     assert two["kernels_executed"] == c["kernels_executed"] + 1  # the tail replay's arguments
     assert cs.uses_graph("auto", cs.GRAPH_AUTO_MAX_PARAMS) and not cs.uses_graph("auto", cs.GRAPH_AUTO_MAX_PARAMS + 1)

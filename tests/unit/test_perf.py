@@ -140,6 +140,31 @@ def test_the_gradients_casts_are_launched_kernels_on_a_gpu_and_calls_on_a_cpu(ki
         assert bf16.optimizer_s - fp32.optimizer_s == pytest.approx(expected, rel=1e-6)
 
 
+def test_a_gpus_inputs_cost_a_gather_in_its_memory_or_a_copy_from_the_host():
+    layers, batch, launch = (1024, 4096, 10), 4096, 3e-6
+    gpu = {**device(bandwidth=2e12, launch=launch), "host_to_device_bandwidth": 50e9}
+    prof = profile([gpu])
+    row_bytes = 4.0 * batch * (layers[0] + layers[-1])
+    steps = {}
+    for resident in (True, False):
+        w = workload.build_workload(None, list(layers), None, batch, "fp32", "sgd", 4.0, data_on_device=resident)
+        steps[resident] = P.predict(w, perf.to_core(prof), 1, P.Options()).overhead_s
+    inputs = {True: (2 * row_bytes + 16.0 * batch) / 2e12, False: row_bytes / 50e9}  # gathered / copied
+    assert steps[False] - steps[True] == pytest.approx(inputs[False] - inputs[True], rel=1e-9)
+    assert steps[True] < steps[False]
+    host = profile([{**device(kind="cpu"), "host_to_device_bandwidth": 0.0}])  # a CPU reads the host's memory
+    costs = [
+        P.predict(
+            workload.build_workload(None, list(layers), None, batch, "fp32", "sgd", 4.0, data_on_device=r),
+            perf.to_core(host),
+            1,
+            P.Options(),
+        ).overhead_s
+        for r in (True, False)
+    ]
+    assert costs[0] == costs[1]
+
+
 def test_overlap_hides_allreduce_behind_backward():
     args = dict(alpha=1e-5, busbw=2e10)
     overlapped, serial = (
@@ -1140,23 +1165,46 @@ def test_captured_steps_price_kernels_as_graph_nodes_and_allreduce_after_backwar
     assert off.exposed_comm_s < 0.9 * off.comm_s
 
 
+@pytest.mark.parametrize("resident", [True, False])
 @pytest.mark.parametrize("mode", ["on", "off"])
 @pytest.mark.parametrize("accumulate", [1, 3])
 @pytest.mark.parametrize("ranks", [1, 2])
-def test_host_copies_are_each_micro_batchs_inputs_and_targets_and_the_stop_flag(mode, accumulate, ranks):
-    # Outside any graph: a launch and the bytes over the host link for every copy the
-    # cost sheet lists (its counts match the emulated GPU's, tests/emulation).
-    launch, bandwidth, overhead, batch = 5e-6, 1e9, 1e-4, 512
-    gpu = {**device(launch=launch), "graph_node_s": 0.5e-6, "host_to_device_bandwidth": bandwidth}
-    p = graph_predict(profile([gpu] * 2, overhead=overhead), ranks, mode, batch=batch, accumulate=accumulate)
-    ops = costsheet.step_ops(
-        costsheet.Workload(list(SMALL), batch, optimizer="sgd", graph=mode == "on", ranks=ranks, accumulate=accumulate)
+def test_a_steps_inputs_are_each_micro_batchs_rows_and_targets_and_the_stop_flag(mode, accumulate, ranks, resident):
+    # Outside any graph: a launch for the stop flag and for each micro-batch's rows and
+    # targets, and their bytes: over the host link where copied, a read and a write in the
+    # GPU's memory where gathered from a resident training set, as the cost sheet lists them
+    # (its counts match the emulated GPU's, tests/emulation).
+    launch, bandwidth, memory, overhead, batch = 5e-6, 1e9, 1e12, 1e-4, 512
+    gpu = {**device(launch=launch, bandwidth=memory), "graph_node_s": 0.5e-6, "host_to_device_bandwidth": bandwidth}
+    w = workload.build_workload(
+        None,
+        list(SMALL),
+        None,
+        batch,
+        "fp32",
+        "sgd",
+        0.0625,
+        cuda_graph=mode,
+        accumulate=accumulate,
+        data_on_device=resident,
     )
-    copies = [o for o in ops if o.kind == "h2d"]
+    p = P.predict(w, perf.to_core(profile([gpu] * 2, overhead=overhead)), ranks, P.Options())
+    ops = costsheet.step_ops(
+        costsheet.Workload(
+            list(SMALL),
+            batch,
+            optimizer="sgd",
+            graph=mode == "on",
+            ranks=ranks,
+            accumulate=accumulate,
+            data_on_device=resident,
+        )
+    )
+    inputs = [o for o in ops if o.family in ("stop flag", "input copy", "input gather")]
+    assert {o.kind for o in inputs} == {"memset", "kernel" if resident else "h2d"}
+    moved = sum(o.count * o.bytes for o in inputs if o.family != "stop flag")
     graph_launches = graph_kernels(SMALL, batch, ranks, "fp32", accumulate)[1] if mode == "on" else 0
-    expected = (sum(o.count for o in copies) + graph_launches) * launch + sum(
-        o.count * o.bytes for o in copies
-    ) / bandwidth
+    expected = (sum(o.count for o in inputs) + graph_launches) * launch + moved / (memory if resident else bandwidth)
     assert p.overhead_s - overhead == pytest.approx(expected, rel=1e-4)
 
 

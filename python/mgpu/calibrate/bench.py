@@ -99,10 +99,13 @@ def measure(
     grad_dtype: str = "fp32",
     shard_optimizer: bool = False,
     observe: bool = False,
+    data_on_device: str = "auto",
 ) -> dict:
     """Collective: time `repeats` x `steps` training steps at global batch `batch` on this world
     (each rank's share in `accumulate` micro-batches; gradients allreduced in `grad_dtype`;
-    shard_optimizer: ZeRO-1, each rank updating its shard of the parameters).
+    shard_optimizer: ZeRO-1, each rank updating its shard of the parameters; data_on_device:
+    the steps' rows resident on the device and gathered there, as `train` places a training
+    set: auto on GPUs, where the PyTorch peer keeps its inputs too).
     observe: also time as many steps with every `train` observability output on, in rounds
     interleaved with the plain ones (off, on, on, off, ...: drift falls on both alike)."""
     model = MLP(
@@ -130,8 +133,15 @@ def measure(
         )
         for _ in range(4)
     ]
+    feed = _feeder(
+        trainer,
+        data,
+        batch,
+        part.start,
+        resident=data_on_device == "on" or (data_on_device == "auto" and device == "cuda"),
+    )
     for i in range(warmup):
-        trainer.step(*data[i % 4], global_batch=batch, first_sample=part.start)
+        feed(i)
     times, phases = [], {"forward": [], "backward": [], "comm_wait": [], "optimizer": []}
     observer, scratch, observed, rounds, own = None, None, [], {"off": [], "on": []}, []
     if observe:
@@ -153,7 +163,7 @@ def measure(
             first = len(mine)
             for i in range(steps):
                 t0 = time.perf_counter()
-                trainer.step(*data[i % 4], global_batch=batch, first_sample=part.start, trace=on)
+                feed(i, trace=on)
                 if on:  # the observer's own time too: a figure the machine's noise hides less
                     t1 = time.perf_counter()
                     observer.on_step(trainer, trainer.last_result, t0, rows)
@@ -189,7 +199,11 @@ def measure(
         peak = float(total - free)
     peak = pg.allreduce(peak, op="max")
     stats = summarize(times)
-    counted = count_emulated_work(model, trainer, pg, data, batch, part.start) if gpus_emulated(device) else None
+    counted = (
+        count_emulated_work(model, trainer, pg, data, batch, part.start, feed.resident)
+        if gpus_emulated(device)
+        else None
+    )
     return {
         "emulation_counters_per_step": counted,
         "observe_overhead": overhead,
@@ -214,21 +228,47 @@ def measure(
         ),
         "cuda_graph": trainer._step.uses_graphs,
         "graph_fallback": trainer._step.graph_fallback or None,
+        "data_on_device": feed.resident,
     }
 
 
-def count_emulated_work(model, timed_trainer, pg, data, batch: int, first_sample: int, steps: int = 3) -> dict:
+def _feeder(trainer, data: list, batch: int, first_sample: int, resident: bool):
+    """feed(i, trace=False): step i on this rank's batch i % len(data), its rows copied from
+    the host, or (resident) gathered from the batches held on the device, copied there once."""
+    if resident:
+        held = trainer.resident_data(np.concatenate([x for x, _ in data]), np.concatenate([y for _, y in data]))
+        held.set_order(np.arange(held.rows))
+        rows = len(data[0][0])
+
+        def feed(i: int, trace: bool = False) -> float:
+            return trainer.step_rows(
+                held, (i % len(data)) * rows, rows, global_batch=batch, first_sample=first_sample, trace=trace
+            )
+
+    else:
+
+        def feed(i: int, trace: bool = False) -> float:
+            return trainer.step(*data[i % len(data)], global_batch=batch, first_sample=first_sample, trace=trace)
+
+    feed.resident = resident
+    return feed
+
+
+def count_emulated_work(
+    model, timed_trainer, pg, data, batch: int, first_sample: int, resident: bool, steps: int = 3
+) -> dict:
     """On the GPU emulation: the CUDA work of one steady-state step (kernel and graph
     launches, host synchronisations, allocations, bytes each way), averaged over `steps`
     steps of an untimed trainer (the timed one adds a synchronisation per phase)."""
     graph = "on" if timed_trainer._step.uses_graphs else "off"
     trainer = Trainer(model, dataclasses.replace(timed_trainer.config, timed=False, graph=graph), pg)
+    feed = _feeder(trainer, data, batch, first_sample, resident)
     for i in range(2):  # first appearance and capture of the shape
-        trainer.step(*data[i % 4], global_batch=batch, first_sample=first_sample)
+        feed(i)
     model._backend.synchronize()
     before = _core.emulation.counters()
     for i in range(steps):
-        trainer.step(*data[i % 4], global_batch=batch, first_sample=first_sample)
+        feed(i)
     stepped = _core.emulation.counters()
     model._backend.synchronize()  # the queued work runs (and counts); this sync is ours, not the steps'
     after = dict(_core.emulation.counters(), host_syncs=stepped["host_syncs"])
@@ -311,6 +351,7 @@ def run_worker(pg, a, repeats: Optional[int] = None) -> list:
             grad_dtype=a.grad_dtype,
             shard_optimizer=a.shard_optimizer,
             observe=a.observe,
+            data_on_device=a.data_on_device,
         )
         after = placement()
         if before is not None and after is not None:
@@ -517,6 +558,7 @@ def _predict(row: dict, profile: dict):
         "on" if row.get("cuda_graph") else "off",
         int(row.get("accumulate", 1)),
         shard_optimizer=bool(row.get("shard_optimizer")),
+        data_on_device=bool(row.get("data_on_device")),  # rows from before the option were copied in
     )
     options = profiles.P.Options()
     options.equal_shares = True
@@ -643,6 +685,7 @@ def validate_selector(rows: list, profile: dict, a) -> list:
             cuda_graph=_graph_mode_used(cells, a),
             accumulate=a.accumulate,
             shard_optimizer=a.shard_optimizer,
+            data_on_device=bool(cells[ranks[0]].get("data_on_device")),  # as the cells ran
         )
         # by the same measure as the speedup printed (paired rounds when alternated)
         measure = "speedup" if all("speedup" in c for c in cells.values()) else "samples_per_sec"
@@ -750,6 +793,7 @@ def measure_world(pg, a, repeats: int, reverse: bool = False) -> list:
     ]
     passthrough += ["--shard-optimizer"] if a.shard_optimizer else []
     passthrough += ["--observe"] if a.observe else []
+    passthrough += [f"--data-on-device={a.data_on_device}"]
     passthrough += [f"--layers={','.join(map(str, a.layers))}"] if a.layers else [f"--model={a.model or 'large'}"]
     if a.dropout is not None:
         passthrough.append(f"--dropout={a.dropout}")

@@ -51,7 +51,7 @@ from ..selector.hardware import GPUS, PRECISIONS
 from ..selector.memory import gpu_step_memory
 from ..selector.profiles import default_profile_path, emulation_mismatch, resolve_profile
 from ..selector.tuning import calibration_for
-from ..train.config import GRAD_DTYPES, GRAPH_MODES, PRESETS
+from ..train.config import DATA_PLACEMENTS, GRAD_DTYPES, GRAPH_MODES, PRESETS
 from ..train.observe import import_summary_writer
 from .common import MAX_THREADS, check_output_dir, check_outputs, int_list
 
@@ -701,6 +701,7 @@ def explain_step(a, pg) -> int:
                 dropout=a.dropout if a.dropout is not None else dropout,
                 accumulate=a.accumulate,
                 ranks=ranks,
+                data_on_device=a.data_on_device != "off",
             )
             w.graph = costsheet.uses_graph(a.cuda_graph, w.params)
             sheets.append(costsheet.explain(w, GPUS[a.gpu]))
@@ -797,6 +798,13 @@ def add_parser(sub) -> None:
         "--shard-optimizer",
         action="store_true",
         help="ZeRO-1: each rank keeps optimizer state for, and updates, its shard of the parameters",
+    )
+    b.add_argument(
+        "--data-on-device",
+        choices=DATA_PLACEMENTS,
+        default="auto",
+        help="the steps' rows held on the device and gathered there, as train places a training set "
+        "(and as the PyTorch peer keeps its inputs): auto (GPUs), on, off (copied from the host each step)",
     )
     b.add_argument("--compare", choices=("torch",), default=None, help="run the same workload in PyTorch (DDP)")
     b.add_argument(

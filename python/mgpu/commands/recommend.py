@@ -15,7 +15,7 @@ from ..selector.profiles import (
     profile_sources,
 )
 from ..selector.recommend import MAX_NODES, format_recommendation, recommend
-from ..train.config import GRAD_DTYPES, GRAPH_MODES, PRESETS
+from ..train.config import DATA_PLACEMENTS, GRAD_DTYPES, GRAPH_MODES, PRESETS
 from .common import bounded_int, check_outputs, int_list
 
 
@@ -77,6 +77,13 @@ def add_parser(sub) -> None:
         action="store_true",
         help="as `train --shard-optimizer`: price every multi-device candidate with optimizer state "
         "sharded (1/N a device, gradients reduce-scattered, parameters all-gathered after the update)",
+    )
+    r.add_argument(
+        "--data-on-device",
+        choices=DATA_PLACEMENTS,
+        default="auto",
+        help="as `train --data-on-device`: a GPU's rows gathered from the training set in its memory "
+        "(auto, on; train's default where it fits) or copied from the host each step (off)",
     )
     r.add_argument(
         "--bucket-mb",
@@ -169,6 +176,7 @@ def cmd_recommend(a, pg) -> int:
         cuda_graph=a.cuda_graph,
         accumulate=a.accumulate,
         shard_optimizer=a.shard_optimizer,
+        data_on_device=a.data_on_device != "off",
     )
     if pg.is_root:
         print(format_recommendation(result))

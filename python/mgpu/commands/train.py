@@ -38,6 +38,7 @@ from ..train.checkpoint import (
 )
 from ..train.config import (
     COMMS,
+    DATA_PLACEMENTS,
     DEVICES,
     GRAD_DTYPES,
     GRAPH_MODES,
@@ -47,7 +48,7 @@ from ..train.config import (
     PRESETS,
     TrainConfig,
 )
-from ..train.data import Dataset, load_dataset, split_counts
+from ..train.data import Dataset, load_dataset, resident_bytes, split_counts
 from ..train.model import MLP, check_parameter_format
 from ..train.observe import DEFAULT_TRACE_STEPS, Observer, import_summary_writer, parse_step_range
 from ..train.schedule import SCHEDULES
@@ -123,6 +124,7 @@ def _config_from_args(a) -> TrainConfig:
         cuda_graph=a.cuda_graph,
         grad_dtype=a.grad_dtype,
         shard_optimizer=a.shard_optimizer,
+        data_on_device=a.data_on_device,
     )
 
 
@@ -393,11 +395,10 @@ def build_run(plan: RunPlan, pg) -> tuple:
     # this rank's rows of a micro-batch (a step takes no more rows than the dataset holds)
     rows = max(1, split_counts(min(cfg.batch_size, len(data.x_train)), pg.size, plan.batch_shares)[pg.rank])
     model, error = None, None
+    data_on_device, placement_reason = cfg.data_on_device, None
     # per rank: its environment (MGPU_CPU_GEMM, ...) and its device's memory; agree before the Trainer's collectives
     try:
-        check_training_memory(
-            list(plan.sizes),
-            rows,
+        memory = dict(
             optimizer=cfg.optimizer,
             precision=cfg.precision,
             dropout=cfg.effective_dropout(),
@@ -410,6 +411,20 @@ def build_run(plan: RunPlan, pg) -> tuple:
             optimizer_shards=pg.size if cfg.shard_optimizer else 1,
             world_ranks=pg.size,
         )
+        if plan.device == "cuda" and data_on_device != "off":
+            # the training set on the GPU where it fits beside the step (on: or refused here)
+            held = resident_bytes(len(data.x_train), data.in_features, plan.sizes[-1], data.task == "classification")
+            try:
+                check_training_memory(list(plan.sizes), rows, resident_bytes=held, **memory)
+                if data_on_device == "auto":
+                    placement_reason = f"auto: {held / 1e6:.3g} MB, which fit beside the step in the GPU's memory"
+                data_on_device = "on"
+            except ConfigError:
+                if data_on_device == "on":
+                    raise
+                data_on_device = "off"
+                placement_reason = f"auto: {held / 1e6:.3g} MB, which do not fit beside the step in the GPU's memory"
+        check_training_memory(list(plan.sizes), rows, **memory)
         model = MLP(
             list(plan.sizes),
             seed=cfg.seed,
@@ -431,8 +446,10 @@ def build_run(plan: RunPlan, pg) -> tuple:
         total_steps=plan.total_steps,
         batch_shares=plan.batch_shares,
         timed=plan.device == "cuda" and bool(a.log_json),
+        data_on_device=data_on_device,
     )
     trainer = Trainer(model, settings, pg)
+    trainer.data_placement_reason = placement_reason  # where auto was decided here, fit reports why
     policy = (
         CheckpointPolicy(cfg.checkpoint_dir, cfg.checkpoint_every, cfg.keep_checkpoints) if cfg.checkpoint_dir else None
     )
@@ -580,6 +597,7 @@ def report(plan: RunPlan, model, trainer, telemetry, observer, history: list, wa
         "gpu_emulation": emulated_figures,
         "stragglers": trainer.stragglers,
         "prediction": checked_prediction(plan, trainer),
+        "data_placement": trainer.data_placement,
     }
     if telemetry is not None:
         result["telemetry"] = {
@@ -597,6 +615,13 @@ def report(plan: RunPlan, model, trainer, telemetry, observer, history: list, wa
             f"done: {trainer.global_step} steps in {wall:.1f}s, {result['samples_per_sec']:,.0f} samples/s"
             f"{_emulation_words(plan.emulated, emulated_figures)}; final train loss {final['train_loss']:.5f}, "
             f"val loss {final['val_loss']:.5f}{acc}"
+        )
+    placement = trainer.data_placement
+    if placement and (plan.device == "cuda" or placement["resident"]):
+        say(
+            f"training set: on the device ({placement['why']}); each step's rows gathered there"
+            if placement["resident"]
+            else f"training set: each step's rows copied from the host ({placement['why']})"
         )
     say(format_check(result["prediction"]))
     if pg.is_root:
@@ -778,6 +803,13 @@ def add_parser(sub) -> None:
         default="auto",
         help="replay each step's forward and backward as a CUDA graph: auto (GPUs, models up to "
         "16M parameters, where kernel launches dominate), on, off",
+    )
+    t.add_argument(
+        "--data-on-device",
+        choices=DATA_PLACEMENTS,
+        default="auto",
+        help="copy the training set to the device once and gather each step's rows there: auto (GPUs, "
+        "where it fits beside the step), on (also on CPUs), off (each step's rows copied from the host)",
     )
     t.add_argument(
         "--bucket-mb",

@@ -27,8 +27,10 @@ from .hardware import H100_SXM, HOST_LOOP_S, GpuSpec
 
 # What would remove each family's cost (the gaps' causes, as the sheet prints them).
 REMEDIES = {
-    "input copy": "from pinned staging, but on the compute stream: a copy stream fed ahead by the data "
-    "loader would hide it behind the previous step",
+    "input copy": "from pinned staging, but on the compute stream (--data-on-device off, or a training set "
+    "too large for the GPU): a copy stream fed ahead by the data loader would hide it behind the previous step",
+    "input gather": "the step's rows gathered from the training set held on the GPU (--data-on-device): a "
+    "read and a write of each row; the first layer reading its rows through the index would save the write",
     "operand casts": "fp32 -> half copies of the input and the loss gradient, once each (the weights' copy "
     "is the optimizer's, the activations' and their gradients' the ReLU kernels'); the loss "
     "kernel and the input staging could write them too",
@@ -87,7 +89,7 @@ class Op:
     """One kind of operation in the step, `count` times per step."""
 
     family: str  # what it belongs to (the rows of the sheet)
-    kind: str  # gemm | kernel | h2d | d2h | graph | sync
+    kind: str  # gemm | kernel | memset | h2d | d2h | graph | sync
     count: int = 1
     flops: float = 0.0  # per operation
     bytes: float = 0.0  # device memory traffic (or bus bytes for copies), per operation
@@ -98,7 +100,7 @@ class Op:
         """Device time of one operation (copies: bus time; syncs and graph launches: 0)."""
         if self.kind == "gemm":  # the fitted fixed time is its shortest
             return max(gemm_seconds(gpu, precision, self.flops), self.bytes / gpu.hbm_bytes_per_s)
-        if self.kind == "kernel":  # in a graph a short kernel's run is part of its node's cost
+        if self.kind in ("kernel", "memset"):  # in a graph a short kernel's run is part of its node's cost
             return max(self.bytes / gpu.hbm_bytes_per_s, 0.0 if self.in_graph else gpu.min_kernel_s)
         if self.kind in ("h2d", "d2h"):
             return self.bytes / gpu.h2d_bytes_per_s
@@ -117,6 +119,7 @@ class Workload:
     accumulate: int = 1
     graph: bool = False
     ranks: int = 1
+    data_on_device: bool = True  # the rows gathered from a training set on the GPU (train's default there)
 
     @property
     def params(self) -> int:
@@ -142,14 +145,19 @@ def step_ops(w: Workload) -> List[Op]:
     eb = 2 if half else 4  # GEMM operand bytes
     s = w.sizes
     L = len(s) - 1
-    ops: List[Op] = [Op("stop flag", "h2d", bytes=4)]
+    ops: List[Op] = [Op("stop flag", "memset", bytes=4)]
     written = False
     for r in micro_batches(w.batch, w.ranks, w.accumulate):
         if r == 0:
             continue
         g = w.graph
-        ops.append(Op("input copy", "h2d", bytes=r * s[0] * 4))
-        ops.append(Op("input copy", "h2d", bytes=r * s[-1] * 4 if w.loss == "mse" else r * 4))
+        target_bytes = r * s[-1] * 4 if w.loss == "mse" else r * 4
+        if w.data_on_device:  # each a read and a write of the rows, and their row numbers read
+            ops.append(Op("input gather", "kernel", bytes=2 * r * s[0] * 4 + r * 8))
+            ops.append(Op("input gather", "kernel", bytes=2 * target_bytes + r * 8))
+        else:
+            ops.append(Op("input copy", "h2d", bytes=r * s[0] * 4))
+            ops.append(Op("input copy", "h2d", bytes=target_bytes))
         if g:
             ops.append(Op("graph replay", "kernel", bytes=8))  # set_replay_args
             ops.append(Op("graph replay", "graph"))
@@ -304,7 +312,7 @@ def explain(w: Workload, gpu: GpuSpec = H100_SXM) -> Sheet:
     # host is slower than the device, the device waits for it. A synchronisation drains
     # the queue, so its latency adds to the step, and so does the host loop after it
     # (the device is idle until the next step's first launch).
-    issued = [o for o in ops if o.kind in ("kernel", "gemm", "h2d", "d2h", "graph")]
+    issued = [o for o in ops if o.kind in ("kernel", "memset", "gemm", "h2d", "d2h", "graph")]
     gaps = sum(o.count * (gpu.graph_node_s if o.in_graph else gpu.stream_gap_s) for o in issued if o.kind != "graph")
     host = sum(o.count * gpu.launch_s for o in issued if not o.in_graph)
     syncs = sum(o.count for o in ops if o.kind == "sync")

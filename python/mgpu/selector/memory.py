@@ -141,12 +141,14 @@ def rank_memory_bytes(
     nccl: bool = False,
     mpi_bucket_bytes: float = 0.0,
     optimizer_shards: int = 1,
+    resident_bytes: float = 0.0,
 ) -> float:
     """Bytes a training rank allocates: training_memory_bytes at the most rows its buffers
     hold (eval_rows: the validation rows it evaluates, in chunks of EVAL_CHUNK_ROWS), with
     the runtime's buffers and margin, NCCL's buffers where it allreduces over NCCL, and
     MPI's temporaries for a bucket of mpi_bucket_bytes where it allreduces over MPI.
-    optimizer_shards: the ranks a sharded optimizer splits its state over (1: unsharded)."""
+    optimizer_shards: the ranks a sharded optimizer splits its state over (1: unsharded).
+    resident_bytes: a training set held in the device's memory (data.resident_bytes)."""
     _, activation_rows = _buffer_rows(rows, eval_rows)
     model = training_memory_bytes(
         layers,
@@ -162,6 +164,7 @@ def rank_memory_bytes(
         + RUNTIME_OVERHEAD_BYTES
         + (NCCL_BUFFER_BYTES if nccl else 0.0)
         + MPI_TEMPORARY_BUCKETS * min(max(mpi_bucket_bytes, 0.0), gradient_bytes)
+        + resident_bytes
     )
 
 
@@ -180,13 +183,15 @@ def check_training_memory(
     mpi_bucket_bytes: float = 0.0,
     optimizer_shards: int = 1,
     world_ranks: Optional[int] = None,
+    resident_bytes: float = 0.0,
 ) -> None:
     """ConfigError when training `layers` on `rows` samples a rank cannot fit the memory a
     rank may use (its GPU's free memory, or the host's available memory over its ranks),
     instead of an allocation failing inside the run or the kernel's OOM killer ending a rank.
     optimizer_shards: the ranks a sharded optimizer splits its state over (1: unsharded).
     world_ranks: the run's ranks (default local_ranks): an unsharded run the check refuses
-    is told what --shard-optimizer over them would need, where that would fit."""
+    is told what --shard-optimizer over them would need, where that would fit.
+    resident_bytes: the training set held in the device's memory (--data-on-device)."""
     kw = dict(
         optimizer=optimizer,
         precision=precision,
@@ -194,6 +199,7 @@ def check_training_memory(
         eval_rows=eval_rows,
         nccl=nccl,
         mpi_bucket_bytes=mpi_bucket_bytes,
+        resident_bytes=resident_bytes,
     )
     need = rank_memory_bytes(layers, rows, optimizer_shards=optimizer_shards, **kw)
     usable = available_memory(device, device_index, local_ranks)
@@ -217,8 +223,9 @@ def check_training_memory(
             if sharded <= usable:
                 hint = f"; --shard-optimizer would need about {sharded / 1e9:.3g} GB a rank"
         state = f"{optimizer} state" + (f" (1/{optimizer_shards} of it)" if optimizer_shards > 1 else "")
+        data = f", the training set ({resident_bytes / 1e9:.3g} GB, --data-on-device)" if resident_bytes else ""
         raise ConfigError(
             f"training {params:,} parameters on {rows_said} a rank needs about {need / 1e9:.3g} GB a "
-            f"rank (weights, gradients, {state}, activations, runtime buffers), more than the "
+            f"rank (weights, gradients, {state}, activations, runtime buffers{data}), more than the "
             f"{usable / 1e9:.3g} GB of {where}: a smaller model or batch, or more machines{hint}"
         )

@@ -163,6 +163,7 @@ def recommend(
     cuda_graph: str = "auto",
     accumulate: int = 1,
     shard_optimizer: bool = False,
+    data_on_device: bool = True,
 ) -> dict:
     """Single device or several, how many, and why, for a model and global batch.
 
@@ -175,6 +176,8 @@ def recommend(
     'auto' (default: each multi-device candidate at the bucket the model prefers for it).
     shard_optimizer: price every multi-device candidate with a sharded optimizer (`train
     --shard-optimizer`); without it a reason says where sharding would change the answer.
+    data_on_device: a GPU's inputs gathered from a training set in its memory (train's
+    default where it fits), else copied from the host each step.
     Returns a dict: strategy (single_gpu | multi_gpu | benchmark_required | does_not_fit),
     devices, candidates (per count:
     predicted_step_ms, predicted_speedup, efficiency, memory_fits, ...),
@@ -200,6 +203,7 @@ def recommend(
         cuda_graph,
         accumulate,
         shard_optimizer,
+        data_on_device,
     )
     prof = profile if isinstance(profile, dict) else resolve_profile(profile, None)
     counts = _candidate_counts(prof, devices, nodes)
@@ -265,6 +269,7 @@ def recommend(
                 cuda_graph,
                 accumulate,
                 shard_optimizer,
+                data_on_device,
             )
             options.choose_buckets = False
             here, there = (

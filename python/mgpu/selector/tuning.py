@@ -30,6 +30,7 @@ def run_workload(cfg, sizes, bucket_mb: float):
         cfg.cuda_graph,
         cfg.accumulate,
         cfg.shard_optimizer,
+        cfg.data_on_device != "off",  # auto: resident where it fits, as it mostly does
     )
 
 

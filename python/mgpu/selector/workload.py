@@ -1,6 +1,7 @@
 """The selector's description of a training step (the C++ Workload): model or layer sizes
 or a parameter count, batch, precision, optimizer, bucket, dropout, gradient dtype, CUDA
-graphs, accumulation and a sharded optimizer, each checked with a one-line ConfigError.
+graphs, accumulation, a sharded optimizer and where a GPU's inputs come from, each checked
+with a one-line ConfigError.
 """
 
 from __future__ import annotations
@@ -30,8 +31,10 @@ def build_workload(
     cuda_graph: str = "auto",
     accumulate: int = 1,
     shard_optimizer: bool = False,
+    data_on_device: bool = True,
 ):
     w = P.Workload()
+    w.data_on_device = bool(data_on_device)
     if not isinstance(shard_optimizer, bool):
         raise ConfigError(f"shard_optimizer must be True or False, got {shard_optimizer!r}")
     w.shard_optimizer = shard_optimizer

@@ -39,6 +39,7 @@ PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
 COMMS = ("auto", "nccl", "mpi")
 GRAPH_MODES = ("auto", "on", "off")
 GRAD_DTYPES = ("fp32", "bf16", "fp16")  # the type gradients travel in (gradient compression)
+DATA_PLACEMENTS = ("auto", "on", "off")  # the training set in the device's memory (gathered there) or not
 BUILTIN_DATASETS = ("synthetic", "digits")
 
 
@@ -46,7 +47,9 @@ def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _check_step_options(*, lr, accumulate, max_bad_steps, timeout, communicator, graph, grad_dtype) -> None:
+def _check_step_options(
+    *, lr, accumulate, max_bad_steps, timeout, communicator, graph, grad_dtype, data_on_device
+) -> None:
     """The rules TrainConfig and TrainerConfig share: ConfigError at the first value broken."""
     if not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr <= 0:
         raise ConfigError(f"learning rate must be a finite number > 0, got {lr}")
@@ -62,6 +65,8 @@ def _check_step_options(*, lr, accumulate, max_bad_steps, timeout, communicator,
         raise ConfigError(f"unknown CUDA graph mode '{graph}' (expected {', '.join(GRAPH_MODES)})")
     if grad_dtype not in GRAD_DTYPES:
         raise ConfigError(f"unknown gradient dtype '{grad_dtype}' (expected {', '.join(GRAD_DTYPES)})")
+    if data_on_device not in DATA_PLACEMENTS:
+        raise ConfigError(f"unknown data placement '{data_on_device}' (expected {', '.join(DATA_PLACEMENTS)})")
 
 
 @dataclass(frozen=True)
@@ -93,6 +98,9 @@ class TrainerConfig:
     graph: str = "auto"  # capture each step's forward/backward in a CUDA graph (auto: small models on GPUs)
     grad_dtype: str = "fp32"  # the type gradients travel in (bf16/fp16 halve the allreduce; NCCL only)
     shard_optimizer: bool = False  # ZeRO-1: optimizer state and update for each rank's shard only
+    # fit()'s training set in the device's memory, each step's rows gathered there (auto: on
+    # GPUs where it takes at most half the free memory; on: also on CPUs, the same path)
+    data_on_device: str = "auto"
 
     def __post_init__(self):
         if not isinstance(self.shard_optimizer, bool):
@@ -105,6 +113,7 @@ class TrainerConfig:
             communicator=self.communicator,
             graph=self.graph,
             grad_dtype=self.grad_dtype,
+            data_on_device=self.data_on_device,
         )
 
 
@@ -147,6 +156,7 @@ class TrainConfig:
     comm: str = "auto"  # auto (NCCL between GPUs, else MPI) | nccl | mpi (host-staged)
     cuda_graph: str = "auto"  # auto (small models on GPUs) | on | off: replay steps as CUDA graphs
     shard_optimizer: bool = False  # ZeRO-1: each rank keeps optimizer state for its shard of the parameters
+    data_on_device: str = "auto"  # auto (GPUs, where it fits) | on | off: the training set copied to the device once
 
     def __post_init__(self):
         self.validate()
@@ -190,6 +200,7 @@ class TrainConfig:
             communicator=self.comm,
             graph=self.cuda_graph,
             grad_dtype=self.grad_dtype,
+            data_on_device=self.data_on_device,
         )
         if self.optimizer not in OPTIMIZERS:
             fail(f"unknown optimizer '{self.optimizer}' (expected {' or '.join(OPTIMIZERS)})")
@@ -275,10 +286,17 @@ class TrainConfig:
         return max(1, int(self.bucket_mb * (1 << 20) / 4))
 
     def trainer_config(
-        self, *, loss: str, total_steps: int, batch_shares: Optional[Sequence[float]] = None, timed: bool = False
+        self,
+        *,
+        loss: str,
+        total_steps: int,
+        batch_shares: Optional[Sequence[float]] = None,
+        timed: bool = False,
+        data_on_device: Optional[str] = None,
     ) -> TrainerConfig:
         """How the run's Trainer steps: this configuration's settings, with what the run
-        resolved (the loss the data asks for, the steps its schedule spans, the shares)."""
+        resolved (the loss the data asks for, the steps its schedule spans, the shares, the
+        data's placement where the run decided 'auto')."""
         return TrainerConfig(
             loss=loss,
             optimizer=self.optimizer,
@@ -298,6 +316,7 @@ class TrainConfig:
             graph=self.cuda_graph,
             grad_dtype=self.grad_dtype,
             shard_optimizer=self.shard_optimizer,
+            data_on_device=data_on_device or self.data_on_device,
         )
 
     def to_dict(self) -> dict:

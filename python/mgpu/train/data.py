@@ -7,6 +7,10 @@ Sharding: the samples of global step t depend only on (seed, epoch, t), never
 on the number of ranks; each rank takes a contiguous share of that global
 batch. Together with exact gradient averaging this makes N ranks train the
 same model as one.
+
+Placement: where a step's rows come from. Resident, the training set is copied
+to the device once and each epoch's order once, and a step gathers its rows
+there; otherwise each step copies its rows from the host.
 """
 
 from __future__ import annotations
@@ -220,10 +224,54 @@ class GlobalBatches:
     def steps_per_epoch(self) -> int:
         return -(-self.n // self.batch_size)
 
+    def order(self, epoch: int) -> np.ndarray:
+        """The epoch's permutation of the samples (int64)."""
+        return np.random.default_rng([self.seed, epoch]).permutation(self.n)
+
+    def starts(self) -> range:
+        """Where each global batch starts in the epoch's order."""
+        return range(0, self.n, self.batch_size)
+
     def epoch(self, epoch: int) -> Iterator[np.ndarray]:
-        order = np.random.default_rng([self.seed, epoch]).permutation(self.n)
-        for start in range(0, self.n, self.batch_size):
+        order = self.order(epoch)
+        for start in self.starts():
             yield order[start : start + self.batch_size]
+
+
+# auto places a training set on a GPU when it takes at most this share of the free memory
+# left once the model is built: the rest is for what the first steps allocate (activations,
+# optimizer state, communication buffers). `train` and `bench` decide with their memory model.
+RESIDENT_SHARE = 0.5
+
+
+def resident_bytes(rows: int, in_features: int, out_features: int, classification: bool) -> int:
+    """Device memory a resident training set takes: x, targets (float32) or labels (int32),
+    and the epoch's order (int64)."""
+    return rows * (4 * in_features + (4 if classification else 4 * out_features) + 8)
+
+
+def place_training_set(mode: str, *, device: str, data_bytes: float, free_bytes: float) -> tuple:
+    """(resident, why) for a training set of data_bytes under --data-on-device `mode`:
+    'off' never; 'on' always (ConfigError where a GPU's free memory cannot hold it); 'auto'
+    on a GPU where it takes at most RESIDENT_SHARE of free_bytes, never on CPUs (their
+    backend reads the host's memory already: the gather is what NumPy's indexing does)."""
+    size = f"{data_bytes / 1e6:.3g} MB"
+    if mode == "off":
+        return False, "--data-on-device off"
+    if device != "cuda":
+        if mode == "on":
+            return True, f"--data-on-device on: {size} in the CPU backend's memory"
+        return False, "a CPU backend reads the host's memory: each step's rows are indexed there"
+    if mode == "on":
+        if data_bytes > free_bytes:
+            raise ConfigError(
+                f"--data-on-device on: the training set ({size}) does not fit the GPU's "
+                f"{free_bytes / 1e6:.3g} MB of free memory; use --data-on-device auto or off"
+            )
+        return True, f"--data-on-device on: {size}"
+    if data_bytes <= RESIDENT_SHARE * free_bytes:
+        return True, f"auto: {size}, at most {RESIDENT_SHARE:.0%} of the GPU's {free_bytes / 1e6:.3g} MB free"
+    return False, f"auto: {size} would take more than {RESIDENT_SHARE:.0%} of the GPU's {free_bytes / 1e6:.3g} MB free"
 
 
 def local_slice(global_rows: int, rank: int, world: int, shares=None) -> slice:

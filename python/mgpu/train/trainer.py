@@ -19,7 +19,8 @@ import numpy as np
 
 from .._core import __version__
 from .._runtime import _core, gpus_emulated
-from ..errors import ConfigError, NumericsError
+from ..errors import ConfigError, DeviceError, NumericsError
+from ..hostinfo import available_memory
 from .checkpoint import (
     CheckpointError,
     check_compatible,
@@ -28,7 +29,15 @@ from .checkpoint import (
     save_checkpoint,
 )
 from .config import TrainerConfig
-from .data import Dataset, GlobalBatches, check_dataset_fits, local_slice, split_counts
+from .data import (
+    Dataset,
+    GlobalBatches,
+    check_dataset_fits,
+    local_slice,
+    place_training_set,
+    resident_bytes,
+    split_counts,
+)
 from .group import Group
 from .model import MLP
 from .process_group import ProcessGroup
@@ -206,6 +215,9 @@ class Trainer:
         self.t_call = self.t_return = 0.0
         self.observer = None  # an observe.Observer during fit(observer=...)
         self.step_times = StepTimes()  # the steady-state step, which train holds its prediction against
+        # where fit()'s training set lives: {"resident": bool, "bytes": int, "why": str} (None before fit)
+        self.data_placement: Optional[dict] = None
+        self.data_placement_reason: Optional[str] = None  # a caller's why, where it decided 'auto' (train)
 
     @property
     def shards_optimizer(self) -> bool:
@@ -253,17 +265,54 @@ class Trainer:
         (last_result.spans, .buckets; drain_trace() returns any not handed over).
         """
         t_start = time.perf_counter()
-        rows = len(x_local)
+        global_batch, first_sample, bounds = self._micro_bounds(len(x_local), global_batch, first_sample)
+        micro = [(x_local[a:b], y_local[a:b], first_sample + a) for a, b in zip(bounds, bounds[1:])]
+        return self._take_step(
+            t_start, lambda request: self._step.step(micro, global_batch, self.global_step, self.lr, request, trace)
+        )
+
+    def resident_data(self, x: np.ndarray, y: np.ndarray):
+        """Rows (x, y) copied once into this rank's device memory (a _core.ResidentData), for
+        step_rows; set its order (set_order: row numbers, an epoch's permutation) before stepping."""
+        return _core.ResidentData(self.model._core, x, y, self.loss)
+
+    def step_rows(
+        self,
+        data,
+        start: int,
+        rows: int,
+        *,
+        global_batch: Optional[int] = None,
+        first_sample: Optional[int] = None,
+        trace: bool = False,
+    ) -> float:
+        """step() on this rank's shard taken from resident data (resident_data()): the rows
+        order[start, start + rows) of its current order, gathered on the device, so no
+        row crosses from the host. The same step as step() on those rows, bit for bit."""
+        t_start = time.perf_counter()
+        global_batch, first_sample, bounds = self._micro_bounds(rows, global_batch, first_sample)
+        micro = [(start + a, b - a, first_sample + a) for a, b in zip(bounds, bounds[1:])]
+        return self._take_step(
+            t_start,
+            lambda request: self._step.step_rows(data, micro, global_batch, self.global_step, self.lr, request, trace),
+        )
+
+    def _micro_bounds(self, rows: int, global_batch: Optional[int], first_sample: Optional[int]) -> tuple:
+        """(global batch, this shard's first sample, the micro-batches' row bounds): the
+        first two with a collective each where not given."""
         if global_batch is None:
             global_batch = int(self.pg.allreduce(rows))
         if first_sample is None:
             first_sample = int(self.pg.exscan(rows))
         k = min(self.accumulate, max(rows, 1))
-        bounds = [rows * i // k for i in range(k + 1)]
-        micro = [(x_local[a:b], y_local[a:b], first_sample + a) for a, b in zip(bounds, bounds[1:])]
+        return global_batch, first_sample, [rows * i // k for i in range(k + 1)]
+
+    def _take_step(self, t_start: float, run_core_step) -> float:
+        """Runs the core's step (run_core_step(request_stop) -> StepResult), then what every
+        step does after it: timings, the agreed stop, skipped steps and the loss scale."""
         request = self._stop_request is not None
         self.t_call = time.perf_counter()  # where the core's step sits on a trace (observe.py)
-        result = self._step.step(micro, global_batch, self.global_step, self.lr, request, trace)
+        result = run_core_step(request)
         self.t_return = time.perf_counter()
         self.last_result = result
         self.step_times.add(self.t_return - t_start, result.timings)
@@ -493,6 +542,28 @@ class Trainer:
         return meta
 
     # --- the loop --------------------------------------------------------------
+    def _place_training_set(self, data: Dataset):
+        """The training set resident in this rank's device memory (a _core.ResidentData), or
+        None where its rows are copied from the host each step (TrainerConfig.data_on_device;
+        place_training_set's rule). data_placement says which and why. Every rank agrees that
+        each could place it (its choice may differ: the steps are the same either way)."""
+        error, resident = None, None
+        device, index = self.model.device, self.model.device_index
+        try:
+            size = resident_bytes(
+                len(data.x_train), data.in_features, self.model.layers[-1], data.task == "classification"
+            )
+            free = available_memory(device, index, 1) if device == "cuda" else float("inf")
+            on, why = place_training_set(self.config.data_on_device, device=device, data_bytes=size, free_bytes=free)
+            why = self.data_placement_reason or why
+            if on:
+                resident = self.resident_data(data.x_train, data.y_train)
+            self.data_placement = {"resident": on, "bytes": size if on else 0, "why": why}
+        except (ConfigError, DeviceError, MemoryError) as e:
+            error = e
+        self.pg.agree(error, what="the training set's placement")
+        return resident
+
     def fit(
         self,
         data: Dataset,
@@ -537,6 +608,7 @@ class Trainer:
                 error = e
             self.pg.agree(error, what="checkpoint")
         batches = GlobalBatches(len(data.x_train), effective, seed)
+        resident = self._place_training_set(data)
         if resume is not None:
             self.load_checkpoint(resume, compat, batches.steps_per_epoch)
         length = steps if steps is not None else epochs * batches.steps_per_epoch
@@ -572,21 +644,38 @@ class Trainer:
         try:
             while self.global_step < total and self.stop_reason is None:
                 t0 = time.perf_counter()
-                for i, idx in enumerate(batches.epoch(self.epoch)):
+                order = batches.order(self.epoch)
+                if resident is not None:
+                    resident.set_order(order)  # once an epoch; steps gather their rows on the device
+                for i, start in enumerate(batches.starts()):
                     if i < self.batch_in_epoch:
                         continue  # resumed mid-epoch: these batches were done before
                     t_begin = time.perf_counter()
+                    idx = order[start : start + batches.batch_size]
                     part = local_slice(len(idx), self.pg.rank, self.pg.size, self.batch_shares)
-                    mine = idx[part]
-                    loss = self.step(
-                        data.x_train[mine],
-                        data.y_train[mine],
-                        global_batch=len(idx),
-                        first_sample=part.start,
-                        trace=obs is not None and obs.wants_trace(self.global_step),
-                    )
+                    traced = obs is not None and obs.wants_trace(self.global_step)
+                    if resident is not None:
+                        rows = part.stop - part.start
+                        loss = self.step_rows(
+                            resident,
+                            start + part.start,
+                            rows,
+                            global_batch=len(idx),
+                            first_sample=part.start,
+                            trace=traced,
+                        )
+                    else:
+                        mine = idx[part]
+                        rows = len(mine)
+                        loss = self.step(
+                            data.x_train[mine],
+                            data.y_train[mine],
+                            global_batch=len(idx),
+                            first_sample=part.start,
+                            trace=traced,
+                        )
                     if obs is not None:
-                        obs.on_step(self, self.last_result, t_begin, len(mine))
+                        obs.on_step(self, self.last_result, t_begin, rows)
                     self.batch_in_epoch += 1
                     self._epoch_loss_sum += loss * len(idx)
                     self._epoch_samples += len(idx)
