@@ -98,6 +98,16 @@ BatchArgs make_batch(MLP& model, const py::array& x_in, const py::object& y_in, 
   return a;
 }
 
+// The next step's rows of a step's prefetch argument ((x, y) or None), converted into args
+// (which keeps them alive); null for None.
+const HostBatch* prefetch_batch(DataParallelStep& s, const py::object& prefetch, std::vector<BatchArgs>& args) {
+  if (prefetch.is_none()) return nullptr;
+  auto t = prefetch.cast<py::tuple>();
+  if (t.size() != 2 || t[1].is_none()) throw ConfigError("prefetch is a tuple (x, y) of the next step's rows");
+  args.push_back(make_batch(s.model(), t[0].cast<py::array>(), t[1], s.loss()));
+  return &args.back().view;
+}
+
 // fill may wait on the device: the GIL is released meanwhile, so another
 // thread (a rank of run_on_gpus) can launch the collective the device waits for.
 py::array_t<float> host_copy(size_t n, const std::function<void(float*)>& fill) {
@@ -780,11 +790,11 @@ void bind_step(py::module_& m) {
       .def(
           "step",
           [](DataParallelStep& s, py::list micro_batches, int64_t global_batch, uint64_t step_index, float lr,
-             bool request_stop, bool trace) {
+             bool request_stop, bool trace, py::object prefetch) {
             // Keep the converted arrays alive while the core reads them.
             std::vector<BatchArgs> args;
             std::vector<MicroShard> shards;
-            args.reserve(micro_batches.size());
+            args.reserve(micro_batches.size() + 1);
             for (py::handle item : micro_batches) {
               auto t = item.cast<py::tuple>();
               if (t.size() != 3) throw ConfigError("each micro-batch is a tuple (x, y, first_sample)");
@@ -793,14 +803,40 @@ void bind_step(py::module_& m) {
               args.push_back(make_batch(s.model(), t[0].cast<py::array>(), y, s.loss()));
               shards.push_back({args.back().view, t[2].cast<int64_t>()});
             }
+            const HostBatch* next = prefetch_batch(s, prefetch, args);
             py::gil_scoped_release nogil;
-            return s.step(shards, global_batch, step_index, lr, request_stop, trace);
+            return s.step(shards, global_batch, step_index, lr, request_stop, trace, next);
           },
           py::arg("micro_batches"), py::arg("global_batch"), py::arg("step"), py::arg("lr"),
-          py::arg("request_stop") = false, py::arg("trace") = false,
+          py::arg("request_stop") = false, py::arg("trace") = false, py::arg("prefetch") = py::none(),
           "One optimizer step over this rank's micro-batches [(x, y, first_sample), ...] of a "
           "global batch of global_batch rows; returns a StepResult. trace: record its spans "
-          "(StepResult.spans, now or in a later step's result) and bucket allreduces.")
+          "(StepResult.spans, now or in a later step's result) and bucket allreduces. prefetch: "
+          "(x, y), the next step's rows, copied in while this step computes (step_prefetched).")
+      .def(
+          "step_prefetched",
+          [](DataParallelStep& s, py::list micro_batches, int64_t global_batch, uint64_t step_index, float lr,
+             bool request_stop, bool trace, py::object prefetch) {
+            std::vector<BatchArgs> args;
+            std::vector<MicroShard> shards;
+            for (py::handle item : micro_batches) {
+              auto t = item.cast<py::tuple>();
+              if (t.size() != 3) throw ConfigError("each micro-batch is a tuple (row_offset, rows, first_sample)");
+              MicroShard shard;
+              shard.prefetched = true;
+              shard.order_offset = t[0].cast<int64_t>();
+              shard.batch.rows = t[1].cast<int>();
+              shard.first_sample = t[2].cast<int64_t>();
+              shards.push_back(shard);
+            }
+            const HostBatch* next = prefetch_batch(s, prefetch, args);
+            py::gil_scoped_release nogil;
+            return s.step(shards, global_batch, step_index, lr, request_stop, trace, next);
+          },
+          py::arg("micro_batches"), py::arg("global_batch"), py::arg("step"), py::arg("lr"),
+          py::arg("request_stop") = false, py::arg("trace") = false, py::arg("prefetch") = py::none(),
+          "step over the rows the step before prefetched: micro-batches [(row_offset, rows, "
+          "first_sample), ...] of them; prefetch as for step.")
       .def(
           "step_rows",
           [](DataParallelStep& s, const std::shared_ptr<ResidentData>& data, py::list micro_batches,

@@ -41,6 +41,13 @@ MLP::MLP(std::shared_ptr<Backend> backend, std::vector<int> sizes, float dropout
   initialize(seed_);
 }
 
+MLP::~MLP() {
+  try {
+    if (prefetched_x_.size()) backend_->wait_prefetched();
+  } catch (...) {  // a failed device frees everything anyway
+  }
+}
+
 void MLP::initialize(uint64_t seed) {
   // Drawn on the host from Philox so every rank and backend gets the same bits.
   std::vector<float> host(num_params_);
@@ -151,6 +158,57 @@ void MLP::stage_rows(const ResidentData& data, int64_t order_offset, int rows, L
     targets_ = staged_targets_.data();
   } else {
     backend_->gather_rows(staged_labels_.data(), data.labels(), index, rows, 1);
+    labels_ = staged_labels_.data();
+  }
+}
+
+void MLP::prefetch(const HostBatch& batch, LossKind loss) {
+  MGPU_CHECK(batch.rows >= 1 && batch.x, ConfigError, "a prefetch needs at least one row of x");
+  MGPU_CHECK(loss == LossKind::kCrossEntropy ? batch.labels != nullptr : batch.targets != nullptr, ConfigError,
+             "a prefetch needs the ", loss_name(loss), " loss's ", loss == LossKind::kMSE ? "targets" : "labels");
+  if (batch.labels) {
+    for (int i = 0; i < batch.rows; ++i)
+      MGPU_CHECK(batch.labels[i] >= 0 && batch.labels[i] < out_features(), ConfigError, "label ", batch.labels[i],
+                 " at row ", i, " is out of range [0, ", out_features(), ")");
+  }
+  const size_t rows = static_cast<size_t>(batch.rows);
+  if (prefetched_x_.size() < rows * in_features()) {
+    backend_->wait_prefetched();  // the buffers about to go may still be written
+    prefetched_x_ = BackendArray<float>(backend_.get(), rows * in_features());
+    prefetched_targets_ = BackendArray<float>(backend_.get(), rows * out_features());
+    prefetched_labels_ = BackendArray<int32_t>(backend_.get(), rows);
+  }
+  backend_->prefetch_to_backend(prefetched_x_.data(), batch.x, rows * in_features() * sizeof(float));
+  if (batch.targets)
+    backend_->prefetch_to_backend(prefetched_targets_.data(), batch.targets, rows * out_features() * sizeof(float));
+  else
+    backend_->prefetch_to_backend(prefetched_labels_.data(), batch.labels, rows * sizeof(int32_t));
+  prefetched_targets_kind_ = batch.targets != nullptr;
+  prefetched_rows_ = batch.rows;
+}
+
+void MLP::stage_prefetched(int64_t offset, int rows, LossKind loss) {
+  MGPU_CHECK(rows >= 0 && offset >= 0 && offset + rows <= prefetched_rows_, ConfigError, "rows [", offset, ", ",
+             offset + rows, ") were not prefetched (", prefetched_rows_, " rows are)");
+  MGPU_CHECK(prefetched_targets_kind_ == (loss == LossKind::kMSE), ConfigError, "the prefetched rows hold ",
+             prefetched_targets_kind_ ? "float targets" : "class labels", ", not what the ", loss_name(loss),
+             " loss needs");
+  ensure_capacity(std::max(rows, 1));
+  ensure_staging();
+  backend_->wait_prefetched();
+  const size_t first = static_cast<size_t>(offset), n = static_cast<size_t>(rows);
+  // Into the staged buffers: their addresses stay put for captured steps.
+  backend_->copy_within_backend(staged_x_.data(), prefetched_x_.data() + first * in_features(),
+                                n * in_features() * sizeof(float));
+  input_ = staged_x_.data();
+  targets_ = nullptr;
+  labels_ = nullptr;
+  if (prefetched_targets_kind_) {
+    backend_->copy_within_backend(staged_targets_.data(), prefetched_targets_.data() + first * out_features(),
+                                  n * out_features() * sizeof(float));
+    targets_ = staged_targets_.data();
+  } else {
+    backend_->copy_within_backend(staged_labels_.data(), prefetched_labels_.data() + first, n * sizeof(int32_t));
     labels_ = staged_labels_.data();
   }
 }

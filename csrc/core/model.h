@@ -33,6 +33,8 @@ class MLP {
  public:
   // sizes = [in, hidden..., out]; dropout in [0, 1) after every hidden ReLU.
   MLP(std::shared_ptr<Backend> backend, std::vector<int> sizes, float dropout, uint64_t seed);
+  // A prefetch still in flight is waited for, so its buffers are freed after it.
+  ~MLP();
 
   Backend& backend() { return *backend_; }
   const std::shared_ptr<Backend>& backend_ptr() const { return backend_; }
@@ -79,6 +81,13 @@ class MLP {
   void stage_rows(const ResidentData& data, int64_t order_offset, int rows, LossKind loss);
   // ConfigError unless stage_rows can take those rows (the data's backend, features, loss, range).
   void check_rows(const ResidentData& data, int64_t order_offset, int rows, LossKind loss) const;
+  // Copies a later step's rows into buffers of their own beside the compute work
+  // (Backend::prefetch_to_backend; labels checked now); stage_prefetched then stages rows
+  // [offset, offset + rows) of them, until the next prefetch or discard_prefetch().
+  void prefetch(const HostBatch& batch, LossKind loss);
+  void stage_prefetched(int64_t offset, int rows, LossKind loss);
+  int64_t prefetched_rows() const { return prefetched_rows_; }
+  void discard_prefetch() { prefetched_rows_ = 0; }
   // Forward pass over the staged rows; dropout is active iff `dropout` is set.
   // Returns the output (rows, out_features) in backend memory. layer_done(l),
   // when given, is called once layer l's output is written (a trace marks it).
@@ -120,7 +129,11 @@ class MLP {
   BackendArray<float> dact_[2];                   // ping-pong activation gradients
   BackendArray<float> staged_x_, staged_targets_;
   BackendArray<int32_t> staged_labels_;
-  BackendArray<float> scratch_;  // loss/correct outputs outside training
+  BackendArray<float> prefetched_x_, prefetched_targets_;  // prefetch()'s rows, at their own capacity
+  BackendArray<int32_t> prefetched_labels_;
+  int64_t prefetched_rows_ = 0;           // rows there not yet discarded (0: none)
+  bool prefetched_targets_kind_ = false;  // the prefetched rows carry float targets (else labels)
+  BackendArray<float> scratch_;           // loss/correct outputs outside training
   const float* input_ = nullptr;
   const float* targets_ = nullptr;
   const int32_t* labels_ = nullptr;

@@ -262,10 +262,15 @@ DeviceTimes device_times(const std::vector<int>& sizes, int64_t b, const DeviceP
                   d.launch_overhead_s;
   if (d.host_to_device_bandwidth > 0) {  // a device's inputs and targets, outside any graph
     const double row_bytes = 4.0 * B * (sizes.front() + sizes.back());
-    // resident: two gathers (each row read and written, its 8-byte row number read); else copied in
-    t.overhead += (w.data_on_device && d.memory_bandwidth > 0 ? (2.0 * row_bytes + 16.0 * B) / d.memory_bandwidth
-                                                              : row_bytes / d.host_to_device_bandwidth) +
-                  (2.0 * double(micro_batches) + 1.0) * d.launch_overhead_s;  // those, and the stop flag
+    const double memory = d.memory_bandwidth > 0 ? d.memory_bandwidth : d.host_to_device_bandwidth;
+    // resident: two gathers (each row read and written, its 8-byte row number read); else
+    // prefetched on a copy stream while the step before computes (what it cannot hide
+    // shows), then copied from there into the staged buffers
+    const double copied_in =
+        std::max(0.0, row_bytes / d.host_to_device_bandwidth - (t.forward + t.backward + t.optimizer));
+    t.overhead += (w.data_on_device ? (2.0 * row_bytes + 16.0 * B) / memory : copied_in + 2.0 * row_bytes / memory) +
+                  // two a micro-batch, the stop flag, and the prefetch's two copies
+                  (2.0 * double(micro_batches) + (w.data_on_device ? 1.0 : 3.0)) * d.launch_overhead_s;
   }
   return t;
 }

@@ -238,7 +238,8 @@ struct Workload {
   // the update. No effect on one device.
   bool shard_optimizer = false;
   // A device's inputs: gathered each step from a training set held in its memory (train
-  // --data-on-device, on GPUs by default where it fits), or copied from the host.
+  // --data-on-device, on GPUs by default where it fits), or copied from the host while the
+  // step before computes (a copy stream), then within the device.
   bool data_on_device = true;
   // The layers that stand in for a bare parameter count: four square hidden
   // layers holding the same number of parameters.

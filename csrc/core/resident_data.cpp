@@ -36,6 +36,7 @@ void ResidentData::set_order(const int64_t* host_order, int64_t n) {
   for (int64_t i = 0; i < n; ++i)
     MGPU_CHECK(host_order[i] >= 0 && host_order[i] < rows_, ConfigError, "order entry ", i, " is row ", host_order[i],
                ", outside the ", rows_, " resident rows");
+  order_size_ = 0;  // no step may gather by an order a failed copy left half written
   if (order_.size() < static_cast<size_t>(n)) order_ = BackendArray<int64_t>(backend_.get(), static_cast<size_t>(n));
   backend_->copy_to_backend(order_.data(), host_order, static_cast<size_t>(n) * sizeof(int64_t));
   order_size_ = n;

@@ -200,7 +200,7 @@ struct DataParallelStep::Run {
 // the loss scale adjusted. The recorder takes the
 // timings and trace spans at named points in between.
 StepResult DataParallelStep::step(const std::vector<MicroShard>& shards, int64_t global_batch, uint64_t step_index,
-                                  float lr, bool request_stop, bool trace) {
+                                  float lr, bool request_stop, bool trace, const HostBatch* prefetch_next) {
   const AsynchronousSignalsHeld signals_after_the_step;  // one mask change for all its GEMMs
   check_shards(shards, global_batch);
   StepResult result;
@@ -211,6 +211,7 @@ StepResult DataParallelStep::step(const std::vector<MicroShard>& shards, int64_t
   write_stop_flag(request_stop);
   try {
     for (size_t k = 0; k < shards.size(); ++k) run_micro_batch(run, k);  // 1-4
+    model_->discard_prefetch();  // taken, or stale: a prefetch serves the step after it only
     if (!run.written) zero_gradients();
     // tail_queued, not whole_step_graph: a capture that failed under kAuto may have turned the graphs off.
     if (!run.tail_queued) reduce_gradients(run);  // 5
@@ -231,8 +232,9 @@ StepResult DataParallelStep::step(const std::vector<MicroShard>& shards, int64_t
     }
   }
   rec.record(StepEvent::kTailQueued);
-  const StepVerdict verdict = read_verdict(rec);  // the step's one synchronisation
-  finish(verdict, result, rec);                   // 8
+  if (prefetch_next) model_->prefetch(*prefetch_next, loss_);  // crosses while this step computes
+  const StepVerdict verdict = read_verdict(rec);               // the step's one synchronisation
+  finish(verdict, result, rec);                                // 8
   rec.record(StepEvent::kEnd);
   return result;
 }
@@ -247,6 +249,9 @@ void DataParallelStep::check_shards(const std::vector<MicroShard>& shards, int64
                "shard of ", s.batch.rows, " rows at sample ", s.first_sample, " does not fit a global batch of ",
                global_batch);
     if (s.resident) model_->check_rows(*s.resident, s.order_offset, s.batch.rows, loss_);
+    MGPU_CHECK(!s.prefetched || s.order_offset + s.batch.rows <= model_->prefetched_rows(), ConfigError,
+               "prefetched rows [", s.order_offset, ", ", s.order_offset + s.batch.rows, ") were not prefetched (",
+               model_->prefetched_rows(), " rows are; a prefetch serves the next step only)");
     local_rows += s.batch.rows;
   }
   MGPU_CHECK(local_rows <= global_batch, ConfigError, "this rank's ", local_rows, " rows exceed the global batch of ",
@@ -292,6 +297,8 @@ void DataParallelStep::run_micro_batch(Run& run, size_t k) {
   const int micro = run.shards.size() > 1 ? static_cast<int>(k) : -1;  // spans name micro-batches when several
   if (s.resident)
     model_->stage_rows(*s.resident, s.order_offset, s.batch.rows, loss_);
+  else if (s.prefetched)
+    model_->stage_prefetched(s.order_offset, s.batch.rows, loss_);
   else
     model_->stage(s.batch, loss_, /*own_copy=*/graphs_enabled_);
   run.rec.record(StepEvent::kStaged, micro);

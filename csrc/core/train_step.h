@@ -100,13 +100,15 @@ struct StepOptions {
 
 // One rank's share of one micro-batch: rows of the step's global batch whose
 // first row is global sample first_sample (numbered across all micro-batches).
-// Its rows are batch's (host memory), or, where `resident` is set, rows
+// Its rows are batch's (host memory); where `resident` is set, rows
 // order[order_offset, order_offset + batch.rows) of a dataset in the backend's
-// memory (batch holds only the row count then).
+// memory; where `prefetched`, rows [order_offset, order_offset + batch.rows) of those
+// the step before prefetched (MLP::prefetch). batch holds only the row count then.
 struct MicroShard {
   HostBatch batch;
   int64_t first_sample = 0;
   const ResidentData* resident = nullptr;
+  bool prefetched = false;
   int64_t order_offset = 0;
 };
 
@@ -165,8 +167,10 @@ class DataParallelStep {
   // step's spans (stage, forward and backward layer by layer, loss, allreduce
   // wait, health check, optimizer) and its buckets' allreduces, on the
   // backend's clock and without synchronising anything.
+  // prefetch_next: the next step's rows on this rank, copied in beside this step's
+  // compute once its work is queued (its shards then name them `prefetched`).
   StepResult step(const std::vector<MicroShard>& shards, int64_t global_batch, uint64_t step_index, float lr,
-                  bool request_stop = false, bool trace = false);
+                  bool request_stop = false, bool trace = false, const HostBatch* prefetch_next = nullptr);
   // The traced spans not handed over yet, after waiting for the backend: call at the end of a run.
   std::vector<TraceSpan> drain_trace() { return trace_->drain(); }
   // Make every rank's parameters equal to root's.

@@ -665,6 +665,11 @@ void CpuBackend::gather_rows(void* dst, const void* src, const int64_t* index, i
   for (int r = 0; r < rows; ++r) std::memcpy(out + size_t(r) * row_bytes, in + size_t(index[r]) * row_bytes, row_bytes);
 }
 
+void CpuBackend::copy_within_backend(void* dst, const void* src, size_t bytes) {
+  if (record([=] { copy_within_backend(dst, src, bytes); })) return;
+  std::memcpy(dst, src, bytes);
+}
+
 void CpuBackend::axpy(float* y, const float* x, size_t n, float alpha) {
   if (record([=] { axpy(y, x, n, alpha); })) return;
   const long len = static_cast<long>(n);

@@ -79,6 +79,7 @@ class CpuBackend final : public Backend {
   void widen(float* x, const void* half, size_t n, Precision dtype) override;
   void axpy(float* y, const float* x, size_t n, float alpha) override;
   void gather_rows(void* dst, const void* src, const int64_t* index, int rows, int W) override;
+  void copy_within_backend(void* dst, const void* src, size_t bytes) override;
 
   // Capture as a list of recorded calls, replayed in order: nothing to gain on a
   // CPU, but it is the reference the CUDA graphs are checked against, and it

@@ -69,10 +69,23 @@ void CudaBackend::release() noexcept {
   cudaSetDevice(device_);
   abort_capture();
   if (stream_) cudaStreamSynchronize(stream_);
+  if (copy_stream_) cudaStreamSynchronize(copy_stream_);
   fences_.destroy();
   marks_.destroy();
   if (clock_stream_) cudaStreamDestroy(clock_stream_);
   clock_stream_ = nullptr;
+  if (copy_stream_) cudaStreamDestroy(copy_stream_);
+  copy_stream_ = nullptr;
+  if (compute_queued_) cudaEventDestroy(compute_queued_);
+  if (prefetched_) cudaEventDestroy(prefetched_);
+  compute_queued_ = prefetched_ = nullptr;
+  for (PinnedArea& area : prefetch_areas_) {
+    for (char* chunk : area.outgrown) cudaFreeHost(chunk);
+    if (area.data) cudaFreeHost(area.data);
+    if (area.done) cudaEventDestroy(area.done);
+    area = PinnedArea();
+  }
+  prefetch_used_ = 0;
   captures_.release([](cudaGraphExec_t g) { cudaGraphExecDestroy(g); });
   if (cublas_) cublasDestroy(cublas_);
   cudaFree(cublas_workspace_);
@@ -182,27 +195,83 @@ void CudaBackend::stage_to_backend(void* dst, const void* host_src, size_t bytes
   writes(dst, bytes);
   constexpr size_t kAlign = 256;
   const size_t need = (bytes + kAlign - 1) / kAlign * kAlign;
-  if (staging_used_ + need > staging_capacity_) {
-    // Grows while the bytes staged between two synchronisations grow (the
-    // first steps); the old chunk may still feed a queued copy: keep it.
-    const size_t capacity = std::max({need, 2 * staging_capacity_, size_t{1} << 20});
-    void* fresh = nullptr;
-    const cudaError_t rc = cudaMallocHost(&fresh, capacity);
-    if (rc != cudaSuccess) {
-      cudaGetLastError();
-      throw DeviceError(detail::concat("cudaMallocHost of ", capacity, " bytes (input staging) for GPU ", device_,
-                                       " failed: ", cudaGetErrorString(rc)));
-    }
-    if (staging_) staging_outgrown_.push_back(staging_);
-    staging_ = static_cast<char*>(fresh);
-    staging_capacity_ = capacity;
-    staging_used_ = 0;
-  }
-  char* slot = staging_ + staging_used_;
+  char* slot = pinned_slot(staging_, staging_capacity_, staging_outgrown_, staging_used_, need, "input staging");
+  if (slot == staging_) staging_used_ = 0;  // a fresh chunk
   std::memcpy(slot, host_src, bytes);
   // Pinned source: queued, never a wait (a pageable one may make the driver wait for the stream).
   MGPU_CUDA_CHECK(cudaMemcpyAsync(dst, slot, bytes, cudaMemcpyHostToDevice, stream_));
-  staging_used_ += need;
+  staging_used_ = size_t(slot - staging_) + need;
+}
+
+// The region of `need` bytes at `used` of a pinned area, which grows while the bytes
+// staged between two refills grow (the first steps); a chunk outgrown may still feed
+// a queued copy: kept until the backend goes.
+char* CudaBackend::pinned_slot(char*& area, size_t& capacity, std::vector<char*>& outgrown, size_t used, size_t need,
+                               const char* what) {
+  if (used + need <= capacity) return area + used;
+  const size_t grown = std::max({need, 2 * capacity, size_t{1} << 20});
+  void* fresh = nullptr;
+  const cudaError_t rc = cudaMallocHost(&fresh, grown);
+  if (rc != cudaSuccess) {
+    cudaGetLastError();
+    throw DeviceError(detail::concat("cudaMallocHost of ", grown, " bytes (", what, ") for GPU ", device_,
+                                     " failed: ", cudaGetErrorString(rc)));
+  }
+  if (area) outgrown.push_back(area);
+  area = static_cast<char*>(fresh);
+  capacity = grown;
+  return area;
+}
+
+void CudaBackend::prefetch_to_backend(void* dst, const void* host_src, size_t bytes) {
+  if (!bytes) return;
+  activate();
+  MGPU_CHECK(!captures_.capturing(), DeviceError, "prefetch_to_backend reads host memory: not allowed in a capture");
+  if (!copy_stream_) {
+    MGPU_CUDA_CHECK(cudaStreamCreateWithFlags(&copy_stream_, cudaStreamNonBlocking));
+    MGPU_CUDA_CHECK(cudaEventCreateWithFlags(&compute_queued_, cudaEventDisableTiming));
+    MGPU_CUDA_CHECK(cudaEventCreateWithFlags(&prefetched_, cudaEventDisableTiming));
+    for (PinnedArea& area : prefetch_areas_)
+      MGPU_CUDA_CHECK(cudaEventCreateWithFlags(&area.done, cudaEventDisableTiming));
+  }
+  if (prefetch_waited_) {  // a new batch, in the other area, once the copies that last read it are done
+    prefetch_area_ ^= 1;
+    const cudaError_t rc = cudaEventQuery(prefetch_areas_[prefetch_area_].done);
+    if (rc == cudaErrorNotReady) {
+      MGPU_CUDA_CHECK(cudaEventSynchronize(prefetch_areas_[prefetch_area_].done));
+    } else {
+      MGPU_CUDA_CHECK(rc);
+    }
+    prefetch_used_ = 0;
+    prefetch_waited_ = false;
+  }
+  PinnedArea& area = prefetch_areas_[prefetch_area_];
+  writes(dst, bytes);
+  constexpr size_t kAlign = 256;
+  const size_t need = (bytes + kAlign - 1) / kAlign * kAlign;
+  char* slot = pinned_slot(area.data, area.capacity, area.outgrown, prefetch_used_, need, "input prefetch");
+  std::memcpy(slot, host_src, bytes);
+  // After the compute work queued so far, which may still read dst (and allocated it).
+  MGPU_CUDA_CHECK(cudaEventRecord(compute_queued_, stream_));
+  MGPU_CUDA_CHECK(cudaStreamWaitEvent(copy_stream_, compute_queued_, 0));
+  MGPU_CUDA_CHECK(cudaMemcpyAsync(dst, slot, bytes, cudaMemcpyHostToDevice, copy_stream_));
+  MGPU_CUDA_CHECK(cudaEventRecord(prefetched_, copy_stream_));
+  MGPU_CUDA_CHECK(cudaEventRecord(area.done, copy_stream_));
+  prefetch_used_ = size_t(slot - area.data) + need;
+}
+
+void CudaBackend::wait_prefetched() {
+  if (!copy_stream_) return;
+  activate();
+  MGPU_CUDA_CHECK(cudaStreamWaitEvent(stream_, prefetched_, 0));
+  prefetch_waited_ = true;
+}
+
+void CudaBackend::copy_within_backend(void* dst, const void* src, size_t bytes) {
+  if (!bytes) return;
+  activate();
+  writes(dst, bytes);
+  MGPU_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream_));
 }
 
 void CudaBackend::zero(float* x, size_t n) {
@@ -327,6 +396,7 @@ void CudaBackend::synchronize() {
   MGPU_CHECK(!captures_.capturing(), DeviceError, "synchronize() is not allowed in a capture");
   MGPU_CUDA_CHECK(cudaStreamSynchronize(stream_));
   if (clock_stream_) MGPU_CUDA_CHECK(cudaStreamSynchronize(clock_stream_));  // trace clock marks (event records only)
+  if (copy_stream_) MGPU_CUDA_CHECK(cudaStreamSynchronize(copy_stream_));    // prefetches
   drained();
   raise_label_errors();
 }

@@ -97,6 +97,9 @@ class CudaBackend final : public Backend {
   void widen(float* x, const void* half, size_t n, Precision dtype) override;
   void axpy(float* y, const float* x, size_t n, float alpha) override;
   void gather_rows(void* dst, const void* src, const int64_t* index, int rows, int W) override;
+  void prefetch_to_backend(void* dst, const void* host_src, size_t bytes) override;
+  void wait_prefetched() override;
+  void copy_within_backend(void* dst, const void* src, size_t bytes) override;
 
   void set_precision(Precision precision) override;
   Precision precision() const override { return precision_; }
@@ -174,6 +177,8 @@ class CudaBackend final : public Backend {
   void refresh_master_half();                                // cast when stale (never inside a capture)
   void writes(const void* dst, size_t bytes);                // the half copies of what dst overlaps go stale
   void drained() { staging_used_ = 0; }                      // the stream ran dry: its staged copies are done
+  char* pinned_slot(char*& area, size_t& capacity, std::vector<char*>& outgrown, size_t used, size_t need,
+                    const char* what);
   uint64_t record_mark(cudaStream_t stream);
   kernels::HalfShadow shadow_for_update(const float* param, size_t n);
   // Where kernels being captured read their ReplayArgs; null outside a capture.
@@ -206,8 +211,25 @@ class CudaBackend final : public Backend {
   char* staging_ = nullptr;
   size_t staging_capacity_ = 0, staging_used_ = 0;
   std::vector<char*> staging_outgrown_;
-  NumberedEvents marks_{cudaEventDefault};         // trace marks: timing events
-  cudaStream_t clock_stream_ = nullptr;            // trace_clock_mark's: nothing else runs on it
+  // Prefetch (prefetch_to_backend): its own stream, and two pinned areas used by turns, a
+  // batch each (the prefetches between two wait_prefetched()): an area is refilled once
+  // its last batch's copies are done (`done`; in a training loop long done: a step's
+  // synchronisation passed them), so the host never waits on a steady step.
+  // compute_queued_ marks the compute work a prefetch must follow; prefetched_ the last copy.
+  struct PinnedArea {
+    char* data = nullptr;
+    size_t capacity = 0;
+    std::vector<char*> outgrown;
+    cudaEvent_t done = nullptr;
+  };
+  cudaStream_t copy_stream_ = nullptr;
+  cudaEvent_t compute_queued_ = nullptr, prefetched_ = nullptr;
+  PinnedArea prefetch_areas_[2];
+  int prefetch_area_ = 0;
+  size_t prefetch_used_ = 0;
+  bool prefetch_waited_ = true;             // wait_prefetched() since the last prefetch: the next one starts a batch
+  NumberedEvents marks_{cudaEventDefault};  // trace marks: timing events
+  cudaStream_t clock_stream_ = nullptr;     // trace_clock_mark's: nothing else runs on it
   NumberedEvents fences_{cudaEventDisableTiming};  // fences not yet seen passed
   kernels::LabelErrors label_errors_;              // device: 2 values, host: 3 pinned values
 };

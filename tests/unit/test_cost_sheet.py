@@ -55,12 +55,19 @@ def test_ops_of_a_two_layer_fp32_step_counted_by_hand():
         "graph_launches": 0,
         "blas_calls": 2 + 3,
         "host_syncs": 1,
-        "h2d_bytes": 16 * 4 * 4 + 16 * 2 * 4,
+        "h2d_bytes": 16 * 4 * 4 + 16 * 2 * 4,  # prefetched during the step before
         "d2h_bytes": 32,
+        "d2d_bytes": 16 * 4 * 4 + 16 * 2 * 4,  # then into the step's buffers
         "pageable_h2d_copies": 0,
     }
     resident = cs.step_ops(cs.Workload(sizes=[4, 8, 2], batch=16))
-    assert cs.counts(resident) == {**c, "kernel_launches": 14, "kernels_executed": 14, "h2d_bytes": 0}
+    assert cs.counts(resident) == {
+        **c,
+        "kernel_launches": 14,
+        "kernels_executed": 14,
+        "h2d_bytes": 0,
+        "d2d_bytes": 0,
+    }
     gathers = [o.bytes for o in resident if o.family == "input gather"]
     assert gathers == [2 * 16 * 4 * 4 + 16 * 8, 2 * 16 * 2 * 4 + 16 * 8]  # rows read and written, indices read
     ops = cs.step_ops(w)

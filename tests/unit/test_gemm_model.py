@@ -122,6 +122,7 @@ def test_a_wrong_rate_fails_the_bounds():
         ("NVIDIA H100 NVL", None),
         ("NVIDIA H200", "h200"),
         ("NVIDIA H200 NVL", None),
+        ("NVIDIA GH200 480GB", None),  # a Grace Hopper superchip: its own memory and host link
         ("NVIDIA H100 80GB HBM3 MIG 1g.10gb", None),
         ("NVIDIA GeForce RTX 4060 Laptop GPU", None),
         ("NVIDIA A100-SXM4-80GB", "a100-80gb"),

@@ -22,14 +22,14 @@ from typing import Optional
 import numpy as np
 
 from .._runtime import _core, for_other_frameworks, gpus_emulated
-from ..errors import ConfigError
+from ..errors import ConfigError, DeviceError
 from ..hostinfo import placement_moved
 from ..selector import profiles
 from ..selector.memory import check_training_memory
 from ..selector.recommend import recommend
 from ..selector.workload import build_workload
 from ..train.config import PRESETS, TrainerConfig
-from ..train.data import local_slice
+from ..train.data import local_slice, resident_bytes
 from ..train.model import MLP
 from ..train.observe import Observer
 from ..train.trainer import Trainer
@@ -133,13 +133,12 @@ def measure(
         )
         for _ in range(4)
     ]
-    feed = _feeder(
-        trainer,
-        data,
-        batch,
-        part.start,
-        resident=data_on_device == "on" or (data_on_device == "auto" and device == "cuda"),
-    )
+    error, feed = None, None
+    try:  # a rank's device memory is its own: agreed before the steps' collectives
+        feed = _feeder(trainer, data, batch, part.start, resident=holds_batches(data_on_device, device))
+    except (ConfigError, DeviceError, MemoryError) as e:
+        error = e
+    pg.agree(error, what="holding the batches on the device")
     for i in range(warmup):
         feed(i)
     times, phases = [], {"forward": [], "backward": [], "comm_wait": [], "optimizer": []}
@@ -232,10 +231,26 @@ def measure(
     }
 
 
+def holds_batches(data_on_device: str, device: str) -> bool:
+    """Whether bench holds its batches in the device's memory, as train places a training set."""
+    return data_on_device == "on" or (data_on_device == "auto" and device == "cuda")
+
+
 def _feeder(trainer, data: list, batch: int, first_sample: int, resident: bool):
-    """feed(i, trace=False): step i on this rank's batch i % len(data), its rows copied from
-    the host, or (resident) gathered from the batches held on the device, copied there once."""
-    if resident:
+    """feed(i, trace=False): step i on this rank's batch i % len(data), as Trainer.fit feeds
+    steps: gathered from the batches held on the device (resident, copied there once); on a
+    GPU otherwise copied in while the step before computes (its prefetch); on a CPU, read
+    where they lie."""
+    if not resident and trainer.model.device == "cuda":
+        rows, ready = len(data[0][0]), [False]
+
+        def feed(i: int, trace: bool = False) -> float:
+            shard = dict(global_batch=batch, first_sample=first_sample, trace=trace, prefetch=data[(i + 1) % len(data)])
+            loss = trainer.step_prefetched(rows, **shard) if ready[0] else trainer.step(*data[i % len(data)], **shard)
+            ready[0] = True
+            return loss
+
+    elif resident:
         held = trainer.resident_data(np.concatenate([x for x, _ in data]), np.concatenate([y for _, y in data]))
         held.set_order(np.arange(held.rows))
         rows = len(data[0][0])
@@ -305,9 +320,14 @@ def run_worker(pg, a, repeats: Optional[int] = None) -> list:
         for batch in a.batch_sizes:
             if batch < pg.size:
                 raise ConfigError(f"batch size {batch} is smaller than the number of ranks ({pg.size})")
+            local = -(-batch // pg.size)
+            held = (
+                resident_bytes(4 * local, sizes[0], sizes[-1], False) if holds_batches(a.data_on_device, device) else 0
+            )
             check_training_memory(
                 sizes,
                 max(1, -(-batch // (pg.size * a.accumulate))),
+                resident_bytes=held,  # the four batches a rank steps through
                 optimizer=a.optimizer,
                 precision=a.precision,
                 dropout=dropout,

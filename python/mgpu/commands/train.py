@@ -411,7 +411,7 @@ def build_run(plan: RunPlan, pg) -> tuple:
             optimizer_shards=pg.size if cfg.shard_optimizer else 1,
             world_ranks=pg.size,
         )
-        if plan.device == "cuda" and data_on_device != "off":
+        if data_on_device == "on" or (plan.device == "cuda" and data_on_device != "off"):
             # the training set on the GPU where it fits beside the step (on: or refused here)
             held = resident_bytes(len(data.x_train), data.in_features, plan.sizes[-1], data.task == "classification")
             try:

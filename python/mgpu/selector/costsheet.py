@@ -27,8 +27,9 @@ from .hardware import H100_SXM, HOST_LOOP_S, GpuSpec
 
 # What would remove each family's cost (the gaps' causes, as the sheet prints them).
 REMEDIES = {
-    "input copy": "from pinned staging, but on the compute stream (--data-on-device off, or a training set "
-    "too large for the GPU): a copy stream fed ahead by the data loader would hide it behind the previous step",
+    "input copy": "rows not resident (--data-on-device off, or a training set too large for the GPU): copied "
+    "in on a copy stream while the step before computes (what that cannot hide shows), then within the GPU "
+    "into the staged buffers",
     "input gather": "the step's rows gathered from the training set held on the GPU (--data-on-device): a "
     "read and a write of each row; the first layer reading its rows through the index would save the write",
     "operand casts": "fp32 -> half copies of the input and the loss gradient, once each (the weights' copy "
@@ -89,7 +90,8 @@ class Op:
     """One kind of operation in the step, `count` times per step."""
 
     family: str  # what it belongs to (the rows of the sheet)
-    kind: str  # gemm | kernel | memset | h2d | d2h | graph | sync
+    kind: str  # gemm | kernel | memset | h2d | d2h | d2d | graph | sync
+    beside: bool = False  # on a stream of its own while the step before computes (the prefetch)
     count: int = 1
     flops: float = 0.0  # per operation
     bytes: float = 0.0  # device memory traffic (or bus bytes for copies), per operation
@@ -104,6 +106,8 @@ class Op:
             return max(self.bytes / gpu.hbm_bytes_per_s, 0.0 if self.in_graph else gpu.min_kernel_s)
         if self.kind in ("h2d", "d2h"):
             return self.bytes / gpu.h2d_bytes_per_s
+        if self.kind == "d2d":  # read and written
+            return 2 * self.bytes / gpu.hbm_bytes_per_s
         return 0.0
 
 
@@ -146,6 +150,10 @@ def step_ops(w: Workload) -> List[Op]:
     s = w.sizes
     L = len(s) - 1
     ops: List[Op] = [Op("stop flag", "memset", bytes=4)]
+    if not w.data_on_device:  # the step's rows, x and y, prefetched during the step before (Trainer.fit on GPUs)
+        local = sum(micro_batches(w.batch, w.ranks, w.accumulate))
+        ops.append(Op("input copy", "h2d", bytes=local * s[0] * 4, beside=True))
+        ops.append(Op("input copy", "h2d", bytes=local * (s[-1] * 4 if w.loss == "mse" else 4), beside=True))
     written = False
     for r in micro_batches(w.batch, w.ranks, w.accumulate):
         if r == 0:
@@ -155,9 +163,9 @@ def step_ops(w: Workload) -> List[Op]:
         if w.data_on_device:  # each a read and a write of the rows, and their row numbers read
             ops.append(Op("input gather", "kernel", bytes=2 * r * s[0] * 4 + r * 8))
             ops.append(Op("input gather", "kernel", bytes=2 * target_bytes + r * 8))
-        else:
-            ops.append(Op("input copy", "h2d", bytes=r * s[0] * 4))
-            ops.append(Op("input copy", "h2d", bytes=target_bytes))
+        else:  # prefetched (below), then copied into the staged buffers
+            ops.append(Op("input copy", "d2d", bytes=r * s[0] * 4))
+            ops.append(Op("input copy", "d2d", bytes=target_bytes))
         if g:
             ops.append(Op("graph replay", "kernel", bytes=8))  # set_replay_args
             ops.append(Op("graph replay", "graph"))
@@ -287,6 +295,7 @@ def counts(ops: List[Op]) -> dict:
         "h2d_bytes": sum(o.count * o.bytes for o in ops if o.kind == "h2d"),
         "pageable_h2d_copies": 0,  # every input goes through the backend's pinned staging
         "d2h_bytes": sum(o.count * o.bytes for o in ops if o.kind == "d2h"),
+        "d2d_bytes": sum(o.count * o.bytes for o in ops if o.kind == "d2d"),
     }
 
 
@@ -295,10 +304,14 @@ def explain(w: Workload, gpu: GpuSpec = H100_SXM) -> Sheet:
     costs, the step, the floor and the gaps between them."""
     ops = step_ops(w)
     sheet = Sheet(w, gpu)
-    device = in_graph = 0.0
+    device = in_graph = beside = 0.0
     for o in ops:
         row = sheet.rows.setdefault(o.family, {"launches": 0, "gemms": 0, "gflop": 0.0, "mbytes": 0.0, "ms": 0.0})
         t = o.count * o.seconds(gpu, w.precision)
+        if o.beside:  # on its own stream, beside the step before: what it cannot hide is priced below
+            beside += t
+            row["mbytes"] += o.count * o.bytes / 1e6
+            continue
         if o.in_graph:
             in_graph += t + o.count * gpu.graph_node_s
         row["launches"] += o.count if o.kind in ("kernel", "graph") else 0
@@ -312,17 +325,23 @@ def explain(w: Workload, gpu: GpuSpec = H100_SXM) -> Sheet:
     # host is slower than the device, the device waits for it. A synchronisation drains
     # the queue, so its latency adds to the step, and so does the host loop after it
     # (the device is idle until the next step's first launch).
-    issued = [o for o in ops if o.kind in ("kernel", "memset", "gemm", "h2d", "d2h", "graph")]
-    gaps = sum(o.count * (gpu.graph_node_s if o.in_graph else gpu.stream_gap_s) for o in issued if o.kind != "graph")
+    issued = [o for o in ops if o.kind in ("kernel", "memset", "gemm", "h2d", "d2h", "d2d", "graph")]
+    gaps = sum(
+        o.count * (gpu.graph_node_s if o.in_graph else gpu.stream_gap_s)
+        for o in issued
+        if o.kind != "graph" and not o.beside
+    )
     host = sum(o.count * gpu.launch_s for o in issued if not o.in_graph)
     syncs = sum(o.count for o in ops if o.kind == "sync")
-    busy = device + gaps
+    stream = device + gaps
+    busy = max(stream, beside)  # a prefetch longer than the step it hides behind holds the next one up
     step = HOST_LOOP_S + max(busy, host) + syncs * gpu.sync_s
     # rank 0 holds the most rows (a share of the batch, rounded up): the slowest GPU's floor
     floor = 6.0 * w.params * sum(micro_batches(w.batch, w.ranks, w.accumulate)) / best_gemm_rate(gpu, w.precision)
     c = counts(ops)
     sheet.totals = {
         "device_ms": device * 1e3,
+        "prefetch_ms": beside * 1e3,
         "launch_gaps_ms": gaps * 1e3,
         "host_issue_ms": host * 1e3,
         "host_bound": host > busy,
@@ -355,7 +374,13 @@ def explain(w: Workload, gpu: GpuSpec = H100_SXM) -> Sheet:
     causes.append(
         (
             "launch gaps and host issue" + (" (host-bound: the GPU waits for launches)" if host > busy else ""),
-            (max(busy, host) - device) * 1e3,
+            (max(stream, host) - device) * 1e3,
+        )
+    )
+    causes.append(
+        (
+            "input prefetch longer than the step it hides behind: rows not resident cross the host link",
+            (max(busy, host) - max(stream, host)) * 1e3,
         )
     )
     causes.append(("host synchronisation", syncs * gpu.sync_s * 1e3))

@@ -187,7 +187,7 @@ def known_gpu_type(name: str) -> Optional[str]:
         return None
     if "H100" in n:  # "NVIDIA H100 80GB HBM3" is the SXM part
         return "h100-pcie" if "PCIE" in n else "h100-sxm"
-    if "H200" in n:  # "NVIDIA H200" is the SXM part (the NVL card is excluded above)
+    if "H200" in n and "GH200" not in n:  # "NVIDIA H200" is the SXM part (the NVL card is excluded above)
         return "h200"
     if "A100" in n and "SXM" in n:  # PCIe A100s run lower clocks
         return "a100-40gb" if "40GB" in n else "a100-80gb"

@@ -238,9 +238,10 @@ class GlobalBatches:
             yield order[start : start + self.batch_size]
 
 
-# auto places a training set on a GPU when it takes at most this share of the free memory
-# left once the model is built: the rest is for what the first steps allocate (activations,
-# optimizer state, communication buffers). `train` and `bench` decide with their memory model.
+# A Trainer's auto places a training set on a GPU when it takes at most this share of the free
+# memory left once the model is built: the rest is for what the first steps allocate
+# (activations, optimizer state, communication buffers). `train` decides with its memory
+# model instead, and `bench` counts its batches in its memory check.
 RESIDENT_SHARE = 0.5
 
 

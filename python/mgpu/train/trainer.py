@@ -252,6 +252,7 @@ class Trainer:
         global_batch: Optional[int] = None,
         first_sample: Optional[int] = None,
         trace: bool = False,
+        prefetch: Optional[tuple] = None,
     ) -> float:
         """One data-parallel step on this rank's shard; returns the global mean loss.
 
@@ -263,12 +264,36 @@ class Trainer:
         last_result.applied); max_bad_steps of them in a row raise NumericsError.
         trace: the core records the step's spans and bucket allreduces
         (last_result.spans, .buckets; drain_trace() returns any not handed over).
+        prefetch: (x, y), this rank's rows of the next step, copied to the device while this
+        step computes (a copy stream on GPUs); take that step with step_prefetched.
         """
         t_start = time.perf_counter()
         global_batch, first_sample, bounds = self._micro_bounds(len(x_local), global_batch, first_sample)
         micro = [(x_local[a:b], y_local[a:b], first_sample + a) for a, b in zip(bounds, bounds[1:])]
         return self._take_step(
-            t_start, lambda request: self._step.step(micro, global_batch, self.global_step, self.lr, request, trace)
+            t_start,
+            lambda request: self._step.step(micro, global_batch, self.global_step, self.lr, request, trace, prefetch),
+        )
+
+    def step_prefetched(
+        self,
+        rows: int,
+        *,
+        global_batch: Optional[int] = None,
+        first_sample: Optional[int] = None,
+        trace: bool = False,
+        prefetch: Optional[tuple] = None,
+    ) -> float:
+        """step() on the `rows` rows the step before prefetched (its `prefetch`), already on
+        the device; prefetch: the next step's rows, as for step(). The same step, bit for bit."""
+        t_start = time.perf_counter()
+        global_batch, first_sample, bounds = self._micro_bounds(rows, global_batch, first_sample)
+        micro = [(a, b - a, first_sample + a) for a, b in zip(bounds, bounds[1:])]
+        return self._take_step(
+            t_start,
+            lambda request: self._step.step_prefetched(
+                micro, global_batch, self.global_step, self.lr, request, trace, prefetch
+            ),
         )
 
     def resident_data(self, x: np.ndarray, y: np.ndarray):
@@ -554,10 +579,16 @@ class Trainer:
                 len(data.x_train), data.in_features, self.model.layers[-1], data.task == "classification"
             )
             free = available_memory(device, index, 1) if device == "cuda" else float("inf")
-            on, why = place_training_set(self.config.data_on_device, device=device, data_bytes=size, free_bytes=free)
+            mode = self.config.data_on_device
+            on, why = place_training_set(mode, device=device, data_bytes=size, free_bytes=free)
             why = self.data_placement_reason or why
             if on:
-                resident = self.resident_data(data.x_train, data.y_train)
+                try:
+                    resident = self.resident_data(data.x_train, data.y_train)
+                except (DeviceError, MemoryError) as e:
+                    if mode == "on" and not self.data_placement_reason:
+                        raise
+                    on, why = False, f"auto: placing its {size / 1e6:.3g} MB on the GPU failed ({e})"
             self.data_placement = {"resident": on, "bytes": size if on else 0, "why": why}
         except (ConfigError, DeviceError, MemoryError) as e:
             error = e
@@ -609,6 +640,8 @@ class Trainer:
             self.pg.agree(error, what="checkpoint")
         batches = GlobalBatches(len(data.x_train), effective, seed)
         resident = self._place_training_set(data)
+        # on a GPU, rows not resident are prefetched: copied in while the step before computes
+        prefetching = resident is None and self.model.device == "cuda"
         if resume is not None:
             self.load_checkpoint(resume, compat, batches.steps_per_epoch)
         length = steps if steps is not None else epochs * batches.steps_per_epoch
@@ -647,14 +680,31 @@ class Trainer:
                 order = batches.order(self.epoch)
                 if resident is not None:
                     resident.set_order(order)  # once an epoch; steps gather their rows on the device
-                for i, start in enumerate(batches.starts()):
+                starts = list(batches.starts())
+                prefetched = False  # this step's rows were copied in during the step before
+                for i, start in enumerate(starts):
                     if i < self.batch_in_epoch:
                         continue  # resumed mid-epoch: these batches were done before
                     t_begin = time.perf_counter()
                     idx = order[start : start + batches.batch_size]
                     part = local_slice(len(idx), self.pg.rank, self.pg.size, self.batch_shares)
                     traced = obs is not None and obs.wants_trace(self.global_step)
-                    if resident is not None:
+                    if prefetching:
+                        # the next step's rows (in this epoch, before the run's end) cross while this one computes
+                        nxt = None
+                        if i + 1 < len(starts) and self.global_step + 1 < total:
+                            nidx = order[starts[i + 1] : starts[i + 1] + batches.batch_size]
+                            nmine = nidx[local_slice(len(nidx), self.pg.rank, self.pg.size, self.batch_shares)]
+                            nxt = (data.x_train[nmine], data.y_train[nmine])
+                        rows = part.stop - part.start
+                        shard = dict(global_batch=len(idx), first_sample=part.start, trace=traced, prefetch=nxt)
+                        if prefetched:
+                            loss = self.step_prefetched(rows, **shard)
+                        else:
+                            mine = idx[part]
+                            loss = self.step(data.x_train[mine], data.y_train[mine], **shard)
+                        prefetched = nxt is not None
+                    elif resident is not None:
                         rows = part.stop - part.start
                         loss = self.step_rows(
                             resident,
