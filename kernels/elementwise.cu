@@ -32,10 +32,12 @@ __global__ void axpy_kernel(float* __restrict__ y, const float* __restrict__ x, 
 }
 
 // One thread a word; consecutive threads read consecutive words of a row (coalesced).
+// Word counts below 2^32 divide in 32 bits (a 64-bit division is a long instruction sequence).
+template <typename Count>
 __global__ void gather_rows_kernel(uint32_t* __restrict__ dst, const uint32_t* __restrict__ src,
-                                   const int64_t* __restrict__ index, size_t n, int W) {
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
-    const size_t r = i / unsigned(W), c = i - r * unsigned(W);
+                                   const int64_t* __restrict__ index, Count n, Count W) {
+  for (Count i = blockIdx.x * Count(blockDim.x) + threadIdx.x; i < n; i += Count(gridDim.x) * blockDim.x) {
+    const Count r = i / W, c = i - r * W;
     dst[i] = src[size_t(index[r]) * W + c];
   }
 }
@@ -80,7 +82,12 @@ void axpy(float* y, const float* x, size_t n, float alpha, cudaStream_t stream) 
 void gather_rows(uint32_t* dst, const uint32_t* src, const int64_t* index, int rows, int W, cudaStream_t stream) {
   const size_t n = size_t(rows) * W;
   if (n == 0) return;
-  MGPU_LAUNCH(gather_rows_kernel, grid_for(n), kThreads, 0, stream)(dst, src, index, n, W);
+  if (n < (size_t{1} << 32) - 2 * size_t(kThreads) * grid_for(n)) {  // i never wraps in 32 bits
+    MGPU_LAUNCH(gather_rows_kernel<uint32_t>, grid_for(n), kThreads, 0, stream)
+    (dst, src, index, uint32_t(n), uint32_t(W));
+  } else {
+    MGPU_LAUNCH(gather_rows_kernel<size_t>, grid_for(n), kThreads, 0, stream)(dst, src, index, n, size_t(W));
+  }
   MGPU_CUDA_CHECK_LAUNCH("gather_rows_kernel");
 }
 
