@@ -31,7 +31,15 @@ def first_line(path, pattern):
 
 
 def key(w):
-    return (tuple(w["layers"]), w["batch"], w["precision"], w["accumulate"], bool(w["cuda_graph"]))
+    # rows from before --data-on-device copied their inputs in
+    return (
+        tuple(w["layers"]),
+        w["batch"],
+        w["precision"],
+        w["accumulate"],
+        bool(w["cuda_graph"]),
+        bool(w.get("data_on_device", False)),
+    )
 
 
 def selector_rows(out_dir, emulated_ok):
@@ -82,6 +90,7 @@ def main() -> int:
                 "precision": r["precision"],
                 "accumulate": r.get("accumulate", 1),
                 "cuda_graph": r.get("cuda_graph", False),
+                "data_on_device": r.get("data_on_device", False),
             }
             t = predicted.get(key(w))
             step = r["step"]["median"] * 1e3
@@ -93,6 +102,7 @@ def main() -> int:
                 f"| {os.path.basename(path)}{' (EMULATED)' if emulated else ''} | "
                 f"{w['batch']} x {r['ranks']} | {w['precision']} | "
                 f"{w['accumulate']} | {'on' if r.get('cuda_graph') else 'off'} | "
+                f"{'on the GPU' if w['data_on_device'] else 'prefetched'} | "
                 f"{step:.4g} ({lo:.4g}-{hi:.4g}) | {sheet} | {peer} |"
             )
     today = datetime.date.today().isoformat()
@@ -110,13 +120,13 @@ def main() -> int:
         "Measured step (median, 95 % interval) against the cost sheet's prediction and floor "
         "(`bench --explain`, H100 SXM figures; on another GPU the prediction does not apply):",
         "",
-        "| run | batch x ranks | precision | accumulate | graph | step ms | predicted ms | floor ms | "
+        "| run | batch x ranks | precision | accumulate | graph | inputs | step ms | predicted ms | floor ms | "
         "step / floor | vs PyTorch |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
         *rows,
     ]
     if not rows:
-        section.append("| (no GPU bench results found) |||||||||| ")
+        section.append("| (no GPU bench results found) ||||||||||| ")
     selector = selector_rows(a.out_dir, a.emulated)
     if selector:
         section += [

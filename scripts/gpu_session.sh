@@ -219,10 +219,12 @@ tests_stage() {
 }
 
 bench_stage() {  # the targets: xl b1024 tf32 and bf16 >= 1.3x PyTorch eager; medium b64 graphs >= 3x
-  local common=(--device cuda --no-progress --warmup 5 --steps 20 --repeats 3 --compare torch)
+  local alone=(--device cuda --no-progress --warmup 5 --steps 20 --repeats 3)
+  local common=("${alone[@]}" --compare torch)
   local xl=(--model xl --batch-sizes 1024) md=(--model medium --batch-sizes 64)
   if [ "$EMU" = 1 ]; then  # PyTorch cannot run on emulated GPUs, and xl at b1024 takes minutes a step here
-    common=(--device cuda --no-progress --warmup 1 --steps 2 --repeats 1)
+    alone=(--device cuda --no-progress --warmup 1 --steps 2 --repeats 1)
+    common=("${alone[@]}")
     xl=(--layers 512,1024,768,512,256,64 --batch-sizes 64)
   fi
   local rc=0
@@ -231,6 +233,11 @@ bench_stage() {  # the issue's targets: xl b1024 tf32 and bf16 >= 1.3x PyTorch e
       > "$WORK/explain-xl-$prec.txt" || rc=1
     "$PY" -m mgpu bench "${common[@]}" "${xl[@]}" --precision $prec --json "$WORK/bench-xl-$prec.json" || rc=1
   done
+  # the inputs prefetched from the host instead of held on the GPU: what the copy stream hides
+  "$PY" -m mgpu bench --explain --device cuda "${xl[@]}" --precision bf16 --data-on-device off \
+    --json "$WORK/explain-xl-bf16-prefetched.json" > "$WORK/explain-xl-bf16-prefetched.txt" || rc=1
+  "$PY" -m mgpu bench "${alone[@]}" "${xl[@]}" --precision bf16 --data-on-device off \
+    --json "$WORK/bench-xl-bf16-prefetched.json" || rc=1
   "$PY" -m mgpu bench --explain --device cuda "${md[@]}" --cuda-graph on --json "$WORK/explain-medium.json" \
     > "$WORK/explain-medium.txt" || rc=1
   "$PY" -m mgpu bench "${common[@]}" "${md[@]}" --cuda-graph on --json "$WORK/bench-medium.json" || rc=1

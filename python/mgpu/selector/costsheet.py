@@ -106,8 +106,8 @@ class Op:
             return max(self.bytes / gpu.hbm_bytes_per_s, 0.0 if self.in_graph else gpu.min_kernel_s)
         if self.kind in ("h2d", "d2h"):
             return self.bytes / gpu.h2d_bytes_per_s
-        if self.kind == "d2d":  # read and written
-            return 2 * self.bytes / gpu.hbm_bytes_per_s
+        if self.kind == "d2d":  # read and written; a copy takes a kernel's shortest time too
+            return max(2 * self.bytes / gpu.hbm_bytes_per_s, gpu.min_kernel_s)
         return 0.0
 
 
@@ -274,6 +274,7 @@ class Sheet:
                 "cuda_graph": w.graph,
                 "ranks": w.ranks,
                 "params": w.params,
+                "data_on_device": w.data_on_device,
             },
             "rows": [dict(family=k, **v) for k, v in self.rows.items()],
             "totals": self.totals,
