@@ -214,6 +214,7 @@ def test_gpu_report_sets_measured_steps_beside_the_sheet_and_leaves_out_the_emul
         "precision": "fp32",
         "accumulate": 1,
         "cuda_graph": True,
+        "data_on_device": True,
         "ranks": 1,
         "samples_per_sec": 64 / 2e-4,
         "step": {"median": 2e-4, "ci95": [1.9e-4, 2.1e-4]},
@@ -230,6 +231,7 @@ def test_gpu_report_sets_measured_steps_beside_the_sheet_and_leaves_out_the_emul
     assert "bench-emulated.json" in r.stderr and "emulation" in r.stderr
     lines = [l for l in doc.read_text().splitlines() if l.startswith("| bench-")]
     assert len(lines) == 1 and "| 0.2 (0.19-0.21) |" in lines[0] and "| 4.00x |" in lines[0]
+    assert "| on the GPU |" in lines[0]  # held there: priced with the sheet of the same placement
     predicted = cs.explain(cs.Workload(sizes=row["layers"], batch=64, dropout=0.2, graph=True)).totals["step_ms"]
     assert f"| {predicted:.4g} |" in lines[0]
     assert "NVIDIA H100 80GB HBM3" in doc.read_text()
