@@ -639,9 +639,6 @@ class Trainer:
                 error = e
             self.pg.agree(error, what="checkpoint")
         batches = GlobalBatches(len(data.x_train), effective, seed)
-        resident = self._place_training_set(data)
-        # on a GPU, rows not resident are prefetched: copied in while the step before computes
-        prefetching = resident is None and self.model.device == "cuda"
         if resume is not None:
             self.load_checkpoint(resume, compat, batches.steps_per_epoch)
         length = steps if steps is not None else epochs * batches.steps_per_epoch
@@ -658,6 +655,10 @@ class Trainer:
                 )
             if self._epoch_samples > 0:  # an epoch left open (stopped on its last step, by an older mgpu)
                 self._close_epoch(data, on_epoch)
+        # every rank is at the same step here (a checkpoint resumes all alike): none places a set it would not use
+        resident = self._place_training_set(data) if self.global_step < total else None
+        # on a GPU, rows not resident are prefetched: copied in while the step before computes
+        prefetching = resident is None and self.model.device == "cuda"
         bar = None
         if progress and self.pg.is_root:
             from tqdm.auto import tqdm
