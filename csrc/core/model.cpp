@@ -162,7 +162,7 @@ void MLP::stage_rows(const ResidentData& data, int64_t order_offset, int rows, L
   }
 }
 
-void MLP::prefetch(const HostBatch& batch, LossKind loss) {
+void MLP::check_prefetch(const HostBatch& batch, LossKind loss) const {
   MGPU_CHECK(batch.rows >= 1 && batch.x, ConfigError, "a prefetch needs at least one row of x");
   MGPU_CHECK(loss == LossKind::kCrossEntropy ? batch.labels != nullptr : batch.targets != nullptr, ConfigError,
              "a prefetch needs the ", loss_name(loss), " loss's ", loss == LossKind::kMSE ? "targets" : "labels");
@@ -171,6 +171,10 @@ void MLP::prefetch(const HostBatch& batch, LossKind loss) {
       MGPU_CHECK(batch.labels[i] >= 0 && batch.labels[i] < out_features(), ConfigError, "label ", batch.labels[i],
                  " at row ", i, " is out of range [0, ", out_features(), ")");
   }
+}
+
+void MLP::prefetch(const HostBatch& batch, LossKind loss) {
+  check_prefetch(batch, loss);
   const size_t rows = static_cast<size_t>(batch.rows);
   if (prefetched_x_.size() < rows * in_features()) {
     backend_->wait_prefetched();  // the buffers about to go may still be written

@@ -85,6 +85,8 @@ class MLP {
   // (Backend::prefetch_to_backend; labels checked now); stage_prefetched then stages rows
   // [offset, offset + rows) of them, until the next prefetch or discard_prefetch().
   void prefetch(const HostBatch& batch, LossKind loss);
+  // ConfigError unless prefetch can take batch (rows, the loss's targets or labels, their range).
+  void check_prefetch(const HostBatch& batch, LossKind loss) const;
   void stage_prefetched(int64_t offset, int rows, LossKind loss);
   int64_t prefetched_rows() const { return prefetched_rows_; }
   void discard_prefetch() { prefetched_rows_ = 0; }

@@ -203,6 +203,7 @@ StepResult DataParallelStep::step(const std::vector<MicroShard>& shards, int64_t
                                   float lr, bool request_stop, bool trace, const HostBatch* prefetch_next) {
   const AsynchronousSignalsHeld signals_after_the_step;  // one mask change for all its GEMMs
   check_shards(shards, global_batch);
+  if (prefetch_next) model_->check_prefetch(*prefetch_next, loss_);  // before anything is queued
   StepResult result;
   StepRecorder rec(model_->backend(), *comm_, *trace_, result, step_index, options_.timed, trace, buckets_.size(),
                    sharded_);
