@@ -98,6 +98,26 @@ BatchArgs make_batch(MLP& model, const py::array& x_in, const py::object& y_in, 
   return a;
 }
 
+// Micro-batches [(offset, rows, first_sample), ...] of rows already in the backend's memory:
+// rows order[offset, offset + rows) of resident data, or, without it, of the prefetched rows.
+std::vector<MicroShard> shards_in_backend(const py::list& micro_batches, const ResidentData* resident) {
+  std::vector<MicroShard> shards;
+  for (py::handle item : micro_batches) {
+    auto t = item.cast<py::tuple>();
+    if (t.size() != 3)
+      throw ConfigError(resident ? "each micro-batch is a tuple (order_offset, rows, first_sample)"
+                                 : "each micro-batch is a tuple (row_offset, rows, first_sample)");
+    MicroShard shard;
+    shard.resident = resident;
+    shard.prefetched = resident == nullptr;
+    shard.order_offset = t[0].cast<int64_t>();
+    shard.batch.rows = t[1].cast<int>();
+    shard.first_sample = t[2].cast<int64_t>();
+    shards.push_back(shard);
+  }
+  return shards;
+}
+
 // The next step's rows of a step's prefetch argument ((x, y) or None), converted into args
 // (which keeps them alive); null for None.
 const HostBatch* prefetch_batch(DataParallelStep& s, const py::object& prefetch, std::vector<BatchArgs>& args) {
@@ -818,17 +838,7 @@ void bind_step(py::module_& m) {
           [](DataParallelStep& s, py::list micro_batches, int64_t global_batch, uint64_t step_index, float lr,
              bool request_stop, bool trace, py::object prefetch) {
             std::vector<BatchArgs> args;
-            std::vector<MicroShard> shards;
-            for (py::handle item : micro_batches) {
-              auto t = item.cast<py::tuple>();
-              if (t.size() != 3) throw ConfigError("each micro-batch is a tuple (row_offset, rows, first_sample)");
-              MicroShard shard;
-              shard.prefetched = true;
-              shard.order_offset = t[0].cast<int64_t>();
-              shard.batch.rows = t[1].cast<int>();
-              shard.first_sample = t[2].cast<int64_t>();
-              shards.push_back(shard);
-            }
+            const std::vector<MicroShard> shards = shards_in_backend(micro_batches, nullptr);
             const HostBatch* next = prefetch_batch(s, prefetch, args);
             py::gil_scoped_release nogil;
             return s.step(shards, global_batch, step_index, lr, request_stop, trace, next);
@@ -842,17 +852,7 @@ void bind_step(py::module_& m) {
           [](DataParallelStep& s, const std::shared_ptr<ResidentData>& data, py::list micro_batches,
              int64_t global_batch, uint64_t step_index, float lr, bool request_stop, bool trace) {
             if (!data) throw ConfigError("step_rows needs resident data");
-            std::vector<MicroShard> shards;
-            for (py::handle item : micro_batches) {
-              auto t = item.cast<py::tuple>();
-              if (t.size() != 3) throw ConfigError("each micro-batch is a tuple (order_offset, rows, first_sample)");
-              MicroShard shard;
-              shard.resident = data.get();
-              shard.order_offset = t[0].cast<int64_t>();
-              shard.batch.rows = t[1].cast<int>();
-              shard.first_sample = t[2].cast<int64_t>();
-              shards.push_back(shard);
-            }
+            const std::vector<MicroShard> shards = shards_in_backend(micro_batches, data.get());
             py::gil_scoped_release nogil;
             return s.step(shards, global_batch, step_index, lr, request_stop, trace);
           },

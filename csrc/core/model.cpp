@@ -20,6 +20,12 @@ LossKind parse_loss(const std::string& name) {
 
 std::string loss_name(LossKind loss) { return loss == LossKind::kMSE ? "mse" : "cross_entropy"; }
 
+void check_labels(const int32_t* labels, int64_t rows, int classes) {
+  for (int64_t i = 0; i < rows; ++i)
+    MGPU_CHECK(labels[i] >= 0 && labels[i] < classes, ConfigError, "label ", labels[i], " at row ", i,
+               " is out of range [0, ", classes, ")");
+}
+
 MLP::MLP(std::shared_ptr<Backend> backend, std::vector<int> sizes, float dropout, uint64_t seed)
     : backend_(std::move(backend)), sizes_(std::move(sizes)), dropout_(dropout), seed_(seed) {
   MGPU_CHECK(backend_, ConfigError, "MLP needs a backend");
@@ -104,12 +110,7 @@ void MLP::ensure_staging() {
 void MLP::stage(const HostBatch& batch, LossKind loss, bool own_copy) {
   MGPU_CHECK(batch.rows >= 0, ConfigError, "batch rows must be >= 0");
   ensure_capacity(std::max(batch.rows, 1));
-  if (loss == LossKind::kCrossEntropy && batch.labels) {
-    const int C = out_features();
-    for (int i = 0; i < batch.rows; ++i)
-      MGPU_CHECK(batch.labels[i] >= 0 && batch.labels[i] < C, ConfigError, "label ", batch.labels[i], " at row ", i,
-                 " is out of range [0, ", C, ")");
-  }
+  if (loss == LossKind::kCrossEntropy && batch.labels) check_labels(batch.labels, batch.rows, out_features());
   if (backend_->host_accessible() && !own_copy) {
     input_ = batch.x;
     targets_ = batch.targets;
@@ -166,11 +167,7 @@ void MLP::check_prefetch(const HostBatch& batch, LossKind loss) const {
   MGPU_CHECK(batch.rows >= 1 && batch.x, ConfigError, "a prefetch needs at least one row of x");
   MGPU_CHECK(loss == LossKind::kCrossEntropy ? batch.labels != nullptr : batch.targets != nullptr, ConfigError,
              "a prefetch needs the ", loss_name(loss), " loss's ", loss == LossKind::kMSE ? "targets" : "labels");
-  if (batch.labels) {
-    for (int i = 0; i < batch.rows; ++i)
-      MGPU_CHECK(batch.labels[i] >= 0 && batch.labels[i] < out_features(), ConfigError, "label ", batch.labels[i],
-                 " at row ", i, " is out of range [0, ", out_features(), ")");
-  }
+  if (batch.labels) check_labels(batch.labels, batch.rows, out_features());
 }
 
 void MLP::prefetch(const HostBatch& batch, LossKind loss) {

@@ -21,6 +21,9 @@ std::string loss_name(LossKind loss);
 
 class ResidentData;  // resident_data.h
 
+// ConfigError naming the first of `rows` class labels outside [0, classes).
+void check_labels(const int32_t* labels, int64_t rows, int classes);
+
 // One batch (or one rank's shard of it) in host memory.
 struct HostBatch {
   const float* x = nullptr;         // (rows, in_features)

@@ -14,11 +14,7 @@ ResidentData::ResidentData(std::shared_ptr<Backend> backend, const HostBatch& al
   MGPU_CHECK(in_features >= 1 && out_features >= 1, ConfigError, "resident data needs in and out features >= 1");
   MGPU_CHECK((all.targets != nullptr) != (all.labels != nullptr), ConfigError,
              "resident data holds either float targets or int32 labels");
-  if (all.labels) {
-    for (int64_t i = 0; i < rows_; ++i)
-      MGPU_CHECK(all.labels[i] >= 0 && all.labels[i] < out_features, ConfigError, "label ", all.labels[i], " at row ",
-                 i, " is out of range [0, ", out_features, ")");
-  }
+  if (all.labels) check_labels(all.labels, rows_, out_features);
   const size_t rows = static_cast<size_t>(rows_);
   x_ = BackendArray<float>(backend_.get(), rows * in_features);
   backend_->copy_to_backend(x_.data(), all.x, x_.size() * sizeof(float));
