@@ -387,6 +387,9 @@ void bind_communicators(py::module_& m) {
           py::arg("buffer"),
           "Starts an in-place sum across ranks of a float32 array; complete once wait_all() returns "
           "(the communicator holds the array until then).")
+      .def_property_readonly("fences_device_work", &Communicator::fences_device_work,
+                             "Whether the backend can wait for part of the queued collectives (NCCL): a sharded "
+                             "step then gathers the parameters layer by layer into the next forward.")
       .def("progress", &Communicator::progress, py::call_guard<py::gil_scoped_release>(),
            "Lets a host-driven transport (MPI) advance the sums in flight.")
       .def(
@@ -565,6 +568,9 @@ void bind_model(py::module_& m) {
             return out;
           },
           "(weight offset, bias offset) of each layer in the flat buffers.")
+      .def_property_readonly("parameters_deferred", &MLP::parameters_deferred,
+                             "Whether a sharded step's parameter gathers are still in flight (the next forward "
+                             "waits for each layer; anything else that touches the parameters for all of them).")
       .def("initialize", &MLP::initialize, py::arg("seed"), py::call_guard<py::gil_scoped_release>())
       .def("get_parameters",
            [](MLP& mm) { return host_copy(mm.num_params(), [&](float* d) { mm.get_parameters(d); }); })

@@ -214,6 +214,7 @@ void bind_perf(py::module_& m) {
       .def_readonly("comm_s", &Prediction::comm_s)
       .def_readonly("exposed_comm_s", &Prediction::exposed_comm_s)
       .def_readonly("gather_s", &Prediction::gather_s)
+      .def_readonly("gather_exposed_s", &Prediction::gather_exposed_s)
       .def_readonly("optimizer_state_bytes", &Prediction::optimizer_state_bytes)
       .def_readonly("step_s", &Prediction::step_s)
       .def_readonly("samples_per_s", &Prediction::samples_per_s)

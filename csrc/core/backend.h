@@ -259,12 +259,17 @@ class Backend {
   // GEMMs read half-precision operands keeps a half copy of them, which the
   // optimizer update refreshes as it writes each parameter, instead of casting
   // every weight at every GEMM. Writes to the parameters by anything but this
-  // backend (a communicator's broadcast) must be announced: parameters_changed().
+  // backend (a communicator's broadcast) must be announced: parameters_changed(),
+  // or of values [offset, offset + count) only (a sharded step's gather, layer by layer).
   virtual void set_master_weights(const float* params, size_t n) {
     (void)params;
     (void)n;
   }
-  virtual void parameters_changed() {}
+  virtual void parameters_changed(size_t offset, size_t count) {
+    (void)offset;
+    (void)count;
+  }
+  void parameters_changed() { parameters_changed(0, static_cast<size_t>(-1)); }
 
   // Arithmetic of the linear layers. Parameters, gradients and optimizer state
   // stay fp32 (master weights) whatever the precision; backends that cannot

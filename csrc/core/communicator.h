@@ -58,6 +58,19 @@ class Communicator {
   // Compressed gradients of a sharded step: bf16 / fp16 values in device memory, as allreduce_sum_bf16_async.
   virtual void reduce_scatter_sum_bf16_async(void*, const std::vector<size_t>&) { refuse_half_types(); }
   virtual void reduce_scatter_sum_fp16_async(void*, const std::vector<size_t>&) { refuse_half_types(); }
+  // Partial completion, for a sharded step's parameters gathered layer by layer
+  // while the next forward runs: fence(slot) launches what is queued and marks
+  // the point after it; wait_fence(slot) makes the attached backend's later work
+  // wait for that point (the host does not wait; the next wait_all() keeps the
+  // deadline, as it covers everything before it). A slot is reused by the next
+  // fence() of that number. Transports without it (fences_device_work() false)
+  // complete their collectives in wait_all(). complete_all(): every collective
+  // issued so far done, the host waiting under the deadline, failures raised;
+  // after close(), nothing is in flight.
+  virtual bool fences_device_work() const { return false; }
+  virtual void fence(size_t /*slot*/) { wait_all(); }
+  virtual void wait_fence(size_t /*slot*/) { wait_all(); }
+  virtual void complete_all() { wait_all(); }
   // True when async collectives advance without the caller's help (NCCL kernels);
   // false when they need progress() calls from the host thread (MPI).
   virtual bool progresses_independently() const { return false; }

@@ -49,6 +49,10 @@ MLP::MLP(std::shared_ptr<Backend> backend, std::vector<int> sizes, float dropout
 
 MLP::~MLP() {
   try {
+    await_deferred_layers();  // the parameters are freed in stream order after writes still deferred
+  } catch (...) {             // a failed transport drained its stream when it failed
+  }
+  try {
     if (prefetched_x_.size()) backend_->wait_prefetched();
   } catch (...) {  // a failed device frees everything anyway
   }
@@ -70,10 +74,39 @@ void MLP::initialize(uint64_t seed) {
 }
 
 void MLP::get_parameters(float* host_dst) {
+  await_parameters();
   backend_->copy_to_host(host_dst, params_.data(), num_params_ * sizeof(float));
 }
 void MLP::set_parameters(const float* host_src) {
+  await_parameters();
   backend_->copy_to_backend(params_.data(), host_src, num_params_ * sizeof(float));
+}
+
+void MLP::defer_parameter_writes(std::function<void(int)> wait) {
+  await_deferred_layers();  // earlier writes: waited for before the later ones can be
+  deferred_wait_ = std::move(wait);
+  deferred_.assign(static_cast<size_t>(num_layers()), deferred_wait_ ? 1 : 0);
+  deferred_layers_ = deferred_wait_ ? num_layers() : 0;
+}
+
+void MLP::await_layer(int layer) {
+  if (!deferred_wait_ || !deferred_[static_cast<size_t>(layer)]) return;
+  deferred_wait_(layer);
+  deferred_[static_cast<size_t>(layer)] = 0;
+  if (--deferred_layers_ == 0) deferred_wait_ = nullptr;
+}
+
+void MLP::await_deferred_layers() {
+  for (int l = 0; l < num_layers() && deferred_wait_; ++l) await_layer(l);
+}
+
+void MLP::await_parameters() {
+  if (!deferred_wait_) return;
+  std::function<void(int)> wait = std::move(deferred_wait_);
+  deferred_wait_ = nullptr;
+  deferred_.assign(deferred_.size(), 0);
+  deferred_layers_ = 0;
+  wait(-1);
 }
 void MLP::get_gradients(float* host_dst) {
   backend_->copy_to_host(host_dst, grads_.data(), num_params_ * sizeof(float));
@@ -214,9 +247,12 @@ void MLP::stage_prefetched(int64_t offset, int rows, LossKind loss) {
   }
 }
 
-const float* MLP::forward(int rows, const DropoutKey* dropout, const std::function<void(int)>& layer_done) {
+const float* MLP::forward(int rows, const DropoutKey* dropout, const std::function<void(int)>& layer_done,
+                          bool by_layer) {
+  if (!by_layer) await_parameters();
   const float* inp = input_;
   for (int l = 0; l < num_layers(); ++l) {
+    if (by_layer) await_layer(l);
     float* out = activations_[l].data();
     const float* w = params_.data() + weight_offset(l);
     const float* b = params_.data() + bias_offset(l);
@@ -248,6 +284,7 @@ void MLP::loss_forward_backward(LossKind loss, int rows, float grad_scale, float
 }
 
 void MLP::backward(int rows, const std::function<void(int)>& layer_done, bool accumulate) {
+  await_parameters();  // its forward waited already (then this is free)
   // dact_[l % 2] holds d(loss)/d(output of layer l); the parity matches the
   // buffer loss_forward_backward wrote for the last layer.
   for (int l = num_layers() - 1; l >= 0; --l) {

@@ -93,10 +93,22 @@ class MLP {
   void stage_prefetched(int64_t offset, int rows, LossKind loss);
   int64_t prefetched_rows() const { return prefetched_rows_; }
   void discard_prefetch() { prefetched_rows_ = 0; }
+  // Parameters another stream is still writing (a sharded step's all-gather,
+  // overlapping the next forward layer by layer): wait(l) makes this backend's
+  // later work wait for layer l's values, wait(-1) for all of them, the host
+  // waiting and failures raised. Until then every call here that reads or writes
+  // parameters waits for them all first, except forward(..., by_layer = true),
+  // which waits for each layer just before its GEMM.
+  void defer_parameter_writes(std::function<void(int)> wait);
+  void await_deferred_layers();  // each layer not yet waited for: wait(l), the host not waiting
+  void await_parameters();       // wait(-1) if anything is deferred
+  bool parameters_deferred() const { return static_cast<bool>(deferred_wait_); }
+
   // Forward pass over the staged rows; dropout is active iff `dropout` is set.
   // Returns the output (rows, out_features) in backend memory. layer_done(l),
   // when given, is called once layer l's output is written (a trace marks it).
-  const float* forward(int rows, const DropoutKey* dropout, const std::function<void(int)>& layer_done = nullptr);
+  const float* forward(int rows, const DropoutKey* dropout, const std::function<void(int)>& layer_done = nullptr,
+                       bool by_layer = false);
   // Writes the loss contribution to loss_slot() (adds to it when accumulating)
   // and its gradient to the head of the backward chain (see Backend loss
   // semantics for grad_scale).
@@ -120,6 +132,7 @@ class MLP {
   void ensure_staging();  // staged_* at capacity_
   float* output() { return activations_.back().data(); }
   float layer_dropout(int layer) const { return layer + 1 < num_layers() ? dropout_ : 0.0f; }
+  void await_layer(int layer);
 
   std::shared_ptr<Backend> backend_;
   std::vector<int> sizes_;
@@ -142,6 +155,9 @@ class MLP {
   const float* input_ = nullptr;
   const float* targets_ = nullptr;
   const int32_t* labels_ = nullptr;
+  std::function<void(int)> deferred_wait_;  // defer_parameter_writes' wait; empty once all were waited for
+  std::vector<char> deferred_;              // per layer: not yet waited for
+  int deferred_layers_ = 0;
 };
 
 }  // namespace mgpu

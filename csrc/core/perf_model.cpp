@@ -69,6 +69,7 @@ struct DeviceTimes {
   double forward = 0, backward = 0, optimizer = 0, overhead = 0;
   const StepPhases* measured = nullptr;  // in-step phases from topo (then optimizer is the update alone)
   std::vector<double> backward_done;     // [l]: time from backward start until layer l's gradients exist
+  std::vector<double> forward_done;      // [l]: time from the first micro-batch's forward start until layer l's output
 };
 
 // Whether training replays its steps as graphs: DataParallelStep's rule for
@@ -167,13 +168,14 @@ DeviceTimes device_times(const std::vector<int>& sizes, int64_t b, const DeviceP
   // backward's start until layer l's gradients exist.
   struct MicroBatch {
     double forward = 0, backward = 0;
-    std::vector<double> done;
+    std::vector<double> done, forward_done;
   };
   // accumulating: a later micro-batch, whose weight gradients add onto the step's
   // (their GEMMs read the gradient as well as write it).
   auto micro_batch = [&](double R, bool accumulating) {
     MicroBatch m;
     m.done.assign(layers, 0.0);
+    m.forward_done.assign(layers, 0.0);
     for (int l = 0; l < layers; ++l) {
       const double in = sizes[l], out = sizes[l + 1];
       m.forward +=
@@ -181,6 +183,7 @@ DeviceTimes device_times(const std::vector<int>& sizes, int64_t b, const DeviceP
                     : gemm(R, out, in, (out * in + R * in) * eb + 8.0 * R * out) + pass(4.0 * R * out) /* bias */) +
           (l + 1 < layers ? pass(act_bytes * R * out) : 0.0) /* relu, dropout */;
       if (gpu && half && l == 0) m.forward += pass(6.0 * R * in);  // the input's half copy
+      m.forward_done[l] = m.forward;
     }
     m.forward += pass(12.0 * R * sizes.back());  // loss and its gradient: prediction and target read, gradient written
     if (gpu) m.forward += L;                     // the loss partials' sum
@@ -217,6 +220,7 @@ DeviceTimes device_times(const std::vector<int>& sizes, int64_t b, const DeviceP
     if (gpu) t.forward += double(micro_batches - 1) * L;  // each later one adds its loss to the step's
     t.backward = first.backward + later_small * s.backward + double(larger) * big.backward;
     for (int l = 0; l < layers; ++l) t.backward_done[l] = t.backward - last.backward + last.done[l];
+    t.forward_done = first.forward_done;
   }
   const double P = parameter_count(sizes);
   // Sharded, this device updates and checks its shard only (1/shards of the parameters).
@@ -782,12 +786,33 @@ Prediction predict(const Workload& w, const HardwareProfile& hw, int devices, co
     p.exposed_comm_s = std::max(0.0, channel_free - compute_end);
     if (p.sharded) {
       // After the last bucket, the health check's shares (kShardSums floats a device:
-      // latency, in effect); after the update, the whole parameter buffer in fp32
-      // (compression narrows gradients only). Neither overlaps anything.
-      p.gather_s = hw.link.all_gather_seconds(devices, 4.0 * kShardSums * devices) +
-                   hw.link.all_gather_seconds(devices, 4.0 * params);
+      // latency, in effect), exposed; after the update, the parameters in fp32
+      // (compression narrows gradients only).
+      const double sums = hw.link.all_gather_seconds(devices, 4.0 * kShardSums * devices);
+      double params_gather = hw.link.all_gather_seconds(devices, 4.0 * params), params_exposed = params_gather;
+      if (hw.link.overlaps_compute && !p.graphs) {
+        // Layer by layer, the next forward waiting for each layer just before it
+        // (DataParallelStep::gather_parameters): exposed, the waits of the device that waits longest.
+        std::vector<double> arrived;
+        params_gather = 0;
+        for (size_t l = 0; l + 1 < sizes.size(); ++l) {
+          params_gather += hw.link.all_gather_seconds(devices, 4.0 * (double(sizes[l]) * sizes[l + 1] + sizes[l + 1]));
+          arrived.push_back(params_gather);
+        }
+        params_exposed = 0;
+        for (const DeviceTimes& d : times) {
+          double end = 0, before = 0;  // the forward's clock, from the update's end
+          for (size_t l = 0; l < arrived.size() && l < d.forward_done.size(); ++l) {
+            end = std::max(end, arrived[l]) + (d.forward_done[l] - before);
+            before = d.forward_done[l];
+          }
+          params_exposed = std::max(params_exposed, end - before);
+        }
+      }
+      p.gather_s = sums + params_gather;
+      p.gather_exposed_s = sums + params_exposed;
       p.comm_s += p.gather_s;
-      p.exposed_comm_s += p.gather_s;
+      p.exposed_comm_s += p.gather_exposed_s;
     }
   }
   // Measured in-step phases (CPU calibrations): the wait after backward as
@@ -1095,8 +1120,11 @@ std::string word_reason(const Reason& r, const Decision& d, const Workload& w, c
                          fmt(" (efficiency %.0f%%)", p->efficiency * 100) + "; the " + bytes_text(r.value);
       if (p->sharded)
         line += " gradient reduce-scatter (optimizer sharded) takes " + ms(p->comm_s - p->gather_s) + ", " +
-                ms(std::max(0.0, p->exposed_comm_s - p->gather_s)) +
+                ms(std::max(0.0, p->exposed_comm_s - p->gather_exposed_s)) +
                 " of it not hidden behind backward, the parameters' all-gather after the update " + ms(p->gather_s) +
+                (p->gather_exposed_s < p->gather_s - 1e-9
+                     ? " (" + ms(p->gather_exposed_s) + " of it not hidden behind the next forward)"
+                     : std::string()) +
                 "; optimizer state " + bytes_text(p->optimizer_state_bytes) + " a device";
       else
         line += " gradient allreduce takes " + ms(p->comm_s) + ", " + ms(p->exposed_comm_s) +

@@ -265,8 +265,9 @@ struct Prediction {
   bool graphs = false;               // steps replay as graphs: kernels at graph-node cost, the allreduce after backward
   bool sharded = false;              // the optimizer is sharded (shard_optimizer on several devices)
   double comm_s = 0;                 // total communication of one step (sharded: reduce-scatters and all-gathers)
-  double exposed_comm_s = 0;         // the part not hidden behind backward
-  double gather_s = 0;               // sharded: the all-gathers after backward (health check, parameters), all exposed
+  double exposed_comm_s = 0;         // the part not hidden behind backward (or the next forward)
+  double gather_s = 0;               // sharded: the all-gathers after backward (health check, parameters)
+  double gather_exposed_s = 0;       // the part of gather_s not hidden behind the next forward
   double optimizer_state_bytes = 0;  // optimizer state one device holds (sharded: its shard's)
   double step_s = 0;
   double samples_per_s = 0, speedup = 1, efficiency = 1;

@@ -196,7 +196,8 @@ struct DataParallelStep::Run {
 // One optimizer step: 1-4 forward and backward of each micro-batch (the last
 // one's backward launches the gradient allreduce), 5 the reduced gradients,
 // 6-7 the health check's verdict and the update, queued on the backend (7b,
-// sharded: the updated shards all-gathered), 8 the verdict read back once and
+// sharded: the updated shards all-gathered, with NCCL layer by layer into the
+// next step's forward), 8 the verdict read back once and
 // the loss scale adjusted. The recorder takes the
 // timings and trace spans at named points in between.
 StepResult DataParallelStep::step(const std::vector<MicroShard>& shards, int64_t global_batch, uint64_t step_index,
@@ -204,6 +205,9 @@ StepResult DataParallelStep::step(const std::vector<MicroShard>& shards, int64_t
   const AsynchronousSignalsHeld signals_after_the_step;  // one mask change for all its GEMMs
   check_shards(shards, global_batch);
   if (prefetch_next) model_->check_prefetch(*prefetch_next, loss_);  // before anything is queued
+  // A timed or traced step stamps its collectives from an idle communication
+  // stream: the last step's gathers are done first.
+  if (options_.timed || trace) model_->await_parameters();
   StepResult result;
   StepRecorder rec(model_->backend(), *comm_, *trace_, result, step_index, options_.timed, trace, buckets_.size(),
                    sharded_);
@@ -212,7 +216,8 @@ StepResult DataParallelStep::step(const std::vector<MicroShard>& shards, int64_t
   write_stop_flag(request_stop);
   try {
     for (size_t k = 0; k < shards.size(); ++k) run_micro_batch(run, k);  // 1-4
-    model_->discard_prefetch();  // taken, or stale: a prefetch serves the step after it only
+    model_->await_deferred_layers();  // the last step's gathers, where no forward waited for them (no rows)
+    model_->discard_prefetch();       // taken, or stale: a prefetch serves the step after it only
     if (!run.written) zero_gradients();
     // tail_queued, not whole_step_graph: a capture that failed under kAuto may have turned the graphs off.
     if (!run.tail_queued) reduce_gradients(run);  // 5
@@ -305,6 +310,7 @@ void DataParallelStep::run_micro_batch(Run& run, size_t k) {
   run.rec.record(StepEvent::kStaged, micro);
   const DropoutKey key{model_->seed(), run.index, 0, s.first_sample};
   if (graphs_enabled_) {
+    model_->await_deferred_layers();  // never in a capture
     const bool with_tail = run.whole_step_graph && static_cast<int>(k) == run.last_with_rows;
     replay_micro_batch(run, s, key, micro, with_tail);
     run.tail_queued = with_tail;
@@ -323,9 +329,10 @@ void DataParallelStep::compute_micro_batch(Run& run, const MicroShard& s, const 
   const int rows = s.batch.rows;
   const bool accumulate = run.written;
   rec.record(StepEvent::kForwardBegin);
-  m.forward(rows, &key,
-            rec.traced() ? std::function<void(int)>([&](int l) { rec.record(StepEvent::kForwardLayer, micro, l); })
-                         : nullptr);
+  m.forward(
+      rows, &key,
+      rec.traced() ? std::function<void(int)>([&](int l) { rec.record(StepEvent::kForwardLayer, micro, l); }) : nullptr,
+      /*by_layer=*/true);
   rec.record(StepEvent::kForwardEnd, micro);
   m.loss_forward_backward(loss_, rows, run.grad_scale, nullptr, accumulate);
   rec.record(StepEvent::kLoss, micro);
@@ -450,9 +457,33 @@ void DataParallelStep::apply_update(float lr) {
 
 // 7b. Sharded: every rank's updated shard to every rank (unchanged shards when
 // the verdict refused the update: every rank issues the same collectives).
+// Where the transport fences device work, layer by layer in forward order, each
+// fenced and left in flight: the next forward waits for each layer just before
+// it, so it starts once layer 0 arrived. Otherwise at once, completed here.
 void DataParallelStep::gather_parameters(Run& run) {
-  all_gather_in_tail(run, model_->params(), shard_sizes_);
-  model_->backend().parameters_changed();  // written by the communicator, not the backend
+  MLP& m = *model_;
+  if (!gathers_by_layer(run)) {
+    all_gather_in_tail(run, m.params(), shard_sizes_);
+    m.backend().parameters_changed();  // written by the communicator, not the backend
+    return;
+  }
+  for (int l = 0; l < m.num_layers(); ++l) {
+    const size_t first = m.weight_offset(l), count = m.layer_end(l) - first;
+    comm_->all_gather_async(m.params() + first, layer_parts_[static_cast<size_t>(l)]);
+    comm_->fence(static_cast<size_t>(l));
+    m.backend().parameters_changed(first, count);
+  }
+  std::shared_ptr<Communicator> comm = comm_;  // not the step: the model may outlive it
+  m.defer_parameter_writes([comm](int layer) {
+    if (layer < 0)
+      comm->complete_all();
+    else
+      comm->wait_fence(static_cast<size_t>(layer));
+  });
+}
+
+bool DataParallelStep::gathers_by_layer(const Run& run) const {
+  return overlap_ && comm_->fences_device_work() && !graphs_enabled_ && !options_.timed && !run.rec.traced();
 }
 
 void DataParallelStep::all_gather_in_tail(Run& run, float* data, const std::vector<size_t>& parts) {
@@ -584,6 +615,16 @@ void DataParallelStep::plan_shards() {
     }
     bucket_parts_.push_back(std::move(parts));
   }
+  layer_parts_.clear();
+  for (int l = 0; l < model_->num_layers(); ++l) {  // each layer's parameters cut by owner
+    const size_t begin = model_->weight_offset(l), end = model_->layer_end(l);
+    std::vector<size_t> parts(ranks, 0);
+    for (size_t r = 0; r < ranks; ++r) {
+      const size_t lo = std::max(begin, bound[r]), hi = std::min(end, bound[r + 1]);
+      parts[r] = hi > lo ? hi - lo : 0;
+    }
+    layer_parts_.push_back(std::move(parts));
+  }
   optimizer_->restrict_to(shard_offset_, shard_size_);
   shard_sums_ = BackendArray<float>(&model_->backend(), size_t(kShardSums) * ranks);
   shard_sums_parts_.assign(ranks, size_t(kShardSums));
@@ -616,6 +657,7 @@ void DataParallelStep::set_optimizer_state(const std::string& name, const float*
 }
 
 void DataParallelStep::broadcast_parameters(int root) {
+  model_->await_parameters();
   comm_->broadcast(model_->params(), model_->num_params(), root);
   model_->backend().parameters_changed();  // written by the communicator, not the backend
 }

@@ -1,7 +1,8 @@
 // One data-parallel training step, top to bottom (train_step.cpp): stage this
 // rank's shard, forward, loss, backward with bucketed gradient allreduce (after
 // K-1 local micro-batches when accumulating), health check, clip, update; with
-// a sharded optimizer, reduce-scatter, the shard's update, then all-gather.
+// a sharded optimizer, reduce-scatter, the shard's update, then all-gather
+// (with NCCL layer by layer, each waited for by the next forward).
 // Exact averaging: every rank scales its per-sample gradient sum by
 // 1/global_batch, so the allreduced sum is the mean over the global batch
 // however unevenly it is split.
@@ -93,8 +94,10 @@ struct StepOptions {
   // A sharded optimizer (ZeRO stage 1) on more than one rank: each rank owns a
   // contiguous shard of the parameters (balanced by elements), keeps optimizer
   // state for it only and updates it; buckets are reduce-scattered instead of
-  // allreduced and the updated shards all-gathered at the step's end. Equals
-  // the unsharded step within float rounding. No effect on one rank.
+  // allreduced and the updated shards all-gathered at the step's end (with NCCL,
+  // layer by layer, each waited for by the next step's forward just before
+  // that layer: see MLP::defer_parameter_writes). Equals the unsharded step
+  // within float rounding. No effect on one rank.
   bool shard_optimizer = false;
 };
 
@@ -222,6 +225,7 @@ class DataParallelStep {
   void decide(Run& run);
   void apply_update(float lr);
   void gather_parameters(Run& run);
+  bool gathers_by_layer(const Run& run) const;  // 7b fenced layer by layer, waited for by the next forward
   void plan_shards();  // StepOptions::shard_optimizer on more than one rank: the shards and each bucket's parts
   // A collective of the step's tail over backend memory (all-gather): queued
   // and waited for where buckets are (the device then waits, not the host), else blocking.
@@ -257,6 +261,7 @@ class DataParallelStep {
   std::vector<size_t> shard_sizes_;                // parameters owned by each rank (sharded)
   size_t shard_offset_ = 0, shard_size_ = 0;       // this rank's shard
   std::vector<std::vector<size_t>> bucket_parts_;  // each bucket's parameters cut by owner (sharded)
+  std::vector<std::vector<size_t>> layer_parts_;   // each layer's parameters cut by owner (sharded)
   BackendArray<float> shard_sums_;                 // every rank's health-check share (kShardSums each)
   std::vector<size_t> shard_sums_parts_;           // kShardSums a rank: the shares' all-gather
   BackendArray<uint16_t> half_grads_;              // grad_dtype's copy of the parameters' gradients (compression)

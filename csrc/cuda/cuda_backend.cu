@@ -156,7 +156,7 @@ void CudaBackend::free_bytes(void* ptr) noexcept {
     master_n_ = 0;
     if (master_half_) cudaFreeAsync(master_half_, stream_);
     master_half_ = nullptr;
-    master_half_fresh_ = false;
+    master_half_stale_.clear();
   }
   free_half_operands(ptr);  // before the memory is reused
   // After everything queued on the compute stream; a collective on the array
@@ -555,7 +555,7 @@ void CudaBackend::set_master_weights(const float* params, size_t n) {
 }
 
 void CudaBackend::size_master_half() {
-  master_half_fresh_ = false;
+  stale_master_half(0, master_n_);
   const bool half = precision_ == Precision::kBF16 || precision_ == Precision::kFP16;
   if (half && !master_half_ && master_n_) {
     master_half_ = allocate_half(master_n_, "half weights");
@@ -567,32 +567,63 @@ void CudaBackend::size_master_half() {
 
 const void* CudaBackend::master_half_view(const float* src, size_t n) {
   if (!master_half_ || src < master_ || src + n > master_ + master_n_) return nullptr;
-  refresh_master_half();
+  refresh_master_half(static_cast<size_t>(src - master_), n);
   return static_cast<const uint16_t*>(master_half_) + (src - master_);
 }
 
-void CudaBackend::refresh_master_half() {
-  if (!master_half_ || master_half_fresh_) return;
-  MGPU_CHECK(!captures_.capturing(), DeviceError,
-             "stale half weights during a capture (the parameters "
-             "changed after begin_capture)");
-  cast_half(master_half_, master_, master_n_);
-  master_half_fresh_ = true;
+void CudaBackend::refresh_master_half(size_t first, size_t count) {
+  if (!master_half_ || master_half_stale_.empty()) return;
+  const size_t end = first + std::min(count, master_n_ - first);
+  std::vector<std::pair<size_t, size_t>> still;
+  for (const auto& [lo, hi] : master_half_stale_) {
+    const size_t a = std::max(lo, first), b = std::min(hi, end);
+    if (a >= b) {
+      still.emplace_back(lo, hi);
+      continue;
+    }
+    MGPU_CHECK(!captures_.capturing(), DeviceError,
+               "stale half weights during a capture (the parameters "
+               "changed after begin_capture)");
+    cast_half(static_cast<uint16_t*>(master_half_) + a, master_ + a, b - a);
+    if (lo < a) still.emplace_back(lo, a);
+    if (b < hi) still.emplace_back(b, hi);
+  }
+  master_half_stale_.swap(still);
+}
+
+void CudaBackend::stale_master_half(size_t first, size_t count) {
+  if (first >= master_n_ || count == 0) return;
+  size_t lo = first, hi = first + std::min(count, master_n_ - first);
+  std::vector<std::pair<size_t, size_t>> merged;
+  for (const auto& range : master_half_stale_) {
+    if (range.second < lo || range.first > hi) {  // apart (touching ranges merge)
+      merged.push_back(range);
+    } else {
+      lo = std::min(lo, range.first);
+      hi = std::max(hi, range.second);
+    }
+  }
+  merged.emplace_back(lo, hi);
+  std::sort(merged.begin(), merged.end());
+  master_half_stale_.swap(merged);
 }
 
 void CudaBackend::writes(const void* dst, size_t bytes) {
   stale_half_operands(dst, bytes);
   const char* d = static_cast<const char*>(dst);
   const char* m = reinterpret_cast<const char*>(master_);
-  if (master_ && d < m + master_n_ * sizeof(float) && m < d + bytes) master_half_fresh_ = false;
+  if (master_ && d < m + master_n_ * sizeof(float) && m < d + bytes) {
+    const size_t first = d > m ? static_cast<size_t>(d - m) / sizeof(float) : 0;
+    const size_t end = std::min(master_n_, static_cast<size_t>(d + bytes - m + sizeof(float) - 1) / sizeof(float));
+    stale_master_half(first, end - first);
+  }
 }
 
 kernels::HalfShadow CudaBackend::shadow_for_update(const float* param, size_t n) {
   if (master_half_ && param == master_ && n == master_n_) {
     // A verdict may refuse the update, which then writes nothing: the copy must
     // be current before it (a rank without rows ran no forward to refresh it).
-    refresh_master_half();
-    master_half_fresh_ = true;  // the update writes every value of the copy as it writes the parameter
+    refresh_master_half();  // the update writes every value of the copy as it writes the parameter
     return kernels::HalfShadow{master_half_, precision_ == Precision::kBF16};
   }
   writes(param, n * sizeof(float));

@@ -104,7 +104,7 @@ class CudaBackend final : public Backend {
   void set_precision(Precision precision) override;
   Precision precision() const override { return precision_; }
   void set_master_weights(const float* params, size_t n) override;
-  void parameters_changed() override { master_half_fresh_ = false; }
+  void parameters_changed(size_t offset, size_t count) override { stale_master_half(offset, count); }
 
   // CUDA graphs of the backend's stream (see Backend): instantiated once,
   // replayed with their ReplayArgs stored to replay_dev_ ahead of each launch.
@@ -174,9 +174,12 @@ class CudaBackend final : public Backend {
   // update has written it since the parameters last changed.
   void size_master_half();                                   // allocate or free it for the precision
   const void* master_half_view(const float* src, size_t n);  // src's part of it, or null
-  void refresh_master_half();                                // cast when stale (never inside a capture)
-  void writes(const void* dst, size_t bytes);                // the half copies of what dst overlaps go stale
-  void drained() { staging_used_ = 0; }                      // the stream ran dry: its staged copies are done
+  // Values [first, first + count) of it cast anew where stale (never inside a capture), or all of them.
+  void refresh_master_half(size_t first, size_t count);
+  void refresh_master_half() { refresh_master_half(0, master_n_); }
+  void stale_master_half(size_t first, size_t count);  // clipped to master_n_
+  void writes(const void* dst, size_t bytes);          // the half copies of what dst overlaps go stale
+  void drained() { staging_used_ = 0; }                // the stream ran dry: its staged copies are done
   char* pinned_slot(char*& area, size_t& capacity, std::vector<char*>& outgrown, size_t used, size_t need,
                     const char* what);
   uint64_t record_mark(cudaStream_t stream);
@@ -203,7 +206,10 @@ class CudaBackend final : public Backend {
   const float* master_ = nullptr;     // the model's parameters (master_n_ floats)
   size_t master_n_ = 0;
   void* master_half_ = nullptr;  // master_n_ two-byte values of the precision
-  bool master_half_fresh_ = false;
+  // Ranges [first, end) of it older than the parameters, disjoint and in order: a
+  // sharded step's gather makes each layer's stale, and its forward refreshes each
+  // layer's only once that layer arrived.
+  std::vector<std::pair<size_t, size_t>> master_half_stale_;
   // Pinned staging of stage_to_backend: filled from the start after each point
   // where the stream has run dry (a synchronisation), so a region is never
   // rewritten under a pending copy; a chunk outgrown while copies may be pending

@@ -133,8 +133,10 @@ struct NcclCommunicator::Impl {
   cudaEvent_t timing_origin = nullptr;
   std::vector<cudaEvent_t> timing_events;  // pool: grows, reused step to step
   size_t groups_timed = 0;
-  std::vector<double> queued_at;  // host seconds since the origin, per queued collective
-  std::vector<size_t> group_of;   // per launched collective: its group's event
+  std::vector<double> queued_at;          // host seconds since the origin, per queued collective
+  std::vector<cudaEvent_t> fence_events;  // fence(slot)'s marks on the communication stream
+  std::vector<bool> fence_set;            // whether fence(slot) was ever called
+  std::vector<size_t> group_of;           // per launched collective: its group's event
 
   // The watchdog thread (watch()) shares this state: `m` guards the comm, the
   // broken/failure state and the watch. Public methods hold it while they use
@@ -176,6 +178,7 @@ struct NcclCommunicator::Impl {
     if (comm_done) cudaEventDestroy(comm_done);
     if (timing_origin) cudaEventDestroy(timing_origin);
     for (cudaEvent_t e : timing_events) cudaEventDestroy(e);
+    for (cudaEvent_t e : fence_events) cudaEventDestroy(e);
     if (comm_stream) cudaStreamDestroy(comm_stream);
     if (failed_flag) cudaFreeHost(failed_flag);
     cudaGetLastError();
@@ -780,6 +783,48 @@ void NcclCommunicator::wait_all() {
   MGPU_CUDA_CHECK(cudaStreamWaitEvent(s.compute, s.comm_done, 0));
   s.outstanding = false;
   s.watch(timeout_seconds_);
+}
+
+void NcclCommunicator::fence(size_t slot) {
+  Impl& s = *impl_;
+  std::lock_guard<std::mutex> lock(s.m);
+  s.ensure_usable();
+  s.activate();
+  s.flush(timeout_seconds_);
+  while (s.fence_events.size() <= slot) {
+    s.fence_events.push_back(nullptr);
+    s.fence_set.push_back(false);
+    MGPU_CUDA_CHECK(cudaEventCreateWithFlags(&s.fence_events.back(), cudaEventDisableTiming));
+  }
+  MGPU_CUDA_CHECK(cudaEventRecord(s.fence_events[slot], s.comm_stream));
+  s.fence_set[slot] = true;
+}
+
+void NcclCommunicator::wait_fence(size_t slot) {
+  Impl& s = *impl_;
+  std::lock_guard<std::mutex> lock(s.m);
+  s.ensure_usable();
+  MGPU_CHECK(slot < s.fence_set.size() && s.fence_set[slot], ConfigError, "fence ", slot,
+             " was never set on this communicator");
+  s.activate();
+  if (s.compute)
+    MGPU_CUDA_CHECK(cudaStreamWaitEvent(s.compute, s.fence_events[slot], 0));
+  else
+    MGPU_CUDA_CHECK(cudaEventSynchronize(s.fence_events[slot]));  // no backend attached: the host waits
+}
+
+void NcclCommunicator::complete_all() {
+  Impl& s = *impl_;
+  {
+    std::lock_guard<std::mutex> lock(s.m);
+    if (s.closed) return;  // close() completed everything
+    s.ensure_usable();
+    s.activate();
+    s.wait_launched(timeout_seconds_, /*host_wait=*/true);  // what no wait_all() covered yet: this thread's deadline
+  }
+  // What an earlier wait_all() handed to the watchdog ends done, or aborted by it (m not held: it takes m).
+  if (s.comm_done) MGPU_CUDA_CHECK(cudaEventSynchronize(s.comm_done));
+  raise_if_failed();
 }
 
 void NcclCommunicator::start_collective_timing() {

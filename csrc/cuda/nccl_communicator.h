@@ -68,6 +68,11 @@ class NcclCommunicator final : public Communicator {
   void all_gather(float* data, const std::vector<size_t>& parts) override;
   void reduce_scatter_sum_async(float* data, const std::vector<size_t>& parts) override;
   void all_gather_async(float* data, const std::vector<size_t>& parts) override;
+  // Fences are events on the communication stream the compute stream waits on.
+  bool fences_device_work() const override { return true; }
+  void fence(size_t slot) override;
+  void wait_fence(size_t slot) override;
+  void complete_all() override;
   bool progresses_independently() const override { return true; }
   bool accepts_device_memory() const override { return true; }
   void progress() override;

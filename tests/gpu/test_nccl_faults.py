@@ -166,6 +166,47 @@ def test_an_injected_fault_at_a_reduce_scatter_between_processes_ends_it_within_
         assert re.search(r"NCCL reported an (asynchronous )?error: .*injected failure", said["1"]), said
 
 
+@pytest.mark.parametrize(
+    "group, said",
+    [
+        # Rank 1's gather of layer 1 after step 0 (groups: 1 the initial broadcast; a
+        # step's 5: its reduce-scatter, the health check's shares, a gather per layer):
+        # nothing waits for it on the host until step 1's collectives, whose watchdog
+        # names it. The last step's gather of layer 2: the parameters' read names it.
+        (5, r"collectives at step 1 on rank {r} \(GPU {r}\): did not complete within 2 s"),
+        (21, r"all-gather at step 3 on rank {r} \(GPU {r}\): did not complete within 2 s"),
+    ],
+)
+def test_a_parameter_gather_left_in_flight_that_hangs_is_named_within_the_timeout(
+    emulated_faults, monkeypatch, group, said
+):
+    # A sharded step on NCCL leaves its parameters' gathers in flight for the next forward.
+    monkeypatch.setenv("MGPU_EMULATE_NCCL_FAULT", f"1:{group}:hang")
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((64, 20)).astype(np.float32)
+    y = rng.standard_normal((64, 3)).astype(np.float32)
+    errors = {}
+
+    def train(tg):
+        model = MLP([20, 64, 64, 3], device="cuda", device_index=tg.rank, seed=1)
+        trainer = Trainer(model, process_group=tg, graph="off", shard_optimizer=True, timeout=2)
+        rows = slice(32 * tg.rank, 32 * tg.rank + 32)
+        t0 = time.monotonic()
+        try:
+            for _ in range(4):
+                trainer.step(x[rows], y[rows], global_batch=64, first_sample=32 * tg.rank)
+            model.get_parameters()
+        except _core.CommError as e:
+            errors[tg.rank] = (str(e), time.monotonic() - t0)
+
+    run_on_gpus(train, gpus=2)
+    for rank in (0, 1):
+        text, elapsed = errors[rank]
+        assert re.search(gpu_named(said.format(r=rank)), text) and elapsed < 10, (text, elapsed)
+    errors.clear()
+    gc.collect()
+
+
 def train_two_threads(
     layers, steps, errors_per_thread, before_step=lambda rank, step: None, params=None, **trainer_args
 ):

@@ -160,3 +160,49 @@ def test_a_traced_sharded_step_on_two_gpus_stamps_its_reduce_scatters(gpu):
         assert buckets > 1 and len(stamps) == buckets
         assert all(0 <= launch <= done for launch, done in stamps), stamps
         assert names.index("reduce-scatter wait") < names.index("optimizer") < names.index("all-gather")
+
+
+def train_with_reads_between_steps(shard, graph="off", steps=6, precision="fp32"):
+    """Per rank: (whether the parameters were still being gathered after each step,
+    the model's outputs read between steps, the final parameters). Between steps
+    the run reads the model (an evaluation-mode forward, the parameters, written
+    back) and traces one step."""
+    data = batches(steps, LAYERS)
+
+    def run(pg):
+        model = mgpu.MLP(LAYERS, seed=2, device="cuda", device_index=pg.local_rank, precision=precision)
+        trainer = mgpu.Trainer(model, optimizer="adamw", lr=1e-2, process_group=pg, graph=graph, shard_optimizer=shard)
+        part = slice(16 * pg.rank, 16 * (pg.rank + 1))
+        deferred, outputs = [], []
+        for t, (x, y) in enumerate(data):
+            trainer.step(x[part], y[part], global_batch=BATCH, first_sample=part.start, trace=t == 4)
+            deferred.append(model._core.parameters_deferred)
+            if t == 1:
+                outputs.append(model.forward(x))
+            if t == 3:
+                model.set_parameters(model.get_parameters())
+            assert t in (1, 3) or deferred[-1] == model._core.parameters_deferred
+        return deferred, outputs, np.concatenate([a.ravel() for a in model.get_parameters()])
+
+    return mgpu.run_on_gpus(run, gpus=2)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_the_parameters_are_gathered_into_the_next_forward_layer_by_layer(gpu, precision):
+    # With NCCL a sharded step leaves its parameters' all-gathers in flight, one per layer,
+    # and the next forward waits for each layer just before it (bf16: each layer's half
+    # copy cast once it arrived); anything else that reads or writes the parameters, and
+    # a traced step, waits for all of them. The emulation's happens-before checker fails
+    # the test on any access that does not wait; the results are the unsharded run's.
+    needs_two_gpus()
+    sharded = train_with_reads_between_steps(True, precision=precision)
+    plain = train_with_reads_between_steps(False, precision=precision)
+    captured = train_with_reads_between_steps(True, graph="on", precision=precision)
+    for (deferred, outputs, p), (plain_deferred, plain_outputs, q), (graph_deferred, *_) in zip(
+        sharded, plain, captured
+    ):
+        assert deferred == [True, True, True, True, False, True]  # the traced step gathers at once
+        assert not any(plain_deferred) and not any(graph_deferred)  # graphs replay whole: gathered at once
+        assert rel_err(p, q) < 1e-6
+        np.testing.assert_allclose(outputs[0], plain_outputs[0], rtol=1e-5, atol=1e-6)
+    assert np.array_equal(sharded[0][2], sharded[1][2])

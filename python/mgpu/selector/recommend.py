@@ -39,9 +39,11 @@ def _as_dict(rec) -> dict:
             "overhead_ms": c.overhead_s * 1e3,
             "allreduce_ms": c.comm_s * 1e3,
             "exposed_allreduce_ms": c.exposed_comm_s * 1e3,
-            # sharded: allreduce_ms is the reduce-scatters and the all-gathers, these last exposed
+            # sharded: allreduce_ms is the reduce-scatters and the all-gathers (the parameters' partly
+            # hidden behind the next forward on GPUs)
             "shard_optimizer": c.sharded,
             "all_gather_ms": c.gather_s * 1e3,
+            "all_gather_exposed_ms": c.gather_exposed_s * 1e3,
             "optimizer_state_bytes": c.optimizer_state_bytes,
             "timing_spread_ms": c.timing_spread_s * 1e3,
             # central 80 % intervals (the profile's error bands and the timing spread)
