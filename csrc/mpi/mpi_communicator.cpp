@@ -142,6 +142,7 @@ MpiCommunicator::~MpiCommunicator() {
     {
       std::lock_guard<std::mutex> lock(worker_state_->m);
       worker_state_->stop = true;
+      worker_state_->drop = broken_ || finalized;  // else what is queued still runs, as pending_ is waited for below
     }
     worker_state_->work_cv.notify_all();
     if (broken_)
@@ -358,6 +359,7 @@ void MpiCommunicator::run(const Job& job) {
     run_on_worker(job);
     return;
   }
+  if (thread_multiple_) drain_worker();  // comm_'s collectives in the order they were issued
   if (timeout_seconds_ <= 0.0) {
     check(run_blocking(job, comm_, rank_, size_, next_arrays(), window_), blocking_call(job.kind));
     return;
@@ -433,61 +435,100 @@ void MpiCommunicator::start(const Job& job, std::vector<MPI_Request>& requests) 
 void MpiCommunicator::worker_loop(std::shared_ptr<Worker> w, MPI_Comm comm, int rank, int size) {
   std::unique_lock<std::mutex> lock(w->m);
   for (;;) {
-    w->work_cv.wait(lock, [&] { return w->pending || w->stop; });
-    if (w->stop) return;
-    w->pending = false;
-    const Job job = w->job;
+    w->work_cv.wait(lock, [&] { return !w->queue.empty() || w->stop; });
+    if (w->stop && (w->drop || w->queue.empty())) return;
+    Worker::Queued q = std::move(w->queue.front());
+    w->queue.pop_front();
+    w->running = q.job.kind;
+    q.job.parts = q.parts.empty() ? nullptr : q.parts.data();
     lock.unlock();
-    const int rc = run_blocking(job, comm, rank, size, w->arrays, w->window);
+    const int rc = run_blocking(q.job, comm, rank, size, w->arrays, w->window);
+    const double done = now_seconds();
     lock.lock();
-    w->rc = rc;
-    w->done = true;
+    if (rc != MPI_SUCCESS && w->rc == MPI_SUCCESS) {
+      w->rc = rc;
+      w->failed = q.job.kind;
+    }
+    if (q.stamp >= 0) w->stamps.emplace_back(q.stamp, done);
+    ++w->finished;
     lock.unlock();
     w->done_cv.notify_one();
     lock.lock();
   }
 }
 
-void MpiCommunicator::run_on_worker(const Job& job) {
+uint64_t MpiCommunicator::submit(const Job& job, int stamp) {
   Worker& w = *worker_state_;
   std::unique_lock<std::mutex> lock(w.m);
   if (!worker_.joinable()) worker_ = std::thread(worker_loop, worker_state_, comm_, rank_, size_);
-  w.job = job;
-  if (job.parts) {  // the worker's own copy: after a timeout it may outlive the caller's
-    w.parts.assign(job.parts, job.parts + size_);
-    w.job.parts = w.parts.data();
-  }
-  w.done = false;
-  w.pending = true;
+  Worker::Queued q;
+  q.job = job;
+  if (job.parts) q.parts.assign(job.parts, job.parts + size_);  // the caller's may go before the worker runs it
+  q.stamp = stamp;
+  w.queue.push_back(std::move(q));
+  const uint64_t ticket = ++w.submitted;
   lock.unlock();
   w.work_cv.notify_one();
-  lock.lock();
-  // Blocked, not spinning: the worker (and a peer rank on the same cores) needs the CPU.
-  const double beat_interval = std::min(1.0, timeout_seconds_ / 4);
-  const double deadline = now_seconds() + timeout_seconds_;
-  while (!w.done) {
-    const double now = now_seconds();
-    if (now > deadline) {
-      lock.unlock();
-      fail_timeout(words(job.kind), 2.5 * beat_interval);
-    }
-    const double wake = std::min(deadline, now + beat_interval);
-    w.done_cv.wait_for(lock, std::chrono::duration<double>(wake - now), [&] { return w.done; });
-    if (!w.done) {  // still waiting: tell the peers this rank is alive, read theirs
-      lock.unlock();
-      send_heartbeat();
-      drain_heartbeats();
-      lock.lock();
+  return ticket;
+}
+
+void MpiCommunicator::run_on_worker(const Job& job) { wait_worker(submit(job, -1)); }
+
+bool MpiCommunicator::worker_busy() {
+  std::lock_guard<std::mutex> lock(worker_state_->m);
+  return worker_state_->finished < worker_state_->submitted;
+}
+
+void MpiCommunicator::drain_worker() {
+  uint64_t submitted = 0;
+  {
+    std::lock_guard<std::mutex> lock(worker_state_->m);
+    submitted = worker_state_->submitted;
+  }
+  wait_worker(submitted);
+}
+
+void MpiCommunicator::wait_worker(uint64_t ticket) {
+  Worker& w = *worker_state_;
+  std::unique_lock<std::mutex> lock(w.m);
+  if (timeout_seconds_ <= 0.0) {
+    w.done_cv.wait(lock, [&] { return w.finished >= ticket; });
+  } else {
+    // Blocked, not spinning: the worker (and a peer rank on the same cores) needs the CPU.
+    const double beat_interval = std::min(1.0, timeout_seconds_ / 4);
+    const double deadline = now_seconds() + timeout_seconds_;
+    while (w.finished < ticket) {
+      const double now = now_seconds();
+      if (now > deadline) {
+        const Kind open = w.running;
+        lock.unlock();
+        fail_timeout(words(open), 2.5 * beat_interval);
+      }
+      const double wake = std::min(deadline, now + beat_interval);
+      w.done_cv.wait_for(lock, std::chrono::duration<double>(wake - now), [&] { return w.finished >= ticket; });
+      if (w.finished < ticket) {  // still waiting: tell the peers this rank is alive, read theirs
+        lock.unlock();
+        send_heartbeat();
+        drain_heartbeats();
+        lock.lock();
+      }
     }
   }
+  for (const auto& [stamp, done] : w.stamps)
+    if (timing_ && stamp < static_cast<int>(timed_.size()))
+      timed_[static_cast<size_t>(stamp)].second = done - timing_start_;
+  w.stamps.clear();
   const int rc = w.rc;
+  const Kind failed = w.failed;
+  w.rc = MPI_SUCCESS;
   lock.unlock();
-  check(rc, blocking_call(job.kind));
+  check(rc, blocking_call(failed));
 }
 
 void MpiCommunicator::broadcast(float* data, size_t count, int root) {
   ensure_usable();
   MGPU_CHECK(root >= 0 && root < size_, CommError, "broadcast root ", root, " outside [0, ", size_, ")");
+  if (thread_multiple_) drain_worker();
   std::vector<MPI_Request> requests;
   for_each_chunk(count, kMaxChunk, [&](size_t done, int n) {
     if (timeout_seconds_ <= 0.0) {
@@ -502,6 +543,7 @@ void MpiCommunicator::broadcast(float* data, size_t count, int root) {
 
 void MpiCommunicator::barrier() {
   ensure_usable();
+  if (thread_multiple_) drain_worker();
   if (timeout_seconds_ <= 0.0) {
     check(MPI_Barrier(comm_), "MPI_Barrier");
     return;
@@ -525,6 +567,16 @@ void MpiCommunicator::all_gather_async(float* data, const std::vector<size_t>& p
 
 void MpiCommunicator::launch(const Job& job) {
   ensure_usable();
+  if (thread_multiple_) {
+    int stamp = -1;
+    if (timing_) {
+      const double now = now_seconds() - timing_start_;
+      timed_.emplace_back(now, job.count ? -1.0 : now);  // nothing to move: done when launched
+      stamp = static_cast<int>(timed_.size()) - 1;
+    }
+    if (job.count) submit(job, stamp);
+    return;
+  }
   const bool stamp = stamping();
   if (stamp) timed_.emplace_back(now_seconds() - timing_start_, -1.0);
   const size_t before = pending_.size();
@@ -537,7 +589,8 @@ void MpiCommunicator::launch(const Job& job) {
 }
 
 void MpiCommunicator::start_collective_timing() {
-  timing_ = pending_.empty();  // requests launched before would have no stamp: then none
+  // collectives launched before would have no stamp: then none
+  timing_ = pending_.empty() && !(thread_multiple_ && worker_busy());
   timing_start_ = now_seconds();
   timed_.clear();
   open_requests_.clear();
@@ -555,7 +608,7 @@ std::vector<std::pair<double, double>> MpiCommunicator::collective_times() {
 }
 
 void MpiCommunicator::progress() {
-  if (pending_.empty() || broken_) return;
+  if (pending_.empty() || broken_) return;  // (the worker's queue needs no help)
   if (stamping()) {
     if (test_stamped(/*block=*/false)) clear_pending();
     return;
@@ -568,6 +621,7 @@ void MpiCommunicator::progress() {
 
 void MpiCommunicator::wait_all() {
   ensure_usable();
+  if (thread_multiple_) drain_worker();
   wait(pending_, nullptr);
 }
 

@@ -2,19 +2,21 @@
 // our collectives never match a user's). Host memory only: the CPU backend's
 // buffers, or host-staged GPU gradients.
 //
-// Fault detection: with a timeout set, every collective is non-blocking and
-// waited on against a deadline, so a dead or stopped peer ends the wait with a
-// CommError instead of a hang. Heartbeats on a second duplicate tell who is
-// missing: at each step every rank sends its step sequence number to the ranks
-// it watches (everyone in small worlds; rank 0 and back in large ones), and
-// repeats it while it waits in a collective. A peer that has not sent this
-// step's number has not reached the step; one that sent it but went silent
-// while the others wait is frozen or dead inside the collective.
+// Fault detection: with a timeout set, every collective runs on a worker thread
+// (MPI_THREAD_MULTIPLE) or is non-blocking, and is waited on against a
+// deadline, so a dead or stopped peer ends the wait with a CommError instead of
+// a hang. Heartbeats on a second duplicate tell who is missing: at each step
+// every rank sends its step sequence number to the ranks it watches (everyone
+// in small worlds; rank 0 and back in large ones), and repeats it while it
+// waits in a collective. A peer that has not sent this step's number has not
+// reached the step; one that sent it but went silent while the others wait is
+// frozen or dead inside the collective.
 #pragma once
 #include <mpi.h>
 
 #include <condition_variable>
 #include <cstdint>
+#include <deque>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -44,7 +46,11 @@ class MpiCommunicator final : public Communicator {
   void progress() override;
   void wait_all() override;
   void begin_step(uint64_t step) override;
-  // Each async collective is stamped done when a test or wait here sees its last
+  // With MPI_THREAD_MULTIPLE the async forms are queued to the worker thread,
+  // which runs them in order with the blocking calls (OpenMPI's non-blocking
+  // collectives, libnbc, progress only when tested and run several times
+  // slower: docs/journal.md); each is stamped done when the worker finishes it.
+  // Without it, each is stamped done when a test or wait here sees its last
   // request complete (MPI progresses only in such calls: that is when it ends).
   void start_collective_timing() override;
   std::vector<std::pair<double, double>> collective_times() override;
@@ -74,9 +80,18 @@ class MpiCommunicator final : public Communicator {
   // run under a deadline: the blocking MPI call runs on worker_ while this thread
   // waits for it against the deadline, sending heartbeats. OpenMPI's
   // MPI_Iallreduce (libnbc) is several times slower than MPI_Allreduce at gradient
-  // sizes, tested in a loop or waited on (docs/journal.md). Needs MPI_THREAD_MULTIPLE;
-  // the caller waits, so comm_ never sees two collectives at once.
+  // sizes, tested in a loop or waited on (docs/journal.md). Needs MPI_THREAD_MULTIPLE.
+  // comm_ never sees two collectives at once: the worker runs its queue in order,
+  // and this thread's own calls on comm_ wait for the queue first (drain_worker).
   void run_on_worker(const Job& job);
+  // Hands the job (a copy of its parts) to the worker; returns its ticket.
+  // stamp: its index in timed_, or -1.
+  uint64_t submit(const Job& job, int stamp);
+  // Waits until the worker finished every job up to `ticket`, against the
+  // deadline with heartbeats; throws the first failure since the last wait.
+  void wait_worker(uint64_t ticket);
+  void drain_worker();  // wait_worker for everything submitted
+  bool worker_busy();   // jobs submitted and not yet finished
   // The job's blocking MPI calls; returns the first error code. `arrays`: scratch
   // for an all-gather's counts and displacements; `window`: a ring's receive buffer.
   static int run_blocking(const Job& job, MPI_Comm comm, int rank, int size, std::vector<int>& arrays,
@@ -144,12 +159,20 @@ class MpiCommunicator final : public Communicator {
     // notifier still holds m would only block on it again (two context
     // switches a bucket instead of one, on cores the allreduce needs).
     std::condition_variable work_cv, done_cv;
-    Job job;  // guarded by m; job.parts points into parts
-    std::vector<size_t> parts;
-    std::vector<int> arrays;    // the all-gather's counts and displacements
-    std::vector<float> window;  // the reduce-scatter's ring window
-    bool pending = false, done = false, stop = false;
-    int rc = MPI_SUCCESS;
+    struct Queued {
+      Job job;  // job.parts points into parts once the worker takes it
+      std::vector<size_t> parts;
+      int stamp = -1;  // index in timed_, or -1
+    };
+    std::deque<Queued> queue;  // guarded by m: submitted, not yet started, in order
+    uint64_t submitted = 0, finished = 0;
+    Kind running = Kind::kAllreduce;             // the job started last (while finished < submitted)
+    std::vector<std::pair<int, double>> stamps;  // (stamp, steady seconds) of finished stamped jobs
+    std::vector<int> arrays;                     // the all-gather's counts and displacements
+    std::vector<float> window;                   // the reduce-scatter's ring window
+    bool stop = false, drop = false;             // stop once the queue is empty, or at once (drop)
+    int rc = MPI_SUCCESS;                        // the first failure since the last wait, and its job's kind
+    Kind failed = Kind::kAllreduce;
   };
   std::shared_ptr<Worker> worker_state_ = std::make_shared<Worker>();
   std::thread worker_;  // started on first use

@@ -1,7 +1,8 @@
 """A sharded optimizer's collectives on the MPI communicator (reduce_scatter_sum,
 all_gather, their async forms) against numpy, exactly, at any world size: blocking,
 under a timeout (the worker thread with MPI_THREAD_MULTIPLE, non-blocking calls
-without it), and stamped for collective timing. Run under mpirun with the rest of
+without it), queued (to the worker thread, or non-blocking calls), and stamped for
+collective timing. Run under mpirun with the rest of
 tests/distributed (tests/test_launch.py), and on its own it launches itself at 1, 2
 and 3 ranks, and at 2 and 3 ranks without MPI_THREAD_MULTIPLE
 (MGPU_TEST_THREAD_LEVEL=serialized). Parts larger than one MPI chunk are not tested:
@@ -108,7 +109,35 @@ def test_queued_collectives_of_every_kind_complete_in_one_wait(timeout):
     assert np.array_equal(ag, np.repeat(np.arange(SIZE, dtype=np.float32), parts))
 
 
-@pytest.mark.parametrize("timeout", [0.0, 30.0])  # MPI_Waitsome, or tests against a deadline
+@pytest.mark.parametrize("timeout", [0.0, 30.0])
+def test_blocking_collectives_wait_for_the_queued_ones(timeout):
+    # With MPI_THREAD_MULTIPLE the queued collectives run on the worker thread; a blocking
+    # one issued meanwhile on this thread must not overtake them (every rank must see one order).
+    comm = communicator(timeout)
+    parts = [3 + 7 * r for r in range(SIZE)]
+    rs, total = inputs(parts)
+    a = np.full(1000, RANK + 1, np.float32)
+    b = np.full(500, RANK, np.float32)
+    ag = np.full(sum(parts), np.nan, np.float32)
+    ag[own(parts)] = RANK
+    WORLD.Barrier()
+    comm.start_collective_timing()
+    comm.reduce_scatter_sum_async(rs, parts)
+    comm.allreduce_sum_async(a)
+    comm.broadcast(b, SIZE - 1)
+    if MPI.Query_thread() == MPI.THREAD_MULTIPLE:  # the worker's: both finished when the broadcast began
+        times = comm.collective_times()
+        assert len(times) == 2 and all(0 <= launch <= done for launch, done in times), times
+    comm.barrier()
+    comm.all_gather_async(ag, parts)
+    comm.allreduce_sum(np.zeros(10, np.float32))
+    comm.wait_all()
+    assert np.array_equal(rs[own(parts)], total[own(parts)])
+    assert np.all(a == SIZE * (SIZE + 1) / 2) and np.all(b == SIZE - 1)
+    assert np.array_equal(ag, np.repeat(np.arange(SIZE, dtype=np.float32), parts))
+
+
+@pytest.mark.parametrize("timeout", [0.0, 30.0])  # the worker's finish, MPI_Waitsome, or tests against a deadline
 def test_async_sharded_collectives_are_stamped_as_each_completes(timeout):
     # The last rank starts the all-gather 0.3 s after the reduce-scatter (progressing it
     # meanwhile): every rank stamps the reduce-scatter done well before the all-gather.
