@@ -14,6 +14,7 @@ import pytest
 
 from conftest import PYTHON, mpi_env, mpirun, run_cli
 from mgpu.hostinfo import placement_moved
+from mgpu.selector import profiles
 
 MGPU = [PYTHON, "-m", "mgpu"]
 
@@ -572,6 +573,7 @@ def test_a_wrong_calibration_warns_naming_the_phase(calibration, tmp_path):
             grid = dev[key]
             for table in [k for k in grid if k.startswith(("forward", "backward"))]:
                 grid[table] = [t / 5 for t in grid[table]]
+    profiles.price_held_out_steps(profile)  # that machine's file: its held-out steps priced by its tables
     # with that machine's own bands, wait spread and cores that stayed put (this quick
     # calibration's, on a busy machine, may be wide, and a placement seen moving widens the
     # 2-rank wait spread to the wait itself: either held a 5x miss inside the interval)

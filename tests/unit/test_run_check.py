@@ -336,6 +336,31 @@ def test_the_record_widens_its_calibrations_bands_and_no_other(tmp_path):
     assert r["record"]["inside"] == 1 and any("1 of 6 priced steps (17%)" in reason for reason in r["reasons"])
 
 
+def test_held_out_steps_priced_by_an_older_model_are_priced_anew_on_load(tmp_path):
+    # a calibration's bands compare its held-out steps with the model's predictions: after
+    # an mgpu whose model prices them differently, the bands must be this model's
+    profile = held_out_profile()
+    for check, layers in zip(profile["held_out_steps"], ([8, 64, 2], [16, 128, 4])):
+        check.update(layers=layers, batch=64, dropout=0.1)
+    assert profiles.price_held_out_steps(profile)  # the hand-written predictions were not the model's
+    current = [dict(c) for c in profile["held_out_steps"]]
+    assert not profiles.price_held_out_steps(profile)  # priced by this model: nothing moves
+    loaded = profiles.load_profile(write(tmp_path, profile))
+    assert loaded["error_model"] == profile["error_model"]  # as topo wrote it
+    for c in profile["held_out_steps"]:  # an older model's predictions
+        c["alone_predicted_s"] *= 2
+        c["together_predicted_s"] *= 0.5
+    loaded = profiles.load_profile(write(tmp_path, profile))
+    assert loaded["held_out_steps"] == current
+    expected = history.error_model({**profile, "held_out_steps": current})
+    assert loaded["error_model"]["compute"] == pytest.approx(expected["compute"])
+    assert loaded["error_model"]["comm"] == pytest.approx(expected["comm"])
+    assert loaded["error_model"]["source"].endswith("held-out steps re-priced by this mgpu's model")
+    # checks without their workload (hand-made, or from before topo kept it) stay as written
+    bare = held_out_profile()
+    assert not profiles.price_held_out_steps(bare) and bare == held_out_profile()
+
+
 def test_an_unwritable_record_leaves_the_run_alone(tmp_path):
     profile = held_out_profile()
     path = write(tmp_path, profile)

@@ -44,7 +44,6 @@ from ..selector.profiles import (
     PROFILE_VERSION,
     net_step_overheads,
 )
-from ..selector.workload import build_workload
 from ..train.config import TrainerConfig
 from ..train.data import local_slice
 from ..train.model import MLP
@@ -681,19 +680,6 @@ def measure_held_out_steps(pg, device: str, device_index: int, threads: int, qui
     return checks
 
 
-def price_held_out_steps(profile: dict, checks: list) -> None:
-    """Each held-out check's predictions from the profile it calibrated: its step alone and
-    (measured with several ranks) on every rank (history.error_model takes the bands)."""
-    hw = profiles.to_core({**profile, "error_model": None})
-    options = profiles.P.Options()
-    options.equal_shares = True
-    for c in checks:
-        w = build_workload(None, c["layers"], None, c["batch"], "fp32", "sgd", 4.0, c["dropout"])
-        c["alone_predicted_s"] = profiles.P.predict(w, hw, 1, options).step_s
-        if "together_s" in c:
-            c["together_predicted_s"] = profiles.P.predict(w, hw, len(profile["devices"]), options).step_s
-
-
 def _self_group():
     if _mpi_available():
         return ProcessGroup(comm=__import__("mpi4py.MPI", fromlist=["MPI"]).COMM_SELF)
@@ -840,7 +826,7 @@ def run_topo(
     net_step_overheads(profile)
     if held_out_first:
         profile["held_out_minutes_apart"] = (time.perf_counter() - started) / 60
-    price_held_out_steps(profile, held_out)
     profile["held_out_steps"] = held_out
+    profiles.price_held_out_steps(profile)
     profile["error_model"] = history.error_model(profile)
     return profile

@@ -429,13 +429,43 @@ def load_profile(path: str) -> dict:
         # would price that work twice in every step (on a GPU, most of the probe)
         net_step_overheads(profile)
     records = history.read(path, profile.get("created")) if profile.get("held_out_steps") else []
-    if records:  # this machine's runs since the calibration widen its bands (history.py)
-        try:
+    try:
+        # priced by the model that priced them at calibration, or (an mgpu since) anew
+        repriced = bool(profile.get("held_out_steps")) and price_held_out_steps(profile)
+        if records or repriced:  # this machine's runs since the calibration widen its bands (history.py)
             profile["error_model"] = history.error_model(profile, records)
-        except (ConfigError, KeyError, TypeError, ValueError, ZeroDivisionError) as e:
-            raise ConfigError(f"hardware profile '{path}' is malformed (held_out_steps: {e})") from None
+            if repriced:
+                profile["error_model"]["source"] += "; held-out steps re-priced by this mgpu's model"
+    except (ConfigError, KeyError, TypeError, ValueError, ZeroDivisionError) as e:
+        raise ConfigError(f"hardware profile '{path}' is malformed (held_out_steps: {e})") from None
+    if records:
         profile["record"] = history.summary(records)
     return profile
+
+
+HELD_OUT_WORKLOAD = ("layers", "batch", "dropout")  # what a held-out check keeps of the step it measured
+
+
+def price_held_out_steps(profile: dict) -> bool:
+    """Each held-out check's predictions by this mgpu's model from the profile it calibrated:
+    its step alone and (measured with several ranks) on every rank, as history.error_model
+    takes the bands. True when a prediction moved (a calibration priced by an older model);
+    checks without their workload (HELD_OUT_WORKLOAD) are left as they are."""
+    hw = to_core({**profile, "error_model": None})
+    options = P.Options()
+    options.equal_shares = True
+    moved = False
+    for c in profile["held_out_steps"]:
+        if not all(k in c for k in HELD_OUT_WORKLOAD):
+            continue
+        w = build_workload(None, c["layers"], None, c["batch"], "fp32", "sgd", 4.0, c["dropout"])
+        priced = {"alone_predicted_s": P.predict(w, hw, 1, options).step_s}
+        if "together_s" in c:
+            priced["together_predicted_s"] = P.predict(w, hw, len(profile["devices"]), options).step_s
+        for key, value in priced.items():
+            moved |= not math.isclose(c.get(key, math.nan), value, rel_tol=1e-9)
+            c[key] = value
+    return moved
 
 
 def resolve_profile(spec: Optional[str], devices: Optional[int] = None) -> Optional[dict]:
