@@ -91,9 +91,11 @@ void MLP::defer_parameter_writes(std::function<void(int)> wait) {
 
 void MLP::await_layer(int layer) {
   if (!deferred_wait_ || !deferred_[static_cast<size_t>(layer)]) return;
-  deferred_wait_(layer);
+  // Marked first: a wait that throws is not tried again at every later forward.
+  std::function<void(int)> wait = deferred_wait_;
   deferred_[static_cast<size_t>(layer)] = 0;
   if (--deferred_layers_ == 0) deferred_wait_ = nullptr;
+  wait(layer);
 }
 
 void MLP::await_deferred_layers() {

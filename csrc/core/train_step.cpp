@@ -112,6 +112,9 @@ DataParallelStep::DataParallelStep(std::shared_ptr<MLP> model, std::shared_ptr<O
   graphs_enabled_ = be.supports_capture() && (options_.graph == StepOptions::Graph::kOn ||
                                               (options_.graph == StepOptions::Graph::kAuto && !be.host_accessible() &&
                                                model_->num_params() <= StepOptions::kGraphAutoMaxParams));
+  // Decided here, from what every rank shares, never per step: NCCL needs every
+  // rank to issue the same groups (a capture that fails later on one rank must not change them).
+  gather_by_layer_ = sharded_ && overlap_ && comm_->fences_device_work() && !graphs_enabled_;
 }
 
 // Forward, loss and backward of the staged rows, nothing between them (a graph
@@ -206,7 +209,7 @@ StepResult DataParallelStep::step(const std::vector<MicroShard>& shards, int64_t
   check_shards(shards, global_batch);
   if (prefetch_next) model_->check_prefetch(*prefetch_next, loss_);  // before anything is queued
   // A timed or traced step stamps its collectives from an idle communication
-  // stream: the last step's gathers are done first.
+  // stream: the last step's gathers are done first (the host waits; local).
   if (options_.timed || trace) model_->await_parameters();
   StepResult result;
   StepRecorder rec(model_->backend(), *comm_, *trace_, result, step_index, options_.timed, trace, buckets_.size(),
@@ -457,21 +460,32 @@ void DataParallelStep::apply_update(float lr) {
 
 // 7b. Sharded: every rank's updated shard to every rank (unchanged shards when
 // the verdict refused the update: every rank issues the same collectives).
-// Where the transport fences device work, layer by layer in forward order, each
-// fenced and left in flight: the next forward waits for each layer just before
-// it, so it starts once layer 0 arrived. Otherwise at once, completed here.
+// gather_by_layer_: layer by layer in forward order, each fenced and left in
+// flight: the next forward waits for each layer just before it, so it starts
+// once layer 0 arrived (a timed or traced step waits for them here: a local
+// choice, the collectives are the same). Otherwise at once, completed here.
 void DataParallelStep::gather_parameters(Run& run) {
   MLP& m = *model_;
-  if (!gathers_by_layer(run)) {
+  if (!gather_by_layer_) {
     all_gather_in_tail(run, m.params(), shard_sizes_);
     m.backend().parameters_changed();  // written by the communicator, not the backend
     return;
   }
-  for (int l = 0; l < m.num_layers(); ++l) {
-    const size_t first = m.weight_offset(l), count = m.layer_end(l) - first;
-    comm_->all_gather_async(m.params() + first, layer_parts_[static_cast<size_t>(l)]);
-    comm_->fence(static_cast<size_t>(l));
-    m.backend().parameters_changed(first, count);
+  try {
+    for (int l = 0; l < m.num_layers(); ++l) {
+      const size_t first = m.weight_offset(l), count = m.layer_end(l) - first;
+      comm_->all_gather_async(m.params() + first, layer_parts_[static_cast<size_t>(l)]);
+      comm_->fence(static_cast<size_t>(l));
+      m.backend().parameters_changed(first, count);
+      if (run.rec.stamps_buckets()) run.rec.queued_after_buckets();
+    }
+  } catch (const std::exception& e) {  // gathers in flight that nothing would wait for: end them
+    comm_->abort(detail::concat("step ", run.index, " failed on this rank: ", e.what()));
+    throw;
+  }
+  if (options_.timed || run.rec.traced()) {
+    comm_->wait_all();
+    return;
   }
   std::shared_ptr<Communicator> comm = comm_;  // not the step: the model may outlive it
   m.defer_parameter_writes([comm](int layer) {
@@ -480,10 +494,6 @@ void DataParallelStep::gather_parameters(Run& run) {
     else
       comm->wait_fence(static_cast<size_t>(layer));
   });
-}
-
-bool DataParallelStep::gathers_by_layer(const Run& run) const {
-  return overlap_ && comm_->fences_device_work() && !graphs_enabled_ && !options_.timed && !run.rec.traced();
 }
 
 void DataParallelStep::all_gather_in_tail(Run& run, float* data, const std::vector<size_t>& parts) {

@@ -225,7 +225,6 @@ class DataParallelStep {
   void decide(Run& run);
   void apply_update(float lr);
   void gather_parameters(Run& run);
-  bool gathers_by_layer(const Run& run) const;  // 7b fenced layer by layer, waited for by the next forward
   void plan_shards();  // StepOptions::shard_optimizer on more than one rank: the shards and each bucket's parts
   // A collective of the step's tail over backend memory (all-gather): queued
   // and waited for where buckets are (the device then waits, not the host), else blocking.
@@ -262,6 +261,7 @@ class DataParallelStep {
   size_t shard_offset_ = 0, shard_size_ = 0;       // this rank's shard
   std::vector<std::vector<size_t>> bucket_parts_;  // each bucket's parameters cut by owner (sharded)
   std::vector<std::vector<size_t>> layer_parts_;   // each layer's parameters cut by owner (sharded)
+  bool gather_by_layer_ = false;                   // 7b fenced layer by layer (see gather_parameters)
   BackendArray<float> shard_sums_;                 // every rank's health-check share (kShardSums each)
   std::vector<size_t> shard_sums_parts_;           // kShardSums a rank: the shares' all-gather
   BackendArray<uint16_t> half_grads_;              // grad_dtype's copy of the parameters' gradients (compression)

@@ -800,31 +800,45 @@ void NcclCommunicator::fence(size_t slot) {
   s.fence_set[slot] = true;
 }
 
+// A closed or aborted communicator's fences still order: close() completed
+// everything, and an abort ends the collectives, so their events fire.
 void NcclCommunicator::wait_fence(size_t slot) {
   Impl& s = *impl_;
-  std::lock_guard<std::mutex> lock(s.m);
-  s.ensure_usable();
+  std::unique_lock<std::mutex> lock(s.m);
+  if (s.closed) return;
   MGPU_CHECK(slot < s.fence_set.size() && s.fence_set[slot], ConfigError, "fence ", slot,
              " was never set on this communicator");
   s.activate();
-  if (s.compute)
+  if (s.compute) {
     MGPU_CUDA_CHECK(cudaStreamWaitEvent(s.compute, s.fence_events[slot], 0));
-  else
-    MGPU_CUDA_CHECK(cudaEventSynchronize(s.fence_events[slot]));  // no backend attached: the host waits
+    return;
+  }
+  cudaEvent_t event = s.fence_events[slot];
+  lock.unlock();                                 // the watchdog takes m to abort what this waits for
+  MGPU_CUDA_CHECK(cudaEventSynchronize(event));  // no backend attached: the host waits
 }
 
 void NcclCommunicator::complete_all() {
   Impl& s = *impl_;
+  bool broken = false;
   {
     std::lock_guard<std::mutex> lock(s.m);
     if (s.closed) return;  // close() completed everything
-    s.ensure_usable();
+    broken = s.broken;
     s.activate();
-    s.wait_launched(timeout_seconds_, /*host_wait=*/true);  // what no wait_all() covered yet: this thread's deadline
+    if (!broken) s.wait_launched(timeout_seconds_, /*host_wait=*/true);  // not yet waited for: this thread's deadline
   }
-  // What an earlier wait_all() handed to the watchdog ends done, or aborted by it (m not held: it takes m).
+  // What an earlier wait_all() handed to the watchdog ends done, or aborted by it (m not
+  // held: it takes m); an aborted comm's stream drains once its kernels end.
   if (s.comm_done) MGPU_CUDA_CHECK(cudaEventSynchronize(s.comm_done));
+  {
+    std::lock_guard<std::mutex> lock(s.m);
+    broken = s.broken;
+  }
+  if (broken) MGPU_CUDA_CHECK(cudaStreamSynchronize(s.comm_stream));
   raise_if_failed();
+  std::lock_guard<std::mutex> lock(s.m);
+  s.ensure_usable();  // aborted: what its collectives wrote is not to be trusted
 }
 
 void NcclCommunicator::start_collective_timing() {

@@ -436,9 +436,14 @@ void MpiCommunicator::worker_loop(std::shared_ptr<Worker> w, MPI_Comm comm, int 
   std::unique_lock<std::mutex> lock(w->m);
   for (;;) {
     w->work_cv.wait(lock, [&] { return !w->queue.empty() || w->stop; });
-    if (w->stop && (w->drop || w->queue.empty())) return;
+    if (w->drop || (w->stop && w->queue.empty())) return;
     Worker::Queued q = std::move(w->queue.front());
     w->queue.pop_front();
+    if (w->rc != MPI_SUCCESS) {  // after a failure the ranks' collectives no longer match: skip the rest
+      ++w->finished;
+      w->done_cv.notify_one();
+      continue;
+    }
     w->running = q.job.kind;
     q.job.parts = q.parts.empty() ? nullptr : q.parts.data();
     lock.unlock();
@@ -501,6 +506,8 @@ void MpiCommunicator::wait_worker(uint64_t ticket) {
       const double now = now_seconds();
       if (now > deadline) {
         const Kind open = w.running;
+        w.queue.clear();  // nothing more starts: the caller may free what they would use
+        w.drop = true;
         lock.unlock();
         fail_timeout(words(open), 2.5 * beat_interval);
       }
@@ -591,6 +598,10 @@ void MpiCommunicator::launch(const Job& job) {
 void MpiCommunicator::start_collective_timing() {
   // collectives launched before would have no stamp: then none
   timing_ = pending_.empty() && !(thread_multiple_ && worker_busy());
+  {
+    std::lock_guard<std::mutex> lock(worker_state_->m);
+    worker_state_->stamps.clear();  // of an earlier timing, never waited for (an error)
+  }
   timing_start_ = now_seconds();
   timed_.clear();
   open_requests_.clear();
@@ -617,6 +628,17 @@ void MpiCommunicator::progress() {
   // Testing drives OpenMPI's progress engine for the outstanding collectives.
   check(MPI_Testall(static_cast<int>(pending_.size()), pending_.data(), &flag, MPI_STATUSES_IGNORE), "MPI_Testall");
   if (flag) clear_pending();
+}
+
+void MpiCommunicator::abort(const std::string& /*why*/) {
+  // Queued collectives this rank will not run: the peers' never complete (as an
+  // NCCL abort leaves them), and later calls fail. The one running, if any, cannot be stopped.
+  Worker& w = *worker_state_;
+  std::lock_guard<std::mutex> lock(w.m);
+  if (w.finished == w.submitted) return;  // nothing in flight: the collectives issued all completed
+  w.queue.clear();
+  w.drop = true;
+  broken_ = true;
 }
 
 void MpiCommunicator::wait_all() {

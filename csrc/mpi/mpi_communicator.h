@@ -45,6 +45,8 @@ class MpiCommunicator final : public Communicator {
   void all_gather_async(float* data, const std::vector<size_t>& parts) override;
   void progress() override;
   void wait_all() override;
+  // Drops the worker's queued collectives when any are in flight (then later calls throw).
+  void abort(const std::string& why) override;
   void begin_step(uint64_t step) override;
   // With MPI_THREAD_MULTIPLE the async forms are queued to the worker thread,
   // which runs them in order with the blocking calls (OpenMPI's non-blocking

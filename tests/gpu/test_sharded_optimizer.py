@@ -206,3 +206,24 @@ def test_the_parameters_are_gathered_into_the_next_forward_layer_by_layer(gpu, p
         assert rel_err(p, q) < 1e-6
         np.testing.assert_allclose(outputs[0], plain_outputs[0], rtol=1e-5, atol=1e-6)
     assert np.array_equal(sharded[0][2], sharded[1][2])
+
+
+def test_ranks_that_trace_different_steps_issue_the_same_gathers(gpu):
+    # Tracing is a rank's own business: a traced step waits for its gathers where an
+    # untraced one leaves them in flight, but both issue the same NCCL groups (the
+    # emulation fails a group whose ranks' calls differ).
+    needs_two_gpus()
+    data = batches(4, LAYERS)
+
+    def run(pg, shard):
+        model = mgpu.MLP(LAYERS, seed=2, device="cuda", device_index=pg.local_rank)
+        trainer = mgpu.Trainer(model, lr=1e-2, process_group=pg, graph="off", shard_optimizer=shard)
+        part = slice(16 * pg.rank, 16 * (pg.rank + 1))
+        for t, (x, y) in enumerate(data):
+            trainer.step(x[part], y[part], global_batch=BATCH, first_sample=part.start, trace=t == 1 + pg.rank)
+        return np.concatenate([a.ravel() for a in model.get_parameters()])
+
+    sharded = mgpu.run_on_gpus(lambda pg: run(pg, True), gpus=2)
+    plain = mgpu.run_on_gpus(lambda pg: run(pg, False), gpus=2)
+    for p, q in zip(sharded, plain):
+        assert rel_err(p, q) < 1e-6

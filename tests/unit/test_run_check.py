@@ -94,6 +94,40 @@ def test_a_calibration_that_cannot_describe_the_run_says_why(tmp_path, profile, 
     assert p["available"] is False and why in p["reason"], p
 
 
+def gpu_profile(communicator="nccl", devices=2):
+    """A calibrated profile of `devices` GPUs whose allreduce was measured over `communicator`."""
+    device = {
+        "name": "test gpu",
+        "kind": "cuda",
+        "fp32": {"peak_flops": 20e12, "half_work_flops": 0.0},
+        "memory_bytes": 80e9,
+        "memory_bandwidth": 2e12,
+        "launch_overhead_s": 5e-6,
+    }
+    link = {"name": communicator, "alpha_s": 1e-5, "bus_bandwidth": 50e9, "overlaps_compute": communicator == "nccl"}
+    return {
+        **cpu_profile(devices=devices),
+        "devices": [device] * devices,
+        "link": link,
+        "environment": {"world_size": devices, "communicator": communicator},
+    }
+
+
+@pytest.mark.parametrize("calibrated, comm", [("nccl", "mpi"), ("mpi", "auto"), ("mpi", "nccl")])
+def test_a_calibration_of_another_communicator_is_no_prediction(tmp_path, calibrated, comm):
+    # NCCL's link says nothing of MPI staged through the host, nor the reverse
+    path = write(tmp_path, gpu_profile(calibrated))
+    p = run_check.predict_run(config(comm=comm), 2, SIZES, "cuda", 1, path=path)
+    used = "MPI" if comm == "mpi" else "NCCL"
+    assert p["available"] is False, p
+    assert f"measured the {calibrated.upper()} communicator, this job reduces over {used}" in p["reason"], p
+    assert f"topo --device cuda --comm {used.lower()}" in p["reason"]
+    matching = "mpi" if calibrated == "mpi" else "auto"  # the communicator calibrated prices
+    assert run_check.predict_run(config(comm=matching), 2, SIZES, "cuda", 1, path=path)["available"]
+    # one rank reduces nothing: any calibration of the device prices it
+    assert run_check.predict_run(config(comm=comm), 1, SIZES, "cuda", 1, path=path)["available"]
+
+
 def test_a_malformed_calibration_is_no_prediction_not_an_error(tmp_path):
     path = tmp_path / "profile.json"
     path.write_text("{not json")

@@ -288,7 +288,9 @@ def cmd_topo(a, pg) -> int:
     check_outputs({"--out": a.out, "--json": a.json, **plots})
     if a.plots is not None:
         check_output_dir(a.plots, "--plots")
-    profile = run_topo(pg, device=a.device, threads=a.threads, max_bytes=a.max_bytes, quick=a.quick)
+    if a.comm == "nccl" and pg.resolve_device(a.device)[0] != "cuda":
+        raise ConfigError("--comm nccl needs GPUs (--device cuda); CPU ranks use MPI")
+    profile = run_topo(pg, device=a.device, threads=a.threads, max_bytes=a.max_bytes, quick=a.quick, comm_kind=a.comm)
     if pg.is_root:
         print(format_topo(profile))
         if a.json:
@@ -335,6 +337,13 @@ def add_parser(sub) -> None:
     )
     t.add_argument(
         "--max-mb", dest="max_bytes", type=_mebibytes, default=256 * MiB, help="largest allreduce in MiB (default 256)"
+    )
+    t.add_argument(
+        "--comm",
+        choices=("auto", "nccl", "mpi"),
+        default="auto",
+        help="the communicator measured, as train's --comm: auto (NCCL between GPUs, else MPI), nccl, mpi "
+        "(host-staged on GPUs)",
     )
     t.add_argument("--quick", action="store_true", help="fewer sizes and repeats (seconds, not minutes)")
     t.add_argument("--out", metavar="PATH", help=f"profile path (default {default_profile_path()})")

@@ -11,7 +11,7 @@ from typing import Optional
 
 from ..errors import ConfigError
 from . import history, profiles
-from .tuning import calibration_for, run_workload
+from .tuning import calibration_for, run_communicator, run_workload
 
 # The core's StepTimings fields and the Prediction's seconds that price them.
 PHASES = (
@@ -45,7 +45,7 @@ def predict_run(
     {"available": False, "reason": ...} where the calibration at `path` (default: this
     machine's) cannot say: a calibration it cannot use never stops the run."""
     path = path or profiles.default_profile_path()
-    profile, why = calibration_for(ranks, device, path)
+    profile, why = calibration_for(ranks, device, path, run_communicator(cfg, ranks, device))
     if profile is None:
         return _none(why)
     environment = profile.get("environment")

@@ -46,9 +46,18 @@ def calibrated_kind_differs(profile, ranks: int, device: str):
     return emulation_mismatch(profile, device)
 
 
-def calibration_for(ranks: int, device: str, path: Optional[str] = None) -> tuple:
+def run_communicator(cfg, ranks: int, device: str) -> Optional[str]:
+    """The transport a run of `cfg` reduces with, as train builds it: None on one rank."""
+    if ranks < 2:
+        return None
+    return "nccl" if device == "cuda" and cfg.comm != "mpi" else "mpi"
+
+
+def calibration_for(ranks: int, device: str, path: Optional[str] = None, communicator: Optional[str] = None) -> tuple:
     """(the calibration at `path` (default: this machine's), None), or (None, why it cannot
-    describe a job on `ranks` devices of kind `device`)."""
+    describe a job on `ranks` devices of kind `device` reducing over `communicator` (None:
+    any, or one rank): a calibration of NCCL says nothing of MPI staged through the host,
+    nor the reverse)."""
     path = path or profiles.default_profile_path()
     if not os.path.exists(path):
         return None, f"no calibration of this machine (run `mpirun -np {ranks} python -m mgpu topo`)"
@@ -59,6 +68,14 @@ def calibration_for(ranks: int, device: str, path: Optional[str] = None) -> tupl
     if len(profile["devices"]) < ranks:
         return None, f"the calibration has {len(profile['devices'])} device(s), this job {ranks} ranks"
     differs = calibrated_kind_differs(profile, ranks, device)
+    environment = profile.get("environment")
+    calibrated = environment.get("communicator") if isinstance(environment, dict) else None
+    if not differs and ranks > 1 and communicator and isinstance(calibrated, str) and calibrated != communicator:
+        differs = (
+            f"the calibration measured the {calibrated.upper()} communicator, this job reduces over "
+            f"{communicator.upper()} (calibrate with `mpirun -np {ranks} python -m mgpu topo --device {device} "
+            f"--comm {communicator}`)"
+        )
     return (None, differs) if differs else (profile, None)
 
 
@@ -68,7 +85,7 @@ def auto_bucket_mb(cfg, pg, sizes, device: str) -> tuple:
         return 4.0, None  # one rank: no allreduce, nothing to say
     # a calibration that is missing, broken or of other devices must not stop a run that
     # never asked for it by name
-    profile, why = calibration_for(pg.size, device)
+    profile, why = calibration_for(pg.size, device, communicator=run_communicator(cfg, pg.size, device))
     if profile is None:
         return 4.0, f"bucket 4 MB: --bucket-mb auto: {why}"
     b = recommend.auto_bucket(profile, run_workload(cfg, sizes, 4.0), pg.size)
