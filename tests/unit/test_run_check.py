@@ -2,6 +2,7 @@
 against its steady-state steps (StepTimes), the warning that names the phase that differs
 most, and bench --validate-selector's scores over a grid."""
 
+import dataclasses
 import json
 import math
 from types import SimpleNamespace
@@ -11,6 +12,7 @@ import pytest
 
 from mgpu.calibrate.bench import DECISION_TOLERANCE, score_validation
 from mgpu.commands.bench import format_predictions
+from mgpu.commands.train import checked_prediction
 from mgpu.selector import history, profiles, run_check
 from mgpu.selector.recommend import recommend
 from mgpu.selector.tuning import calibration_for
@@ -126,6 +128,35 @@ def test_a_calibration_of_another_communicator_is_no_prediction(tmp_path, calibr
     assert run_check.predict_run(config(comm=matching), 2, SIZES, "cuda", 1, path=path)["available"]
     # one rank reduces nothing: any calibration of the device prices it
     assert run_check.predict_run(config(comm=comm), 1, SIZES, "cuda", 1, path=path)["available"]
+
+
+def test_a_run_whose_training_set_stayed_on_the_host_is_checked_against_that_step(tmp_path, monkeypatch):
+    # --data-on-device auto on a GPU is priced resident; where the set did not fit (or its
+    # placement failed) the check prices the step that ran: rows copied from the host
+    profile = gpu_profile(devices=1)
+    profile["devices"][0]["host_to_device_bandwidth"] = 2e9
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    (tmp_path / "mgpu").mkdir()
+    (tmp_path / "mgpu" / "profile.json").write_text(json.dumps(profile))
+    cfg = dataclasses.replace(config(), bucket_mb=4.0)
+    priced = run_check.predict_run(cfg, 1, SIZES, "cuda", 1)
+    assert priced["available"] and priced["data_on_device"] is True
+    plan = SimpleNamespace(
+        prediction=priced, config=cfg, device="cuda", sizes=tuple(SIZES), threads=1, batch_shares=None
+    )
+
+    def trainer(resident, root=True):
+        return SimpleNamespace(
+            pg=SimpleNamespace(is_root=root, size=1),
+            data_placement={"resident": resident, "bytes": 0, "why": "test"},
+            config=SimpleNamespace(timed=False),
+            step_times=SimpleNamespace(medians=lambda: None),
+        )
+
+    assert checked_prediction(plan, trainer(True))["predicted_step_ms"] == priced["predicted_step_ms"]
+    moved = checked_prediction(plan, trainer(False))
+    assert moved["data_on_device"] is False and moved["predicted_step_ms"] > priced["predicted_step_ms"]
+    assert checked_prediction(plan, trainer(False, root=False))["data_on_device"] is True  # rank 0 speaks
 
 
 def test_a_malformed_calibration_is_no_prediction_not_an_error(tmp_path):

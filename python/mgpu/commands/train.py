@@ -498,9 +498,22 @@ def build_run(plan: RunPlan, pg) -> tuple:
 
 
 def checked_prediction(plan: RunPlan, trainer) -> dict:
-    """The plan's prediction held against this rank's steady-state steps (run_check)."""
+    """The plan's prediction held against this rank's steady-state steps (run_check); on
+    rank 0 priced anew where the training set went elsewhere than the plan priced it (auto
+    on a GPU is priced resident, and stays on the host where it does not fit)."""
+    prediction = plan.prediction
+    placed = trainer.data_placement
+    if (
+        trainer.pg.is_root
+        and plan.device == "cuda"
+        and prediction.get("available")
+        and placed is not None
+        and bool(placed["resident"]) != prediction.get("data_on_device")
+    ):
+        cfg = dataclasses.replace(plan.config, data_on_device="on" if placed["resident"] else "off")
+        prediction = predict_run(cfg, trainer.pg.size, list(plan.sizes), plan.device, plan.threads, plan.batch_shares)
     timed = plan.device == "cpu" or trainer.config.timed
-    return check_run(plan.prediction, trainer.step_times.medians(), phases_timed=timed)
+    return check_run(prediction, trainer.step_times.medians(), phases_timed=timed)
 
 
 def header(plan: RunPlan, model, trainer) -> str:

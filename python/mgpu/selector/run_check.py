@@ -75,6 +75,7 @@ def predict_run(
         "phases_ms": {name: getattr(p, field) * 1e3 for name, field in PHASES} | {"overhead": p.overhead_s * 1e3},
         # the model's own split of the batch where --batch-shares gives another
         "batch_shares": "equal" if batch_shares is None else "the model's",
+        "data_on_device": cfg.data_on_device != "off",  # priced with the training set resident (auto: as it mostly is)
     }
 
 
