@@ -15,6 +15,7 @@ from ..errors import ConfigError
 from ..hostinfo import placement_moved
 from ..selector.hardware import PRECISIONS
 from ..selector.profiles import default_profile_path, save_profile
+from ..train.config import COMMS, check_comm_for_device
 from .common import MAX_THREADS, bounded_int, check_output_dir, check_outputs
 
 
@@ -288,8 +289,7 @@ def cmd_topo(a, pg) -> int:
     check_outputs({"--out": a.out, "--json": a.json, **plots})
     if a.plots is not None:
         check_output_dir(a.plots, "--plots")
-    if a.comm == "nccl" and pg.resolve_device(a.device)[0] != "cuda":
-        raise ConfigError("--comm nccl needs GPUs (--device cuda); CPU ranks use MPI")
+    check_comm_for_device(a.comm, pg.resolve_device(a.device)[0])
     profile = run_topo(pg, device=a.device, threads=a.threads, max_bytes=a.max_bytes, quick=a.quick, comm_kind=a.comm)
     if pg.is_root:
         print(format_topo(profile))
@@ -340,7 +340,7 @@ def add_parser(sub) -> None:
     )
     t.add_argument(
         "--comm",
-        choices=("auto", "nccl", "mpi"),
+        choices=COMMS,
         default="auto",
         help="the communicator measured, as train's --comm: auto (NCCL between GPUs, else MPI), nccl, mpi "
         "(host-staged on GPUs)",

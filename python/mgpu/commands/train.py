@@ -27,7 +27,7 @@ from ..monitor.training import TrainTelemetry, output_options
 from ..selector import profiles
 from ..selector.memory import check_training_memory
 from ..selector.run_check import check_run, format_check, predict_run, record_run
-from ..selector.tuning import auto_batch_shares, auto_bucket_mb
+from ..selector.tuning import auto_batch_shares, auto_bucket_mb, run_communicator
 from ..train.checkpoint import (
     CHECKPOINT_NAME,
     CheckpointError,
@@ -47,6 +47,7 @@ from ..train.config import (
     PRECISIONS,
     PRESETS,
     TrainConfig,
+    check_comm_for_device,
 )
 from ..train.data import Dataset, load_dataset, resident_bytes, split_counts
 from ..train.model import MLP, check_parameter_format
@@ -367,8 +368,7 @@ def plan_run(a, pg) -> RunPlan:
     bucket = float(pg.bcast(bucket))
     if cfg.precision != "fp32" and device != "cuda":
         raise ConfigError(f"--precision {cfg.precision} needs a GPU; the CPU backend computes in fp32")
-    if cfg.comm == "nccl" and device != "cuda":
-        raise ConfigError("--comm nccl needs GPUs (--device cuda); CPU ranks use MPI")
+    check_comm_for_device(cfg.comm, device)
     return RunPlan(
         args=a,
         config=dataclasses.replace(cfg, bucket_mb=bucket),
@@ -391,7 +391,7 @@ def build_run(plan: RunPlan, pg) -> tuple:
     """Collective: check the memory, build the model and the trainer, and what watches
     them; returns (model, trainer, checkpoint policy, telemetry, observer)."""
     cfg, a, data = plan.config, plan.args, plan.data
-    nccl = plan.device == "cuda" and pg.size > 1 and cfg.comm != "mpi"
+    nccl = run_communicator(cfg, pg.size, plan.device) == "nccl"
     # this rank's rows of a micro-batch (a step takes no more rows than the dataset holds)
     rows = max(1, split_counts(min(cfg.batch_size, len(data.x_train)), pg.size, plan.batch_shares)[pg.rank])
     model, error = None, None

@@ -43,6 +43,12 @@ DATA_PLACEMENTS = ("auto", "on", "off")  # the training set in the device's memo
 BUILTIN_DATASETS = ("synthetic", "digits")
 
 
+def check_comm_for_device(comm: str, device: str) -> None:
+    """ConfigError where the communicator cannot serve the resolved device (NCCL joins GPUs only)."""
+    if comm == "nccl" and device != "cuda":
+        raise ConfigError("--comm nccl needs GPUs (--device cuda); CPU ranks use MPI")
+
+
 def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
