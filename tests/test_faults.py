@@ -326,6 +326,63 @@ def test_a_rank_frozen_in_sharded_collectives_is_named_within_the_timeout(tmp_pa
     print(f"SIGSTOP of rank 1 in {WHAT[collective]}s ({queued}): rank 0 named it after {elapsed:.2f} s")
 
 
+QUEUE_AFTER_TIMEOUT = """
+import os, sys, time
+from mpi4py import MPI
+import numpy as np
+from mgpu import _core
+world = MPI.COMM_WORLD
+comm = _core.MpiCommunicator(MPI._handleof(world))
+comm.timeout = float(sys.argv[1])
+parts = [1 << 10] * world.size
+bufs = [np.ones(sum(parts), np.float32) for _ in range(3)]
+world.Barrier()
+if world.rank == 0:
+    t0 = time.monotonic()
+    try:
+        for b in bufs:
+            comm.reduce_scatter_sum_async(b, parts)
+        comm.wait_all()
+    except _core.CommError as e:
+        print(f"rank 0: CommError after {time.monotonic() - t0:.2f} s: {e}", flush=True)
+    time.sleep(5)  # rank 1 offers its three collectives meanwhile
+    print(f"rank 0: changed {[int(not np.all(b == 1)) for b in bufs]}", flush=True)
+    try:
+        comm.barrier()
+    except _core.CommError as e:
+        print(f"rank 0: then {e}", flush=True)
+else:
+    time.sleep(2)
+    comm.timeout = 1.5
+    done = 0
+    try:
+        for b in bufs:
+            comm.reduce_scatter_sum(b, parts)
+            done += 1
+    except _core.CommError:
+        pass
+    print(f"rank 1: completed {done}", flush=True)
+    time.sleep(4)  # rank 0 reports first (a rank's exit ends the job)
+os._exit(0)
+"""
+
+
+def test_collectives_queued_behind_a_timed_out_one_never_start(tmp_path):
+    # Rank 0 queues three reduce-scatters and times out in the first (rank 1 is 2 s late).
+    # The first cannot be stopped and completes once rank 1 arrives; the two behind it
+    # must never start, so rank 1's second finds no partner, and rank 0's buffers for
+    # them stay as they were (the caller may have freed them).
+    script = tmp_path / "queue.py"
+    script.write_text(QUEUE_AFTER_TIMEOUT)
+    r = mpirun(2, [PYTHON, script, 1.0], timeout=120)
+    out = r.stdout + r.stderr
+    named = re.search(r"rank 0: CommError after ([\d.]+) s: reduce-scatter at step 0 did not complete within 1 s", out)
+    assert named and float(named.group(1)) < 1.9, out[-2000:]
+    assert "rank 0: changed [1, 0, 0]" in out, out[-2000:]
+    assert "rank 1: completed 1" in out, out[-2000:]
+    assert re.search(r"rank 0: then the MPI communicator is unusable: an earlier reduce-scatter .* \(a timeout\)", out)
+
+
 def test_diverging_run_stops_on_every_rank_without_a_bad_checkpoint(tmp_path):
     ckpt = tmp_path / "ckpt"
     r = mpirun(

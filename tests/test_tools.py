@@ -573,7 +573,6 @@ def test_a_wrong_calibration_warns_naming_the_phase(calibration, tmp_path):
             grid = dev[key]
             for table in [k for k in grid if k.startswith(("forward", "backward"))]:
                 grid[table] = [t / 5 for t in grid[table]]
-    profiles.price_held_out_steps(profile)  # that machine's file: its held-out steps priced by its tables
     # with that machine's own bands, wait spread and cores that stayed put (this quick
     # calibration's, on a busy machine, may be wide, and a placement seen moving widens the
     # 2-rank wait spread to the wait itself: either held a 5x miss inside the interval)
@@ -584,8 +583,13 @@ def test_a_wrong_calibration_warns_naming_the_phase(calibration, tmp_path):
         for key in ("step_phases", "step_phases_alone"):
             if isinstance(dev.get(key), dict) and "wait_spread_s" in dev[key]:
                 dev[key]["wait_spread_s"] = [0.0 for _ in dev[key]["wait_spread_s"]]
+    # that machine's file, whole: its held-out steps priced by all of the above, so loading
+    # it prices them alike and keeps its bands (priced before the placement and the wait
+    # spread were changed, a load re-priced them and rebuilt the bands from a 5x miss)
+    profiles.price_held_out_steps(profile)
     r, p, _ = _train_with(profile, tmp_path, "wrong")
     assert p["available"] and not p["inside"] and p["differs_most"] in ("forward", "backward"), p
+    assert "re-priced" not in p["intervals_from"], p["intervals_from"]
     assert r.stderr.count("mgpu: warning: the measured step") == 1  # rank 0 alone says it
     assert f"{p['differs_most']} differs most" in r.stderr and "computes slower" in r.stderr
     assert "OUTSIDE the interval" in r.stdout

@@ -98,6 +98,10 @@ class Communicator {
   // the peers (NCCL: ncclCommAbort), so memory they use can be freed and
   // nothing waits on them; later calls throw CommError. Local, never blocks.
   virtual void abort(const std::string& /*why*/) {}
+  // After a timeout or an abort: whether a collective this transport could not
+  // end may still write the memory it was given (MPI: a blocking call the worker
+  // thread is inside); such memory must then outlive the communicator.
+  virtual bool may_write_after_failure() const { return false; }
   // The normal end, called by every rank: completes what is in flight and
   // releases the transport (NCCL: ncclCommFinalize, then ncclCommDestroy, under
   // the timeout). Later calls throw CommError. Without it the destructor aborts.

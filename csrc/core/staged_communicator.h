@@ -33,6 +33,8 @@ class StagedCommunicator final : public Communicator {
       backend_->synchronize();  // nothing queued may still copy into or out of a slot
     } catch (...) {
     }
+    // A collective the transport could not end may still write a slot: kept (leaked) then.
+    if (inner_->may_write_after_failure()) return;
     for (Slot& s : slots_) backend_->free_host(s.data);
   }
   StagedCommunicator(const StagedCommunicator&) = delete;
@@ -132,6 +134,7 @@ class StagedCommunicator final : public Communicator {
     launched_ = 0;
   }
   void raise_if_failed() override { inner_->raise_if_failed(); }
+  bool may_write_after_failure() const override { return inner_->may_write_after_failure(); }
   void start_collective_timing() override { inner_->start_collective_timing(); }
   std::vector<std::pair<double, double>> collective_times() override { return inner_->collective_times(); }
   bool heartbeat_from_any_thread() const override { return inner_->heartbeat_from_any_thread(); }

@@ -120,9 +120,14 @@ MpiCommunicator::MpiCommunicator(uintptr_t handle) {
   check(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler");
   check(MPI_Comm_set_errhandler(heartbeat_comm_, MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler");
   check(MPI_Comm_rank(comm_, &rank_), "MPI_Comm_rank");
-  int level = MPI_THREAD_SINGLE;
-  thread_multiple_ = MPI_Query_thread(&level) == MPI_SUCCESS && level == MPI_THREAD_MULTIPLE;
   check(MPI_Comm_size(comm_, &size_), "MPI_Comm_size");
+  // Whether queued collectives run on the worker (a ring of MPI_Sendrecv) or as
+  // non-blocking calls (MPI_Ireduce per part) decides which calls meet on comm_:
+  // every rank takes the same path, MPI_THREAD_MULTIPLE only where all have it.
+  int level = MPI_THREAD_SINGLE;
+  int multiple = MPI_Query_thread(&level) == MPI_SUCCESS && level == MPI_THREAD_MULTIPLE ? 1 : 0;
+  check(MPI_Allreduce(MPI_IN_PLACE, &multiple, 1, MPI_INT, MPI_MIN, comm_), "MPI_Allreduce");
+  thread_multiple_ = multiple == 1;
 
   for (int r = 0; r < size_; ++r)
     if (r != rank_ && (size_ <= kAllToAllHeartbeats || rank_ == 0 || r == 0)) watched_.push_back(r);
@@ -138,6 +143,12 @@ MpiCommunicator::MpiCommunicator(uintptr_t handle) {
 MpiCommunicator::~MpiCommunicator() {
   int finalized = 0;
   MPI_Finalized(&finalized);
+  if (worker_.joinable() && !broken_ && !finalized && timeout_seconds_ > 0.0) {
+    try {  // not closed: what is queued completes under the deadline, or the communicator breaks
+      drain_worker();
+    } catch (...) {
+    }
+  }
   if (worker_.joinable()) {
     {
       std::lock_guard<std::mutex> lock(worker_state_->m);
@@ -150,8 +161,8 @@ MpiCommunicator::~MpiCommunicator() {
     else
       worker_.join();
   }
-  // After a timeout, collectives may never complete: leave them (the job is ending).
-  if (finalized || broken_) return;
+  // After a timeout or an abort, collectives may never complete: leave them (the job is ending).
+  if (finalized || (broken_ && !closed_)) return;
   if (!pending_.empty()) MPI_Waitall(static_cast<int>(pending_.size()), pending_.data(), MPI_STATUSES_IGNORE);
   for (MPI_Request& r : heartbeat_recvs_)
     if (r != MPI_REQUEST_NULL) {
@@ -165,7 +176,19 @@ MpiCommunicator::~MpiCommunicator() {
 }
 
 void MpiCommunicator::ensure_usable() const {
-  MGPU_CHECK(!broken_, CommError, "the MPI communicator is unusable after an earlier timeout");
+  MGPU_CHECK(!broken_, CommError, "the MPI communicator is unusable: ", broken_why_);
+}
+
+void MpiCommunicator::mark_broken(std::string why) {
+  if (!broken_) broken_why_ = std::move(why);
+  broken_ = true;
+}
+
+bool MpiCommunicator::may_write_after_failure() const {
+  if (!broken_) return false;
+  if (!pending_.empty()) return true;
+  std::lock_guard<std::mutex> lock(worker_state_->m);
+  return worker_state_->started > worker_state_->finished;  // a job the worker could not be stopped in
 }
 
 bool MpiCommunicator::test_stamped(bool block) {
@@ -246,10 +269,11 @@ void MpiCommunicator::wait(std::vector<MPI_Request>& requests, const char* what)
 }
 
 void MpiCommunicator::fail_timeout(const char* what, double silence) {
-  broken_ = true;
   std::ostringstream msg;
   msg << what << " at step " << current_step_ << " did not complete within " << timeout_seconds_ << " s on rank "
-      << rank_ << ": " << diagnose_stall(silence);
+      << rank_;
+  mark_broken("an earlier " + msg.str() + " (a timeout)");
+  msg << ": " << diagnose_stall(silence);
   throw CommError(msg.str());
 }
 
@@ -440,14 +464,23 @@ void MpiCommunicator::worker_loop(std::shared_ptr<Worker> w, MPI_Comm comm, int 
     Worker::Queued q = std::move(w->queue.front());
     w->queue.pop_front();
     if (w->rc != MPI_SUCCESS) {  // after a failure the ranks' collectives no longer match: skip the rest
+      ++w->started;
       ++w->finished;
-      w->done_cv.notify_one();
+      w->done_cv.notify_all();
       continue;
     }
     w->running = q.job.kind;
+    ++w->started;
     q.job.parts = q.parts.empty() ? nullptr : q.parts.data();
     lock.unlock();
-    const int rc = run_blocking(q.job, comm, rank, size, w->arrays, w->window);
+    int rc = MPI_SUCCESS;
+    try {  // nothing may leave this thread: the caller hears of it as an error code
+      rc = run_blocking(q.job, comm, rank, size, w->arrays, w->window);
+    } catch (const std::bad_alloc&) {
+      rc = MPI_ERR_NO_MEM;
+    } catch (...) {
+      rc = MPI_ERR_INTERN;
+    }
     const double done = now_seconds();
     lock.lock();
     if (rc != MPI_SUCCESS && w->rc == MPI_SUCCESS) {
@@ -457,9 +490,17 @@ void MpiCommunicator::worker_loop(std::shared_ptr<Worker> w, MPI_Comm comm, int 
     if (q.stamp >= 0) w->stamps.emplace_back(q.stamp, done);
     ++w->finished;
     lock.unlock();
-    w->done_cv.notify_one();
+    w->done_cv.notify_all();
     lock.lock();
   }
+}
+
+void MpiCommunicator::Worker::drop_queue() {
+  finished += queue.size();  // never to run: no waiter waits for them
+  started += queue.size();
+  queue.clear();
+  drop = true;
+  done_cv.notify_all();
 }
 
 uint64_t MpiCommunicator::submit(const Job& job, int stamp) {
@@ -504,10 +545,14 @@ void MpiCommunicator::wait_worker(uint64_t ticket) {
     const double deadline = now_seconds() + timeout_seconds_;
     while (w.finished < ticket) {
       const double now = now_seconds();
+      if (w.drop) {  // aborted (from another thread) while this one waited
+        lock.unlock();
+        ensure_usable();
+        throw CommError("the MPI communicator was aborted while a collective waited");
+      }
       if (now > deadline) {
         const Kind open = w.running;
-        w.queue.clear();  // nothing more starts: the caller may free what they would use
-        w.drop = true;
+        w.drop_queue();  // nothing more starts: the caller may free what they would use
         lock.unlock();
         fail_timeout(words(open), 2.5 * beat_interval);
       }
@@ -630,15 +675,33 @@ void MpiCommunicator::progress() {
   if (flag) clear_pending();
 }
 
-void MpiCommunicator::abort(const std::string& /*why*/) {
+void MpiCommunicator::abort(const std::string& why) {
   // Queued collectives this rank will not run: the peers' never complete (as an
-  // NCCL abort leaves them), and later calls fail. The one running, if any, cannot be stopped.
-  Worker& w = *worker_state_;
-  std::lock_guard<std::mutex> lock(w.m);
-  if (w.finished == w.submitted) return;  // nothing in flight: the collectives issued all completed
-  w.queue.clear();
-  w.drop = true;
+  // NCCL abort leaves them), and later calls fail, as the peers may wait in
+  // collectives of the unwound step that this rank's next call would meet. The
+  // one running, if any, cannot be stopped; non-blocking ones are left (never
+  // waited for, comm_ never freed).
+  if (closed_) return;
+  mark_broken(why.empty() ? std::string("aborted") : "aborted (" + why + ")");
+  std::lock_guard<std::mutex> lock(worker_state_->m);
+  worker_state_->drop_queue();
+}
+
+void MpiCommunicator::close() {
+  if (closed_) return;
+  ensure_usable();
+  wait_all();  // what is queued or in flight completes, under the deadline
+  if (worker_.joinable()) {
+    {
+      std::lock_guard<std::mutex> lock(worker_state_->m);
+      worker_state_->stop = true;
+    }
+    worker_state_->work_cv.notify_all();
+    worker_.join();  // idle: its queue is empty
+  }
+  closed_ = true;
   broken_ = true;
+  broken_why_ = "it was closed";
 }
 
 void MpiCommunicator::wait_all() {

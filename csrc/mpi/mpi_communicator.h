@@ -45,8 +45,11 @@ class MpiCommunicator final : public Communicator {
   void all_gather_async(float* data, const std::vector<size_t>& parts) override;
   void progress() override;
   void wait_all() override;
-  // Drops the worker's queued collectives when any are in flight (then later calls throw).
+  // Drops the worker's queued collectives; later calls throw CommError naming `why`.
   void abort(const std::string& why) override;
+  // Completes what is queued or in flight under the deadline and stops the worker.
+  void close() override;
+  bool may_write_after_failure() const override;
   void begin_step(uint64_t step) override;
   // With MPI_THREAD_MULTIPLE the async forms are queued to the worker thread,
   // which runs them in order with the blocking calls (OpenMPI's non-blocking
@@ -66,6 +69,7 @@ class MpiCommunicator final : public Communicator {
 
  private:
   void ensure_usable() const;
+  void mark_broken(std::string why);  // later calls throw CommError naming why (the first reason kept)
   // One collective: an allreduce of `count` elements, or a reduce-scatter or
   // all-gather over the parts (size_ of them, summing to count) cut from data.
   enum class Kind { kAllreduce, kReduceScatter, kAllGather };
@@ -134,7 +138,9 @@ class MpiCommunicator final : public Communicator {
   MPI_Comm comm_ = MPI_COMM_NULL;
   MPI_Comm heartbeat_comm_ = MPI_COMM_NULL;
   int rank_ = 0, size_ = 1;
-  bool broken_ = false;  // a wait timed out: requests may still be in flight
+  bool broken_ = false;  // timed out, aborted or closed: requests may still be in flight (not closed)
+  bool closed_ = false;
+  std::string broken_why_;
   std::vector<MPI_Request> pending_;
   std::vector<Kind> pending_kind_;  // the collective each request of pending_ belongs to
   // Count and displacement arrays of the all-gathers started, [0, arrays_used_)
@@ -167,7 +173,8 @@ class MpiCommunicator final : public Communicator {
       int stamp = -1;  // index in timed_, or -1
     };
     std::deque<Queued> queue;  // guarded by m: submitted, not yet started, in order
-    uint64_t submitted = 0, finished = 0;
+    // Dropped jobs count as started and finished.
+    uint64_t submitted = 0, started = 0, finished = 0;
     Kind running = Kind::kAllreduce;             // the job started last (while finished < submitted)
     std::vector<std::pair<int, double>> stamps;  // (stamp, steady seconds) of finished stamped jobs
     std::vector<int> arrays;                     // the all-gather's counts and displacements
@@ -175,6 +182,7 @@ class MpiCommunicator final : public Communicator {
     bool stop = false, drop = false;             // stop once the queue is empty, or at once (drop)
     int rc = MPI_SUCCESS;                        // the first failure since the last wait, and its job's kind
     Kind failed = Kind::kAllreduce;
+    void drop_queue();  // with m held: nothing queued will start, and the worker stops
   };
   std::shared_ptr<Worker> worker_state_ = std::make_shared<Worker>();
   std::thread worker_;  // started on first use

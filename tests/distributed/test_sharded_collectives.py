@@ -4,9 +4,9 @@ under a timeout (the worker thread with MPI_THREAD_MULTIPLE, non-blocking calls
 without it), queued (to the worker thread, or non-blocking calls), and stamped for
 collective timing. Run under mpirun with the rest of
 tests/distributed (tests/test_launch.py), and on its own it launches itself at 1, 2
-and 3 ranks, and at 2 and 3 ranks without MPI_THREAD_MULTIPLE
-(MGPU_TEST_THREAD_LEVEL=serialized). Parts larger than one MPI chunk are not tested:
-the chunk sizes have no test hook, and such parts are too slow here."""
+and 3 ranks, at 2 and 3 ranks without MPI_THREAD_MULTIPLE
+(MGPU_TEST_THREAD_LEVEL=serialized), and at 3 ranks where only rank 1 lacks it (mixed).
+Parts larger than one MPI chunk are not tested: the chunk sizes have no test hook, and such parts are too slow here."""
 
 import os
 import time
@@ -15,8 +15,19 @@ import mpi4py
 import numpy as np
 import pytest
 
+
+def _thread_level() -> str:
+    """The level this rank asks for: MGPU_TEST_THREAD_LEVEL, where "mixed" gives rank 1
+    MPI_THREAD_SERIALIZED and the others MPI_THREAD_MULTIPLE (the ranks must agree on how
+    queued collectives run)."""
+    asked = os.environ.get("MGPU_TEST_THREAD_LEVEL", "multiple")
+    if asked == "mixed":
+        return "serialized" if os.environ.get("OMPI_COMM_WORLD_RANK") == "1" else "multiple"
+    return asked
+
+
 if os.environ.get("MGPU_TEST_THREAD_LEVEL"):  # before MPI is initialised (only when this file runs alone)
-    mpi4py.rc.thread_level = os.environ["MGPU_TEST_THREAD_LEVEL"]
+    mpi4py.rc.thread_level = _thread_level()
 from mpi4py import MPI  # noqa: E402
 
 import mgpu  # noqa: E402
@@ -25,6 +36,8 @@ from mgpu import _core  # noqa: E402
 WORLD = MPI.COMM_WORLD
 RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
 UNDER_MPIRUN = "OMPI_COMM_WORLD_SIZE" in os.environ
+# Queued collectives run on the worker thread where every rank has MPI_THREAD_MULTIPLE.
+ON_WORKER = WORLD.allreduce(MPI.Query_thread(), op=MPI.MIN) == MPI.THREAD_MULTIPLE
 
 
 def communicator(timeout=0.0):
@@ -125,7 +138,7 @@ def test_blocking_collectives_wait_for_the_queued_ones(timeout):
     comm.reduce_scatter_sum_async(rs, parts)
     comm.allreduce_sum_async(a)
     comm.broadcast(b, SIZE - 1)
-    if MPI.Query_thread() == MPI.THREAD_MULTIPLE:  # the worker's: both finished when the broadcast began
+    if ON_WORKER:  # the worker's: both finished when the broadcast began
         times = comm.collective_times()
         assert len(times) == 2 and all(0 <= launch <= done for launch, done in times), times
     comm.barrier()
@@ -177,9 +190,71 @@ def test_parts_must_be_one_per_rank():
     comm.barrier()
 
 
+@pytest.mark.parametrize("timeout", [0.0, 30.0])
+@pytest.mark.parametrize("call", ["allreduce_sum", "reduce_scatter_sum", "all_gather", "broadcast", "barrier"])
+def test_every_blocking_call_lets_the_queue_finish_first(timeout, call):
+    # A call of this thread on the communicator while the worker has collectives queued
+    # waits for them (one order on every rank): the queued allreduce is stamped done by
+    # the time the call returns, and both results are exact.
+    comm = communicator(timeout)
+    parts = [3 + r for r in range(SIZE)]
+    queued = np.full(700, RANK + 1, np.float32)
+    data, total = inputs(parts)
+    WORLD.Barrier()
+    comm.start_collective_timing()
+    comm.allreduce_sum_async(queued)
+    if call == "broadcast":
+        comm.broadcast(data, 0)
+    elif call == "barrier":
+        comm.barrier()
+    elif call == "allreduce_sum":
+        comm.allreduce_sum(data)
+    else:
+        getattr(comm, call)(data, parts)
+    if ON_WORKER:  # the worker's queue (else requests only a wait completes)
+        times = comm.collective_times()
+        assert len(times) == 1 and 0 <= times[0][0] <= times[0][1], times
+    comm.wait_all()
+    assert np.all(queued == SIZE * (SIZE + 1) / 2)
+    if call == "allreduce_sum":
+        assert np.array_equal(data, total)
+    elif call == "reduce_scatter_sum":
+        assert np.array_equal(data[own(parts)], total[own(parts)])
+
+
+@pytest.mark.parametrize("queued", [False, True])
+def test_an_abort_makes_later_calls_fail_naming_it(queued):
+    # After an error unwound a step, the peers may wait in collectives of that step: this
+    # rank's next call must not meet them, whether or not anything of it was still queued.
+    comm = communicator(30.0)
+    if queued:  # completed before the abort: the peers are not left waiting
+        comm.allreduce_sum_async(np.ones(10, np.float32))
+        comm.wait_all()
+    WORLD.Barrier()
+    comm.abort("step 3 failed on this rank: testing")
+    for call in (comm.barrier, lambda: comm.allreduce_sum_async(np.ones(4, np.float32))):
+        with pytest.raises(mgpu.CommError, match=r"unusable: aborted \(step 3 failed on this rank: testing\)"):
+            call()
+
+
+def test_close_completes_what_is_queued_and_ends_the_communicator():
+    comm = communicator(30.0)
+    parts = [5 + r for r in range(SIZE)]
+    data, total = inputs(parts)
+    comm.reduce_scatter_sum_async(data, parts)
+    comm.close()
+    assert np.array_equal(data[own(parts)], total[own(parts)])
+    with pytest.raises(mgpu.CommError, match="unusable: it was closed"):
+        comm.allreduce_sum(np.ones(4, np.float32))
+    comm.close()  # again: nothing
+    comm.abort("after the end")  # nothing either: the message stays the close's
+    with pytest.raises(mgpu.CommError, match="it was closed"):
+        comm.barrier()
+
+
 def test_the_thread_level_is_the_one_asked_for():
-    asked = os.environ.get("MGPU_TEST_THREAD_LEVEL", "multiple")
-    if asked != "multiple" and not UNDER_MPIRUN:
+    asked = _thread_level()
+    if os.environ.get("MGPU_TEST_THREAD_LEVEL", "multiple") != "multiple" and not UNDER_MPIRUN:
         pytest.skip("the thread level is only set when this file runs under mpirun")
     levels = {"multiple": MPI.THREAD_MULTIPLE, "serialized": MPI.THREAD_SERIALIZED}
     assert MPI.Query_thread() == levels[asked]
@@ -187,7 +262,8 @@ def test_the_thread_level_is_the_one_asked_for():
 
 @pytest.mark.skipif(UNDER_MPIRUN, reason="launches mpirun itself; never from inside a rank")
 @pytest.mark.parametrize(
-    "ranks, level", [(1, "multiple"), (2, "multiple"), (3, "multiple"), (2, "serialized"), (3, "serialized")]
+    "ranks, level",
+    [(1, "multiple"), (2, "multiple"), (3, "multiple"), (2, "serialized"), (3, "serialized"), (3, "mixed")],
 )
 def test_under_mpirun(ranks, level):
     from conftest import PYTHON, mpi_env, mpirun
