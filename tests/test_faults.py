@@ -345,8 +345,10 @@ if world.rank == 0:
         comm.wait_all()
     except _core.CommError as e:
         print(f"rank 0: CommError after {time.monotonic() - t0:.2f} s: {e}", flush=True)
+    print(f"rank 0: may still write {comm.may_write_after_failure}", flush=True)  # the first, running
     time.sleep(5)  # rank 1 offers its three collectives meanwhile
     print(f"rank 0: changed {[int(not np.all(b == 1)) for b in bufs]}", flush=True)
+    print(f"rank 0: then may still write {comm.may_write_after_failure}", flush=True)
     try:
         comm.barrier()
     except _core.CommError as e:
@@ -379,6 +381,8 @@ def test_collectives_queued_behind_a_timed_out_one_never_start(tmp_path):
     named = re.search(r"rank 0: CommError after ([\d.]+) s: reduce-scatter at step 0 did not complete within 1 s", out)
     assert named and float(named.group(1)) < 1.9, out[-2000:]
     assert "rank 0: changed [1, 0, 0]" in out, out[-2000:]
+    # until the peer completed it, the first could still write its buffer (keep it alive)
+    assert "rank 0: may still write True" in out and "rank 0: then may still write False" in out, out[-2000:]
     assert "rank 1: completed 1" in out, out[-2000:]
     assert re.search(r"rank 0: then the MPI communicator is unusable: an earlier reduce-scatter .* \(a timeout\)", out)
 

@@ -353,6 +353,9 @@ void bind_communicators(py::module_& m) {
       .def("abort", &Communicator::abort, py::arg("why"),
            "Ends collectives in flight without the peers (after an error); local, never blocks; later "
            "calls raise CommError.")
+      .def_property_readonly("may_write_after_failure", &Communicator::may_write_after_failure,
+                             "After a timeout or an abort: whether a collective it could not end may still "
+                             "write the buffers it was given (keep them alive).")
       .def(
           "allreduce_sum",
           [](Communicator& c, py::array a) {

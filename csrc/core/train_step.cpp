@@ -177,6 +177,13 @@ void DataParallelStep::set_loss_scale(float scale) {
   loss_scale_ = scale;
 }
 
+DataParallelStep::~DataParallelStep() {
+  if (!comm_ || !comm_->may_write_after_failure()) return;
+  new std::shared_ptr<MLP>(model_);  // NOLINT: deliberately never freed (its gradients and parameters)
+  new BackendArray<float>(std::move(shard_sums_));
+  new BackendArray<uint16_t>(std::move(half_grads_));
+}
+
 // What one call of step() shares between its phases.
 struct DataParallelStep::Run {
   const std::vector<MicroShard>& shards;

@@ -161,6 +161,12 @@ class DataParallelStep {
  public:
   DataParallelStep(std::shared_ptr<MLP> model, std::shared_ptr<Optimizer> optimizer, std::shared_ptr<Communicator> comm,
                    LossKind loss, StepOptions options);
+  // Keeps (leaks) the model and the buffers collectives write where the
+  // communicator cannot rule out a write still to come (a timed-out MPI
+  // collective a live peer may yet complete): never freed under it.
+  ~DataParallelStep();
+  DataParallelStep(const DataParallelStep&) = delete;
+  DataParallelStep& operator=(const DataParallelStep&) = delete;
 
   // One optimizer step over K micro-batches (gradient accumulation when K > 1):
   // this rank's shards (any may have 0 rows) of a global batch of global_batch
