@@ -62,6 +62,11 @@ inline unsigned grid_for(size_t n, int threads = kThreads) {
   return static_cast<unsigned>(std::max<size_t>(1, std::min<size_t>(blocks, size_t{1} << 16)));
 }
 
+// Whether a grid-stride loop over n elements (grid_for(n) blocks of kThreads) can count
+// in 32 bits without its index wrapping: a kernel that divides by a row width per
+// element then takes a 32-bit division (a 64-bit one is a long instruction sequence).
+inline bool indexes_in_32_bits(size_t n) { return n < (size_t{1} << 32) - 2 * size_t(kThreads) * grid_for(n); }
+
 // Sum of v over a block of kThreads threads, as a fixed binary tree in shared
 // memory; every thread gets the result. Call from all threads of the block.
 __device__ __forceinline__ double block_sum(double v, double* smem) {

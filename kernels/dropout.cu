@@ -81,15 +81,17 @@ __global__ void relu_kernel(float* __restrict__ h, size_t n, HalfShadow shadow) 
 // One thread per (row, counter): one Philox call serves the row's four units
 // g, g + G, g + 2G, g + 3G; neighbouring threads touch neighbouring units.
 // replay (nullable): the step and first sample to use instead of m's (captured graphs; see Backend).
+// Count: uint32_t where indexes_in_32_bits(B * groups) (the row and counter in 32-bit arithmetic), else size_t.
+template <typename Count>
 __global__ void relu_dropout_kernel(float* __restrict__ h, int B, MaskParams m, const ReplayArgs* replay,
                                     HalfShadow shadow) {
   if (replay) {
     m.step = static_cast<uint32_t>(replay->step);
     m.first_sample = replay->first_sample;
   }
-  const size_t total = size_t(B) * m.groups;
-  for (size_t t = blockIdx.x * size_t(blockDim.x) + threadIdx.x; t < total; t += size_t(gridDim.x) * blockDim.x) {
-    const int b = static_cast<int>(t / m.groups), g = static_cast<int>(t % m.groups);
+  const Count total = Count(B) * Count(m.groups), groups = Count(m.groups);
+  for (Count t = blockIdx.x * Count(blockDim.x) + threadIdx.x; t < total; t += Count(gridDim.x) * blockDim.x) {
+    const int b = static_cast<int>(t / groups), g = static_cast<int>(t % groups);
     const uint4 w = mask_words(m, b, g);
     float* row = h + size_t(b) * m.C;
 #pragma unroll
@@ -126,7 +128,11 @@ void relu_dropout_forward(float* h, int B, int C, float p, const DropoutKey& key
     return;
   }
   const MaskParams m = mask_params(C, p, key);
-  MGPU_LAUNCH(relu_dropout_kernel, grid_for(size_t(B) * m.groups), kThreads, 0, stream)(h, B, m, replay, shadow);
+  const size_t units = size_t(B) * m.groups;
+  if (indexes_in_32_bits(units))
+    MGPU_LAUNCH(relu_dropout_kernel<uint32_t>, grid_for(units), kThreads, 0, stream)(h, B, m, replay, shadow);
+  else
+    MGPU_LAUNCH(relu_dropout_kernel<size_t>, grid_for(units), kThreads, 0, stream)(h, B, m, replay, shadow);
   MGPU_CUDA_CHECK_LAUNCH("relu_dropout_kernel");
 }
 

@@ -16,8 +16,10 @@ namespace kernels {
 
 namespace {
 
-__global__ void broadcast_rows_kernel(float* __restrict__ out, const float* __restrict__ bias, size_t n, int C) {
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
+// Count: uint32_t where indexes_in_32_bits(n) (the column in 32-bit arithmetic), else size_t.
+template <typename Count>
+__global__ void broadcast_rows_kernel(float* __restrict__ out, const float* __restrict__ bias, Count n, Count C) {
+  for (Count i = blockIdx.x * Count(blockDim.x) + threadIdx.x; i < n; i += Count(gridDim.x) * blockDim.x)
     out[i] = bias[i % C];
 }
 
@@ -32,7 +34,7 @@ __global__ void axpy_kernel(float* __restrict__ y, const float* __restrict__ x, 
 }
 
 // One thread a word; consecutive threads read consecutive words of a row (coalesced).
-// Word counts below 2^32 divide in 32 bits (a 64-bit division is a long instruction sequence).
+// Count as broadcast_rows_kernel's.
 template <typename Count>
 __global__ void gather_rows_kernel(uint32_t* __restrict__ dst, const uint32_t* __restrict__ src,
                                    const int64_t* __restrict__ index, Count n, Count W) {
@@ -63,7 +65,10 @@ void convert(void* out, const void* in, size_t n, cudaStream_t stream, const cha
 void broadcast_rows(float* out, const float* bias, int B, int C, cudaStream_t stream) {
   const size_t n = size_t(B) * C;
   if (n == 0) return;
-  MGPU_LAUNCH(broadcast_rows_kernel, grid_for(n), kThreads, 0, stream)(out, bias, n, C);
+  if (indexes_in_32_bits(n))
+    MGPU_LAUNCH(broadcast_rows_kernel<uint32_t>, grid_for(n), kThreads, 0, stream)(out, bias, uint32_t(n), uint32_t(C));
+  else
+    MGPU_LAUNCH(broadcast_rows_kernel<size_t>, grid_for(n), kThreads, 0, stream)(out, bias, n, size_t(C));
   MGPU_CUDA_CHECK_LAUNCH("broadcast_rows_kernel");
 }
 
@@ -82,7 +87,7 @@ void axpy(float* y, const float* x, size_t n, float alpha, cudaStream_t stream) 
 void gather_rows(uint32_t* dst, const uint32_t* src, const int64_t* index, int rows, int W, cudaStream_t stream) {
   const size_t n = size_t(rows) * W;
   if (n == 0) return;
-  if (n < (size_t{1} << 32) - 2 * size_t(kThreads) * grid_for(n)) {  // i never wraps in 32 bits
+  if (indexes_in_32_bits(n)) {
     MGPU_LAUNCH(gather_rows_kernel<uint32_t>, grid_for(n), kThreads, 0, stream)
     (dst, src, index, uint32_t(n), uint32_t(W));
   } else {
