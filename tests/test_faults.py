@@ -328,6 +328,8 @@ def test_a_rank_frozen_in_sharded_collectives_is_named_within_the_timeout(tmp_pa
 
 QUEUE_AFTER_TIMEOUT = """
 import os, sys, time
+import mpi4py
+mpi4py.rc.thread_level = "multiple"  # the worker's queue
 from mpi4py import MPI
 import numpy as np
 from mgpu import _core
@@ -385,6 +387,42 @@ def test_collectives_queued_behind_a_timed_out_one_never_start(tmp_path):
     assert "rank 0: may still write True" in out and "rank 0: then may still write False" in out, out[-2000:]
     assert "rank 1: completed 1" in out, out[-2000:]
     assert re.search(r"rank 0: then the MPI communicator is unusable: an earlier reduce-scatter .* \(a timeout\)", out)
+
+
+BLOCKING_TIMEOUT_SERIALIZED = """
+import os, time
+import mpi4py
+mpi4py.rc.thread_level = "serialized"  # no worker: the blocking call's non-blocking requests, waited for here
+from mpi4py import MPI
+import numpy as np
+from mgpu import _core
+world = MPI.COMM_WORLD
+comm = _core.MpiCommunicator(MPI._handleof(world))
+comm.timeout = 1.0
+buf = np.ones(1 << 12, np.float32)
+world.Barrier()
+if world.rank == 0:
+    try:
+        comm.allreduce_sum(buf)
+    except _core.CommError as e:
+        print(f"rank 0: CommError: {e}", flush=True)
+    print(f"rank 0: may still write {comm.may_write_after_failure}", flush=True)
+else:
+    time.sleep(3)
+os._exit(0)
+"""
+
+
+def test_a_timed_out_blocking_call_says_its_buffer_may_still_be_written(tmp_path):
+    # Without MPI_THREAD_MULTIPLE a blocking call under a deadline is a non-blocking one
+    # waited for; timed out, its request is left to a peer that may still come: the
+    # communicator must say so, or the step would free the gradients under it.
+    script = tmp_path / "blocking.py"
+    script.write_text(BLOCKING_TIMEOUT_SERIALIZED)
+    r = mpirun(2, [PYTHON, script], timeout=120)
+    out = r.stdout + r.stderr
+    assert "rank 0: CommError: allreduce at step 0 did not complete within 1 s" in out, out[-2000:]
+    assert "rank 0: may still write True" in out, out[-2000:]
 
 
 def test_diverging_run_stops_on_every_rank_without_a_bad_checkpoint(tmp_path):

@@ -660,12 +660,17 @@ void DataParallelStep::gather_optimizer_state(const std::string& name, float* ho
   optimizer_->get_state(name, host_dst + shard_offset_);
   BackendArray<float> piece(&be, *std::max_element(shard_sizes_.begin(), shard_sizes_.end()));
   size_t offset = 0;
-  for (size_t r = 0; r < shard_sizes_.size(); offset += shard_sizes_[r], ++r) {
-    const size_t n = shard_sizes_[r];
-    if (!n) continue;
-    if (r == size_t(comm_->rank())) be.copy_to_backend(piece.data(), host_dst + offset, n * sizeof(float));
-    comm_->broadcast(piece.data(), n, static_cast<int>(r));
-    be.copy_to_host(host_dst + offset, piece.data(), n * sizeof(float));
+  try {
+    for (size_t r = 0; r < shard_sizes_.size(); offset += shard_sizes_[r], ++r) {
+      const size_t n = shard_sizes_[r];
+      if (!n) continue;
+      if (r == size_t(comm_->rank())) be.copy_to_backend(piece.data(), host_dst + offset, n * sizeof(float));
+      comm_->broadcast(piece.data(), n, static_cast<int>(r));
+      be.copy_to_host(host_dst + offset, piece.data(), n * sizeof(float));
+    }
+  } catch (...) {  // a broadcast that timed out may still write the buffer: never freed then
+    if (comm_->may_write_after_failure()) new BackendArray<float>(std::move(piece));
+    throw;
   }
 }
 

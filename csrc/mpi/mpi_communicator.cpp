@@ -126,6 +126,7 @@ MpiCommunicator::MpiCommunicator(uintptr_t handle) {
   // every rank takes the same path, MPI_THREAD_MULTIPLE only where all have it.
   int level = MPI_THREAD_SINGLE;
   int multiple = MPI_Query_thread(&level) == MPI_SUCCESS && level == MPI_THREAD_MULTIPLE ? 1 : 0;
+  heartbeat_any_thread_ = multiple == 1;  // this rank's own: thread safety is per process
   check(MPI_Allreduce(MPI_IN_PLACE, &multiple, 1, MPI_INT, MPI_MIN, comm_), "MPI_Allreduce");
   thread_multiple_ = multiple == 1;
 
@@ -161,18 +162,29 @@ MpiCommunicator::~MpiCommunicator() {
     else
       worker_.join();
   }
-  // After a timeout or an abort, collectives may never complete: leave them (the job is ending).
-  if (finalized || (broken_ && !closed_)) return;
+  if (finalized) return;
+  end_heartbeats();
+  // After a timeout or an abort, collectives may never complete: leave them and comm_ (the job is ending).
+  if (broken_ && !closed_) return;
   if (!pending_.empty()) MPI_Waitall(static_cast<int>(pending_.size()), pending_.data(), MPI_STATUSES_IGNORE);
+  MPI_Comm_free(&heartbeat_comm_);
+  MPI_Comm_free(&comm_);
+}
+
+void MpiCommunicator::end_heartbeats() {
   for (MPI_Request& r : heartbeat_recvs_)
     if (r != MPI_REQUEST_NULL) {
       MPI_Cancel(&r);
-      MPI_Request_free(&r);
+      MPI_Wait(&r, MPI_STATUS_IGNORE);  // returns at once for a cancelled receive: incoming_ is free after it
     }
+  int sent = 1;
+  if (!heartbeat_sends_.empty() && MPI_Testall(static_cast<int>(heartbeat_sends_.size()), heartbeat_sends_.data(),
+                                               &sent, MPI_STATUSES_IGNORE) != MPI_SUCCESS)
+    sent = 0;
+  if (sent) return;
   for (MPI_Request& r : heartbeat_sends_)
-    if (r != MPI_REQUEST_NULL) MPI_Request_free(&r);  // completes in the background
-  MPI_Comm_free(&heartbeat_comm_);
-  MPI_Comm_free(&comm_);
+    if (r != MPI_REQUEST_NULL) MPI_Request_free(&r);  // completes in the background, reading outgoing_:
+  outgoing_.release();                                // deliberately never freed
 }
 
 void MpiCommunicator::ensure_usable() const {
@@ -186,7 +198,7 @@ void MpiCommunicator::mark_broken(std::string why) {
 
 bool MpiCommunicator::may_write_after_failure() const {
   if (!broken_) return false;
-  if (!pending_.empty()) return true;
+  if (!pending_.empty() || !abandoned_.empty()) return true;
   std::lock_guard<std::mutex> lock(worker_state_->m);
   return worker_state_->started > worker_state_->finished;  // a job the worker could not be stopped in
 }
@@ -262,7 +274,12 @@ void MpiCommunicator::wait(std::vector<MPI_Request>& requests, const char* what)
         drain_heartbeats();
         next_beat = now + beat_interval;
       }
-      if (now > deadline) fail_timeout(what ? what : first_open_kind(), 2.5 * beat_interval);
+      if (now > deadline) {
+        if (!is_pending)  // pending_ keeps its own; these may still write the caller's memory
+          for (MPI_Request r : requests)
+            if (r != MPI_REQUEST_NULL) abandoned_.push_back(r);
+        fail_timeout(what ? what : first_open_kind(), 2.5 * beat_interval);
+      }
       sched_yield();  // share the core with a peer rank on an oversubscribed node
     }
   }
@@ -277,7 +294,7 @@ void MpiCommunicator::fail_timeout(const char* what, double silence) {
   throw CommError(msg.str());
 }
 
-bool MpiCommunicator::heartbeat_from_any_thread() const { return thread_multiple_; }
+bool MpiCommunicator::heartbeat_from_any_thread() const { return heartbeat_any_thread_; }
 
 void MpiCommunicator::heartbeat() {
   send_heartbeat();
@@ -339,10 +356,11 @@ void MpiCommunicator::send_heartbeat() {
     sent = 0;
   if (!sent) return;
   heartbeat_sends_.assign(watched_.size(), MPI_REQUEST_NULL);
-  outgoing_ = sequence_;
+  *outgoing_ = sequence_;
   for (size_t i = 0; i < watched_.size(); ++i)
-    check(MPI_Isend(&outgoing_, 1, MPI_UINT64_T, watched_[i], kHeartbeatTag, heartbeat_comm_, &heartbeat_sends_[i]),
-          "MPI_Isend");
+    check(
+        MPI_Isend(outgoing_.get(), 1, MPI_UINT64_T, watched_[i], kHeartbeatTag, heartbeat_comm_, &heartbeat_sends_[i]),
+        "MPI_Isend");
 }
 
 void MpiCommunicator::allreduce_sum(float* data, size_t count) { run({Kind::kAllreduce, data, count, nullptr}); }
@@ -538,7 +556,7 @@ void MpiCommunicator::wait_worker(uint64_t ticket) {
   Worker& w = *worker_state_;
   std::unique_lock<std::mutex> lock(w.m);
   if (timeout_seconds_ <= 0.0) {
-    w.done_cv.wait(lock, [&] { return w.finished >= ticket; });
+    w.done_cv.wait(lock, [&] { return w.finished >= ticket || w.drop; });
   } else {
     // Blocked, not spinning: the worker (and a peer rank on the same cores) needs the CPU.
     const double beat_interval = std::min(1.0, timeout_seconds_ / 4);
@@ -565,6 +583,11 @@ void MpiCommunicator::wait_worker(uint64_t ticket) {
         lock.lock();
       }
     }
+  }
+  if (w.drop) {  // aborted from another thread: what this wait covered may never have run
+    lock.unlock();
+    ensure_usable();
+    throw CommError("the MPI communicator was aborted while a collective waited");
   }
   for (const auto& [stamp, done] : w.stamps)
     if (timing_ && stamp < static_cast<int>(timed_.size()))

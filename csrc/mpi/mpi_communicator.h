@@ -131,6 +131,8 @@ class MpiCommunicator final : public Communicator {
   std::vector<int>& next_arrays();
   [[noreturn]] void fail_timeout(const char* what, double silence);
   void drain_heartbeats();
+  // At the end: the heartbeats' receives cancelled, sends still in flight left with their buffer.
+  void end_heartbeats();
   void send_heartbeat();
   // Peers that reached this step but have not been heard from for `silence` seconds.
   std::vector<int> silent_peers(double silence);
@@ -147,8 +149,12 @@ class MpiCommunicator final : public Communicator {
   // in use; kept (inner buffers keep their address when the outer grows).
   std::vector<std::vector<int>> arrays_;
   size_t arrays_used_ = 0;
-  std::vector<float> window_;  // a blocking reduce-scatter's ring window, on this thread
-  bool thread_multiple_ = false;
+  std::vector<float> window_;          // a blocking reduce-scatter's ring window, on this thread
+  bool thread_multiple_ = false;       // every rank has MPI_THREAD_MULTIPLE: queued collectives on the worker
+  bool heartbeat_any_thread_ = false;  // this rank has it
+  // Requests of blocking calls that timed out: never waited for, never freed (their
+  // memory may still be written: may_write_after_failure).
+  std::vector<MPI_Request> abandoned_;
   // Collective timing: (launch, done) of each async collective since
   // start_collective_timing (seconds since it; done < 0 while open), the
   // requests each has open, and the collective each request of pending_ belongs to.
@@ -194,7 +200,8 @@ class MpiCommunicator final : public Communicator {
   std::vector<MPI_Request> heartbeat_recvs_;
   std::vector<MPI_Request> heartbeat_sends_;
   uint64_t sequence_ = 0;  // begin_step calls so far (same on every rank)
-  uint64_t outgoing_ = 0;  // send buffer: must outlive the sends
+  // Send buffer: must outlive the sends (leaked by a broken communicator whose sends remain).
+  std::unique_ptr<uint64_t> outgoing_ = std::make_unique<uint64_t>(0);
 };
 
 // Version string of the MPI library linked at run time.
