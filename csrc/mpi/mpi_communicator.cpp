@@ -177,11 +177,7 @@ void MpiCommunicator::end_heartbeats() {
       MPI_Cancel(&r);
       MPI_Wait(&r, MPI_STATUS_IGNORE);  // returns at once for a cancelled receive: incoming_ is free after it
     }
-  int sent = 1;
-  if (!heartbeat_sends_.empty() && MPI_Testall(static_cast<int>(heartbeat_sends_.size()), heartbeat_sends_.data(),
-                                               &sent, MPI_STATUSES_IGNORE) != MPI_SUCCESS)
-    sent = 0;
-  if (sent) return;
+  if (heartbeats_sent()) return;
   for (MPI_Request& r : heartbeat_sends_)
     if (r != MPI_REQUEST_NULL) MPI_Request_free(&r);  // completes in the background, reading outgoing_:
   outgoing_.release();                                // deliberately never freed
@@ -346,15 +342,19 @@ void MpiCommunicator::begin_step(uint64_t step) {
   send_heartbeat();
 }
 
-void MpiCommunicator::send_heartbeat() {
-  if (watched_.empty()) return;
-  // Never block on a heartbeat: if the previous ones are still in flight (a
-  // peer is not receiving), skip this one.
+bool MpiCommunicator::heartbeats_sent() {
   int sent = 1;
   if (!heartbeat_sends_.empty() && MPI_Testall(static_cast<int>(heartbeat_sends_.size()), heartbeat_sends_.data(),
                                                &sent, MPI_STATUSES_IGNORE) != MPI_SUCCESS)
     sent = 0;
-  if (!sent) return;
+  return sent != 0;
+}
+
+void MpiCommunicator::send_heartbeat() {
+  if (watched_.empty()) return;
+  // Never block on a heartbeat: if the previous ones are still in flight (a
+  // peer is not receiving), skip this one.
+  if (!heartbeats_sent()) return;
   heartbeat_sends_.assign(watched_.size(), MPI_REQUEST_NULL);
   *outgoing_ = sequence_;
   for (size_t i = 0; i < watched_.size(); ++i)
@@ -561,13 +561,8 @@ void MpiCommunicator::wait_worker(uint64_t ticket) {
     // Blocked, not spinning: the worker (and a peer rank on the same cores) needs the CPU.
     const double beat_interval = std::min(1.0, timeout_seconds_ / 4);
     const double deadline = now_seconds() + timeout_seconds_;
-    while (w.finished < ticket) {
+    while (w.finished < ticket && !w.drop) {
       const double now = now_seconds();
-      if (w.drop) {  // aborted (from another thread) while this one waited
-        lock.unlock();
-        ensure_usable();
-        throw CommError("the MPI communicator was aborted while a collective waited");
-      }
       if (now > deadline) {
         const Kind open = w.running;
         w.drop_queue();  // nothing more starts: the caller may free what they would use

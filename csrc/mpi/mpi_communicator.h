@@ -134,6 +134,7 @@ class MpiCommunicator final : public Communicator {
   // At the end: the heartbeats' receives cancelled, sends still in flight left with their buffer.
   void end_heartbeats();
   void send_heartbeat();
+  bool heartbeats_sent();  // every heartbeat send so far completed (tests them)
   // Peers that reached this step but have not been heard from for `silence` seconds.
   std::vector<int> silent_peers(double silence);
 
