@@ -271,7 +271,7 @@ struct Prediction {
   double optimizer_state_bytes = 0;  // optimizer state one device holds (sharded: its shard's)
   double step_s = 0;
   double samples_per_s = 0, speedup = 1, efficiency = 1;
-  double timing_spread_s = 0;  // how far a measured step may wander from step_s (calibrated CPUs: the ranks' jitter)
+  double timing_spread_s = 0;  // how far a measured step may wander beyond the bands (calibrated CPUs: profiles.py)
   // Central 80 % intervals (the profile's ErrorModel with the timing spread): the step's
   // seconds, and the speedup over one device (1 to 1 on one device).
   double step_low_s = 0, step_high_s = 0, speedup_low = 1, speedup_high = 1;

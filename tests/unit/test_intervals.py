@@ -1,6 +1,7 @@
-"""The model's error bands from the published tables (issue 42): the band's arithmetic, that
-held-out coverage leaves the scored table out, the error model a hardware profile stores, and
-that docs/selector-validation.md carries the current scores."""
+"""The model's error bands from the published tables (issue 42): the band's arithmetic (a
+held-out table's offset plus the scatter within tables), that held-out coverage leaves the
+scored table out, the spread between tables of one kind, the error model a hardware profile
+stores, and that docs/selector-validation.md carries the current scores."""
 
 import math
 from pathlib import Path
@@ -25,16 +26,29 @@ def gemm_rows():
     return iv.residuals(gf.validate(), "shape")
 
 
-def test_band_is_the_10th_and_90th_percentile_with_linear_interpolation():
-    assert iv.band(range(11)) == (1.0, 9.0)
-    assert iv.band([0.0, 1.0]) == pytest.approx((0.1, 0.9))
-    assert iv.band([3.0, -1.0, 0.5, 2.0]) == pytest.approx((-1.0 + 0.3 * 1.5, 2.0 + 0.7 * 1.0))
+def test_band_takes_the_10th_and_90th_percentile_at_plotting_positions_p_n_plus_1():
+    # positions 0.1 (n + 1) and 0.9 (n + 1) of the sorted values, 1-based, interpolated
+    assert iv.band(range(19)) == pytest.approx((1.0, 17.0))  # n + 1 = 20: the 2nd and 18th value
+    assert iv.band(np.arange(12) * 10.0) == pytest.approx((3.0, 107.0))  # 1.3rd and 11.7th of 0..110
+    # up to n = 9 the lowest and highest value: nothing narrower holds 80 % of new values
+    assert iv.band([3.0, -1.0, 0.5, 2.0]) == (-1.0, 3.0)
+    assert iv.band([0.0, 1.0]) == (0.0, 1.0)
     low, high = iv.band(np.linspace(-1, 1, 101))
-    assert (low, high) == pytest.approx((-0.8, 0.8)) and type(low) is float and type(high) is float
+    assert (low, high) == pytest.approx((-0.816, 0.816)) and type(low) is float and type(high) is float
+
+
+def test_a_band_of_few_values_holds_80_percent_of_new_values_of_their_spread():
+    rng = np.random.default_rng(42)
+    draws = rng.standard_normal((4000, 13))  # 12 values for a band, a 13th to judge it
+    inside = [lo <= d[12] <= hi for d in draws for lo, hi in [iv.band(d[:12])]]
+    assert 0.77 < np.mean(inside) < 0.83
+    # the values' own 10th-90th percentile, linear, holds about two thirds
+    linear = [lo <= d[12] <= hi for d in draws for lo, hi in [np.percentile(d[:12], [10, 90])]]
+    assert np.mean(linear) < 0.72
 
 
 def test_band_leaves_out_what_is_not_finite_and_needs_two_values():
-    assert iv.band([0.0, float("nan"), 1.0, float("inf"), -float("inf")]) == pytest.approx((0.1, 0.9))
+    assert iv.band([0.0, float("nan"), 1.0, float("inf"), -float("inf")]) == (0.0, 1.0)
     for few in ([], [0.5], [0.5, float("nan")], [float("inf")] * 3):
         with pytest.raises(mgpu.ConfigError, match="at least 2 finite"):
             iv.band(few)
@@ -54,51 +68,118 @@ def test_residuals_carry_the_log_ratio_of_measured_to_predicted():
     assert ar[0]["log_ratio"] == pytest.approx(math.log(ar[1]["measured_us"] / ar[1]["predicted_us"]))
 
 
-def _synthetic():
-    # Three ordinary tables whose points spread over [-0.1, 0.1], and one held-out table whose
-    # points lie well above them: in-sample they are 18 % of the points, most inside the pooled band.
-    rows = []
-    for i, table in enumerate(("a", "b", "c")):
-        for r in np.linspace(-0.1, 0.1, 30):
-            rows.append({"table": table, "role": "holdout" if i == 2 else "fit", "log_ratio": r + i * 1e-3})
-    rows += [{"table": "odd", "role": "holdout", "log_ratio": 0.3 + k * 1e-3} for k in range(20)]
+def pct(values):
+    """The 10th and 90th percentile of a distribution (system_band's pairings), interpolated."""
+    return tuple(np.percentile(values, [10, 90]))
+
+
+def _table(name, role, offset, scatter):
+    rows = [{"table": name, "role": role, "log_ratio": offset + d} for d in scatter]
     for r in rows:
         r["error"] = math.expm1(-r["log_ratio"])
+    return rows
+
+
+def test_system_band_adds_held_out_tables_offsets_to_the_scatter_within_tables():
+    flat = [0.0] * 5
+    rows = _table("fit", "fit", 1.0, flat) + [
+        r for i, off in enumerate((-0.2, 0.0, 0.2)) for r in _table(f"h{i}", "holdout", off, flat)
+    ]
+    # no scatter: the held-out offsets, once per point (20 of them); a fitted table's offset is not one
+    assert iv.system_band(rows) == pytest.approx(pct(np.repeat([-0.2, 0.0, 0.2], 20)))
+    assert iv.system_band(rows, leave_out="h2") == pytest.approx(pct(np.repeat([-0.2, 0.0], 15)))
+    assert iv.system_band(rows, leave_out="fit") == pytest.approx(iv.system_band(rows))
+    # no offsets: the band of each point less its own table's median, every table's points
+    scatter = np.linspace(-0.1, 0.1, 9)
+    centred = _table("fit", "fit", 0.7, scatter) + _table("h0", "holdout", 0.0, scatter)
+    centred += _table("h1", "holdout", 0.0, 2 * scatter)
+    expected = pct(np.tile(np.concatenate([scatter, scatter, 2 * scatter]), 2))
+    assert iv.system_band(centred) == pytest.approx(expected)
+    # both: every offset plus every scatter
+    both = _table("h0", "holdout", -0.1, scatter) + _table("h1", "holdout", 0.3, scatter)
+    sums = [off + d for off in (-0.1, 0.3) for d in np.concatenate([scatter, scatter])]
+    assert iv.system_band(both) == pytest.approx(pct(sums))
+    both.append({"table": "h1", "role": "holdout", "log_ratio": float("nan"), "error": float("nan")})
+    assert iv.system_band(both) == pytest.approx(pct(sums))
+
+
+def test_system_band_needs_two_held_out_tables():
+    rows = _table("fit", "fit", 0.0, [0.0, 0.1]) + _table("h0", "holdout", 0.1, [0.0, 0.1])
+    with pytest.raises(mgpu.ConfigError, match="at least 2 held-out tables, got 1"):
+        iv.system_band(rows)
+    rows += _table("h1", "holdout", -0.1, [0.0, 0.1])
+    iv.system_band(rows)
+    with pytest.raises(mgpu.ConfigError, match="got 1"):
+        iv.system_band(rows, leave_out="h0")
+
+
+def _synthetic():
+    # Two fitted tables spread over [-0.1, 0.1]; held-out tables c and d near them, and "odd"
+    # 0.3 above: other systems sat as far from their profile (e and f), so odd's band reaches it.
+    spread = np.linspace(-0.1, 0.1, 30)
+    rows = _table("a", "fit", 0.0, spread) + _table("b", "fit", 0.001, spread)
+    rows += _table("c", "holdout", 0.002, spread) + _table("d", "holdout", -0.02, spread)
+    rows += _table("e", "holdout", 0.28, spread[::3]) + _table("f", "holdout", 0.32, spread[::3])
+    rows += _table("odd", "holdout", 0.3, np.linspace(-0.02, 0.02, 20))
     return rows
 
 
 def test_held_out_coverage_leaves_the_scored_table_out():
     rows = _synthetic()
     s = iv.score(rows)
-    odd = [r for r in rows if r["table"] == "odd"]
+    held = [r for r in rows if r["role"] == "holdout"]
+    inside = [lo <= r["log_ratio"] <= hi for r in held for lo, hi in [iv.system_band(rows, leave_out=r["table"])]]
+    assert s["coverage"] == pytest.approx(np.mean(inside))
+    assert s["points"] == len(held) and s["tables"] == 5
+    # the offsets of e and f carry odd's band up to it; the pooled rule's band does not reach it
+    alone = iv.score(rows, exclude=["c", "d", "e", "f"])
+    assert alone["points"] == 20 and alone["tables"] == 1 and alone["coverage"] > 0.9
+    odd_only = [r for r in rows if r["table"] != "odd" or r["role"] == "holdout"]
+    pooled_low, pooled_high = iv.band(r["log_ratio"] for r in odd_only if r["table"] != "odd")  # the rule before
+    assert not any(pooled_low <= r["log_ratio"] <= pooled_high for r in rows if r["table"] == "odd")
+    assert iv.pooled_coverage(rows) < s["coverage"]
+    # without e and f no held-out system sat that far: odd falls outside
+    assert iv.score([r for r in rows if r["table"] not in ("e", "f")], exclude=["c", "d"])["coverage"] == 0.0
+    # the same figures in-sample for the fitted rows, against the band of every table
     low, high = s["band"]
-    assert np.mean([low <= r["log_ratio"] <= high for r in odd]) > 0.4  # the pooled band covers most
-    alone = iv.score(rows, exclude=["c"])  # only the outlying table scored
-    assert alone["points"] == 20 and alone["tables"] == 1 and alone["coverage"] == 0.0
-    # table c: its band from a, b and odd covers its points but the lowest ones
-    c = iv.score(rows, exclude=["odd"])
-    assert c["points"] == 30 and 0.7 < c["coverage"] < 1.0
-    assert s["coverage"] == pytest.approx((c["coverage"] * 30 + 0) / 50)
-    # the same figures in-sample for the fitted rows, against the pooled band
+    assert s["band"] == pytest.approx(iv.system_band(rows))
     fit = [r for r in rows if r["role"] == "fit"]
     assert s["fit"]["points"] == 60 and s["fit"]["tables"] == 2
     assert s["fit"]["coverage"] == pytest.approx(np.mean([low <= r["log_ratio"] <= high for r in fit]))
     assert s["fit"]["median_abs_error"] == pytest.approx(np.median([abs(r["error"]) for r in fit]))
-    assert s["p90_abs_error"] == pytest.approx(
-        np.percentile([abs(r["error"]) for r in rows if r["role"] == "holdout"], 90)
-    )
+    assert s["p90_abs_error"] == pytest.approx(np.percentile([abs(r["error"]) for r in held], 90))
     with pytest.raises(mgpu.ConfigError, match="no rows to score"):
-        iv.score(rows, exclude=["c", "odd"])
+        iv.score(rows, exclude=["c", "d", "e", "f", "odd"])
 
 
-def test_published_error_model_is_the_pooled_bands_and_a_fresh_copy_each_call():
+def test_between_systems_scores_a_model_exact_on_one_table_against_its_kind():
+    points = [
+        {"table": "x", "at": 1, "measured": 100.0},
+        {"table": "x", "at": 2, "measured": 100.0},
+        {"table": "y", "at": 1, "measured": 110.0},
+        {"table": "y", "at": 2, "measured": 125.0},
+        {"table": "y", "at": 3, "measured": 50.0},
+        {"table": "z", "at": 1, "measured": 400.0},
+        {"table": "w", "at": 1, "measured": 300.0},
+    ]
+    kind = {"x": "h100", "y": "h100", "z": "a100", "w": None}
+    out = iv.between_systems(points, kind)
+    assert out["pairs"] == [("x", "y", 2)] and out["points"] == 2
+    errors = [1 - 100 / 110, 0.1, 0.2, 0.25]
+    assert out["median_abs_error"] == pytest.approx(np.median(errors))
+    assert out["p90_abs_error"] == pytest.approx(np.percentile(errors, 90))
+    none = iv.between_systems(points, {"x": "h100", "y": "a100"})
+    assert none["pairs"] == [] and none["points"] == 0 and math.isnan(none["p90_abs_error"])
+
+
+def test_published_error_model_is_the_system_bands_and_a_fresh_copy_each_call():
     m = profiles.published_error_model()
     assert set(m) == {"compute", "comm", "compute_shared", "source"} and m["compute_shared"] is True
     for key, rows in (("compute", gemm_rows()), ("comm", comm_rows())):
         assert isinstance(m[key], list) and len(m[key]) == 2 and all(type(v) is float for v in m[key])
         low, high = m[key]
         assert low < 0 < high
-        assert (low, high) == pytest.approx(iv.band(r["log_ratio"] for r in rows))
+        assert (low, high) == pytest.approx(iv.system_band(rows))
         assert f"{len(rows)} " in m["source"]
     assert "GEMM" in m["source"] and "nccl-tests allreduce" in m["source"] and "10th-90th" in m["source"]
     m["compute"][0] = 99.0

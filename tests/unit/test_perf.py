@@ -855,6 +855,48 @@ def test_cores_that_changed_cache_domains_during_calibration_widen_the_multi_ran
     assert moved["candidates"][0]["timing_spread_ms"] == steady["candidates"][0]["timing_spread_ms"]
 
 
+def test_bands_of_timed_steps_take_no_steps_jitter_but_still_a_move_of_the_cores():
+    # a calibration's bands come from medians of timed steps: a step's jitter is in them
+    # already, while a wait that may meet the other placement of the cores is not
+    layers, batch = (64, 256, 256, 8), 32
+    base = device(flops=1e11, bandwidth=50e9, kind="cpu")
+    busy = {"params": [1e5, 1e6], "update_s": [1e-5, 1e-4], "wait_s": [5e-5, 5e-4], "ranks": 2}
+    busy["wait_spread_s"] = [2e-5, 2e-4]
+    alone = {**busy, "wait_spread_s": [1e-5, 1e-4], "ranks": 1}
+    measured = {
+        "compute": [-0.05, 0.05],
+        "compute_together": [-0.1, 0.1],
+        "comm": [-0.1, 0.1],
+        "speedup": [-0.2, 0.1],
+        "compute_shared": False,
+        "step_bands": True,
+        "source": "held-out steps",
+    }
+
+    def rec(error_model, readings=None):
+        prof = profile(
+            [{**base, "step_phases": busy, "step_phases_alone": alone}] * 2, alpha=1e-6, busbw=10e9, overlap=False
+        )
+        prof["error_model"] = error_model
+        if readings:
+            prof["placement"] = {"cpus": [0, 1], "readings_ns": readings, "wait_probe_ns": readings[1:3]}
+        return selector_recommend.recommend(layers=list(layers), batch_size=batch, devices=[1, 2], profile=prof)
+
+    timed, untimed = rec(measured), rec({**measured, "step_bands": False})
+    assert [c["timing_spread_ms"] for c in timed["candidates"]] == [0.0, 0.0]
+    assert all(c["timing_spread_ms"] > 0 for c in untimed["candidates"])
+    one, two = timed["candidates"]
+    assert math.log(two["speedup_interval"][1] / two["speedup_interval"][0]) / 2 == pytest.approx(0.15)
+    assert untimed["candidates"][1]["speedup_interval"][0] < two["speedup_interval"][0]
+    # the cores moved during the calibration: the wait joins the measured bands of several ranks
+    moved = rec(measured, [52.0, 55.0, 61.0, 330.0])
+    n_params = sum(i * o + o for i, o in zip(layers, layers[1:]))
+    wait = perf._phases_to_core(busy, "busy").wait_at(n_params)
+    assert moved["candidates"][1]["timing_spread_ms"] == pytest.approx(wait * 1e3, rel=1e-6)
+    assert moved["candidates"][0]["timing_spread_ms"] == 0.0
+    assert moved["candidates"][1]["speedup_interval"][0] < two["speedup_interval"][0]
+
+
 def test_a_second_placements_wait_is_priced_beside_the_first_and_weighted_by_its_share():
     # topo probed the wait with the cores at 52-55 ns, and again at 330-335 ns, where it was 3x
     layers, batch = (64, 256, 256, 8), 256

@@ -483,6 +483,13 @@ def summary(rows: List[dict]) -> List[dict]:
     return out
 
 
+def between_systems(rows: List[dict], published: dict) -> dict:
+    """intervals.between_systems over validate() rows: tables of one profile, node count and GPU count."""
+    kind = {t["id"]: (t["profile"], t["nodes"], t["gpus"]) for t in published["tables"]}
+    points = [{"table": r["table"], "at": r["bytes"], "measured": r["measured_us"]} for r in rows]
+    return intervals.between_systems(points, kind)
+
+
 def _size(b: float) -> str:
     for unit, scale in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
         if b >= scale:
@@ -539,7 +546,9 @@ def markdown(published: Optional[dict] = None, fit: Optional[dict] = None) -> st
             "not validated): " + ", ".join(missing) + ".",
         ]
     scores = intervals.scores_markdown(
-        intervals.residuals(rows, "bytes"), intervals.residuals(gemm_fit.validate(), "shape")
+        intervals.residuals(rows, "bytes"),
+        intervals.residuals(gemm_fit.validate(), "shape"),
+        between_systems(rows, published),
     )
     lines += ["", *scores.rstrip("\n").split("\n")]
     lines += ["", "## Sources", ""]

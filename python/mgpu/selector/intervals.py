@@ -1,12 +1,13 @@
 """Error bands of the performance model and their scores (issue 42): a prediction P carries the
 central 80 % interval [P exp(low), P exp(high)], where low and high are the 10th and 90th
-percentiles of r = log(measured / predicted) over residuals: the allreduce model's on nccl-tests
-tables, the GEMM rates' on GEMM tables (allreduce_fit and gemm_fit validate them; profiles
-pools them into a named profile's "error_model"), or a calibration's held-out steps (topo).
+percentiles of r = log(measured / predicted): over a calibration's held-out steps (topo, band),
+or, for a named GPU profile, over published tables (system_band: the allreduce model's on
+nccl-tests tables, the GEMM rates' on GEMM tables, which allreduce_fit and gemm_fit validate).
 
 score() says how far the point predictions and those intervals hold on tables the fits never
-saw, and scores_markdown() writes it into docs/selector-validation.md. Plain arithmetic on
-residual rows: this module imports no model.
+saw, between_systems() how far two published tables of one kind of system differ, and
+scores_markdown() writes both into docs/selector-validation.md. Plain arithmetic on residual
+rows: this module imports no model.
 """
 
 from __future__ import annotations
@@ -40,14 +41,46 @@ def known_miss_tables() -> List[str]:
     return sorted({table for table, _ in HELD_OUT_MISSES})
 
 
-def band(log_ratios: Iterable[float]) -> tuple:
-    """(10th, 90th percentile) of the finite log ratios (NaN and infinities are left out:
-    a point without a measurement says nothing of the spread), numpy's linear interpolation."""
-    values = np.asarray(list(log_ratios), dtype=float)
+def _finite_values(values: Iterable[float]) -> np.ndarray:
+    values = np.asarray(list(values), dtype=float)
     values = values[np.isfinite(values)]
     if values.size < 2:
         raise ConfigError(f"an error band needs at least 2 finite log ratios, got {values.size}")
-    low, high = np.percentile(values, QUANTILES)
+    return values
+
+
+def band(log_ratios: Iterable[float]) -> tuple:
+    """(10th, 90th percentile) of the finite log ratios (NaN and infinities are left out:
+    a point without a measurement says nothing of the spread) at the plotting positions
+    p (n + 1) (numpy's "weibull"; the lowest and highest value up to n = 9): a new ratio of the
+    same spread falls inside 80 % of the time however few the values, where the values' own
+    10th-90th percentile holds about 68 % of new ones at n = 12."""
+    low, high = np.percentile(_finite_values(log_ratios), QUANTILES, method="weibull")
+    return float(low), float(high)
+
+
+def _finite(rows: Iterable[dict]) -> List[dict]:
+    return [r for r in rows if math.isfinite(r["log_ratio"])]
+
+
+def system_band(rows: Sequence[dict], leave_out: str = "") -> tuple:
+    """The band of r for a system no table was measured on: r = the offset of a system from its
+    profile plus a point's residual within its system. Offsets: the median r of each held-out
+    table (a fitted table's sits near 0 by construction, so only held-out ones measure it);
+    residuals: each point's r less its own table's median, every table. The band is that of
+    every offset plus every residual. leave_out names a table left out of both (the band that
+    judges it)."""
+    rows = [r for r in _finite(rows) if r["table"] != leave_out]
+    by_table: dict = {}
+    for r in rows:
+        by_table.setdefault(r["table"], []).append(r)
+    median = {t: float(np.median([r["log_ratio"] for r in rs])) for t, rs in by_table.items()}
+    offsets = np.array([median[t] for t, rs in by_table.items() if rs[0]["role"] == "holdout"])
+    if offsets.size < 2:
+        raise ConfigError(f"a band for another system needs at least 2 held-out tables, got {offsets.size}")
+    within = np.array([r["log_ratio"] - median[r["table"]] for r in rows])
+    # the pairings are a distribution, not that many draws: its own percentiles, interpolated
+    low, high = np.percentile(_finite_values((offsets[:, None] + within[None, :]).ravel()), QUANTILES)
     return float(low), float(high)
 
 
@@ -67,16 +100,16 @@ def residuals(validated: Iterable[dict], where: str) -> List[dict]:
 
 
 def error_model(gemm: Sequence[dict], comm: Sequence[dict]) -> dict:
-    """{"compute": [low, high], "comm": [low, high], "compute_shared", "source"}: the bands of
-    every GEMM and every allreduce residual, fit and held-out tables pooled."""
+    """{"compute": [low, high], "comm": [low, high], "compute_shared", "source"}: the system
+    bands of every GEMM and every allreduce residual, fit and held-out tables together."""
     tables = lambda rows: len({r["table"] for r in rows})
     return {
-        "compute": list(band(r["log_ratio"] for r in gemm)),
-        "comm": list(band(r["log_ratio"] for r in comm)),
+        "compute": list(system_band(gemm)),
+        "comm": list(system_band(comm)),
         "compute_shared": True,
         "source": f"published tables: {len(gemm)} GEMM points ({tables(gemm)} tables), {len(comm)} nccl-tests "
-        f"allreduce points ({tables(comm)} tables); 10th-90th percentile of measured/predicted; no whole "
-        "GPU step measured against it yet",
+        f"allreduce points ({tables(comm)} tables); 10th-90th percentile of measured/predicted, a held-out "
+        "table's offset plus a point's scatter within its table; no whole GPU step measured against it yet",
     }
 
 
@@ -100,17 +133,17 @@ def score(rows: Sequence[dict], exclude: Iterable[str] = ()) -> dict:
     """How the point predictions and the 80 % intervals hold on residual rows of one kind.
 
     Held-out rows (role 'holdout', tables not in exclude): their |error| and the coverage of
-    bands built leaving their own table out (every other row, fit and held out, as a profile's
-    band would be built without that table). "fit": the same in-sample over the 'fit' rows,
-    against the band of all rows, which "band" gives. exclude only drops tables from the scored
-    held-out rows; the bands keep them."""
+    system bands built leaving their own table out (as a profile's band would be built had that
+    table never been published). "fit": the same in-sample over the 'fit' rows, against the band
+    of all rows, which "band" gives. exclude only drops tables from the scored held-out rows;
+    the bands keep them."""
     exclude = set(exclude)
-    pooled = band(r["log_ratio"] for r in rows)
+    pooled = system_band(rows)
     without = {}
 
     def leave_table_out(row):
         if row["table"] not in without:
-            without[row["table"]] = band(r["log_ratio"] for r in rows if r["table"] != row["table"])
+            without[row["table"]] = system_band(rows, leave_out=row["table"])
         return without[row["table"]]
 
     held = [r for r in rows if r["role"] == "holdout" and r["table"] not in exclude]
@@ -118,6 +151,37 @@ def score(rows: Sequence[dict], exclude: Iterable[str] = ()) -> dict:
     out["fit"] = _point_stats([r for r in rows if r["role"] == "fit"], lambda r: pooled)
     out["band"] = [pooled[0], pooled[1]]
     return out
+
+
+def between_systems(points: Sequence[dict], kind_of: dict) -> dict:
+    """How far two published tables of one kind of system differ where both measured: for every
+    pair of tables with the same kind_of[table] (e.g. profile, nodes and GPUs) and every size
+    both measured, the error a model exact on one table makes on the other, a / b - 1 both ways.
+    points: rows with "table", "at" (the size) and "measured". {"pairs": [(a, b, common sizes)],
+    "points", "median_abs_error", "p90_abs_error"}; no pair gives points 0 and NaN figures."""
+    measured: dict = {}
+    for p in points:
+        measured.setdefault(p["table"], {})[p["at"]] = p["measured"]
+    tables = sorted(measured)
+    pairs, errors = [], []
+    for i, a in enumerate(tables):
+        for b in tables[i + 1 :]:
+            if kind_of.get(a) is None or kind_of.get(a) != kind_of.get(b):
+                continue
+            common = sorted(set(measured[a]) & set(measured[b]))
+            if not common:
+                continue
+            pairs.append((a, b, len(common)))
+            for at in common:
+                ratio = measured[a][at] / measured[b][at]
+                errors += [abs(ratio - 1.0), abs(1.0 / ratio - 1.0)]
+    nan = float("nan")
+    return {
+        "pairs": pairs,
+        "points": len(errors) // 2,
+        "median_abs_error": float(np.median(errors)) if errors else nan,
+        "p90_abs_error": float(np.percentile(errors, 90)) if errors else nan,
+    }
 
 
 def _interval(b: Sequence[float]) -> str:
@@ -140,9 +204,18 @@ def _verdict(s: dict) -> List[str]:
     return [f"{figure} ({target}: {'met' if ok else 'not met'})" for figure, target, ok in checks]
 
 
-def scores_markdown(comm: Sequence[dict], gemm: Sequence[dict]) -> str:
+def pooled_coverage(rows: Sequence[dict]) -> float:
+    """Held-out coverage of the simpler rule: the band of every other table's points pooled,
+    without system_band's offset and scatter (what a named profile carried before)."""
+    held = [r for r in _finite(rows) if r["role"] == "holdout"]
+    bands = {t: band(r["log_ratio"] for r in _finite(rows) if r["table"] != t) for t in {r["table"] for r in held}}
+    return float(np.mean([bands[r["table"]][0] <= r["log_ratio"] <= bands[r["table"]][1] for r in held]))
+
+
+def scores_markdown(comm: Sequence[dict], gemm: Sequence[dict], between: dict = None) -> str:
     """The section of docs/selector-validation.md: point error and interval coverage per kind
-    and set, from the allreduce and GEMM residual rows."""
+    and set, from the allreduce and GEMM residual rows; between: between_systems() of the
+    allreduce tables, where given."""
     misses = known_miss_tables()
     held_comm, held_known, held_gemm = score(comm), score(comm, exclude=misses), score(gemm)
     sets = [
@@ -155,10 +228,12 @@ def scores_markdown(comm: Sequence[dict], gemm: Sequence[dict]) -> str:
     lines = [
         "## Scores: point error and the 80 % interval",
         "",
-        "Generated by `mgpu.selector.intervals.scores_markdown`. A prediction P carries the interval "
-        "[P exp(low), P exp(high)], low and high the 10th and 90th percentiles of log(measured / predicted) "
-        "over the published points of its kind (allreduce: the tables above, 32 KiB to 8 GiB; GEMM: "
-        "docs/gemm-validation.md's). Error = predicted / measured - 1 of the time.",
+        "Generated by `mgpu.selector.intervals.scores_markdown`. A named profile's prediction P carries the "
+        "interval [P exp(low), P exp(high)], low and high the 10th and 90th percentiles of log(measured / "
+        "predicted) for a system no table measured: a held-out table's offset (the median of its points: how "
+        "far one real system sits from its profile) plus a point's scatter within its own table (any table), "
+        "over every pairing of the two (`system_band`). Points: allreduce, the tables above, 32 KiB to 8 GiB; "
+        "GEMM, docs/gemm-validation.md's. Error = predicted / measured - 1 of the time.",
         "",
         "| kind | set | points | tables | median abs error | 90th percentile abs error | coverage of the 80 % "
         "interval |",
@@ -171,15 +246,27 @@ def scores_markdown(comm: Sequence[dict], gemm: Sequence[dict]) -> str:
         )
     lines += [
         "",
-        "- Coverage of a held-out point: whether its log(measured / predicted) lies within the band of every "
-        "other point of its kind, fit and held out, leaving its own table out (the band a profile would carry "
-        "had that table never been published). The fitted rows' coverage is in-sample, against the band of all "
-        "points, which 80 % of all points fall in by construction.",
-        f'- Bands of all points pooled (a hardware profile\'s "error_model"): allreduce '
+        "- Coverage of a held-out point: whether its log(measured / predicted) lies within the band built "
+        "leaving its own table out, offset and scatter (the band a profile would carry had that table never "
+        "been published). The fitted rows' coverage is in-sample, against the band of every table.",
+        "- The band of every other table's points pooled, without the split into offset and scatter, covers "
+        f"{pooled_coverage(comm):.1%} of the held-out allreduce points and {pooled_coverage(gemm):.1%} of the "
+        "GEMM ones: a fitted table's points sit around 0 by construction, so pooled they say little of how "
+        "far another system sits.",
+        f'- Bands of every table (a named hardware profile\'s "error_model"): allreduce '
         f"[{held_comm['band'][0]:+.3f}, {held_comm['band'][1]:+.3f}] (measured = predicted "
         f"{_interval(held_comm['band'])}), GEMM [{held_gemm['band'][0]:+.3f}, {held_gemm['band'][1]:+.3f}] "
         f"({_interval(held_gemm['band'])}).",
         "- Issue 42's targets for the held-out allreduce tables: " + "; ".join(_verdict(held_comm)) + ".",
         "- Without the known misses: " + "; ".join(_verdict(held_known)) + ".",
     ]
+    if between and between["points"]:
+        named = ", ".join(f"{a} / {b} ({n})" for a, b, n in between["pairs"])
+        lines.append(
+            "- Between systems of one kind (the same profile, nodes and GPUs): a model exact on one published "
+            "table, scored on the other at the sizes both measured, both ways: median |error| "
+            f"{between['median_abs_error']:.1%}, 90th percentile {between['p90_abs_error']:.1%} over "
+            f"{between['points']} sizes of {len(between['pairs'])} pairs ({named}). That is how far a model "
+            "exact on one system misses another of its kind, as a held-out table is to its profile."
+        )
     return "\n".join(lines) + "\n"

@@ -626,17 +626,23 @@ def _placement_weighted(phases: dict, other: Optional[dict], share: float) -> di
     }
 
 
-def _placement_widened(phases: dict, moved: bool) -> dict:
-    """A multi-rank wait measured in one placement of the cores may be met in another
-    (on our VMs the 2-rank wait after backward doubled across cache domains): where the
-    calibration saw them move, its spread, which widens the selector's error band, is at
-    least the wait itself."""
-    if not moved or not isinstance(phases, dict) or int(phases.get("ranks", 1)) < 2:
+def _wait_spread(phases: dict, moved: bool, measured_bands: bool) -> dict:
+    """The in-step phases with the wait's spread that joins the selector's error band: a
+    step's jitter (90th percentile less the median) where the bands were not measured on
+    timed steps, none where they were (a calibration's held-out steps: their medians'
+    wandering is in the bands, and a step's jitter says little of a median). A multi-rank
+    wait measured in one placement of the cores may be met in another (on our VMs the 2-rank
+    wait after backward doubled across cache domains): where the calibration saw them move,
+    the spread is at least the wait itself, measured bands or not."""
+    if not isinstance(phases, dict) or not isinstance(phases.get("wait_spread_s"), list):
         return phases  # (a malformed table is _phases_to_core's to refuse)
-    return {
-        **phases,
-        "wait_spread_s": [max(float(s), float(w)) for s, w in zip(phases["wait_spread_s"], phases["wait_s"])],
-    }
+    try:
+        spread = [0.0 if measured_bands else float(s) for s in phases["wait_spread_s"]]
+        if moved and int(phases.get("ranks", 1)) >= 2:
+            spread = [max(s, float(w)) for s, w in zip(spread, phases["wait_s"])]
+    except (TypeError, ValueError, KeyError):
+        return phases
+    return {**phases, "wait_spread_s": spread}
 
 
 def _band(pair, key: str):
@@ -687,6 +693,8 @@ def to_core(profile: dict, devices: Optional[int] = None):
             entries += [entries[-1]] * (devices - len(entries))
         core_devices = []
         moved, share = placement_moved_in(profile), second_placement_share(profile)
+        given = profile.get("error_model")
+        measured_bands = isinstance(given, dict) and bool(given.get("step_bands", False))  # as _error_to_core
         for i, e in enumerate(entries):
             d = P.DeviceProfile()
             d.name, d.kind = str(e.get("name", f"device {i}")), str(e.get("kind", "cuda"))
@@ -712,9 +720,10 @@ def to_core(profile: dict, devices: Optional[int] = None):
             d.pass_bandwidth_alone = [(float(b), float(r)) for b, r in e.get("pass_bandwidth_alone", [])]
             if e.get("step_phases"):
                 phases = _placement_weighted(e["step_phases"], e.get("step_phases_other_placement"), share)
-                d.step_phases = _phases_to_core(_placement_widened(phases, moved), f"{d.name} step phases")
+                d.step_phases = _phases_to_core(_wait_spread(phases, moved, measured_bands), f"{d.name} step phases")
             if e.get("step_phases_alone"):
-                d.step_phases_alone = _phases_to_core(e["step_phases_alone"], f"{d.name} step phases (alone)")
+                alone = _wait_spread(e["step_phases_alone"], False, measured_bands)
+                d.step_phases_alone = _phases_to_core(alone, f"{d.name} step phases (alone)")
             core_devices.append(d)
         hw.devices = core_devices
         link = P.LinkProfile()
