@@ -895,6 +895,11 @@ def test_bands_of_timed_steps_take_no_steps_jitter_but_still_a_move_of_the_cores
     assert moved["candidates"][1]["timing_spread_ms"] == pytest.approx(wait * 1e3, rel=1e-6)
     assert moved["candidates"][0]["timing_spread_ms"] == 0.0
     assert moved["candidates"][1]["speedup_interval"][0] < two["speedup_interval"][0]
+    # a spread that is not a duration is refused with measured bands as without
+    for bad in (-1e-5, float("nan")):
+        busy["wait_spread_s"] = [2e-5, bad]
+        with pytest.raises(mgpu.ConfigError, match="spreads >= 0"):
+            rec(measured)
 
 
 def test_a_second_placements_wait_is_priced_beside_the_first_and_weighted_by_its_share():
