@@ -65,10 +65,11 @@ struct LayerTimes {
 // gradient allreduce as training meets it, with the ranks' skew, and the
 // health check). In a step these run on caches the layers just used and, with
 // several ranks, on a shared memory bus, which no isolated pass shows. The
-// wait's spread (90th percentile less the median over the steps) is how far a
-// step may wander from the prediction however good the model: the selector
-// widens its error band by it. Looked up as seconds per parameter, linear
-// between the measured counts in log(params), clamped at the ends.
+// wait's spread (90th percentile less the median over the steps) widens the
+// selector's error band where profiles.py passes it on: a step's jitter where the
+// bands are not of timed steps, the whole wait where the cores moved. Looked up as
+// seconds per parameter, linear between the measured counts in log(params),
+// clamped at the ends.
 struct StepPhases {
   static constexpr double kBucketElems = double(1 << 20);       // the bucket size they were measured with
   static constexpr double kUpdateBytesPerParam = 20.0;          // SGD with momentum: read w, g, m; write w, m

@@ -30,7 +30,7 @@ def test_band_takes_the_10th_and_90th_percentile_at_plotting_positions_p_n_plus_
     # positions 0.1 (n + 1) and 0.9 (n + 1) of the sorted values, 1-based, interpolated
     assert iv.band(range(19)) == pytest.approx((1.0, 17.0))  # n + 1 = 20: the 2nd and 18th value
     assert iv.band(np.arange(12) * 10.0) == pytest.approx((3.0, 107.0))  # 1.3rd and 11.7th of 0..110
-    # up to n = 9 the lowest and highest value: nothing narrower holds 80 % of new values
+    # up to n = 9 the lowest and highest value, which hold (n - 1) / (n + 1) of new values
     assert iv.band([3.0, -1.0, 0.5, 2.0]) == (-1.0, 3.0)
     assert iv.band([0.0, 1.0]) == (0.0, 1.0)
     low, high = iv.band(np.linspace(-1, 1, 101))
@@ -45,6 +45,9 @@ def test_a_band_of_few_values_holds_80_percent_of_new_values_of_their_spread():
     # the values' own 10th-90th percentile, linear, holds about two thirds
     linear = [lo <= d[12] <= hi for d in draws for lo, hi in [np.percentile(d[:12], [10, 90])]]
     assert np.mean(linear) < 0.72
+    # six values (a --quick calibration): their range, which holds 5 / 7 of new values
+    six = [lo <= d[6] <= hi for d in draws for lo, hi in [iv.band(d[:6])]]
+    assert 0.68 < np.mean(six) < 0.75
 
 
 def test_band_leaves_out_what_is_not_finite_and_needs_two_values():
@@ -89,6 +92,12 @@ def test_system_band_adds_held_out_tables_offsets_to_the_scatter_within_tables()
     assert iv.system_band(rows) == pytest.approx(pct(np.repeat([-0.2, 0.0, 0.2], 20)))
     assert iv.system_band(rows, leave_out="h2") == pytest.approx(pct(np.repeat([-0.2, 0.0], 15)))
     assert iv.system_band(rows, leave_out="fit") == pytest.approx(iv.system_band(rows))
+    # a table left out leaves its scatter too: h3's points spread far, the others' not at all
+    wide = rows + _table("h3", "holdout", 0.0, [-0.5] * 10 + [0.5] * 10)
+    assert iv.system_band(wide, leave_out="h3") == pytest.approx(iv.system_band(rows))
+    assert iv.system_band(wide)[0] < iv.system_band(rows)[0] - 0.01
+    with pytest.raises(mgpu.ConfigError, match="no table 'h9' to leave out"):
+        iv.system_band(rows, leave_out="h9")
     # no offsets: the band of each point less its own table's median, every table's points
     scatter = np.linspace(-0.1, 0.1, 9)
     centred = _table("fit", "fit", 0.7, scatter) + _table("h0", "holdout", 0.0, scatter)
@@ -138,6 +147,8 @@ def test_held_out_coverage_leaves_the_scored_table_out():
     pooled_low, pooled_high = iv.band(r["log_ratio"] for r in odd_only if r["table"] != "odd")  # the rule before
     assert not any(pooled_low <= r["log_ratio"] <= pooled_high for r in rows if r["table"] == "odd")
     assert iv.pooled_coverage(rows) < s["coverage"]
+    with pytest.raises(mgpu.ConfigError, match="no held-out rows"):
+        iv.pooled_coverage([r for r in rows if r["role"] == "fit"])
     # without e and f no held-out system sat that far: odd falls outside
     assert iv.score([r for r in rows if r["table"] not in ("e", "f")], exclude=["c", "d"])["coverage"] == 0.0
     # the same figures in-sample for the fitted rows, against the band of every table
@@ -170,6 +181,12 @@ def test_between_systems_scores_a_model_exact_on_one_table_against_its_kind():
     assert out["p90_abs_error"] == pytest.approx(np.percentile(errors, 90))
     none = iv.between_systems(points, {"x": "h100", "y": "a100"})
     assert none["pairs"] == [] and none["points"] == 0 and math.isnan(none["p90_abs_error"])
+    # a time that is not one is left out; a size twice in a table is refused
+    odd = points + [{"table": "x", "at": 3, "measured": 0.0}, {"table": "y", "at": 4, "measured": float("nan")}]
+    odd.append({"table": "x", "at": 4, "measured": 120.0})
+    assert iv.between_systems(odd, kind) == out
+    with pytest.raises(mgpu.ConfigError, match="table 'y' measured size 2 twice"):
+        iv.between_systems(points + [{"table": "y", "at": 2, "measured": 1.0}], kind)
 
 
 def test_published_error_model_is_the_system_bands_and_a_fresh_copy_each_call():

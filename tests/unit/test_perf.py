@@ -898,8 +898,9 @@ def test_bands_of_timed_steps_take_no_steps_jitter_but_still_a_move_of_the_cores
     # a spread that is not a duration is refused with measured bands as without
     for bad in (-1e-5, float("nan")):
         busy["wait_spread_s"] = [2e-5, bad]
-        with pytest.raises(mgpu.ConfigError, match="spreads >= 0"):
-            rec(measured)
+        for readings in (None, [52.0, 55.0, 61.0, 330.0]):
+            with pytest.raises(mgpu.ConfigError, match="spreads >= 0"):
+                rec(measured, readings)
 
 
 def test_a_second_placements_wait_is_priced_beside_the_first_and_weighted_by_its_share():

@@ -483,9 +483,10 @@ def summary(rows: List[dict]) -> List[dict]:
     return out
 
 
-def between_systems(rows: List[dict], published: dict) -> dict:
-    """intervals.between_systems over validate() rows: tables of one profile, node count and GPU count."""
-    kind = {t["id"]: (t["profile"], t["nodes"], t["gpus"]) for t in published["tables"]}
+def between_systems(rows: List[dict], published: dict, same_gpu: bool = True) -> dict:
+    """intervals.between_systems over validate() rows: tables of one profile, node count and GPU
+    count, and (same_gpu) one GPU model."""
+    kind = {t["id"]: (t["profile"], t["nodes"], t["gpus"], t["gpu"] if same_gpu else None) for t in published["tables"]}
     points = [{"table": r["table"], "at": r["bytes"], "measured": r["measured_us"]} for r in rows]
     return intervals.between_systems(points, kind)
 
@@ -548,7 +549,13 @@ def markdown(published: Optional[dict] = None, fit: Optional[dict] = None) -> st
     scores = intervals.scores_markdown(
         intervals.residuals(rows, "bytes"),
         intervals.residuals(gemm_fit.validate(), "shape"),
-        between_systems(rows, published),
+        [
+            ("one kind (the same GPU model, profile, nodes and GPUs)", between_systems(rows, published)),
+            (
+                "one profile with its other GPUs too (H20 and H200 beside H100)",
+                between_systems(rows, published, same_gpu=False),
+            ),
+        ],
     )
     lines += ["", *scores.rstrip("\n").split("\n")]
     lines += ["", "## Sources", ""]

@@ -52,9 +52,10 @@ def _finite_values(values: Iterable[float]) -> np.ndarray:
 def band(log_ratios: Iterable[float]) -> tuple:
     """(10th, 90th percentile) of the finite log ratios (NaN and infinities are left out:
     a point without a measurement says nothing of the spread) at the plotting positions
-    p (n + 1) (numpy's "weibull"; the lowest and highest value up to n = 9): a new ratio of the
-    same spread falls inside 80 % of the time however few the values, where the values' own
-    10th-90th percentile holds about 68 % of new ones at n = 12."""
+    p (n + 1) (numpy's "weibull"): from n = 9 on, a new ratio of the same spread falls inside
+    80 % of the time (the values' own 10th-90th percentile holds about 68 % at n = 12). Below
+    n = 9 the band is the lowest to the highest value, which holds (n - 1) / (n + 1): no band
+    of so few values holds 80 %. Both assume independent values."""
     low, high = np.percentile(_finite_values(log_ratios), QUANTILES, method="weibull")
     return float(low), float(high)
 
@@ -68,8 +69,11 @@ def system_band(rows: Sequence[dict], leave_out: str = "") -> tuple:
     profile plus a point's residual within its system. Offsets: the median r of each held-out
     table (a fitted table's sits near 0 by construction, so only held-out ones measure it);
     residuals: each point's r less its own table's median, every table. The band is that of
-    every offset plus every residual. leave_out names a table left out of both (the band that
-    judges it)."""
+    every offset plus every residual, its percentiles interpolated. leave_out names a table left
+    out of both (the band that judges it). The offsets are few (11 allreduce and 6 GEMM tables):
+    a new system's is one more draw of them, which this band, unlike band(), does not widen for."""
+    if leave_out and not any(r["table"] == leave_out for r in rows):
+        raise ConfigError(f"no table '{leave_out}' to leave out")
     rows = [r for r in _finite(rows) if r["table"] != leave_out]
     by_table: dict = {}
     for r in rows:
@@ -79,7 +83,7 @@ def system_band(rows: Sequence[dict], leave_out: str = "") -> tuple:
     if offsets.size < 2:
         raise ConfigError(f"a band for another system needs at least 2 held-out tables, got {offsets.size}")
     within = np.array([r["log_ratio"] - median[r["table"]] for r in rows])
-    # the pairings are a distribution, not that many draws: its own percentiles, interpolated
+    # the pairings are the distribution of offset plus scatter, not that many draws
     low, high = np.percentile(_finite_values((offsets[:, None] + within[None, :]).ravel()), QUANTILES)
     return float(low), float(high)
 
@@ -155,13 +159,19 @@ def score(rows: Sequence[dict], exclude: Iterable[str] = ()) -> dict:
 
 def between_systems(points: Sequence[dict], kind_of: dict) -> dict:
     """How far two published tables of one kind of system differ where both measured: for every
-    pair of tables with the same kind_of[table] (e.g. profile, nodes and GPUs) and every size
-    both measured, the error a model exact on one table makes on the other, a / b - 1 both ways.
-    points: rows with "table", "at" (the size) and "measured". {"pairs": [(a, b, common sizes)],
-    "points", "median_abs_error", "p90_abs_error"}; no pair gives points 0 and NaN figures."""
+    pair of tables with the same kind_of[table] (e.g. GPU, profile, nodes and GPUs; None pairs
+    with nothing) and every size both measured, the error a model exact on one table makes on
+    the other, a / b - 1 both ways. points: rows with "table", "at" (the size) and "measured"
+    (a time; one that is not finite and positive is left out). {"pairs": [(a, b, common
+    sizes)], "points", "median_abs_error", "p90_abs_error"}; no pair gives points 0 and NaN
+    figures. A size twice in one table is refused."""
     measured: dict = {}
     for p in points:
-        measured.setdefault(p["table"], {})[p["at"]] = p["measured"]
+        table = measured.setdefault(p["table"], {})
+        if p["at"] in table:
+            raise ConfigError(f"table '{p['table']}' measured size {p['at']} twice")
+        if math.isfinite(p["measured"]) and p["measured"] > 0:
+            table[p["at"]] = p["measured"]
     tables = sorted(measured)
     pairs, errors = [], []
     for i, a in enumerate(tables):
@@ -205,17 +215,23 @@ def _verdict(s: dict) -> List[str]:
 
 
 def pooled_coverage(rows: Sequence[dict]) -> float:
-    """Held-out coverage of the simpler rule: the band of every other table's points pooled,
-    without system_band's offset and scatter (what a named profile carried before)."""
-    held = [r for r in _finite(rows) if r["role"] == "holdout"]
-    bands = {t: band(r["log_ratio"] for r in _finite(rows) if r["table"] != t) for t in {r["table"] for r in held}}
+    """Held-out coverage of the rule a named profile's band followed before system_band: the
+    10th-90th percentile (interpolated) of every other table's points pooled."""
+    rows = _finite(rows)
+    held = [r for r in rows if r["role"] == "holdout"]
+    if not held:
+        raise ConfigError("no held-out rows to score")
+    bands = {
+        t: np.percentile(_finite_values(r["log_ratio"] for r in rows if r["table"] != t), QUANTILES)
+        for t in {r["table"] for r in held}
+    }
     return float(np.mean([bands[r["table"]][0] <= r["log_ratio"] <= bands[r["table"]][1] for r in held]))
 
 
-def scores_markdown(comm: Sequence[dict], gemm: Sequence[dict], between: dict = None) -> str:
+def scores_markdown(comm: Sequence[dict], gemm: Sequence[dict], between: Sequence[tuple] = ()) -> str:
     """The section of docs/selector-validation.md: point error and interval coverage per kind
-    and set, from the allreduce and GEMM residual rows; between: between_systems() of the
-    allreduce tables, where given."""
+    and set, from the allreduce and GEMM residual rows; between: (what pairs the tables,
+    between_systems() of the allreduce tables so paired), each said where it has points."""
     misses = known_miss_tables()
     held_comm, held_known, held_gemm = score(comm), score(comm, exclude=misses), score(gemm)
     sets = [
@@ -260,13 +276,13 @@ def scores_markdown(comm: Sequence[dict], gemm: Sequence[dict], between: dict = 
         "- Issue 42's targets for the held-out allreduce tables: " + "; ".join(_verdict(held_comm)) + ".",
         "- Without the known misses: " + "; ".join(_verdict(held_known)) + ".",
     ]
-    if between and between["points"]:
-        named = ", ".join(f"{a} / {b} ({n})" for a, b, n in between["pairs"])
+    for what, b in between:
+        if not b["points"]:
+            continue
+        named = ", ".join(f"{x} / {y} ({n})" for x, y, n in b["pairs"])
         lines.append(
-            "- Between systems of one kind (the same profile, nodes and GPUs): a model exact on one published "
-            "table, scored on the other at the sizes both measured, both ways: median |error| "
-            f"{between['median_abs_error']:.1%}, 90th percentile {between['p90_abs_error']:.1%} over "
-            f"{between['points']} sizes of {len(between['pairs'])} pairs ({named}). That is how far a model "
-            "exact on one system misses another of its kind, as a held-out table is to its profile."
+            f"- Between published systems of {what}: a model exact on one table, scored on the other at the "
+            f"sizes both measured, both ways: median |error| {b['median_abs_error']:.1%}, 90th percentile "
+            f"{b['p90_abs_error']:.1%} over {b['points']} sizes of {len(b['pairs'])} pairs ({named})."
         )
     return "\n".join(lines) + "\n"

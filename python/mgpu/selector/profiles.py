@@ -636,9 +636,12 @@ def _wait_spread(phases: dict, moved: bool, measured_bands: bool) -> dict:
     the spread is at least the wait itself, measured bands or not."""
     if not isinstance(phases, dict) or not isinstance(phases.get("wait_spread_s"), list):
         return phases  # (a malformed table is _phases_to_core's to refuse)
-    try:  # a spread that is not a duration stays, for _phases_to_core to refuse
-        valid = lambda s: math.isfinite(float(s)) and float(s) >= 0
-        spread = [0.0 if measured_bands and valid(s) else float(s) for s in phases["wait_spread_s"]]
+    try:
+        spread = [float(s) for s in phases["wait_spread_s"]]
+        if not all(math.isfinite(s) and s >= 0 for s in spread):
+            return phases  # a spread that is not a duration: _phases_to_core's to refuse
+        if measured_bands:
+            spread = [0.0] * len(spread)
         if moved and int(phases.get("ranks", 1)) >= 2:
             spread = [max(s, float(w)) for s, w in zip(spread, phases["wait_s"])]
     except (TypeError, ValueError, KeyError):
