@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <cstdint>
 
 // Every kernel launch goes through MGPU_LAUNCH(kernel, grid, block, shared_bytes,
 // stream)(args...): nvcc's <<< >>> here; the GPU emulation build
@@ -66,6 +67,16 @@ inline unsigned grid_for(size_t n, int threads = kThreads) {
 // in 32 bits without its index wrapping: a kernel that divides by a row width per
 // element then takes a 32-bit division (a 64-bit one is a long instruction sequence).
 inline bool indexes_in_32_bits(size_t n) { return n < (size_t{1} << 32) - 2 * size_t(kThreads) * grid_for(n); }
+
+// launch(Count{}) with Count the type such a loop over n elements counts in: uint32_t where
+// indexes_in_32_bits(n), else size_t. A kernel templated on Count launches through it.
+template <typename Launch>
+void with_index_type(size_t n, Launch&& launch) {
+  if (indexes_in_32_bits(n))
+    launch(uint32_t{});
+  else
+    launch(size_t{});
+}
 
 // Sum of v over a block of kThreads threads, as a fixed binary tree in shared
 // memory; every thread gets the result. Call from all threads of the block.

@@ -81,7 +81,7 @@ __global__ void relu_kernel(float* __restrict__ h, size_t n, HalfShadow shadow) 
 // One thread per (row, counter): one Philox call serves the row's four units
 // g, g + G, g + 2G, g + 3G; neighbouring threads touch neighbouring units.
 // replay (nullable): the step and first sample to use instead of m's (captured graphs; see Backend).
-// Count: uint32_t where indexes_in_32_bits(B * groups) (the row and counter in 32-bit arithmetic), else size_t.
+// Count: with_index_type(B * groups)'s (the row and counter in 32-bit arithmetic where they fit).
 template <typename Count>
 __global__ void relu_dropout_kernel(float* __restrict__ h, int B, MaskParams m, const ReplayArgs* replay,
                                     HalfShadow shadow) {
@@ -129,10 +129,9 @@ void relu_dropout_forward(float* h, int B, int C, float p, const DropoutKey& key
   }
   const MaskParams m = mask_params(C, p, key);
   const size_t units = size_t(B) * m.groups;
-  if (indexes_in_32_bits(units))
-    MGPU_LAUNCH(relu_dropout_kernel<uint32_t>, grid_for(units), kThreads, 0, stream)(h, B, m, replay, shadow);
-  else
-    MGPU_LAUNCH(relu_dropout_kernel<size_t>, grid_for(units), kThreads, 0, stream)(h, B, m, replay, shadow);
+  with_index_type(units, [&](auto count) {
+    MGPU_LAUNCH(relu_dropout_kernel<decltype(count)>, grid_for(units), kThreads, 0, stream)(h, B, m, replay, shadow);
+  });
   MGPU_CUDA_CHECK_LAUNCH("relu_dropout_kernel");
 }
 

@@ -16,7 +16,7 @@ namespace kernels {
 
 namespace {
 
-// Count: uint32_t where indexes_in_32_bits(n) (the column in 32-bit arithmetic), else size_t.
+// Count: with_index_type(n)'s (the column in 32-bit arithmetic where it fits).
 template <typename Count>
 __global__ void broadcast_rows_kernel(float* __restrict__ out, const float* __restrict__ bias, Count n, Count C) {
   for (Count i = blockIdx.x * Count(blockDim.x) + threadIdx.x; i < n; i += Count(gridDim.x) * blockDim.x)
@@ -65,10 +65,10 @@ void convert(void* out, const void* in, size_t n, cudaStream_t stream, const cha
 void broadcast_rows(float* out, const float* bias, int B, int C, cudaStream_t stream) {
   const size_t n = size_t(B) * C;
   if (n == 0) return;
-  if (indexes_in_32_bits(n))
-    MGPU_LAUNCH(broadcast_rows_kernel<uint32_t>, grid_for(n), kThreads, 0, stream)(out, bias, uint32_t(n), uint32_t(C));
-  else
-    MGPU_LAUNCH(broadcast_rows_kernel<size_t>, grid_for(n), kThreads, 0, stream)(out, bias, n, size_t(C));
+  with_index_type(n, [&](auto count) {
+    using Count = decltype(count);
+    MGPU_LAUNCH(broadcast_rows_kernel<Count>, grid_for(n), kThreads, 0, stream)(out, bias, Count(n), Count(C));
+  });
   MGPU_CUDA_CHECK_LAUNCH("broadcast_rows_kernel");
 }
 
@@ -87,12 +87,10 @@ void axpy(float* y, const float* x, size_t n, float alpha, cudaStream_t stream) 
 void gather_rows(uint32_t* dst, const uint32_t* src, const int64_t* index, int rows, int W, cudaStream_t stream) {
   const size_t n = size_t(rows) * W;
   if (n == 0) return;
-  if (indexes_in_32_bits(n)) {
-    MGPU_LAUNCH(gather_rows_kernel<uint32_t>, grid_for(n), kThreads, 0, stream)
-    (dst, src, index, uint32_t(n), uint32_t(W));
-  } else {
-    MGPU_LAUNCH(gather_rows_kernel<size_t>, grid_for(n), kThreads, 0, stream)(dst, src, index, n, size_t(W));
-  }
+  with_index_type(n, [&](auto count) {
+    using Count = decltype(count);
+    MGPU_LAUNCH(gather_rows_kernel<Count>, grid_for(n), kThreads, 0, stream)(dst, src, index, Count(n), Count(W));
+  });
   MGPU_CUDA_CHECK_LAUNCH("gather_rows_kernel");
 }
 
