@@ -697,8 +697,8 @@ def to_core(profile: dict, devices: Optional[int] = None):
             entries += [entries[-1]] * (devices - len(entries))
         core_devices = []
         moved, share = placement_moved_in(profile), second_placement_share(profile)
-        given = profile.get("error_model")
-        measured_bands = isinstance(given, dict) and bool(given.get("step_bands", False))  # as _error_to_core
+        hw.error = _error_to_core(profile)  # before the devices: whether its bands are of timed steps
+        measured_bands = hw.error.step_bands
         for i, e in enumerate(entries):
             d = P.DeviceProfile()
             d.name, d.kind = str(e.get("name", f"device {i}")), str(e.get("kind", "cuda"))
@@ -750,7 +750,6 @@ def to_core(profile: dict, devices: Optional[int] = None):
             link.gpus_per_node = int(l["nccl"].get("gpus_per_node", 0))
         hw.link = link
         hw.step_overhead_s = float(profile.get("step_overhead_s", 0.0))
-        hw.error = _error_to_core(profile)
     except ConfigError:
         raise  # already one line that names what is wrong
     except (KeyError, TypeError, ValueError) as e:
