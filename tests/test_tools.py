@@ -14,7 +14,7 @@ import pytest
 
 from conftest import PYTHON, mpi_env, mpirun, run_cli
 from mgpu.hostinfo import placement_moved
-from mgpu.selector import profiles
+from mgpu.selector import history, profiles
 
 MGPU = [PYTHON, "-m", "mgpu"]
 
@@ -517,16 +517,33 @@ def test_topo_measures_its_own_error_on_held_out_steps(calibration):
     assert model["compute_shared"] is False and len(checks) >= 3
     for c in checks:
         assert min(c["alone_s"], c["together_s"], c["alone_predicted_s"], c["together_predicted_s"]) > 0
-    # each band: the 10th-90th percentile of the checks' log(measured / predicted), at positions p (n + 1)
-    ratios = {
-        "compute": [math.log(c["alone_s"] / c["alone_predicted_s"]) for c in checks],
-        "compute_together": [math.log(c["together_s"] / c["together_predicted_s"]) for c in checks],
-    }
-    ratios["comm"] = ratios["compute_together"]
-    for key, values in ratios.items():
-        assert model[key] == pytest.approx(list(np.percentile(values, [10, 90], method="weibull")))
+    # each 2-rank step says where the ranks' cores sat around it
+    placement = profile["placement"]
+    if placement is not None:
+        assert all(c["together_round_trip_cpus"] == placement["cpus"] for c in checks)
+        assert all(t in placement["readings_ns"] for c in checks for t in c["together_round_trip_ns"])
+    # each band: a workload's median log(measured / predicted) either way plus its steps' scatter,
+    # of the 2-rank steps those in a placement the wait was probed in
+    kept = [c for c in checks if not history.placed_elsewhere(c, placement)]
+    kept = kept if len(kept) >= 2 else checks
+    assert ("placed_elsewhere" in model) == (len(kept) < len(checks))
+
+    def by_workload(steps, ratio):
+        groups = {}
+        for c in steps:
+            groups.setdefault((tuple(c["layers"]), c["batch"]), []).append(ratio(c))
+        return list(groups.values())
+
+    alone = by_workload(checks, lambda c: math.log(c["alone_s"] / c["alone_predicted_s"]))
+    together = by_workload(kept, lambda c: math.log(c["together_s"] / c["together_predicted_s"]))
+    assert len(alone) == len(checks) // 2  # each MLP at topo's start and end
+    for key, groups in (("compute", alone), ("compute_together", together), ("comm", together)):
+        offsets = [float(np.median(g)) for g in groups]
+        within = [v - o for g, o in zip(groups, offsets) for v in g]
+        pairs = [s * o + w for o in offsets for s in (1, -1) for w in within]
+        assert model[key] == pytest.approx(list(np.percentile(pairs, [10, 90])))
     low, high = model["speedup"]
-    assert -3 < low <= high < 3
+    assert -3 < low <= high < 3 and low == pytest.approx(-high)
 
 
 def _train_with(profile: dict, tmp_path, name: str):

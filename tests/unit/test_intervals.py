@@ -26,35 +26,28 @@ def gemm_rows():
     return iv.residuals(gf.validate(), "shape")
 
 
-def test_band_takes_the_10th_and_90th_percentile_at_plotting_positions_p_n_plus_1():
-    # positions 0.1 (n + 1) and 0.9 (n + 1) of the sorted values, 1-based, interpolated
-    assert iv.band(range(19)) == pytest.approx((1.0, 17.0))  # n + 1 = 20: the 2nd and 18th value
-    assert iv.band(np.arange(12) * 10.0) == pytest.approx((3.0, 107.0))  # 1.3rd and 11.7th of 0..110
-    # up to n = 9 the lowest and highest value, which hold (n - 1) / (n + 1) of new values
-    assert iv.band([3.0, -1.0, 0.5, 2.0]) == (-1.0, 3.0)
-    assert iv.band([0.0, 1.0]) == (0.0, 1.0)
-    low, high = iv.band(np.linspace(-1, 1, 101))
-    assert (low, high) == pytest.approx((-0.816, 0.816)) and type(low) is float and type(high) is float
-
-
-def test_a_band_of_few_values_holds_80_percent_of_new_values_of_their_spread():
-    rng = np.random.default_rng(42)
-    draws = rng.standard_normal((4000, 13))  # 12 values for a band, a 13th to judge it
-    inside = [lo <= d[12] <= hi for d in draws for lo, hi in [iv.band(d[:12])]]
-    assert 0.77 < np.mean(inside) < 0.83
-    # the values' own 10th-90th percentile, linear, holds about two thirds
-    linear = [lo <= d[12] <= hi for d in draws for lo, hi in [np.percentile(d[:12], [10, 90])]]
-    assert np.mean(linear) < 0.72
-    # six values (a --quick calibration): their range, which holds 5 / 7 of new values
-    six = [lo <= d[6] <= hi for d in draws for lo, hi in [iv.band(d[:6])]]
-    assert 0.68 < np.mean(six) < 0.75
-
-
-def test_band_leaves_out_what_is_not_finite_and_needs_two_values():
-    assert iv.band([0.0, float("nan"), 1.0, float("inf"), -float("inf")]) == (0.0, 1.0)
-    for few in ([], [0.5], [0.5, float("nan")], [float("inf")] * 3):
+def test_a_workloads_band_takes_each_offset_either_way_plus_the_scatter_of_its_steps():
+    # two workloads the model underpredicts (offsets 0.11 and 0.03): a third may sit either side
+    low, high = iv.workload_band([[0.10, 0.12], [0.02, 0.04]])
+    assert low == pytest.approx(-high) and 0.10 < high < 0.13 and type(low) is float
+    # the repeats' scatter widens it beyond the largest offset
+    assert iv.workload_band([[-0.1, 0.3], [0.0, 0.0]])[1] > iv.workload_band([[0.1, 0.1], [0.0, 0.0]])[1] > 0.05
+    # what is not finite says nothing; the band needs two steps in all
+    assert iv.workload_band([[float("nan")], [0.1, 0.2]]) == pytest.approx(iv.workload_band([[0.1, 0.2]]))
+    for few in ([], [[0.1]], [[0.1], [float("inf")]]):
         with pytest.raises(mgpu.ConfigError, match="at least 2 finite"):
-            iv.band(few)
+            iv.workload_band(few)
+
+
+def test_a_workloads_band_holds_about_three_quarters_of_a_new_workloads_steps():
+    # six workloads of two steps each, offsets of either sign: the band of a seventh
+    rng = np.random.default_rng(7)
+    inside = []
+    for _ in range(2000):
+        offsets, scatter = rng.normal(0, 0.05, 7), rng.normal(0, 0.01, (7, 2))
+        low, high = iv.workload_band([offsets[i] + scatter[i] for i in range(6)])
+        inside.append(low <= offsets[6] + scatter[6, 0] <= high)
+    assert 0.70 < np.mean(inside) < 0.80
 
 
 def test_residuals_carry_the_log_ratio_of_measured_to_predicted():
@@ -144,7 +137,7 @@ def test_held_out_coverage_leaves_the_scored_table_out():
     alone = iv.score(rows, exclude=["c", "d", "e", "f"])
     assert alone["points"] == 20 and alone["tables"] == 1 and alone["coverage"] > 0.9
     odd_only = [r for r in rows if r["table"] != "odd" or r["role"] == "holdout"]
-    pooled_low, pooled_high = iv.band(r["log_ratio"] for r in odd_only if r["table"] != "odd")  # the rule before
+    pooled_low, pooled_high = np.percentile([r["log_ratio"] for r in odd_only if r["table"] != "odd"], [10, 90])
     assert not any(pooled_low <= r["log_ratio"] <= pooled_high for r in rows if r["table"] == "odd")
     assert iv.pooled_coverage(rows) < s["coverage"]
     with pytest.raises(mgpu.ConfigError, match="no held-out rows"):

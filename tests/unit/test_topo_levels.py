@@ -178,3 +178,23 @@ def test_no_second_placement_is_looked_for_without_a_peer_on_the_node(monkeypatc
     got = topo.step_phases_by_placement(log.pg, 1, True, log)
     assert got["first"] == {"probe": 1} and (got["home"], got["second"], got["other"]) == (None, None, None)
     assert log.readings == log.samples == [] and log.cpus is None
+
+
+def test_held_out_steps_on_several_cpu_ranks_say_where_the_cores_sat(monkeypatch):
+    import contextlib
+
+    from mgpu.calibrate import topo
+
+    monkeypatch.setattr(topo, "_step_seconds", lambda *args: 1e-3)
+    monkeypatch.setattr(topo, "_self_group", lambda: None)
+    monkeypatch.setattr(topo, "_timeouts_kept", lambda pg: contextlib.nullcontext())
+    pg = _PlacementsInTurn([60.0, 62.0, 330.0, 335.0, 61.0, 340.0])
+    pg.size, pg.is_root, pg.sleeping_barrier = 2, True, lambda *args: None
+    checks = topo.measure_held_out_steps(pg, "cpu", 0, 1, True, "mpi")
+    assert [c["together_round_trip_ns"] for c in checks] == [[60.0, 62.0], [330.0, 335.0], [61.0, 340.0]]
+    assert all(c["together_round_trip_cpus"] == [0, 1] for c in checks)
+    # GPU ranks: their steps are not the CPUs' to place
+    pg = _PlacementsInTurn([])
+    pg.size, pg.is_root, pg.sleeping_barrier = 2, True, lambda *args: None
+    checks = topo.measure_held_out_steps(pg, "cuda", 0, 1, True, "nccl")
+    assert all("together_s" in c and "together_round_trip_ns" not in c for c in checks)

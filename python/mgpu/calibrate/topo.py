@@ -660,9 +660,13 @@ HELD_OUT_STEPS, HELD_OUT_STEPS_QUICK = 15, 6
 def measure_held_out_steps(pg, device: str, device_index: int, threads: int, quick: bool, communicator: str) -> list:
     """Collective: each held-out check's median step seconds on rank 0 alone with the whole
     batch (every other rank sleeping) and, with several ranks, on every rank at once
-    (rank 0's reading): a measured step and speedup the model never saw."""
+    (rank 0's reading): a measured step and speedup the model never saw. CPU ranks: where
+    their cores sat before and after the step on several ranks (together_round_trip_ns),
+    since a step in another placement than the wait's probe is not the step priced
+    (history.placed_elsewhere)."""
     steps = HELD_OUT_STEPS_QUICK if quick else HELD_OUT_STEPS
     chosen = [HELD_OUT_CHECKS[i] for i in HELD_OUT_QUICK] if quick else HELD_OUT_CHECKS
+    placement = pg.core_round_trip_ns if device == "cpu" and pg.size > 1 else lambda: None
     checks = []
     for layers, batch in chosen:
         check = {"layers": list(layers), "batch": batch, "dropout": HELD_OUT_DROPOUT}
@@ -672,10 +676,15 @@ def measure_held_out_steps(pg, device: str, device_index: int, threads: int, qui
             )
         if pg.size > 1:
             pg.sleeping_barrier()
+            before = placement()
             with _timeouts_kept(pg):
                 check["together_s"] = _step_seconds(
                     pg, layers, HELD_OUT_DROPOUT, batch, device, device_index, threads, steps, communicator
                 )
+            after = placement()
+            if before is not None and after is not None and before["cpus"] == after["cpus"]:
+                check["together_round_trip_cpus"] = before["cpus"]
+                check["together_round_trip_ns"] = [before["ns"], after["ns"]]
         checks.append(check)
     return checks
 
@@ -777,6 +786,11 @@ def run_topo(
             if placement is not None and last is not None:
                 placement["readings_ns"].append(last["ns"])
                 placement["samples_ns"].append(last["ns"])
+            if placement is not None:  # the held-out steps' readings are readings of the calibration too
+                for c in held_out:
+                    if c.get("together_round_trip_cpus") == placement["cpus"]:
+                        placement["readings_ns"] += c["together_round_trip_ns"]
+                        placement["samples_ns"] += c["together_round_trip_ns"]
             if placement is not None and "other_wait_probe_ns" in placement:
                 placement["other_share"] = other_share(
                     placement["samples_ns"], placement["wait_probe_ns"], placement["other_wait_probe_ns"]

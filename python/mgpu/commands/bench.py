@@ -103,6 +103,9 @@ def record_cells(path: str, profile: dict, rows: list, speedups: bool) -> None:
             r["inside_interval"],
             r.get("speedup") if several else None,
             r.get("predicted_speedup") if several else None,
+            (r["core_round_trip_cpus"], r["core_round_trip_ns"])
+            if r["ranks"] > 1 and "core_round_trip_ns" in r
+            else None,
         )
 
 

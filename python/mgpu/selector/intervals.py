@@ -1,7 +1,7 @@
 """Error bands of the performance model and their scores (issue 42): a prediction P carries the
 central 80 % interval [P exp(low), P exp(high)], where low and high are the 10th and 90th
-percentiles of r = log(measured / predicted): over a calibration's held-out steps (topo, band),
-or, for a named GPU profile, over published tables (system_band: the allreduce model's on
+percentiles of r = log(measured / predicted): over a calibration's held-out steps (topo,
+workload_band), or, for a named GPU profile, over published tables (system_band: the allreduce model's on
 nccl-tests tables, the GEMM rates' on GEMM tables, which allreduce_fit and gemm_fit validate).
 
 score() says how far the point predictions and those intervals hold on tables the fits never
@@ -49,17 +49,6 @@ def _finite_values(values: Iterable[float]) -> np.ndarray:
     return values
 
 
-def band(log_ratios: Iterable[float]) -> tuple:
-    """(10th, 90th percentile) of the finite log ratios (NaN and infinities are left out:
-    a point without a measurement says nothing of the spread) at the plotting positions
-    p (n + 1) (numpy's "weibull"): from n = 9 on, a new ratio of the same spread falls inside
-    80 % of the time (the values' own 10th-90th percentile holds about 68 % at n = 12). Below
-    n = 9 the band is the lowest to the highest value, which holds (n - 1) / (n + 1): no band
-    of so few values holds 80 %. Both assume independent values."""
-    low, high = np.percentile(_finite_values(log_ratios), QUANTILES, method="weibull")
-    return float(low), float(high)
-
-
 def _finite(rows: Iterable[dict]) -> List[dict]:
     return [r for r in rows if math.isfinite(r["log_ratio"])]
 
@@ -71,7 +60,7 @@ def system_band(rows: Sequence[dict], leave_out: str = "") -> tuple:
     residuals: each point's r less its own table's median, every table. The band is that of
     every offset plus every residual, its percentiles interpolated. leave_out names a table left
     out of both (the band that judges it). The offsets are few (11 allreduce and 6 GEMM tables):
-    a new system's is one more draw of them, which this band, unlike band(), does not widen for."""
+    a new system's is one more draw of them, which this band does not widen for."""
     if leave_out and not any(r["table"] == leave_out for r in rows):
         raise ConfigError(f"no table '{leave_out}' to leave out")
     rows = [r for r in _finite(rows) if r["table"] != leave_out]
@@ -85,6 +74,24 @@ def system_band(rows: Sequence[dict], leave_out: str = "") -> tuple:
     within = np.array([r["log_ratio"] - median[r["table"]] for r in rows])
     # the pairings are the distribution of offset plus scatter, not that many draws
     low, high = np.percentile(_finite_values((offsets[:, None] + within[None, :]).ravel()), QUANTILES)
+    return float(low), float(high)
+
+
+def workload_band(groups: Sequence[Sequence[float]]) -> tuple:
+    """The band of r = log(measured / predicted) for a workload a calibration never ran: r = a
+    workload's offset (the median r of its steps) plus a step's scatter within its workload (its
+    repeats: the machine's drift), over every pairing, percentiles interpolated. Each offset is
+    taken with either sign: held-out workloads measure how far the model's error moves between
+    workloads, not which way a new one's goes (on our VMs the held-out MLPs sat below the
+    model and `medium` and `large` above it). With six workloads it holds about three
+    quarters of a new one's steps: the offsets are few. groups: the r of each workload's steps."""
+    groups = [g[np.isfinite(g)] for g in (np.asarray(list(g), dtype=float) for g in groups)]
+    groups = [g for g in groups if g.size]
+    _finite_values(np.concatenate(groups) if groups else [])  # at least 2 steps in all
+    offsets = np.array([np.median(g) for g in groups])
+    within = np.concatenate([g - np.median(g) for g in groups])
+    signed = np.concatenate([offsets, -offsets])
+    low, high = np.percentile((signed[:, None] + within[None, :]).ravel(), QUANTILES)
     return float(low), float(high)
 
 

@@ -443,20 +443,17 @@ def load_profile(path: str) -> dict:
     return profile
 
 
-HELD_OUT_WORKLOAD = ("layers", "batch", "dropout")  # what a held-out check keeps of the step it measured
-
-
 def price_held_out_steps(profile: dict) -> bool:
     """Each held-out check's predictions by this mgpu's model from the profile it calibrated:
     its step alone and (measured with several ranks) on every rank, as history.error_model
     takes the bands. True when a prediction moved (a calibration priced by an older model);
-    checks without their workload (HELD_OUT_WORKLOAD) are left as they are."""
+    checks without their workload (history.HELD_OUT_WORKLOAD) are left as they are."""
     hw = to_core({**profile, "error_model": None})
     options = P.Options()
     options.equal_shares = True
     moved = False
     for c in profile["held_out_steps"]:
-        if not all(k in c for k in HELD_OUT_WORKLOAD):
+        if not all(k in c for k in history.HELD_OUT_WORKLOAD):
             continue
         w = build_workload(None, c["layers"], None, c["batch"], "fp32", "sgd", 4.0, c["dropout"])
         priced = {"alone_predicted_s": P.predict(w, hw, 1, options).step_s}
@@ -561,9 +558,16 @@ def checked_placement(profile: dict) -> Optional[dict]:
 
 
 def placement_moved_in(profile: dict) -> bool:
-    """Whether `topo` saw the ranks' cores change cache domains during the calibration."""
+    """Whether the ranks' cores were seen to change cache domains: during the calibration
+    (`topo`'s readings), or around a step of a run since that the bands left out
+    (error_model "placed_elsewhere", history.placed_elsewhere)."""
     placement = checked_placement(profile)
-    return placement is not None and placement_moved(placement["readings_ns"])
+    if placement is None:
+        return False
+    bands = profile.get("error_model")
+    return placement_moved(placement["readings_ns"]) or (
+        isinstance(bands, dict) and bool(bands.get("placed_elsewhere"))
+    )
 
 
 def placement_profile(profile: dict, probe: str) -> Optional[dict]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 from ..errors import ConfigError
+from ..hostinfo import placement_moved
 from .memory import MEMORY_MARGIN
 from .profiles import (
     NAMED_PROFILES,
@@ -250,11 +251,15 @@ def recommend(
         result["confidence"] = min(result["confidence"], NAMED_CONFIDENCE)
     if multi and placement_moved_in(prof):
         readings = prof["placement"]["readings_ns"]
-        result["reasons"].append(
+        seen = (
             f"the calibration saw the ranks' cores change cache domains (a cache line's round "
-            f"trip {min(readings):.0f}-{max(readings):.0f} ns), as a VM's vCPUs do when its "
-            "hypervisor moves them: a multi-rank wait after backward may be off by its own "
-            "size, and the error band widens by it"
+            f"trip {min(readings):.0f}-{max(readings):.0f} ns)"
+            if placement_moved(readings)
+            else "runs since the calibration met the ranks' cores in another cache domain than `topo` did"
+        )
+        result["reasons"].append(
+            f"{seen}, as a VM's vCPUs do when its hypervisor moves them: a multi-rank wait after "
+            "backward may be off by its own size, and the error band widens by it"
         )
         second = placement_profile(prof, "second")
         if second is not None:  # the same candidate (its bucket) with the cores held in either placement
