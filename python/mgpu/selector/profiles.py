@@ -429,6 +429,7 @@ def load_profile(path: str) -> dict:
         # would price that work twice in every step (on a GPU, most of the probe)
         net_step_overheads(profile)
     records = history.read(path, profile.get("created")) if profile.get("held_out_steps") else []
+    checked_placement(profile)  # the bands read where the cores sat: a malformed placement says so first
     try:
         # priced by the model that priced them at calibration, or (an mgpu since) anew
         repriced = bool(profile.get("held_out_steps")) and price_held_out_steps(profile)
