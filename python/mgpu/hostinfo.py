@@ -5,6 +5,7 @@ the core sees, and where two ranks' cores sit (a cache line's round trip between
 from __future__ import annotations
 
 import glob
+import math
 import os
 import platform
 import re
@@ -70,6 +71,19 @@ def last_level_cache_bytes() -> float:
 # the cores (sharing a last-level cache or not; docs/journal.md has the readings), not from
 # one placement's noise.
 PLACEMENT_RATIO = 2.0
+
+
+def round_trips_readable(readings_ns, count=None) -> bool:
+    """Whether readings_ns is a list of `count` (default: one or more) positive, finite
+    round trips in ns, as core_round_trip_ns reads them."""
+    return (
+        isinstance(readings_ns, list)
+        and bool(readings_ns)
+        and (count is None or len(readings_ns) == count)
+        and all(
+            isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t) and t > 0 for t in readings_ns
+        )
+    )
 
 
 def placement_moved(readings_ns) -> bool:

@@ -13,7 +13,7 @@ import os
 import time
 from typing import Iterable, List, Optional
 
-from ..hostinfo import placement_moved
+from ..hostinfo import placement_moved, round_trips_readable
 from . import intervals
 
 RECORD_NAME = "checks.jsonl"
@@ -118,11 +118,9 @@ def _round_trip_readable(rec: dict) -> bool:
     """A record without readings of where the cores sat, or with CPUs and positive ns."""
     if "round_trip_ns" not in rec and "round_trip_cpus" not in rec:
         return True
-    ns, cpus = rec.get("round_trip_ns"), rec.get("round_trip_cpus")
+    cpus = rec.get("round_trip_cpus")
     return (
-        isinstance(ns, list)
-        and bool(ns)
-        and all(isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t) and t > 0 for t in ns)
+        round_trips_readable(rec.get("round_trip_ns"))
         and isinstance(cpus, list)
         and all(isinstance(c, int) and not isinstance(c, bool) for c in cpus)
     )

@@ -13,7 +13,7 @@ rows: this module imports no model.
 from __future__ import annotations
 
 import math
-from typing import Iterable, List, Sequence
+from typing import Callable, Iterable, List, Sequence
 
 import numpy as np
 
@@ -53,6 +53,19 @@ def _finite(rows: Iterable[dict]) -> List[dict]:
     return [r for r in rows if math.isfinite(r["log_ratio"])]
 
 
+def _medians_and_scatter(groups: Sequence[np.ndarray]) -> tuple:
+    """(each group's median, every value less its own group's median)."""
+    medians = np.array([np.median(g) for g in groups])
+    return medians, np.concatenate([g - m for g, m in zip(groups, medians)])
+
+
+def _band_of_pairings(offsets: np.ndarray, within: np.ndarray) -> tuple:
+    """The band of every offset plus every scatter, its percentiles interpolated: the pairings
+    are the distribution of offset plus scatter, not that many draws."""
+    low, high = np.percentile(_finite_values((offsets[:, None] + within[None, :]).ravel()), QUANTILES)
+    return float(low), float(high)
+
+
 def system_band(rows: Sequence[dict], leave_out: str = "") -> tuple:
     """The band of r for a system no table was measured on: r = the offset of a system from its
     profile plus a point's residual within its system. Offsets: the median r of each held-out
@@ -63,18 +76,15 @@ def system_band(rows: Sequence[dict], leave_out: str = "") -> tuple:
     a new system's is one more draw of them, which this band does not widen for."""
     if leave_out and not any(r["table"] == leave_out for r in rows):
         raise ConfigError(f"no table '{leave_out}' to leave out")
-    rows = [r for r in _finite(rows) if r["table"] != leave_out]
     by_table: dict = {}
-    for r in rows:
-        by_table.setdefault(r["table"], []).append(r)
-    median = {t: float(np.median([r["log_ratio"] for r in rs])) for t, rs in by_table.items()}
-    offsets = np.array([median[t] for t, rs in by_table.items() if rs[0]["role"] == "holdout"])
+    for r in _finite(rows):
+        if r["table"] != leave_out:
+            by_table.setdefault(r["table"], []).append(r)
+    medians, within = _medians_and_scatter([np.array([r["log_ratio"] for r in rs]) for rs in by_table.values()])
+    offsets = medians[[rs[0]["role"] == "holdout" for rs in by_table.values()]]
     if offsets.size < 2:
         raise ConfigError(f"a band for another system needs at least 2 held-out tables, got {offsets.size}")
-    within = np.array([r["log_ratio"] - median[r["table"]] for r in rows])
-    # the pairings are the distribution of offset plus scatter, not that many draws
-    low, high = np.percentile(_finite_values((offsets[:, None] + within[None, :]).ravel()), QUANTILES)
-    return float(low), float(high)
+    return _band_of_pairings(offsets, within)
 
 
 def workload_band(groups: Sequence[Sequence[float]]) -> tuple:
@@ -88,11 +98,8 @@ def workload_band(groups: Sequence[Sequence[float]]) -> tuple:
     groups = [g[np.isfinite(g)] for g in (np.asarray(list(g), dtype=float) for g in groups)]
     groups = [g for g in groups if g.size]
     _finite_values(np.concatenate(groups) if groups else [])  # at least 2 steps in all
-    offsets = np.array([np.median(g) for g in groups])
-    within = np.concatenate([g - np.median(g) for g in groups])
-    signed = np.concatenate([offsets, -offsets])
-    low, high = np.percentile((signed[:, None] + within[None, :]).ravel(), QUANTILES)
-    return float(low), float(high)
+    offsets, within = _medians_and_scatter(groups)
+    return _band_of_pairings(np.concatenate([offsets, -offsets]), within)
 
 
 def residuals(validated: Iterable[dict], where: str) -> List[dict]:
@@ -140,6 +147,18 @@ def _point_stats(rows: Sequence[dict], band_of) -> dict:
     }
 
 
+def _own_table_left_out(band_without) -> Callable[[dict], tuple]:
+    """row -> band_without(row's table), each table's band built once."""
+    bands: dict = {}
+
+    def band_of(row: dict) -> tuple:
+        if row["table"] not in bands:
+            bands[row["table"]] = band_without(row["table"])
+        return bands[row["table"]]
+
+    return band_of
+
+
 def score(rows: Sequence[dict], exclude: Iterable[str] = ()) -> dict:
     """How the point predictions and the 80 % intervals hold on residual rows of one kind.
 
@@ -150,15 +169,8 @@ def score(rows: Sequence[dict], exclude: Iterable[str] = ()) -> dict:
     the bands keep them."""
     exclude = set(exclude)
     pooled = system_band(rows)
-    without = {}
-
-    def leave_table_out(row):
-        if row["table"] not in without:
-            without[row["table"]] = system_band(rows, leave_out=row["table"])
-        return without[row["table"]]
-
     held = [r for r in rows if r["role"] == "holdout" and r["table"] not in exclude]
-    out = _point_stats(held, leave_table_out)
+    out = _point_stats(held, _own_table_left_out(lambda table: system_band(rows, leave_out=table)))
     out["fit"] = _point_stats([r for r in rows if r["role"] == "fit"], lambda r: pooled)
     out["band"] = [pooled[0], pooled[1]]
     return out
@@ -228,11 +240,10 @@ def pooled_coverage(rows: Sequence[dict]) -> float:
     held = [r for r in rows if r["role"] == "holdout"]
     if not held:
         raise ConfigError("no held-out rows to score")
-    bands = {
-        t: np.percentile(_finite_values(r["log_ratio"] for r in rows if r["table"] != t), QUANTILES)
-        for t in {r["table"] for r in held}
-    }
-    return float(np.mean([bands[r["table"]][0] <= r["log_ratio"] <= bands[r["table"]][1] for r in held]))
+    band_of = _own_table_left_out(
+        lambda table: np.percentile(_finite_values(r["log_ratio"] for r in rows if r["table"] != table), QUANTILES)
+    )
+    return float(np.mean([low <= r["log_ratio"] <= high for r in held for low, high in [band_of(r)]]))
 
 
 def scores_markdown(comm: Sequence[dict], gemm: Sequence[dict], between: Sequence[tuple] = ()) -> str:

@@ -27,7 +27,7 @@ from typing import Optional
 from .._runtime import _core, gpus_emulated
 from ..atomic import atomic_file
 from ..errors import ConfigError
-from ..hostinfo import placement_moved
+from ..hostinfo import placement_moved, round_trips_readable
 from . import gemm_fit, history, intervals
 from .allreduce_fit import load_fitted, load_published, model_from_dict
 from .allreduce_fit import validate as validate_allreduce
@@ -535,15 +535,7 @@ def checked_placement(profile: dict) -> Optional[dict]:
         return ConfigError(f"hardware profile '{profile.get('name', '?')}' is malformed (placement: {why})")
 
     def round_trips(key: str, count: Optional[int] = None) -> None:
-        v = placement.get(key)
-        if (
-            not isinstance(v, list)
-            or not v
-            or (count is not None and len(v) != count)
-            or not all(
-                isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t) and t > 0 for t in v
-            )
-        ):
+        if not round_trips_readable(placement.get(key), count):
             raise malformed(f"{key} must be a list of {count or 'one or more'} positive round trips in ns")
 
     if not isinstance(placement, dict):
