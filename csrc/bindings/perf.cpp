@@ -199,6 +199,8 @@ void bind_perf(py::module_& m) {
       .def_readwrite("memory_margin", &Options::memory_margin)
       .def_readwrite("price_per_device_hour", &Options::price_per_device_hour)
       .def_readwrite("equal_shares", &Options::equal_shares)
+      .def_readwrite("share_weights", &Options::share_weights)
+      .def_readwrite("overlap", &Options::overlap)
       .def_readwrite("choose_buckets", &Options::choose_buckets)
       .def_readwrite("max_bucket_bytes", &Options::max_bucket_bytes);
   py::class_<Prediction>(pm, "Prediction")

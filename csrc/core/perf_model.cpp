@@ -736,7 +736,16 @@ Prediction predict(const Workload& w, const HardwareProfile& hw, int devices, co
         device_times(sizes, b, hw.devices[i], w, 0.0, devices == 1, use_phases, p.graphs, sharing, shards);
     speed[i] = b / std::max(t.forward + t.backward, 1e-30);
   }
-  p.batch_shares = shares_by_weight(batch, o.equal_shares ? std::vector<double>(devices, 1.0) : speed);
+  if (!o.share_weights.empty()) {
+    bool valid = static_cast<int>(o.share_weights.size()) == devices;
+    for (double s : o.share_weights) valid &= std::isfinite(s) && s >= 0;
+    valid &= valid && *std::max_element(o.share_weights.begin(), o.share_weights.end()) > 0;
+    MGPU_CHECK(valid, ConfigError, "batch shares: need ", devices,
+               " finite non-negative weights with a positive sum, got ", o.share_weights.size());
+  }
+  p.batch_shares = shares_by_weight(batch, !o.share_weights.empty() ? o.share_weights
+                                           : o.equal_shares         ? std::vector<double>(devices, 1.0)
+                                                                    : speed);
 
   std::vector<DeviceTimes> times;
   double compute_end = 0, optimizer = 0, overhead = 0;
@@ -768,15 +777,20 @@ Prediction predict(const Workload& w, const HardwareProfile& hw, int devices, co
   // The allreduce of each bucket can start once every device has its gradients;
   // replayed steps allreduce after the whole backward (DataParallelStep::overlaps()).
   // Sharded, a reduce-scatter takes each bucket's place on the same schedule.
+  // Without overlap the step allreduces its whole gradient as one bucket after backward
+  // (DataParallelStep), sharded or not.
+  const bool overlapped = hw.link.overlaps_compute && !p.graphs && o.overlap;
+  const size_t bucket_elems =
+      o.overlap ? static_cast<size_t>(w.bucket_elems) : static_cast<size_t>(params) + MLP::kGradExtraSlots;
   if (devices > 1) {
     double channel_free = 0;
-    for (const BucketRun& run : plan_bucket_runs(sizes, MLP::kGradExtraSlots, static_cast<size_t>(w.bucket_elems))) {
+    for (const BucketRun& run : plan_bucket_runs(sizes, MLP::kGradExtraSlots, bucket_elems)) {
       const double bytes = (w.grad_dtype == "fp32" ? 4.0 : 2.0) * run.count;
       const double t =
           p.sharded ? hw.link.reduce_scatter_seconds(devices, bytes) : hw.link.allreduce_seconds(devices, bytes);
       p.comm_s += double(run.repeat) * t;
       double ready = compute_end;
-      if (hw.link.overlaps_compute && !p.graphs) {
+      if (overlapped) {
         ready = 0;
         for (const DeviceTimes& d : times) ready = std::max(ready, d.forward + d.backward_done[run.ready_layer]);
       }
@@ -790,7 +804,7 @@ Prediction predict(const Workload& w, const HardwareProfile& hw, int devices, co
       // (compression narrows gradients only).
       const double sums = hw.link.all_gather_seconds(devices, 4.0 * kShardSums * devices);
       double params_gather = hw.link.all_gather_seconds(devices, 4.0 * params), params_exposed = params_gather;
-      if (hw.link.overlaps_compute && !p.graphs) {
+      if (overlapped) {
         // Layer by layer, the next forward waiting for each layer just before it
         // (DataParallelStep::gather_parameters): exposed, the waits of the device that waits longest.
         std::vector<double> arrived;
@@ -836,14 +850,16 @@ Prediction predict(const Workload& w, const HardwareProfile& hw, int devices, co
         reference += double(run.repeat) * hw.link.allreduce_seconds(measured_ranks, 4.0 * run.count);
     if (devices == 1)  // the health check and bookkeeping, without any allreduce
       optimizer += std::max(0.0, measured_wait - reference);
-    else
+    else if (o.overlap)
       p.exposed_comm_s = std::max(0.0, measured_wait + p.exposed_comm_s - reference);
+    else  // nothing hidden: the whole allreduce, and what the wait held beyond the calibration's
+      p.exposed_comm_s += std::max(0.0, measured_wait - reference);
   }
   p.optimizer_s = optimizer;
   p.overhead_s = overhead;
   // The ranks' skew and control messages: in a wait measured with several ranks already.
   if (devices > 1 && measured_ranks < 2) overhead += hw.link.step_sync_s;
-  p.bucket_elems = w.bucket_elems;
+  p.bucket_elems = static_cast<int64_t>(bucket_elems);
   p.step_s = overhead + compute_end + p.exposed_comm_s + optimizer;
   p.samples_per_s = batch / p.step_s;
   p.memory_bytes = memory;
@@ -853,7 +869,9 @@ Prediction predict(const Workload& w, const HardwareProfile& hw, int devices, co
     p.cost_per_million_samples = devices * o.price_per_device_hour / 3600.0 * p.step_s / batch * 1e6;
   set_step_interval(p, hw.error);
   if (devices > 1) {
-    const Prediction one = predict(w, hw, 1, o);
+    Options alone = o;  // one device takes the whole batch, whatever the shares
+    alone.share_weights.clear();
+    const Prediction one = predict(w, hw, 1, alone);
     p.speedup = one.step_s / p.step_s;
     double ideal = 0;  // what perfect scaling would give on these (possibly unequal) devices
     for (double s : speed) ideal += o.equal_shares ? 1.0 : s / speed[0];

@@ -252,6 +252,11 @@ struct Options {
   double memory_margin = 0.8;          // usable fraction of device memory (seed 001's safety margin)
   double price_per_device_hour = 0.0;  // > 0: cost per million samples and an ROI line
   bool equal_shares = false;           // split the batch evenly even over unequal devices (as `bench` does)
+  // The batch split in proportion to these, one per device (train --batch-shares); empty:
+  // equal_shares, else by each device's speed.
+  std::vector<double> share_weights;
+  // false: one allreduce of the whole gradient after backward (train --no-overlap).
+  bool overlap = true;
   // Predict each multi-device candidate at the bucket choose_bucket prefers for it
   // (`--bucket-mb auto`), capped at max_bucket_bytes (0: no cap), instead of Workload's.
   bool choose_buckets = false;

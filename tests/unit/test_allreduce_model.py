@@ -262,6 +262,14 @@ def test_cpu_buckets_stay_below_openmpis_slow_path():
     assert r["bucket_mb_used"] == pytest.approx(b["bucket_mb"])
 
 
+def test_an_emulated_calibrations_bucket_says_so():
+    w = workload.build_workload("xl", None, None, 256, "fp32", "adamw", 4.0)
+    prof = perf.named_profile("nvlink", 2)
+    assert "EMULATED" not in selector_recommend.auto_bucket(prof, w, 2)["reason"]
+    emulated = selector_recommend.auto_bucket({**prof, "gpu_emulation": True}, w, 2)
+    assert emulated["reason"].endswith("(EMULATED GPUs: the CPU running mgpu's CUDA code)")
+
+
 def test_mixed_pair_gets_speed_shares_and_says_whether_the_slow_gpu_helps():
     r = selector_recommend.recommend(model="large", batch_size=1024, profile="rtx5080-rtx4060")
     two = r["candidates"][1]

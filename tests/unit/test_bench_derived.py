@@ -255,3 +255,36 @@ def test_rounds_without_readings_leave_a_cells_placement_unknown():
     assert "core_round_trip_ns" not in merged[0] and "core_round_trip_cpus" not in merged[0]
     merged = bench.merge_rounds([[cell([55.0, 56.0])], [cell([330.0, 331.0])]])
     assert merged[0]["core_round_trip_ns"] == [55.0, 56.0, 330.0, 331.0]
+
+
+def test_a_batch_whose_base_was_not_priced_is_not_scored(monkeypatch):
+    """A 1-rank cell at another thread count than the calibration's is not priced; its
+    2-rank cell's speedup is measured against it, so neither its error nor the pick count."""
+    import types
+
+    monkeypatch.setattr(bench, "recommend", lambda **kw: {"strategy": "multi_gpu", "devices": 2})
+    why = "calibrated at 1 thread(s) per rank, measured at 2 (bench --threads 1)"
+
+    def row(ranks, **extra):
+        return {
+            "layers": [8, 8],
+            "batch_size": 64,
+            "ranks": ranks,
+            "step": {"median": 1e-3 / ranks},
+            "breakdown_ms": {"comm_wait": 0.0},
+            "speedup": float(ranks),
+            **extra,
+        }
+
+    rows = [row(1, prediction_error=why), row(2, predicted_speedup=1.9, predicted_step_ms=0.5)]
+    a = types.SimpleNamespace(
+        optimizer="sgd", precision="fp32", grad_dtype="fp32", cuda_graph="off", accumulate=1, shard_optimizer=False
+    )
+    (v,) = bench.validate_selector(rows, {}, a)
+    assert v["not_priced"] == why and v["picked_faster"] is None
+    assert v["predicted_speedup"] is None and v["relative_error"] is None
+    assert "not scored" in bench_command.format_validation([v])
+    # priced on both sides: scored as before
+    rows[0] = row(1, predicted_step_ms=1.0)
+    (v,) = bench.validate_selector(rows, {}, a)
+    assert v["not_priced"] is None and v["picked_faster"] is True and v["relative_error"] == pytest.approx(-0.05)

@@ -6,6 +6,7 @@ import argparse
 import copy
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -325,6 +326,64 @@ def test_outputs_may_not_be_empty_special_shared_or_an_input(tmp_path):
     ]:
         with pytest.raises(mgpu.ConfigError, match=message):
             check_outputs(outputs, inputs)
+
+
+@pytest.mark.parametrize(
+    "argv, kept, message",
+    [
+        (
+            ["recommend", "--model", "medium", "--batch-size", "64", "--json"],
+            "profile.json",
+            "--json .* is this machine's calibration",
+        ),
+        (
+            ["recommend", "--model", "medium", "--batch-size", "64", "--json"],
+            "checks.jsonl",
+            "--json .* is the record of checks beside this machine's",
+        ),
+        (
+            ["bench", "--model", "medium", "--batch-sizes", "64", "--ranks", "1", "--csv"],
+            "checks.jsonl",
+            "--csv .* is the record of checks",
+        ),
+        (["train", "--model", "medium", "--save"], "checks.jsonl", "--save .* is the record of checks"),
+        (["train", "--model", "medium", "--json"], "profile.json", "--json .* is this machine's calibration"),
+        (["stress", "--device", "cpu", "--json"], "profile.json", "--json .* is this machine's calibration"),
+        (["topo", "--no-save", "--json"], "profile.json", "--json .* is this machine's calibration"),
+        (["topo", "--json"], "profile.json", "the calibration this run saves and --json name the same file"),
+        (["topo", "--out"], "checks.jsonl", "--out .* is the record of checks beside this machine's calibration"),
+    ],
+)
+def test_no_output_may_name_the_calibration_or_its_record(tmp_path, monkeypatch, capfd, argv, kept, message):
+    """The calibration train, bench and recommend read (and its record, which they append
+    to) is no output's to overwrite, existing or not; topo's own save neither."""
+    from mgpu.selector.profiles import default_profile_path
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    cache = os.path.dirname(default_profile_path())
+    os.makedirs(cache)
+    (tmp_path / "cache" / "mgpu" / "profile.json").write_text("kept")
+    target = os.path.join(cache, kept)
+    assert cli.main(argv + [target]) == 2
+    err = capfd.readouterr().err
+    assert re.search(message, err) and err.count("\n") == 1, err
+    assert (tmp_path / "cache" / "mgpu" / "profile.json").read_text() == "kept"
+    assert kept == "profile.json" or not os.path.exists(target)
+
+
+def test_a_profile_file_and_its_record_are_kept_too(tmp_path):
+    from mgpu.commands.common import check_outputs
+
+    profile = tmp_path / "other" / "p.json"
+    profile.parent.mkdir()
+    profile.write_text("{}")
+    check_outputs({"--json": str(tmp_path / "other" / "out.json")}, {"--profile": str(profile)}, profile=str(profile))
+    with pytest.raises(mgpu.ConfigError, match="--json .* is the record of checks beside the --profile"):
+        check_outputs(
+            {"--json": str(profile.parent / "checks.jsonl")}, {"--profile": str(profile)}, profile=str(profile)
+        )
+    with pytest.raises(mgpu.ConfigError, match="--csv .* is the --profile this run reads"):
+        check_outputs({"--csv": str(profile)}, {"--profile": str(profile)}, profile=str(profile))
 
 
 @pytest.mark.parametrize("option", ["--out", "--json"])

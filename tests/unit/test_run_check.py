@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+import mgpu
 from mgpu.calibrate.bench import DECISION_TOLERANCE, score_validation
 from mgpu.commands.bench import format_predictions
 from mgpu.commands.train import checked_prediction
@@ -174,10 +175,47 @@ def test_the_prediction_carries_its_interval_and_phases(tmp_path):
     assert 0 < low < p["predicted_step_ms"] < high
     assert set(p["phases_ms"]) == {"forward", "backward", "comm_wait", "optimizer", "overhead"}
     assert sum(p["phases_ms"].values()) == pytest.approx(p["predicted_step_ms"], rel=1e-6)
-    assert p["batch_shares"] == "equal"
+    assert p["batch_shares"] == [64, 64] and p["overlap"] is True
     # one rank of a 2-device calibration: no communication
     one = run_check.predict_run(config(), 1, SIZES, "cpu", 1, path=write(tmp_path, cpu_profile()))
     assert one["phases_ms"]["comm_wait"] == 0 and one["predicted_step_ms"] > p["predicted_step_ms"]
+
+
+def test_the_prediction_prices_the_runs_own_batch_shares(tmp_path):
+    """--batch-shares 0.9,0.1: the rank with 90 % of the batch sets the step, as it does in the run."""
+    path = write(tmp_path, cpu_profile())
+    even = run_check.predict_run(config(), 2, SIZES, "cpu", 1, path=path)
+    uneven = run_check.predict_run(config(), 2, SIZES, "cpu", 1, batch_shares=[0.9, 0.1], path=path)
+    assert uneven["batch_shares"] == [115, 13]  # split_counts' largest remainder
+    assert uneven["phases_ms"]["forward"] > 1.5 * even["phases_ms"]["forward"]
+    assert uneven["predicted_step_ms"] > even["predicted_step_ms"]
+    one = run_check.predict_run(config(), 2, SIZES, "cpu", 1, batch_shares=[1, 0], path=path)
+    assert one["batch_shares"] == [128, 0]
+
+
+def test_without_overlap_the_whole_allreduce_is_exposed(tmp_path):
+    """--no-overlap: one allreduce of the gradient after backward, nothing of it hidden."""
+    prof = cpu_profile()
+    prof["link"]["overlaps_compute"] = True  # a link that progresses during backward
+    path = write(tmp_path, prof)
+    overlapped = run_check.predict_run(config(bucket_mb=0.05), 2, SIZES, "cpu", 1, path=path)
+    after = run_check.predict_run(config(bucket_mb=0.05, overlap=False), 2, SIZES, "cpu", 1, path=path)
+    assert overlapped["overlap"] is True and after["overlap"] is False
+    assert after["phases_ms"]["comm_wait"] > overlapped["phases_ms"]["comm_wait"]
+    assert after["predicted_step_ms"] > overlapped["predicted_step_ms"]
+    # the core's schedule: the whole gradient in one bucket after compute
+    hw = profiles.to_core(prof, 2)
+    w = run_check.run_workload(config(), SIZES, 0.05)
+    on, off = profiles.P.Options(), profiles.P.Options()
+    off.overlap = False
+    p_on, p_off = profiles.P.predict(w, hw, 2, on), profiles.P.predict(w, hw, 2, off)
+    assert p_off.comm_s <= p_on.comm_s  # one bucket: one latency instead of several
+    assert p_off.exposed_comm_s == pytest.approx(p_off.comm_s)
+    assert p_on.exposed_comm_s < p_on.comm_s
+    bad = profiles.P.Options()
+    bad.share_weights = [1.0, 2.0, 3.0]
+    with pytest.raises(mgpu.ConfigError, match="batch shares: need 2"):
+        profiles.P.predict(w, hw, 2, bad)
 
 
 def prediction(step=10.0, low=8.0, high=12.0, **phases):
@@ -218,14 +256,22 @@ def test_a_measurement_inside_the_interval_is_said_and_not_warned():
         ("comm_wait", 0.0, "shorter than calibrated"),
         ("backward", 15e-3, "computes slower than when it was calibrated"),
         ("forward", 0.1e-3, "computes faster than its calibration says"),
+        ("other", 10e-3, "the data feed, the Python loop"),
     ],
 )
 def test_outside_the_interval_the_warning_names_the_phase_that_differs_most(phase, value, advice):
-    step = 20e-3 if value else 5e-3
-    check = run_check.check_run(prediction(), measured(step, **{phase: value}), phases_timed=True)
+    # steps whose timed phases and the time outside them add up (as measured steps' do)
+    phases = {k: v for k, v in measured(0.0).items() if k not in ("step", "steps")}
+    if phase != "other":
+        phases[phase] = value
+    step = sum(phases.values()) + (value if phase == "other" else 0.1e-3)
+    expected = prediction(low=9.0)  # 8-12 ms would hold the step without its wait (8.5 ms)
+    check = run_check.check_run(expected, measured(step, **phases), phases_timed=True)
     assert not check["inside"] and check["differs_most"] == phase
-    assert f"{phase} differs most" in check["warning"] and advice in check["warning"]
-    assert "outside the prediction's 80% interval (8-12 ms" in check["warning"]
+    assert check["measured_phases_ms"]["other"] == pytest.approx((step - sum(phases.values())) * 1e3)
+    name = "the time outside the timed phases" if phase == "other" else phase
+    assert f"{name} differs most" in check["warning"] and advice in check["warning"]
+    assert "outside the prediction's 80% interval (9-12 ms" in check["warning"]
     assert "OUTSIDE the interval" in run_check.format_check(check)
 
 
@@ -341,6 +387,41 @@ def test_bench_prints_each_cells_prediction_beside_its_measurement():
     assert text[2].endswith("calibrated at 1 thread(s) per rank, measured at 2")
 
 
+def test_bench_holds_each_cell_as_train_holds_its_run(capfd):
+    """add_derived gives every cell train's prediction object: priced cells checked against
+    their timed phases (a cell far off warns, naming the phase), unpriced ones say why."""
+    from mgpu.calibrate.bench import add_derived
+
+    def row(ranks, threads, step_ms, backward_ms):
+        phases = {"forward": 0.05, "backward": backward_ms, "comm_wait": 0.0, "optimizer": 0.01}
+        return {
+            "layers": SIZES,
+            "batch_size": 128,
+            "ranks": ranks,
+            "threads": threads,
+            "device": "cpu",
+            "samples_per_sec": 128 / step_ms * 1e3,
+            "step": {"median": step_ms / 1e3},
+            "step_seconds": [step_ms / 1e3] * 7,
+            "breakdown_ms": phases,
+        }
+
+    profile = cpu_profile()
+    rows = [row(1, 1, 0.2, 0.1), row(1, 2, 0.2, 0.1)]
+    add_derived(rows, profile)
+    priced, unpriced = rows[0]["prediction"], rows[1]["prediction"]
+    assert unpriced == {"available": False, "reason": rows[1]["prediction_error"]}
+    assert priced["available"] and priced["measured_steps"] == 7
+    assert priced["predicted_step_ms"] == pytest.approx(rows[0]["predicted_step_ms"])
+    assert priced["interval_ms"] == pytest.approx(rows[0]["predicted_step_interval_ms"])
+    assert priced["inside"] is rows[0]["inside_interval"]
+    slow = [row(1, 1, 50.0, 49.0)]  # backward 50x what a 20 GFLOP/s core takes
+    add_derived(slow, profile)
+    check = slow[0]["prediction"]
+    assert not check["inside"] and check["differs_most"] == "backward"
+    assert "backward differs most" in check["warning"] and "mgpu topo" in check["warning"]
+
+
 def test_grids_of_several_models_are_judged_per_model_and_batch():
     small, large = [50, 64, 3], [50, 1024, 3]
     rows = [
@@ -406,6 +487,9 @@ def test_the_record_widens_its_calibrations_bands_and_no_other(tmp_path):
     history.append(path, profile["created"], 2, 1.0, 1.0, "bench", True, 1.0, 40.0)
     with open(history.record_path(path), "a") as f:
         f.write('not a record\n{"calibration": 1}\n')
+        for devices in (-3, 0, True):  # no device count a step ran on
+            rec = {"calibration": profile["created"], "devices": devices, "log_ratio": 0.1, "what": "train"}
+            f.write(json.dumps(rec) + "\n")
     records = history.read(path, profile["created"])
     assert len(records) == 6 and {r["what"] for r in records} == {"train", "bench"}
     wide = history.error_model(profile, records)
@@ -465,6 +549,34 @@ def test_train_records_its_checked_step(tmp_path):
     (rec,) = history.read(path, profile["created"])
     assert rec["devices"] == 2 and rec["what"] == "train" and rec["log_ratio"] == pytest.approx(math.log(1.1))
     assert rec["inside"] == check["inside"]
+
+
+def test_a_calibration_of_other_hardware_prices_the_run_and_says_so(tmp_path):
+    """A calibration copied from another CPU (another model, or the same model name without
+    AVX-512) still prices the run; the line and the warning say where it was measured, and
+    its step stays out of the record, which is of this machine's calibration."""
+    from mgpu.hostinfo import cpu_description
+    from mgpu.selector.tuning import calibrated_elsewhere
+
+    here = cpu_description()
+    profile = held_out_profile()
+    assert calibrated_elsewhere(profile, "cpu") is None  # no CPU recorded: nothing to hold against
+    for d in profile["devices"]:
+        d["cpu"] = dict(here)
+    assert calibrated_elsewhere(profile, "cpu") is None
+    for d in profile["devices"]:
+        d["cpu"] = {**here, "model": "Other CPU 9000", "isa": here["isa"] + ["avx512_fake"]}
+    why = calibrated_elsewhere(profile, "cpu")
+    assert (
+        why.startswith(f"measured on Other CPU 9000, this machine has {here['model']}") and "without avx512_fake" in why
+    )
+    path = write(tmp_path, profile)
+    p = run_check.predict_run(config(), 2, SIZES, "cpu", 1, path=path)
+    assert p["available"] and p["calibrated_elsewhere"] == why
+    check = run_check.check_run(p, measured(p["predicted_step_ms"] * 3e-3), phases_timed=True)
+    assert why in run_check.format_check(check) and why in check["warning"] and "mgpu topo" in check["warning"]
+    run_check.record_run(check, 2)
+    assert history.read(path, profile["created"]) == []
 
 
 def placed_profile(together, other_probe=None, first_probe=(60.0, 62.0)):
@@ -529,3 +641,21 @@ def test_a_run_met_in_another_placement_leaves_the_bands_and_widens_the_wait(tmp
     assert any(
         reason.startswith("runs since the calibration met the ranks' cores in another") for reason in r["reasons"]
     )
+
+
+def test_bands_wider_than_twice_the_model_are_said_to_be_a_guess(tmp_path):
+    """A calibration whose model misses its own held-out steps by 4x (edited rates, say)
+    carries intervals that wide: the run is inside them, and is told what they are worth."""
+    narrow = run_check.predict_run(config(), 2, SIZES, "cpu", 1, path=write(tmp_path, cpu_profile()))
+    assert narrow["unsure"] is None
+    wide = cpu_profile()
+    wide["error_model"]["compute"] = [math.log(0.25), math.log(4.0)]
+    p = run_check.predict_run(config(), 2, SIZES, "cpu", 1, path=write(tmp_path, wide))
+    assert "compute band spans x0.25 to x4 of the model" in p["unsure"] and "mgpu topo" in p["unsure"]
+    r = recommend(
+        layers=SIZES, batch_size=128, devices=[1, 2], profile=profiles.load_profile(str(tmp_path / "profile.json"))
+    )
+    assert p["unsure"] in r["reasons"]
+    wide["error_model"]["compute"], wide["error_model"]["comm"] = [-0.1, 0.1], [-0.1, math.log(2.1)]
+    p = run_check.predict_run(config(), 2, SIZES, "cpu", 1, path=write(tmp_path, wide))
+    assert "communication band spans x0.9 to x2.1" in p["unsure"]

@@ -27,6 +27,7 @@ from ..hostinfo import placement_moved
 from ..selector import profiles
 from ..selector.memory import check_training_memory
 from ..selector.recommend import recommend
+from ..selector.run_check import PHASES, check_run
 from ..selector.workload import build_workload
 from ..train.config import PRESETS, TrainerConfig
 from ..train.data import local_slice, resident_bytes
@@ -607,9 +608,10 @@ def add_derived(rows: list, profile: Optional[dict], thread_scaling: bool = Fals
             scale = r["ranks"] / base["ranks"] * (r["threads"] / base["threads"] if thread_scaling else 1)
             r["efficiency"] = r["speedup"] / scale
         if profile is not None:
-            differs = _threads_differ(r, profile)
+            differs = _cannot_price(r, profile)
             if differs:
                 r["prediction_error"] = differs
+                r["prediction"] = {"available": False, "reason": differs}
                 continue
             try:
                 p = _predict(r, profile)
@@ -628,12 +630,37 @@ def add_derived(rows: list, profile: Optional[dict], thread_scaling: bool = Fals
                     "comm_wait": p.exposed_comm_s * 1e3,
                     "optimizer": p.optimizer_s * 1e3,
                 }
+                r["prediction"] = _cell_check(r, profile, p)
             except ConfigError as e:
                 r["prediction_error"] = str(e)
+                r["prediction"] = {"available": False, "reason": str(e)}
 
 
-def _threads_differ(row: dict, profile: dict) -> Optional[str]:
-    """Why a CPU row cannot be priced from a calibration of another thread count, or None."""
+def _cell_check(row: dict, profile: dict, p) -> dict:
+    """A priced cell's prediction held against its measured step, as train holds its own
+    (run_check.check_run: the same fields, and the warning naming the phase that differs
+    most); bench times every phase."""
+    prediction = {
+        "available": True,
+        "profile": profile.get("name", "?"),
+        "profile_source": profile.get("source", "named"),
+        "gpu_emulation": gpus_emulated(row["device"]),
+        "predicted_step_ms": p.step_s * 1e3,
+        "interval_ms": [p.step_low_s * 1e3, p.step_high_s * 1e3],
+        "phases_ms": {name: getattr(p, field) * 1e3 for name, field in PHASES} | {"overhead": p.overhead_s * 1e3},
+    }
+    measured = {"step": row["step"]["median"], "steps": len(row.get("step_seconds") or [])}
+    measured |= {name: row["breakdown_ms"][name] / 1e3 for name, _ in PHASES}
+    return check_run(prediction, measured, phases_timed=True)
+
+
+def _cannot_price(row: dict, profile: dict) -> Optional[str]:
+    """Why a row cannot be priced from `profile`, or None: its devices of another kind (a
+    GPU profile says nothing of CPU ranks, nor the reverse), or a CPU calibration of
+    another thread count."""
+    kinds = sorted({str(d.get("kind", "cuda")) for d in (profile.get("devices") or [])[: row["ranks"]]})
+    if kinds and kinds != [row.get("device", "cpu")]:
+        return f"the profile describes {'/'.join(kinds)} devices, this cell ran on {row.get('device', 'cpu')}"
     calibrated = (profile.get("environment") or {}).get("threads_per_rank")
     if row.get("device") != "cpu" or not calibrated or row["threads"] == calibrated:
         return None
@@ -710,11 +737,14 @@ def validate_selector(rows: list, profile: dict, a) -> list:
         # by the same measure as the speedup printed (paired rounds when alternated)
         measure = "speedup" if all("speedup" in c for c in cells.values()) else "samples_per_sec"
         fastest = max(cells.values(), key=lambda r: r[measure])["ranks"]
+        # a speedup is priced only where the cell and its base were: none is scored against the other
+        unpriced = next((c["prediction_error"] for c in cells.values() if c.get("prediction_error")), None)
         for n in ranks:
             c = cells[n]
             if n == 1 or "speedup" not in c:
                 continue
-            err = (c["predicted_speedup"] - c["speedup"]) / c["speedup"] if "predicted_speedup" in c else None
+            priced = "predicted_speedup" in c and unpriced is None
+            err = (c["predicted_speedup"] - c["speedup"]) / c["speedup"] if priced else None
             out.append(
                 {
                     "layers": c["layers"],
@@ -722,7 +752,7 @@ def validate_selector(rows: list, profile: dict, a) -> list:
                     "ranks": n,
                     "measured_speedup": c["speedup"],
                     "measured_speedup_rounds": c.get("speedup_rounds"),
-                    "predicted_speedup": c.get("predicted_speedup"),
+                    "predicted_speedup": c.get("predicted_speedup") if unpriced is None else None,
                     "relative_error": err,
                     "measured_step_ms": c["step"]["median"] * 1e3,
                     "predicted_step_ms": c.get("predicted_step_ms"),
@@ -734,7 +764,10 @@ def validate_selector(rows: list, profile: dict, a) -> list:
                     "selector_strategy": rec["strategy"],
                     "selector_devices": rec["devices"],
                     "measured_fastest": fastest,
-                    "picked_faster": None if rec["strategy"] == "benchmark_required" else rec["devices"] == fastest,
+                    "picked_faster": None
+                    if unpriced or rec["strategy"] == "benchmark_required"
+                    else rec["devices"] == fastest,
+                    "not_priced": unpriced,
                 }
             )
     return out

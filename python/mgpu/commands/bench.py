@@ -26,6 +26,7 @@ import csv
 import math
 import os
 import socket
+import sys
 from typing import Optional
 
 import numpy as np
@@ -158,6 +159,8 @@ def format_validation(rows: list) -> str:
         pred = f"{v['predicted_speedup']:.2f}x" if v["predicted_speedup"] is not None else "n/a"
         err = f"{v['relative_error']:+.0%}" if v["relative_error"] is not None else "n/a"
         verdict = {True: "right", False: "WRONG", None: "asks for a benchmark"}[v["picked_faster"]]
+        if v.get("not_priced"):
+            verdict = "not scored (a cell not priced: see below)"
         rounds = v.get("measured_speedup_rounds")
         spread = f"; rounds {min(rounds):.2f}-{max(rounds):.2f}x" if rounds and len(rounds) > 1 else ""
         if None not in (v.get("predicted_step_ms"), v.get("predicted_step_1_ms"), v.get("predicted_wait_ms")):
@@ -196,11 +199,13 @@ def format_validation(rows: list) -> str:
         )
     errors = [v["relative_error"] for v in rows if v["relative_error"] is not None]
     if errors:  # what issue 13 asks of a run: every cell within VALIDATION_BOUND, every pick right
-        picks = [v["picked_faster"] for v in rows]
+        picks = [v["picked_faster"] for v in rows if not v.get("not_priced")]
+        unscored = len(rows) - len(picks)
         out.append(
             f"within +-{VALIDATION_BOUND:.0%}: {sum(abs(e) <= VALIDATION_BOUND for e in errors)} of "
             f"{len(errors)} cells (worst {max(errors, key=abs):+.0%}); picks: {picks.count(True)} right, "
             f"{picks.count(False)} wrong, {picks.count(None)} asked for a benchmark"
+            + (f", {unscored} not scored" if unscored else "")
         )
     return "\n".join(out)
 
@@ -226,6 +231,10 @@ def write_csv(path: str, rows: list) -> None:
         "compute_floor_ms",
         "allreduce_floor_ms",
         "predicted_step_ms",
+        "predicted_step_low_ms",
+        "predicted_step_high_ms",
+        "inside_interval",
+        "gpu_emulation",
         "torch_samples_per_sec",
         "torch_ratio_median",
         "torch_ratio_min",
@@ -254,6 +263,10 @@ def write_csv(path: str, rows: list) -> None:
                     "compute_floor_ms": r["compute_floor_ms"],
                     "allreduce_floor_ms": r.get("allreduce_floor_ms"),
                     "predicted_step_ms": r.get("predicted_step_ms"),
+                    "predicted_step_low_ms": (r.get("predicted_step_interval_ms") or [None, None])[0],
+                    "predicted_step_high_ms": (r.get("predicted_step_interval_ms") or [None, None])[1],
+                    "inside_interval": r.get("inside_interval"),
+                    "gpu_emulation": gpus_emulated(r["device"]),
                     "torch_samples_per_sec": r.get("torch", {}).get("samples_per_sec"),
                     **{f"torch_ratio_{k}": r.get("torch_ratio", {}).get(k) for k in ("median", "min", "max")},
                 }
@@ -529,7 +542,7 @@ def cmd_bench(a, pg) -> int:
             raise ConfigError(
                 f"batch {min(a.batch_sizes)} is smaller than {max(a.ranks)} ranks: every rank needs a sample"
             )
-    check_outputs({"--json": a.json, "--csv": a.csv}, {"--profile": a.profile})
+    check_outputs({"--json": a.json, "--csv": a.csv}, {"--profile": a.profile}, profile=a.profile)
     if a.explain:
         return explain_step(a, pg)
     if a.observe:
@@ -606,6 +619,10 @@ def cmd_bench(a, pg) -> int:
     print(format_table(rows))
     if any("predicted_step_interval_ms" in r or "prediction_error" in r for r in rows):
         print(format_predictions(rows))
+    for r in rows:  # a cell outside its interval: the phase that differs most, and what to do
+        warning = (r.get("prediction") or {}).get("warning")
+        if warning:
+            print(f"mgpu: warning: batch {r['batch_size']} x {r['ranks']} rank(s): {warning}", file=sys.stderr)
     for r in rows:
         t = r.get("torch_ratio")
         if t:

@@ -12,6 +12,8 @@ import tempfile
 from collections import Counter
 
 from ..errors import ConfigError
+from ..selector.history import record_path
+from ..selector.profiles import default_profile_path
 
 EXIT_USAGE = 2
 INT32_MAX = 2**31 - 1  # the C++ core takes sizes and counts as int
@@ -122,21 +124,52 @@ def check_output_path(path: str, what: str) -> None:
         raise ConfigError(f"{what} '{path}' is not a regular file")
 
 
-def check_outputs(outputs: dict, inputs: dict = None) -> None:
+def kept_files(profile: str = None, saves: str = None) -> dict:
+    """The files mgpu keeps between runs (realpath -> what it is), which no output may name:
+    this machine's calibration and the record of checks beside it, and those of `profile`
+    where that is a file. `saves`, a calibration the run writes (topo), is that run's
+    output, not kept; the record beside it is."""
+    kept = {}
+    for path, what in ((default_profile_path(), "this machine's calibration"), (profile, "the --profile")):
+        if path and (what != "the --profile" or os.path.isfile(path)):
+            kept[os.path.realpath(path)] = what
+            kept.setdefault(os.path.realpath(record_path(path)), f"the record of checks beside {what}")
+    if saves:
+        if not kept.get(os.path.realpath(saves), "").startswith("the record"):
+            kept.pop(os.path.realpath(saves), None)
+        kept.setdefault(
+            os.path.realpath(record_path(saves)), "the record of checks beside the calibration this run saves"
+        )
+    return kept
+
+
+def check_outputs(outputs: dict, inputs: dict = None, profile: str = None, saves: tuple = None) -> None:
     """check_output_path for each given output (option -> path; None: not given), and
-    ConfigError if two outputs name one file (one would overwrite the other) or an
-    output names an input file (option -> path or None; writing it would destroy what
-    was read)."""
+    ConfigError if two outputs name one file (one would overwrite the other), an output
+    names an input file (option -> path or None; writing it would destroy what was read)
+    or a file mgpu keeps (kept_files(profile, saves' path), existing or not: it would be
+    read back as what it is not). `saves`: (what, path) of the calibration the run writes,
+    an output too (its path's own checks are the caller's: its directory may be made)."""
     # inputs that are files (a dataset may be a name like 'synthetic', a profile a named one)
     seen = {os.path.realpath(path): what for what, path in (inputs or {}).items() if path and os.path.isfile(path)}
     inputs_seen = set(seen)
+    kept = kept_files(profile, saves[1] if saves else None)
+    if saves:
+        what, path = saves
+        real = os.path.realpath(path)
+        if real in kept:
+            raise ConfigError(f"{what} '{path}' is {kept[real]}, which mgpu keeps: writing it would destroy it")
+        seen[real] = what
     for what, path in outputs.items():
         if path is None:
             continue
         check_output_path(path, what)
-        other = seen.setdefault(os.path.realpath(path), what)
+        real = os.path.realpath(path)
+        if real in kept and real not in inputs_seen:
+            raise ConfigError(f"{what} '{path}' is {kept[real]}, which mgpu keeps: writing it would destroy it")
+        other = seen.setdefault(real, what)
         if other != what:
-            if os.path.realpath(path) in inputs_seen:
+            if real in inputs_seen:
                 raise ConfigError(f"{what} '{path}' is the {other} this run reads: writing it would destroy it")
             raise ConfigError(f"{other} and {what} name the same file '{path}': one would overwrite the other")
 

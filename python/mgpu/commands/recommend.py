@@ -146,7 +146,7 @@ def cmd_recommend(a, pg) -> int:
         raise ConfigError("recommend needs --batch-size (the global batch)")
     if a.batch_size > 2**62:  # the core counts samples in 64 bits (below 1: the workload's own check)
         raise ConfigError(f"--batch-size must be at most 2^62, got {a.batch_size}")
-    check_outputs({"--json": a.json}, {"--profile": a.profile})
+    check_outputs({"--json": a.json}, {"--profile": a.profile}, profile=a.profile)
     if not (0 < a.memory_margin <= 1):
         raise ConfigError(f"--memory-margin must be in (0, 1], got {a.memory_margin}")
     if not 0 <= a.price < math.inf:  # NaN too

@@ -16,7 +16,7 @@ from ..hostinfo import placement_moved
 from ..selector.hardware import PRECISIONS
 from ..selector.profiles import default_profile_path, save_profile
 from ..train.config import COMMS, check_comm_for_device
-from .common import MAX_THREADS, bounded_int, check_output_dir, check_outputs
+from .common import MAX_THREADS, bounded_int, check_output_dir, check_output_path, check_outputs
 
 
 def _cpu_tables_line(d: dict) -> str:
@@ -286,7 +286,10 @@ def cmd_topo(a, pg) -> int:
         if a.plots and os.path.isdir(a.plots)
         else {}
     )
-    check_outputs({"--out": a.out, "--json": a.json, **plots})
+    if a.out:
+        check_output_path(a.out, "--out")
+    saves = ("--out", a.out) if a.out else ("the calibration this run saves", default_profile_path())
+    check_outputs({"--json": a.json, **plots}, saves=None if a.no_save else saves)
     if a.plots is not None:
         check_output_dir(a.plots, "--plots")
     check_comm_for_device(a.comm, pg.resolve_device(a.device)[0])

@@ -638,8 +638,9 @@ def report(plan: RunPlan, model, trainer, telemetry, observer, history: list, wa
         )
     say(format_check(result["prediction"]))
     if pg.is_root:
-        if result["prediction"].get("warning"):
-            print(f"mgpu: warning: {result['prediction']['warning']}", file=sys.stderr, flush=True)
+        for key in ("warning", "unsure"):
+            if result["prediction"].get(key):
+                print(f"mgpu: warning: {result['prediction'][key]}", file=sys.stderr, flush=True)
         if plan.device == "cpu" or not trainer.config.timed:  # (timed GPU phases give up overlap)
             record_run(result["prediction"], pg.size)
     if pg.is_root:

@@ -84,6 +84,8 @@ def read(profile_path: str, calibration: Optional[str]) -> List[dict]:
             and calibration is not None
             and rec.get("calibration") == calibration
             and isinstance(rec.get("devices"), int)
+            and not isinstance(rec["devices"], bool)
+            and rec["devices"] >= 1
             and isinstance(rec.get("log_ratio"), float)
             and abs(rec["log_ratio"]) <= MAX_LOG_RATIO
             and isinstance(rec.get("speedup_log_ratio", 0.0), float)

@@ -655,6 +655,34 @@ def _band(pair, key: str):
     return band
 
 
+# A band of log(measured / predicted) past this factor either way says the model does not
+# describe the steps it was checked on (edited rates, a calibration of a busy hour).
+UNSURE_FACTOR = 2.0
+
+
+def unsure_bands(error) -> Optional[str]:
+    """Why predictions from a profile's ErrorModel (to_core's hw.error) are too unsure to
+    read as more than a guess, or None: a band of compute or communication spanning more
+    than UNSURE_FACTOR either way."""
+    wide = [
+        (name, band)
+        for name, band in (
+            ("compute", error.compute),
+            ("compute on several", error.compute_together),
+            ("communication", error.comm),
+        )
+        if max(-band.low, band.high) > math.log(UNSURE_FACTOR)
+    ]
+    if not wide:
+        return None
+    name, band = max(wide, key=lambda nb: max(-nb[1].low, nb[1].high))
+    return (
+        f"the profile's {name} band spans x{math.exp(band.low):.2g} to x{math.exp(band.high):.2g} of the "
+        f"model: the model misses the steps it was checked on by more than {UNSURE_FACTOR:g}x, and its "
+        "intervals are that wide (calibrate again: `mgpu topo`)"
+    )
+
+
 def _error_to_core(profile: dict):
     """The profile's ErrorModel: its "error_model" (bands of log(measured / predicted)), or,
     for a profile written before those, its "model_error" e as the band log(1 -+ e) on

@@ -20,6 +20,7 @@ from .profiles import (
     resolve_profile,
     second_placement_share,
     to_core,
+    unsure_bands,
 )
 from .workload import build_workload
 
@@ -143,7 +144,9 @@ def auto_bucket(prof: dict, w, devices: int, options=None) -> dict:
         "bucket_mb": choice.bucket_elems * 4 / 2**20,
         "exposed_allreduce_ms": choice.exposed_comm_s * 1e3,
         "allreduce_ms": choice.comm_s * 1e3,
-        "reason": choice.reason + (" (CPU: capped below OpenMPI's >= 32 MB slow path)" if cpu else ""),
+        "reason": choice.reason
+        + (" (CPU: capped below OpenMPI's >= 32 MB slow path)" if cpu else "")
+        + (" (EMULATED GPUs: the CPU running mgpu's CUDA code)" if profile_is_emulated(prof) else ""),
     }
 
 
@@ -300,6 +303,9 @@ def recommend(
             f"this machine's record since the calibration: {rec['inside']} of {rec['judged']} priced steps "
             f"({rec['inside'] / rec['judged']:.0%}) fell in their 80% interval; the bands now hold them too"
         )
+    unsure = unsure_bands(hw.error)
+    if unsure:
+        result["reasons"].append(unsure)
     result["error_model"] = {
         "compute": [hw.error.compute.low, hw.error.compute.high],
         "compute_together": [hw.error.compute_together.low, hw.error.compute_together.high],

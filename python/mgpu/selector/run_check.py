@@ -11,7 +11,7 @@ from typing import Optional
 
 from ..errors import ConfigError
 from . import history, profiles
-from .tuning import calibration_for, run_communicator, run_workload
+from .tuning import calibrated_elsewhere, calibration_for, run_communicator, run_workload
 
 # The core's StepTimings fields and the Prediction's seconds that price them.
 PHASES = (
@@ -30,6 +30,9 @@ ADVICE = {
     ("comm_wait", True): "the wait after backward is longer than calibrated: a straggler rank (see "
     "--straggler-threshold) or a slower link than `mgpu topo` measured (run it again)",
     ("comm_wait", False): "the wait after backward is shorter than calibrated: run `mgpu topo` again",
+    ("other", True): "the step spends longer outside its timed phases than calibrated: the data feed, the "
+    "Python loop and its outputs, or other processes on the machine",
+    ("other", False): "the step spends less outside its timed phases than calibrated: run `mgpu topo` again",
 }
 
 
@@ -57,6 +60,8 @@ def predict_run(
         )
     options = profiles.P.Options()
     options.equal_shares = batch_shares is None
+    options.share_weights = [float(s) for s in batch_shares or []]  # the run's split (train splits each micro-batch)
+    options.overlap = bool(cfg.overlap)
     try:
         hw = profiles.to_core(profile, ranks)
         p = profiles.P.predict(run_workload(cfg, sizes, cfg.bucket_mb), hw, ranks, options)
@@ -68,20 +73,28 @@ def predict_run(
         "calibration": path,
         "calibration_created": profile.get("created"),
         "profile_source": profile.get("source", "named"),
+        # a calibration copied from other hardware prices the run all the same, and says so
+        "calibrated_elsewhere": calibrated_elsewhere(profile, device),
         "gpu_emulation": profiles.profile_is_emulated(profile),
         "intervals_from": hw.error.source,
+        "unsure": profiles.unsure_bands(hw.error),  # bands too wide to read as more than a guess
         "predicted_step_ms": p.step_s * 1e3,
         "interval_ms": [p.step_low_s * 1e3, p.step_high_s * 1e3],
         "phases_ms": {name: getattr(p, field) * 1e3 for name, field in PHASES} | {"overhead": p.overhead_s * 1e3},
-        # the model's own split of the batch where --batch-shares gives another
-        "batch_shares": "equal" if batch_shares is None else "the model's",
+        "batch_shares": list(p.batch_shares),  # samples per rank a step, as priced
+        "overlap": bool(cfg.overlap),
         "data_on_device": cfg.data_on_device != "off",  # priced with the training set resident (auto: as it mostly is)
     }
 
 
 def record_run(check: dict, ranks: int) -> None:
     """A checked run's step in the record beside its calibration (history.py): rank 0, once."""
-    if check.get("available") and check.get("measured_step_ms") and check.get("profile_source") == "calibrated":
+    if (
+        check.get("available")
+        and check.get("measured_step_ms")
+        and check.get("profile_source") == "calibrated"
+        and not check.get("calibrated_elsewhere")  # the record is of this machine's calibration
+    ):
         history.append(
             check["calibration"],
             check["calibration_created"],
@@ -112,10 +125,13 @@ def check_run(prediction: dict, measured: Optional[dict], phases_timed: bool) ->
         inside=low <= step_ms <= high,
     )
     if phases_timed:
-        out["measured_phases_ms"] = {name: measured[name] * 1e3 for name, _ in PHASES}
+        phases = {name: measured[name] * 1e3 for name, _ in PHASES}
+        # the step's time outside its timed phases (the feed, the loop, other processes),
+        # which the model prices as the step's overhead
+        out["measured_phases_ms"] = phases | {"other": max(0.0, step_ms - sum(phases.values()))}
+        predicted = dict(prediction["phases_ms"]) | {"other": prediction["phases_ms"].get("overhead", 0.0)}
         out["differs_most"] = max(
-            (name for name, _ in PHASES),
-            key=lambda name: abs(out["measured_phases_ms"][name] - prediction["phases_ms"][name]),
+            out["measured_phases_ms"], key=lambda name: abs(out["measured_phases_ms"][name] - predicted[name])
         )
     out["warning"] = None if out["inside"] else _warning(out)
     return out
@@ -127,13 +143,18 @@ def _warning(check: dict) -> str:
         f"the measured step ({check['measured_step_ms']:.3g} ms) lies outside the prediction's 80% interval "
         f"({low:.3g}-{high:.3g} ms; {check['predicted_step_ms']:.3g} ms predicted from '{check['profile']}')"
     )
+    elsewhere = check.get("calibrated_elsewhere")
+    if elsewhere:  # the likeliest cause, whatever the phase
+        line += f"; the calibration was {elsewhere}: run `mgpu topo` here under the job's launcher"
     phase = check.get("differs_most")
     if phase is None:  # a GPU's untimed steps: their phases are queueing times
         slower = check["measured_step_ms"] > check["predicted_step_ms"]
         return f"{line}: {ADVICE[('compute', slower)]} (time the phases with --log-json to see which differs)"
-    predicted, measured = check["phases_ms"][phase], check["measured_phases_ms"][phase]
-    advice = ADVICE[("comm_wait" if phase == "comm_wait" else "compute", measured > predicted)]
-    return f"{line}: {phase} differs most ({predicted:.3g} ms predicted, {measured:.3g} measured); {advice}"
+    predicted = check["phases_ms"]["overhead" if phase == "other" else phase]
+    measured = check["measured_phases_ms"][phase]
+    advice = ADVICE[(phase if phase in ("comm_wait", "other") else "compute", measured > predicted)]
+    name = "the time outside the timed phases" if phase == "other" else phase
+    return f"{line}: {name} differs most ({predicted:.3g} ms predicted, {measured:.3g} measured); {advice}"
 
 
 def format_check(check: dict) -> str:
@@ -146,6 +167,8 @@ def format_check(check: dict) -> str:
         f"prediction{emulated}: {check['predicted_step_ms']:.3g} ms a step (80% interval {low:.3g}-{high:.3g} ms, "
         f"profile '{check['profile']}')"
     )
+    if check.get("calibrated_elsewhere"):
+        line += f" [the calibration was {check['calibrated_elsewhere']}]"
     if check.get("measured_step_ms") is None:
         return f"{line}; {check.get('note', 'not measured')}"
     where = "inside" if check["inside"] else "OUTSIDE"

@@ -8,7 +8,9 @@ from __future__ import annotations
 import os
 from typing import Optional
 
+from .._runtime import _core
 from ..errors import ConfigError
+from ..hostinfo import cpu_description
 from . import profiles, recommend
 from .profiles import emulation_mismatch
 from .workload import build_workload
@@ -44,6 +46,31 @@ def calibrated_kind_differs(profile, ranks: int, device: str):
             f"(calibrate with `mgpu topo --device {device}` under the job's launcher)"
         )
     return emulation_mismatch(profile, device)
+
+
+def calibrated_elsewhere(profile: dict, device: str, device_index: int = 0) -> Optional[str]:
+    """How the device a calibration measured differs from this one, or None: on a CPU its
+    model and ISA (VMs of one model name differ in AVX-512), on a GPU its name. A
+    calibration of other hardware still prices a run, which says so."""
+    first = (profile.get("devices") or [{}])[0]
+    if device == "cpu":
+        there, here = first.get("cpu"), cpu_description()
+        if not isinstance(there, dict):
+            return None  # a calibration from before the CPU was recorded: nothing to hold against
+        missing = [f for f in there.get("isa") or [] if f not in here["isa"]]
+        extra = [f for f in here["isa"] if f not in (there.get("isa") or [])]
+        if there.get("model") == here["model"] and not missing and not extra:
+            return None
+        isa = "".join(
+            f"; {what} {', '.join(flags)}" for what, flags in (("without", missing), ("with", extra)) if flags
+        )
+        return f"measured on {there.get('model', '?')}, this machine has {here['model']}{isa}"
+    try:
+        here = str(_core.cuda_device_info(device_index)["name"])
+    except Exception:  # noqa: BLE001 - no device to ask: nothing to hold against
+        return None
+    there = str(first.get("name", ""))
+    return None if not there or there == here else f"measured on {there}, this run's GPU is {here}"
 
 
 def run_communicator(cfg, ranks: int, device: str) -> Optional[str]:
