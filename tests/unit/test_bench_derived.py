@@ -288,3 +288,47 @@ def test_a_batch_whose_base_was_not_priced_is_not_scored(monkeypatch):
     rows[0] = row(1, predicted_step_ms=1.0)
     (v,) = bench.validate_selector(rows, {}, a)
     assert v["not_priced"] is None and v["picked_faster"] is True and v["relative_error"] == pytest.approx(-0.05)
+
+
+def test_a_speedup_is_the_median_of_its_paired_rounds():
+    rows = [_row(1, 1, [1.0, 1.0, 1.0]), _row(2, 1, [0.5, 0.5, 5.0])]  # a stalled round: 0.2x
+    bench.add_derived(rows, None)
+    assert rows[1]["speedup_rounds"] == pytest.approx([2.0, 2.0, 0.2]) and rows[1]["speedup"] == pytest.approx(2.0)
+
+
+def test_the_fastest_cell_is_judged_by_the_paired_speedup_and_a_wrong_pick_says_so(monkeypatch):
+    """Rounds paired with 1 rank's say 2 ranks are faster, though their pooled samples/s
+    (a slow round among them) say otherwise: the printed speedup's measure decides."""
+    import types
+
+    monkeypatch.setattr(bench, "recommend", lambda **kw: {"strategy": "single_gpu", "devices": 1})
+    a = types.SimpleNamespace(
+        optimizer="sgd", precision="fp32", grad_dtype="fp32", cuda_graph="off", accumulate=1, shard_optimizer=False
+    )
+    rows = [
+        {
+            "layers": [8, 8],
+            "batch_size": 64,
+            "ranks": n,
+            "step": {"median": 1e-3},
+            "breakdown_ms": {"comm_wait": 0.0},
+            "samples_per_sec": sps,
+            "speedup": s,
+            "predicted_speedup": 1.0,
+            "predicted_step_ms": 1.0,
+        }
+        for n, sps, s in ((1, 1000.0, 1.0), (2, 900.0, 1.3))
+    ]
+    (v,) = bench.validate_selector(rows, {}, a)
+    assert v["measured_fastest"] == 2 and v["picked_faster"] is False
+    assert "WRONG" in bench_command.format_validation([v])
+
+
+def test_a_gpu_cell_is_priced_whatever_the_threads_a_cpu_calibration_ran():
+    gpu = {"devices": [{"kind": "cuda"}], "environment": {"threads_per_rank": 1}}
+    assert bench._cannot_price({"device": "cuda", "ranks": 1, "threads": 8}, gpu) is None
+    cpu = {"devices": [{"kind": "cpu"}], "environment": {"threads_per_rank": 1}}
+    assert "measured at 8" in bench._cannot_price({"device": "cpu", "ranks": 1, "threads": 8}, cpu)
+    assert "describes cuda devices, this cell ran on cpu" in bench._cannot_price(
+        {"device": "cpu", "ranks": 1, "threads": 1}, gpu
+    )

@@ -222,3 +222,29 @@ def test_the_validation_page_carries_the_current_scores():
     assert text.startswith("## Scores: point error and the 80 % interval")
     assert text in DOC.read_text(), "regenerate: python -m mgpu.allreduce_fit --markdown docs/selector-validation.md"
     assert text in af.markdown()
+
+
+def test_a_non_finite_point_or_step_moves_no_band():
+    rows = [
+        {"table": t, "role": role, "log_ratio": r}
+        for t, role, rs in (
+            ("a", "holdout", (0.1, 0.12, 0.08)),
+            ("b", "holdout", (-0.05, -0.04)),
+            ("c", "fit", (0.0, 0.01)),
+        )
+        for r in rs
+    ]
+    base = iv.system_band(rows)
+    for bad in (math.inf, -math.inf, math.nan):
+        assert iv.system_band(rows + [{"table": "a", "role": "holdout", "log_ratio": bad}]) == pytest.approx(base)
+    groups = [[0.1, 0.12], [-0.05, -0.03], [0.02, 0.0]]
+    assert iv.workload_band([g + ([math.nan] if i == 0 else []) for i, g in enumerate(groups)]) == pytest.approx(
+        iv.workload_band(groups)
+    )
+
+
+def test_the_verdict_holds_coverage_between_its_bounds():
+    lo, hi = iv.TARGETS["coverage"]
+    verdict = lambda coverage: iv._verdict({"median_abs_error": 0.01, "p90_abs_error": 0.05, "coverage": coverage})[2]
+    assert verdict((lo + hi) / 2).endswith(": met)")
+    assert verdict(0.99).endswith("not met)") and verdict(lo - 0.01).endswith("not met)")

@@ -323,6 +323,26 @@ def test_a_profile_before_error_bands_uses_its_model_error():
     assert "not validated" in core.error.source
 
 
+def test_error_bands_of_a_profile_read_as_written():
+    prof = profile([device()])
+    prof["error_model"] = {"compute": [-0.1, 0.2], "comm": [-0.3, 0.4]}  # no compute_together, no compute_shared
+    e = perf.to_core(prof).error
+    assert (e.compute_together.low, e.compute_together.high) == pytest.approx((-0.1, 0.2))  # the compute band's
+    assert e.compute_shared is True and (e.comm.low, e.comm.high) == pytest.approx((-0.3, 0.4))
+    for error in (1.0, -0.1, 1.5):
+        with pytest.raises(mgpu.ConfigError, match="model_error is a relative error in"):
+            perf.to_core(profile([device()], error=error))
+
+
+def test_two_placements_weigh_every_multi_rank_phase_by_their_share():
+    phases = {"params": [1e3, 1e6], "update_s": [1.0, 2.0], "wait_s": [3.0, 4.0], "wait_spread_s": [0.5, 0.6]}
+    other = {"params": [1e3, 1e6], "update_s": [2.0, 4.0], "wait_s": [9.0, 8.0], "wait_spread_s": [1.5, 0.6]}
+    got = perf._placement_weighted(phases, other, 0.25)
+    for key in ("update_s", "wait_s", "wait_spread_s"):
+        assert got[key] == pytest.approx([0.75 * a + 0.25 * b for a, b in zip(phases[key], other[key])])
+    assert perf._placement_weighted(phases, other, 0.0) is phases
+
+
 def test_named_gpu_profiles_carry_the_published_tables_bands():
     r = selector_recommend.recommend(model="large", batch_size=1024, devices=[1, 2], profile="h100-sxm-8")
     bands = r["error_model"]

@@ -351,6 +351,19 @@ def test_a_benchmark_required_is_right_only_where_the_candidates_measured_alike(
     assert s["decisions"][0]["right"] is False
 
 
+@pytest.mark.parametrize("share, right", [(0.93, False), (0.96, True)])
+def test_a_pick_is_right_within_five_percent_of_the_best(share, right):
+    # the rule in figures: one device picked where two measured 1/share x faster
+    rows = [cell(64, 1, 10.0, 10.0, 9, 11), cell(64, 2, 10.0 * share, 10.0, 9, 11)]
+    assert score_validation(rows, [verdict(64, 2, 1 / share, "single_gpu", 1)])["decisions"][0]["right"] is right
+
+
+def test_a_pick_of_a_device_count_not_measured_is_wrong():
+    rows = [cell(64, 1, 10.0, 10.0, 9, 11), cell(64, 2, 10.0, 10.0, 9, 11)]
+    s = score_validation(rows, [verdict(64, 2, 1.0, "multi_gpu", 4)])
+    assert s["decisions"][0]["right"] is False
+
+
 def test_unpriced_cells_are_listed_and_their_batches_not_judged():
     why = "calibrated at 1 thread(s) per rank, measured at 2 (bench --threads 1)"
     rows = [cell(64, 1, 10.0, 0, 0, 0, why=why), cell(64, 2, 8.0, 7.5, 7, 9)]
@@ -659,3 +672,105 @@ def test_bands_wider_than_twice_the_model_are_said_to_be_a_guess(tmp_path):
     wide["error_model"]["compute"], wide["error_model"]["comm"] = [-0.1, 0.1], [-0.1, math.log(2.1)]
     p = run_check.predict_run(config(), 2, SIZES, "cpu", 1, path=write(tmp_path, wide))
     assert "communication band spans x0.9 to x2.1" in p["unsure"]
+
+
+def test_placed_elsewhere_tells_only_what_the_readings_can_tell():
+    placement = placed_profile([], other_probe=(328.0, 331.0))["placement"]
+    step = lambda ns, cpus=(0, 1): {"together_round_trip_ns": list(ns), "together_round_trip_cpus": list(cpus)}
+    assert not history.placed_elsewhere(step((61.0, 63.0)), placement)  # the first probe's placement
+    assert not history.placed_elsewhere(step((330.0, 325.0)), placement)  # the second probe's
+    assert history.placed_elsewhere(step((61.0, 330.0)), placement)  # moved during the step
+    one_probe = placed_profile([])["placement"]
+    assert history.placed_elsewhere(step((330.0, 325.0)), one_probe)
+    assert not history.placed_elsewhere(step((330.0, 325.0), cpus=(0, 2)), one_probe)  # other CPUs: unknown
+    assert not history.placed_elsewhere({}, one_probe) and not history.placed_elsewhere(step((330.0,)), None)
+    moved_probe = placed_profile([], first_probe=(60.0, 330.0))["placement"]
+    assert not history.placed_elsewhere(step((900.0, 910.0)), moved_probe)  # its own probe spanned a move
+    record = {"round_trip_ns": [330.0, 325.0], "round_trip_cpus": [0, 1]}  # a bench record's readings
+    assert history.placed_elsewhere(record, one_probe)
+
+
+def test_steps_elsewhere_leave_the_bands_only_while_two_others_remain():
+    near, far = (61.0, 63.0), (330.0, 325.0)
+    # one step here and two elsewhere: too little to leave them out, every step counts
+    m = history.error_model(placed_profile([(1.0, near), (1.35, far), (1.4, far)]))
+    assert "placed_elsewhere" not in m and m["comm"][1] == pytest.approx(math.log(1.4))
+    m = history.error_model(placed_profile([(1.0, near), (1.02, near), (1.35, far), (1.4, far)]))
+    assert m["placed_elsewhere"] == 2 and m["comm"][1] < math.log(1.1)
+
+
+def test_records_feed_the_bands_they_measured_and_no_other():
+    profile = placed_profile([(1.0, (61.0, 63.0)), (1.02, (61.0, 62.0))])
+    base = history.error_model(profile)
+    rec = lambda devices, ratio, **kw: {"devices": devices, "log_ratio": math.log(ratio), **kw}
+    # a 2-rank record widens the multi-rank bands, not the one-device compute band
+    m = history.error_model(profile, [rec(2, 1.5), rec(2, 1.6)])
+    assert m["compute"] == pytest.approx(base["compute"]) and m["comm"][1] > base["comm"][1]
+    # a 2-rank record read in another placement is left out, its speedup too
+    far = {"round_trip_ns": [330.0, 325.0], "round_trip_cpus": [0, 1]}
+    m = history.error_model(profile, [rec(2, 1.5, speedup_log_ratio=math.log(0.5), **far)])
+    assert m["speedup"] == pytest.approx(base["speedup"]) and m["placed_elsewhere"] == 1
+    # held-out steps that differ only in dropout are two workloads, two offsets
+    steps = [
+        {"layers": [8, 8], "batch": 64, "dropout": d, "alone_s": r, "alone_predicted_s": 1.0}
+        for d, r in ((0.0, 1.1), (0.0, 1.12), (0.1, 0.9), (0.1, 0.92))
+    ]
+    m = history.error_model({**held_out_profile(), "held_out_steps": steps})
+    by_workload = [[math.log(1.1), math.log(1.12)], [math.log(0.9), math.log(0.92)]]
+    assert m["compute"] == pytest.approx(iv.workload_band(by_workload))
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "3",
+        "[1]",
+        '{"devices": "2", "log_ratio": 0.1}',
+        '{"devices": 2, "log_ratio": 0.1, "speedup_log_ratio": "x"}',
+        '{"devices": 1, "log_ratio": -3.5}',  # 33x faster than priced: a mistake, not the model's error
+        '{"devices": 2, "log_ratio": 0.1, "round_trip_cpus": [0, 1]}',  # CPUs without readings
+        '{"devices": 2, "log_ratio": 0.1, "round_trip_cpus": [true, 1], "round_trip_ns": [60.0, 61.0]}',
+    ],
+)
+def test_a_line_that_is_no_record_is_skipped_and_the_calibration_loads(tmp_path, line):
+    profile = held_out_profile()
+    path = write(tmp_path, profile)
+    without = profiles.load_profile(path)["error_model"]
+    text = line if not line.startswith("{") else json.dumps({**json.loads(line), "calibration": profile["created"]})
+    with open(history.record_path(path), "w") as f:
+        f.write(text + "\n")
+    assert history.read(path, profile["created"]) == []
+    assert profiles.load_profile(path)["error_model"] == without
+
+
+def test_the_record_keeps_the_newest_of_its_calibration(tmp_path, monkeypatch):
+    profile = held_out_profile()
+    path = write(tmp_path, profile)
+    monkeypatch.setattr(history, "KEEP", 2)
+    for ratio in (1.1, 1.2, 1.3):
+        history.append(path, profile["created"], 1, ratio, 1.0, "train", True)
+    assert [r["log_ratio"] for r in history.read(path, profile["created"])] == pytest.approx(
+        [math.log(1.2), math.log(1.3)]
+    )
+    with open(history.record_path(path), "a") as f:  # a record of no calibration's, or one without the field
+        f.write('{"calibration": null, "devices": 1, "log_ratio": 0.1}\n{"devices": 1, "log_ratio": 0.1}\n')
+    assert history.read(path, None) == []  # a calibration without a creation time has no record
+    judged = history.summary([{"inside": True}, {"inside": "yes"}, {"inside": False}, {}])
+    assert judged == {"steps": 4, "judged": 2, "inside": 1}
+
+
+def test_a_named_profiles_check_stays_out_of_the_record(tmp_path):
+    profile = held_out_profile()
+    path = write(tmp_path, profile)
+    p = run_check.predict_run(config(), 2, SIZES, "cpu", 1, path=path)
+    check = run_check.check_run(p, measured(p["predicted_step_ms"] * 1e-3), phases_timed=True)
+    run_check.record_run({**check, "profile_source": "named"}, 2)
+    assert history.read(path, profile["created"]) == []
+
+
+def test_a_gpu_run_is_priced_whatever_threads_its_calibration_recorded(tmp_path):
+    gpus = {**profiles.named_profile("nvlink", 2), "environment": {"threads_per_rank": 1}}
+    p = run_check.predict_run(config(), 2, SIZES, "cuda", 4, path=write(tmp_path, gpus))
+    assert p["available"], p
+    cpus = run_check.predict_run(config(), 2, SIZES, "cpu", 4, path=write(tmp_path, cpu_profile()))
+    assert not cpus["available"] and "--threads 4" in cpus["reason"]

@@ -198,3 +198,15 @@ def test_held_out_steps_on_several_cpu_ranks_say_where_the_cores_sat(monkeypatch
     pg.size, pg.is_root, pg.sleeping_barrier = 2, True, lambda *args: None
     checks = topo.measure_held_out_steps(pg, "cuda", 0, 1, True, "nccl")
     assert all("together_s" in c and "together_round_trip_ns" not in c for c in checks)
+
+
+def test_round_trips_are_positive_finite_and_as_many_as_asked():
+    from mgpu.hostinfo import placement_moved, round_trips_readable
+
+    assert round_trips_readable([60.0, 61]) and round_trips_readable([60.0, 61.0], 2)
+    for bad in ([0.0, 5.0], [1.0, float("inf")], [1.0, float("nan")], [], [True, 5.0], "60", None):
+        assert not round_trips_readable(bad), bad
+    assert not round_trips_readable([60.0, 61.0, 62.0], 2) and not round_trips_readable([60.0], 2)
+    # two placements are the readings' ratio past PLACEMENT_RATIO (2): a cache's 60-100 ns
+    # against the 300-360 ns across cache domains, not one placement's jitter
+    assert not placement_moved([100.0, 170.0]) and placement_moved([100.0, 250.0]) and not placement_moved([])
