@@ -275,6 +275,17 @@ def test_outside_the_interval_the_warning_names_the_phase_that_differs_most(phas
     assert "OUTSIDE the interval" in run_check.format_check(check)
 
 
+def test_one_ranks_wait_is_held_against_the_update_the_model_prices_it_in():
+    """On one rank the model prices the wait after backward (the health check) in the
+    update; the trainer times it as the wait: compared as the model splits the step."""
+    one = {**prediction(step=10.0, low=9.5, high=10.5, comm_wait=0.0, optimizer=1.9), "ranks": 1}
+    check = run_check.check_run(one, measured(11.5e-3, comm_wait=1.5e-3, optimizer=0.4e-3, backward=6.5e-3), True)
+    assert check["measured_phases_ms"]["comm_wait"] == 0 and check["measured_phases_ms"]["optimizer"] == pytest.approx(
+        1.9
+    )
+    assert check["differs_most"] == "backward"
+
+
 def test_untimed_device_steps_warn_without_naming_a_phase():
     check = run_check.check_run(prediction(), measured(30e-3), phases_timed=False)
     assert "differs_most" not in check and "measured_phases_ms" not in check
@@ -433,6 +444,15 @@ def test_bench_holds_each_cell_as_train_holds_its_run(capfd):
     check = slow[0]["prediction"]
     assert not check["inside"] and check["differs_most"] == "backward"
     assert "backward differs most" in check["warning"] and "mgpu topo" in check["warning"]
+    assert "cores sat elsewhere" not in check["warning"]
+    # a 2-rank cell read with the cores elsewhere than topo's probe of the wait: said as the cause
+    placed = {**profile, "placement": {"cpus": [0, 1], "readings_ns": [60.0, 330.0], "wait_probe_ns": [60.0, 62.0]}}
+    for ns, said in (([330.0, 325.0], True), ([61.0, 63.0], False)):
+        cell = {**row(2, 1, 50.0, 49.0), "core_round_trip_ns": ns, "core_round_trip_cpus": [0, 1]}
+        add_derived([cell], placed)
+        warning = cell["prediction"]["warning"]
+        cause = "the ranks' cores sat elsewhere than where `topo` probed the wait"
+        assert (f"{cause} (a cache line's round trip 325-330 ns, topo's 60-62)" in warning) is said
 
 
 def test_grids_of_several_models_are_judged_per_model_and_batch():

@@ -24,7 +24,7 @@ import numpy as np
 from .._runtime import _core, for_other_frameworks, gpus_emulated
 from ..errors import ConfigError, DeviceError
 from ..hostinfo import placement_moved
-from ..selector import profiles
+from ..selector import history, profiles
 from ..selector.memory import check_training_memory
 from ..selector.recommend import recommend
 from ..selector.run_check import PHASES, check_run
@@ -642,6 +642,7 @@ def _cell_check(row: dict, profile: dict, p) -> dict:
     most); bench times every phase."""
     prediction = {
         "available": True,
+        "ranks": row["ranks"],
         "profile": profile.get("name", "?"),
         "profile_source": profile.get("source", "named"),
         "gpu_emulation": gpus_emulated(row["device"]),
@@ -651,7 +652,17 @@ def _cell_check(row: dict, profile: dict, p) -> dict:
     }
     measured = {"step": row["step"]["median"], "steps": len(row.get("step_seconds") or [])}
     measured |= {name: row["breakdown_ms"][name] / 1e3 for name, _ in PHASES}
-    return check_run(prediction, measured, phases_timed=True)
+    check = check_run(prediction, measured, phases_timed=True)
+    seen = {"round_trip_ns": row.get("core_round_trip_ns"), "round_trip_cpus": row.get("core_round_trip_cpus")}
+    placement = profiles.checked_placement(profile)
+    if check.get("warning") and history.placed_elsewhere(seen, placement):  # the likeliest cause on a VM
+        probed = placement["wait_probe_ns"]
+        check["warning"] += (
+            f"; the ranks' cores sat elsewhere than where `topo` probed the wait (a cache line's round trip "
+            f"{min(seen['round_trip_ns']):.0f}-{max(seen['round_trip_ns']):.0f} ns, topo's "
+            f"{min(probed):.0f}-{max(probed):.0f}): a VM's hypervisor moves them, and the wait with them"
+        )
+    return check
 
 
 def _cannot_price(row: dict, profile: dict) -> Optional[str]:

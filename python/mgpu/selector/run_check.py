@@ -69,6 +69,7 @@ def predict_run(
         return _none(f"the calibration cannot price this run: {e}")
     return {
         "available": True,
+        "ranks": ranks,
         "profile": profile["name"],
         "calibration": path,
         "calibration_created": profile.get("created"),
@@ -126,6 +127,9 @@ def check_run(prediction: dict, measured: Optional[dict], phases_timed: bool) ->
     )
     if phases_timed:
         phases = {name: measured[name] * 1e3 for name, _ in PHASES}
+        if prediction.get("ranks") == 1:  # the model prices one rank's wait (its health check) in its update
+            phases["optimizer"] += phases["comm_wait"]
+            phases["comm_wait"] = 0.0
         # the step's time outside its timed phases (the feed, the loop, other processes),
         # which the model prices as the step's overhead
         out["measured_phases_ms"] = phases | {"other": max(0.0, step_ms - sum(phases.values()))}
