@@ -777,11 +777,11 @@ Prediction predict(const Workload& w, const HardwareProfile& hw, int devices, co
   // The allreduce of each bucket can start once every device has its gradients;
   // replayed steps allreduce after the whole backward (DataParallelStep::overlaps()).
   // Sharded, a reduce-scatter takes each bucket's place on the same schedule.
-  // Without overlap the step allreduces its whole gradient as one bucket after backward
-  // (DataParallelStep), sharded or not.
+  // Without overlap the step reduces its buckets after backward, blocking; sharded, as one
+  // reduce-scatter of the whole gradient (DataParallelStep::plan_shards).
   const bool overlapped = hw.link.overlaps_compute && !p.graphs && o.overlap;
-  const size_t bucket_elems =
-      o.overlap ? static_cast<size_t>(w.bucket_elems) : static_cast<size_t>(params) + MLP::kGradExtraSlots;
+  const size_t bucket_elems = o.overlap || !p.sharded ? static_cast<size_t>(w.bucket_elems)
+                                                      : static_cast<size_t>(params) + MLP::kGradExtraSlots;
   if (devices > 1) {
     double channel_free = 0;
     for (const BucketRun& run : plan_bucket_runs(sizes, MLP::kGradExtraSlots, bucket_elems)) {

@@ -255,7 +255,7 @@ struct Options {
   // The batch split in proportion to these, one per device (train --batch-shares); empty:
   // equal_shares, else by each device's speed.
   std::vector<double> share_weights;
-  // false: one allreduce of the whole gradient after backward (train --no-overlap).
+  // false: the buckets reduced after backward, not during it (train --no-overlap).
   bool overlap = true;
   // Predict each multi-device candidate at the bucket choose_bucket prefers for it
   // (`--bucket-mb auto`), capped at max_bucket_bytes (0: no cap), instead of Workload's.

@@ -203,15 +203,18 @@ def test_without_overlap_the_whole_allreduce_is_exposed(tmp_path):
     assert overlapped["overlap"] is True and after["overlap"] is False
     assert after["phases_ms"]["comm_wait"] > overlapped["phases_ms"]["comm_wait"]
     assert after["predicted_step_ms"] > overlapped["predicted_step_ms"]
-    # the core's schedule: the whole gradient in one bucket after compute
+    # the core's schedule: the same buckets, every one after compute; sharded, one
+    # reduce-scatter of the whole gradient (one latency instead of one a bucket)
     hw = profiles.to_core(prof, 2)
     w = run_check.run_workload(config(), SIZES, 0.05)
     on, off = profiles.P.Options(), profiles.P.Options()
     off.overlap = False
     p_on, p_off = profiles.P.predict(w, hw, 2, on), profiles.P.predict(w, hw, 2, off)
-    assert p_off.comm_s <= p_on.comm_s  # one bucket: one latency instead of several
-    assert p_off.exposed_comm_s == pytest.approx(p_off.comm_s)
-    assert p_on.exposed_comm_s < p_on.comm_s
+    assert p_off.comm_s == pytest.approx(p_on.comm_s) and p_off.bucket_elems == p_on.bucket_elems
+    assert p_off.exposed_comm_s == pytest.approx(p_off.comm_s) and p_on.exposed_comm_s < p_on.comm_s
+    sharded = run_check.run_workload(config(shard_optimizer=True), SIZES, 0.05)
+    s_on, s_off = profiles.P.predict(sharded, hw, 2, on), profiles.P.predict(sharded, hw, 2, off)
+    assert s_off.bucket_elems > s_on.bucket_elems and s_off.comm_s < s_on.comm_s
     bad = profiles.P.Options()
     bad.share_weights = [1.0, 2.0, 3.0]
     with pytest.raises(mgpu.ConfigError, match="batch shares: need 2"):
