@@ -1,5 +1,7 @@
 """Validated configuration, datasets and sharding."""
 
+import warnings
+
 import numpy as np
 import pytest
 
@@ -120,6 +122,14 @@ def test_npz_datasets(tmp_path):
         (dict(x=np.zeros((0, 3)), y=np.zeros(0)), "empty"),
         (dict(x=np.array([[np.nan, 1.0]]), y=np.zeros(1)), "NaN or Inf"),
         (dict(x=np.ones((4, 2)), y=np.array([np.inf, 1, 2, 3])), "NaN or Inf"),
+        (
+            dict(x=np.array([[1e39, 1.0], [0.0, 1.0]]), y=np.zeros(2)),
+            r"x has values beyond float32's range \(\|x\| up to 1e\+39",
+        ),
+        (
+            dict(x=np.ones((2, 2)), y=np.array([1.0, -4e38])),
+            r"y has values beyond float32's range \(\|y\| up to 4e\+38",
+        ),
         (dict(x=np.ones((4, 2)), y=np.array([0, -1, 2, 3])), ">= 0"),
         (dict(x=np.ones((4, 2)), y=np.zeros(3)), "4 samples but y has 3"),
         (dict(x=np.ones(4), y=np.zeros(4)), "2-D"),
@@ -131,8 +141,10 @@ def test_npz_datasets(tmp_path):
 def test_bad_npz_is_a_data_error(tmp_path, arrays, match):
     path = tmp_path / "bad.npz"
     np.savez(path, **arrays)
-    with pytest.raises(mgpu.DataError, match=match):
-        load_dataset(str(path))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the error is the one line said: no RuntimeWarning beside it
+        with pytest.raises(mgpu.DataError, match=match):
+            load_dataset(str(path))
 
 
 def test_unreadable_or_missing_file(tmp_path):

@@ -114,7 +114,19 @@ def test_an_epoch_begun_on_emulated_gpus_says_so_where_it_ends(tmp_path):
     # (the first record is the checkpointed run's own, closed at its end)
     path = rewritten(checkpoint_of(tmp_path), tmp_path / "emulated.npz", state={"epoch_emulated": True})
     history = trainer().fit(DATA, batch_size=32, steps=12, progress=False, resume=path)
-    assert [(e["steps"], e.get("gpu_emulation", False)) for e in history] == [(3, False), (8, True), (12, False)]
+    assert [(e["steps"], e.get("gpu_emulation", False)) for e in history] == [(8, True), (12, False)]
+
+
+def test_a_finished_run_continued_has_the_history_of_one_never_stopped(tmp_path):
+    """A run that ended at --steps mid-epoch closed that epoch's first part; going on from
+    its checkpoint closes the rest into the same record (samples-weighted loss)."""
+    full = trainer().fit(DATA, batch_size=32, steps=12, progress=False)
+    trainer().fit(DATA, batch_size=32, steps=3, progress=False, checkpoint=CheckpointPolicy(str(tmp_path)))
+    resumed = trainer().fit(DATA, batch_size=32, steps=12, progress=False, resume=latest_checkpoint(str(tmp_path)))
+    assert [(e["epoch"], e["steps"], e["samples"]) for e in resumed] == [(1, 8, 240), (2, 12, 128)]
+    for got, want in zip(resumed, full):
+        assert got["train_loss"] == pytest.approx(want["train_loss"], rel=1e-6)
+        assert got["val_loss"] == pytest.approx(want["val_loss"], rel=1e-6) and got["lr"] == want["lr"]
 
 
 def test_an_epoch_an_older_run_left_open_at_its_end_is_closed_on_resume(tmp_path):

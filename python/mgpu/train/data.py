@@ -112,9 +112,7 @@ def _check_arrays(name: str, x, y) -> tuple:
         raise DataError(f"{name}: dataset is empty (x has shape {x.shape})")
     if y.shape[:1] != x.shape[:1]:
         raise DataError(f"{name}: x has {x.shape[0]} samples but y has {y.shape[0] if y.ndim else 0}")
-    x = x.astype(np.float32, copy=False)
-    if not np.isfinite(x).all():
-        raise DataError(f"{name}: x contains NaN or Inf")
+    x = _as_float32(name, "x", x)
     if y.dtype.kind in "iu" and y.ndim == 1:
         if y.min() < 0:
             raise DataError(f"{name}: class labels must be >= 0, found {int(y.min())}")
@@ -125,12 +123,25 @@ def _check_arrays(name: str, x, y) -> tuple:
         return x, y.astype(np.int64), int(y.max()) + 1
     if y.dtype.kind == "b" or y.dtype.kind not in "fiu":
         raise DataError(f"{name}: y must be integer class labels (1-D) or float targets, got {y.dtype}")
-    y = y.astype(np.float32).reshape(len(y), -1)
+    y = _as_float32(name, "y", y).reshape(len(y), -1)
     if y.shape[1] == 0:
         raise DataError(f"{name}: y has no target columns")
-    if not np.isfinite(y).all():
-        raise DataError(f"{name}: y contains NaN or Inf")
     return x, y, None
+
+
+def _as_float32(name: str, what: str, a: np.ndarray) -> np.ndarray:
+    """`a` as float32, refused where a value is NaN or Inf or a finite one would become Inf."""
+    if a.dtype.kind == "f" and not np.isfinite(a).all():
+        raise DataError(f"{name}: {what} contains NaN or Inf")
+    with np.errstate(over="ignore"):  # said in the error below, not as a RuntimeWarning beside it
+        cast = a.astype(np.float32, copy=False)
+    if not np.isfinite(cast).all():
+        big = float(np.max(np.abs(a[~np.isfinite(cast)])))
+        raise DataError(
+            f"{name}: {what} has values beyond float32's range (|{what}| up to {big:.3g}; "
+            f"at most {float(np.finfo(np.float32).max):.3g}): scale them"
+        )
+    return cast
 
 
 def _split(x, y, val_fraction: float, seed: int) -> tuple:

@@ -810,6 +810,24 @@ class Trainer:
                 flush=True,
             )
 
+    @staticmethod
+    def _joined(first: dict, then: dict) -> dict:
+        """One epoch's record from its two parts' (samples-weighted loss, summed samples and time)."""
+        samples, seconds = first["samples"] + then["samples"], first["seconds"] + then["seconds"]
+        joined = {
+            **then,
+            "train_loss": (first["train_loss"] * first["samples"] + then["train_loss"] * then["samples"])
+            / max(samples, 1),
+            "samples": samples,
+            "seconds": seconds,
+            "samples_per_sec": samples / seconds if seconds > 0 else 0.0,
+        }
+        if first.get("stragglers") or then.get("stragglers"):
+            joined["stragglers"] = first.get("stragglers", []) + then.get("stragglers", [])
+        if first.get("gpu_emulation") or then.get("gpu_emulation"):
+            joined["gpu_emulation"] = True
+        return joined
+
     def _close_epoch(self, data: Dataset, on_epoch) -> None:
         seconds, samples = self._epoch_seconds, self._epoch_samples
         entry = {
@@ -834,7 +852,14 @@ class Trainer:
         if self._epoch_emulated:
             entry["gpu_emulation"] = True
         self._epoch_emulated = self.emulated
-        self.history.append(entry)
+        last = self.history[-1] if self.history else None
+        if last is not None and last["epoch"] == entry["epoch"]:
+            # the epoch's first part closed where an earlier run ended (--steps), and this one
+            # went on from there: one record, as a run never stopped has
+            entry = self._joined(last, entry)
+            self.history[-1] = entry
+        else:
+            self.history.append(entry)
         if self.observer is not None:
             self.observer.on_epoch(entry)
         self._epoch_loss_sum, self._epoch_samples, self._epoch_seconds = 0.0, 0, 0.0
