@@ -27,7 +27,7 @@ from mgpu.train.checkpoint import (
 )
 from mgpu.train.data import load_dataset
 from mgpu.train.schedule import LRSchedule
-from mgpu.train.trainer import CheckpointPolicy
+from mgpu.train.trainer import CheckpointPolicy, Trainer
 
 DATA = load_dataset("synthetic", samples=300)  # 240 training samples: 8 steps of 32 an epoch, the last 16
 
@@ -127,6 +127,10 @@ def test_a_finished_run_continued_has_the_history_of_one_never_stopped(tmp_path)
     for got, want in zip(resumed, full):
         assert got["train_loss"] == pytest.approx(want["train_loss"], rel=1e-6)
         assert got["val_loss"] == pytest.approx(want["val_loss"], rel=1e-6) and got["lr"] == want["lr"]
+    # a part run on emulated GPUs makes the whole epoch's record say so
+    first = {"samples": 96, "seconds": 1.0, "train_loss": 1.0, "gpu_emulation": True}
+    joined = Trainer._joined(first, {"samples": 144, "seconds": 2.0, "train_loss": 2.0})
+    assert joined["gpu_emulation"] is True and joined["train_loss"] == pytest.approx(1.6)
 
 
 def test_an_epoch_an_older_run_left_open_at_its_end_is_closed_on_resume(tmp_path):

@@ -442,6 +442,13 @@ def test_bench_holds_each_cell_as_train_holds_its_run(capfd):
     assert priced["predicted_step_ms"] == pytest.approx(rows[0]["predicted_step_ms"])
     assert priced["interval_ms"] == pytest.approx(rows[0]["predicted_step_interval_ms"])
     assert priced["inside"] is rows[0]["inside_interval"]
+    one = {
+        **row(1, 1, 0.2, 0.1),
+        "breakdown_ms": {"forward": 0.05, "backward": 0.1, "comm_wait": 0.03, "optimizer": 0.01},
+    }
+    add_derived([one], profile)  # one rank's wait is held against the update, where the model prices it
+    assert one["prediction"]["measured_phases_ms"]["comm_wait"] == 0
+    assert one["prediction"]["measured_phases_ms"]["optimizer"] == pytest.approx(0.04)
     slow = [row(1, 1, 50.0, 49.0)]  # backward 50x what a 20 GFLOP/s core takes
     add_derived(slow, profile)
     check = slow[0]["prediction"]
@@ -600,6 +607,9 @@ def test_a_calibration_of_other_hardware_prices_the_run_and_says_so(tmp_path):
     for d in profile["devices"]:
         d["cpu"] = dict(here)
     assert calibrated_elsewhere(profile, "cpu") is None
+    for d in profile["devices"]:  # the same model name without an ISA extension (a Zen 3 VM beside a Zen 4)
+        d["cpu"] = {**here, "isa": here["isa"][:-1]}
+    assert calibrated_elsewhere(profile, "cpu").endswith(f"; with {here['isa'][-1]}")
     for d in profile["devices"]:
         d["cpu"] = {**here, "model": "Other CPU 9000", "isa": here["isa"] + ["avx512_fake"]}
     why = calibrated_elsewhere(profile, "cpu")
