@@ -739,7 +739,7 @@ Prediction predict(const Workload& w, const HardwareProfile& hw, int devices, co
   if (!o.share_weights.empty()) {
     bool valid = static_cast<int>(o.share_weights.size()) == devices;
     for (double s : o.share_weights) valid &= std::isfinite(s) && s >= 0;
-    valid &= valid && *std::max_element(o.share_weights.begin(), o.share_weights.end()) > 0;
+    valid = valid && *std::max_element(o.share_weights.begin(), o.share_weights.end()) > 0;
     MGPU_CHECK(valid, ConfigError, "batch shares: need ", devices,
                " finite non-negative weights with a positive sum, got ", o.share_weights.size());
   }

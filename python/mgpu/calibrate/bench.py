@@ -27,7 +27,7 @@ from ..hostinfo import placement_moved
 from ..selector import history, profiles
 from ..selector.memory import check_training_memory
 from ..selector.recommend import recommend
-from ..selector.run_check import PHASES, check_run
+from ..selector.run_check import PHASES, check_run, priced_fields
 from ..selector.workload import build_workload
 from ..train.config import PRESETS, TrainerConfig
 from ..train.data import local_slice, resident_bytes
@@ -646,9 +646,7 @@ def _cell_check(row: dict, profile: dict, p) -> dict:
         "profile": profile.get("name", "?"),
         "profile_source": profile.get("source", "named"),
         "gpu_emulation": gpus_emulated(row["device"]),
-        "predicted_step_ms": p.step_s * 1e3,
-        "interval_ms": [p.step_low_s * 1e3, p.step_high_s * 1e3],
-        "phases_ms": {name: getattr(p, field) * 1e3 for name, field in PHASES} | {"overhead": p.overhead_s * 1e3},
+        **priced_fields(p),
     }
     measured = {"step": row["step"]["median"], "steps": len(row.get("step_seconds") or [])}
     measured |= {name: row["breakdown_ms"][name] / 1e3 for name, _ in PHASES}
@@ -763,7 +761,7 @@ def validate_selector(rows: list, profile: dict, a) -> list:
                     "ranks": n,
                     "measured_speedup": c["speedup"],
                     "measured_speedup_rounds": c.get("speedup_rounds"),
-                    "predicted_speedup": c.get("predicted_speedup") if unpriced is None else None,
+                    "predicted_speedup": c["predicted_speedup"] if priced else None,
                     "relative_error": err,
                     "measured_step_ms": c["step"]["median"] * 1e3,
                     "predicted_step_ms": c.get("predicted_step_ms"),

@@ -129,17 +129,15 @@ def kept_files(profile: str = None, saves: str = None) -> dict:
     this machine's calibration and the record of checks beside it, and those of `profile`
     where that is a file. `saves`, a calibration the run writes (topo), is that run's
     output, not kept; the record beside it is."""
+    read = [(default_profile_path(), "this machine's calibration")]
+    if profile and os.path.isfile(profile):
+        read.append((profile, "the --profile"))
     kept = {}
-    for path, what in ((default_profile_path(), "this machine's calibration"), (profile, "the --profile")):
-        if path and (what != "the --profile" or os.path.isfile(path)):
+    for path, what in read + ([(saves, "the calibration this run saves")] if saves else []):
+        kept.setdefault(os.path.realpath(record_path(path)), f"the record of checks beside {what}")
+    for path, what in read:
+        if not saves or os.path.realpath(path) != os.path.realpath(saves):
             kept[os.path.realpath(path)] = what
-            kept.setdefault(os.path.realpath(record_path(path)), f"the record of checks beside {what}")
-    if saves:
-        if not kept.get(os.path.realpath(saves), "").startswith("the record"):
-            kept.pop(os.path.realpath(saves), None)
-        kept.setdefault(
-            os.path.realpath(record_path(saves)), "the record of checks beside the calibration this run saves"
-        )
     return kept
 
 

@@ -36,6 +36,16 @@ ADVICE = {
 }
 
 
+def priced_fields(p) -> dict:
+    """A core Prediction's step as a check reads it: the step, its 80 % interval and its
+    phases, in ms (train's run and each bench cell alike)."""
+    return {
+        "predicted_step_ms": p.step_s * 1e3,
+        "interval_ms": [p.step_low_s * 1e3, p.step_high_s * 1e3],
+        "phases_ms": {name: getattr(p, field) * 1e3 for name, field in PHASES} | {"overhead": p.overhead_s * 1e3},
+    }
+
+
 def _none(reason: str) -> dict:
     return {"available": False, "reason": reason}
 
@@ -79,9 +89,7 @@ def predict_run(
         "gpu_emulation": profiles.profile_is_emulated(profile),
         "intervals_from": hw.error.source,
         "unsure": profiles.unsure_bands(hw.error),  # bands too wide to read as more than a guess
-        "predicted_step_ms": p.step_s * 1e3,
-        "interval_ms": [p.step_low_s * 1e3, p.step_high_s * 1e3],
-        "phases_ms": {name: getattr(p, field) * 1e3 for name, field in PHASES} | {"overhead": p.overhead_s * 1e3},
+        **priced_fields(p),
         "batch_shares": list(p.batch_shares),  # samples per rank a step, as priced
         "overlap": bool(cfg.overlap),
         "data_on_device": cfg.data_on_device != "off",  # priced with the training set resident (auto: as it mostly is)
