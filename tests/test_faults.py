@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from conftest import PYTHON, ROOT, mpi_env, mpirun
-from mgpu.train.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
+from mgpu.train.checkpoint import checkpoint_name, list_checkpoints, load_checkpoint, save_checkpoint
 from procs import mpi_ranks, wait_for  # tests/procs.py
 
 MGPU = [PYTHON, "-m", "mgpu"]
@@ -570,14 +570,16 @@ def inputs(tmp_path):
         (tmp_path / name).mkdir()
         save_checkpoint(str(tmp_path / name), 3, arrays, {**meta, **bad}, keep=1)
         files[name] = tmp_path / name / "ckpt-000000003.npz"
-    (tmp_path / "newer").mkdir()
-    files["newer_ckpt"] = tmp_path / "newer" / "ckpt-000000009.npz"
-    files["newer_ckpt"].write_bytes(files["other_ckpt"].read_bytes())
+    for name, step in (("newer", 9), ("lower", 1)):  # the same run's checkpoints at other steps
+        (tmp_path / name).mkdir()
+        save_checkpoint(
+            str(tmp_path / name), step, arrays, {**meta, "state": {**meta["state"], "global_step": step}}, 1
+        )
+        files[f"{name}_ckpt"] = tmp_path / name / checkpoint_name(step)
     files["renamed_ckpt"] = tmp_path / "step3.npz"  # a name mgpu did not give: its step is in its metadata
     files["renamed_ckpt"].write_bytes(files["other_ckpt"].read_bytes())
-    (tmp_path / "lower").mkdir()
-    files["lower_ckpt"] = tmp_path / "lower" / "ckpt-000000001.npz"
-    files["lower_ckpt"].write_bytes(files["other_ckpt"].read_bytes())
+    (tmp_path / "misnamed").mkdir()  # step 3's checkpoint renamed by hand to step 9's name
+    (tmp_path / "misnamed" / "ckpt-000000009.npz").write_bytes(files["other_ckpt"].read_bytes())
     files["fifo"] = tmp_path / "fifo.npz"
     os.mkfifo(files["fifo"])  # opening it would wait for a writer (or reader) forever
     return files
@@ -652,6 +654,20 @@ BAD_INPUT = [
             f["lower_ckpt"].parent,
         ],
         "holds checkpoints other than the one resumed",
+    ),
+    (
+        lambda f: [
+            "--layers",
+            "4,8,2",
+            "--dataset",
+            f["good"],
+            "--batch-size",
+            "8",
+            "--resume",
+            "--checkpoint-dir",
+            f["renamed_ckpt"].parent / "misnamed",
+        ],
+        r"ckpt-0+9.npz' holds step 3, not the step its name says",
     ),
     (
         lambda f: ["--layers", "4,8,2", "--dataset", f["good"], "--checkpoint-every", "2"],

@@ -11,7 +11,14 @@ import pytest
 
 import mgpu
 from mgpu import _core
-from mgpu.train.checkpoint import CheckpointError, latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
+from mgpu.train.checkpoint import (
+    CheckpointError,
+    latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    misnamed_checkpoint,
+    save_checkpoint,
+)
 from mgpu.train.data import Dataset, load_dataset
 from mgpu.train.schedule import LRSchedule
 from mgpu.train.trainer import CheckpointPolicy
@@ -223,6 +230,20 @@ def test_checkpoint_round_trip_prunes_and_never_pickles(tmp_path):
     assert np.array_equal(arrays["params"], _arrays()["params"])
     with np.load(latest_checkpoint(str(tmp_path)), allow_pickle=False) as z:  # plain arrays only
         assert sorted(z.files) == ["meta", "opt.exp_avg", "params"]
+
+
+def test_a_checkpoint_renamed_to_another_steps_name_is_found(tmp_path):
+    def meta(step):
+        return {"compat": {}, "state": {"global_step": step}}
+
+    for step in (4, 8):
+        save_checkpoint(str(tmp_path), step, _arrays(), meta(step), keep=5)
+    assert misnamed_checkpoint(str(tmp_path)) is None
+    (tmp_path / "not-a-checkpoint.npz").write_bytes(b"x")  # names mgpu did not give are not its checkpoints
+    assert misnamed_checkpoint(str(tmp_path)) is None
+    (tmp_path / "ckpt-000000004.npz").rename(tmp_path / "ckpt-000000012.npz")
+    assert misnamed_checkpoint(str(tmp_path)) == (str(tmp_path / "ckpt-000000012.npz"), 4)
+    assert misnamed_checkpoint(str(tmp_path / "absent")) is None
 
 
 def test_corrupt_truncated_and_foreign_files_are_refused(tmp_path):

@@ -31,9 +31,11 @@ from ..selector.tuning import auto_batch_shares, auto_bucket_mb, run_communicato
 from ..train.checkpoint import (
     CHECKPOINT_NAME,
     CheckpointError,
+    checkpoint_name,
     checkpoint_step,
     latest_checkpoint,
     list_checkpoints,
+    misnamed_checkpoint,
     step_of,
 )
 from ..train.config import (
@@ -144,9 +146,16 @@ def _refuse_another_runs_checkpoints(directory: str) -> None:
 def _resolve_resume(a, cfg):
     """The checkpoint --resume names: a path, or the newest in --checkpoint-dir (None
     when it holds none yet: the same command line starts a job and restarts it)."""
+    if a.resume == RESUME_LATEST and not cfg.checkpoint_dir:
+        raise CheckpointError("--resume without a PATH needs --checkpoint-dir to look in")
+    misnamed = misnamed_checkpoint(cfg.checkpoint_dir) if cfg.checkpoint_dir else None
+    if misnamed is not None:
+        path, held = misnamed
+        raise CheckpointError(
+            f"checkpoint '{path}' holds step {held}, not the step its name says: the newest is "
+            f"picked and the oldest pruned by name, so rename it {checkpoint_name(held)} or move it away"
+        )
     if a.resume == RESUME_LATEST:
-        if not cfg.checkpoint_dir:
-            raise CheckpointError("--resume without a PATH needs --checkpoint-dir to look in")
         path = latest_checkpoint(cfg.checkpoint_dir)
         if path is None:
             print(f"mgpu: note: no checkpoint in '{cfg.checkpoint_dir}' yet: starting a new run", flush=True)

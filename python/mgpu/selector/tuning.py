@@ -36,10 +36,16 @@ def run_workload(cfg, sizes, bucket_mb: float):
     )
 
 
+def calibrated_kinds(profile: dict, ranks: int) -> list:
+    """The kinds of device ("cpu", "cuda") a calibration measured for a job's first `ranks`
+    ranks, sorted (a device without a kind is a GPU, as calibrations before CPUs had)."""
+    return sorted({str(d.get("kind", "cuda")) for d in (profile.get("devices") or [])[:ranks]})
+
+
 def calibrated_kind_differs(profile, ranks: int, device: str):
     """Why the calibration does not describe a job on `ranks` devices of kind `device`
     (a CPU calibration says nothing of NCCL on GPUs, nor the reverse), or None."""
-    kinds = sorted({d.get("kind", "cuda") for d in profile["devices"][:ranks]})
+    kinds = calibrated_kinds(profile, ranks)
     if kinds != [device]:
         return (
             f"the calibration measured {'/'.join(kinds)} devices, this job runs on {device} "

@@ -79,6 +79,17 @@ def latest_checkpoint(directory: str) -> Optional[str]:
     return paths[-1] if paths else None
 
 
+def misnamed_checkpoint(directory: str) -> Optional[tuple]:
+    """(path, step held) of the first checkpoint in `directory` whose metadata holds
+    another step than its name says (renamed by hand), or None. Picking the newest and
+    pruning go by name, so such a file would be resumed or deleted out of its order."""
+    for path in list_checkpoints(directory):
+        held = checkpoint_step(path)
+        if held is not None and held != step_of(path):
+            return path, held
+    return None
+
+
 def prepare_directory(directory: str) -> None:
     """Create the checkpoint directory if needed and check it is writable (before training)."""
     try:
