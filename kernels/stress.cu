@@ -20,7 +20,7 @@
 #include <string>
 
 #include "../csrc/core/errors.h"
-#include "../csrc/core/stress.h"
+#include "../csrc/core/stress_device.h"
 #include "../csrc/core/stress_math.h"
 #include "common.cuh"
 #include "cuda_check.cuh"

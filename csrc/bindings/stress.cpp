@@ -1,10 +1,10 @@
-// Bindings of the stress devices (csrc/core/stress.h) used by `mgpu stress`.
+// Bindings of the stress devices (csrc/core/stress_device.h) used by `mgpu stress`.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
 #include "../core/errors.h"
-#include "../core/stress.h"
+#include "../core/stress_device.h"
 #include "../core/stress_math.h"
 
 namespace py = pybind11;

@@ -1,4 +1,4 @@
-// CPU StressDevice (see core/stress.h): OpenMP loops and OpenBLAS sgemm. Also
+// CPU StressDevice (see core/stress_device.h): OpenMP loops and OpenBLAS sgemm. Also
 // the reference the CUDA stress kernels are held against.
 #include <cblas.h>
 
@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "../core/errors.h"
-#include "../core/stress.h"
+#include "../core/stress_device.h"
 #include "../core/stress_math.h"
 #include "cpu_backend.h"
 

@@ -1,7 +1,7 @@
 """`mgpu stress`: burn in every device, verify every result, watch it, stay safe.
 
 Each rank drives its own device (one rank per GPU under mpirun, or the CPU)
-through the core's StressDevice (csrc/core/stress.h): a transcendental compute
+through the core's StressDevice (csrc/core/stress_device.h): a transcendental compute
 burn, repeated GEMMs on fixed random inputs, and memory patterns (walking ones,
 address-in-address, random) over a buffer grown to --memory-fraction of free
 memory. Every result is checked (sampled compute values against the reference,
