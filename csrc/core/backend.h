@@ -160,12 +160,15 @@ class Backend {
   // Input prefetch: host rows copied into backend memory beside the compute work (device
   // backends: on a copy stream of their own, through pinned staging), so that the next
   // step's rows cross while this step computes. prefetch_to_backend returns once host_src
-  // may be reused, and its copy starts after the compute work queued before it (which may
-  // read dst); wait_prefetched() orders later compute work after every prefetch so far.
+  // may be reused, and its copy starts after the compute work queued up to the last
+  // prefetch_read() (which the caller calls once the compute work that reads or allocates
+  // the destinations is queued; before any, after all the compute work queued before it);
+  // wait_prefetched() orders later compute work after every prefetch so far.
   // Host backends: a copy, and nothing to wait for.
   virtual void prefetch_to_backend(void* dst, const void* host_src, size_t bytes) {
     copy_to_backend(dst, host_src, bytes);
   }
+  virtual void prefetch_read() {}
   virtual void wait_prefetched() {}
   // dst = src (bytes) within backend memory, queued in order with the compute work.
   virtual void copy_within_backend(void* dst, const void* src, size_t bytes) = 0;

@@ -213,6 +213,7 @@ void MLP::prefetch(const HostBatch& batch, LossKind loss) {
     prefetched_x_ = BackendArray<float>(backend_.get(), rows * in_features());
     prefetched_targets_ = BackendArray<float>(backend_.get(), rows * out_features());
     prefetched_labels_ = BackendArray<int32_t>(backend_.get(), rows);
+    backend_->prefetch_read();  // the copies follow these allocations
   }
   backend_->prefetch_to_backend(prefetched_x_.data(), batch.x, rows * in_features() * sizeof(float));
   if (batch.targets)
@@ -247,6 +248,7 @@ void MLP::stage_prefetched(int64_t offset, int rows, LossKind loss) {
     backend_->copy_within_backend(staged_labels_.data(), prefetched_labels_.data() + first, n * sizeof(int32_t));
     labels_ = staged_labels_.data();
   }
+  backend_->prefetch_read();  // the next batch may land once these copies have read this one
 }
 
 const float* MLP::forward(int rows, const DropoutKey* dropout, const std::function<void(int)>& layer_done,

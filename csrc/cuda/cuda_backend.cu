@@ -76,9 +76,10 @@ void CudaBackend::release() noexcept {
   clock_stream_ = nullptr;
   if (copy_stream_) cudaStreamDestroy(copy_stream_);
   copy_stream_ = nullptr;
-  if (compute_queued_) cudaEventDestroy(compute_queued_);
+  if (prefetch_read_) cudaEventDestroy(prefetch_read_);
   if (prefetched_) cudaEventDestroy(prefetched_);
-  compute_queued_ = prefetched_ = nullptr;
+  prefetch_read_ = prefetched_ = nullptr;
+  prefetch_read_marked_ = false;
   for (PinnedArea& area : prefetch_areas_) {
     for (char* chunk : area.outgrown) cudaFreeHost(chunk);
     if (area.data) cudaFreeHost(area.data);
@@ -100,6 +101,7 @@ void CudaBackend::release() noexcept {
   replay_dev_ = nullptr;
   cudaFree(master_half_);
   master_half_ = nullptr;
+  master_half_n_ = 0;
   for (char* chunk : staging_outgrown_) cudaFreeHost(chunk);
   staging_outgrown_.clear();
   if (staging_) cudaFreeHost(staging_);
@@ -156,6 +158,7 @@ void CudaBackend::free_bytes(void* ptr) noexcept {
     master_n_ = 0;
     if (master_half_) cudaFreeAsync(master_half_, stream_);
     master_half_ = nullptr;
+    master_half_n_ = 0;
     master_half_stale_.clear();
   }
   free_half_operands(ptr);  // before the memory is reused
@@ -183,8 +186,15 @@ void CudaBackend::copy_to_host(void* host_dst, const void* src, size_t bytes) {
   activate();
   MGPU_CHECK(!captures_.capturing(), DeviceError, "copy_to_host synchronises: not allowed in a capture");
   MGPU_CUDA_CHECK(cudaMemcpyAsync(host_dst, src, bytes, cudaMemcpyDeviceToHost, stream_));
-  if (!pageable(host_dst)) MGPU_CUDA_CHECK(cudaStreamSynchronize(stream_));
-  drained();  // a copy to pageable memory returns when done, so everything before it is done too
+  // A copy to pageable memory returns once done in practice, but CUDA promises only that it
+  // "might be synchronous": the stream seen idle, or waited for, before host_dst is read.
+  const cudaError_t idle = pageable(host_dst) ? cudaStreamQuery(stream_) : cudaErrorNotReady;
+  if (idle == cudaErrorNotReady) {
+    MGPU_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  } else {
+    MGPU_CUDA_CHECK(idle);
+  }
+  drained();
   raise_label_errors();
 }
 
@@ -223,17 +233,28 @@ char* CudaBackend::pinned_slot(char*& area, size_t& capacity, std::vector<char*>
   return area;
 }
 
+void CudaBackend::ensure_copy_stream() {
+  if (copy_stream_) return;
+  MGPU_CUDA_CHECK(cudaStreamCreateWithFlags(&copy_stream_, cudaStreamNonBlocking));
+  MGPU_CUDA_CHECK(cudaEventCreateWithFlags(&prefetch_read_, cudaEventDisableTiming));
+  MGPU_CUDA_CHECK(cudaEventCreateWithFlags(&prefetched_, cudaEventDisableTiming));
+  for (PinnedArea& area : prefetch_areas_)
+    MGPU_CUDA_CHECK(cudaEventCreateWithFlags(&area.done, cudaEventDisableTiming));
+}
+
+void CudaBackend::prefetch_read() {
+  activate();
+  MGPU_CHECK(!captures_.capturing(), DeviceError, "prefetch_read marks the compute stream: not allowed in a capture");
+  ensure_copy_stream();
+  MGPU_CUDA_CHECK(cudaEventRecord(prefetch_read_, stream_));
+  prefetch_read_marked_ = true;
+}
+
 void CudaBackend::prefetch_to_backend(void* dst, const void* host_src, size_t bytes) {
   if (!bytes) return;
   activate();
   MGPU_CHECK(!captures_.capturing(), DeviceError, "prefetch_to_backend reads host memory: not allowed in a capture");
-  if (!copy_stream_) {
-    MGPU_CUDA_CHECK(cudaStreamCreateWithFlags(&copy_stream_, cudaStreamNonBlocking));
-    MGPU_CUDA_CHECK(cudaEventCreateWithFlags(&compute_queued_, cudaEventDisableTiming));
-    MGPU_CUDA_CHECK(cudaEventCreateWithFlags(&prefetched_, cudaEventDisableTiming));
-    for (PinnedArea& area : prefetch_areas_)
-      MGPU_CUDA_CHECK(cudaEventCreateWithFlags(&area.done, cudaEventDisableTiming));
-  }
+  ensure_copy_stream();
   if (prefetch_waited_) {  // a new batch, in the other area, once the copies that last read it are done
     prefetch_area_ ^= 1;
     const cudaError_t rc = cudaEventQuery(prefetch_areas_[prefetch_area_].done);
@@ -251,9 +272,9 @@ void CudaBackend::prefetch_to_backend(void* dst, const void* host_src, size_t by
   const size_t need = (bytes + kAlign - 1) / kAlign * kAlign;
   char* slot = pinned_slot(area.data, area.capacity, area.outgrown, prefetch_used_, need, "input prefetch");
   std::memcpy(slot, host_src, bytes);
-  // After the compute work queued so far, which may still read dst (and allocated it).
-  MGPU_CUDA_CHECK(cudaEventRecord(compute_queued_, stream_));
-  MGPU_CUDA_CHECK(cudaStreamWaitEvent(copy_stream_, compute_queued_, 0));
+  // After the last compute work that reads dst (or allocated it); before any mark, after all so far.
+  if (!prefetch_read_marked_) MGPU_CUDA_CHECK(cudaEventRecord(prefetch_read_, stream_));
+  MGPU_CUDA_CHECK(cudaStreamWaitEvent(copy_stream_, prefetch_read_, 0));
   MGPU_CUDA_CHECK(cudaMemcpyAsync(dst, slot, bytes, cudaMemcpyHostToDevice, copy_stream_));
   MGPU_CUDA_CHECK(cudaEventRecord(prefetched_, copy_stream_));
   MGPU_CUDA_CHECK(cudaEventRecord(area.done, copy_stream_));
@@ -557,11 +578,15 @@ void CudaBackend::set_master_weights(const float* params, size_t n) {
 void CudaBackend::size_master_half() {
   stale_master_half(0, master_n_);
   const bool half = precision_ == Precision::kBF16 || precision_ == Precision::kFP16;
-  if (half && !master_half_ && master_n_) {
-    master_half_ = allocate_half(master_n_, "half weights");
-  } else if (!half && master_half_) {
+  if (master_half_ && (!half || master_half_n_ < master_n_)) {  // not wanted, or too small for these weights
+    release_captures();                                         // graphs may point at it
     MGPU_CUDA_CHECK(cudaFreeAsync(master_half_, stream_));
     master_half_ = nullptr;
+    master_half_n_ = 0;
+  }
+  if (half && !master_half_ && master_n_) {
+    master_half_ = allocate_half(master_n_, "half weights");
+    master_half_n_ = master_n_;
   }
 }
 

@@ -98,6 +98,7 @@ class CudaBackend final : public Backend {
   void axpy(float* y, const float* x, size_t n, float alpha) override;
   void gather_rows(void* dst, const void* src, const int64_t* index, int rows, int W) override;
   void prefetch_to_backend(void* dst, const void* host_src, size_t bytes) override;
+  void prefetch_read() override;
   void wait_prefetched() override;
   void copy_within_backend(void* dst, const void* src, size_t bytes) override;
 
@@ -180,6 +181,7 @@ class CudaBackend final : public Backend {
   void stale_master_half(size_t first, size_t count);  // clipped to master_n_
   void writes(const void* dst, size_t bytes);          // the half copies of what dst overlaps go stale
   void drained() { staging_used_ = 0; }                // the stream ran dry: its staged copies are done
+  void ensure_copy_stream();  // the prefetch stream, its events and its areas' events, on first use
   char* pinned_slot(char*& area, size_t& capacity, std::vector<char*>& outgrown, size_t used, size_t need,
                     const char* what);
   uint64_t record_mark(cudaStream_t stream);
@@ -206,6 +208,7 @@ class CudaBackend final : public Backend {
   const float* master_ = nullptr;     // the model's parameters (master_n_ floats)
   size_t master_n_ = 0;
   void* master_half_ = nullptr;  // master_n_ two-byte values of the precision
+  size_t master_half_n_ = 0;     // the values master_half_ has room for
   // Ranges [first, end) of it older than the parameters, disjoint and in order: a
   // sharded step's gather makes each layer's stale, and its forward refreshes each
   // layer's only once that layer arrived.
@@ -221,7 +224,8 @@ class CudaBackend final : public Backend {
   // batch each (the prefetches between two wait_prefetched()): an area is refilled once
   // its last batch's copies are done (`done`; in a training loop long done: a step's
   // synchronisation passed them), so the host never waits on a steady step.
-  // compute_queued_ marks the compute work a prefetch must follow; prefetched_ the last copy.
+  // prefetch_read_ marks the compute work a prefetch must follow (the last reader of the
+  // destinations, not the step's tail, so the copy overlaps the step); prefetched_ the last copy.
   struct PinnedArea {
     char* data = nullptr;
     size_t capacity = 0;
@@ -229,7 +233,8 @@ class CudaBackend final : public Backend {
     cudaEvent_t done = nullptr;
   };
   cudaStream_t copy_stream_ = nullptr;
-  cudaEvent_t compute_queued_ = nullptr, prefetched_ = nullptr;
+  cudaEvent_t prefetch_read_ = nullptr, prefetched_ = nullptr;
+  bool prefetch_read_marked_ = false;  // prefetch_read() was called: prefetch_read_ holds its mark
   PinnedArea prefetch_areas_[2];
   int prefetch_area_ = 0;
   size_t prefetch_used_ = 0;

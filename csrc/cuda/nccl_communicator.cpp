@@ -225,6 +225,9 @@ struct NcclCommunicator::Impl {
     if (ops.empty()) return;
     order_after_compute();
     issue_group(ops);
+    // A non-blocking comm may queue the group's kernels on a thread of its own until it
+    // settles: nothing else goes on its stream before, or the timing event would precede them.
+    settle(launched.c_str(), timeout_seconds);
     if (timing) {
       if (groups_timed == timing_events.size()) {
         timing_events.push_back(nullptr);
@@ -233,7 +236,6 @@ struct NcclCommunicator::Impl {
       MGPU_CUDA_CHECK(cudaEventRecord(timing_events[groups_timed], comm_stream));
       group_of.insert(group_of.end(), ops.size(), groups_timed++);
     }
-    settle(launched.c_str(), timeout_seconds);
   }
 
   // The ops as one NCCL group on the communication stream. `outstanding` is
@@ -421,9 +423,19 @@ struct NcclCommunicator::Impl {
   // end, so the compute stream and the host's read-back move on, and
   // raise_if_failed() then throws the message kept here.
   void watchdog_loop() {
+    std::unique_lock<std::mutex> lock(m);
+    try {
+      watch_until_stopped(lock);
+    } catch (const std::exception& e) {  // an exception leaving a thread would terminate the process
+      watchdog_fail(detail::concat("the watchdog failed: ", e.what()));
+    } catch (...) {
+      watchdog_fail("the watchdog failed");
+    }
+  }
+
+  void watch_until_stopped(std::unique_lock<std::mutex>& lock) {
     using clock = std::chrono::steady_clock;
     cudaSetDevice(device);
-    std::unique_lock<std::mutex> lock(m);
     auto poll = std::chrono::microseconds(20);
     auto next_beat = clock::time_point::max();
     while (!stopping) {

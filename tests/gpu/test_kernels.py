@@ -375,3 +375,18 @@ def test_backend_properties_and_errors(gpu):
     assert 0 < free <= total
     cuda = _core.build_info()["cuda"]
     assert cuda["driver"] and cuda["device_count"] == n
+
+
+def test_a_larger_second_model_on_one_backend_gets_half_weights_of_its_size(gpu):
+    # The half copy of the weights follows the newest model's parameters: sized for a
+    # smaller first model, it must grow, or the casts would write past its end.
+    x = np.random.default_rng(1).standard_normal((6, 16)).astype(np.float32)
+    alone = _core.make_backend("cuda", gpu)
+    alone.precision = "bf16"
+    expected = _core.MLP(alone, [16, 96, 96, 4], 0.0, 5).forward(x)
+    shared = _core.make_backend("cuda", gpu)
+    shared.precision = "bf16"
+    small = _core.MLP(shared, [16, 8, 4], 0.0, 5)
+    small.forward(x)
+    large = _core.MLP(shared, [16, 96, 96, 4], 0.0, 5)
+    assert np.array_equal(large.forward(x), expected)

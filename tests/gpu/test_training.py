@@ -5,6 +5,7 @@ scaling) train digits; 1000 steps allocate no device memory; a step replayed
 from a CUDA graph gives the bits of the uncaptured step (and so does the CPU's
 reference capture, tested everywhere)."""
 
+import gc
 import math
 
 import numpy as np
@@ -218,12 +219,14 @@ def test_no_device_memory_growth_over_1000_steps(gpu):
 
     run(0, 10)  # warm-up: activations, half-precision scratch and lazily loaded kernels settle
     model.backend.synchronize()
+    gc.collect()  # earlier tests' backends go now, not while this one runs
     free_before, _ = _core.cuda_memory_info(gpu)
     allocations_before = _core.emulation.counters()["allocations"] if EMULATED else 0
     run(10, 40 if EMULATED else 1000)
     model.backend.synchronize()
     free_after, _ = _core.cuda_memory_info(gpu)
-    assert free_after == free_before, (free_before - free_after) / 2**20
+    # The device's free memory (all processes'): it may grow as a pool hands memory back, never shrink.
+    assert free_after >= free_before, f"{(free_before - free_after) / 2**20:.1f} MiB less free"
     if EMULATED:  # stronger there: not one allocation, even one freed again
         assert _core.emulation.counters()["allocations"] == allocations_before
 
