@@ -5,6 +5,7 @@ and one-line errors."""
 import csv
 import json
 import re
+import resource
 import signal
 import subprocess
 import time
@@ -132,6 +133,60 @@ def test_sampler_collects_and_summarizes():
     assert summarize(samples)["temperature_c"] == {"min": 0.0, "max": float(len(samples) - 1)}
 
 
+def test_a_run_that_verified_too_little_is_unverified_not_ok(tmp_path):
+    # Time is up after the first compute launch: gemm and memory never ran, and the memory
+    # fault asked for was never injected. Exit 4: nothing faulty seen, nothing vouched for.
+    r = run_cli(["stress", "--duration", "0.001", *SMALL, "--inject-fault", "memory", "--json", tmp_path / "u.json"])
+    assert r.returncode == 4, r.stderr[-2000:]
+    (dev,) = json.loads((tmp_path / "u.json").read_text())["devices"]
+    assert dev["verdict"] == "UNVERIFIED" and dev["checked"]["memory"] == 0 and dev["injected_fault"] is None
+    assert "memory not tested" in dev["unverified"]
+    assert "the memory fault asked for was never injected" in dev["unverified"]
+    assert "UNVERIFIED (" in r.stdout and "memory not tested" in r.stdout
+
+
+def test_an_injected_fault_the_tolerance_lets_through_is_not_ok(tmp_path):
+    args = ["stress", "--duration", "1", "--kernel", "gemm", *SMALL, "--inject-fault", "gemm", "--gemm-tol", "0.9"]
+    r = run_cli([*args, "--json", tmp_path / "g.json"])
+    (dev,) = json.loads((tmp_path / "g.json").read_text())["devices"]
+    assert r.returncode == 4 and dev["unverified"] == ["the injected gemm fault was not caught"], r.stderr[-2000:]
+
+
+def test_a_buffer_stopped_before_it_grew_skips_the_memory_pass_with_a_report(tmp_path):
+    # The monitor sees memory above the threshold after the first (compute) launch: the
+    # buffer never grows, the memory pass is skipped as an event, the other kernels burn on.
+    r = run_cli(
+        ["stress", "--duration", "1.5", *SMALL, "--max-memory-percent", "0.001", "--interval", "0.05"]
+        + ["--json", tmp_path / "m.json"]
+    )
+    assert r.returncode == 4, r.stderr[-2000:]
+    report = json.loads((tmp_path / "m.json").read_text())
+    (dev,) = report["devices"]
+    assert dev["buffer_bytes"] == 0 and dev["checked"]["memory"] == 0 and dev["checked"]["gemm"] > 0
+    assert dev["unverified"] == ["memory not tested"]
+    assert [e["action"] for e in report["events"]] == ["stop_growing_memory", "skip_memory"]
+
+
+def test_an_allocation_beyond_the_host_is_one_line_not_a_traceback():
+    # The size fits the memory the host reports, not the address space this process may
+    # have: the core's std::bad_alloc reaches the command line as one line, exit 1.
+    def limit_address_space():
+        resource.setrlimit(resource.RLIMIT_AS, (6 << 30, 6 << 30))
+
+    r = subprocess.run(
+        [*MGPU, "stress", "--kernel", "compute", "--compute-size", "2000000000", "--duration", "1", "--no-progress"],
+        cwd=ROOT,
+        env=mpi_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        preexec_fn=limit_address_space,
+    )
+    assert r.returncode == 1 and r.stderr.strip().splitlines() == [
+        "mgpu: error: out of host memory (std::bad_alloc)"
+    ], r.stderr[-2000:]
+
+
 def test_two_ranks_report_one_device_each(tmp_path):
     r = mpirun(2, [*MGPU, "stress", "--duration", "1.5", *SMALL, "--json", tmp_path / "m.json"])
     assert r.returncode == 0, r.stderr[-2000:]
@@ -179,6 +234,10 @@ def test_sigterm_stops_cleanly_with_a_report(tmp_path):
         (["--memory-mb", "1e12"], "is more than the"),
         (["--memory-mb", "8", "--memory-fraction", "0.5"], "not both"),
         (["--kernel", "gemm", "--inject-fault", "memory"], "--inject-fault memory needs the memory kernel"),
+        (["--gemm-tol", "nan"], "--gemm-tol must be a relative tolerance in [0, 1), got nan"),
+        (["--gemm-tol", "1"], "--gemm-tol"),
+        # sizes the kernels could not hold: refused before the first launch, not mid-run
+        (["--gemm-size", "46340"], "--gemm-size 46340 needs"),
     ],
 )
 def test_stress_bad_input_one_line_on_every_rank(args, message):

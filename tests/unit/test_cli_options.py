@@ -97,6 +97,10 @@ def test_every_list_option_is_checked_by_the_parser(argv, option):
         # flags that were silently ignored: topo measured with the default threads, or saved nowhere
         (["topo", "--threads", "0"], "--threads must be >= 1, got 0"),
         (["topo", "--no-save", "--out", "profile.json"], "--no-save saves none"),
+        (["topo", "--no-save", "--out", ""], "--no-save saves none"),
+        # an empty --profile was taken as auto
+        (["recommend", "--model", "medium", "--batch-size", "64", "--profile", ""], "--profile is empty"),
+        (["bench", "--validate-selector", "--model", "medium", "--profile", " "], "--profile is empty"),
     ],
 )
 def test_counts_beyond_what_can_run_are_refused_before_anything_starts(argv, message, capfd):
@@ -111,6 +115,7 @@ def test_counts_beyond_what_can_run_are_refused_before_anything_starts(argv, mes
         ["train", "--model", "medium", "--steps", "1", "--tensorboard", ""],
         ["bench", "--model", "medium", "--plots", ""],
         ["topo", "--plots", ""],
+        ["topo", "--out", ""],  # it saved the machine's calibration in the default place
     ],
 )
 def test_an_empty_output_directory_is_refused_not_ignored(argv, capfd):

@@ -97,6 +97,11 @@ def main(argv=None) -> int:
         if pg is not None and pg.size > 1:
             pg.abort(EXIT_USAGE)
         return EXIT_USAGE
+    except MemoryError as e:  # an allocation beyond the host (std::bad_alloc in the core)
+        write_line(f"mgpu: error: out of host memory{f' ({e})' if str(e) else ''}")
+        if pg is not None:
+            pg.abort(1)
+        return 1
     except Exception as e:  # noqa: BLE001 - last line of defence: never leave peers hanging
         if isinstance(e, MgpuError):
             write_line(f"mgpu: error: {type(e).__name__}: {e}")

@@ -51,7 +51,12 @@ def add_parser(sub) -> None:
         "from `mgpu topo`, else the visible GPUs, else seed 001's thresholds)",
     )
     r.add_argument("--precision", choices=PRECISIONS, default="fp32")
-    r.add_argument("--optimizer", choices=("sgd", "adamw"), default="adamw")
+    r.add_argument(
+        "--optimizer",
+        choices=("sgd", "adamw"),
+        default="adamw",
+        help="the optimizer priced (default adamw, the heavier state; train's default is sgd: give it to price that)",
+    )
     r.add_argument(
         "--grad-dtype",
         choices=GRAD_DTYPES,

@@ -46,6 +46,9 @@ from ..monitor.training import output_options
 from .common import INT32_MAX, MAX_THREADS, bounded_int, check_outputs
 
 KERNELS = ("compute", "gemm", "memory")
+# Exit codes: 0 every device OK, 1 one FAULTY, 3 a device hang (the watchdog), 4 none faulty
+# but one UNVERIFIED (a kernel that never ran, a fault asked for and not injected or not caught).
+EXIT_FAULTY, EXIT_HANG, EXIT_UNVERIFIED = 1, 3, 4
 PATTERNS = ("walking_ones", "address", "random")
 MiB = 1 << 20
 
@@ -70,6 +73,51 @@ def resolve_defaults(a, device: str) -> list:
         a.memory_mb = EMULATION_DEFAULTS["memory_mb"]
         scaled.append("memory_mb")
     return scaled
+
+
+def kernel_bytes(a, device: str, kernels) -> dict:
+    """{option: bytes} the compute and GEMM kernels hold at their peak: the values (4 B each);
+    the GEMM's inputs, result and first result (16 B an element), on a GPU also its bf16
+    inputs and the independent check's own copies (32 B)."""
+    need = {}
+    if "compute" in kernels:
+        need["--compute-size"] = 4.0 * a.compute_size
+    if "gemm" in kernels:
+        need["--gemm-size"] = (32.0 if device == "cuda" else 16.0) * a.gemm_size**2
+    return need
+
+
+def _buffer_bytes(a, pg, device: str, index: int, kernels) -> float:
+    """The memory pass's buffer: --memory-mb, or --memory-fraction of what the other kernels
+    leave free. Sizes that cannot fit are refused before any kernel runs; ranks of unequal
+    devices may disagree, so every rank raises where one does (the others would burn on,
+    then wait at the report)."""
+    need = kernel_bytes(a, device, kernels)
+    try:
+        available = available_memory(device, index, pg.local_size)
+    except ConfigError:
+        if a.memory_mb is None:
+            raise
+        available = None  # cannot be read: the sizes given stand
+    where = "free on the GPU" if device == "cuda" else "of host memory available to this rank"
+    too_big = None
+    if available is not None:
+        for option, size in need.items():
+            if size > available:
+                value = a.compute_size if option == "--compute-size" else a.gemm_size
+                too_big = ConfigError(
+                    f"{option} {value} needs {size / MiB:,.0f} MiB, more than the {available / MiB:,.0f} MiB {where}"
+                )
+        buffer = a.memory_mb * MiB if a.memory_mb else 0.0
+        if too_big is None and "memory" in kernels and buffer + sum(need.values()) > available:
+            beside = f" beside the {sum(need.values()) / MiB:,.0f} MiB of the other kernels" if need else ""
+            too_big = ConfigError(
+                f"--memory-mb {a.memory_mb:g}{beside} is more than the {available / MiB:,.0f} MiB {where}"
+            )
+    pg.agree(too_big, "the stress sizes")
+    if a.memory_mb:
+        return a.memory_mb * MiB
+    return a.memory_fraction * max(0.0, available - sum(need.values()))
 
 
 def run_device(
@@ -108,16 +156,19 @@ def run_device(
     totals = {
         k: {"checked": 0, "mismatches": 0, "nonfinite": 0, "seconds": 0.0, "work": 0.0, "runs": 0} for k in kernels
     }
-    injected = set()
+    injected, skipped = set(), set()
     last_progress = [time.monotonic()]
 
     def watchdog():  # a kernel that never returns cannot raise: end the job from here
         while not stop.wait(1.0):
             if time.monotonic() - last_progress[0] > hang_timeout:
-                write_line(f"mgpu: error: rank {pg.rank}: device hang: no stress kernel finished in {hang_timeout:g} s")
+                write_line(
+                    f"mgpu: error: rank {pg.rank}: no stress kernel finished in {hang_timeout:g} s: a device hang, "
+                    "or launches longer than --hang-timeout (fewer --iterations, smaller sizes)"
+                )
                 if pg.size > 1:
-                    pg.abort(3)
-                os._exit(3)
+                    pg.abort(EXIT_HANG)
+                os._exit(EXIT_HANG)
 
     guard = threading.Thread(target=watchdog, name="mgpu-stress-watchdog", daemon=True)
     guard.start()
@@ -142,6 +193,13 @@ def run_device(
                 target = memory_bytes
                 if dev.buffer_bytes < target and monitor.grow_memory:  # grow in quarters
                     dev.resize_buffer(int(min(target, dev.buffer_bytes + target / 4)))
+                if not dev.buffer_bytes:  # the monitor stopped the buffer before it had any
+                    if kernel not in skipped:
+                        skipped.add(kernel)
+                        monitor.event("skip_memory", "no buffer to test: the memory pass does not run", {})
+                    if skipped.issuperset(kernels):
+                        break
+                    continue
                 c = dev.memory(next(patterns), 11, i, fault)
             if fault:
                 injected.add(kernel)
@@ -185,16 +243,24 @@ def run_device(
         rates["memory_GBps"] = totals["memory"]["work"] / totals["memory"]["seconds"] / 1e9
         rates["copy_reference_GBps"] = reference_copy / 1e9
         rates["memory_vs_copy"] = rates["memory_GBps"] / rates["copy_reference_GBps"]
+    checked = {k: int(v["checked"]) for k, v in totals.items()}
+    unverified = [f"{k} not tested" for k in kernels if not checked[k]]
+    if inject is not None and inject not in injected:
+        unverified.append(f"the {inject} fault asked for was never injected")
+    elif inject is not None and not errors[inject] and not nonfinite:
+        unverified.append(f"the injected {inject} fault was not caught")
+    verdict = "FAULTY" if sum(errors.values()) or nonfinite else "UNVERIFIED" if unverified else "OK"
     result = {
         "rank": pg.rank,
         "host": socket.gethostname(),
         "device": device,
         "device_index": device_index,
         "name": dev.name,
-        "verdict": "FAULTY" if sum(errors.values()) or nonfinite else "OK",
+        "verdict": verdict,
+        "unverified": unverified,  # why an UNVERIFIED device cannot be vouched for
         "errors": errors,
         "nonfinite": nonfinite,
-        "checked": {k: int(v["checked"]) for k, v in totals.items()},
+        "checked": checked,
         "runs": {k: v["runs"] for k, v in totals.items()},
         "rates": rates,
         "buffer_bytes": dev.buffer_bytes,
@@ -232,6 +298,8 @@ def cmd_stress(a, pg) -> int:
     check_monitor_options(a.interval, a.max_temp, a.max_memory_percent, a.power_limit)
     if not 0 < a.hang_timeout <= MAX_WAIT_S:
         raise ConfigError(f"--hang-timeout must be > 0 and at most {MAX_WAIT_S:g} seconds, got {a.hang_timeout!r}")
+    if not 0 <= a.gemm_tol < 1:  # NaN fails too
+        raise ConfigError(f"--gemm-tol must be a relative tolerance in [0, 1), got {a.gemm_tol!r}")
     if a.threads is not None and a.threads < 1:
         raise ConfigError(f"--threads must be >= 1, got {a.threads}")
     check_outputs({"--json": a.json, **(output_options(a.telemetry) if a.telemetry is not None else {})})
@@ -244,22 +312,7 @@ def cmd_stress(a, pg) -> int:
     if a.gemm_precision != "fp32" and device != "cuda":
         raise ConfigError(f"--gemm-precision {a.gemm_precision} needs a GPU; the CPU GEMM burn runs in fp32")
     threads = a.threads or pg.default_threads()
-    if a.memory_mb:
-        # Refused before any kernel runs; ranks of unequal devices may disagree, so every
-        # rank raises where one does (the others would burn on, then wait at the report).
-        memory, too_big = a.memory_mb * MiB, None
-        try:
-            available = available_memory(device, index, pg.local_size)
-            if memory > available:
-                where = "free on the GPU" if device == "cuda" else "of host memory available to this rank"
-                too_big = ConfigError(
-                    f"--memory-mb {a.memory_mb:g} is more than the {available / MiB:,.0f} MiB {where}"
-                )
-        except ConfigError:  # the available memory cannot be read: the size given stands
-            pass
-        pg.agree(too_big, "the stress buffer size")
-    else:
-        memory = a.memory_fraction * available_memory(device, index, pg.local_size)
+    memory = _buffer_bytes(a, pg, device, index, kernels)
     pg.timeout = a.hang_timeout
     stop = threading.Event()
     previous = {}
@@ -298,7 +351,7 @@ def cmd_stress(a, pg) -> int:
     pg.barrier(what="stress report")  # against the hang timeout: a lost peer ends the job
     results = pg.comm.gather((result, samples), root=0) if pg.comm is not None else [(result, samples)]
     if not pg.is_root:
-        return 0 if result["verdict"] == "OK" else 1
+        return _exit_code([result])
     devices = [r for r, _ in results]
     report = {
         "devices": devices,
@@ -314,8 +367,9 @@ def cmd_stress(a, pg) -> int:
     }
     for d in devices:
         rates = ", ".join(f"{k} {v:.3g}" for k, v in d["rates"].items())
+        why = f" ({'; '.join(d['unverified'])})" if d["verdict"] == "UNVERIFIED" else ""
         print(
-            f"rank {d['rank']} {d['name']} on {d['host']}: {d['verdict']}; errors {d['errors']}, "
+            f"rank {d['rank']} {d['name']} on {d['host']}: {d['verdict']}{why}; errors {d['errors']}, "
             f"non-finite {d['nonfinite']}; {rates}"
         )
     if a.json:
@@ -330,8 +384,12 @@ def cmd_stress(a, pg) -> int:
         limits = {"temperature_c": a.max_temp, "memory_used_pct": a.max_memory_percent, "power_w": a.power_limit}
         for path in write_series(a.telemetry, series, title, limits, report["events"]):
             print(f"telemetry written to {path}")
-    faulty = [d["rank"] for d in devices if d["verdict"] != "OK"]
-    return 1 if faulty else 0
+    return _exit_code(devices)
+
+
+def _exit_code(devices: list) -> int:
+    verdicts = {d["verdict"] for d in devices}
+    return EXIT_FAULTY if "FAULTY" in verdicts else EXIT_UNVERIFIED if "UNVERIFIED" in verdicts else 0
 
 
 def add_parser(sub) -> None:
@@ -362,7 +420,7 @@ def add_parser(sub) -> None:
         "--iterations",
         type=bounded_int("iterations", INT32_MAX),
         default=20,
-        help="transcendental chain steps per launch",
+        help="transcendental chain steps per launch (default %(default)s)",
     )
     s.add_argument(
         "--compute-size",
@@ -377,19 +435,41 @@ def add_parser(sub) -> None:
         default=None,
         help="GEMM size n (n x n; default 1024, 64 on the emulation)",
     )
-    s.add_argument("--gemm-repeats", type=bounded_int("GEMM repeats", INT32_MAX), default=4, help="GEMMs per launch")
-    s.add_argument("--gemm-tol", type=float, default=0.0, help="relative tolerance of GEMM verification")
+    s.add_argument(
+        "--gemm-repeats",
+        type=bounded_int("GEMM repeats", INT32_MAX),
+        default=4,
+        help="GEMMs per launch (default %(default)s)",
+    )
+    s.add_argument(
+        "--gemm-tol",
+        type=float,
+        default=0.0,
+        help="relative tolerance of GEMM verification, in [0, 1) (default 0: exact)",
+    )
     s.add_argument(
         "--gemm-precision",
         choices=("fp32", "tf32", "bf16"),
         default="fp32",
         help="GEMM burn precision (tf32 and bf16 on GPUs)",
     )
-    s.add_argument("--max-temp", type=float, default=85.0, help="C: above it, throttle")
-    s.add_argument("--max-memory-percent", type=float, default=95.0, help="above it, stop growing the buffer")
+    s.add_argument("--max-temp", type=float, default=85.0, help="C: above it, throttle (default %(default)g)")
+    s.add_argument(
+        "--max-memory-percent",
+        type=float,
+        default=95.0,
+        help="percent of memory used: above it, stop growing the buffer (default %(default)g)",
+    )
     s.add_argument("--power-limit", type=float, default=None, help="W: above it, warn (default: the device's)")
-    s.add_argument("--interval", type=float, default=1.0, help="telemetry sampling interval, seconds")
-    s.add_argument("--hang-timeout", type=float, default=120.0, help="seconds without progress that end the run")
+    s.add_argument(
+        "--interval", type=float, default=1.0, help="telemetry sampling interval, seconds (default %(default)g)"
+    )
+    s.add_argument(
+        "--hang-timeout",
+        type=float,
+        default=120.0,
+        help="seconds without progress that end the run (exit 3; default %(default)g)",
+    )
     s.add_argument("--json", metavar="PATH")
     s.add_argument("--telemetry", metavar="PREFIX", help="write PREFIX.csv, PREFIX.json and PREFIX.png")
     s.add_argument(

@@ -278,7 +278,7 @@ def cmd_topo(a, pg) -> int:
         raise ConfigError(f"--max-mb must be at least 4 bytes, got {a.max_bytes} bytes")
     if a.threads is not None and a.threads < 1:
         raise ConfigError(f"--threads must be >= 1, got {a.threads}")
-    if a.no_save and a.out:
+    if a.no_save and a.out is not None:
         raise ConfigError("--out names the file the profile is saved to, and --no-save saves none: give one of them")
     # the plots' files where their directory exists already (else it is made, empty)
     plots = (
@@ -286,9 +286,9 @@ def cmd_topo(a, pg) -> int:
         if a.plots and os.path.isdir(a.plots)
         else {}
     )
-    if a.out:
+    if a.out is not None:  # "" too: an empty path, not the default
         check_output_path(a.out, "--out")
-    saves = ("--out", a.out) if a.out else ("the calibration this run saves", default_profile_path())
+    saves = ("--out", a.out) if a.out is not None else ("the calibration this run saves", default_profile_path())
     check_outputs({"--json": a.json, **plots}, saves=None if a.no_save else saves)
     if a.plots is not None:
         check_output_dir(a.plots, "--plots")
@@ -302,7 +302,7 @@ def cmd_topo(a, pg) -> int:
             for path in write_plots(a.plots, profile):
                 print(f"plot written to {path}")
         if not a.no_save:  # last: an output that fails leaves the calibration there was
-            path = save_profile(profile, a.out or default_profile_path())
+            path = save_profile(profile, a.out if a.out is not None else default_profile_path())
             print(f"profile written to {path}")
         bad = sum(r["wrong"] for r in profile["allreduce"])
         if bad:

@@ -468,6 +468,10 @@ def price_held_out_steps(profile: dict) -> bool:
 
 def resolve_profile(spec: Optional[str], devices: Optional[int] = None) -> Optional[dict]:
     """'auto' (calibrated, else detected, else None), 'calibrated', a named profile, or a path."""
+    if spec is not None and not spec.strip():
+        raise ConfigError(
+            "--profile is empty: give auto, calibrated, a profile's name (--list-profiles) or a .json path"
+        )
     spec = spec or "auto"
     if spec == "auto":
         if os.path.exists(default_profile_path()):
