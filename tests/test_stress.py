@@ -4,6 +4,7 @@ and one-line errors."""
 
 import csv
 import json
+import os
 import re
 import resource
 import signal
@@ -16,6 +17,7 @@ from conftest import PYTHON, ROOT, mpi_env, mpirun, run_cli
 from mgpu import _core
 from mgpu.monitor.safety import SafetyMonitor, Thresholds
 from mgpu.monitor.telemetry import Sampler, summarize
+from procs import mpi_ranks, wait_for  # tests/procs.py
 
 MGPU = [PYTHON, "-m", "mgpu"]
 SMALL = ["--memory-mb", "8", "--compute-size", "4096", "--gemm-size", "128", "--no-progress"]
@@ -212,6 +214,44 @@ def test_sigterm_stops_cleanly_with_a_report(tmp_path):
     assert "mgpu: SIGTERM on rank 0: stopping the stress run\n" in err, err[-2000:]
     report = json.loads(out.read_text())
     assert report["stopped_early"] is True and report["devices"][0]["seconds"] < 60
+
+
+@pytest.mark.parametrize("how", ["SIGTERM to rank 1 only", "SIGUSR1 to mpirun"])
+def test_a_stop_on_one_rank_stops_every_rank_with_a_report(tmp_path, how):
+    out = tmp_path / "s.json"
+    cmd = ["mpirun", "-np", "2", "--oversubscribe", "--bind-to", "none", *MGPU, "stress", "--duration", "120"]
+    cmd += [*SMALL, "--hang-timeout", "30", "--json", out]
+    p = subprocess.Popen(
+        list(map(str, cmd)),
+        cwd=ROOT,
+        env=mpi_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
+    def ranks():
+        children = subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True, text=True).stdout
+        return mpi_ranks(map(int, children.split()))
+
+    try:
+        wait_for(lambda: len(ranks()) == 2 or p.poll() is not None, 60, "two ranks")
+        time.sleep(5)  # past the reference timings: every kernel burning
+        t0 = time.monotonic()
+        if how.startswith("SIGTERM"):
+            os.kill(ranks()[1], signal.SIGTERM)
+        else:
+            p.send_signal(signal.SIGUSR1)  # mpirun forwards it to every rank
+        _, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    assert p.returncode == 0 and time.monotonic() - t0 < 25, err[-2000:]
+    report = json.loads(out.read_text())
+    assert report["stopped_early"] is True
+    assert all(d["verdict"] == "OK" and d["seconds"] < 60 for d in report["devices"]), report["devices"]
 
 
 @pytest.mark.parametrize(

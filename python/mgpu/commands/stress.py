@@ -141,8 +141,10 @@ def run_device(
     hang_timeout: float,
     progress: bool,
     stop: threading.Event,
+    notice,
 ) -> tuple:
-    """Stress this rank's device for `duration` seconds; returns (result, telemetry samples)."""
+    """Stress this rank's device for `duration` seconds, or until `stop` (a signal here) or
+    `notice` (one on another rank); returns (result, telemetry samples)."""
     dev = _core.make_stress_device(device, device_index, threads)
     source, read = reader_for(device, device_index)
     sampler = Sampler(read, interval).start()
@@ -182,7 +184,13 @@ def run_device(
     patterns = itertools.cycle(PATTERNS)
     try:
         for i, kernel in enumerate(itertools.cycle(kernels)):
-            if time.monotonic() - t0 >= duration or stop.is_set():
+            if not stop.is_set() and notice.heard():
+                write_line(f"mgpu stress (rank {pg.rank}): another rank stopped: stopping")
+                stop.set()
+            if stop.is_set():
+                notice.tell()  # once, and not back to whoever told this rank
+                break
+            if time.monotonic() - t0 >= duration:
                 break
             fault = inject == kernel and kernel not in injected
             if kernel == "compute":
@@ -321,8 +329,9 @@ def cmd_stress(a, pg) -> int:
         write_line(f"mgpu: {signal.Signals(signum).name} on rank {pg.rank}: stopping the stress run")
         stop.set()
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):  # SIGUSR1: mpirun forwards it to every rank
         previous[sig] = signal.signal(sig, on_signal)
+    notice = pg.stop_notice()
     try:
         result, samples = run_device(
             pg,
@@ -344,11 +353,13 @@ def cmd_stress(a, pg) -> int:
             hang_timeout=a.hang_timeout,
             progress=not a.no_progress,
             stop=stop,
+            notice=notice,
         )
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     pg.barrier(what="stress report")  # against the hang timeout: a lost peer ends the job
+    notice.close()
     results = pg.comm.gather((result, samples), root=0) if pg.comm is not None else [(result, samples)]
     if not pg.is_root:
         return _exit_code([result])

@@ -46,6 +46,23 @@ class Group(Protocol):
     def agree(self, error: Optional[BaseException], what: str = "agreement") -> None: ...
     def name_hosts(self, message: str) -> str: ...
     def abort(self, code: int = 1) -> None: ...
+    def stop_notice(self) -> "StopNotice": ...
+
+
+class StopNotice:
+    """A stop one rank asks for (a signal) that the others hear at their next poll, for
+    loops whose ranks meet in no collective until their end (stress). Alone: nothing to
+    tell. Collective to create; close() after the loop."""
+
+    def tell(self) -> None:
+        """Tell every other rank to stop (once; polled, never waited for)."""
+
+    def heard(self) -> bool:
+        """Whether another rank told this one to stop."""
+        return False
+
+    def close(self) -> None:
+        pass
 
 
 class GroupBase:
@@ -109,6 +126,9 @@ class GroupBase:
             self._core_comm.close()
             self._core_comm = None
             self._core_comm_kind = None
+
+    def stop_notice(self) -> StopNotice:
+        return StopNotice()  # one rank: nobody to tell (a transport with peers overrides it)
 
     def default_threads(self) -> int:
         """CPU threads per rank when the user gives none: the node's cores shared evenly."""

@@ -20,7 +20,7 @@ import numpy as np
 
 from .._runtime import _core, gpus_emulated
 from ..errors import CommError, ConfigError
-from .group import GroupBase, error_report, raise_agreed, raise_if_gpu_shared
+from .group import GroupBase, StopNotice, error_report, raise_agreed, raise_if_gpu_shared
 
 
 def _import_mpi():
@@ -229,6 +229,11 @@ class ProcessGroup(GroupBase):
         reports = self.allgather(error_report(error), what)  # every rank is here: the flag arrived from all
         raise_agreed(error, reports)
 
+    def stop_notice(self) -> StopNotice:
+        if self.comm is None or self.size == 1:
+            return StopNotice()
+        return _MpiStopNotice(self.comm.Dup(), self._mpi)
+
     def abort(self, code: int = 1) -> None:
         """End every rank of the job (after an unexpected error on this one)."""
         if self.comm is not None and self.size > 1:
@@ -239,3 +244,35 @@ class ProcessGroup(GroupBase):
             f"ProcessGroup(rank={self.rank}, size={self.size}, local_rank={self.local_rank}, "
             f"local_size={self.local_size})"
         )
+
+
+class _MpiStopNotice(StopNotice):
+    """One small message to each peer on a communicator of its own, found by a probe."""
+
+    TAG = 1
+
+    def __init__(self, comm, mpi):
+        self._comm, self._mpi, self._sends, self._heard = comm, mpi, [], False
+
+    def tell(self) -> None:
+        if self._sends or self._heard:
+            return
+        me = self._comm.Get_rank()
+        self._sends = [self._comm.isend(True, dest=r, tag=self.TAG) for r in range(self._comm.Get_size()) if r != me]
+
+    def heard(self) -> bool:
+        if not self._heard and self._comm.Iprobe(source=self._mpi.ANY_SOURCE, tag=self.TAG):
+            self._heard = True
+        return self._heard
+
+    def close(self) -> None:
+        """Collective: completes this rank's notices and takes in those sent to it, so none
+        is left unmatched when the communicator goes."""
+        for r in self._sends:
+            r.wait()
+        told = self._comm.allgather(bool(self._sends))
+        me = self._comm.Get_rank()
+        for sender, sent in enumerate(told):
+            if sent and sender != me:
+                self._comm.recv(source=sender, tag=self.TAG)
+        self._comm.Free()
