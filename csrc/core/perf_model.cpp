@@ -18,8 +18,13 @@ namespace {
 
 std::string fmt(const char* format, double a) {
   char buf[64];
-  std::snprintf(buf, sizeof(buf), format, a);
-  return buf;
+  const int n = std::snprintf(buf, sizeof(buf), format, a);
+  if (n < 0) return std::string();
+  if (static_cast<size_t>(n) < sizeof(buf)) return buf;
+  std::string out(static_cast<size_t>(n) + 1, '\0');  // a figure of 1e300 with "%.0f": the whole of it
+  std::snprintf(out.data(), out.size(), format, a);
+  out.resize(static_cast<size_t>(n));
+  return out;
 }
 std::string ms(double seconds) { return fmt(seconds < 0.01 ? "%.3g ms" : "%.1f ms", seconds * 1e3); }
 std::string bytes_text(double b) {
@@ -1136,17 +1141,23 @@ std::string word_reason(const Reason& r, const Decision& d, const Workload& w, c
     case Kind::kMultiDeviceStep: {
       std::string line = device_word(hw, p->devices) + ": " + ms(p->step_s) + " a step, " + fmt("%.2fx", p->speedup) +
                          fmt(" (efficiency %.0f%%)", p->efficiency * 100) + "; the " + bytes_text(r.value);
+      // The wait after backward holds the ranks' skew and the health check beside the
+      // collective: where it is longer than the collective, it is not "part of it".
+      const auto exposed_text = [&](double collective, double wait) {
+        return wait <= collective + 1e-12 ? ", " + ms(wait) + " of it not hidden behind backward"
+                                          : "; the wait after backward " + ms(wait) +
+                                                " (what backward does not hide, the ranks' skew and the health check)";
+      };
       if (p->sharded)
-        line += " gradient reduce-scatter (optimizer sharded) takes " + ms(p->comm_s - p->gather_s) + ", " +
-                ms(std::max(0.0, p->exposed_comm_s - p->gather_exposed_s)) +
-                " of it not hidden behind backward, the parameters' all-gather after the update " + ms(p->gather_s) +
+        line += " gradient reduce-scatter (optimizer sharded) takes " + ms(p->comm_s - p->gather_s) +
+                exposed_text(p->comm_s - p->gather_s, std::max(0.0, p->exposed_comm_s - p->gather_exposed_s)) +
+                ", the parameters' all-gather after the update " + ms(p->gather_s) +
                 (p->gather_exposed_s < p->gather_s - 1e-9
                      ? " (" + ms(p->gather_exposed_s) + " of it not hidden behind the next forward)"
                      : std::string()) +
                 "; optimizer state " + bytes_text(p->optimizer_state_bytes) + " a device";
       else
-        line += " gradient allreduce takes " + ms(p->comm_s) + ", " + ms(p->exposed_comm_s) +
-                " of it not hidden behind backward";
+        line += " gradient allreduce takes " + ms(p->comm_s) + exposed_text(p->comm_s, p->exposed_comm_s);
       if (p->comm_s > 0)
         line += fmt("; communication/computation %.2f", p->comm_s / std::max(p->forward_s + p->backward_s, 1e-30));
       return line;

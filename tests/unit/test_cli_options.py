@@ -603,8 +603,10 @@ def test_recommend_refuses_counts_beyond_64_bits(capfd):
         (["--params", "inf", "--batch-size", "8"], "--params must be in 1..2^62"),
         (["--params", "1e300", "--batch-size", "8"], "--params must be in 1..2^62"),
         (["--params", "1.9", "--batch-size", "8"], "--params must be a whole number"),
-        (["--model", "medium", "--batch-size", "8", "--price", "inf"], "--price must be a finite"),
-        (["--model", "medium", "--batch-size", "8", "--price", "nan"], "--price must be a finite"),
+        (["--model", "medium", "--batch-size", "8", "--price", "inf"], "--price must be a number from 0 to"),
+        (["--model", "medium", "--batch-size", "8", "--price", "nan"], "--price must be a number from 0 to"),
+        # a cost per million samples of inf was written as JSON's non-standard Infinity
+        (["--model", "medium", "--batch-size", "8", "--price", "1e300"], "got 1e+300"),
     ):
         assert cli.main(["recommend", *argv]) == 2
         err = capfd.readouterr().err

@@ -516,7 +516,6 @@ def test_profiles_round_trip_and_bad_ones_are_refused(tmp_path):
         (dict(batch_size=64, precision="fp8"), "precision"),
         (dict(batch_size=64, devices=[1, 16]), "cannot predict 16"),
         (dict(batch_size=64, optimizer="lion"), "optimizer"),
-        (dict(batch_size=1, devices=[2, 4]), "gives some device of every candidate count no sample"),
         (dict(batch_size=64, cuda_graph="maybe"), "CUDA graph mode"),
     ],
 )
@@ -524,6 +523,17 @@ def test_bad_requests_raise_config_errors(kwargs, message):
     prof = profile([device()] * 4)
     with pytest.raises(mgpu.ConfigError, match=message):
         selector_recommend.recommend(layers=[16, 16], profile=prof, **{"devices": [1, 2], **kwargs})
+
+
+def test_one_device_is_always_a_candidate_the_table_shows():
+    """Every speedup is against one device, and one device may be the answer: without it among
+    the candidates `--devices 3` answered 1 GPU in a table of one row, of 3 GPUs."""
+    prof = profile([device()] * 4)
+    r = selector_recommend.recommend(layers=[16, 16], profile=prof, batch_size=64, devices=[3])
+    assert [c["devices"] for c in r["candidates"]] == [1, 3] and r["devices"] in (1, 3)
+    alone = selector_recommend.recommend(layers=[16, 16], profile=prof, batch_size=1, devices=[2, 4])
+    assert alone["devices"] == 1 and [c["devices"] for c in alone["candidates"]] == [1]
+    assert "2 GPUs left out: a global batch of 1 gives some of them no sample" in alone["reasons"]
 
 
 def test_summary_drops_outliers_by_modified_z_score():

@@ -701,7 +701,11 @@ def test_bands_wider_than_twice_the_model_are_said_to_be_a_guess(tmp_path):
     r = recommend(
         layers=SIZES, batch_size=128, devices=[1, 2], profile=profiles.load_profile(str(tmp_path / "profile.json"))
     )
-    assert p["unsure"] in r["reasons"]
+    assert p["unsure"] in r["reasons"] and r["confidence"] <= 0.5  # not "90 %" beside a guess
+    sure = recommend(
+        layers=SIZES, batch_size=128, devices=[1, 2], profile=profiles.load_profile(write(tmp_path, cpu_profile()))
+    )
+    assert sure["confidence"] > 0.5
     wide["error_model"]["compute"], wide["error_model"]["comm"] = [-0.1, 0.1], [-0.1, math.log(2.1)]
     p = run_check.predict_run(config(), 2, SIZES, "cpu", 1, path=write(tmp_path, wide))
     assert "communication band spans x0.9 to x2.1" in p["unsure"]
@@ -807,3 +811,26 @@ def test_a_gpu_run_is_priced_whatever_threads_its_calibration_recorded(tmp_path)
     assert p["available"], p
     cpus = run_check.predict_run(config(), 2, SIZES, "cpu", 4, path=write(tmp_path, cpu_profile()))
     assert not cpus["available"] and "--threads 4" in cpus["reason"]
+
+
+def test_a_wait_longer_than_its_allreduce_is_not_called_part_of_it():
+    """The wait after backward holds the ranks' skew and the health check beside the
+    allreduce: where it is the longer, the reason names it apart ("3.1 ms of it" of a 1.2 ms
+    allreduce read as a contradiction)."""
+    p = cpu_profile()
+    for d in p["devices"]:
+        d["step_phases"] = {
+            "params": [1e4, 1e6],
+            "update_s": [1e-5, 1e-4],
+            "wait_s": [0.02, 0.02],
+            "wait_spread_s": [0.0, 0.0],
+            "ranks": 2,
+        }
+    r = recommend(layers=SIZES, batch_size=4096, devices=[1, 2], profile=p)
+    two = r["candidates"][1]
+    assert two["exposed_allreduce_ms"] > two["allreduce_ms"]
+    (line,) = [x for x in r["reasons"] if "gradient allreduce takes" in x]
+    assert "of it not hidden" not in line and "the wait after backward" in line
+    plain = recommend(layers=SIZES, batch_size=4096, devices=[1, 2], profile=cpu_profile())
+    (line,) = [x for x in plain["reasons"] if "gradient allreduce takes" in x]
+    assert "of it not hidden behind backward" in line

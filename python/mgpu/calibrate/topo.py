@@ -308,6 +308,8 @@ def homogenize(entries: list) -> None:
     for same in groups.values():
         if len(same) < 2:
             continue
+        for e in same:  # what `topo` prints for each is theirs together, not its own
+            e["pooled_ranks"] = [x["rank"] for x in same]
         for key in (
             "memory_bandwidth",
             "launch_overhead_s",

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 from ..atomic import write_json_atomic
 from ..errors import ConfigError
 from ..selector.hardware import PRECISIONS
@@ -18,8 +16,12 @@ from ..selector.recommend import MAX_NODES, format_recommendation, recommend
 from ..train.config import DATA_PLACEMENTS, GRAD_DTYPES, GRAPH_MODES, PRESETS
 from .common import bounded_int, check_outputs, int_list
 
+MAX_PRICE = 1e6  # per device-hour: beyond any real one, and costs stay finite
+
 
 # --- CLI: python -m mgpu recommend ----------------------------------------------------
+
+
 def add_parser(sub) -> None:
     r = sub.add_parser(
         "recommend",
@@ -36,7 +38,8 @@ def add_parser(sub) -> None:
         "--devices",
         type=int_list("device counts", distinct=True),
         default=None,
-        help="candidate device counts, each once (default: 1 and the profile's GPUs per node, else 1,2)",
+        help="candidate device counts, each once; 1, the base of every speedup, is always one "
+        "(default: 1 and the profile's GPUs per node, else 1,2)",
     )
     r.add_argument(
         "--nodes",
@@ -154,8 +157,8 @@ def cmd_recommend(a, pg) -> int:
     check_outputs({"--json": a.json}, {"--profile": a.profile}, profile=a.profile)
     if not (0 < a.memory_margin <= 1):
         raise ConfigError(f"--memory-margin must be in (0, 1], got {a.memory_margin}")
-    if not 0 <= a.price < math.inf:  # NaN too
-        raise ConfigError(f"--price must be a finite number >= 0, got {a.price}")
+    if not 0 <= a.price <= MAX_PRICE:  # NaN too
+        raise ConfigError(f"--price must be a number from 0 to {MAX_PRICE:g} (a device-hour), got {a.price}")
     params = None
     if a.params is not None:
         if not 1 <= a.params <= 2**62:  # NaN and inf too; the core counts parameters in 64 bits

@@ -92,10 +92,22 @@ def _probe_text(d: dict) -> str:
 
 def format_topo(profile: dict) -> str:
     lines = [f"{profile['name']}  (mgpu {profile['mgpu_version']})"]
+    shown = set()
     for d in profile["devices"]:
+        pooled = d.get("pooled_ranks") or []
+        if d["rank"] in shown:
+            continue  # its figures are the line of the ranks it was pooled with
+        shown.update(pooled)
         fp = ", ".join(f"{p} {d[p]['peak_flops'] / 1e9:,.0f} GFLOP/s" for p in PRECISIONS if p in d)
+        hosts = sorted({e["host"] for e in profile["devices"] if e["rank"] in pooled}) or [d["host"]]
+        who = (
+            f"ranks {', '.join(map(str, pooled))} on {', '.join(hosts)} (one device model: the median of "
+            "their measurements)"
+            if pooled
+            else f"rank {d['rank']} on {d['host']}"
+        )
         lines.append(
-            f"  rank {d['rank']} on {d['host']}: {d['name']}; GEMM peak {fp}; "
+            f"  {who}: {d['name']}; GEMM peak {fp}; "
             f"memory bw {_bandwidth(d['memory_bandwidth'])}; kernel overhead "
             f"{d['launch_overhead_s'] * 1e6:.2f} us (as a graph node "
             f"{_us_or_not_measured(d.get('graph_node_s'))}); step overhead {d['step_overhead_s'] * 1e6:.1f} us"

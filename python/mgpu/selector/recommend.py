@@ -4,6 +4,7 @@ and why) and its text, and the bucket size the model prefers.
 
 from __future__ import annotations
 
+import math
 from typing import Optional, Sequence
 
 from ..errors import ConfigError
@@ -55,7 +56,11 @@ def _as_dict(rec) -> dict:
             "cuda_graph": c.graphs,
             "memory_bytes": c.memory_bytes,
             "memory_usable_bytes": c.memory_usable_bytes,
-            **({"cost_per_million_samples": c.cost_per_million_samples} if c.cost_per_million_samples else {}),
+            **(
+                {"cost_per_million_samples": c.cost_per_million_samples}
+                if c.cost_per_million_samples and math.isfinite(c.cost_per_million_samples)
+                else {}
+            ),
         }
         for c in rec.candidates
     ]
@@ -80,6 +85,7 @@ CPU_MAX_BUCKET_BYTES = 16 * 2**20
 
 
 NAMED_CONFIDENCE = 0.6  # the selector's base confidence for a profile it did not measure (perf_model.cpp)
+UNSURE_CONFIDENCE = 0.5  # at most, where the profile's bands are wider than 2x (unsure_bands): a coin's
 
 
 MAX_NODES = 1024  # recommend --nodes: beyond the largest published NCCL runs the model was checked on
@@ -132,7 +138,7 @@ def _candidate_counts(prof: Optional[dict], devices: Optional[Sequence[int]], no
         return [1, per_node] if per_node > 1 else [1, 2]
     if any(n > MAX_DEVICES for n in devices):
         raise ConfigError(f"--devices: at most {MAX_DEVICES} devices, got {max(devices)}")
-    return sorted({int(n) for n in devices})
+    return sorted({1, *(int(n) for n in devices)})  # 1: every speedup's base, and a pick the table shows
 
 
 def auto_bucket(prof: dict, w, devices: int, options=None) -> dict:
@@ -306,6 +312,7 @@ def recommend(
     unsure = unsure_bands(hw.error)
     if unsure:
         result["reasons"].append(unsure)
+        result["confidence"] = min(result["confidence"], UNSURE_CONFIDENCE)
     result["error_model"] = {
         "compute": [hw.error.compute.low, hw.error.compute.high],
         "compute_together": [hw.error.compute_together.low, hw.error.compute_together.high],
