@@ -43,7 +43,9 @@ def test_short_run_verifies_every_kernel_and_writes_telemetry(tmp_path):
     (dev,) = report["devices"]
     assert dev["verdict"] == "OK" and dev["errors"] == {"compute": 0, "gemm": 0, "memory": 0}
     assert all(dev["checked"][k] > 0 and dev["runs"][k] > 0 for k in ("compute", "gemm", "memory"))
-    assert dev["buffer_bytes"] == 8 << 20
+    assert dev["buffer_bytes"] == 8 << 20 and report["gpu_emulation"] is False
+    # where no sensor gave a temperature, the run says --max-temp went unwatched
+    assert ("--max-temp was not watched" in r.stdout) == (not dev["temperature_watched"]), r.stdout
     for key in (
         "compute_ops_per_s",
         "gemm_flops",

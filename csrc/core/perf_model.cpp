@@ -1131,7 +1131,9 @@ std::string word_reason(const Reason& r, const Decision& d, const Workload& w, c
       return fmt("%.2fx", p->speedup) + fmt(" (80%% interval %.2f", p->speedup_low) +
              fmt("-%.2fx): one device is faster", p->speedup_high);
     case Kind::kGainWithinError:
-      return fmt("the predicted gain (%.2fx) is within the model's error", p->speedup) +
+      return fmt(p->speedup >= 1.0 ? "the predicted gain (%.2fx) is within the model's error"
+                                   : "the predicted loss (%.2fx) is within the model's error",
+                 p->speedup) +
              fmt(" (80%% interval %.2f", p->speedup_low) +
              fmt("-%.2fx spans 1.0x): measure it with `mgpu bench`", p->speedup_high);
     case Kind::kOneDeviceStep:

@@ -281,7 +281,14 @@ State& state() {
     // (an allocation beyond it fails, so out-of-memory paths can be tested).
     const double ram = double(sysconf(_SC_PHYS_PAGES)) * double(sysconf(_SC_PAGESIZE));
     const size_t share = size_t(ram / 4 / std::max(n, 1));
-    const size_t limit = parse_bytes(std::getenv("MGPU_EMULATE_GPU_MEMORY"), std::min(share, size_t{80} << 30));
+    const size_t fallback = std::min(share, size_t{80} << 30);
+    const char* memory = std::getenv("MGPU_EMULATE_GPU_MEMORY");
+    const size_t limit = memory && *memory ? parse_bytes(memory, 0) : fallback;
+    if (memory && *memory && limit == 0 && n > 0) {  // a size it cannot read: no GPU, and the reason why
+      st->config_error = std::string("MGPU_EMULATE_GPU_MEMORY='") + memory +
+                         "' is not a size in bytes > 0 (a number, or with K, M or G, KiB, MiB or GiB)";
+      n = 0;
+    }
     // CUDA_VISIBLE_DEVICES as the CUDA runtime reads it: indices up to the first invalid one.
     std::vector<int> visible;
     const char* mask = std::getenv("CUDA_VISIBLE_DEVICES");

@@ -135,6 +135,26 @@ def test_info_says_the_gpus_are_emulated():
 
 
 @pytest.mark.parametrize(
+    "env, reason",
+    [
+        ({"MGPU_EMULATE_GPU": "abc"}, "MGPU_EMULATE_GPU='abc' is not a GPU count in 0..64"),
+        ({"MGPU_EMULATE_GPU_MEMORY": "lots"}, "MGPU_EMULATE_GPU_MEMORY='lots' is not a size in bytes > 0"),
+        ({"MGPU_EMULATE_GPU_MEMORY": "-5"}, "MGPU_EMULATE_GPU_MEMORY='-5' is not a size"),
+    ],
+)
+def test_an_emulation_setting_it_cannot_read_is_no_gpu_and_says_why(env, reason):
+    # It was ignored (a default memory size), or --device auto ran on the CPU unsaid.
+    from conftest import mpi_env, run_cli  # tests/conftest.py
+
+    env = {**mpi_env(), "MGPU_EMULATE_GPU": "1", **env}
+    info = run_cli(["info"], env=env)
+    assert info.returncode == 0 and "GPUs:     none visible" in info.stdout and reason in info.stdout, info.stdout
+    r = run_cli(["stress", "--duration", "0.2", "--memory-mb", "4", "--no-progress"], env=env)
+    assert r.returncode in (0, 4), r.stderr
+    assert "mgpu: note: no emulated GPU (" in r.stderr and reason in r.stderr and "runs on the CPU" in r.stderr
+
+
+@pytest.mark.parametrize(
     "graph, accumulate, precision, layers, batch, placement",
     [
         ("on", 1, "fp32", None, 64, "auto"),

@@ -274,6 +274,8 @@ def run_device(
         "buffer_bytes": dev.buffer_bytes,
         "iterations_per_launch": iterations,
         "telemetry_source": source,
+        # no sensor read (a VM's CPU has no thermal zone): --max-temp could not be kept
+        "temperature_watched": any(r.get("temperature_c") is not None for r in samples),
         "telemetry": summarize(samples),
         "events": monitor.events,
         "seconds": time.monotonic() - t0,
@@ -365,6 +367,7 @@ def cmd_stress(a, pg) -> int:
         return _exit_code([result])
     devices = [r for r, _ in results]
     report = {
+        "gpu_emulation": gpus_emulated(device),
         "devices": devices,
         "duration_s": a.duration,
         "kernels": list(kernels),
@@ -376,6 +379,9 @@ def cmd_stress(a, pg) -> int:
         "events": [e for d in devices for e in d["events"]],
         "stopped_early": stop.is_set() and any(d["seconds"] < a.duration for d in devices),
     }
+    unwatched = [str(d["rank"]) for d in devices if not d["temperature_watched"]]
+    if unwatched:
+        print(f"no temperature read on rank(s) {', '.join(unwatched)}: --max-temp was not watched there")
     for d in devices:
         rates = ", ".join(f"{k} {v:.3g}" for k, v in d["rates"].items())
         why = f" ({'; '.join(d['unverified'])})" if d["verdict"] == "UNVERIFIED" else ""

@@ -117,7 +117,7 @@ def format_topo(profile: dict) -> str:
         if "cpu" in d:
             cpu = d["cpu"]
             lines.append(
-                f"    {cpu['cores']} cores, ISA {' '.join(cpu['isa'])}, "
+                f"    {cpu['cores']} core{'s' if cpu['cores'] != 1 else ''}, ISA {' '.join(cpu['isa'])}, "
                 f"OPENBLAS_CORETYPE={cpu['openblas_coretype'] or '(unset)'}"
             )
         if d.get("host_to_device_bandwidth"):
@@ -351,7 +351,12 @@ def add_parser(sub) -> None:
         help="CPU threads per rank (default: cores / ranks per node)",
     )
     t.add_argument(
-        "--max-mb", dest="max_bytes", type=_mebibytes, default=256 * MiB, help="largest allreduce in MiB (default 256)"
+        "--max-mb",
+        dest="max_bytes",
+        metavar="MIB",
+        type=_mebibytes,
+        default=256 * MiB,
+        help="largest allreduce in MiB (default 256)",
     )
     t.add_argument(
         "--comm",

@@ -12,6 +12,7 @@ import re
 from typing import Any, Callable, Optional, Protocol
 
 from .._runtime import _core, gpus_emulated
+from ..console import write_line
 from ..errors import ConfigError
 from ..hostinfo import cuda_device_count, no_gpu_reason
 
@@ -68,6 +69,8 @@ class StopNotice:
 class GroupBase:
     """What both transports share; a transport adds its collectives and its communicators
     (_mpi_communicator, _nccl_communicator)."""
+
+    _told_no_emulated_gpu = False  # per process: resolve_device runs several times a command
 
     def __init__(self, rank: int, size: int, local_rank: int, local_size: int, hosts: list):
         self.rank, self.size, self.local_rank, self.local_size = rank, size, local_rank, local_size
@@ -142,6 +145,9 @@ class GroupBase:
         gpus = cuda_device_count()
         if device == "auto":
             device = "cuda" if gpus > 0 else "cpu"
+            if not gpus and gpus_emulated() and self.rank == 0 and not GroupBase._told_no_emulated_gpu:
+                GroupBase._told_no_emulated_gpu = True  # asked for, none there: said once, not taken silently
+                write_line(f"mgpu: note: no emulated GPU ({no_gpu_reason()}): --device auto runs on the CPU")
         if device == "cpu":
             return "cpu", 0
         if not _core.build_info()["cuda"]["backend"]:
