@@ -494,7 +494,7 @@ def test_faster_interconnects_never_predict_slower_steps():
     assert steps["pcie-p2p"]["predicted_step_ms"] <= steps["pcie-host-bridge"]["predicted_step_ms"]
 
 
-def test_profiles_round_trip_and_bad_ones_are_refused(tmp_path):
+def test_profiles_round_trip_and_bad_ones_are_refused(tmp_path, monkeypatch):
     path = perf.save_profile(profile([device()] * 2), str(tmp_path / "p.json"))
     assert perf.load_profile(path)["devices"][0]["name"] == "dev"
     bad = tmp_path / "bad.json"
@@ -504,6 +504,21 @@ def test_profiles_round_trip_and_bad_ones_are_refused(tmp_path):
     (tmp_path / "other.json").write_text("{}")
     with pytest.raises(mgpu.ConfigError, match="not an mgpu hardware profile"):
         perf.load_profile(str(tmp_path / "other.json"))
+    # the shape said in words, the file named, a directory not taken for an unknown name
+    bad.write_text(json.dumps({**json.loads(open(path).read()), "devices": "cpu"}))
+    with pytest.raises(mgpu.ConfigError, match="malformed: devices must be a non-empty list of objects"):
+        perf.load_profile(str(bad))
+    rates = json.loads(open(path).read())
+    rates["devices"][0]["fp32"]["peak_flops"] = "fast"
+    bad.write_text(json.dumps(rates))
+    with pytest.raises(mgpu.ConfigError, match=f"hardware profile '{re.escape(str(bad))}': bad GEMM rate"):
+        perf.load_profile(str(bad))
+    (tmp_path / "calib").mkdir()
+    with pytest.raises(mgpu.ConfigError, match="is a directory"):
+        selector_recommend.recommend(model="large", batch_size=64, profile=str(tmp_path / "calib"))
+    monkeypatch.chdir(tmp_path)  # a bare name that is a directory here
+    with pytest.raises(mgpu.ConfigError, match="'calib' is a directory"):
+        selector_recommend.recommend(model="large", batch_size=64, profile="calib")
     with pytest.raises(mgpu.ConfigError, match="unknown hardware profile"):
         selector_recommend.recommend(model="large", batch_size=64, profile="quantum")
 

@@ -415,10 +415,13 @@ def load_profile(path: str) -> dict:
         raise ConfigError(
             f"hardware profile '{path}' is malformed: gpus_per_node must be an integer >= 0, got {per_node!r}"
         )
+    devices = profile.get("devices")
+    if not isinstance(devices, list) or not devices or not all(isinstance(d, dict) for d in devices):
+        raise ConfigError(f"hardware profile '{path}' is malformed: devices must be a non-empty list of objects")
     try:
         to_core(profile)  # validates the fields
-    except ConfigError:
-        raise
+    except ConfigError as e:  # its messages name no file: this one does
+        raise ConfigError(f"hardware profile '{path}': {str(e).removeprefix('hardware profile: ')}") from None
     except (AttributeError, TypeError, ValueError, KeyError, IndexError) as e:  # a field of the wrong shape
         raise ConfigError(f"hardware profile '{path}' is malformed ({type(e).__name__}: {e})") from None
     entries = profile["devices"]
@@ -483,7 +486,7 @@ def resolve_profile(spec: Optional[str], devices: Optional[int] = None) -> Optio
         return load_profile(default_profile_path())
     if spec in NAMED_PROFILES or spec in PROFILE_ALIASES:
         return named_profile(spec, devices)
-    if spec.endswith(".json") or os.path.sep in spec:
+    if spec.endswith(".json") or os.path.sep in spec or os.path.exists(spec):  # a file (or a directory, said so)
         return load_profile(spec)
     return named_profile(spec, devices)  # raises the "unknown profile" error
 
