@@ -834,3 +834,13 @@ def test_a_wait_longer_than_its_allreduce_is_not_called_part_of_it():
     plain = recommend(layers=SIZES, batch_size=4096, devices=[1, 2], profile=cpu_profile())
     (line,) = [x for x in plain["reasons"] if "gradient allreduce takes" in x]
     assert "of it not hidden behind backward" in line
+
+
+def test_a_cpu_calibration_of_several_ranks_says_what_its_one_rank_candidate_is():
+    """Calibrated as 2 ranks x 1 thread, the 1-rank candidate is 1 rank of 1 thread: a
+    speedup against half the cores a 1-rank train would use, unless the answer says so."""
+    r = recommend(layers=SIZES, batch_size=128, devices=[1, 2], profile=cpu_profile(threads=1, devices=2))
+    (said,) = [x for x in r["reasons"] if x.startswith("CPU ranks are priced at the calibration's 1 thread")]
+    assert "not one on all 2 of those cores" in said and "topo --threads 2" in said
+    alone = recommend(layers=SIZES, batch_size=128, devices=[1], profile=cpu_profile(threads=2, devices=1))
+    assert not [x for x in alone["reasons"] if x.startswith("CPU ranks are priced")]

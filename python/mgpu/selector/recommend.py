@@ -141,6 +141,21 @@ def _candidate_counts(prof: Optional[dict], devices: Optional[Sequence[int]], no
     return sorted({1, *(int(n) for n in devices)})  # 1: every speedup's base, and a pick the table shows
 
 
+def _cpu_threads_priced(prof: dict, counts: list) -> Optional[str]:
+    """Where a CPU calibration ran several ranks, what its 1-rank candidate is: one rank at
+    the calibration's threads, not a run on every core it used (train's default on 1 rank)."""
+    env = prof.get("environment") or {}
+    threads, ranks = env.get("threads_per_rank"), env.get("world_size")
+    kinds = {d.get("kind") for d in prof.get("devices") or []}
+    if kinds != {"cpu"} or not isinstance(threads, int) or not isinstance(ranks, int) or ranks < 2 or 1 not in counts:
+        return None
+    return (
+        f"CPU ranks are priced at the calibration's {threads} thread(s) each ({ranks} ranks x {threads}): "
+        f"the 1-rank candidate is one rank of {threads}, not one on all {ranks * threads} of those cores "
+        f"(to price that, calibrate it: `mpirun -np 1 python -m mgpu topo --threads {ranks * threads}`)"
+    )
+
+
 def auto_bucket(prof: dict, w, devices: int, options=None) -> dict:
     """The bucket size the model prefers on `devices` of the profile (capped on CPUs)."""
     hw = to_core(prof, devices)
@@ -309,6 +324,9 @@ def recommend(
             f"this machine's record since the calibration: {rec['inside']} of {rec['judged']} priced steps "
             f"({rec['inside'] / rec['judged']:.0%}) fell in their 80% interval; the bands now hold them too"
         )
+    threads = _cpu_threads_priced(prof, counts)
+    if threads:
+        result["reasons"].append(threads)
     unsure = unsure_bands(hw.error)
     if unsure:
         result["reasons"].append(unsure)
