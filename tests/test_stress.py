@@ -280,6 +280,7 @@ def test_a_stop_on_one_rank_stops_every_rank_with_a_report(tmp_path, how):
         (["--gemm-tol", "1"], "--gemm-tol"),
         # sizes the kernels could not hold: refused before the first launch, not mid-run
         (["--gemm-size", "46340"], "--gemm-size 46340 needs"),
+        (["--compute-size", "2147483647", "--gemm-size", "25000"], "together need"),  # each fits alone
     ],
 )
 def test_stress_bad_input_one_line_on_every_rank(args, message):

@@ -257,7 +257,8 @@ size_t parse_bytes(const char* text, size_t fallback) {
     scale = 1024.0 * 1024 * 1024;
   else if (!unit.empty())
     return fallback;
-  return v > 0 ? size_t(v * scale) : fallback;
+  const double bytes = v * scale;
+  return bytes >= 1 && bytes < 9.0e18 ? size_t(bytes) : fallback;  // NaN, inf and beyond size_t too
 }
 
 void print_leaks();

@@ -651,3 +651,32 @@ def test_half_operands_save_the_weight_and_activation_casts(gpu):
         ]
         + casts
     )
+
+
+def test_a_second_model_on_one_backend_leaves_the_first_ones_graphs_its_own(gpu):
+    # The half copy of the weights follows the newest model's parameters (a review feared
+    # the first model's replays would read the second's): the first model's steps stay
+    # bit for bit those of a backend of its own.
+    sizes = [24, 64, 48, 6]
+    data = list(batches(sizes, "mse", 6, 32, seed=7))
+
+    def first_model(be):
+        be.precision = "bf16"
+        model = _core.MLP(be, sizes, 0.0, 3)
+        opt = _core.Optimizer(model, "sgd", momentum=0.9, weight_decay=0.01)
+        step = _core.DataParallelStep(
+            model, opt, _core.LocalCommunicator(), "mse", _core.StepOptions(bucket_elems=500, graph="on")
+        )
+        return model, step
+
+    runs = []
+    for second in (False, True):
+        be = _core.make_backend("cuda", gpu, 1)
+        model, step = first_model(be)
+        losses = [step.step([(x, y, 0)], 32, t, 1e-2).loss for t, (x, y) in enumerate(data[:3])]
+        if second:
+            other = _core.MLP(be, sizes, 0.0, 99)  # the same size: the half copy is kept, its contents not
+            other.forward(data[0][0])
+        losses += [step.step([(x, y, 0)], 32, t + 3, 1e-2).loss for t, (x, y) in enumerate(data[3:])]
+        runs.append((losses, model.get_parameters()))
+    assert runs[0][0] == runs[1][0] and np.array_equal(runs[0][1], runs[1][1])

@@ -316,6 +316,7 @@ def homogenize(entries: list) -> None:
             "graph_node_s",
             "host_to_device_bandwidth",
             "step_overhead_s",
+            "probe_step_s",
             "dropout_s_per_unit",
             "memory_bytes",
             "cache_bytes",

@@ -108,9 +108,14 @@ def _buffer_bytes(a, pg, device: str, index: int, kernels) -> float:
                 too_big = ConfigError(
                     f"{option} {value} needs {size / MiB:,.0f} MiB, more than the {available / MiB:,.0f} MiB {where}"
                 )
-        buffer = a.memory_mb * MiB if a.memory_mb else 0.0
-        if too_big is None and "memory" in kernels and buffer + sum(need.values()) > available:
-            beside = f" beside the {sum(need.values()) / MiB:,.0f} MiB of the other kernels" if need else ""
+        together = sum(need.values())
+        if too_big is None and len(need) > 1 and together > available:
+            too_big = ConfigError(
+                f"--compute-size {a.compute_size} and --gemm-size {a.gemm_size} together need "
+                f"{together / MiB:,.0f} MiB, more than the {available / MiB:,.0f} MiB {where}"
+            )
+        if too_big is None and "memory" in kernels and a.memory_mb and a.memory_mb * MiB + together > available:
+            beside = f" beside the {together / MiB:,.0f} MiB of the other kernels" if need else ""
             too_big = ConfigError(
                 f"--memory-mb {a.memory_mb:g}{beside} is more than the {available / MiB:,.0f} MiB {where}"
             )

@@ -102,7 +102,7 @@ def format_topo(profile: dict) -> str:
         hosts = sorted({e["host"] for e in profile["devices"] if e["rank"] in pooled}) or [d["host"]]
         who = (
             f"ranks {', '.join(map(str, pooled))} on {', '.join(hosts)} (one device model: the median of "
-            "their measurements)"
+            "their rates and overheads)"
             if pooled
             else f"rank {d['rank']} on {d['host']}"
         )

@@ -141,13 +141,13 @@ def _candidate_counts(prof: Optional[dict], devices: Optional[Sequence[int]], no
     return sorted({1, *(int(n) for n in devices)})  # 1: every speedup's base, and a pick the table shows
 
 
-def _cpu_threads_priced(prof: dict, counts: list) -> Optional[str]:
+def _cpu_threads_priced(prof: dict) -> Optional[str]:
     """Where a CPU calibration ran several ranks, what its 1-rank candidate is: one rank at
     the calibration's threads, not a run on every core it used (train's default on 1 rank)."""
     env = prof.get("environment") or {}
     threads, ranks = env.get("threads_per_rank"), env.get("world_size")
     kinds = {d.get("kind") for d in prof.get("devices") or []}
-    if kinds != {"cpu"} or not isinstance(threads, int) or not isinstance(ranks, int) or ranks < 2 or 1 not in counts:
+    if kinds != {"cpu"} or not isinstance(threads, int) or not isinstance(ranks, int) or ranks < 2:
         return None
     return (
         f"CPU ranks are priced at the calibration's {threads} thread(s) each ({ranks} ranks x {threads}): "
@@ -324,7 +324,7 @@ def recommend(
             f"this machine's record since the calibration: {rec['inside']} of {rec['judged']} priced steps "
             f"({rec['inside'] / rec['judged']:.0%}) fell in their 80% interval; the bands now hold them too"
         )
-    threads = _cpu_threads_priced(prof, counts)
+    threads = _cpu_threads_priced(prof)
     if threads:
         result["reasons"].append(threads)
     unsure = unsure_bands(hw.error)

@@ -268,11 +268,11 @@ class _MpiStopNotice(StopNotice):
     def close(self) -> None:
         """Collective: completes this rank's notices and takes in those sent to it, so none
         is left unmatched when the communicator goes."""
-        for r in self._sends:
-            r.wait()
         told = self._comm.allgather(bool(self._sends))
         me = self._comm.Get_rank()
         for sender, sent in enumerate(told):
             if sent and sender != me:
                 self._comm.recv(source=sender, tag=self.TAG)
+        for r in self._sends:  # after the receives: a send may complete only once matched
+            r.wait()
         self._comm.Free()
