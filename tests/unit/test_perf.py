@@ -1870,3 +1870,14 @@ def test_gpu_step_memory_prices_a_sharded_optimizer():
     assert (plain["optimizer_state_bytes"], sharded["optimizer_state_bytes"]) == (8 * params, 2 * params)
     one = memory.gpu_step_memory("h100-sxm", layers, 64, 1, shard_optimizer=True, **kw)
     assert one == memory.gpu_step_memory("h100-sxm", layers, 64, 1, **kw)
+
+
+def test_a_cost_beyond_floats_is_left_out_not_written_as_infinity():
+    # The CLI bounds --price; the API does not: a cost that overflows is no figure at all.
+    prof = profile([device()] * 2)
+    r = selector_recommend.recommend(layers=[16, 16], profile=prof, batch_size=64, price_per_device_hour=1e308)
+    costs = [c.get("cost_per_million_samples") for c in r["candidates"]]
+    assert None in costs and all(c is None or math.isfinite(c) for c in costs), costs
+    json.dumps(r, allow_nan=False)
+    fine = selector_recommend.recommend(layers=[16, 16], profile=prof, batch_size=64, price_per_device_hour=2.0)
+    assert all(math.isfinite(c["cost_per_million_samples"]) for c in fine["candidates"])

@@ -210,3 +210,36 @@ def test_round_trips_are_positive_finite_and_as_many_as_asked():
     # two placements are the readings' ratio past PLACEMENT_RATIO (2): a cache's 60-100 ns
     # against the 300-360 ns across cache domains, not one placement's jitter
     assert not placement_moved([100.0, 170.0]) and placement_moved([100.0, 250.0]) and not placement_moved([])
+
+
+def test_ranks_of_one_device_model_are_pooled_and_printed_once_as_such():
+    """Identical devices get the median of their measurements (the probe's step too), and
+    topo's text says the line is theirs together, once, not one rank's own figures twice."""
+    from mgpu.calibrate.topo import homogenize
+    from mgpu.commands.topo import format_topo
+
+    def entry(rank, overhead, probe):
+        return {
+            "rank": rank,
+            "host": "h",
+            "name": "AMD EPYC",
+            "kind": "cpu",
+            "memory_bandwidth": 1e11,
+            "launch_overhead_s": 4e-7,
+            "graph_node_s": 4e-7,
+            "step_overhead_s": overhead,
+            "probe_step_s": probe,
+            "dropout_s_per_unit": 1e-9,
+            "fp32": {"measured": [[1e6, 1e10], [1e9, 1e11]]},
+        }
+
+    entries = [entry(0, 10e-6, 15e-6), entry(1, 30e-6, 45e-6), {**entry(2, 5e-6, 7e-6), "name": "other CPU"}]
+    homogenize(entries)
+    assert [e["pooled_ranks"] for e in entries[:2]] == [[0, 1], [0, 1]] and "pooled_ranks" not in entries[2]
+    assert entries[0]["step_overhead_s"] == entries[1]["step_overhead_s"] == pytest.approx(20e-6)
+    assert entries[0]["probe_step_s"] == entries[1]["probe_step_s"] == pytest.approx(30e-6)
+    text = format_topo({"name": "test", "mgpu_version": "0", "devices": entries, "allreduce": []})
+    lines = [line for line in text.splitlines() if "GEMM peak" in line]
+    assert len(lines) == 2 and lines[0].startswith("  ranks 0, 1 on h (one device model: the median of")
+    assert "step overhead 20.0 us" in lines[0] and "took 30.0 us" in lines[0]
+    assert lines[1].startswith("  rank 2 on h: other CPU")
