@@ -230,7 +230,7 @@ def test_ranks_of_one_device_model_are_pooled_and_printed_once_as_such():
             "step_overhead_s": overhead,
             "probe_step_s": probe,
             "dropout_s_per_unit": 1e-9,
-            "fp32": {"measured": [[1e6, 1e10], [1e9, 1e11]]},
+            "fp32": {"measured": [[1e6, 1e10], [1e9, 1e11]], "peak_flops": 1e11, "half_work_flops": 1e6},
         }
 
     entries = [entry(0, 10e-6, 15e-6), entry(1, 30e-6, 45e-6), {**entry(2, 5e-6, 7e-6), "name": "other CPU"}]
