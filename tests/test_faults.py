@@ -585,6 +585,11 @@ def inputs(tmp_path):
     return files
 
 
+def _resuming(f, *args) -> list:
+    """The small run's command line with --resume, then `args`."""
+    return ["--layers", "4,8,2", "--dataset", f["good"], "--batch-size", "8", "--resume", *args]
+
+
 BAD_INPUT = [
     (lambda f: ["--layers", "4,8,2", "--dataset", f["nan"]], "NaN or Inf"),
     (lambda f: ["--layers", "4,8,2", "--dataset", f["features"]], "4 inputs but the dataset has 7"),
@@ -598,7 +603,7 @@ BAD_INPUT = [
     (lambda f: ["--layers", "4,8,2", "--dataset", f["garbage"]], "cannot read dataset"),
     (lambda f: ["--model", "giant"], "invalid choice"),
     (
-        lambda f: ["--layers", "4,8,2", "--dataset", f["good"], "--batch-size", "8", "--resume", f["truncated_ckpt"]],
+        lambda f: _resuming(f, f["truncated_ckpt"]),
         "corrupt or truncated",
     ),
     (
@@ -611,62 +616,19 @@ BAD_INPUT = [
     ),
     (lambda f: ["--layers", "4,8,2", "--dataset", f["good"], "--resume"], "needs --checkpoint-dir"),
     (
-        lambda f: [
-            "--layers",
-            "4,8,2",
-            "--dataset",
-            f["good"],
-            "--batch-size",
-            "8",
-            "--resume",
-            f["other_ckpt"],
-            "--checkpoint-dir",
-            f["newer_ckpt"].parent,
-        ],
+        lambda f: _resuming(f, f["other_ckpt"], "--checkpoint-dir", f["newer_ckpt"].parent),
         "holds checkpoints newer than the one resumed",
     ),
     (
-        lambda f: [
-            "--layers",
-            "4,8,2",
-            "--dataset",
-            f["good"],
-            "--batch-size",
-            "8",
-            "--resume",
-            f["renamed_ckpt"],
-            "--checkpoint-dir",
-            f["newer_ckpt"].parent,
-        ],
+        lambda f: _resuming(f, f["renamed_ckpt"], "--checkpoint-dir", f["newer_ckpt"].parent),
         r"newer than the one resumed \(step 3\), newest ckpt-0+9",
     ),
     (
-        lambda f: [
-            "--layers",
-            "4,8,2",
-            "--dataset",
-            f["good"],
-            "--batch-size",
-            "8",
-            "--resume",
-            f["other_ckpt"],
-            "--checkpoint-dir",
-            f["lower_ckpt"].parent,
-        ],
+        lambda f: _resuming(f, f["other_ckpt"], "--checkpoint-dir", f["lower_ckpt"].parent),
         "holds checkpoints other than the one resumed",
     ),
     (
-        lambda f: [
-            "--layers",
-            "4,8,2",
-            "--dataset",
-            f["good"],
-            "--batch-size",
-            "8",
-            "--resume",
-            "--checkpoint-dir",
-            f["renamed_ckpt"].parent / "misnamed",
-        ],
+        lambda f: _resuming(f, "--checkpoint-dir", f["renamed_ckpt"].parent / "misnamed"),
         r"ckpt-0+9.npz' holds step 3, not the step its name says",
     ),
     (
@@ -708,18 +670,7 @@ BAD_INPUT = [
         "--save .* is the --dataset this run reads",
     ),
     (
-        lambda f: [
-            "--layers",
-            "4,8,2",
-            "--dataset",
-            f["good"],
-            "--batch-size",
-            "8",
-            "--resume",
-            f["other_ckpt"],
-            "--json",
-            f["other_ckpt"],
-        ],
+        lambda f: _resuming(f, f["other_ckpt"], "--json", f["other_ckpt"]),
         "--json .* is the --resume this run reads",
     ),
     (

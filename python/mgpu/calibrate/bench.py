@@ -28,7 +28,6 @@ from ..selector import history, profiles
 from ..selector.memory import check_training_memory
 from ..selector.recommend import recommend
 from ..selector.run_check import PHASES, check_run, priced_fields
-from ..selector.tuning import calibrated_kinds
 from ..selector.workload import build_workload
 from ..train.config import PRESETS, TrainerConfig
 from ..train.data import local_slice, resident_bytes
@@ -668,7 +667,7 @@ def _cannot_price(row: dict, profile: dict) -> Optional[str]:
     """Why a row cannot be priced from `profile`, or None: its devices of another kind (a
     GPU profile says nothing of CPU ranks, nor the reverse), or a CPU calibration of
     another thread count."""
-    kinds = calibrated_kinds(profile, row["ranks"])
+    kinds = profiles.calibrated_kinds(profile, row["ranks"])
     if kinds and kinds != [row.get("device", "cpu")]:
         return f"the profile describes {'/'.join(kinds)} devices, this cell ran on {row.get('device', 'cpu')}"
     calibrated = (profile.get("environment") or {}).get("threads_per_rank")

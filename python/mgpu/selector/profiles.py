@@ -806,6 +806,12 @@ def net_step_overheads(profile: dict) -> None:
     profile["step_overhead_s"] = max(e["step_overhead_s"] for e in profile["devices"])
 
 
+def calibrated_kinds(profile: dict, ranks: Optional[int] = None) -> list:
+    """The kinds of device ("cpu", "cuda") a calibration measured for a job's first `ranks`
+    ranks (all: None), sorted (a device without a kind is a GPU, as calibrations before CPUs had)."""
+    return sorted({str(d.get("kind", "cuda")) for d in (profile.get("devices") or [])[:ranks]})
+
+
 def profile_is_emulated(prof: dict) -> bool:
     """Whether a profile describes mgpu's emulated GPUs: its flag, or (profiles from before
     the flag) a device named as the emulation names its GPUs."""

@@ -14,6 +14,7 @@ from .profiles import (
     NAMED_PROFILES,
     PROFILE_ALIASES,
     P,
+    calibrated_kinds,
     named_profile,
     placement_moved_in,
     placement_profile,
@@ -146,8 +147,7 @@ def _cpu_threads_priced(prof: dict) -> Optional[str]:
     the calibration's threads, not a run on every core it used (train's default on 1 rank)."""
     env = prof.get("environment") or {}
     threads, ranks = env.get("threads_per_rank"), env.get("world_size")
-    kinds = {d.get("kind") for d in prof.get("devices") or []}
-    if kinds != {"cpu"} or not isinstance(threads, int) or not isinstance(ranks, int) or ranks < 2:
+    if calibrated_kinds(prof) != ["cpu"] or not isinstance(threads, int) or not isinstance(ranks, int) or ranks < 2:
         return None
     return (
         f"CPU ranks are priced at the calibration's {threads} thread(s) each ({ranks} ranks x {threads}): "

@@ -12,7 +12,7 @@ from .._runtime import _core
 from ..errors import ConfigError
 from ..hostinfo import cpu_description
 from . import profiles, recommend
-from .profiles import emulation_mismatch
+from .profiles import calibrated_kinds, emulation_mismatch
 from .workload import build_workload
 
 
@@ -34,12 +34,6 @@ def run_workload(cfg, sizes, bucket_mb: float):
         cfg.shard_optimizer,
         cfg.data_on_device != "off",  # auto: resident where it fits, as it mostly does
     )
-
-
-def calibrated_kinds(profile: dict, ranks: int) -> list:
-    """The kinds of device ("cpu", "cuda") a calibration measured for a job's first `ranks`
-    ranks, sorted (a device without a kind is a GPU, as calibrations before CPUs had)."""
-    return sorted({str(d.get("kind", "cuda")) for d in (profile.get("devices") or [])[:ranks]})
 
 
 def calibrated_kind_differs(profile, ranks: int, device: str):
